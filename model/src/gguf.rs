@@ -1,0 +1,423 @@
+//! GGUF v2/v3 reader: metadata key/values, tensor directory, and a memory map of the tensor data.
+//!
+//! Only the llama architecture is imported; its metadata becomes a [`ModelConfig`] and its tokenizer
+//! metadata is rebuilt as a `tokenizer.json` by [`crate::gguf_tokenizer`].
+
+use crate::config::{Arch, ModelConfig, RopeConfig};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 4] = b"GGUF";
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U64(u64),
+    I64(i64),
+    F64(f64),
+    Bool(bool),
+    Str(String),
+    Array(Vec<Value>),
+}
+
+impl Value {
+    /// The value as an unsigned integer, if it is an integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U64(v) => Some(v),
+            Value::I64(v) if v >= 0 => Some(v as u64),
+            _ => None,
+        }
+    }
+    /// The value as a float, if it is numeric.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F64(v) => Some(v),
+            Value::U64(v) => Some(v as f64),
+            Value::I64(v) => Some(v as f64),
+            _ => None,
+        }
+    }
+    /// The value as a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// The value as an array.
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+    /// The value as a bool.
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+/// One entry of the tensor directory.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Row-major shape (GGUF's `ne` reversed: last dimension is contiguous).
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// Absolute offset of the data in the file.
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// An opened GGUF file.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    map: memmap2::Mmap,
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.pos.checked_add(n).is_none_or(|end| end > self.buf.len()) {
+            return Err(Error::Corrupt {
+                path: self.path.into(),
+                offset: self.pos as u64,
+                msg: format!("need {n} bytes, file ends at {}", self.buf.len()),
+            });
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    fn string(&mut self) -> Result<String> {
+        let at = self.pos;
+        let n = self.u64()? as usize;
+        let bytes = self.take(n)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| Error::Corrupt {
+            path: self.path.into(),
+            offset: at as u64,
+            msg: "string is not UTF-8".into(),
+        })
+    }
+    fn value(&mut self, ty: u32) -> Result<Value> {
+        Ok(match ty {
+            0 => Value::U64(self.take(1)?[0] as u64),
+            1 => Value::I64(self.take(1)?[0] as i8 as i64),
+            2 => Value::U64(u16::from_le_bytes(self.take(2)?.try_into().unwrap()) as u64),
+            3 => Value::I64(i16::from_le_bytes(self.take(2)?.try_into().unwrap()) as i64),
+            4 => Value::U64(self.u32()? as u64),
+            5 => Value::I64(self.u32()? as i32 as i64),
+            6 => Value::F64(f32::from_bits(self.u32()?) as f64),
+            7 => Value::Bool(self.take(1)?[0] != 0),
+            8 => Value::Str(self.string()?),
+            9 => {
+                let inner = self.u32()?;
+                let n = self.u64()? as usize;
+                if n > self.buf.len() {
+                    return Err(self.corrupt(format!("array length {n} exceeds file size")));
+                }
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.value(inner)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(self.u64()? as i64),
+            12 => Value::F64(f64::from_bits(self.u64()?)),
+            other => return Err(self.corrupt(format!("unknown metadata value type {other}"))),
+        })
+    }
+    fn corrupt(&self, msg: String) -> Error {
+        Error::Corrupt { path: self.path.into(), offset: self.pos as u64, msg }
+    }
+}
+
+fn ggml_dtype(code: u32) -> Option<DType> {
+    Some(match code {
+        0 => DType::F32,
+        1 => DType::F16,
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        8 => DType::Q8_0,
+        12 => DType::Q4K,
+        14 => DType::Q6K,
+        30 => DType::Bf16,
+        _ => return None,
+    })
+}
+
+impl GgufFile {
+    /// Opens and parses a GGUF file; a truncated or malformed file names the offset at fault.
+    pub fn open(path: &Path) -> Result<GgufFile> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the file is opened read-only and we never hand out references that outlive `map`;
+        // a concurrent writer truncating it is outside what we support (as for any mmap reader).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let mut c = Cursor { buf: &map, pos: 0, path };
+        if c.take(4)? != MAGIC {
+            return Err(Error::Corrupt { path: path.into(), offset: 0, msg: "not a GGUF file (bad magic)".into() });
+        }
+        let version = c.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(Error::format(path, format!("GGUF version {version} unsupported (2 or 3)")));
+        }
+        let n_tensors = c.u64()? as usize;
+        let n_kv = c.u64()? as usize;
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let ty = c.u32()?;
+            let val = c.value(ty)?;
+            metadata.insert(key, val);
+        }
+        let mut raw = Vec::with_capacity(n_tensors.min(1 << 20));
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let nd = c.u32()? as usize;
+            if nd == 0 || nd > 4 {
+                return Err(c.corrupt(format!("tensor {name}: {nd} dimensions")));
+            }
+            let mut ne = Vec::with_capacity(nd);
+            for _ in 0..nd {
+                ne.push(c.u64()? as usize);
+            }
+            let code = c.u32()?;
+            let offset = c.u64()? as usize;
+            let dtype = ggml_dtype(code).ok_or_else(|| {
+                Error::tensor(&name, format!("GGML type {code} unsupported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"))
+            })?;
+            ne.reverse();
+            raw.push((name, ne, dtype, offset));
+        }
+        let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
+        let data_start = c.pos.div_ceil(align) * align;
+        let mut tensors = Vec::with_capacity(raw.len());
+        for (name, shape, dtype, rel) in raw {
+            let bytes = dtype
+                .tensor_bytes(&shape)
+                .ok_or_else(|| Error::tensor(&name, format!("shape {shape:?} is not whole {dtype} blocks")))?;
+            let offset = data_start + rel;
+            if offset + bytes > map.len() {
+                return Err(Error::Corrupt {
+                    path: path.into(),
+                    offset: map.len() as u64,
+                    msg: format!("tensor {name} needs bytes up to {} (file truncated)", offset + bytes),
+                });
+            }
+            tensors.push(TensorInfo { name, shape, dtype, offset, bytes });
+        }
+        Ok(GgufFile { path: path.into(), metadata, tensors, map })
+    }
+
+    /// The bytes of a tensor.
+    pub fn data(&self, t: &TensorInfo) -> &[u8] {
+        &self.map[t.offset..t.offset + t.bytes]
+    }
+
+    /// Looks up a tensor by GGUF name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    fn meta(&self, key: &str) -> Result<&Value> {
+        self.metadata.get(key).ok_or_else(|| Error::config(key, "missing from GGUF metadata"))
+    }
+
+    fn meta_usize(&self, key: &str) -> Result<usize> {
+        self.meta(key)?.as_u64().map(|v| v as usize).ok_or_else(|| Error::config(key, "not an integer"))
+    }
+
+    /// Builds the model config from `llama.*` metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        let arch = self.meta("general.architecture")?.as_str().unwrap_or("");
+        if arch != "llama" {
+            return Err(Error::UnsupportedArch {
+                got: format!("GGUF {arch}"),
+                supported: crate::config::SUPPORTED_ARCHS.into(),
+            });
+        }
+        if let Some(kind) = self.metadata.get("llama.rope.scaling.type").and_then(Value::as_str) {
+            if kind != "none" {
+                return Err(Error::config("llama.rope.scaling.type", format!("unsupported {kind:?}")));
+            }
+        }
+        if self.tensor("rope_freqs.weight").is_some() {
+            return Err(Error::tensor("rope_freqs.weight", "GGUF llama3 RoPE frequency factors are not supported"));
+        }
+        let hidden = self.meta_usize("llama.embedding_length")?;
+        let heads = self.meta_usize("llama.attention.head_count")?;
+        let vocab = match self.metadata.get("llama.vocab_size").and_then(Value::as_u64) {
+            Some(v) => v as usize,
+            None => self.meta("tokenizer.ggml.tokens")?.as_array().map_or(0, |a| a.len()),
+        };
+        let head_dim = self.metadata.get("llama.attention.key_length").and_then(Value::as_u64).map_or(hidden / heads, |v| v as usize);
+        let u32_of = |k: &str| self.metadata.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let cfg = ModelConfig {
+            arch: Arch::Llama,
+            hidden_size: hidden,
+            intermediate_size: self.meta_usize("llama.feed_forward_length")?,
+            num_layers: self.meta_usize("llama.block_count")?,
+            num_heads: heads,
+            num_kv_heads: self.metadata.get("llama.attention.head_count_kv").and_then(Value::as_u64).map_or(heads, |v| v as usize),
+            head_dim,
+            vocab_size: vocab,
+            rms_norm_eps: self.meta("llama.attention.layer_norm_rms_epsilon")?.as_f64().unwrap_or(1e-5),
+            rope: RopeConfig {
+                theta: self.metadata.get("llama.rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
+                scaling: None,
+            },
+            max_position_embeddings: self.metadata.get("llama.context_length").and_then(Value::as_u64).unwrap_or(4096) as usize,
+            tie_word_embeddings: self.tensor("output.weight").is_none(),
+            qk_norm: false,
+            bos_token_id: u32_of("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: u32_of("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        };
+        // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.
+        let cfg = ModelConfig { rms_norm_eps: (cfg.rms_norm_eps as f32) as f64, ..cfg };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The chat template, if the file carries one.
+    pub fn chat_template(&self) -> Option<String> {
+        self.metadata.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_owned)
+    }
+}
+
+/// Undoes llama.cpp's q/k row permutation (its interleaved-RoPE layout) so rows are in HF order.
+///
+/// GGUF row `h*hd + 2i + j` holds HF row `h*hd + j*hd/2 + i`. Rows are moved whole, so quantized
+/// blocks are untouched.
+pub fn unpermute_rows(data: &[u8], rows: usize, n_heads: usize) -> Vec<u8> {
+    let row_bytes = data.len() / rows;
+    let hd = rows / n_heads;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..n_heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let src = h * hd + 2 * i + j;
+                let dst = h * hd + j * (hd / 2) + i;
+                out[dst * row_bytes..(dst + 1) * row_bytes].copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp: reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)
+        let (heads, hd, cols) = (2, 8, 3);
+        let rows = heads * hd;
+        let hf: Vec<u8> = (0..rows * cols).map(|x| x as u8).collect();
+        let mut gguf = vec![0u8; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = h * hd + j * hd / 2 + i;
+                    let dst = h * hd + i * 2 + j;
+                    gguf[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        assert_ne!(gguf, hf);
+        assert_eq!(unpermute_rows(&gguf, rows, heads), hf);
+    }
+
+    #[test]
+    fn truncated_file_names_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.gguf");
+        let mut bytes = b"GGUF".to_vec();
+        bytes.extend_from_slice(&3u32.to_le_bytes());
+        bytes.extend_from_slice(&1u64.to_le_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        let e = GgufFile::open(&p).err().unwrap().to_string();
+        assert!(e.contains("x.gguf") && e.contains("offset 16"), "{e}");
+    }
+}
+
+/// A GGUF file seen as an importable checkpoint (q/k rows restored to HF order on read).
+pub struct GgufCheckpoint {
+    pub file: GgufFile,
+    config: ModelConfig,
+}
+
+impl GgufCheckpoint {
+    /// Opens a GGUF file and derives its config.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config = file.config()?;
+        Ok(GgufCheckpoint { file, config })
+    }
+}
+
+impl crate::source::Checkpoint for GgufCheckpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<crate::source::SourceTensor>> {
+        let Some(t) = self.file.tensor(name) else { return Ok(None) };
+        let data = self.file.data(t);
+        let heads = if name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias") {
+            Some(self.config.num_heads)
+        } else if name.ends_with(".attn_k.weight") || name.ends_with(".attn_k.bias") {
+            Some(self.config.num_kv_heads)
+        } else {
+            None
+        };
+        let data = match heads {
+            Some(h) => {
+                // A bias is one "row" per element: permute its elements.
+                let rows = t.shape[0];
+                if rows % (2 * h) != 0 {
+                    return Err(Error::tensor(name, format!("{rows} rows do not split into {h} heads of even size")));
+                }
+                unpermute_rows(data, rows, h)
+            }
+            None => data.to_vec(),
+        };
+        Ok(Some(crate::source::SourceTensor { dtype: t.dtype, shape: t.shape.clone(), data }))
+    }
+
+    fn tokenizer_json(&self) -> Result<String> {
+        crate::gguf_tokenizer::tokenizer_json(&self.file)
+    }
+
+    fn chat_template(&self) -> Result<Option<String>> {
+        Ok(self.file.chat_template())
+    }
+
+    fn pick_name(&self, _hf: &str, gguf: &str) -> String {
+        gguf.to_owned()
+    }
+
+    fn layer_prefix(&self, i: usize) -> String {
+        format!("blk.{i}.")
+    }
+}

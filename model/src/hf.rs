@@ -1,0 +1,116 @@
+//! Reader for HF checkpoint directories: `config.json`, single or sharded safetensors, tokenizer files.
+
+use crate::config::ModelConfig;
+use crate::dtype::DType;
+use crate::error::{read_json, Error, Result};
+use crate::source::{Checkpoint, SourceTensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// An opened HF model directory.
+pub struct HfCheckpoint {
+    dir: PathBuf,
+    config: ModelConfig,
+    shards: Vec<(PathBuf, memmap2::Mmap)>,
+    /// tensor name -> shard index
+    index: HashMap<String, usize>,
+}
+
+fn st_dtype(d: safetensors::Dtype, name: &str) -> Result<DType> {
+    match d {
+        safetensors::Dtype::F32 => Ok(DType::F32),
+        safetensors::Dtype::F16 => Ok(DType::F16),
+        safetensors::Dtype::BF16 => Ok(DType::Bf16),
+        other => Err(Error::tensor(name, format!("safetensors dtype {other:?} unsupported (F32, F16, BF16)"))),
+    }
+}
+
+impl HfCheckpoint {
+    /// Opens `dir`, parsing the config and indexing every safetensors shard.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_hf(&read_json(&dir.join("config.json"))?)?;
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index_path.exists() {
+            let idx: serde_json::Value = read_json(&index_path)?;
+            let map = idx
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::format(&index_path, "no weight_map object"))?;
+            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            vec!["model.safetensors".into()]
+        };
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            let path = dir.join(f);
+            let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: read-only map of a checkpoint file that we do not modify; it lives in `shards`
+            // as long as any borrow of it.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            let st = safetensors::SafeTensors::deserialize(&map)
+                .map_err(|e| Error::format(&path, format!("invalid safetensors: {e}")))?;
+            for name in st.names() {
+                index.insert(name.to_string(), i);
+            }
+            drop(st);
+            shards.push((path, map));
+        }
+        Ok(HfCheckpoint { dir: dir.into(), config, shards, index })
+    }
+}
+
+impl Checkpoint for HfCheckpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<SourceTensor>> {
+        let Some(&i) = self.index.get(name) else { return Ok(None) };
+        let (path, map) = &self.shards[i];
+        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| Error::format(path, e.to_string()))?;
+        let view = st.tensor(name).map_err(|e| Error::tensor(name, e.to_string()))?;
+        Ok(Some(SourceTensor {
+            dtype: st_dtype(view.dtype(), name)?,
+            shape: view.shape().to_vec(),
+            data: view.data().to_vec(),
+        }))
+    }
+
+    fn tokenizer_json(&self) -> Result<String> {
+        let p = self.dir.join("tokenizer.json");
+        std::fs::read_to_string(&p).map_err(|e| Error::io(p, e))
+    }
+
+    fn chat_template(&self) -> Result<Option<String>> {
+        let jinja = self.dir.join("chat_template.jinja");
+        if jinja.exists() {
+            return std::fs::read_to_string(&jinja).map(Some).map_err(|e| Error::io(jinja, e));
+        }
+        let cfg = self.dir.join("tokenizer_config.json");
+        if !cfg.exists() {
+            return Ok(None);
+        }
+        let v: serde_json::Value = read_json(&cfg)?;
+        Ok(match v.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            // A list of named templates: take the "default" one.
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+            _ => None,
+        })
+    }
+
+    fn pick_name(&self, hf: &str, _gguf: &str) -> String {
+        hf.to_owned()
+    }
+
+    fn layer_prefix(&self, i: usize) -> String {
+        format!("model.layers.{i}.")
+    }
+}

@@ -1,0 +1,130 @@
+//! `layerstream import`: any supported checkpoint → a layer store, written to a `.partial` directory
+//! and renamed into place only when complete, so a failed import leaves nothing behind.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufCheckpoint;
+use crate::hf::HfCheckpoint;
+use crate::layout::{layer_file, layer_shape, EMBED, FINAL_NORM, LAYER_TENSORS, LM_HEAD};
+use crate::source::{Checkpoint, SourceTensor};
+use crate::store::{Manifest, StoreWriter};
+use std::path::{Path, PathBuf};
+
+/// Opens `src` as a GGUF file or an HF directory.
+pub fn open_checkpoint(src: &Path) -> Result<Box<dyn Checkpoint>> {
+    if src.is_dir() {
+        if !src.join("config.json").exists() {
+            return Err(Error::format(src, "directory has no config.json (expected an HF checkpoint)"));
+        }
+        return Ok(Box::new(HfCheckpoint::open(src)?));
+    }
+    if src.is_file() {
+        return Ok(Box::new(GgufCheckpoint::open(src)?));
+    }
+    Err(Error::io(src, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory")))
+}
+
+fn check_shape(name: &str, t: &SourceTensor, want: &[usize]) -> Result<()> {
+    if t.shape != want {
+        return Err(Error::tensor(name, format!("shape {:?}, expected {:?} from the config", t.shape, want)));
+    }
+    if t.dtype.tensor_bytes(&t.shape) != Some(t.data.len()) {
+        return Err(Error::tensor(name, format!("{} bytes do not match {} {:?}", t.data.len(), t.dtype, t.shape)));
+    }
+    Ok(())
+}
+
+fn required(ck: &dyn Checkpoint, src_name: &str) -> Result<SourceTensor> {
+    ck.tensor(src_name)?.ok_or_else(|| Error::tensor(src_name, "missing from the checkpoint"))
+}
+
+fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) -> Result<Manifest> {
+    let mut cfg: ModelConfig = ck.config().clone();
+    let bar = if progress {
+        let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 3);
+        b.set_style(indicatif::ProgressStyle::with_template("importing {bar:40} {pos}/{len} files {msg}").expect("static template"));
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut w = StoreWriter::new(dir);
+    let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+
+    let embed = required(ck, &ck.pick_name(EMBED.1, EMBED.2))?;
+    check_shape(EMBED.1, &embed, &[vocab, h])?;
+    w.write_tensors("embed.bin", vec![(EMBED.0.into(), embed)])?;
+    bar.inc(1);
+
+    for i in 0..cfg.num_layers {
+        let prefix = ck.layer_prefix(i);
+        let mut tensors = Vec::new();
+        for lt in LAYER_TENSORS {
+            let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
+            match ck.tensor(&src_name)? {
+                Some(t) => {
+                    check_shape(&src_name, &t, &layer_shape(&cfg, lt.name).expect("layout covers every layer tensor"))?;
+                    tensors.push((lt.name.to_owned(), t));
+                }
+                None if lt.required || (cfg.qk_norm && lt.name.ends_with("_norm") && lt.name != "attn_norm" && lt.name != "ffn_norm") => {
+                    return Err(Error::tensor(src_name, "missing from the checkpoint"));
+                }
+                None => {}
+            }
+        }
+        w.write_tensors(&layer_file(i), tensors)?;
+        bar.set_message(layer_file(i));
+        bar.inc(1);
+    }
+
+    let norm = required(ck, &ck.pick_name(FINAL_NORM.1, FINAL_NORM.2))?;
+    check_shape(FINAL_NORM.1, &norm, &[h])?;
+    w.write_tensors("final_norm.bin", vec![(FINAL_NORM.0.into(), norm)])?;
+    bar.inc(1);
+
+    match ck.tensor(&ck.pick_name(LM_HEAD.1, LM_HEAD.2))? {
+        Some(t) if !cfg.tie_word_embeddings => {
+            check_shape(LM_HEAD.1, &t, &[vocab, h])?;
+            w.write_tensors("lm_head.bin", vec![(LM_HEAD.0.into(), t)])?;
+        }
+        // Tied (or absent, which transformers also treats as tied).
+        _ => cfg.tie_word_embeddings = true,
+    }
+    bar.inc(1);
+
+    let tok = ck.tokenizer_json()?;
+    w.write_aux("tokenizer.json", tok.as_bytes())?;
+    let template = ck.chat_template()?;
+    if let Some(t) = &template {
+        w.write_aux("chat_template.jinja", t.as_bytes())?;
+    }
+    bar.finish_and_clear();
+    w.finish(cfg, source, "tokenizer.json", template.as_ref().map(|_| "chat_template.jinja"))
+}
+
+/// Imports `src` (GGUF file or HF directory) into a new store at `dst`.
+pub fn import(src: &Path, dst: &Path, progress: bool) -> Result<Manifest> {
+    if dst.exists() && std::fs::read_dir(dst).map_err(|e| Error::io(dst, e))?.next().is_some() {
+        return Err(Error::format(dst, "destination exists and is not empty"));
+    }
+    let ck = open_checkpoint(src)?;
+    let partial = PathBuf::from(format!("{}.partial", dst.display()));
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
+    let kind = if src.is_dir() { "hf" } else { "gguf" };
+    let result = write_all(ck.as_ref(), &partial, format!("{kind}:{}", src.display()), progress);
+    match result {
+        Ok(m) => {
+            if dst.exists() {
+                std::fs::remove_dir(dst).map_err(|e| Error::io(dst, e))?;
+            }
+            std::fs::rename(&partial, dst).map_err(|e| Error::io(dst, e))?;
+            Ok(m)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            Err(e)
+        }
+    }
+}

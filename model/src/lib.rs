@@ -1,0 +1,23 @@
+//! Checkpoint formats and the layer store.
+//!
+//! Readers for HF directories (safetensors, config, tokenizer, chat template) and GGUF files feed one
+//! importer that writes the per-layer store every other layerstream process reads.
+
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod gguf_tokenizer;
+pub mod hf;
+pub mod import;
+pub mod layout;
+pub mod source;
+pub mod store;
+pub mod tokenizer;
+
+pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use store::{LoadedFile, Manifest, Store};
+pub use tokenizer::{Message, Tokenizer};
