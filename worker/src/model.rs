@@ -1,0 +1,82 @@
+//! A model held on one backend: embedding, a range of decoder layers, final norm and lm_head.
+//! `forward` runs a batch of sequences through the layers and returns each one's last-row logits.
+
+use crate::error::{Error, Result};
+use crate::forward::{layer_forward, LayerCtx, SeqRows};
+use crate::weights::{upload, LayerWeights};
+use layerstream_kernels::Backend;
+use layerstream_model::layout::layer_file;
+use layerstream_model::{ModelConfig, Store};
+
+/// Every sequence's KV caches, one per layer.
+pub struct SeqState<B: Backend> {
+    pub caches: Vec<B::KvCache>,
+    /// Positions processed so far.
+    pub len: usize,
+}
+
+/// A fully resident model.
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub backend: B,
+    pub ctx: LayerCtx,
+    embed: B::Weight,
+    layers: Vec<LayerWeights<B>>,
+    norm: B::Weight,
+    lm_head: Option<B::Weight>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads every file of `store` onto `backend`.
+    pub fn load(backend: B, store: &Store) -> Result<Self> {
+        let cfg = store.manifest.config.clone();
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let need = |f: &layerstream_model::LoadedFile, name: &str, shape: &[usize]| -> Result<B::Weight> {
+            upload(&backend, f, name, Some(shape))?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
+        };
+        let embed = need(&store.load("embed.bin")?, "embed", &[vocab, h])?;
+        let norm = need(&store.load("final_norm.bin")?, "final_norm", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(need(&store.load("lm_head.bin")?, "lm_head", &[vocab, h])?) };
+        let layers = (0..cfg.num_layers)
+            .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model { ctx: LayerCtx::new(&cfg), cfg, backend, embed, layers, norm, lm_head })
+    }
+
+    /// A fresh sequence with empty caches sized for `capacity` positions.
+    pub fn new_sequence(&self, capacity: usize) -> Result<SeqState<B>> {
+        let caches = (0..self.layers.len()).map(|_| self.backend.kv_cache(self.ctx.shape, capacity)).collect::<std::result::Result<_, _>>()?;
+        Ok(SeqState { caches, len: 0 })
+    }
+
+    /// Feeds `tokens[i]` to sequence `i` (prefill or decode alike) and returns each sequence's
+    /// logits at its last new position.
+    pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
+        let b = &self.backend;
+        let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
+        if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
+            return Err(Error::Request("every sequence in a step needs at least one token".into()));
+        }
+        let seqs: Vec<SeqRows> = batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();
+        let mut x = b.embedding(&self.embed, &ids)?;
+        for (li, lw) in self.layers.iter().enumerate() {
+            let mut caches: Vec<&mut B::KvCache> = batch.iter_mut().map(|(_, s)| &mut s.caches[li]).collect();
+            layer_forward(b, &self.ctx, lw, &mut x, &seqs, &mut caches)?;
+        }
+        for ((t, s), _) in batch.iter_mut().zip(&seqs) {
+            s.len += t.len();
+        }
+        // Only the last row of each sequence needs logits.
+        let mut last = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in &seqs {
+            off += s.rows;
+            last.push(b.rows(&x, off - 1, 1)?);
+        }
+        let last = b.concat_rows(&last)?;
+        let h = b.rms_norm(&last, &self.norm, self.ctx.eps)?;
+        let logits = b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?;
+        let host = b.to_host(&logits)?;
+        Ok(host.chunks_exact(self.cfg.vocab_size).map(<[f32]>::to_vec).collect())
+    }
+}

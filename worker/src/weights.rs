@@ -1,0 +1,70 @@
+//! Loading store files onto a backend: one layer's tensors, or the embedding / final norm / lm_head.
+//! Shapes are checked against the config so a wrong store fails here, naming the tensor.
+
+use crate::error::{Error, Result};
+use layerstream_kernels::Backend;
+use layerstream_model::layout::{layer_shape, LAYER_TENSORS};
+use layerstream_model::{LoadedFile, ModelConfig};
+
+/// One decoder layer's weights on a device.
+pub struct LayerWeights<B: Backend> {
+    pub attn_norm: B::Weight,
+    pub q: B::Weight,
+    pub k: B::Weight,
+    pub v: B::Weight,
+    pub o: B::Weight,
+    pub q_bias: Option<B::Weight>,
+    pub k_bias: Option<B::Weight>,
+    pub v_bias: Option<B::Weight>,
+    pub o_bias: Option<B::Weight>,
+    pub q_norm: Option<B::Weight>,
+    pub k_norm: Option<B::Weight>,
+    pub ffn_norm: B::Weight,
+    pub gate: B::Weight,
+    pub up: B::Weight,
+    pub down: B::Weight,
+}
+
+/// Uploads tensor `name` of `file`, checking its shape when `want` is given.
+pub fn upload<B: Backend>(b: &B, file: &LoadedFile, name: &str, want: Option<&[usize]>) -> Result<Option<B::Weight>> {
+    let Some((t, bytes)) = file.tensor(name) else { return Ok(None) };
+    if let Some(w) = want {
+        if t.shape != w {
+            return Err(Error::Shape(format!("{}: tensor {name} has shape {:?}, the config needs {:?}", file.entry.name, t.shape, w)));
+        }
+    }
+    Ok(Some(b.weight(&format!("{}:{name}", file.entry.name), t.dtype, &t.shape, bytes)?))
+}
+
+impl<B: Backend> LayerWeights<B> {
+    /// Uploads a layer file's tensors.
+    pub fn load(b: &B, cfg: &ModelConfig, file: &LoadedFile) -> Result<Self> {
+        let known: Vec<&str> = LAYER_TENSORS.iter().map(|t| t.name).collect();
+        if let Some(t) = file.entry.tensors.iter().find(|t| !known.contains(&t.name.as_str())) {
+            return Err(Error::Shape(format!("{}: unknown tensor {}", file.entry.name, t.name)));
+        }
+        let opt = |name: &str| upload(b, file, name, layer_shape(cfg, name).as_deref());
+        let req = |name: &str| opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", file.entry.name)));
+        let w = LayerWeights {
+            attn_norm: req("attn_norm")?,
+            q: req("q")?,
+            k: req("k")?,
+            v: req("v")?,
+            o: req("o")?,
+            q_bias: opt("q_bias")?,
+            k_bias: opt("k_bias")?,
+            v_bias: opt("v_bias")?,
+            o_bias: opt("o_bias")?,
+            q_norm: opt("q_norm")?,
+            k_norm: opt("k_norm")?,
+            ffn_norm: req("ffn_norm")?,
+            gate: req("gate")?,
+            up: req("up")?,
+            down: req("down")?,
+        };
+        if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
+            return Err(Error::Shape(format!("{}: q_norm/k_norm required by {:?}", file.entry.name, cfg.arch)));
+        }
+        Ok(w)
+    }
+}
