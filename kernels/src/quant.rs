@@ -136,12 +136,52 @@ pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
         }
         return s;
     }
+    match dtype {
+        DType::Q8_0 => return dot_q8_0(row, x),
+        DType::Q4_0 | DType::Q4_1 => return dot_q4(dtype, row, x),
+        _ => {}
+    }
     let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
     let mut buf = [0f32; 256];
     let mut s = 0.0;
     for (i, b) in row.chunks_exact(bb).enumerate() {
         dequant_block(dtype, b, &mut buf[..be]);
         s += dot(&buf[..be], &x[i * be..(i + 1) * be]);
+    }
+    s
+}
+
+/// Q8_0 row · x without a dequantized buffer: `d * Σ q·x` per block.
+fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    let mut s = 0.0;
+    for (b, xs) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
+        let d = f16_at(b, 0);
+        let mut acc = [0f32; 8];
+        for (qc, xc) in b[2..34].chunks_exact(8).zip(xs.chunks_exact(8)) {
+            for i in 0..8 {
+                acc[i] += (qc[i] as i8) as f32 * xc[i];
+            }
+        }
+        s += d * acc.iter().sum::<f32>();
+    }
+    s
+}
+
+/// Q4_0 / Q4_1 row · x: `d * Σ q·x + m * Σ x` per block (Q4_0: m = -8d).
+fn dot_q4(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let bb = dtype.block_bytes();
+    let mut s = 0.0;
+    for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(32)) {
+        let d = f16_at(b, 0);
+        let (m, qs) = if dtype == DType::Q4_1 { (f16_at(b, 2), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
+        let (lo, hi) = xs.split_at(16);
+        let mut acc = [0f32; 16];
+        let mut xsum = [0f32; 16];
+        for i in 0..16 {
+            acc[i] = (qs[i] & 0xF) as f32 * lo[i] + (qs[i] >> 4) as f32 * hi[i];
+            xsum[i] = lo[i] + hi[i];
+        }
+        s += d * acc.iter().sum::<f32>() + m * xsum.iter().sum::<f32>();
     }
     s
 }

@@ -68,6 +68,14 @@ pub fn default_store() -> Result<PathBuf> {
     if store.join(crate::store::MANIFEST).exists() {
         return Ok(store);
     }
+    // One fetch at a time across processes: the others wait, then find the store ready.
+    std::fs::create_dir_all(&cache).map_err(|e| Error::io(&cache, e))?;
+    let lock_path = cache.join(".fetch.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(|e| Error::io(&lock_path, e))?;
+    lock.lock().map_err(|e| Error::io(&lock_path, e))?;
+    if store.join(crate::store::MANIFEST).exists() {
+        return Ok(store);
+    }
     let gguf = default_gguf(&cache)?;
     std::fs::create_dir_all(cache.join("stores")).map_err(|e| Error::io(cache.join("stores"), e))?;
     eprintln!("importing {} into {}", gguf.display(), store.display());

@@ -1,0 +1,136 @@
+//! Shared helpers of the end-to-end tests: fixture paths, transformers goldens, the near-tie rule,
+//! and running the real `layerstream` binary.
+#![allow(dead_code)]
+
+use layerstream_kernels::CpuBackend;
+use layerstream_model::Store;
+use layerstream_worker::{Model, SeqState};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A step whose top-2 logit gap is below this is a near-tie: outputs may differ from there on.
+pub const NEAR_TIE: f64 = 1e-3;
+/// Max abs difference allowed between our prefill logits and transformers'.
+pub const LOGIT_TOL: f32 = 1e-3;
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+pub fn model_dir(name: &str) -> PathBuf {
+    fixtures().join("models").join(name)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Golden {
+    pub name: String,
+    pub prompt_text: String,
+    pub input_ids: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+    pub top2_gaps: Vec<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Goldens {
+    prompts: Vec<Golden>,
+}
+
+/// The transformers goldens of a reference model.
+pub fn goldens(model: &str) -> Vec<Golden> {
+    let p = fixtures().join("reference").join(model).join("goldens.json");
+    let g: Goldens = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    g.prompts
+}
+
+/// Prefill last-position logits from transformers, by prompt name.
+pub fn reference_logits(model: &str, prompt: &str) -> Vec<f32> {
+    let bytes = std::fs::read(fixtures().join("reference").join(model).join("logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(prompt).unwrap();
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// The prompts file (messages or raw text per prompt).
+pub fn prompts() -> Vec<serde_json::Value> {
+    serde_json::from_slice(&std::fs::read(fixtures().join("reference/prompts.json")).unwrap()).unwrap()
+}
+
+/// Number of leading greedy steps that must match: up to the first near-tie.
+pub fn comparable_steps(g: &Golden) -> usize {
+    g.top2_gaps.iter().position(|&gap| gap < NEAR_TIE).unwrap_or(g.greedy_ids.len())
+}
+
+/// Asserts `got` equals the golden greedy tokens up to the first near-tie.
+pub fn assert_greedy(model: &str, g: &Golden, got: &[u32]) {
+    let n = comparable_steps(g).min(g.greedy_ids.len());
+    assert!(got.len() >= n, "{model}/{}: only {} tokens generated, {n} needed", g.name, got.len());
+    assert_eq!(&got[..n], &g.greedy_ids[..n], "{model}/{}: greedy tokens differ before the first near-tie (step {n})", g.name);
+}
+
+/// Imports `src` into a fresh store under `dir`.
+pub fn import(src: &Path, dir: &Path) -> Store {
+    let dst = dir.join("store");
+    layerstream_model::import::import(src, &dst, false).unwrap();
+    Store::open(&dst).unwrap()
+}
+
+/// Runs prefill on `ids` and returns the last-position logits.
+pub fn prefill_logits(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
+    let mut seq: SeqState<CpuBackend> = model.new_sequence(ids.len()).unwrap();
+    model.forward(&mut [(ids, &mut seq)]).unwrap().remove(0)
+}
+
+/// Max abs difference of two vectors.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs the real binary; returns stdout, panicking with stderr on failure.
+pub fn layerstream(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_layerstream")).args(args).output().unwrap();
+    assert!(out.status.success(), "layerstream {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs the real binary expecting failure; returns stderr.
+pub fn layerstream_fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_layerstream")).args(args).output().unwrap();
+    assert!(!out.status.success(), "layerstream {args:?} should have failed");
+    String::from_utf8(out.stderr).unwrap()
+}
+
+/// The JSON object on the last line of `run --json` / `submit --json` output.
+pub fn last_json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
+}
+
+/// `run --json` arguments reproducing a golden: its token ids, greedy, EOS ignored, as many tokens.
+pub fn run_golden(store: &Path, g: &Golden) -> Vec<u32> {
+    let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
+    let n = g.greedy_ids.len().to_string();
+    let out = layerstream(&["run", "--model", store.to_str().unwrap(), "--token-ids", &ids.join(","), "--max-new-tokens", &n, "--ignore-eos", "--json"]);
+    let v = last_json(&out);
+    serde_json::from_value(v["output_ids"].clone()).unwrap()
+}
+
+/// Checks tokenization, template rendering, prefill logits and greedy continuation for every golden.
+pub fn check_model_against_goldens(name: &str, store: &Store) {
+    let tok = store.tokenizer().unwrap();
+    let model = Model::load(CpuBackend, store).unwrap();
+    let prompts = prompts();
+    for g in goldens(name) {
+        assert_eq!(tok.encode(&g.prompt_text).unwrap(), g.input_ids, "{name}/{}: tokenization", g.name);
+        let p = prompts.iter().find(|p| p["name"] == g.name.as_str()).unwrap();
+        if let Some(msgs) = p.get("messages") {
+            let msgs: Vec<layerstream_model::Message> = serde_json::from_value(msgs.clone()).unwrap();
+            assert_eq!(tok.apply_chat_template(&msgs).unwrap(), g.prompt_text, "{name}/{}: chat template", g.name);
+        }
+        let logits = prefill_logits(&model, &g.input_ids);
+        let d = max_abs_diff(&logits, &reference_logits(name, &g.name));
+        assert!(d <= LOGIT_TOL, "{name}/{}: prefill logits differ by {d} (max abs)", g.name);
+        let got = run_golden(&store.dir, &g);
+        assert_greedy(name, &g, &got);
+    }
+}

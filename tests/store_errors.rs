@@ -1,0 +1,95 @@
+//! Bad input gets a clear error naming what is wrong, and leaves nothing behind: truncated and
+//! corrupt store files, unknown architectures, wrong shapes, bad requests.
+
+mod common;
+use common::*;
+use std::path::Path;
+
+fn copy_hf(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
+    let src = model_dir("tiny-llama");
+    let dst = dir.join("hf");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+    dst
+}
+
+fn only_entry(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn truncated_layer_file_is_named_with_its_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let f = store.dir.join("layer_002.bin");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 4096).unwrap();
+    let err = layerstream_fails(&["run", "--model", store.dir.to_str().unwrap(), "--prompt", "hi", "--max-new-tokens", "1"]);
+    assert!(err.contains("layer_002.bin") && err.contains(&format!("offset {}", len - 4096)) && err.contains("truncated"), "{err}");
+}
+
+#[test]
+fn corrupt_tensor_is_named_by_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let f = store.dir.join("layer_001.bin");
+    let t = store.manifest.file("layer_001.bin").unwrap().tensor("gate").unwrap().clone();
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[t.offset as usize + 10] ^= 0xFF;
+    std::fs::write(&f, bytes).unwrap();
+    let err = layerstream_fails(&["verify", store.dir.to_str().unwrap()]);
+    assert!(err.contains("layer_001.bin") && err.contains(&format!("offset {}", t.offset)) && err.contains("tensor gate"), "{err}");
+}
+
+#[test]
+fn unknown_architecture_lists_supported_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf(dir.path(), |c| c["architectures"] = serde_json::json!(["FalconForCausalLM"]));
+    let dst = dir.path().join("out");
+    let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
+    assert!(err.contains("FalconForCausalLM") && err.contains("LlamaForCausalLM") && err.contains("Qwen3ForCausalLM"), "{err}");
+    assert_eq!(only_entry(dir.path()), vec!["hf"]);
+}
+
+#[test]
+fn wrong_shape_names_the_tensor_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf(dir.path(), |c| c["intermediate_size"] = serde_json::json!(128));
+    let dst = dir.path().join("out");
+    let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
+    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[160, 64]") && err.contains("[128, 64]"), "{err}");
+    assert_eq!(only_entry(dir.path()), vec!["hf"]);
+}
+
+#[test]
+fn import_refuses_a_non_empty_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    let dst = dir.path().join("out");
+    std::fs::create_dir_all(&dst).unwrap();
+    std::fs::write(dst.join("keep.txt"), "mine").unwrap();
+    let err = layerstream_fails(&["import", model_dir("tiny-llama").to_str().unwrap(), dst.to_str().unwrap()]);
+    assert!(err.contains("not empty"), "{err}");
+    assert_eq!(std::fs::read_to_string(dst.join("keep.txt")).unwrap(), "mine");
+}
+
+#[test]
+fn bad_requests_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let s = store.dir.to_str().unwrap();
+    let err = layerstream_fails(&["run", "--model", s, "--token-ids", "1,99999", "--max-new-tokens", "1"]);
+    assert!(err.contains("99999") && err.contains("vocabulary"), "{err}");
+    let err = layerstream_fails(&["run", "--model", s, "--prompt", "hi", "--max-new-tokens", "5000"]);
+    assert!(err.contains("context of 2048"), "{err}");
+    let err = layerstream_fails(&["run", "--model", s, "--prompt", "hi", "--top-p", "0"]);
+    assert!(err.contains("top_p"), "{err}");
+    let err = layerstream_fails(&["run", "--model", dir.path().to_str().unwrap(), "--prompt", "hi"]);
+    assert!(err.contains("not a layer store"), "{err}");
+}
