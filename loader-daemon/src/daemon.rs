@@ -1,0 +1,178 @@
+//! The loader daemon's state and gRPC service: acquire/release of layers in shm slots, cyclic
+//! prefetch per worker, traced reads.
+
+use crate::pool::{Acquire, Pool};
+use crate::read::read_into;
+use crate::shm::{slot_name, ShmRegion};
+use layerstream_model::layout::layer_file;
+use layerstream_model::Store;
+use layerstream_proto::telemetry::adopt_parent;
+use layerstream_proto::v1::loader_server::Loader;
+use layerstream_proto::v1::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::{Request, Response, Status};
+use tracing::{info, info_span, warn, Instrument};
+
+/// Everything the daemon owns. Dropping it unmaps and unlinks every slot.
+pub struct Daemon {
+    pub store: Store,
+    pub slots: Vec<ShmRegion>,
+    pub slot_size: usize,
+    pub depth: usize,
+    pub direct: bool,
+    pool: Mutex<Pool>,
+    changed: tokio::sync::Notify,
+    orders: Mutex<HashMap<String, Vec<u32>>>,
+}
+
+impl Daemon {
+    /// Creates `n` slots of `slot_size` bytes in namespace `ns` (stale ones removed first).
+    pub fn new(store: Store, ns: &str, n: usize, slot_size: usize, depth: usize) -> anyhow::Result<Daemon> {
+        let removed = crate::shm::remove_stale(ns);
+        if removed > 0 {
+            warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
+        }
+        let slot_size = slot_size.div_ceil(4096) * 4096;
+        let mut slots = Vec::with_capacity(n);
+        for i in 0..n {
+            let name = slot_name(ns, i);
+            slots.push(ShmRegion::create(&name, slot_size).map_err(|e| anyhow::anyhow!("creating /dev/shm/{name} ({slot_size} bytes): {e}"))?);
+        }
+        let first = store.dir.join(layer_file(0));
+        let direct = crate::read::direct_supported(&first);
+        if !direct {
+            warn!(store = %store.dir.display(), "O_DIRECT unsupported on this filesystem; using buffered reads");
+        }
+        Ok(Daemon { store, slots, slot_size, depth, direct, pool: Mutex::new(Pool::new(n)), changed: tokio::sync::Notify::new(), orders: Mutex::new(HashMap::new()) })
+    }
+
+    fn layer_len(&self, layer: u32) -> Result<u64, Status> {
+        let name = layer_file(layer as usize);
+        let f = self.store.manifest.file(&name).ok_or_else(|| Status::not_found(format!("no layer {layer} in the store")))?;
+        if f.size as usize > self.slot_size {
+            return Err(Status::failed_precondition(format!("{name} is {} bytes, slots hold {}", f.size, self.slot_size)));
+        }
+        Ok(f.size)
+    }
+
+    /// Reads `layer` into `slot` on a blocking thread, traced as `read layer N`.
+    async fn load(self: &Arc<Self>, slot: usize, layer: u32) -> Result<f64, Status> {
+        let me = self.clone();
+        let span = info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = tracing::field::Empty, gbps = tracing::field::Empty, cache = "miss");
+        let s2 = span.clone();
+        let res = tokio::task::spawn_blocking(move || {
+            let _e = s2.enter();
+            let path = me.store.dir.join(layer_file(layer as usize));
+            let t = Instant::now();
+            // SAFETY: the pool marked this slot Loading: nobody holds a pin and no other load targets it.
+            let dst = unsafe { me.slots[slot].bytes_mut() };
+            let r = read_into(&path, dst, me.direct).or_else(|e| if me.direct { read_into(&path, dst, false) } else { Err(e) });
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            match r {
+                Ok(n) => {
+                    s2.record("bytes", n as u64);
+                    s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
+                    Ok(ms)
+                }
+                Err(e) => Err(Status::internal(format!("reading {}: {e}", path.display()))),
+            }
+        })
+        .instrument(span)
+        .await
+        .map_err(|e| Status::internal(format!("read task: {e}")))?;
+        let ok = res.is_ok();
+        self.pool.lock().unwrap().loaded(slot, ok);
+        self.changed.notify_waiters();
+        res
+    }
+
+    /// Starts background reads of the next `depth` layers after `layer` in `worker`'s order.
+    fn prefetch_after(self: &Arc<Self>, worker: &str, layer: u32) {
+        let next: Vec<u32> = {
+            let orders = self.orders.lock().unwrap();
+            let Some(order) = orders.get(worker) else { return };
+            let Some(pos) = order.iter().position(|&l| l == layer) else { return };
+            (1..=self.depth.min(order.len().saturating_sub(1))).map(|d| order[(pos + d) % order.len()]).collect()
+        };
+        for &l in &next {
+            let slot = self.pool.lock().unwrap().start_prefetch(l, &next);
+            if let Some(slot) = slot {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = me.load(slot, l).await {
+                        warn!(layer = l, error = %e, "prefetch failed");
+                    }
+                });
+            }
+        }
+    }
+
+    /// Pins `layer` in a slot, reading it first if needed.
+    pub async fn acquire(self: &Arc<Self>, worker: &str, layer: u32) -> Result<AcquireResponse, Status> {
+        let len = self.layer_len(layer)?;
+        let mut read_ms = 0.0;
+        let mut missed = false;
+        loop {
+            let notified = self.changed.notified();
+            let decision = self.pool.lock().unwrap().acquire(layer);
+            match decision {
+                Acquire::Hit(slot) => {
+                    self.prefetch_after(worker, layer);
+                    if !missed {
+                        info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = len, cache = "hit").in_scope(|| {});
+                    }
+                    return Ok(AcquireResponse { slot: slot as u32, shm_name: self.slots[slot].name.clone(), len, hit: !missed, read_ms });
+                }
+                Acquire::Load(slot) => {
+                    missed = true;
+                    read_ms = self.load(slot, layer).await?;
+                }
+                Acquire::Wait | Acquire::Full => {
+                    let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+                }
+            }
+        }
+    }
+}
+
+/// The gRPC face of the daemon.
+pub struct LoaderService(pub Arc<Daemon>);
+
+#[tonic::async_trait]
+impl Loader for LoaderService {
+    async fn describe(&self, _r: Request<DescribeRequest>) -> Result<Response<DescribeResponse>, Status> {
+        let d = &self.0;
+        Ok(Response::new(DescribeResponse {
+            store: d.store.dir.display().to_string(),
+            slots: d.slots.iter().map(|s| s.name.clone()).collect(),
+            slot_size: d.slot_size as u64,
+            prefetch_depth: d.depth as u32,
+            direct_io: d.direct,
+        }))
+    }
+
+    async fn set_order(&self, r: Request<SetOrderRequest>) -> Result<Response<SetOrderResponse>, Status> {
+        let r = r.into_inner();
+        info!(worker = %r.worker, layers = r.layers.len(), "worker layer order set");
+        self.0.orders.lock().unwrap().insert(r.worker, r.layers);
+        Ok(Response::new(SetOrderResponse {}))
+    }
+
+    async fn acquire(&self, r: Request<AcquireRequest>) -> Result<Response<AcquireResponse>, Status> {
+        let span = info_span!("acquire", layer = r.get_ref().layer);
+        adopt_parent(&span, r.metadata());
+        let r = r.into_inner();
+        self.0.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)
+    }
+
+    async fn release(&self, r: Request<SlotRelease>) -> Result<Response<SlotReleaseResponse>, Status> {
+        let r = r.into_inner();
+        if !self.0.pool.lock().unwrap().release(r.layer) {
+            return Err(Status::failed_precondition(format!("layer {} is not pinned", r.layer)));
+        }
+        self.0.changed.notify_waiters();
+        Ok(Response::new(SlotReleaseResponse {}))
+    }
+}

@@ -1,0 +1,67 @@
+//! The loader daemon: a fixed pool of POSIX shared-memory slots that layer files are read into
+//! (O_DIRECT where possible), prefetched ahead of each worker's cyclic layer order, cached LRU while
+//! slots allow, pinned while a worker copies, and unlinked at exit. Control is gRPC over a Unix socket;
+//! data never goes over gRPC.
+
+pub mod daemon;
+pub mod pool;
+pub mod read;
+pub mod shm;
+
+use clap::Args;
+use layerstream_model::Store;
+use layerstream_proto::v1::loader_server::LoaderServer;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Flags of the loader daemon.
+#[derive(Args, Debug, Clone)]
+pub struct LoaderArgs {
+    /// Layer store directory.
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: PathBuf,
+    /// Unix socket for the control gRPC service.
+    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET", default_value = "/tmp/layerstream-loader.sock")]
+    pub socket: PathBuf,
+    /// Namespace of this instance's shm names (`/dev/shm/layerstream-<ns>-slot-NNN`); stale regions of
+    /// the same namespace are removed at start.
+    #[arg(long, env = "LAYERSTREAM_SHM_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// Number of shm slots (each holds one layer file).
+    #[arg(long, env = "LAYERSTREAM_SLOTS", default_value_t = 8)]
+    pub slots: usize,
+    /// Bytes per slot; default: the store's largest layer file.
+    #[arg(long, env = "LAYERSTREAM_SLOT_SIZE")]
+    pub slot_size: Option<usize>,
+    /// Layers to read ahead of each worker's position.
+    #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH", default_value_t = 2)]
+    pub prefetch_depth: usize,
+    /// OTLP gRPC endpoint for traces (off when unset).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// Runs the daemon until SIGINT/SIGTERM; prints `LISTENING unix:<socket>` when ready.
+pub async fn run(args: LoaderArgs) -> anyhow::Result<()> {
+    let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
+    let store = Store::open(&args.model)?;
+    let slot_size = args.slot_size.unwrap_or(store.manifest.max_layer_bytes() as usize);
+    if args.slots == 0 || slot_size == 0 {
+        anyhow::bail!("--slots and --slot-size must be > 0");
+    }
+    let daemon = Arc::new(daemon::Daemon::new(store, &args.namespace, args.slots, slot_size, args.prefetch_depth)?);
+    tracing::info!(slots = args.slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
+    let _ = std::fs::remove_file(&args.socket);
+    let listener = tokio::net::UnixListener::bind(&args.socket).map_err(|e| anyhow::anyhow!("binding {}: {e}", args.socket.display()))?;
+    println!("LISTENING unix:{}", args.socket.display());
+    let server = tonic::transport::Server::builder()
+        .add_service(layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await)
+        .add_service(layerstream_proto::transport::reflection())
+        .add_service(LoaderServer::new(daemon::LoaderService(daemon.clone())))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), layerstream_proto::transport::shutdown_signal());
+    let res = server.await;
+    let _ = std::fs::remove_file(&args.socket);
+    drop(daemon);
+    tracing::info!("loader stopped; shared memory unlinked");
+    res.map_err(Into::into)
+}

@@ -1,0 +1,196 @@
+//! POSIX shared-memory regions: created by the loader (mode 0600, pre-faulted once), mapped read-only
+//! by workers, unlinked at exit. Names live in a per-instance namespace `layerstream-<ns>-…`.
+
+use std::ffi::CString;
+use std::io;
+
+/// Prefix of every region layerstream creates.
+pub const PREFIX: &str = "layerstream-";
+
+/// The shm name of slot `i` in namespace `ns` (no leading slash; `/dev/shm/<name>`).
+pub fn slot_name(ns: &str, i: usize) -> String {
+    format!("{PREFIX}{ns}-slot-{i:03}")
+}
+
+/// A mapped shared-memory region.
+pub struct ShmRegion {
+    pub name: String,
+    ptr: *mut u8,
+    len: usize,
+    owner: bool,
+}
+
+// SAFETY: the mapping is plain memory shared by address; synchronisation of its contents is done by
+// the slot pool's refcounts (a slot is never written while pinned), not by this type.
+unsafe impl Send for ShmRegion {}
+// SAFETY: as above; `&ShmRegion` only exposes raw pointers and slices whose use the pool orders.
+unsafe impl Sync for ShmRegion {}
+
+fn cname(name: &str) -> io::Result<CString> {
+    CString::new(format!("/{name}")).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in shm name"))
+}
+
+fn map(fd: i32, len: usize, writable: bool) -> io::Result<*mut u8> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    // SAFETY: fd is an open shm descriptor of at least `len` bytes; a null hint lets the kernel pick
+    // the address; the result is checked against MAP_FAILED.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p as *mut u8)
+}
+
+impl ShmRegion {
+    /// Creates a new region of `len` bytes (failing if it exists), mode 0600, and touches every page
+    /// so first-touch allocation happens now, not during a read.
+    pub fn create(name: &str, len: usize) -> io::Result<ShmRegion> {
+        let c = cname(name)?;
+        // SAFETY: c is a valid NUL-terminated name; flags and mode are plain integers.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let res = (|| {
+            // SAFETY: fd is the descriptor just opened.
+            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            map(fd, len, true)
+        })();
+        // SAFETY: fd is ours; the mapping (if any) keeps the region alive without it.
+        unsafe { libc::close(fd) };
+        let ptr = match res {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: unlinking the name we created; failure is irrelevant here.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+                return Err(e);
+            }
+        };
+        let region = ShmRegion { name: name.into(), ptr, len, owner: true };
+        // SAFETY: ptr..ptr+len is our writable mapping; writing one byte per page pre-faults it.
+        unsafe {
+            for off in (0..len).step_by(4096) {
+                std::ptr::write_volatile(ptr.add(off), 0);
+            }
+        }
+        Ok(region)
+    }
+
+    /// Maps an existing region read-only (worker side).
+    pub fn open_readonly(name: &str) -> io::Result<ShmRegion> {
+        let c = cname(name)?;
+        // SAFETY: valid name; read-only open.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a zeroed stat buffer filled by fstat on our fd.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is a valid out-pointer.
+        let r = unsafe { libc::fstat(fd, &mut st) };
+        let res = if r != 0 { Err(io::Error::last_os_error()) } else { map(fd, st.st_size as usize, false) };
+        // SAFETY: fd is ours.
+        unsafe { libc::close(fd) };
+        Ok(ShmRegion { name: name.into(), ptr: res?, len: st.st_size as usize, owner: false })
+    }
+
+    /// Region size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region's bytes.
+    ///
+    /// Callers must hold a pin on the slot (loader refcount) so no writer runs concurrently.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+len is a live mapping owned by self; writers are excluded by the pool.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Mutable view for the loader's reads into an unpinned slot.
+    ///
+    /// # Safety
+    /// The caller must be the only writer and no reader may hold a pin on this slot.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: guaranteed by the caller (pool state `Loading` excludes readers and other writers).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Raw base pointer (for host registration with a GPU driver).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len describe a mapping created by this value and not yet unmapped.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        if self.owner {
+            let _ = unlink(&self.name);
+        }
+    }
+}
+
+/// Unlinks a region by name.
+pub fn unlink(name: &str) -> io::Result<()> {
+    let c = cname(name)?;
+    // SAFETY: valid NUL-terminated name.
+    if unsafe { libc::shm_unlink(c.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Names of existing regions in `/dev/shm` starting with `prefix`.
+pub fn list(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(prefix)).collect())
+        .unwrap_or_default()
+}
+
+/// Removes stale regions of namespace `ns` (left by a crashed instance); returns how many.
+pub fn remove_stale(ns: &str) -> usize {
+    list(&format!("{PREFIX}{ns}-")).iter().filter(|n| unlink(n).is_ok()).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_share_and_unlink_on_drop() {
+        let ns = format!("test{}", std::process::id());
+        let name = slot_name(&ns, 0);
+        let r = ShmRegion::create(&name, 8192).unwrap();
+        // SAFETY: test owns the only writer, no readers pinned.
+        unsafe { r.bytes_mut()[100] = 42 };
+        let ro = ShmRegion::open_readonly(&name).unwrap();
+        assert_eq!(ro.bytes()[100], 42);
+        assert_eq!(ro.len(), 8192);
+        let meta = std::fs::metadata(format!("/dev/shm/{name}")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert!(ShmRegion::create(&name, 4096).is_err(), "exclusive create");
+        drop(r);
+        assert!(list(&format!("{PREFIX}{ns}-")).is_empty());
+        assert_eq!(ro.bytes()[100], 42, "an existing mapping outlives the unlink");
+    }
+
+    #[test]
+    fn stale_regions_are_removed() {
+        let ns = format!("stale{}", std::process::id());
+        let r = ShmRegion::create(&slot_name(&ns, 1), 4096).unwrap();
+        std::mem::forget(r); // simulate a crash: never unlinked
+        assert_eq!(remove_stale(&ns), 1);
+        assert!(list(&format!("{PREFIX}{ns}-")).is_empty());
+    }
+}
