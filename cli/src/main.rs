@@ -1,7 +1,10 @@
-//! The `layerstream` command: import checkpoints into layer stores, verify them, and run models.
+//! The `layerstream` command: import checkpoints into layer stores, verify them, run models locally,
+//! start the streaming stack (`up`) and submit jobs to it; also runs each of the stack's processes.
 
 mod prompt;
 mod run;
+mod submit;
+mod up;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -33,6 +36,20 @@ enum Cmd {
     Fetch,
     /// Generate text on the CPU from a store, fully resident.
     Run(run::RunArgs),
+    /// Start the loader daemon, N workers and the coordinator; stop them all on Ctrl-C.
+    Up(up::UpArgs),
+    /// Send one request to a running coordinator and stream the answer.
+    Submit(submit::SubmitArgs),
+    /// Run the loader daemon (as the `loader-daemon` binary does).
+    LoaderDaemon(layerstream_loader::LoaderArgs),
+    /// Run a worker (as the `worker` binary does).
+    Worker(layerstream_worker::server::WorkerArgs),
+    /// Run the coordinator (as the `coordinator` binary does).
+    Coordinator(layerstream_coordinator::CoordinatorArgs),
+}
+
+fn block_on<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(f)
 }
 
 fn main() -> Result<()> {
@@ -52,6 +69,11 @@ fn main() -> Result<()> {
         }
         Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,
+        Cmd::Up(args) => up::run(args)?,
+        Cmd::Submit(args) => block_on(submit::run(args))?,
+        Cmd::LoaderDaemon(args) => block_on(layerstream_loader::run(args))?,
+        Cmd::Worker(args) => block_on(layerstream_worker::server::run(args))?,
+        Cmd::Coordinator(args) => block_on(layerstream_coordinator::run(args))?,
     }
     Ok(())
 }

@@ -1,1 +1,154 @@
-//! placeholder
+//! The coordinator: registers workers, plans layer ranges and residency, runs continuous batching
+//! over the worker pipeline, and serves the public job API with per-job stats and traces.
+
+pub mod jobs;
+pub mod pipeline;
+pub mod planner;
+pub mod scheduler;
+pub mod service;
+pub mod stats;
+
+use clap::Args;
+use layerstream_model::Store;
+use layerstream_proto::v1::coordinator_server::CoordinatorServer;
+use layerstream_proto::v1::worker_client::WorkerClient;
+use layerstream_proto::v1::{Assignment, InfoRequest, Plan};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Flags of the coordinator.
+#[derive(Args, Debug, Clone)]
+pub struct CoordinatorArgs {
+    /// Layer store directory (tokenizer, chat template, layer sizes for planning).
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: PathBuf,
+    /// Address to serve the public gRPC API on (port 0 picks one; printed as `LISTENING http://…`).
+    #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    /// Worker addresses in pipeline order (repeat, or comma-separate).
+    #[arg(long = "worker", env = "LAYERSTREAM_WORKERS", value_delimiter = ',', required = true)]
+    pub workers: Vec<String>,
+    /// Resident layers per worker; default: as many as each worker's memory budget allows.
+    #[arg(long, env = "LAYERSTREAM_RESIDENT_LAYERS")]
+    pub resident_layers: Option<usize>,
+    /// Streamed layers move in groups of this many (one buffer per group).
+    #[arg(long, env = "LAYERSTREAM_LAYER_GROUP_SIZE", default_value_t = 1)]
+    pub layer_group_size: usize,
+    /// Streaming buffers per worker (groups in flight: one computing, the rest loading).
+    #[arg(long, env = "LAYERSTREAM_STREAMING_BUFFERS", default_value_t = 2)]
+    pub streaming_buffers: usize,
+    /// Copy layers synchronously instead of overlapping them with compute (for comparison).
+    #[arg(long, env = "LAYERSTREAM_NO_PREFETCH")]
+    pub no_prefetch: bool,
+    /// KV cache positions per worker, shared by all sequences.
+    #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
+    pub kv_capacity: usize,
+    /// Most sequences in one step.
+    #[arg(long, env = "LAYERSTREAM_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// Queued sequences before new requests get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "LAYERSTREAM_QUEUE_SIZE", default_value_t = 256)]
+    pub queue_size: usize,
+    /// Seconds a worker may take for one step before the job fails.
+    #[arg(long, env = "LAYERSTREAM_STEP_TIMEOUT", default_value_t = 300)]
+    pub step_timeout_s: u64,
+    /// Seconds to wait for workers to come up.
+    #[arg(long, env = "LAYERSTREAM_WORKER_WAIT", default_value_t = 60)]
+    pub worker_wait_s: u64,
+    /// OTLP gRPC endpoint for traces (off when unset).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: &str, wait: Duration) -> anyhow::Result<layerstream_proto::v1::InfoResponse> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match c.info(InfoRequest {}).await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!(worker = addr, error = %e, "worker not ready yet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => anyhow::bail!("worker {addr} unreachable: {}", e.message()),
+        }
+    }
+}
+
+/// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
+pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
+    let tracing_guard = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
+    let store = Store::open(&args.model)?;
+    let tokenizer = Arc::new(store.tokenizer()?);
+    let mut workers = Vec::new();
+    for addr in &args.workers {
+        let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30);
+        let info = info_with_retry(&mut c, addr, Duration::from_secs(args.worker_wait_s)).await?;
+        if info.num_layers as usize != store.manifest.config.num_layers {
+            anyhow::bail!("worker {addr} serves a model with {} layers, the coordinator's store has {}", info.num_layers, store.manifest.config.num_layers);
+        }
+        tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
+        workers.push((addr.clone(), info.device, info.memory_budget, c));
+    }
+    let specs: Vec<planner::WorkerSpec> = workers.iter().map(|w| planner::WorkerSpec { address: w.0.clone(), budget: w.2 }).collect();
+    let opts = planner::PlanOptions {
+        resident_layers: args.resident_layers,
+        group_size: args.layer_group_size,
+        buffers: args.streaming_buffers,
+        kv_capacity: args.kv_capacity,
+        prefetch: !args.no_prefetch,
+    };
+    let plans = planner::plan(&store.manifest, &specs, &opts).map_err(|e| anyhow::anyhow!("planning failed: {e}"))?;
+    let mut assignments = Vec::new();
+    for ((addr, _, _, c), p) in workers.iter_mut().zip(&plans) {
+        let a = Assignment {
+            worker: addr.clone(),
+            layer_start: p.layers.start,
+            layer_end: p.layers.end,
+            resident: p.resident.clone(),
+            group_size: p.group_size as u32,
+            streaming_buffers: p.buffers as u32,
+            kv_capacity: p.kv_capacity as u64,
+            embed: p.embed,
+            head: p.head,
+            prefetch: p.prefetch,
+            bytes_needed: layerstream_worker::budget::usage(&store.manifest, p).total(),
+        };
+        tracing::info!(worker = %addr, layers = ?p.layers, resident = ?p.resident, group = p.group_size, buffers = p.buffers, bytes = a.bytes_needed, prefetch = p.prefetch, "plan");
+        c.assign(a.clone()).await.map_err(|s| anyhow::anyhow!("worker {addr} refused its assignment: {}", s.message()))?;
+        assignments.push(a);
+    }
+    let (queue, rx) = tokio::sync::mpsc::channel(args.queue_size.max(1));
+    let pipeline = pipeline::Pipeline { workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(), step_timeout: Duration::from_secs(args.step_timeout_s) };
+    let sched = scheduler::Scheduler {
+        rx,
+        pipeline,
+        tokenizer: tokenizer.clone(),
+        eos: store.manifest.config.eos_token_ids.clone(),
+        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity },
+    };
+    tokio::spawn(sched.run());
+    let svc = service::CoordinatorService {
+        jobs: Default::default(),
+        queue,
+        tokenizer,
+        vocab: store.manifest.config.vocab_size,
+        context: store.manifest.config.max_position_embeddings,
+        kv_capacity: args.kv_capacity,
+        plan: Plan { assignments, num_layers: store.manifest.config.num_layers as u32 },
+        workers,
+        next_seq: AtomicU64::new(1),
+        next_job: AtomicU64::new(1),
+    };
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
+    println!("LISTENING http://{}", listener.local_addr()?);
+    tonic::transport::Server::builder()
+        .add_service(layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>().await)
+        .add_service(layerstream_proto::transport::reflection())
+        .add_service(CoordinatorServer::new(svc))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), layerstream_proto::transport::shutdown_signal())
+        .await?;
+    tracing_guard.flush();
+    Ok(())
+}

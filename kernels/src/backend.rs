@@ -14,7 +14,7 @@ pub struct AttnShape {
 }
 
 /// A compute device.
-pub trait Backend: Send + Sync {
+pub trait Backend: Send + Sync + Clone {
     /// Row-major f32 activations `[rows, cols]` on the device.
     type Tensor: Send;
     /// A stored weight on the device (quantized blocks kept as they are).

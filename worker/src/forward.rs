@@ -89,3 +89,20 @@ pub fn layer_forward<B: Backend>(
     b.add(x, &d)?;
     Ok(())
 }
+
+/// Final norm and lm_head on the last row of each sequence: one logits vector per sequence.
+pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<Vec<Vec<f32>>> {
+    let mut last = Vec::with_capacity(seqs.len());
+    let mut off = 0;
+    for s in seqs {
+        off += s.rows;
+        last.push(b.rows(x, off - 1, 1)?);
+    }
+    let last = b.concat_rows(&last)?;
+    let h = b.rms_norm(&last, norm, ctx.eps)?;
+    let logits = b.matmul(&h, lm_head)?;
+    let (n, vocab) = b.dims(&logits);
+    let host = b.to_host(&logits)?;
+    debug_assert_eq!(n, seqs.len());
+    Ok(host.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}

@@ -41,22 +41,22 @@ pub struct Generation {
 }
 
 /// Tracks output text, stop strings and what has been streamed so far.
-pub struct TextTracker<'a> {
-    tok: &'a Tokenizer,
-    stop: &'a [String],
+#[derive(Debug, Clone, Default)]
+pub struct TextTracker {
+    stop: Vec<String>,
     emitted: usize,
     pub text: String,
 }
 
-impl<'a> TextTracker<'a> {
+impl TextTracker {
     /// A tracker for one sequence.
-    pub fn new(tok: &'a Tokenizer, stop: &'a [String]) -> Self {
-        TextTracker { tok, stop, emitted: 0, text: String::new() }
+    pub fn new(stop: Vec<String>) -> Self {
+        TextTracker { stop, emitted: 0, text: String::new() }
     }
 
     /// Re-decodes the output; returns (new final text to stream, whether a stop string matched).
-    pub fn update(&mut self, output: &[u32]) -> Result<(String, bool)> {
-        let full = self.tok.decode(output, true)?;
+    pub fn update(&mut self, tok: &Tokenizer, output: &[u32]) -> Result<(String, bool)> {
+        let full = tok.decode(output, true)?;
         if let Some(cut) = self.stop.iter().filter_map(|s| full.find(s.as_str())).min() {
             self.text = full[..cut].to_owned();
             return Ok((self.flush(), true));
@@ -114,7 +114,7 @@ pub fn generate<B: Backend>(
     let mut seq = model.new_sequence(input.len() + p.max_new_tokens)?;
     let mut history = input.to_vec();
     let mut output = Vec::new();
-    let mut tracker = TextTracker::new(tok, &p.stop);
+    let mut tracker = TextTracker::new(p.stop.clone());
     let mut t = Timings { prefill_tokens: input.len(), ..Default::default() };
     let mut finish = "length";
     let mut next: Vec<u32> = input.to_vec();
@@ -133,7 +133,7 @@ pub fn generate<B: Backend>(
             finish = "eos";
             break;
         }
-        let (delta, stopped) = tracker.update(&output)?;
+        let (delta, stopped) = tracker.update(tok, &output)?;
         on_text(&delta);
         if stopped {
             finish = "stop";

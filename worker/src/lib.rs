@@ -1,11 +1,17 @@
-//! The worker's compute: weights on a backend, the decoder-layer forward pass with per-sequence KV
-//! caches, sampling and generation.
+//! The worker: weights on a backend, the decoder-layer forward pass with per-sequence KV caches,
+//! sampling and generation (used by `layerstream run`), and the pipeline stage served over gRPC
+//! that streams layer groups from the loader daemon while it computes.
 
+pub mod budget;
 pub mod error;
 pub mod forward;
 pub mod generate;
 pub mod model;
 pub mod sampling;
+pub mod server;
+pub mod service;
+pub mod stage;
+pub mod stream;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -2,7 +2,7 @@
 //! `forward` runs a batch of sequences through the layers and returns each one's last-row logits.
 
 use crate::error::{Error, Result};
-use crate::forward::{layer_forward, LayerCtx, SeqRows};
+use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
 use layerstream_model::layout::layer_file;
@@ -66,17 +66,6 @@ impl<B: Backend> Model<B> {
         for ((t, s), _) in batch.iter_mut().zip(&seqs) {
             s.len += t.len();
         }
-        // Only the last row of each sequence needs logits.
-        let mut last = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in &seqs {
-            off += s.rows;
-            last.push(b.rows(&x, off - 1, 1)?);
-        }
-        let last = b.concat_rows(&last)?;
-        let h = b.rms_norm(&last, &self.norm, self.ctx.eps)?;
-        let logits = b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?;
-        let host = b.to_host(&logits)?;
-        Ok(host.chunks_exact(self.cfg.vocab_size).map(<[f32]>::to_vec).collect())
+        head_logits(b, &self.ctx, &x, &seqs, &self.norm, self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 }

@@ -1,0 +1,99 @@
+//! `layerstream submit`: one request to a running coordinator over gRPC, tokens streamed as they
+//! arrive, then the job's stats and trace id.
+
+use crate::prompt::{PromptArgs, SamplingArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use layerstream_proto::v1::coordinator_client::CoordinatorClient;
+use layerstream_proto::v1::{generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, TokenIds};
+use std::io::Write;
+
+/// Flags of `layerstream submit`.
+#[derive(Args, Debug)]
+pub struct SubmitArgs {
+    /// Coordinator address.
+    #[arg(long, env = "LAYERSTREAM_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print one JSON object (input_ids, output_ids, text, stats, trace_id) as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
+    use generate_request::Input;
+    let p = &a.prompt;
+    let input = if let Some(t) = &p.prompt {
+        Input::Prompt(t.clone())
+    } else if let Some(c) = &p.chat {
+        Input::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content: c.clone() }] })
+    } else if let Some(path) = &p.messages {
+        let v: Vec<layerstream_model::Message> = serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)
+            .with_context(|| format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display()))?;
+        Input::Chat(ChatMessages { messages: v.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect() })
+    } else if let Some(ids) = &p.token_ids {
+        Input::TokenIds(TokenIds { ids: ids.clone() })
+    } else {
+        bail!("give one of --prompt, --chat, --messages, --token-ids");
+    };
+    let s = &a.sampling;
+    Ok(GenerateRequest {
+        input: Some(input),
+        max_new_tokens: s.max_new_tokens as u32,
+        sampling: Some(Sampling { temperature: s.temperature, top_k: s.top_k as u32, top_p: s.top_p, repetition_penalty: s.repetition_penalty, seed: s.seed }),
+        stop: s.stop.clone(),
+        ignore_eos: s.ignore_eos,
+    })
+}
+
+/// Runs the command.
+pub async fn run(a: SubmitArgs) -> Result<()> {
+    let req = request(&a)?;
+    let mut client = CoordinatorClient::connect(a.addr.clone()).await.with_context(|| format!("connecting to {}", a.addr))?;
+    let mut stream = client.generate(req).await.map_err(|s| anyhow::anyhow!("{}: {}", a.addr, s.message()))?.into_inner();
+    let mut out = std::io::stdout().lock();
+    loop {
+        let ev = match stream.message().await {
+            Ok(Some(ev)) => ev,
+            Ok(None) => bail!("the coordinator ended the stream before the job finished"),
+            Err(s) => bail!("job failed: {}", s.message()),
+        };
+        match ev.event {
+            Some(generate_event::Event::Token(t)) if !a.json => {
+                out.write_all(t.text.as_bytes())?;
+                out.flush()?;
+            }
+            Some(generate_event::Event::Done(d)) => {
+                let st = d.stats.unwrap_or_default();
+                if d.finish_reason == "error" {
+                    bail!("job failed: {}", d.error);
+                }
+                if a.json {
+                    let v = serde_json::json!({
+                        "input_ids": d.input_ids, "output_ids": d.output_ids, "text": d.text,
+                        "finish_reason": d.finish_reason, "trace_id": d.trace_id,
+                        "stats": {
+                            "prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
+                            "tokens_per_s": st.tokens_per_s, "bytes_streamed": st.bytes_streamed,
+                            "transfer_ms": st.transfer_ms, "compute_ms": st.compute_ms, "stall_ms": st.stall_ms,
+                            "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps,
+                        },
+                    });
+                    writeln!(out, "{v}")?;
+                } else {
+                    writeln!(out)?;
+                    eprintln!(
+                        "[{} prompt + {} generated tokens, {:.1} tok/s | streamed {:.1} MB, transfer {:.0} ms, compute {:.0} ms, overlap {:.0}% | finish: {}]",
+                        st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, d.finish_reason
+                    );
+                    eprintln!("trace id: {}", d.trace_id);
+                }
+                return Ok(());
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! `layerstream up`: the whole stack on this host as child processes — the loader daemon, N workers
+//! and the coordinator — in the foreground until SIGINT/SIGTERM, then all stopped, no shm left behind.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Flags of `layerstream up`.
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Layer store; default: the embedded SmolLM2-135M-Instruct (fetched and imported on first use).
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Number of workers (the layers are split between them in proportion to their budgets).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Device of every worker.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Resident layers per worker (the rest are streamed).
+    #[arg(long, conflicts_with = "memory_budget")]
+    pub resident_layers: Option<usize>,
+    /// Memory budget per worker (suffixes K, M, G); resident layers are chosen to fit it.
+    #[arg(long, value_parser = layerstream_worker::server::parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Streamed layers move in groups of this many.
+    #[arg(long, default_value_t = 1)]
+    pub layer_group_size: usize,
+    /// Streaming buffers per worker.
+    #[arg(long, default_value_t = 2)]
+    pub streaming_buffers: usize,
+    /// Layers the loader reads ahead of each worker.
+    #[arg(long, default_value_t = 2)]
+    pub prefetch_depth: usize,
+    /// Copy layers synchronously (no overlap), for comparison.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Loader shm slots (default: enough for every worker's buffers and prefetch).
+    #[arg(long)]
+    pub slots: Option<usize>,
+    /// KV cache positions per worker.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_capacity: usize,
+    /// Most sequences per step.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Coordinator address.
+    #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    /// OTLP gRPC endpoint passed to every process (off when unset).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
+struct Children(Vec<(String, Child)>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        // Coordinator first, then workers, then the loader (which unlinks the shm).
+        for (_, c) in self.0.iter().rev() {
+            // SAFETY: signalling a child process we spawned and have not reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (name, c) in self.0.iter_mut().rev() {
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                    _ => {
+                        eprintln!("layerstream up: {name} did not stop; killing it");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line.
+fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+    let exe = std::env::current_exe().context("locating the layerstream binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
+    // (sigemptyset/sigaddset/pthread_sigmask) on a local set: the child gets SIGINT/SIGTERM unblocked.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().expect("piped");
+    children.0.push((name.to_owned(), child));
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = match lines.next() {
+        Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
+        other => bail!("{name} exited before it was ready ({other:?}); see its log above"),
+    };
+    std::thread::spawn(move || for _ in lines {});
+    Ok(addr)
+}
+
+fn opt(flag: &str, v: &Option<impl ToString>) -> Vec<String> {
+    v.as_ref().map(|v| vec![flag.to_owned(), v.to_string()]).unwrap_or_default()
+}
+
+/// Runs the stack until SIGINT/SIGTERM or until a process dies.
+pub fn run(a: UpArgs) -> Result<()> {
+    if a.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    let model = crate::run::model_dir(&a.model)?;
+    let store = layerstream_model::Store::open(&model)?;
+    let model_s = model.display().to_string();
+    let ns = format!("up{}", std::process::id());
+    let socket = std::env::temp_dir().join(format!("layerstream-{ns}.sock")).display().to_string();
+    let per_worker = a.streaming_buffers * a.layer_group_size + a.prefetch_depth + 1;
+    let slots = a.slots.unwrap_or((a.workers * per_worker).max(4)).min(store.manifest.config.num_layers.max(4));
+    // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
+    let mut set = unsafe_sigset();
+    let mut children = Children(Vec::new());
+    let otlp = opt("--otlp-endpoint", &a.otlp_endpoint);
+    let mut largs = vec!["loader-daemon".into(), "--model".into(), model_s.clone(), "--socket".into(), socket.clone(), "--namespace".into(), ns.clone(), "--slots".into(), slots.to_string(), "--prefetch-depth".into(), a.prefetch_depth.to_string()];
+    largs.extend(otlp.clone());
+    spawn(&mut children, "loader-daemon", &largs)?;
+    let budget = a.memory_budget.unwrap_or(64 << 30).to_string();
+    let mut addrs = Vec::new();
+    for i in 0..a.workers {
+        let mut wargs = vec!["worker".into(), "--model".into(), model_s.clone(), "--listen".into(), "127.0.0.1:0".into(), "--device".into(), a.device.clone(), "--memory-budget".into(), budget.clone(), "--loader-socket".into(), socket.clone()];
+        wargs.extend(otlp.clone());
+        addrs.push(spawn(&mut children, &format!("worker {i}"), &wargs)?);
+    }
+    let mut cargs = vec!["coordinator".into(), "--model".into(), model_s, "--listen".into(), a.listen.clone(), "--worker".into(), addrs.join(","),
+        "--layer-group-size".into(), a.layer_group_size.to_string(), "--streaming-buffers".into(), a.streaming_buffers.to_string(),
+        "--kv-capacity".into(), a.kv_capacity.to_string(), "--max-batch".into(), a.max_batch.to_string()];
+    cargs.extend(opt("--resident-layers", &a.resident_layers));
+    if a.no_prefetch {
+        cargs.push("--no-prefetch".into());
+    }
+    cargs.extend(otlp);
+    let addr = spawn(&mut children, "coordinator", &cargs)?;
+    println!("LISTENING {addr}");
+    eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}; Ctrl-C stops everything", a.workers);
+    loop {
+        if let Some(sig) = wait_signal(&mut set, Duration::from_millis(200)) {
+            eprintln!("layerstream up: signal {sig}, stopping");
+            break;
+        }
+        if let Some((name, status)) = children.0.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
+            drop(children);
+            bail!("{name} exited ({status}); stopped the rest");
+        }
+    }
+    drop(children);
+    Ok(())
+}
+
+fn unsafe_sigset() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a local, zero-initialised set; pthread_sigmask on this thread
+    // only (before any other thread exists in this command).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_signal(set: &mut libc::sigset_t, timeout: Duration) -> Option<i32> {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    // SAFETY: set is a valid signal set; a null info pointer is allowed; ts is a valid timeout.
+    let r = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
+    (r > 0).then_some(r)
+}

@@ -1,0 +1,140 @@
+//! The planner: (model, workers' budgets, options) → each worker's layer range, resident layers,
+//! streaming buffers and KV capacity. Pure logic, validated up front: a budget that cannot fit is an
+//! error before anything is loaded.
+
+use layerstream_model::Manifest;
+use layerstream_worker::budget::{layer_bytes, usage};
+use layerstream_worker::stage::StagePlan;
+
+/// A worker as the planner sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSpec {
+    pub address: String,
+    pub budget: u64,
+}
+
+/// Planner options (from the coordinator's flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// Resident layers per worker; `None` = as many as each budget allows.
+    pub resident_layers: Option<usize>,
+    pub group_size: usize,
+    pub buffers: usize,
+    pub kv_capacity: usize,
+    pub prefetch: bool,
+}
+
+/// Splits `n` layers over budgets in proportion (largest remainder), each worker at least one.
+pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32>>, String> {
+    let w = budgets.len();
+    if w == 0 {
+        return Err("no workers".into());
+    }
+    if w > n {
+        return Err(format!("{w} workers but only {n} layers: every worker needs at least one layer"));
+    }
+    let total: f64 = budgets.iter().map(|&b| b.max(1) as f64).sum();
+    let exact: Vec<f64> = budgets.iter().map(|&b| b.max(1) as f64 / total * (n - w) as f64).collect();
+    let mut counts: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
+    let mut order: Vec<usize> = (0..w).collect();
+    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    let mut left = n - counts.iter().sum::<usize>();
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        counts[i] += 1;
+        left -= 1;
+    }
+    let mut start = 0u32;
+    Ok(counts
+        .into_iter()
+        .map(|c| {
+            let r = start..start + c as u32;
+            start += c as u32;
+            r
+        })
+        .collect())
+}
+
+/// `k` of the layers in `range` spread evenly, starting with the first, so every streamed layer has
+/// resident compute in front of it to hide its load behind.
+pub fn interleave(range: &std::ops::Range<u32>, k: usize) -> Vec<u32> {
+    let n = range.len();
+    let k = k.min(n);
+    (0..k).map(|i| range.start + (i * n / k) as u32).collect()
+}
+
+/// Plans every worker; errors name the worker and what does not fit.
+pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec<StagePlan>, String> {
+    let budgets: Vec<u64> = workers.iter().map(|w| w.budget).collect();
+    let ranges = split_layers(m.config.num_layers, &budgets)?;
+    let last = ranges.len() - 1;
+    let mut plans = Vec::with_capacity(ranges.len());
+    for (i, (range, w)) in ranges.into_iter().zip(workers).enumerate() {
+        let mut p = StagePlan {
+            layers: range.clone(),
+            resident: Vec::new(),
+            group_size: o.group_size.max(1),
+            buffers: o.buffers,
+            kv_capacity: o.kv_capacity,
+            embed: i == 0,
+            head: i == last,
+            prefetch: o.prefetch,
+        };
+        let k = match o.resident_layers {
+            Some(k) => k.min(range.len()),
+            None => {
+                // The most resident layers whose usage fits the budget.
+                (0..=range.len())
+                    .rev()
+                    .find(|&k| usage(m, &StagePlan { resident: interleave(&range, k), ..p.clone() }).total() <= w.budget)
+                    .ok_or_else(|| {
+                        let u = usage(m, &StagePlan { resident: vec![], ..p.clone() });
+                        format!("worker {}: memory budget {} bytes cannot hold even a streaming plan for layers {}..{}: needs {u}", w.address, w.budget, range.start, range.end)
+                    })?
+            }
+        };
+        p.resident = interleave(&range, k);
+        let u = usage(m, &p);
+        if u.total() > w.budget {
+            return Err(format!(
+                "worker {}: layers {}..{} with {k} resident need {u}, more than its memory budget of {} bytes",
+                w.address, range.start, range.end, w.budget
+            ));
+        }
+        if p.layers.clone().any(|l| layer_bytes(m, l) == 0) {
+            return Err(format!("the store lacks a layer file in {}..{}", range.start, range.end));
+        }
+        plans.push(p);
+    }
+    Ok(plans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_is_proportional_and_covers_every_layer() {
+        let r = split_layers(30, &[1, 1]).unwrap();
+        assert_eq!(r, vec![0..15, 15..30]);
+        let r = split_layers(10, &[3 << 30, 1 << 30]).unwrap();
+        assert_eq!(r.iter().map(|x| x.len()).sum::<usize>(), 10);
+        assert!(r[0].len() > r[1].len());
+        assert_eq!(r[0].end, r[1].start);
+        assert!(split_layers(2, &[1, 1, 1]).unwrap_err().contains("3 workers"));
+    }
+
+    #[test]
+    fn interleave_spreads_resident_layers_starting_with_the_first() {
+        assert_eq!(interleave(&(0..10), 4), vec![0, 2, 5, 7]);
+        assert_eq!(interleave(&(10..15), 0), Vec::<u32>::new());
+        assert_eq!(interleave(&(10..15), 9), vec![10, 11, 12, 13, 14]);
+        // every streamed layer has a resident layer before it in its range
+        let r = interleave(&(0..12), 3);
+        for l in 0..12u32 {
+            assert!(r.iter().any(|&x| x <= l));
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! The public gRPC API: Generate / SubmitJob / WatchJob / GetJob / CancelJob / ListWorkers / GetPlan.
+//! Requests are validated and tokenized here, then queued for the scheduler (bounded: a full queue is
+//! RESOURCE_EXHAUSTED).
+
+use crate::jobs::{JobRecord, Jobs};
+use crate::scheduler::SeqRequest;
+use layerstream_model::{Message, Tokenizer};
+use layerstream_proto::v1::coordinator_server::Coordinator;
+use layerstream_proto::v1::worker_client::WorkerClient;
+use layerstream_proto::v1::*;
+use layerstream_worker::generate::check_request;
+use layerstream_worker::{GenerateParams, SamplingParams};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+use tracing::{info, info_span, instrument};
+
+/// Default `max_new_tokens` when a request leaves it 0.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
+
+/// State behind the API.
+pub struct CoordinatorService {
+    pub jobs: Jobs,
+    pub queue: mpsc::Sender<SeqRequest>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub vocab: usize,
+    pub context: usize,
+    pub kv_capacity: usize,
+    pub plan: Plan,
+    pub workers: Vec<(String, String, u64, WorkerClient<Channel>)>,
+    pub next_seq: AtomicU64,
+    pub next_job: AtomicU64,
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+impl CoordinatorService {
+    fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
+        let bad = |e: layerstream_model::Error| Status::invalid_argument(e.to_string());
+        match &r.input {
+            Some(generate_request::Input::Prompt(p)) => self.tokenizer.encode(p).map_err(bad),
+            Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
+            Some(generate_request::Input::Chat(c)) => {
+                let msgs: Vec<Message> = c.messages.iter().map(|m| Message { role: m.role.clone(), content: m.content.clone() }).collect();
+                if msgs.is_empty() {
+                    return Err(Status::invalid_argument("chat has no messages"));
+                }
+                let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad)?;
+                self.tokenizer.encode(&text).map_err(bad)
+            }
+            None => Err(Status::invalid_argument("request has no input: set prompt, chat or token_ids")),
+        }
+    }
+
+    fn params(r: &GenerateRequest) -> GenerateParams {
+        let s = r.sampling.clone().unwrap_or_default();
+        GenerateParams {
+            max_new_tokens: if r.max_new_tokens == 0 { DEFAULT_MAX_NEW_TOKENS } else { r.max_new_tokens as usize },
+            stop: r.stop.clone(),
+            ignore_eos: r.ignore_eos,
+            sampling: SamplingParams {
+                temperature: s.temperature,
+                top_k: s.top_k as usize,
+                top_p: if s.top_p <= 0.0 { 1.0 } else { s.top_p },
+                repetition_penalty: if s.repetition_penalty <= 0.0 { 1.0 } else { s.repetition_penalty },
+                seed: s.seed,
+            },
+        }
+    }
+
+    /// Validates, registers and queues a job; returns (job id, trace id).
+    fn submit(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
+        if requests.is_empty() {
+            return Err(Status::invalid_argument("a job needs at least one request"));
+        }
+        let mut prepared = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            let ids = self.input_ids(r).map_err(|s| Status::invalid_argument(format!("request {i}: {}", s.message())))?;
+            let p = Self::params(r);
+            check_request(&ids, &p, self.vocab, self.context).map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
+            if ids.len() + p.max_new_tokens > self.kv_capacity {
+                return Err(Status::invalid_argument(format!(
+                    "request {i}: {} prompt + {} new tokens exceed the KV capacity of {} positions",
+                    ids.len(), p.max_new_tokens, self.kv_capacity
+                )));
+            }
+            prepared.push((ids, p));
+        }
+        let job_id = format!("job-{}", self.next_job.fetch_add(1, Ordering::Relaxed));
+        let span = info_span!(parent: None, "job", job_id = %job_id, requests = requests.len());
+        let trace_id = layerstream_proto::telemetry::trace_id(&span);
+        let cancels: Vec<Arc<AtomicBool>> = prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+        let (live, _) = watch::channel(0usize);
+        self.jobs.insert(job_id.clone(), JobRecord { trace_id: trace_id.clone(), requests: prepared.len(), history: Vec::new(), cancel: cancels.clone(), live, cancelled: false });
+        for (i, ((ids, p), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
+            let (tx, mut rx) = mpsc::channel(256);
+            let seq = SeqRequest {
+                seq_id: self.next_seq.fetch_add(1, Ordering::Relaxed),
+                index: i as u32,
+                input_ids: ids,
+                params: p,
+                events: tx,
+                span: span.clone(),
+                trace_id: trace_id.clone(),
+                cancel,
+            };
+            if self.queue.try_send(seq).is_err() {
+                self.jobs.cancel(&job_id);
+                return Err(Status::resource_exhausted("the job queue is full; retry later"));
+            }
+            let jobs = self.jobs.clone();
+            let id = job_id.clone();
+            tokio::spawn(async move {
+                while let Some(ev) = rx.recv().await {
+                    jobs.record(&id, ev);
+                }
+            });
+        }
+        info!(%job_id, %trace_id, "job queued");
+        Ok((job_id, trace_id))
+    }
+
+    /// Streams a job's events in order until it finishes; `cancel_on_drop` cancels the job if the
+    /// client goes away first. A request that ends in error is followed by an ABORTED status.
+    fn watch(&self, job_id: &str, cancel_on_drop: bool) -> Result<mpsc::Receiver<Result<GenerateEvent, Status>>, Status> {
+        let mut live = self.jobs.with(job_id, |j| j.live.subscribe()).ok_or_else(|| Status::not_found(format!("no job {job_id}")))?;
+        let (tx, rx) = mpsc::channel(256);
+        let jobs = self.jobs.clone();
+        let id = job_id.to_owned();
+        tokio::spawn(async move {
+            let mut seen = 0usize;
+            loop {
+                let (new, finished) = jobs.with(&id, |j| (j.history[seen..].to_vec(), j.finished())).unwrap_or_default();
+                for ev in new {
+                    seen += 1;
+                    let err = match &ev.event {
+                        Some(generate_event::Event::Done(d)) if d.finish_reason == "error" => Some(d.error.clone()),
+                        _ => None,
+                    };
+                    if tx.send(Ok(ev)).await.is_err() {
+                        if cancel_on_drop {
+                            jobs.cancel(&id);
+                        }
+                        return;
+                    }
+                    if let Some(e) = err {
+                        let _ = tx.send(Err(Status::aborted(e))).await;
+                    }
+                }
+                if finished {
+                    return;
+                }
+                tokio::select! {
+                    r = live.changed() => if r.is_err() { return },
+                    _ = tx.closed() => {
+                        if cancel_on_drop {
+                            jobs.cancel(&id);
+                        }
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    type GenerateStream = EventStream<GenerateEvent>;
+    type WatchJobStream = EventStream<JobEvent>;
+
+    #[instrument(skip(self, r))]
+    async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let (job_id, trace_id) = self.submit(std::slice::from_ref(r.get_ref()))?;
+        let rx = self.watch(&job_id, true)?;
+        let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
+        if let Ok(v) = trace_id.parse() {
+            resp.metadata_mut().insert("x-trace-id", v);
+        }
+        Ok(resp)
+    }
+
+    #[instrument(skip(self, r))]
+    async fn submit_job(&self, r: Request<SubmitJobRequest>) -> Result<Response<SubmitJobResponse>, Status> {
+        let (job_id, trace_id) = self.submit(&r.into_inner().requests)?;
+        Ok(Response::new(SubmitJobResponse { job_id, trace_id }))
+    }
+
+    #[instrument(skip(self, r))]
+    async fn watch_job(&self, r: Request<JobRef>) -> Result<Response<Self::WatchJobStream>, Status> {
+        let id = r.into_inner().job_id;
+        let mut rx = self.watch(&id, false)?;
+        let (tx, out) = mpsc::channel(256);
+        tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                let item = ev.map(|e| JobEvent { job_id: id.clone(), event: Some(e) });
+                if tx.send(item).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    async fn get_job(&self, r: Request<JobRef>) -> Result<Response<Job>, Status> {
+        let id = r.into_inner().job_id;
+        self.jobs.with(&id, |j| j.view(&id)).map(Response::new).ok_or_else(|| Status::not_found(format!("no job {id}")))
+    }
+
+    async fn cancel_job(&self, r: Request<JobRef>) -> Result<Response<Job>, Status> {
+        let id = r.into_inner().job_id;
+        info!(job_id = %id, "cancel requested");
+        self.jobs.cancel(&id).map(Response::new).ok_or_else(|| Status::not_found(format!("no job {id}")))
+    }
+
+    async fn list_workers(&self, _r: Request<ListWorkersRequest>) -> Result<Response<ListWorkersResponse>, Status> {
+        let mut workers = Vec::new();
+        for (addr, device, budget, client) in &self.workers {
+            let mut c = client.clone();
+            let healthy = tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {})).await.is_ok_and(|r| r.is_ok());
+            workers.push(WorkerInfo { address: addr.clone(), device: device.clone(), memory_budget: *budget, healthy });
+        }
+        Ok(Response::new(ListWorkersResponse { workers }))
+    }
+
+    async fn get_plan(&self, _r: Request<GetPlanRequest>) -> Result<Response<Plan>, Status> {
+        Ok(Response::new(self.plan.clone()))
+    }
+}

@@ -1,0 +1,69 @@
+//! Per-request accounting of where time went: bytes streamed, transfer, compute and stall time over
+//! the steps a request rode, turned into the `Stats` message (tokens/s, overlap %).
+
+use layerstream_proto::v1::{LayerTiming, Stats};
+use std::time::Duration;
+
+/// Sums over the steps of one request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Acc {
+    pub bytes: u64,
+    pub transfer_ms: f64,
+    pub compute_ms: f64,
+    pub stall_ms: f64,
+    pub steps: u64,
+}
+
+impl Acc {
+    /// Adds one step's layer timings.
+    pub fn add(&mut self, layers: &[LayerTiming], _step_ms: f64) {
+        self.steps += 1;
+        for l in layers {
+            self.bytes += l.bytes;
+            self.transfer_ms += l.transfer_ms;
+            self.compute_ms += l.compute_ms;
+            self.stall_ms += l.stall_ms;
+        }
+    }
+
+    /// Share of transfer time hidden behind compute: 100 when nothing was streamed.
+    pub fn overlap_pct(&self) -> f64 {
+        if self.transfer_ms <= 0.0 {
+            return 100.0;
+        }
+        ((self.transfer_ms - self.stall_ms).max(0.0) / self.transfer_ms * 100.0).min(100.0)
+    }
+
+    /// The final stats.
+    pub fn stats(&self, prompt: usize, completion: usize, wall: Duration) -> Stats {
+        let wall_ms = wall.as_secs_f64() * 1e3;
+        Stats {
+            prompt_tokens: prompt as u64,
+            completion_tokens: completion as u64,
+            tokens_per_s: if wall_ms > 0.0 { completion as f64 / (wall_ms / 1e3) } else { 0.0 },
+            bytes_streamed: self.bytes,
+            transfer_ms: self.transfer_ms,
+            compute_ms: self.compute_ms,
+            overlap_pct: self.overlap_pct(),
+            wall_ms,
+            steps: self.steps,
+            stall_ms: self.stall_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_is_hidden_share_of_transfer() {
+        let mut a = Acc::default();
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 9.0);
+        assert_eq!(a.overlap_pct(), 75.0);
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }], 4.0);
+        assert_eq!(a.overlap_pct(), 37.5);
+        assert_eq!(Acc::default().overlap_pct(), 100.0);
+        assert_eq!(a.stats(3, 2, Duration::from_secs(1)).bytes_streamed, 20);
+    }
+}

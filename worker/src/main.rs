@@ -1,0 +1,15 @@
+//! `worker`: the standalone worker binary (also `layerstream worker`).
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(name = "worker", version, about = "A layerstream worker: one device, a range of layers, their KV caches")]
+struct Cli {
+    #[command(flatten)]
+    args: layerstream_worker::server::WorkerArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    layerstream_worker::server::run(Cli::parse().args).await
+}

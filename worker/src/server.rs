@@ -1,0 +1,75 @@
+//! The worker process: flags, startup, and the gRPC server.
+
+use crate::service::{WorkerService, WorkerState};
+use clap::Args;
+use layerstream_model::Store;
+use layerstream_proto::v1::worker_server::WorkerServer;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// Flags of a worker.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Layer store directory (the same one the loader daemon serves).
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: PathBuf,
+    /// Address to serve gRPC on (port 0 picks a free port; printed as `LISTENING http://…`).
+    #[arg(long, env = "LAYERSTREAM_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Address other processes use to reach this worker (default: the bound address).
+    #[arg(long, env = "LAYERSTREAM_WORKER_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Compute device: `cpu` (or `cuda:N` in a CUDA build).
+    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Bytes this worker may use for weights, streaming buffers and KV cache (suffixes K, M, G).
+    #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", default_value = "8G", value_parser = parse_bytes)]
+    pub memory_budget: u64,
+    /// The loader daemon's control socket.
+    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET", default_value = "/tmp/layerstream-loader.sock")]
+    pub loader_socket: PathBuf,
+    /// OTLP gRPC endpoint for traces (off when unset).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// Parses "123", "64K", "512M", "8G" (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<f64>().map(|v| (v * mul as f64) as u64).map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
+}
+
+/// Runs a worker until SIGINT/SIGTERM.
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
+    if args.device != "cpu" {
+        anyhow::bail!("device {:?} unavailable: this build has the cpu device only (CUDA workers come with the cuda feature)", args.device);
+    }
+    let store = Store::open(&args.model)?;
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let id = args.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+    let state = Arc::new(WorkerState {
+        id: id.clone(),
+        device: args.device.clone(),
+        budget: args.memory_budget,
+        store,
+        loader_socket: args.loader_socket.clone(),
+        stage: Arc::new(Mutex::new(None)),
+    });
+    println!("LISTENING {id}");
+    tracing::info!(%id, device = %args.device, budget = args.memory_budget, "worker ready");
+    tonic::transport::Server::builder()
+        .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
+        .add_service(layerstream_proto::transport::reflection())
+        .add_service(WorkerServer::new(WorkerService(state)).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), layerstream_proto::transport::shutdown_signal())
+        .await?;
+    Ok(())
+}

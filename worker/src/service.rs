@@ -1,0 +1,160 @@
+//! The worker's gRPC service: Info, Assign (budget-checked), Step (a batch through the stage),
+//! Release (free sequences).
+
+use crate::budget::{file_bytes, kv_bytes_per_token_layer, layer_bytes, usage};
+use crate::stage::{Stage, StagePlan, StepSeq};
+use crate::stream::LoaderLink;
+use layerstream_kernels::CpuBackend;
+use layerstream_model::Store;
+use layerstream_proto::telemetry::adopt_parent;
+use layerstream_proto::v1::worker_server::Worker;
+use layerstream_proto::v1::*;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tonic::{Request, Response, Status};
+use tracing::{info, info_span, Instrument};
+
+/// Shared state of a worker process.
+pub struct WorkerState {
+    pub id: String,
+    pub device: String,
+    pub budget: u64,
+    pub store: Store,
+    pub loader_socket: PathBuf,
+    pub stage: Arc<Mutex<Option<Stage<CpuBackend>>>>,
+}
+
+/// The gRPC face of a worker.
+pub struct WorkerService(pub Arc<WorkerState>);
+
+fn err(e: crate::Error) -> Status {
+    match e {
+        crate::Error::Request(m) if m.contains("KV cache full") => Status::resource_exhausted(m),
+        crate::Error::Request(m) => Status::failed_precondition(m),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+fn plan_from(a: &Assignment) -> StagePlan {
+    StagePlan {
+        layers: a.layer_start..a.layer_end,
+        resident: a.resident.clone(),
+        group_size: a.group_size.max(1) as usize,
+        buffers: a.streaming_buffers as usize,
+        kv_capacity: a.kv_capacity as usize,
+        embed: a.embed,
+        head: a.head,
+        prefetch: a.prefetch,
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(&self, _r: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        let s = &self.0;
+        let m = &s.store.manifest;
+        let n = m.config.num_layers as u32;
+        let live = s.stage.lock().unwrap().as_ref().map_or(0, |st| st.kv_used().0 as u32);
+        Ok(Response::new(InfoResponse {
+            device: s.device.clone(),
+            memory_budget: s.budget,
+            num_layers: n,
+            layer_bytes: (0..n).map(|l| layer_bytes(m, l)).collect(),
+            kv_bytes_per_token_layer: kv_bytes_per_token_layer(m),
+            embed_bytes: file_bytes(m, "embed.bin"),
+            head_bytes: file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin"),
+            sequences: live,
+        }))
+    }
+
+    async fn assign(&self, r: Request<Assignment>) -> Result<Response<AssignResponse>, Status> {
+        let a = r.into_inner();
+        let s = self.0.clone();
+        let plan = plan_from(&a);
+        let u = usage(&s.store.manifest, &plan);
+        if u.total() > s.budget {
+            return Err(Status::resource_exhausted(format!(
+                "worker {}: assignment of layers {}..{} needs {u}, more than its memory budget of {} bytes",
+                s.id, a.layer_start, a.layer_end, s.budget
+            )));
+        }
+        let channel = layerstream_proto::transport::connect_uds(&s.loader_socket)
+            .await
+            .map_err(|e| Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display())))?;
+        let rt = tokio::runtime::Handle::current();
+        let span = info_span!("assign", layers = ?plan.layers, resident = plan.resident.len());
+        let bytes = u.total();
+        tokio::task::spawn_blocking(move || {
+            let _e = span.enter();
+            let link = LoaderLink::new(channel, s.id.clone(), rt);
+            let t = Instant::now();
+            let stage = Stage::load(CpuBackend, s.store.clone(), plan, link).map_err(err)?;
+            info!(worker = %s.id, layers = ?stage.plan.layers, resident = ?stage.plan.resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
+            *s.stage.lock().unwrap() = Some(stage);
+            Ok::<_, Status>(())
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(AssignResponse { bytes_used: bytes }))
+    }
+
+    async fn step(&self, r: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
+        let span = info_span!("worker_step", otel.name = "worker step", worker = %self.0.id, seqs = r.get_ref().seqs.len());
+        adopt_parent(&span, r.metadata());
+        let req = r.into_inner();
+        let stage = self.0.stage.clone();
+        let batch: Vec<StepSeq> = req
+            .seqs
+            .into_iter()
+            .map(|s| StepSeq {
+                seq_id: s.seq_id,
+                start_pos: s.start_pos as usize,
+                tokens: s.token_ids,
+                sampling: s.sampling.map(|p| crate::SamplingParams {
+                    temperature: p.temperature,
+                    top_k: p.top_k as usize,
+                    top_p: if p.top_p <= 0.0 { 1.0 } else { p.top_p },
+                    repetition_penalty: if p.repetition_penalty <= 0.0 { 1.0 } else { p.repetition_penalty },
+                    seed: p.seed,
+                }),
+            })
+            .collect();
+        let hidden: Vec<f32> = req.hidden.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let s2 = span.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let t = Instant::now();
+            let mut guard = stage.lock().unwrap();
+            let st = guard.as_mut().ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
+            let out = st.step(&batch, &hidden, &s2).map_err(err)?;
+            Ok::<_, Status>((out, t.elapsed().as_secs_f64() * 1e3))
+        })
+        .instrument(span)
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        let (out, wall_ms) = out;
+        Ok(Response::new(StepResponse {
+            hidden: out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            tokens: out.tokens,
+            layers: out
+                .layers
+                .into_iter()
+                .map(|t| LayerTiming { layer: t.layer, resident: t.resident, bytes: t.bytes, transfer_ms: t.transfer_ms, compute_ms: t.compute_ms, stall_ms: t.stall_ms })
+                .collect(),
+            wall_ms,
+        }))
+    }
+
+    async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+        let ids = r.into_inner().seq_ids;
+        let mut g = self.0.stage.lock().unwrap();
+        let live = match g.as_mut() {
+            Some(st) => {
+                st.release(&ids);
+                st.kv_used().0 as u32
+            }
+            None => 0,
+        };
+        Ok(Response::new(ReleaseResponse { sequences: live }))
+    }
+}

@@ -1,0 +1,65 @@
+//! The worker's side of the loader: acquire a layer's shm slot, copy it into a staging buffer
+//! (the transfer), release the slot. Slot mappings are opened once and reused.
+
+use crate::error::{Error, Result};
+use layerstream_loader::shm::ShmRegion;
+use layerstream_proto::telemetry::traced_request;
+use layerstream_proto::v1::loader_client::LoaderClient;
+use layerstream_proto::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
+use std::collections::HashMap;
+use std::time::Instant;
+use tonic::transport::Channel;
+
+/// One layer copied out of the loader.
+pub struct Fetched {
+    pub bytes: usize,
+    /// Time of the slot → buffer copy alone.
+    pub copy_ms: f64,
+}
+
+/// A connection to the loader daemon plus the slot regions mapped so far.
+pub struct LoaderLink {
+    client: LoaderClient<Channel>,
+    worker: String,
+    regions: HashMap<String, ShmRegion>,
+    rt: tokio::runtime::Handle,
+}
+
+fn loader_err(what: &str, s: tonic::Status) -> Error {
+    Error::Request(format!("loader daemon {what}: {} ({:?})", s.message(), s.code()))
+}
+
+impl LoaderLink {
+    /// Wraps a channel to the loader; `worker` identifies this worker's prefetch order.
+    pub fn new(channel: Channel, worker: String, rt: tokio::runtime::Handle) -> Self {
+        LoaderLink { client: LoaderClient::new(channel), worker, regions: HashMap::new(), rt }
+    }
+
+    /// Declares the cyclic order in which this worker streams layers.
+    pub fn set_order(&mut self, layers: Vec<u32>) -> Result<()> {
+        let req = SetOrderRequest { worker: self.worker.clone(), layers };
+        let mut c = self.client.clone();
+        self.rt.block_on(c.set_order(req)).map_err(|s| loader_err("set_order", s))?;
+        Ok(())
+    }
+
+    /// Copies layer `layer` into `buf` (resized to the file's length) under `span`'s trace context.
+    pub fn fetch(&mut self, layer: u32, buf: &mut Vec<u8>, span: &tracing::Span) -> Result<Fetched> {
+        let mut c = self.client.clone();
+        let req = traced_request(span, AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true });
+        let a = self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
+        let t = Instant::now();
+        if !self.regions.contains_key(&a.shm_name) {
+            let r = ShmRegion::open_readonly(&a.shm_name).map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
+            self.regions.insert(a.shm_name.clone(), r);
+        }
+        let region = &self.regions[&a.shm_name];
+        let len = a.len as usize;
+        buf.clear();
+        buf.extend_from_slice(&region.bytes()[..len]);
+        let copy_ms = t.elapsed().as_secs_f64() * 1e3;
+        let rel = SlotRelease { worker: self.worker.clone(), layer };
+        self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
+        Ok(Fetched { bytes: len, copy_ms })
+    }
+}
