@@ -79,7 +79,7 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
                             "tokens_per_s": st.tokens_per_s, "bytes_streamed": st.bytes_streamed,
                             "transfer_ms": st.transfer_ms, "compute_ms": st.compute_ms, "stall_ms": st.stall_ms,
-                            "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps,
+                            "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps, "max_batch": st.max_batch,
                         },
                     });
                     writeln!(out, "{v}")?;

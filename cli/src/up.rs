@@ -161,11 +161,21 @@ pub fn run(a: UpArgs) -> Result<()> {
         }
         if let Some((name, status)) = children.0.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
             drop(children);
+            clean_shm(&ns);
             bail!("{name} exited ({status}); stopped the rest");
         }
     }
     drop(children);
+    clean_shm(&ns);
     Ok(())
+}
+
+/// Removes what a loader that died without cleaning up left in /dev/shm.
+fn clean_shm(ns: &str) {
+    let n = layerstream_loader::shm::remove_stale(ns);
+    if n > 0 {
+        eprintln!("layerstream up: removed {n} shared-memory regions left by a stopped loader");
+    }
 }
 
 fn unsafe_sigset() -> libc::sigset_t {

@@ -164,10 +164,8 @@ impl Scheduler {
         // One `step` span per request in the batch, so each request's trace shows every step it rode;
         // the first carries the workers' spans.
         let spans: Vec<Span> = active.iter().map(|a| info_span!(parent: &a.req.span, "step", batch = seqs.len(), rows)).collect();
-        let t0 = Instant::now();
         let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
         drop(spans);
-        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
         let out = match res {
             Ok(out) => out,
             Err(e) => {
@@ -185,7 +183,7 @@ impl Scheduler {
         for (s, &tok) in seqs.iter().zip(&out.tokens) {
             let a = &mut active[i];
             a.pos += s.token_ids.len();
-            a.acc.add(&out.layers, step_ms);
+            a.acc.add(&out.layers, seqs.len());
             a.output.push(tok);
             let p = &a.req.params;
             let mut reason: Option<(&str, String)> = None;

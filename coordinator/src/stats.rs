@@ -12,12 +12,14 @@ pub struct Acc {
     pub compute_ms: f64,
     pub stall_ms: f64,
     pub steps: u64,
+    pub max_batch: u32,
 }
 
 impl Acc {
     /// Adds one step's layer timings.
-    pub fn add(&mut self, layers: &[LayerTiming], _step_ms: f64) {
+    pub fn add(&mut self, layers: &[LayerTiming], batch: usize) {
         self.steps += 1;
+        self.max_batch = self.max_batch.max(batch as u32);
         for l in layers {
             self.bytes += l.bytes;
             self.transfer_ms += l.transfer_ms;
@@ -48,6 +50,7 @@ impl Acc {
             wall_ms,
             steps: self.steps,
             stall_ms: self.stall_ms,
+            max_batch: self.max_batch,
         }
     }
 }
@@ -59,9 +62,10 @@ mod tests {
     #[test]
     fn overlap_is_hidden_share_of_transfer() {
         let mut a = Acc::default();
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 9.0);
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 3);
         assert_eq!(a.overlap_pct(), 75.0);
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }], 4.0);
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }], 1);
+        assert_eq!(a.max_batch, 3);
         assert_eq!(a.overlap_pct(), 37.5);
         assert_eq!(Acc::default().overlap_pct(), 100.0);
         assert_eq!(a.stats(3, 2, Duration::from_secs(1)).bytes_streamed, 20);

@@ -72,7 +72,7 @@ impl Daemon {
             let ms = t.elapsed().as_secs_f64() * 1e3;
             match r {
                 Ok(n) => {
-                    s2.record("bytes", n as u64);
+                    s2.record("bytes", n as i64);
                     s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
                     Ok(ms)
                 }
@@ -100,11 +100,15 @@ impl Daemon {
             let slot = self.pool.lock().unwrap().start_prefetch(l, &next);
             if let Some(slot) = slot {
                 let me = self.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = me.load(slot, l).await {
-                        warn!(layer = l, error = %e, "prefetch failed");
+                // The read is traced under the acquire that triggered it.
+                tokio::spawn(
+                    async move {
+                        if let Err(e) = me.load(slot, l).await {
+                            warn!(layer = l, error = %e, "prefetch failed");
+                        }
                     }
-                });
+                    .instrument(tracing::Span::current()),
+                );
             }
         }
     }
@@ -121,7 +125,7 @@ impl Daemon {
                 Acquire::Hit(slot) => {
                     self.prefetch_after(worker, layer);
                     if !missed {
-                        info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = len, cache = "hit").in_scope(|| {});
+                        info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = len as i64, cache = "hit").in_scope(|| {});
                     }
                     return Ok(AcquireResponse { slot: slot as u32, shm_name: self.slots[slot].name.clone(), len, hit: !missed, read_ms });
                 }
@@ -150,6 +154,7 @@ impl Loader for LoaderService {
             slot_size: d.slot_size as u64,
             prefetch_depth: d.depth as u32,
             direct_io: d.direct,
+            pinned: { let p = d.pool.lock().unwrap(); (0..p.len()).map(|i| p.pins(i)).sum() },
         }))
     }
 

@@ -45,20 +45,13 @@ pub fn init_tracing(otlp_endpoint: Option<&str>, service_name: &str) -> TracingG
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn,opentelemetry=warn"));
     let _ = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter_placeholder())
+        // Export only layerstream's own spans (not h2/hyper/tonic internals), whatever RUST_LOG says.
+        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(tracing_subscriber::filter::filter_fn(|m| m.target().starts_with("layerstream"))))
         .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_filter(filter))
         .try_init();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     TracingGuard { provider }
 }
-
-/// Lets the OTel layer see every span regardless of the log filter.
-trait FilterPlaceholder: Sized {
-    fn with_filter_placeholder(self) -> Self {
-        self
-    }
-}
-impl<T> FilterPlaceholder for T {}
 
 use tracing_subscriber::Layer as _;
 

@@ -248,7 +248,7 @@ impl<B: Backend> Stage<B> {
                     Ok((f, Self::weights(b, cfg, store, l, staging)?))
                 })?;
                 let transfer_ms = t0.elapsed().as_secs_f64() * 1e3;
-                h2d.record("bytes", f.bytes as u64);
+                h2d.record("bytes", f.bytes as i64);
                 h2d.record("gbps", f.bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
                 drop(h2d);
                 layers.push((l, w, span, LayerTiming { layer: l, bytes: f.bytes as u64, transfer_ms, ..Default::default() }));

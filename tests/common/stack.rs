@@ -1,0 +1,140 @@
+//! Starting the real stack (`layerstream up`) and the OTLP sink as child processes in tests; they
+//! are stopped with SIGTERM when the guard drops, and /dev/shm is checked clean afterwards.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running child that printed `LISTENING <addr>`.
+pub struct Proc {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Proc {
+    /// Starts `layerstream <args>` and waits for its address.
+    pub fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = match lines.next() {
+            Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
+            other => {
+                let _ = child.kill();
+                panic!("layerstream {args:?} did not start: {other:?}");
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Proc { child, addr }
+    }
+
+    /// Sends SIGTERM and waits (10 s at most) for the exit.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        // SAFETY: signalling our own child process.
+        unsafe { libc_kill(self.child.id() as i32, 15) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// `layerstream up` on a free port; on drop: stopped, and no shm of its namespace left.
+pub struct Stack {
+    pub proc: Proc,
+}
+
+impl Stack {
+    pub fn up(store: &Path, extra: &[&str]) -> Stack {
+        Self::up_env(store, extra, &[])
+    }
+
+    pub fn up_env(store: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Stack {
+        let mut args = vec!["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        Stack { proc: Proc::start(&args, envs) }
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.proc.addr
+    }
+
+    /// The shm namespace prefix of this stack.
+    pub fn shm_prefix(&self) -> String {
+        format!("layerstream-up{}-", self.proc.child.id())
+    }
+
+    /// The loader's control socket.
+    pub fn loader_socket(&self) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("layerstream-up{}.sock", self.proc.child.id()))
+    }
+
+    /// Pids of the children of `up` whose command line contains `word`.
+    pub fn children(&self, word: &str) -> Vec<i32> {
+        let up = self.proc.child.id().to_string();
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).unwrap_or("");
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if ppid == up && cmd.split('\0').nth(1) == Some(word) {
+                out.push(pid);
+            }
+        }
+        out
+    }
+
+    /// Kills a process with SIGKILL.
+    pub fn kill9(pid: i32) {
+        // SAFETY: sending a signal to a test-owned process.
+        unsafe { libc_kill(pid, 9) };
+    }
+
+    /// Stops the stack and asserts it left no shared memory behind.
+    pub fn shutdown(mut self) {
+        let prefix = self.shm_prefix();
+        self.proc.stop();
+        let left: Vec<String> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect();
+        assert!(left.is_empty(), "shared memory left behind: {left:?}");
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.proc.stop();
+    }
+}
+
+/// `layerstream submit --json` against `addr`; returns the final JSON object.
+pub fn submit(addr: &str, args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["submit", "--addr", addr, "--json"];
+    a.extend_from_slice(args);
+    super::last_json(&super::layerstream(&a))
+}
+
+/// `submit` args reproducing a golden (token ids, greedy, EOS ignored) with `n` new tokens.
+pub fn golden_args(g: &super::Golden, n: usize) -> Vec<String> {
+    let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
+    vec!["--token-ids".into(), ids.join(","), "--max-new-tokens".into(), n.to_string(), "--ignore-eos".into()]
+}

@@ -1,0 +1,124 @@
+//! The real pipeline on loopback: `layerstream up` (loader daemon + workers + coordinator as
+//! processes) and `layerstream submit`, checked against `layerstream run` token for token.
+
+mod common;
+#[path = "common/stack.rs"]
+mod stack;
+
+use common::*;
+use stack::*;
+use std::path::Path;
+
+/// `run` outputs for every golden prompt: the reference the pipeline must reproduce exactly.
+fn run_outputs(store: &Path, model: &str, n: usize) -> Vec<(Golden, Vec<u32>)> {
+    goldens(model)
+        .into_iter()
+        .map(|g| {
+            let args = golden_args(&g, n);
+            let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json"];
+            a.extend(args.iter().map(String::as_str));
+            let out: Vec<u32> = serde_json::from_value(last_json(&layerstream(&a))["output_ids"].clone()).unwrap();
+            (g, out)
+        })
+        .collect()
+}
+
+fn check_config(store: &Path, model: &str, expected: &[(Golden, Vec<u32>)], n: usize, config: &[&str]) -> Vec<serde_json::Value> {
+    let stack = Stack::up(store, config);
+    let mut results = Vec::new();
+    for (g, want) in expected {
+        let args = golden_args(g, n);
+        let v = submit(stack.addr(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+        assert_eq!(&got, want, "{model}/{} with {config:?}: pipeline differs from `layerstream run`", g.name);
+        assert_greedy(model, g, &got);
+        assert_eq!(v["trace_id"].as_str().unwrap().len(), 32);
+        results.push(v);
+    }
+    stack.shutdown();
+    results
+}
+
+fn all_configs(model: &str, import_dir: &Path, store: &Path, n: usize) {
+    let _ = import_dir;
+    let expected = run_outputs(store, model, n);
+    // (a) one worker, everything resident: nothing streamed.
+    for v in check_config(store, model, &expected, n, &["--workers", "1"]) {
+        assert_eq!(v["stats"]["bytes_streamed"], 0);
+    }
+    // (b) two workers, no residency, two streaming buffers.
+    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--streaming-buffers", "2"]) {
+        assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0);
+    }
+    // (c) partial residency, with layer groups of 3.
+    check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "3"]);
+    check_config(store, model, &expected, n, &["--workers", "1", "--resident-layers", "1", "--layer-group-size", "3", "--streaming-buffers", "3"]);
+    // (d) prefetch off: every transfer is exposed.
+    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--no-prefetch"]) {
+        assert_eq!(v["stats"]["overlap_pct"].as_f64().unwrap(), 0.0);
+    }
+}
+
+fn tiny(model: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir(model), dir.path());
+    all_configs(model, dir.path(), &store.dir, 40);
+}
+
+#[test]
+fn tiny_llama_pipeline_configs_equal_run() {
+    tiny("tiny-llama");
+}
+
+#[test]
+fn tiny_qwen2_pipeline_configs_equal_run() {
+    tiny("tiny-qwen2");
+}
+
+#[test]
+fn tiny_qwen3_pipeline_configs_equal_run() {
+    tiny("tiny-qwen3");
+}
+
+#[test]
+fn smollm2_streamed_with_partial_residency_equals_run_and_transformers() {
+    let store = layerstream_model::fetch::default_store().unwrap();
+    let n = 12;
+    let expected = run_outputs(&store, "smollm2", n);
+    check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4"]);
+    check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4", "--layer-group-size", "3", "--streaming-buffers", "3"]);
+}
+
+#[test]
+fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let s = store.dir.to_str().unwrap().to_owned();
+    let prompts = ["The quick brown fox", "Hello", "What is the capital of France?", "1 2 3 4", "Once upon a time there was", "a", "Rust is", "Streaming layers"];
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let n = (5 + 5 * i).to_string();
+            serde_json::from_value(last_json(&layerstream(&["run", "--model", &s, "--prompt", p, "--max-new-tokens", &n, "--ignore-eos", "--json"]))["output_ids"].clone()).unwrap()
+        })
+        .collect();
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "1"]);
+    let addr = stack.addr().to_owned();
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (addr, p) = (addr.clone(), p.to_string());
+            std::thread::spawn(move || submit(&addr, &["--prompt", &p, "--max-new-tokens", &(5 + 5 * i).to_string(), "--ignore-eos"]))
+        })
+        .collect();
+    let results: Vec<serde_json::Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (i, v) in results.iter().enumerate() {
+        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+        assert_eq!(got, solo[i], "job {i} differs from its solo run");
+    }
+    let max_batch = results.iter().map(|v| v["stats"]["max_batch"].as_u64().unwrap()).max().unwrap();
+    assert!(max_batch > 1, "the jobs were never batched together");
+    stack.shutdown();
+}

@@ -1,0 +1,208 @@
+//! Cancellation, client loss, traces and crashes on the real stack: cancelled jobs free their KV
+//! caches and slots; an OTLP receiver gets the job → step → layer → h2d/compute → read spans with
+//! correct parents; a killed worker or loader ends the job with a clear error, never a hang; no shm
+//! remains after shutdown.
+
+mod common;
+#[path = "common/stack.rs"]
+mod stack;
+
+use common::*;
+use layerstream_proto::v1::coordinator_client::CoordinatorClient;
+use layerstream_proto::v1::loader_client::LoaderClient;
+use layerstream_proto::v1::worker_client::WorkerClient;
+use layerstream_proto::v1::*;
+use stack::*;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tiny_store(dir: &std::path::Path) -> std::path::PathBuf {
+    import(&model_dir("tiny-llama"), dir).dir
+}
+
+async fn live_sequences(addr: &str) -> u32 {
+    let mut c = CoordinatorClient::connect(addr.to_owned()).await.unwrap();
+    let mut total = 0;
+    for w in c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers {
+        let mut wc = WorkerClient::connect(w.address).await.unwrap();
+        total += wc.info(InfoRequest {}).await.unwrap().into_inner().sequences;
+    }
+    total
+}
+
+async fn wait_until_zero_sequences(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let n = live_sequences(addr).await;
+        if n == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{n} sequences still hold KV caches");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn long_request() -> GenerateRequest {
+    GenerateRequest { input: Some(generate_request::Input::Prompt("Hello".into())), max_new_tokens: 1900, ignore_eos: true, ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancel_mid_job_frees_kv_caches_and_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "2", "--resident-layers", "0"]);
+    let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
+    let job = c.submit_job(SubmitJobRequest { requests: vec![long_request(), long_request()] }).await.unwrap().into_inner();
+    let mut watch = c.watch_job(JobRef { job_id: job.job_id.clone() }).await.unwrap().into_inner();
+    let mut tokens = 0;
+    while tokens < 6 {
+        let ev = watch.message().await.unwrap().expect("job still running");
+        if matches!(ev.event.and_then(|e| e.event), Some(generate_event::Event::Token(_))) {
+            tokens += 1;
+        }
+    }
+    assert!(live_sequences(stack.addr()).await > 0);
+    c.cancel_job(JobRef { job_id: job.job_id.clone() }).await.unwrap();
+    let mut reasons = Vec::new();
+    while let Some(ev) = watch.message().await.unwrap() {
+        if let Some(generate_event::Event::Done(d)) = ev.event.and_then(|e| e.event) {
+            assert!(d.output_ids.len() < 1900);
+            reasons.push(d.finish_reason);
+        }
+    }
+    assert_eq!(reasons, vec!["cancelled", "cancelled"]);
+    assert_eq!(c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state, "cancelled");
+    wait_until_zero_sequences(stack.addr()).await;
+    let ch = layerstream_proto::transport::connect_uds(&stack.loader_socket()).await.unwrap();
+    assert_eq!(LoaderClient::new(ch).describe(DescribeRequest {}).await.unwrap().into_inner().pinned, 0, "slots still pinned");
+    // The stack still serves after the cancellation.
+    let v = submit(stack.addr(), &["--prompt", "Hi", "--max-new-tokens", "3"]);
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
+    stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_goes_away_cancels_its_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "1", "--resident-layers", "1"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+        .args(["submit", "--addr", stack.addr(), "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 16];
+    child.stdout.as_mut().unwrap().read_exact(&mut buf).unwrap();
+    assert!(live_sequences(stack.addr()).await > 0);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_until_zero_sequences(stack.addr()).await;
+    stack.shutdown();
+}
+
+#[test]
+fn spans_reach_an_otlp_receiver_with_correct_parents() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let spans_file = dir.path().join("spans.jsonl");
+    let mut sink = Proc::start(&["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()], &[]);
+    let stack = Stack::up_env(&store, &["--workers", "2", "--resident-layers", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
+    let v = submit(stack.addr(), &["--prompt", "The quick brown fox", "--max-new-tokens", "3"]);
+    let trace = v["trace_id"].as_str().unwrap().to_owned();
+    stack.shutdown(); // flushes every process's exporter
+    // Every process flushed at shutdown; wait until the receiver's file stops growing.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last_len = usize::MAX;
+    let text = loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let text = std::fs::read_to_string(&spans_file).unwrap_or_default();
+        if text.len() == last_len && text.contains("\"read layer") || Instant::now() > deadline {
+            break text;
+        }
+        last_len = text.len();
+    };
+    let spans: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|s: &serde_json::Value| s["trace_id"] == trace.as_str()).collect();
+    sink.stop();
+    let by_id = |id: &str| spans.iter().find(|s| s["span_id"] == id);
+    let parent_name = |s: &serde_json::Value| by_id(s["parent_span_id"].as_str().unwrap()).map(|p| p["name"].as_str().unwrap().to_owned());
+    let named = |prefix: &str| spans.iter().filter(move |s| s["name"].as_str().unwrap().starts_with(prefix)).collect::<Vec<_>>();
+    assert_eq!(named("job").len(), 1, "one job span in {} spans", spans.len());
+    assert_eq!(named("job")[0]["service"], "coordinator");
+    assert!(named("step").len() >= 3);
+    for s in named("step") {
+        assert_eq!(parent_name(s).as_deref(), Some("job"));
+    }
+    for s in named("worker step") {
+        assert_eq!(parent_name(s).as_deref(), Some("step"));
+        assert_eq!(s["service"], "worker");
+    }
+    assert_eq!(named("worker step").len(), 2 * named("step").len(), "both workers traced every step");
+    let layers = named("layer ");
+    assert!(!layers.is_empty());
+    for s in &layers {
+        assert_eq!(parent_name(s).as_deref(), Some("worker step"));
+    }
+    for s in named("compute") {
+        assert!(parent_name(s).unwrap().starts_with("layer "));
+    }
+    let h2d = named("h2d");
+    assert!(!h2d.is_empty(), "streamed layers have h2d spans");
+    for s in &h2d {
+        assert!(parent_name(s).unwrap().starts_with("layer "));
+        assert!(s["attributes"]["bytes"].as_i64().unwrap() > 0);
+        assert!(s["attributes"]["gbps"].as_f64().unwrap() > 0.0);
+    }
+    let reads = named("read layer");
+    assert!(!reads.is_empty());
+    for s in &reads {
+        assert_eq!(s["service"], "loader-daemon");
+        assert_eq!(parent_name(s).as_deref(), Some("acquire"));
+        assert!(s["attributes"]["cache"] == "hit" || s["attributes"]["cache"] == "miss");
+    }
+    for s in named("acquire") {
+        assert_eq!(parent_name(s).as_deref(), Some("h2d"));
+    }
+}
+
+fn killed_mid_job_fails_cleanly(victim: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "2", "--resident-layers", "0"]);
+    let prefix = stack.shm_prefix();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+        .args(["submit", "--addr", stack.addr(), "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 16];
+    child.stdout.as_mut().unwrap().read_exact(&mut buf).unwrap();
+    let pids = stack.children(victim);
+    assert!(!pids.is_empty(), "no {victim} process found");
+    Stack::kill9(*pids.last().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "submit hung after the {victim} was killed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    child.stderr.as_mut().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success());
+    let want = if victim == "worker" { "worker http://" } else { "loader daemon" };
+    assert!(err.contains("job failed") && err.contains(want), "{err}");
+    drop(stack);
+    let left: Vec<String> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn killing_a_worker_mid_job_ends_it_with_a_clear_error() {
+    killed_mid_job_fails_cleanly("worker");
+}
+
+#[test]
+fn killing_the_loader_mid_job_ends_it_with_a_clear_error() {
+    killed_mid_job_fails_cleanly("loader-daemon");
+}
