@@ -1,6 +1,7 @@
 //! The `layerstream` command: import checkpoints into layer stores, verify them, run models locally,
 //! start the streaming stack (`up`) and submit jobs to it; also runs each of the stack's processes.
 
+mod bench;
 mod otlp_sink;
 mod prompt;
 mod run;
@@ -47,6 +48,8 @@ enum Cmd {
     Worker(layerstream_worker::server::WorkerArgs),
     /// Run the coordinator (as the `coordinator` binary does).
     Coordinator(layerstream_coordinator::CoordinatorArgs),
+    /// Benchmark one workload streamed vs fully resident vs prefetch off.
+    Bench(bench::BenchArgs),
     /// Receive OTLP traces and append each span to a JSON-lines file (a stand-in for Jaeger).
     OtlpSink(otlp_sink::SinkArgs),
 }
@@ -77,6 +80,7 @@ fn main() -> Result<()> {
         Cmd::LoaderDaemon(args) => block_on(layerstream_loader::run(args))?,
         Cmd::Worker(args) => block_on(layerstream_worker::server::run(args))?,
         Cmd::Coordinator(args) => block_on(layerstream_coordinator::run(args))?,
+        Cmd::Bench(args) => bench::run(args)?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
     }
     Ok(())

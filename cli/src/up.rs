@@ -57,7 +57,7 @@ pub struct UpArgs {
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
-struct Children(Vec<(String, Child)>);
+pub(crate) struct Children(pub(crate) Vec<(String, Child)>);
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -85,7 +85,7 @@ impl Drop for Children {
 }
 
 /// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line.
-fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
     let exe = std::env::current_exe().context("locating the layerstream binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());

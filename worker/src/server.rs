@@ -62,6 +62,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         store,
         loader_socket: args.loader_socket.clone(),
         stage: Arc::new(Mutex::new(None)),
+        live: Default::default(),
     });
     println!("LISTENING {id}");
     tracing::info!(%id, device = %args.device, budget = args.memory_budget, "worker ready");

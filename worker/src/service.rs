@@ -10,6 +10,7 @@ use layerstream_proto::telemetry::adopt_parent;
 use layerstream_proto::v1::worker_server::Worker;
 use layerstream_proto::v1::*;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tonic::{Request, Response, Status};
@@ -22,7 +23,11 @@ pub struct WorkerState {
     pub budget: u64,
     pub store: Store,
     pub loader_socket: PathBuf,
+    /// Locked only on blocking threads: a runtime thread waiting on it could starve the gRPC
+    /// connections a step's copy thread needs.
     pub stage: Arc<Mutex<Option<Stage<CpuBackend>>>>,
+    /// Live sequences, updated after every step and release (read by Info without the lock).
+    pub live: Arc<AtomicU32>,
 }
 
 /// The gRPC face of a worker.
@@ -55,7 +60,7 @@ impl Worker for WorkerService {
         let s = &self.0;
         let m = &s.store.manifest;
         let n = m.config.num_layers as u32;
-        let live = s.stage.lock().unwrap().as_ref().map_or(0, |st| st.kv_used().0 as u32);
+        let live = s.live.load(Ordering::Relaxed);
         Ok(Response::new(InfoResponse {
             device: s.device.clone(),
             memory_budget: s.budget,
@@ -104,6 +109,7 @@ impl Worker for WorkerService {
         adopt_parent(&span, r.metadata());
         let req = r.into_inner();
         let stage = self.0.stage.clone();
+        let live = self.0.live.clone();
         let batch: Vec<StepSeq> = req
             .seqs
             .into_iter()
@@ -126,7 +132,9 @@ impl Worker for WorkerService {
             let t = Instant::now();
             let mut guard = stage.lock().unwrap();
             let st = guard.as_mut().ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
-            let out = st.step(&batch, &hidden, &s2).map_err(err)?;
+            let out = st.step(&batch, &hidden, &s2).map_err(err);
+            live.store(st.kv_used().0 as u32, Ordering::Relaxed);
+            let out = out?;
             Ok::<_, Status>((out, t.elapsed().as_secs_f64() * 1e3))
         })
         .instrument(span)
@@ -147,14 +155,18 @@ impl Worker for WorkerService {
 
     async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
         let ids = r.into_inner().seq_ids;
-        let mut g = self.0.stage.lock().unwrap();
-        let live = match g.as_mut() {
-            Some(st) => {
+        let (stage, live) = (self.0.stage.clone(), self.0.live.clone());
+        let n = tokio::task::spawn_blocking(move || {
+            let mut g = stage.lock().unwrap();
+            let n = g.as_mut().map_or(0, |st| {
                 st.release(&ids);
                 st.kv_used().0 as u32
-            }
-            None => 0,
-        };
-        Ok(Response::new(ReleaseResponse { sequences: live }))
+            });
+            live.store(n, Ordering::Relaxed);
+            n
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(ReleaseResponse { sequences: n }))
     }
 }

@@ -1,0 +1,140 @@
+//! `layerstream bench`: one workload run three ways side by side — layers streamed with prefetch,
+//! fully resident, and streamed with prefetch off — each on a fresh `layerstream up` stack; prints
+//! tokens/s, bytes streamed, transfer GB/s and overlap %, and the ratios between them.
+
+use crate::up::{spawn, Children};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use layerstream_proto::v1::coordinator_client::CoordinatorClient;
+use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Stats};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Flags of `layerstream bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Layer store; default: the embedded SmolLM2-135M-Instruct.
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Workers in each stack.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Resident layers per worker in the streamed runs.
+    #[arg(long, default_value_t = 0)]
+    pub resident_layers: usize,
+    /// Layer group size in the streamed runs.
+    #[arg(long, default_value_t = 1)]
+    pub layer_group_size: usize,
+    /// Concurrent requests (batched together).
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Tokens generated per request (EOS ignored).
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: u32,
+    /// Prompt of every request.
+    #[arg(long, default_value = "Explain why the sky is blue in one paragraph.")]
+    pub prompt: String,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+/// One configuration's result.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Row {
+    config: String,
+    tokens: u64,
+    wall_s: f64,
+    tokens_per_s: f64,
+    bytes_streamed_per_step: f64,
+    transfer_gbps: f64,
+    overlap_pct: f64,
+    transfer_ms: f64,
+    compute_ms: f64,
+    stall_ms: f64,
+}
+
+async fn workload(addr: &str, a: &BenchArgs) -> Result<(u64, f64, Stats)> {
+    let client = CoordinatorClient::connect(addr.to_owned()).await?;
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..a.batch {
+        let mut c = client.clone();
+        let req = GenerateRequest {
+            input: Some(generate_request::Input::Prompt(a.prompt.clone())),
+            max_new_tokens: a.max_new_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        tasks.push(tokio::spawn(async move {
+            let mut s = c.generate(req).await?.into_inner();
+            while let Some(ev) = s.message().await? {
+                if let Some(generate_event::Event::Done(d)) = ev.event {
+                    return Ok::<_, tonic::Status>((d.output_ids.len() as u64, d.stats.unwrap_or_default()));
+                }
+            }
+            Err(tonic::Status::aborted("stream ended early"))
+        }));
+    }
+    let mut tokens = 0;
+    let mut first = None;
+    for t in tasks {
+        let (n, st) = t.await?.map_err(|s| anyhow::anyhow!("request failed: {}", s.message()))?;
+        tokens += n;
+        first.get_or_insert(st);
+    }
+    Ok((tokens, t0.elapsed().as_secs_f64(), first.unwrap_or_default()))
+}
+
+fn run_config(name: &str, model: &str, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
+    let mut children = Children(Vec::new());
+    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string()];
+    args.extend_from_slice(extra);
+    let addr = spawn(&mut children, name, &args)?;
+    // Warm-up request (page cache, first-touch allocations), then the measured workload.
+    rt.block_on(workload(&addr, &BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, ..*a }))?;
+    let (tokens, wall_s, st) = rt.block_on(workload(&addr, a))?;
+    drop(children);
+    let steps = st.steps.max(1) as f64;
+    Ok(Row {
+        config: name.into(),
+        tokens,
+        wall_s,
+        tokens_per_s: tokens as f64 / wall_s,
+        bytes_streamed_per_step: st.bytes_streamed as f64 / steps,
+        transfer_gbps: if st.transfer_ms > 0.0 { st.bytes_streamed as f64 / (st.transfer_ms / 1e3) / 1e9 } else { 0.0 },
+        overlap_pct: st.overlap_pct,
+        transfer_ms: st.transfer_ms,
+        compute_ms: st.compute_ms,
+        stall_ms: st.stall_ms,
+    })
+}
+
+/// Runs the three configurations and prints the comparison.
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.batch == 0 || a.max_new_tokens == 0 {
+        bail!("--batch and --max-new-tokens must be > 0");
+    }
+    let model = crate::run::model_dir(&a.model)?.display().to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let streamed = vec!["--resident-layers".to_owned(), a.resident_layers.to_string(), "--layer-group-size".into(), a.layer_group_size.to_string()];
+    let mut off = streamed.clone();
+    off.push("--no-prefetch".into());
+    let rows = vec![
+        run_config("streamed (prefetch on)", &model, &streamed, &a, &rt).context("streamed run")?,
+        run_config("fully resident", &model, &[], &a, &rt).context("resident run")?,
+        run_config("streamed (prefetch off)", &model, &off, &a, &rt).context("prefetch-off run")?,
+    ];
+    println!("workload: {} concurrent requests × {} tokens, {} worker(s), {} resident layers/worker when streamed, group {}", a.batch, a.max_new_tokens, a.workers, a.resident_layers, a.layer_group_size);
+    println!("| config | tokens/s | MB streamed/step | transfer GB/s | overlap % | transfer ms | stall ms | compute ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!("| {} | {:.1} | {:.2} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} |", r.config, r.tokens_per_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.overlap_pct, r.transfer_ms, r.stall_ms, r.compute_ms);
+    }
+    println!("streamed / resident tokens/s: {:.2}", rows[0].tokens_per_s / rows[1].tokens_per_s);
+    println!("prefetch on / off tokens/s:   {:.2}", rows[0].tokens_per_s / rows[2].tokens_per_s);
+    if let Some(p) = &a.json_out {
+        std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
+    }
+    Ok(())
+}
