@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 /// Exactly one way of giving the input.
 #[derive(Args, Debug, Clone)]
-#[group(required = true, multiple = false)]
+#[group(required = false, multiple = false)]
 pub struct PromptArgs {
     /// Raw text, tokenized as HF does (special tokens as the tokenizer configures).
     #[arg(long, env = "LAYERSTREAM_PROMPT")]
@@ -23,6 +23,13 @@ pub struct PromptArgs {
     /// Comma-separated token ids, fed as they are.
     #[arg(long, value_delimiter = ',')]
     pub token_ids: Option<Vec<u32>>,
+}
+
+impl PromptArgs {
+    /// Whether any input was given.
+    pub fn is_given(&self) -> bool {
+        self.prompt.is_some() || self.chat.is_some() || self.messages.is_some() || self.token_ids.is_some()
+    }
 }
 
 /// Sampling and stopping.

@@ -54,6 +54,15 @@ pub struct UpArgs {
     /// OTLP gRPC endpoint passed to every process (off when unset).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// With an input (--prompt, --chat, --messages, --token-ids): submit it once the stack is up,
+    /// print the answer and its stats, then stop the stack.
+    #[command(flatten)]
+    pub prompt: crate::prompt::PromptArgs,
+    #[command(flatten)]
+    pub sampling: crate::prompt::SamplingArgs,
+    /// With an input: print the result as one JSON object (as `submit --json`).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
@@ -152,6 +161,13 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     cargs.extend(otlp);
     let addr = spawn(&mut children, "coordinator", &cargs)?;
+    if a.prompt.is_given() {
+        let sub = crate::submit::SubmitArgs { addr, prompt: a.prompt.clone(), sampling: a.sampling.clone(), json: a.json };
+        let res = tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(crate::submit::run(sub));
+        drop(children);
+        clean_shm(&ns);
+        return res;
+    }
     println!("LISTENING {addr}");
     eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}; Ctrl-C stops everything", a.workers);
     loop {
