@@ -2,6 +2,7 @@
 //! start the streaming stack (`up`) and submit jobs to it; also runs each of the stack's processes.
 
 mod bench;
+mod health;
 mod otlp_sink;
 mod prompt;
 mod run;
@@ -50,6 +51,8 @@ enum Cmd {
     Coordinator(layerstream_coordinator::CoordinatorArgs),
     /// Benchmark one workload streamed vs fully resident vs prefetch off.
     Bench(bench::BenchArgs),
+    /// Check a server's gRPC health (exit 0 when serving).
+    Health(health::HealthArgs),
     /// Receive OTLP traces and append each span to a JSON-lines file (a stand-in for Jaeger).
     OtlpSink(otlp_sink::SinkArgs),
 }
@@ -81,6 +84,7 @@ fn main() -> Result<()> {
         Cmd::Worker(args) => block_on(layerstream_worker::server::run(args))?,
         Cmd::Coordinator(args) => block_on(layerstream_coordinator::run(args))?,
         Cmd::Bench(args) => bench::run(args)?,
+        Cmd::Health(args) => block_on(health::run(args))?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
     }
     Ok(())

@@ -27,9 +27,13 @@ pub struct CoordinatorArgs {
     /// Address to serve the public gRPC API on (port 0 picks one; printed as `LISTENING http://…`).
     #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
-    /// Worker addresses in pipeline order (repeat, or comma-separate).
+    /// Worker addresses in pipeline order (repeat, or comma-separate). `dns://name:port` expands to
+    /// every address the name resolves to (e.g. the replicas of a compose service), sorted.
     #[arg(long = "worker", env = "LAYERSTREAM_WORKERS", value_delimiter = ',', required = true)]
     pub workers: Vec<String>,
+    /// With `dns://` workers: wait until at least this many addresses resolve.
+    #[arg(long, env = "LAYERSTREAM_EXPECT_WORKERS", default_value_t = 1)]
+    pub expect_workers: usize,
     /// Resident layers per worker; default: as many as each worker's memory budget allows.
     #[arg(long, env = "LAYERSTREAM_RESIDENT_LAYERS")]
     pub resident_layers: Option<usize>,
@@ -76,13 +80,40 @@ async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: 
     }
 }
 
+/// Expands `dns://host:port` entries into `http://ip:port` for every resolved address.
+async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> anyhow::Result<Vec<String>> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let mut out = Vec::new();
+        for w in list {
+            match w.strip_prefix("dns://") {
+                Some(hostport) => {
+                    let mut ips: Vec<std::net::SocketAddr> = tokio::net::lookup_host(hostport).await.map(|i| i.collect()).unwrap_or_default();
+                    ips.sort();
+                    ips.dedup();
+                    out.extend(ips.into_iter().map(|a| format!("http://{a}")));
+                }
+                None => out.push(w.clone()),
+            }
+        }
+        if out.len() >= expect.max(1) {
+            return Ok(out);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!("found {} worker address(es) from {list:?}, expected {expect}", out.len());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
 pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
     let tracing_guard = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
     let store = Store::open(&args.model)?;
     let tokenizer = Arc::new(store.tokenizer()?);
+    let addrs = resolve_workers(&args.workers, args.expect_workers, Duration::from_secs(args.worker_wait_s)).await?;
     let mut workers = Vec::new();
-    for addr in &args.workers {
+    for addr in &addrs {
         let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30);
         let info = info_with_retry(&mut c, addr, Duration::from_secs(args.worker_wait_s)).await?;
         if info.num_layers as usize != store.manifest.config.num_layers {

@@ -54,7 +54,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let store = Store::open(&args.model)?;
     let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
-    let id = args.advertise.clone().unwrap_or_else(|| format!("http://{addr}"));
+    // Bound to every interface (containers): name ourselves by host name, which peers can resolve.
+    let host = match std::env::var("HOSTNAME") {
+        Ok(h) if addr.ip().is_unspecified() && !h.is_empty() => h,
+        _ => addr.ip().to_string(),
+    };
+    let id = args.advertise.clone().unwrap_or_else(|| format!("http://{host}:{}", addr.port()));
     let state = Arc::new(WorkerState {
         id: id.clone(),
         device: args.device.clone(),
