@@ -16,18 +16,11 @@ fn f32s(st: &safetensors::SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {
     (t.shape().to_vec(), t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
 }
 
-/// Copies tiny-llama without its llama3 rope scaling (GGUF carries that as a tensor we don't import).
+/// tiny-llama without its llama3 rope scaling (GGUF carries that as a tensor we don't import).
 fn hf_without_rope_scaling(dir: &Path) -> std::path::PathBuf {
-    let src = model_dir("tiny-llama");
-    let dst = dir.join("hf");
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    cfg.as_object_mut().unwrap().remove("rope_scaling");
-    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
-    dst
+    copy_hf_with_config(dir, |cfg| {
+        cfg.as_object_mut().unwrap().remove("rope_scaling");
+    })
 }
 
 fn to_gguf(hf: &Path, out: &Path) {

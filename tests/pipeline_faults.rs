@@ -43,6 +43,19 @@ async fn wait_until_zero_sequences(addr: &str) {
     }
 }
 
+/// A `layerstream submit` process generating a long answer, returned once its first text arrived.
+fn long_submit(addr: &str) -> std::process::Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+        .args(["submit", "--addr", addr, "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 16];
+    child.stdout.as_mut().unwrap().read_exact(&mut buf).unwrap();
+    child
+}
+
 fn long_request() -> GenerateRequest {
     GenerateRequest { input: Some(generate_request::Input::Prompt("Hello".into())), max_new_tokens: 1900, ignore_eos: true, ..Default::default() }
 }
@@ -85,14 +98,7 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
 async fn a_client_that_goes_away_cancels_its_request() {
     let dir = tempfile::tempdir().unwrap();
     let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "1", "--resident-layers", "1"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
-        .args(["submit", "--addr", stack.addr(), "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut buf = [0u8; 16];
-    child.stdout.as_mut().unwrap().read_exact(&mut buf).unwrap();
+    let mut child = long_submit(stack.addr());
     assert!(live_sequences(stack.addr()).await > 0);
     child.kill().unwrap();
     child.wait().unwrap();
@@ -168,14 +174,7 @@ fn killed_mid_job_fails_cleanly(victim: &str) {
     let dir = tempfile::tempdir().unwrap();
     let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "2", "--resident-layers", "0"]);
     let prefix = stack.shm_prefix();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
-        .args(["submit", "--addr", stack.addr(), "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut buf = [0u8; 16];
-    child.stdout.as_mut().unwrap().read_exact(&mut buf).unwrap();
+    let mut child = long_submit(stack.addr());
     let pids = stack.children(victim);
     assert!(!pids.is_empty(), "no {victim} process found");
     Stack::kill9(*pids.last().unwrap());

@@ -5,19 +5,6 @@ mod common;
 use common::*;
 use std::path::Path;
 
-fn copy_hf(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
-    let src = model_dir("tiny-llama");
-    let dst = dir.join("hf");
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    edit(&mut cfg);
-    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
-    dst
-}
-
 fn only_entry(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     v.sort();
@@ -51,7 +38,7 @@ fn corrupt_tensor_is_named_by_verify() {
 #[test]
 fn unknown_architecture_lists_supported_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let hf = copy_hf(dir.path(), |c| c["architectures"] = serde_json::json!(["FalconForCausalLM"]));
+    let hf = copy_hf_with_config(dir.path(), |c| c["architectures"] = serde_json::json!(["FalconForCausalLM"]));
     let dst = dir.path().join("out");
     let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
     assert!(err.contains("FalconForCausalLM") && err.contains("LlamaForCausalLM") && err.contains("Qwen3ForCausalLM"), "{err}");
@@ -61,7 +48,7 @@ fn unknown_architecture_lists_supported_and_leaves_nothing() {
 #[test]
 fn wrong_shape_names_the_tensor_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let hf = copy_hf(dir.path(), |c| c["intermediate_size"] = serde_json::json!(128));
+    let hf = copy_hf_with_config(dir.path(), |c| c["intermediate_size"] = serde_json::json!(128));
     let dst = dir.path().join("out");
     let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
     assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[160, 64]") && err.contains("[128, 64]"), "{err}");

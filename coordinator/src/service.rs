@@ -63,13 +63,7 @@ impl CoordinatorService {
             max_new_tokens: if r.max_new_tokens == 0 { DEFAULT_MAX_NEW_TOKENS } else { r.max_new_tokens as usize },
             stop: r.stop.clone(),
             ignore_eos: r.ignore_eos,
-            sampling: SamplingParams {
-                temperature: s.temperature,
-                top_k: s.top_k as usize,
-                top_p: if s.top_p <= 0.0 { 1.0 } else { s.top_p },
-                repetition_penalty: if s.repetition_penalty <= 0.0 { 1.0 } else { s.repetition_penalty },
-                seed: s.seed,
-            },
+            sampling: SamplingParams::from_wire(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed),
         }
     }
 

@@ -134,3 +134,17 @@ pub fn check_model_against_goldens(name: &str, store: &Store) {
         assert_greedy(name, &g, &got);
     }
 }
+
+/// Copies tiny-llama's HF directory into `dir/hf`, letting `edit` change its config.json.
+pub fn copy_hf_with_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let src = model_dir("tiny-llama");
+    let dst = dir.join("hf");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+    dst
+}

@@ -25,6 +25,17 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// From wire values where 0 means "unset" for top_p and repetition_penalty (proto3 defaults).
+    pub fn from_wire(temperature: f32, top_k: u32, top_p: f32, repetition_penalty: f32, seed: u64) -> Self {
+        SamplingParams {
+            temperature,
+            top_k: top_k as usize,
+            top_p: if top_p <= 0.0 { 1.0 } else { top_p },
+            repetition_penalty: if repetition_penalty <= 0.0 { 1.0 } else { repetition_penalty },
+            seed,
+        }
+    }
+
     /// Rejects out-of-range values with a message naming the field.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {

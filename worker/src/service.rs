@@ -117,13 +117,7 @@ impl Worker for WorkerService {
                 seq_id: s.seq_id,
                 start_pos: s.start_pos as usize,
                 tokens: s.token_ids,
-                sampling: s.sampling.map(|p| crate::SamplingParams {
-                    temperature: p.temperature,
-                    top_k: p.top_k as usize,
-                    top_p: if p.top_p <= 0.0 { 1.0 } else { p.top_p },
-                    repetition_penalty: if p.repetition_penalty <= 0.0 { 1.0 } else { p.repetition_penalty },
-                    seed: p.seed,
-                }),
+                sampling: s.sampling.map(|p| crate::SamplingParams::from_wire(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed)),
             })
             .collect();
         let hidden: Vec<f32> = req.hidden.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
