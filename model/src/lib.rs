@@ -14,6 +14,7 @@ pub mod import;
 pub mod layout;
 pub mod source;
 pub mod store;
+pub mod synth;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};

@@ -1,0 +1,160 @@
+//! `layerstream synth`: a layer store with random weights of a real model's shapes (valid quantized
+//! blocks), so streaming speed can be measured where no large checkpoint can be downloaded.
+
+use crate::config::{Arch, ModelConfig, RopeConfig};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::{layer_file, layer_shape, LAYER_TENSORS};
+use crate::source::SourceTensor;
+use crate::store::{Manifest, StoreWriter};
+use std::path::Path;
+
+/// Shapes `synth` knows: (name, hidden, intermediate, heads, kv heads, vocab, layers).
+pub const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize)] = &[
+    ("tiny", 256, 512, 4, 2, 1024, 4),
+    ("smollm2-135m", 576, 1536, 9, 3, 49152, 30),
+    ("llama-3-8b", 4096, 14336, 32, 8, 128256, 32),
+    ("llama-3-70b", 8192, 28672, 64, 8, 128256, 80),
+];
+
+/// The config of a named shape with `layers` layers (default: the real count).
+pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
+    let &(_, h, f, nh, nkv, vocab, nl) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
+        Error::config("shape", format!("unknown {name:?}; known: {}", SHAPES.iter().map(|s| s.0).collect::<Vec<_>>().join(", ")))
+    })?;
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        hidden_size: h,
+        intermediate_size: f,
+        num_layers: layers.unwrap_or(nl),
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: h / nh,
+        vocab_size: vocab,
+        rms_norm_eps: 1e-5,
+        rope: RopeConfig { theta: 500000.0, scaling: None },
+        max_position_embeddings: 8192,
+        tie_word_embeddings: true,
+        qk_norm: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Deterministic random bytes (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+fn f16(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_le_bytes()
+}
+
+/// A random tensor of `dtype` whose values stay small (|w| ≲ 0.1) so activations stay finite.
+fn random_tensor(rng: &mut Rng, dtype: DType, shape: &[usize]) -> Result<SourceTensor> {
+    let n = dtype.tensor_bytes(shape).ok_or_else(|| Error::tensor("synth", format!("{shape:?} is not whole {dtype} blocks")))?;
+    let mut data = vec![0u8; n];
+    rng.fill(&mut data);
+    match dtype {
+        DType::F32 => data.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&((c[0] as f32 - 127.5) / 1275.0).to_le_bytes())),
+        DType::F16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&f16((c[0] as f32 - 127.5) / 1275.0))),
+        DType::Bf16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&half::bf16::from_f32((c[0] as f32 - 127.5) / 1275.0).to_le_bytes())),
+        DType::Q8_0 => data.chunks_exact_mut(34).for_each(|b| b[0..2].copy_from_slice(&f16(4e-4))),
+        DType::Q4_0 => data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(6e-3))),
+        DType::Q4_1 => data.chunks_exact_mut(20).for_each(|b| {
+            b[0..2].copy_from_slice(&f16(6e-3));
+            b[2..4].copy_from_slice(&f16(-4.5e-2));
+        }),
+        DType::Q4K => data.chunks_exact_mut(144).for_each(|b| {
+            b[0..2].copy_from_slice(&f16(2e-4));
+            b[2..4].copy_from_slice(&f16(2e-4));
+        }),
+        DType::Q6K => data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(1e-4))),
+    }
+    Ok(SourceTensor { dtype, shape: shape.to_vec(), data })
+}
+
+fn ones(n: usize) -> SourceTensor {
+    SourceTensor { dtype: DType::F32, shape: vec![n], data: (0..n).flat_map(|_| 1f32.to_le_bytes()).collect() }
+}
+
+/// A word-level tokenizer with one token per id ("t0", "t1", …): enough to run and benchmark.
+fn tokenizer_json(vocab: usize) -> String {
+    let v: serde_json::Map<String, serde_json::Value> = (0..vocab).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": v, "unk_token": "t0"}
+    })
+    .to_string()
+}
+
+/// Writes a synthetic store of shape `name` with weights of `dtype` into the new directory `dst`.
+/// The embedding (also the tied lm_head) is f16 for float stores, Q8_0 for quantized ones.
+pub fn synth(name: &str, dtype: DType, layers: Option<usize>, seed: u64, dst: &Path) -> Result<Manifest> {
+    let cfg = shape_config(name, layers)?;
+    if dst.exists() && std::fs::read_dir(dst).map_err(|e| Error::io(dst, e))?.next().is_some() {
+        return Err(Error::format(dst, "destination exists and is not empty"));
+    }
+    std::fs::create_dir_all(dst).map_err(|e| Error::io(dst, e))?;
+    let result = (|| {
+        let mut rng = Rng(seed | 1);
+        let mut w = StoreWriter::new(dst);
+        let embed_dtype = if dtype.is_quantized() { DType::Q8_0 } else { DType::F16 };
+        w.write_tensors("embed.bin", vec![("embed".into(), random_tensor(&mut rng, embed_dtype, &[cfg.vocab_size, cfg.hidden_size])?)])?;
+        for i in 0..cfg.num_layers {
+            let mut tensors = Vec::new();
+            for lt in LAYER_TENSORS.iter().filter(|t| t.required) {
+                let shape = layer_shape(&cfg, lt.name).expect("layout covers every layer tensor");
+                let t = if shape.len() == 1 { ones(shape[0]) } else { random_tensor(&mut rng, dtype, &shape)? };
+                tensors.push((lt.name.to_owned(), t));
+            }
+            w.write_tensors(&layer_file(i), tensors)?;
+        }
+        w.write_tensors("final_norm.bin", vec![("final_norm".into(), ones(cfg.hidden_size))])?;
+        w.write_aux("tokenizer.json", tokenizer_json(cfg.vocab_size).as_bytes())?;
+        w.finish(cfg.clone(), format!("synth:{name}:{dtype}"), "tokenizer.json", None)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(dst);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synth_store_opens_verifies_and_has_real_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let dst = dir.path().join("s");
+        let m = synth("tiny", DType::Q4K, Some(2), 7, &dst).unwrap();
+        let store = crate::Store::open(&dst).unwrap();
+        store.verify().unwrap();
+        assert_eq!(m.config.num_layers, 2);
+        let q = store.manifest.file("layer_001.bin").unwrap().tensor("q").unwrap();
+        assert_eq!((q.dtype, q.size), (DType::Q4K, (256 * 256 / 256 * 144) as u64));
+        assert!(store.tokenizer().unwrap().encode("t5 t7").unwrap() == vec![5, 7]);
+        // q4_k needs rows of whole 256-element blocks: SmolLM2's 576 is not.
+        let e = synth("smollm2-135m", DType::Q4K, Some(1), 1, &dir.path().join("x")).unwrap_err().to_string();
+        assert!(e.contains("q4_k"), "{e}");
+        assert!(!dir.path().join("x").exists());
+        assert!(shape_config("gpt-5", None).unwrap_err().to_string().contains("llama-3-70b"));
+    }
+}
