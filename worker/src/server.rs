@@ -48,8 +48,15 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// Runs a worker until SIGINT/SIGTERM.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
+    if let Some(ordinal) = layerstream_kernels::cuda::parse_cuda_device(&args.device) {
+        let info = layerstream_kernels::cuda::open_device(ordinal?)?;
+        anyhow::bail!(
+            "{} is {} ({} of {} bytes free), but the CUDA compute backend is not implemented yet; use --device cpu",
+            args.device, info.name, info.free_bytes, info.total_bytes
+        );
+    }
     if args.device != "cpu" {
-        anyhow::bail!("device {:?} unavailable: this build has the cpu device only (CUDA workers come with the cuda feature)", args.device);
+        anyhow::bail!("unknown device {:?}: use cpu or cuda:N", args.device);
     }
     let store = Store::open(&args.model)?;
     let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
