@@ -5,15 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-layerstream:latest}
-cargo build --release -p layerstream
+# LAYERSTREAM_BUILD_PROFILE=dev reuses a debug build (CI, where the tests just built one).
+if [ "${LAYERSTREAM_BUILD_PROFILE:-release}" = dev ]; then
+    cargo build -p layerstream; bin=target/debug/layerstream
+else
+    cargo build --release -p layerstream; bin=target/release/layerstream
+fi
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 root=$ctx/rootfs
 mkdir -p "$root/usr/local/bin" "$root/tmp" "$root/run/layerstream" "$root/models" "$root/dev/shm"
 chmod 1777 "$root/tmp"
-cp target/release/layerstream "$root/usr/local/bin/layerstream"
+cp "$bin" "$root/usr/local/bin/layerstream"
 strip "$root/usr/local/bin/layerstream" 2>/dev/null || true
-for lib in $(ldd target/release/layerstream | grep -o '/[^ ]*'); do
+for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
     mkdir -p "$root$(dirname "$lib")"
     cp -L "$lib" "$root$lib"
 done

@@ -15,7 +15,7 @@ export LAYERSTREAM_MODELS="$work/models" LAYERSTREAM_SPANS_DIR="$work/spans"
 export LAYERSTREAM_PORT=$(free_port) JAEGER_UI_PORT=$(free_port) JAEGER_OTLP_PORT=$(free_port)
 export LAYERSTREAM_SLOTS=8 LAYERSTREAM_RESIDENT_LAYERS=4
 files=(-f deploy/compose.yaml -f deploy/compose.test.yaml)
-bin=target/release/layerstream
+if [ "${LAYERSTREAM_BUILD_PROFILE:-release}" = dev ]; then bin=target/debug/layerstream; else bin=target/release/layerstream; fi
 
 cleanup() {
     compose "${files[@]}" --profile cpu down -v --remove-orphans >/dev/null 2>&1 || true
