@@ -19,6 +19,12 @@ pub struct BenchArgs {
     /// Workers in each stack.
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
+    /// Device of the workers (cpu, or cuda:N in a CUDA build).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Memory budget per worker in the streamed runs (instead of --resident-layers).
+    #[arg(long, value_parser = layerstream_worker::server::parse_bytes)]
+    pub memory_budget: Option<u64>,
     /// Resident layers per worker in the streamed runs.
     #[arg(long, default_value_t = 0)]
     pub resident_layers: usize,
@@ -88,11 +94,12 @@ async fn workload(addr: &str, a: &BenchArgs) -> Result<(u64, f64, Stats)> {
 
 fn run_config(name: &str, model: &str, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
     let mut children = Children(Vec::new());
-    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string()];
+    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string(), "--device".into(), a.device.clone()];
     args.extend_from_slice(extra);
     let addr = spawn(&mut children, name, &args)?;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
-    rt.block_on(workload(&addr, &BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, ..*a }))?;
+    let warm = BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, device: a.device.clone(), ..*a };
+    rt.block_on(workload(&addr, &warm))?;
     let (tokens, wall_s, st) = rt.block_on(workload(&addr, a))?;
     drop(children);
     let steps = st.steps.max(1) as f64;
@@ -117,7 +124,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let model = crate::run::model_dir(&a.model)?.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let streamed = vec!["--resident-layers".to_owned(), a.resident_layers.to_string(), "--layer-group-size".into(), a.layer_group_size.to_string()];
+    let mut streamed = vec!["--layer-group-size".to_owned(), a.layer_group_size.to_string()];
+    match a.memory_budget {
+        Some(b) => streamed.extend(["--memory-budget".to_owned(), b.to_string()]),
+        None => streamed.extend(["--resident-layers".to_owned(), a.resident_layers.to_string()]),
+    }
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
     let rows = vec![
