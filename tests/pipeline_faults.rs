@@ -205,3 +205,16 @@ fn killing_a_worker_mid_job_ends_it_with_a_clear_error() {
 fn killing_the_loader_mid_job_ends_it_with_a_clear_error() {
     killed_mid_job_fails_cleanly("loader-daemon");
 }
+
+#[test]
+fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    // 1 MiB cannot hold tiny-llama's 12.6 MB embedding: the planner refuses, naming the budget.
+    let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "1M"]);
+    assert!(err.contains("memory budget 1048576 bytes cannot hold") && err.contains("embedding/head"), "{err}");
+    // Forcing more resident layers than the budget holds is refused too, with the itemised need.
+    let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "14M", "--resident-layers", "4"]);
+    assert!(err.contains("4 resident need") && err.contains("more than its memory budget of 14680064 bytes"), "{err}");
+}

@@ -22,7 +22,7 @@ pub struct UpArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Resident layers per worker (the rest are streamed).
-    #[arg(long, conflicts_with = "memory_budget")]
+    #[arg(long)]
     pub resident_layers: Option<usize>,
     /// Memory budget per worker (suffixes K, M, G); resident layers are chosen to fit it.
     #[arg(long, value_parser = layerstream_worker::server::parse_bytes)]
