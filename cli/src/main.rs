@@ -52,6 +52,18 @@ enum Cmd {
         /// New store directory.
         dst: PathBuf,
     },
+    /// Host→device copy speed: pinned vs pageable vs registered host memory (CUDA builds).
+    H2dBench {
+        /// Device.
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// Copy sizes in MiB.
+        #[arg(long, value_delimiter = ',', default_value = "64,256,512")]
+        mib: Vec<usize>,
+        /// Copies per size.
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+    },
     /// Fetch and import the embedded default model (SmolLM2-135M-Instruct) and print its store path.
     Fetch,
     /// Generate text on the CPU from a store, fully resident.
@@ -99,6 +111,15 @@ fn main() -> Result<()> {
             let m = layerstream_model::synth::synth(&shape, dt, layers, seed, &dst)?;
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();
             println!("synthesized {shape} ({dt}, {} layers, {:.1} MB per layer, {:.2} GB in all) -> {}", m.config.num_layers, m.max_layer_bytes() as f64 / 1e6, bytes as f64 / 1e9, dst.display());
+        }
+        Cmd::H2dBench { device, mib, iters } => {
+            let ordinal = layerstream_kernels::cuda::parse_cuda_device(&device).ok_or_else(|| anyhow::anyhow!("--device must be cuda:N"))??;
+            println!("| MiB | pinned GB/s | pageable GB/s | registered GB/s | pageable/pinned |");
+            println!("|---|---|---|---|---|");
+            for m in mib {
+                let r = layerstream_kernels::cuda_h2d::h2d_bench(ordinal, m << 20, iters.max(1))?;
+                println!("| {m} | {:.1} | {:.1} | {:.1} | {:.2} |", r.pinned_gbps, r.pageable_gbps, r.registered_gbps, r.pageable_gbps / r.pinned_gbps);
+            }
         }
         Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,

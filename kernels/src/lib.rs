@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_h2d;
 pub mod error;
 pub mod host;
 pub mod quant;
