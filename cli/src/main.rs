@@ -114,6 +114,8 @@ fn main() -> Result<()> {
         }
         Cmd::H2dBench { device, mib, iters } => {
             let ordinal = layerstream_kernels::cuda::parse_cuda_device(&device).ok_or_else(|| anyhow::anyhow!("--device must be cuda:N"))??;
+            let info = layerstream_kernels::cuda::open_device(ordinal)?;
+            println!("{device}: {} ({} MiB)", info.name, info.total_bytes >> 20);
             println!("| MiB | pinned GB/s | pageable GB/s | registered GB/s | pageable/pinned |");
             println!("|---|---|---|---|---|");
             for m in mib {
