@@ -97,6 +97,31 @@ pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
+        // Hot formats: fixed-size arrays, no per-block dispatch, so the loops vectorise.
+        DType::Q8_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(34)) {
+                let d = f16_at(b, 0);
+                let qs: &[u8; 32] = b[2..34].try_into().expect("34-byte block");
+                let o: &mut [f32; 32] = o.try_into().expect("32 values");
+                for l in 0..32 {
+                    o[l] = d * (qs[l] as i8) as f32;
+                }
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => {
+            let bb = dtype.block_bytes();
+            for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let (m, qs) = if dtype == DType::Q4_1 { (f16_at(b, 2), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
+                let qs: &[u8; 16] = qs.try_into().expect("16 quant bytes");
+                let (lo, hi) = o.split_at_mut(16);
+                let (lo, hi): (&mut [f32; 16], &mut [f32; 16]) = (lo.try_into().expect("16"), hi.try_into().expect("16"));
+                for l in 0..16 {
+                    lo[l] = d * (qs[l] & 0xF) as f32 + m;
+                    hi[l] = d * (qs[l] >> 4) as f32 + m;
+                }
+            }
+        }
         _ => {
             let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
             for (o, b) in out.chunks_exact_mut(be).zip(row.chunks_exact(bb)) {
