@@ -126,6 +126,50 @@ mod tests {
         assert!(split_layers(2, &[1, 1, 1]).unwrap_err().contains("3 workers"));
     }
 
+    fn manifest(dir: &std::path::Path) -> Manifest {
+        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(8), 3, &dir.join("s")).unwrap()
+    }
+
+    fn opts(resident: Option<usize>) -> PlanOptions {
+        PlanOptions { resident_layers: resident, group_size: 1, buffers: 2, kv_capacity: 64, prefetch: true }
+    }
+
+    #[test]
+    fn residency_grows_with_the_budget_and_always_fits() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let layer = layer_bytes(&m, 0);
+        let mut last = 0;
+        for extra_layers in [0u64, 2, 5, 20] {
+            let budget = usage(&m, &StagePlan { layers: 0..4, resident: vec![], group_size: 1, buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true }).total() + extra_layers * layer;
+            let w = [WorkerSpec { address: "a".into(), budget }, WorkerSpec { address: "b".into(), budget }];
+            let plans = plan(&m, &w, &opts(None)).unwrap();
+            assert_eq!(plans.iter().map(|p| p.layers.len()).sum::<usize>(), 8);
+            assert!(plans[0].embed && !plans[0].head && plans[1].head && !plans[1].embed);
+            for p in &plans {
+                assert!(usage(&m, p).total() <= budget);
+            }
+            let k = plans[0].resident.len();
+            assert!(k >= last, "more budget, no fewer resident layers");
+            last = k;
+        }
+        assert_eq!(last, 4, "a large budget keeps the whole range resident");
+    }
+
+    #[test]
+    fn budgets_that_cannot_fit_are_errors_naming_the_worker() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let w = [WorkerSpec { address: "http://w0".into(), budget: 1000 }];
+        let e = plan(&m, &w, &opts(None)).unwrap_err();
+        assert!(e.contains("http://w0") && e.contains("cannot hold"), "{e}");
+        let big = [WorkerSpec { address: "http://w0".into(), budget: 1 << 40 }];
+        assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
+        let tight = usage(&m, &StagePlan { layers: 0..8, resident: vec![], group_size: 1, buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true }).total();
+        let e = plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8))).unwrap_err();
+        assert!(e.contains("8 resident need"), "{e}");
+    }
+
     #[test]
     fn interleave_spreads_resident_layers_starting_with_the_first() {
         assert_eq!(interleave(&(0..10), 4), vec![0, 2, 5, 7]);
