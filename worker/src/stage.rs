@@ -219,16 +219,13 @@ impl<B: Backend> Stage<B> {
         let Stage { backend: b, ctx, cfg, store, resident, groups, link, seqs, staging, plan, .. } = self;
         let range = plan.layers.clone();
         let mut timings = Vec::with_capacity(range.len());
+        // The batch's sequences in batch order, looked up once per step (not once per layer).
+        let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
+        let mut ordered: Vec<&mut Seq<B>> = batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect();
         let mut compute = |layer: u32, w: &LayerWeights<B>, span: &Span, mut t: LayerTiming, x: &mut B::Tensor| -> Result<LayerTiming> {
             let li = (layer - range.start) as usize;
-            let mut caches: Vec<&mut B::KvCache> = Vec::with_capacity(batch.len());
-            // Collect each sequence's cache for this layer, in batch order.
-            let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
-            for s in batch {
-                let seq = by_id.remove(&s.seq_id).expect("prepared");
-                caches.push(&mut seq.caches[li]);
-            }
-            let cs = info_span!(parent: span, "compute", layer, rows = x_rows(b, x));
+            let mut caches: Vec<&mut B::KvCache> = ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
+            let cs = info_span!(parent: span, "compute", layer, rows = b.dims(x).0);
             let t0 = Instant::now();
             cs.in_scope(|| layer_forward(b, ctx, w, x, seq_rows, &mut caches))?;
             t.compute_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -309,10 +306,6 @@ impl<B: Backend> Stage<B> {
         }
         Ok(timings)
     }
-}
-
-fn x_rows<B: Backend>(b: &B, x: &B::Tensor) -> usize {
-    b.dims(x).0
 }
 
 #[cfg(test)]
