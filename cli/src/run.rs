@@ -1,9 +1,11 @@
-//! `layerstream run`: generate on this machine's CPU from a store, fully resident, streaming text.
+//! `layerstream run`: generate on this machine (CPU or one CUDA GPU) from a store, fully resident,
+//! streaming text.
 
 use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
-use layerstream_kernels::CpuBackend;
+use layerstream_kernels::Backend;
+use layerstream_worker::device::Device;
 use layerstream_model::Store;
 use layerstream_worker::{generate, Model};
 use std::io::Write;
@@ -20,6 +22,9 @@ pub struct RunArgs {
     pub prompt: PromptArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
+    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
+    pub device: String,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long)]
     pub json: bool,
@@ -38,11 +43,18 @@ pub fn run(args: RunArgs) -> Result<()> {
     let store = Store::open(&model_dir(&args.model)?)?;
     let tok = store.tokenizer()?;
     let input = args.prompt.input_ids(&tok)?;
+    match Device::open(&args.device)? {
+        Device::Cpu(b) => generate_on(b, &store, &tok, &input, &args),
+        Device::Cuda(b) => generate_on(b, &store, &tok, &input, &args),
+    }
+}
+
+fn generate_on<B: Backend>(backend: B, store: &Store, tok: &layerstream_model::Tokenizer, input: &[u32], args: &RunArgs) -> Result<()> {
     let params = args.sampling.params();
-    let model = Model::load(CpuBackend, &store)?;
+    let model = Model::load(backend, store)?;
     let mut out = std::io::stdout().lock();
     let json = args.json;
-    let g = generate(&model, &tok, &input, &params, |t| {
+    let g = generate(&model, tok, input, &params, |t| {
         if !json {
             let _ = out.write_all(t.as_bytes());
             let _ = out.flush();

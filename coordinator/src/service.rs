@@ -217,8 +217,10 @@ impl Coordinator for CoordinatorService {
         let mut workers = Vec::new();
         for (addr, device, budget, client) in &self.workers {
             let mut c = client.clone();
-            let healthy = tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {})).await.is_ok_and(|r| r.is_ok());
-            workers.push(WorkerInfo { address: addr.clone(), device: device.clone(), memory_budget: *budget, healthy });
+            let info = tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {})).await.ok().and_then(|r| r.ok()).map(|r| r.into_inner());
+            let healthy = info.is_some();
+            let device_bytes_used = info.map_or(0, |i| i.device_bytes_used);
+            workers.push(WorkerInfo { address: addr.clone(), device: device.clone(), memory_budget: *budget, healthy, device_bytes_used });
         }
         Ok(Response::new(ListWorkersResponse { workers }))
     }

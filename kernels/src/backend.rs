@@ -13,6 +13,17 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+impl AttnShape {
+    /// Checks q/k/v (`(rows, cols)` each) against this shape for one `attention` call; returns
+    /// `(q_dim, kv_dim)`.
+    pub fn check(&self, q: (usize, usize), k: (usize, usize), v: (usize, usize)) -> crate::Result<(usize, usize)> {
+        let (qd, kvd) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        crate::error::ensure(q.1 == qd && k.1 == kvd && v.1 == kvd && k.0 == q.0 && v.0 == q.0, "attention", || format!("q {q:?}, k {k:?}, v {v:?} for {self:?}"))?;
+        crate::error::ensure(self.n_kv_heads > 0 && self.n_heads % self.n_kv_heads == 0, "attention", || format!("{self:?}: heads not a multiple of kv heads"))?;
+        Ok((qd, kvd))
+    }
+}
+
 /// A compute device.
 pub trait Backend: Send + Sync + Clone {
     /// Row-major f32 activations `[rows, cols]` on the device.
@@ -21,12 +32,43 @@ pub trait Backend: Send + Sync + Clone {
     type Weight: Send + Sync;
     /// One sequence's keys and values for one layer.
     type KvCache: Send;
+    /// One whole store file on the device; a layer's weights are views into it (`weight_in`).
+    type Blob: Send + Sync;
+    /// A point in the device's compute order, for timing (`mark`, `elapsed_ms`).
+    type Mark: Send;
 
     /// A human-readable device name ("cpu", "cuda:0").
     fn name(&self) -> String;
 
     /// Places a stored tensor on the device; `shape` is row-major with blocks along the last dim.
     fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self::Weight>;
+    /// Copies a whole file (e.g. a loader shm slot) to the device in one transfer. `streamed`: into one
+    /// of the reusable streaming buffers (`stream_buffers`) rather than a new allocation. Returns the
+    /// blob and, where the device times it, the transfer's own milliseconds.
+    fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Self::Blob, Option<f64>)>;
+    /// A weight stored at `range` of `blob` (no copy where the device allows).
+    fn weight_in(&self, blob: &Self::Blob, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<Self::Weight>;
+    /// Allocates `count` streaming buffers of `bytes` each, once (replacing earlier ones).
+    fn stream_buffers(&self, _count: usize, _bytes: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Registers host memory (a loader slot mapping) for direct device copies; idempotent.
+    fn register_host(&self, _bytes: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    /// Undoes `register_host` before the memory is unmapped.
+    fn unregister_host(&self, _bytes: &[u8]) {}
+    /// Marks the current point of the compute order.
+    fn mark(&self) -> Result<Self::Mark>;
+    /// Milliseconds between two marks, waiting for the later one to complete.
+    fn elapsed_ms(&self, start: &Self::Mark, end: &Self::Mark) -> Result<f64>;
+    /// Index of the largest value of each row (greedy sampling without copying logits back).
+    fn argmax_rows(&self, t: &Self::Tensor) -> Result<Vec<u32>> {
+        let (rows, cols) = self.dims(t);
+        let host = self.to_host(t)?;
+        Ok((0..rows).map(|r| crate::host::argmax(&host[r * cols..(r + 1) * cols]) as u32).collect())
+    }
+
     /// Copies host activations to the device.
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Copies activations back to the host.

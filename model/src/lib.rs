@@ -20,5 +20,5 @@ pub mod tokenizer;
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use store::{LoadedFile, Manifest, Store};
+pub use store::{FileEntry, LoadedFile, Manifest, Store};
 pub use tokenizer::{Message, Tokenizer};

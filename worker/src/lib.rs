@@ -3,6 +3,7 @@
 //! that streams layer groups from the loader daemon while it computes.
 
 pub mod budget;
+pub mod device;
 pub mod error;
 pub mod forward;
 pub mod generate;

@@ -1,5 +1,6 @@
 //! The worker process: flags, startup, and the gRPC server.
 
+use crate::device::Device;
 use crate::service::{WorkerService, WorkerState};
 use clap::Args;
 use layerstream_model::Store;
@@ -48,16 +49,12 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// Runs a worker until SIGINT/SIGTERM.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
-    if let Some(ordinal) = layerstream_kernels::cuda::parse_cuda_device(&args.device) {
-        let info = layerstream_kernels::cuda::open_device(ordinal?)?;
-        anyhow::bail!(
-            "{} is {} ({} of {} bytes free), but the CUDA compute backend is not implemented yet; use --device cpu",
-            args.device, info.name, info.free_bytes, info.total_bytes
-        );
-    }
-    if args.device != "cpu" {
-        anyhow::bail!("unknown device {:?}: use cpu or cuda:N", args.device);
-    }
+    let backend = Device::open(&args.device)?;
+    let budget = backend.budget(args.memory_budget)?;
+    let free_at_start = match &backend {
+        Device::Cuda(b) => Some(b.mem_info()?.0 as u64),
+        Device::Cpu(_) => None,
+    };
     let store = Store::open(&args.model)?;
     let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
@@ -70,14 +67,16 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let state = Arc::new(WorkerState {
         id: id.clone(),
         device: args.device.clone(),
-        budget: args.memory_budget,
+        backend,
+        budget,
+        free_at_start,
         store,
         loader_socket: args.loader_socket.clone(),
         stage: Arc::new(Mutex::new(None)),
         live: Default::default(),
     });
     println!("LISTENING {id}");
-    tracing::info!(%id, device = %args.device, budget = args.memory_budget, "worker ready");
+    tracing::info!(%id, device = %args.device, budget, "worker ready");
     tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
         .add_service(layerstream_proto::transport::reflection())

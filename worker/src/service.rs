@@ -2,9 +2,9 @@
 //! Release (free sequences).
 
 use crate::budget::{file_bytes, kv_bytes_per_token_layer, layer_bytes, usage};
-use crate::stage::{Stage, StagePlan, StepSeq};
+use crate::device::{AnyStage, Device};
+use crate::stage::{StagePlan, StepSeq};
 use crate::stream::LoaderLink;
-use layerstream_kernels::CpuBackend;
 use layerstream_model::Store;
 use layerstream_proto::telemetry::adopt_parent;
 use layerstream_proto::v1::worker_server::Worker;
@@ -20,14 +20,29 @@ use tracing::{info, info_span, Instrument};
 pub struct WorkerState {
     pub id: String,
     pub device: String,
+    /// The opened device (the CPU, or a GPU with its context and kernels).
+    pub backend: Device,
+    /// Bytes assignments may use (for a GPU: already capped by free device memory).
     pub budget: u64,
+    /// Free device memory when the worker started (GPU workers), to report what it has taken since.
+    pub free_at_start: Option<u64>,
     pub store: Store,
     pub loader_socket: PathBuf,
     /// Locked only on blocking threads: a runtime thread waiting on it could starve the gRPC
     /// connections a step's copy thread needs.
-    pub stage: Arc<Mutex<Option<Stage<CpuBackend>>>>,
+    pub stage: Arc<Mutex<Option<AnyStage>>>,
     /// Live sequences, updated after every step and release (read by Info without the lock).
     pub live: Arc<AtomicU32>,
+}
+
+impl WorkerState {
+    /// Device memory taken since start (0 on the CPU, or if the driver cannot be asked).
+    pub fn device_bytes_used(&self) -> u64 {
+        match (&self.backend, self.free_at_start) {
+            (Device::Cuda(b), Some(start)) => b.mem_info().map_or(0, |(free, _)| start.saturating_sub(free as u64)),
+            _ => 0,
+        }
+    }
 }
 
 /// The gRPC face of a worker.
@@ -70,6 +85,7 @@ impl Worker for WorkerService {
             embed_bytes: file_bytes(m, "embed.bin"),
             head_bytes: file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin"),
             sequences: live,
+            device_bytes_used: s.device_bytes_used(),
         }))
     }
 
@@ -94,8 +110,10 @@ impl Worker for WorkerService {
             let _e = span.enter();
             let link = LoaderLink::new(channel, s.id.clone(), rt);
             let t = Instant::now();
-            let stage = Stage::load(CpuBackend, s.store.clone(), plan, link).map_err(err)?;
-            info!(worker = %s.id, layers = ?stage.plan.layers, resident = ?stage.plan.resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
+            // Free the previous assignment's device memory before loading the new one.
+            s.stage.lock().unwrap().take();
+            let stage = s.backend.load(s.store.clone(), plan, link).map_err(err)?;
+            info!(worker = %s.id, layers = ?stage.plan().layers, resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
             *s.stage.lock().unwrap() = Some(stage);
             Ok::<_, Status>(())
         })

@@ -5,7 +5,8 @@
 use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::stream::LoaderLink;
+use crate::budget::layer_bytes;
+use crate::stream::{Fetched, LoaderLink};
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
 use layerstream_model::layout::layer_file;
@@ -82,7 +83,6 @@ pub struct Stage<B: Backend> {
     groups: Vec<Vec<u32>>,
     link: LoaderLink,
     seqs: HashMap<u64, Seq<B>>,
-    staging: Vec<u8>,
 }
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
@@ -112,27 +112,34 @@ impl<B: Backend> Stage<B> {
         } else {
             None
         };
-        let mut staging = Vec::new();
+        let groups = stream_groups(&plan);
+        if let Some(max_layer) = groups.iter().flatten().map(|&l| layer_bytes(&store.manifest, l)).max() {
+            // Enough buffers for every layer in flight: the groups queued ahead, one computing, one copying.
+            backend.stream_buffers(plan.buffers.max(1) * plan.group_size.max(1), max_layer as usize)?;
+        }
         let mut resident = HashMap::new();
         for &l in &plan.resident {
-            link.fetch(l, &mut staging, &Span::current())?;
-            resident.insert(l, Self::weights(&backend, &cfg, &store, l, &mut staging)?);
+            resident.insert(l, Self::load_layer(&backend, &cfg, &store, &mut link, l, &Span::current(), false)?.0);
         }
-        let groups = stream_groups(&plan);
         link.set_order(groups.iter().flatten().copied().collect())?;
-        Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, store, embed, head, resident, groups, link, seqs: HashMap::new(), staging })
+        Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, store, embed, head, resident, groups, link, seqs: HashMap::new() })
     }
 
-    fn weights(b: &B, cfg: &ModelConfig, store: &Store, layer: u32, staging: &mut Vec<u8>) -> Result<LayerWeights<B>> {
+    /// Copies layer `layer` from its loader slot (registered with the device once) to the device in
+    /// one transfer: into a streaming buffer (`streamed`) or its own allocation. Returns the weights,
+    /// what was fetched, and the device-timed copy milliseconds where the backend measures them.
+    fn load_layer(b: &B, cfg: &ModelConfig, store: &Store, link: &mut LoaderLink, layer: u32, span: &Span, streamed: bool) -> Result<(LayerWeights<B>, Fetched, Option<f64>)> {
         let name = layer_file(layer as usize);
         let entry = store.manifest.file(&name).ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?.clone();
-        if staging.len() as u64 != entry.size {
-            return Err(Error::Shape(format!("{name}: loader delivered {} bytes, manifest says {}", staging.len(), entry.size)));
-        }
-        let file = LoadedFile { entry, bytes: std::mem::take(staging) };
-        let w = LayerWeights::load(b, cfg, &file);
-        *staging = file.bytes;
-        w
+        let ((w, ms), f) = link.with_slot(layer, span, |region, len| {
+            if len as u64 != entry.size {
+                return Err(Error::Shape(format!("{name}: loader delivered {len} bytes, manifest says {}", entry.size)));
+            }
+            b.register_host(region)?;
+            let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
+            Ok((LayerWeights::from_blob(b, cfg, &entry, &blob)?, ms))
+        })?;
+        Ok((w, f, ms))
     }
 
     /// Live sequences and positions held.
@@ -216,7 +223,7 @@ impl<B: Backend> Stage<B> {
     }
 
     fn run_layers(&mut self, x: &mut B::Tensor, batch: &[StepSeq], seq_rows: &[SeqRows], step_span: &Span) -> Result<Vec<LayerTiming>> {
-        let Stage { backend: b, ctx, cfg, store, resident, groups, link, seqs, staging, plan, .. } = self;
+        let Stage { backend: b, ctx, cfg, store, resident, groups, link, seqs, plan, .. } = self;
         let range = plan.layers.clone();
         let mut timings = Vec::with_capacity(range.len());
         // The batch's sequences in batch order, looked up once per step (not once per layer).
@@ -225,28 +232,34 @@ impl<B: Backend> Stage<B> {
         let mut compute = |layer: u32, w: &LayerWeights<B>, span: &Span, mut t: LayerTiming, x: &mut B::Tensor| -> Result<LayerTiming> {
             let li = (layer - range.start) as usize;
             let mut caches: Vec<&mut B::KvCache> = ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
-            let cs = info_span!(parent: span, "compute", layer, rows = b.dims(x).0);
-            let t0 = Instant::now();
-            cs.in_scope(|| layer_forward(b, ctx, w, x, seq_rows, &mut caches))?;
-            t.compute_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let cs = info_span!(parent: span, "compute", layer, rows = b.dims(x).0, device_ms = tracing::field::Empty);
+            // Timed on the device (CUDA events around the layer's kernels; host clock on the CPU), and
+            // waited for, so the span covers the compute itself.
+            t.compute_ms = cs.in_scope(|| -> Result<f64> {
+                let m0 = b.mark()?;
+                layer_forward(b, ctx, w, x, seq_rows, &mut caches)?;
+                let m1 = b.mark()?;
+                Ok(b.elapsed_ms(&m0, &m1)?)
+            })?;
+            cs.record("device_ms", t.compute_ms);
             Ok(t)
         };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l, resident);
-        let fetch_group = |g: &[u32], link: &mut LoaderLink, staging: &mut Vec<u8>| -> Result<Group<B>> {
+        let fetch_group = |g: &[u32], link: &mut LoaderLink| -> Result<Group<B>> {
             let mut layers = Vec::with_capacity(g.len());
             for &l in g {
                 let span = layer_span(l, false);
-                let h2d = info_span!(parent: &span, "h2d", layer = l, bytes = tracing::field::Empty, gbps = tracing::field::Empty);
-                // The transfer: slot → staging copy, then onto the device (for the CPU backend, its
-                // weight storage); timed as a whole from acquire to usable weights.
+                let h2d = info_span!(parent: &span, "h2d", layer = l, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
+                // The transfer: slot → device in one copy (CUDA: event-timed on the copy stream; CPU:
+                // into the weight storage, timed from acquire to usable weights).
                 let t0 = Instant::now();
-                let (f, w) = h2d.in_scope(|| -> Result<_> {
-                    let f = link.fetch(l, staging, &h2d)?;
-                    Ok((f, Self::weights(b, cfg, store, l, staging)?))
-                })?;
-                let transfer_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let (w, f, dev_ms) = h2d.in_scope(|| Self::load_layer(b, cfg, store, link, l, &h2d, true))?;
+                let transfer_ms = dev_ms.unwrap_or(t0.elapsed().as_secs_f64() * 1e3);
                 h2d.record("bytes", f.bytes as i64);
                 h2d.record("gbps", f.bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
+                if let Some(ms) = dev_ms {
+                    h2d.record("device_ms", ms);
+                }
                 drop(h2d);
                 layers.push((l, w, span, LayerTiming { layer: l, bytes: f.bytes as u64, transfer_ms, ..Default::default() }));
             }
@@ -282,16 +295,16 @@ impl<B: Backend> Stage<B> {
         };
         if !plan.prefetch || groups.is_empty() || plan.buffers < 2 {
             let mut it = groups.iter();
-            run(&mut || fetch_group(it.next().expect("group order"), link, staging), x)?;
+            run(&mut || fetch_group(it.next().expect("group order"), link), x)?;
         } else {
             let cap = plan.buffers - 2;
             std::thread::scope(|s| -> Result<()> {
                 let (tx, rx) = mpsc::sync_channel::<Result<Group<B>>>(cap);
                 let groups_ref = &*groups;
-                let (link_ref, staging_ref) = (&mut *link, &mut *staging);
+                let link_ref = &mut *link;
                 let copier = s.spawn(move || {
                     for g in groups_ref {
-                        let r = fetch_group(g, link_ref, staging_ref);
+                        let r = fetch_group(g, link_ref);
                         let failed = r.is_err();
                         if tx.send(r).is_err() || failed {
                             return;
@@ -305,6 +318,15 @@ impl<B: Backend> Stage<B> {
             })?;
         }
         Ok(timings)
+    }
+}
+
+impl<B: Backend> Drop for Stage<B> {
+    fn drop(&mut self) {
+        // Unpin the slot mappings before the link unmaps them.
+        for region in self.link.regions() {
+            self.backend.unregister_host(region);
+        }
     }
 }
 

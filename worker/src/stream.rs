@@ -43,8 +43,9 @@ impl LoaderLink {
         Ok(())
     }
 
-    /// Copies layer `layer` into `buf` (resized to the file's length) under `span`'s trace context.
-    pub fn fetch(&mut self, layer: u32, buf: &mut Vec<u8>, span: &tracing::Span) -> Result<Fetched> {
+    /// Acquires layer `layer`'s slot under `span`'s trace context, hands `use_slot` the whole slot
+    /// mapping and the layer's length (its bytes are `mapping[..len]`), then releases the slot.
+    pub fn with_slot<R>(&mut self, layer: u32, span: &tracing::Span, use_slot: impl FnOnce(&[u8], usize) -> Result<R>) -> Result<(R, Fetched)> {
         let mut c = self.client.clone();
         let req = traced_request(span, AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true });
         let a = self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
@@ -53,13 +54,20 @@ impl LoaderLink {
             let r = ShmRegion::open_readonly(&a.shm_name).map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
             self.regions.insert(a.shm_name.clone(), r);
         }
-        let region = &self.regions[&a.shm_name];
+        let region = self.regions[&a.shm_name].bytes();
         let len = a.len as usize;
-        buf.clear();
-        buf.extend_from_slice(&region.bytes()[..len]);
+        if len > region.len() {
+            return Err(Error::Request(format!("loader slot {} holds {} bytes, layer {layer} claims {len}", a.shm_name, region.len())));
+        }
+        let out = use_slot(region, len);
         let copy_ms = t.elapsed().as_secs_f64() * 1e3;
         let rel = SlotRelease { worker: self.worker.clone(), layer };
         self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
-        Ok(Fetched { bytes: len, copy_ms })
+        Ok((out?, Fetched { bytes: len, copy_ms }))
+    }
+
+    /// Every slot mapping opened so far.
+    pub fn regions(&self) -> impl Iterator<Item = &[u8]> {
+        self.regions.values().map(ShmRegion::bytes)
     }
 }

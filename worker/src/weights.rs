@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use layerstream_kernels::Backend;
 use layerstream_model::layout::{layer_shape, LAYER_TENSORS};
-use layerstream_model::{LoadedFile, ModelConfig};
+use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
 
 /// One decoder layer's weights on a device.
 pub struct LayerWeights<B: Backend> {
@@ -37,14 +37,28 @@ pub fn upload<B: Backend>(b: &B, file: &LoadedFile, name: &str, want: Option<&[u
 }
 
 impl<B: Backend> LayerWeights<B> {
-    /// Uploads a layer file's tensors.
+    /// Uploads a layer file's tensors (one transfer for the whole file).
     pub fn load(b: &B, cfg: &ModelConfig, file: &LoadedFile) -> Result<Self> {
-        let known: Vec<&str> = LAYER_TENSORS.iter().map(|t| t.name).collect();
-        if let Some(t) = file.entry.tensors.iter().find(|t| !known.contains(&t.name.as_str())) {
-            return Err(Error::Shape(format!("{}: unknown tensor {}", file.entry.name, t.name)));
+        let (blob, _) = b.upload_blob(&file.bytes, false)?;
+        Self::from_blob(b, cfg, &file.entry, &blob)
+    }
+
+    /// The layer's weights as views of a file already on the device, shapes checked against `cfg`.
+    pub fn from_blob(b: &B, cfg: &ModelConfig, entry: &FileEntry, blob: &B::Blob) -> Result<Self> {
+        if let Some(t) = entry.tensors.iter().find(|t| !LAYER_TENSORS.iter().any(|k| k.name == t.name)) {
+            return Err(Error::Shape(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
-        let opt = |name: &str| upload(b, file, name, layer_shape(cfg, name).as_deref());
-        let req = |name: &str| opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", file.entry.name)));
+        let opt = |name: &str| -> Result<Option<B::Weight>> {
+            let Some(t) = entry.tensor(name) else { return Ok(None) };
+            if let Some(want) = layer_shape(cfg, name) {
+                if t.shape != want {
+                    return Err(Error::Shape(format!("{}: tensor {name} has shape {:?}, the config needs {:?}", entry.name, t.shape, want)));
+                }
+            }
+            let range = t.offset as usize..(t.offset + t.size) as usize;
+            Ok(Some(b.weight_in(blob, &format!("{}:{name}", entry.name), t.dtype, &t.shape, range)?))
+        };
+        let req = |name: &str| opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)));
         let w = LayerWeights {
             attn_norm: req("attn_norm")?,
             q: req("q")?,
@@ -63,7 +77,7 @@ impl<B: Backend> LayerWeights<B> {
             down: req("down")?,
         };
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
-            return Err(Error::Shape(format!("{}: q_norm/k_norm required by {:?}", file.entry.name, cfg.arch)));
+            return Err(Error::Shape(format!("{}: q_norm/k_norm required by {:?}", entry.name, cfg.arch)));
         }
         Ok(w)
     }

@@ -57,9 +57,28 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type KvCache = CpuKv;
+    type Blob = Vec<u8>;
+    type Mark = std::time::Instant;
 
     fn name(&self) -> String {
         "cpu".into()
+    }
+
+    fn upload_blob(&self, bytes: &[u8], _streamed: bool) -> Result<(Vec<u8>, Option<f64>)> {
+        Ok((bytes.to_vec(), None))
+    }
+
+    fn weight_in(&self, blob: &Vec<u8>, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<CpuWeight> {
+        let bytes = blob.get(range.clone()).ok_or_else(|| Error::Weight { name: name.into(), msg: format!("bytes {range:?} lie outside the file ({} bytes)", blob.len()) })?;
+        self.weight(name, dtype, shape, bytes)
+    }
+
+    fn mark(&self) -> Result<std::time::Instant> {
+        Ok(std::time::Instant::now())
+    }
+
+    fn elapsed_ms(&self, start: &std::time::Instant, end: &std::time::Instant) -> Result<f64> {
+        Ok(end.duration_since(*start).as_secs_f64() * 1e3)
     }
 
     fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<CpuWeight> {
@@ -186,10 +205,7 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, cache: &mut CpuKv, s: AttnShape) -> Result<CpuTensor> {
-        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
-        ensure(q.cols == qd && k.cols == kvd && v.cols == kvd && k.rows == q.rows && v.rows == q.rows, "attention", || {
-            format!("q {}x{}, k {}x{}, v {}x{} for {s:?}", q.rows, q.cols, k.rows, k.cols, v.rows, v.cols)
-        })?;
+        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
         let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s);
         Ok(CpuTensor { data, rows: q.rows, cols: qd })
     }

@@ -2,11 +2,29 @@
 //! feature builds on machines without CUDA). Without the feature, the same functions exist and report
 //! "built without CUDA", so callers never need `#[cfg]`.
 //!
-//! What exists today: opening a device and reading its name, compute capability and memory (the
-//! worker budget check uses `cuMemGetInfo`). The CUDA compute backend (NVRTC kernels, cuBLAS GEMMs,
-//! pinned shm registration, copy stream) is not built yet; workers refuse `cuda:N` with that reason.
+//! `source`: the `.cu` kernels and their NVRTC compilation; `driver`: context, streams, buffers,
+//! events; `stream_pool`: reusable streaming buffers and pinned (registered) loader slots; `backend`:
+//! `CudaBackend`, the `Backend` implementation. Device probing (name, compute capability,
+//! `cuMemGetInfo`) is below.
 
 use crate::error::{Error, Result};
+
+pub mod source;
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod stream_pool;
+#[cfg(not(feature = "cuda"))]
+mod stub;
+#[cfg(all(test, feature = "cuda"))]
+mod tests_gpu;
+
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPrecision, RUNTIME_RESERVE};
+#[cfg(not(feature = "cuda"))]
+pub use stub::{CudaBackend, RUNTIME_RESERVE};
 
 /// What a CUDA device reports.
 #[derive(Debug, Clone, PartialEq)]

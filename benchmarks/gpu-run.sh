@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs the CUDA tests and GPU benchmarks on a GPU machine from prebuilt binaries (such a machine may
+# have no Rust toolchain). Build them on a build machine:
+#   cargo build --release -p layerstream --features cuda
+#   cargo test --release -p layerstream --features cuda --test cuda --no-run      # → CUDA_TEST
+#   cargo test --release -p layerstream-kernels --features cuda --lib --no-run    # → KERNELS_TEST
+# Usage: benchmarks/gpu-run.sh BIN_DIR OUT_DIR   (BIN_DIR holds layerstream, cuda-test, kernels-test)
+# Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
+# (default /work/main) is pointed at this checkout.
+set -uo pipefail
+BIN=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD_ROOT=${BUILD_ROOT:-/work/main}
+if [ "$ROOT" != "$BUILD_ROOT" ]; then mkdir -p "$(dirname "$BUILD_ROOT")"; ln -sfn "$ROOT" "$BUILD_ROOT"; fi
+mkdir -p "$ROOT/target/release" && cp "$BIN/layerstream" "$ROOT/target/release/layerstream"
+LS="$ROOT/target/release/layerstream"
+for lib in libnvrtc.so.13 libcublas.so.13; do
+  d=$(dirname "$(find /usr/local/cuda*/ /usr/lib /opt -name "$lib" 2>/dev/null | head -1)")
+  [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
+S70=/tmp/ls-70b; SSM=/tmp/ls-smol
+[ -d $S70 ] || "$LS" synth --shape llama-3-70b --dtype q4_k --layers ${LAYERS70:-20} $S70 >/dev/null
+[ -d $SSM ] || "$LS" synth --shape smollm2-135m --dtype q4_1 $SSM >/dev/null
+du -sh $S70 $SSM | tee "$OUT/stores.txt"
+if [ -z "${ONLY_BENCH:-}" ]; then
+echo "== kernel tests"; "$BIN/kernels-test" cuda --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15
+echo "== CUDA worker tests"; "$BIN/cuda-test" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | head -30
+echo "== h2d"; "$LS" h2d-bench --device cuda:0 --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"
+IDS=$(seq 1 512 | paste -sd, -)
+echo "== resident run (prefill 512 tokens, decode 64)"
+for m in $SSM $S70; do for p in f16 f32; do
+  LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device cuda:0 --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
+done; done 2>&1 | tee "$OUT/run.txt"
+fi
+echo "== streamed vs resident vs prefetch off"
+for b in ${BATCHES:-1 8 32 64}; do
+  echo "-- batch $b" | tee -a "$OUT/bench.txt"
+  "$LS" bench --model $S70 --device cuda:0 --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --max-new-tokens ${TOKENS:-8} --prompt "The quick brown fox jumps over the lazy dog" --json-out "$OUT/bench-b$b.json" 2>&1 | grep -E "^\||/|workload" | tee -a "$OUT/bench.txt"
+done

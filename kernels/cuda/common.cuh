@@ -1,0 +1,63 @@
+// Shared device helpers: f16/bf16 conversion without headers (NVRTC compiles this file with no
+// include path), warp and block reductions, and the dtype codes the Rust side passes.
+
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+#define DT_Q8_0 3
+#define DT_Q4_0 4
+#define DT_Q4_1 5
+#define DT_Q4_K 6
+#define DT_Q6_K 7
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float ld_h(const u8* p) {
+    return h2f(*(const u16*)p);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max; blockDim.x must be a multiple of 32. Every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? part[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? part[lane] : -3.0e38f;
+    return warp_max(t);
+}

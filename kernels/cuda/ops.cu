@@ -1,0 +1,80 @@
+// Element-wise and row-wise operations of the forward pass: embedding gather, RMSNorm, RoPE (HF half
+// layout), SiLU·mul, residual add, bias add, f32→f16 conversion, and per-row argmax for greedy sampling.
+
+extern "C" __global__ void embedding(const u8* table, int t, long long row_bytes, const unsigned* ids, float* out, int cols) {
+    const u8* row = table + (long long)ids[blockIdx.x] * row_bytes;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)blockIdx.x * cols + c] = deq_rt(row, t, c);
+}
+
+// One block per group of g values (a row, or one head of a row for q/k norms).
+extern "C" __global__ void rms_norm(const float* x, float* y, const u8* w, int t, int g, float eps) {
+    long long base = (long long)blockIdx.x * g;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < g; i += blockDim.x) {
+        float v = x[base + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float r = 1.0f / sqrtf(ss / (float)g + eps);
+    for (int i = threadIdx.x; i < g; i += blockDim.x) y[base + i] = deq_rt(w, t, i) * (x[base + i] * r);
+}
+
+// Rotates pairs (i, i + hd/2) of every head; angle = pos * inv_freq[i] in f32, cos/sin in f64 as the CPU does.
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int rows, int cols, int hd) {
+    int half = hd / 2, heads = cols / hd;
+    long long total = (long long)rows * heads * half;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
+        int i = (int)(idx % half);
+        long long rh = idx / half;
+        int head = (int)(rh % heads);
+        int row = (int)(rh / heads);
+        float a = (float)pos[row] * inv_freq[i];
+        float c = (float)cos((double)a), s = (float)sin((double)a);
+        float* p = x + (long long)row * cols + (long long)head * hd;
+        float x0 = p[i], x1 = p[i + half];
+        p[i] = x0 * c - x1 * s;
+        p[i + half] = x1 * c + x0 * s;
+    }
+}
+
+extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = g[i];
+        out[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+extern "C" __global__ void add(float* x, const float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+extern "C" __global__ void add_bias(float* x, const u8* b, int t, long long n, int cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] += deq_rt(b, t, (int)(i % cols));
+}
+
+extern "C" __global__ void to_f16(const float* x, u16* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) out[i] = f2h(x[i]);
+}
+
+// One block per row: index of the largest value (the lowest index among equal maxima).
+extern "C" __global__ void argmax(const float* x, unsigned* out, int cols) {
+    const float* row = x + (long long)blockIdx.x * cols;
+    float best = -3.0e38f;
+    int bi = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > best) { best = v; bi = c; }
+    }
+    float m = block_max(best);
+    int cand = best == m ? bi : 0x7fffffff;
+    __shared__ int idx[32];
+    for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, o));
+    if ((threadIdx.x & 31) == 0) idx[threadIdx.x >> 5] = cand;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = 0x7fffffff;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) r = min(r, idx[w]);
+        out[blockIdx.x] = (unsigned)r;
+    }
+}

@@ -1,0 +1,469 @@
+//! The CUDA backend: f32 activations and KV caches in device memory on the compute stream, weights
+//! kept in their stored format (quantized blocks too) and dequantized by the kernels, GEMMs through
+//! cuBLAS. Layer files arrive in one copy each on the copy stream: into a fresh allocation (resident
+//! layers) or into one of the streaming buffers allocated once and reused, ordered with events.
+
+use super::driver::{derr, f, i, DevBuf, Event, Gpu};
+use super::stream_pool::{Lease, StreamPool};
+use crate::backend::{AttnShape, Backend};
+use crate::error::{ensure, Error, Result};
+use crate::rope::RopeTable;
+use cudarc::cublas;
+use cudarc::driver::result;
+use layerstream_model::DType;
+use std::any::Any;
+use std::sync::Arc;
+
+/// Activation rows up to which `matmul` runs the fused dequantize-matvec kernel (MATVEC_ROWS in
+/// quant.cu); above it, weights are dequantized in chunks and multiplied with cuBLAS.
+const MATVEC_ROWS: usize = 8;
+/// Elements of the dequantization scratch for the GEMM path (chunks of weight rows).
+const SCRATCH_ELEMS: usize = 32 << 20;
+/// Device memory a CUDA worker keeps outside its plan: GEMM scratch, activations, cuBLAS workspace.
+pub const RUNTIME_RESERVE: u64 = 512 << 20;
+
+/// Precision of the GEMM path (prefill and large batches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmPrecision {
+    /// Weights dequantized to f16, activations converted to f16, f32 accumulation (the fast default).
+    F16,
+    /// Everything in f32 (parity runs).
+    F32,
+}
+
+impl GemmPrecision {
+    /// From `LAYERSTREAM_CUDA_GEMM` (`f16`, the default, or `f32`).
+    pub fn from_env() -> Result<GemmPrecision> {
+        match std::env::var("LAYERSTREAM_CUDA_GEMM").as_deref() {
+            Err(_) | Ok("f16") | Ok("") => Ok(GemmPrecision::F16),
+            Ok("f32") => Ok(GemmPrecision::F32),
+            Ok(other) => Err(Error::Device(format!("LAYERSTREAM_CUDA_GEMM={other:?}: expected f16 or f32"))),
+        }
+    }
+}
+
+/// A CUDA device as a `Backend`.
+#[derive(Clone)]
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    pool: Arc<StreamPool>,
+    precision: GemmPrecision,
+}
+
+/// Activations `[rows, cols]` (f32) on the device.
+pub struct CudaTensor {
+    buf: DevBuf,
+    rows: usize,
+    cols: usize,
+}
+
+/// A weight on the device: a view of its file's bytes, in the stored format.
+pub struct CudaWeight {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    ptr: u64,
+    _keep: Arc<dyn Any + Send + Sync>,
+}
+
+/// A layer file on the device: its own allocation, or a leased streaming buffer.
+#[derive(Clone)]
+pub enum CudaBlob {
+    Owned(Arc<DevBuf>),
+    Streamed(Arc<Lease>),
+}
+
+impl CudaBlob {
+    fn ptr_len(&self) -> (u64, usize) {
+        match self {
+            CudaBlob::Owned(b) => (b.ptr, b.bytes),
+            CudaBlob::Streamed(l) => (l.ptr(), l.len()),
+        }
+    }
+}
+
+/// One sequence's keys and values for one layer (f32, `[capacity, kv_dim]` each).
+pub struct CudaKv {
+    k: Option<DevBuf>,
+    v: Option<DevBuf>,
+    cap: usize,
+    len: usize,
+}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+        DType::Q4K => 6,
+        DType::Q6K => 7,
+    }
+}
+
+fn suffix(d: DType) -> &'static str {
+    super::source::DTYPE_SUFFIXES[dtype_code(d) as usize]
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).clamp(1, 1 << 20) as u32
+}
+
+impl CudaBackend {
+    /// Opens `cuda:ordinal` with the GEMM precision from the environment.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        Self::with_precision(ordinal, GemmPrecision::from_env()?)
+    }
+
+    /// Opens `cuda:ordinal` with an explicit GEMM precision.
+    pub fn with_precision(ordinal: usize, precision: GemmPrecision) -> Result<CudaBackend> {
+        let gpu = Gpu::open(ordinal)?;
+        Ok(CudaBackend { pool: Arc::new(StreamPool::new(gpu.clone())), gpu, precision })
+    }
+
+    /// Device memory `(free, total)` from cuMemGetInfo.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.gpu.mem_info()
+    }
+
+    /// Bytes of host memory currently registered (pinned) for copies.
+    pub fn registered_bytes(&self) -> usize {
+        self.pool.registered_bytes()
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor { buf: DevBuf::ordered(&self.gpu, rows * cols * 4)?, rows, cols })
+    }
+
+    fn upload_small<T: Copy>(&self, data: &[T]) -> Result<DevBuf> {
+        let buf = DevBuf::ordered(&self.gpu, std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: `buf` holds exactly these bytes; pageable sources are staged by the driver before
+            // the call returns, so `data` may go away afterwards.
+            unsafe { result::memcpy_htod_async(buf.ptr, data, self.gpu.compute) }.map_err(derr("copying to the device"))?;
+        }
+        Ok(buf)
+    }
+
+    fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live allocations used on the compute stream.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.gpu.compute) }.map_err(derr("device copy"))
+    }
+
+    /// `y[.., r0..r0+nr] = x · a[nr, k]ᵀ` with `a` row-major of element type `ty` (cuBLAS is
+    /// column-major: y is `[n, m]` with leading dimension n).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, a: u64, x: u64, ty: cublas::sys::cudaDataType, y: u64, nr: usize, m: usize, k: usize, ldy: usize) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let h = self.gpu.blas.lock().unwrap();
+        // SAFETY: `a` holds nr×k and `x` m×k elements of `ty`, `y` has room for m rows of ldy floats from
+        // this offset; all live on the compute stream the handle is bound to.
+        unsafe {
+            cublas::result::gemm_ex(
+                *h,
+                cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+                nr as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                a as *const _,
+                ty,
+                k as i32,
+                x as *const _,
+                ty,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                cublas::sys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                cublas::sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| Error::Device(format!("cuBLAS gemm_ex ({nr}x{m}x{k}): {e:?}")))
+    }
+
+    fn matmul_gemm(&self, x: &CudaTensor, w: &CudaWeight, y: &CudaTensor) -> Result<()> {
+        let (m, n, k) = (x.rows, w.rows, w.cols);
+        let f16 = self.precision == GemmPrecision::F16;
+        if !f16 && w.dtype == DType::F32 {
+            return self.gemm(w.ptr, x.buf.ptr, cublas::sys::cudaDataType::CUDA_R_32F, y.buf.ptr, n, m, k, n);
+        }
+        let (esize, ty, kernel) = if f16 { (2, cublas::sys::cudaDataType::CUDA_R_16F, "dequant_f16_") } else { (4, cublas::sys::cudaDataType::CUDA_R_32F, "dequant_f32_") };
+        let xin = if f16 {
+            let xh = DevBuf::ordered(&self.gpu, m * k * 2)?;
+            self.gpu.launch("to_f16", (blocks(m * k, 256), 1, 1), 256, 0, &[x.buf.ptr, xh.ptr, (m * k) as u64])?;
+            Some(xh)
+        } else {
+            None
+        };
+        let xptr = xin.as_ref().map_or(x.buf.ptr, |b| b.ptr);
+        let chunk = (SCRATCH_ELEMS / k).clamp(1, n);
+        let scratch = DevBuf::ordered(&self.gpu, chunk * k * esize)?;
+        let name = format!("{kernel}{}", suffix(w.dtype));
+        for r0 in (0..n).step_by(chunk) {
+            let nr = chunk.min(n - r0);
+            let src = w.ptr + (r0 * w.row_bytes) as u64;
+            self.gpu.launch(&name, (blocks(nr * k, 256), 1, 1), 256, 0, &[src, w.row_bytes as u64, scratch.ptr, nr as u64, i(k as i32)])?;
+            self.gemm(scratch.ptr, xptr, ty, y.buf.ptr + (r0 * 4) as u64, nr, m, k, n)?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type KvCache = CudaKv;
+    type Blob = CudaBlob;
+    type Mark = Event;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.gpu.ordinal)
+    }
+
+    fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(CudaBlob, Option<f64>)> {
+        if streamed {
+            let (lease, ms) = self.pool.upload(bytes)?;
+            return Ok((CudaBlob::Streamed(Arc::new(lease)), Some(ms)));
+        }
+        let buf = DevBuf::plain(&self.gpu, bytes.len())?;
+        let ms = self.pool.copy_in(buf.ptr, bytes)?;
+        Ok((CudaBlob::Owned(Arc::new(buf)), Some(ms)))
+    }
+
+    fn weight_in(&self, blob: &CudaBlob, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<CudaWeight> {
+        let err = |msg: String| Error::Weight { name: name.into(), msg };
+        let (rows, cols) = match shape {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => return Err(err(format!("expected 1 or 2 dimensions, got {shape:?}"))),
+        };
+        let (base, len) = blob.ptr_len();
+        if dtype.tensor_bytes(shape) != Some(range.len()) || range.end > len {
+            return Err(err(format!("bytes {range:?} of a {len}-byte file do not hold {dtype} {shape:?}")));
+        }
+        let row_bytes = dtype.row_bytes(cols).expect("checked by tensor_bytes");
+        let keep: Arc<dyn Any + Send + Sync> = match blob {
+            CudaBlob::Owned(b) => b.clone(),
+            CudaBlob::Streamed(l) => l.clone(),
+        };
+        Ok(CudaWeight { dtype, rows, cols, row_bytes, ptr: base + range.start as u64, _keep: keep })
+    }
+
+    fn stream_buffers(&self, count: usize, bytes: usize) -> Result<()> {
+        self.pool.configure(count, bytes)
+    }
+
+    fn register_host(&self, bytes: &[u8]) -> Result<()> {
+        self.pool.register(bytes)
+    }
+
+    fn unregister_host(&self, bytes: &[u8]) {
+        self.pool.unregister(bytes)
+    }
+
+    fn mark(&self) -> Result<Event> {
+        let e = Event::new(&self.gpu, true)?;
+        e.record(self.gpu.compute)?;
+        Ok(e)
+    }
+
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
+        start.elapsed_ms(end)
+    }
+
+    fn argmax_rows(&self, t: &CudaTensor) -> Result<Vec<u32>> {
+        self.gpu.bind()?;
+        let out = DevBuf::ordered(&self.gpu, t.rows * 4)?;
+        if t.rows > 0 {
+            self.gpu.launch("argmax", (t.rows as u32, 1, 1), 256, 0, &[t.buf.ptr, out.ptr, i(t.cols as i32)])?;
+        }
+        let mut host = vec![0u32; t.rows];
+        self.read(out.ptr, &mut host)?;
+        Ok(host)
+    }
+
+    fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<CudaWeight> {
+        let (blob, _) = self.upload_blob(bytes, false)?;
+        self.weight_in(&blob, name, dtype, shape, 0..bytes.len())
+    }
+
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        ensure(data.len() == rows * cols, "from_host", || format!("{} values for {rows}x{cols}", data.len()))?;
+        self.gpu.bind()?;
+        Ok(CudaTensor { buf: self.upload_small(data)?, rows, cols })
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        self.gpu.bind()?;
+        let mut host = vec![0f32; t.rows * t.cols];
+        self.read(t.buf.ptr, &mut host)?;
+        Ok(host)
+    }
+
+    fn dims(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn rows(&self, t: &CudaTensor, start: usize, n: usize) -> Result<CudaTensor> {
+        ensure(start + n <= t.rows, "rows", || format!("rows {start}..{} of {}", start + n, t.rows))?;
+        self.gpu.bind()?;
+        let out = self.tensor(n, t.cols)?;
+        self.dtod(out.buf.ptr, t.buf.ptr + (start * t.cols * 4) as u64, n * t.cols * 4)?;
+        Ok(out)
+    }
+
+    fn concat_rows(&self, parts: &[CudaTensor]) -> Result<CudaTensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        ensure(parts.iter().all(|p| p.cols == cols), "concat_rows", || "widths differ".into())?;
+        self.gpu.bind()?;
+        let out = self.tensor(parts.iter().map(|p| p.rows).sum(), cols)?;
+        let mut off = 0;
+        for p in parts {
+            self.dtod(out.buf.ptr + off as u64, p.buf.ptr, p.buf.bytes)?;
+            off += p.buf.bytes;
+        }
+        Ok(out)
+    }
+
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
+        for &id in ids {
+            ensure((id as usize) < table.rows, "embedding", || format!("token id {id} >= vocab {}", table.rows))?;
+        }
+        self.gpu.bind()?;
+        let out = self.tensor(ids.len(), table.cols)?;
+        let dev_ids = self.upload_small(ids)?;
+        if !ids.is_empty() {
+            let args = [table.ptr, i(dtype_code(table.dtype)), table.row_bytes as u64, dev_ids.ptr, out.buf.ptr, i(table.cols as i32)];
+            self.gpu.launch("embedding", (ids.len() as u32, 1, 1), 256, 0, &args)?;
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        ensure(x.cols == w.cols, "matmul", || format!("x has {} columns, weight has {}", x.cols, w.cols))?;
+        self.gpu.bind()?;
+        let y = self.tensor(x.rows, w.rows)?;
+        if x.rows == 0 {
+            return Ok(y);
+        }
+        if x.rows <= MATVEC_ROWS {
+            let args = [w.ptr, w.row_bytes as u64, x.buf.ptr, y.buf.ptr, i(x.rows as i32), i(w.rows as i32), i(w.cols as i32)];
+            self.gpu.launch(&format!("matvec_{}", suffix(w.dtype)), (blocks(w.rows * 32, 256), 1, 1), 256, 0, &args)?;
+        } else {
+            self.matmul_gemm(x, w, &y)?;
+        }
+        Ok(y)
+    }
+
+    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaWeight) -> Result<()> {
+        ensure(bias.rows == 1 && bias.cols == x.cols, "add_bias", || format!("bias {} vs width {}", bias.cols, x.cols))?;
+        self.gpu.bind()?;
+        let n = x.rows * x.cols;
+        self.gpu.launch("add_bias", (blocks(n, 256), 1, 1), 256, 0, &[x.buf.ptr, bias.ptr, i(dtype_code(bias.dtype)), n as u64, i(x.cols as i32)])
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, eps: f32) -> Result<CudaTensor> {
+        let g = weight.cols;
+        ensure(weight.rows == 1 && g > 0 && x.cols % g == 0, "rms_norm", || format!("weight {g} vs width {}", x.cols))?;
+        self.gpu.bind()?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let groups = x.rows * x.cols / g;
+        if groups > 0 {
+            let args = [x.buf.ptr, out.buf.ptr, weight.ptr, i(dtype_code(weight.dtype)), i(g as i32), f(eps)];
+            self.gpu.launch("rms_norm", (groups as u32, 1, 1), if g >= 256 { 256 } else { 64 }, 0, &args)?;
+        }
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, positions: &[usize], table: &RopeTable) -> Result<()> {
+        let hd = table.head_dim;
+        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || format!("{} positions for {} rows", positions.len(), x.rows))?;
+        self.gpu.bind()?;
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let (dpos, dfreq) = (self.upload_small(&pos)?, self.upload_small(&table.inv_freq)?);
+        let total = x.rows * (x.cols / hd) * (hd / 2);
+        if total == 0 {
+            return Ok(());
+        }
+        let args = [x.buf.ptr, dpos.ptr, dfreq.ptr, i(x.rows as i32), i(x.cols as i32), i(hd as i32)];
+        self.gpu.launch("rope", (blocks(total, 256), 1, 1), 256, 0, &args)
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        ensure(gate.rows == up.rows && gate.cols == up.cols, "silu_mul", || "gate and up differ in size".into())?;
+        self.gpu.bind()?;
+        let out = self.tensor(gate.rows, gate.cols)?;
+        let n = gate.rows * gate.cols;
+        self.gpu.launch("silu_mul", (blocks(n, 256), 1, 1), 256, 0, &[gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64])?;
+        Ok(out)
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        ensure(x.rows == y.rows && x.cols == y.cols, "add", || "sizes differ".into())?;
+        self.gpu.bind()?;
+        let n = x.rows * x.cols;
+        self.gpu.launch("add", (blocks(n, 256), 1, 1), 256, 0, &[x.buf.ptr, y.buf.ptr, n as u64])
+    }
+
+    fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CudaKv> {
+        self.gpu.bind()?;
+        let bytes = capacity * shape.n_kv_heads * shape.head_dim * 4;
+        let (k, v) = if capacity > 0 { (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?)) } else { (None, None) };
+        Ok(CudaKv { k, v, cap: capacity, len: 0 })
+    }
+
+    fn kv_len(&self, cache: &CudaKv) -> usize {
+        cache.len
+    }
+
+    fn attention(&self, q: &CudaTensor, k: &CudaTensor, v: &CudaTensor, cache: &mut CudaKv, s: AttnShape) -> Result<CudaTensor> {
+        let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
+        self.gpu.bind()?;
+        let m = q.rows;
+        let start = cache.len;
+        let need = start + m;
+        if need > cache.cap {
+            // Grow to the next multiple of 256 positions, keeping what is cached.
+            let cap = need.div_ceil(256) * 256;
+            let (nk, nv) = (DevBuf::ordered(&self.gpu, cap * kvd * 4)?, DevBuf::ordered(&self.gpu, cap * kvd * 4)?);
+            if let (Some(ok), Some(ov)) = (&cache.k, &cache.v) {
+                self.dtod(nk.ptr, ok.ptr, start * kvd * 4)?;
+                self.dtod(nv.ptr, ov.ptr, start * kvd * 4)?;
+            }
+            (cache.k, cache.v, cache.cap) = (Some(nk), Some(nv), cap);
+        }
+        let (kc, vc) = (cache.k.as_ref().expect("grown").ptr, cache.v.as_ref().expect("grown").ptr);
+        self.dtod(kc + (start * kvd * 4) as u64, k.buf.ptr, m * kvd * 4)?;
+        self.dtod(vc + (start * kvd * 4) as u64, v.buf.ptr, m * kvd * 4)?;
+        cache.len = need;
+        let out = self.tensor(m, qd)?;
+        if m == 0 {
+            return Ok(out);
+        }
+        let scores = DevBuf::ordered(&self.gpu, m * s.n_heads * need * 4)?;
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let args = [q.buf.ptr, kc, vc, out.buf.ptr, scores.ptr, i(start as i32), i(s.n_heads as i32), i(s.n_kv_heads as i32), i(s.head_dim as i32), i(need as i32), f(scale)];
+        self.gpu.launch("attention", (s.n_heads as u32, m as u32, 1), 128, 0, &args)?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// Copies device memory at `src` into `dst` and waits for it (and all earlier compute work).
+    fn read<T: Copy>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        if !dst.is_empty() {
+            // SAFETY: `src` holds at least `dst`'s bytes; the stream is synchronised before `dst` is read.
+            unsafe { result::memcpy_dtoh_async(dst, src, self.gpu.compute) }.map_err(derr("copying to the host"))?;
+        }
+        self.gpu.sync_compute()
+    }
+}

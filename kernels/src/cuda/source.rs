@@ -1,0 +1,81 @@
+//! The CUDA kernels' source (`kernels/cuda/*.cu`, concatenated in order) and their NVRTC compilation,
+//! cached on disk per source and GPU architecture so a worker compiles once per machine.
+
+/// The kernel files, in the order they are concatenated.
+pub const FILES: [(&str, &str); 4] = [
+    ("common.cuh", include_str!("../../cuda/common.cuh")),
+    ("quant.cu", include_str!("../../cuda/quant.cu")),
+    ("ops.cu", include_str!("../../cuda/ops.cu")),
+    ("attention.cu", include_str!("../../cuda/attention.cu")),
+];
+
+/// The whole translation unit NVRTC compiles.
+pub fn source() -> String {
+    FILES.iter().map(|(name, text)| format!("// ---- {name}\n{text}\n")).collect()
+}
+
+/// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
+pub const DTYPE_SUFFIXES: [&str; 8] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
+
+/// Every kernel entry point the backend loads.
+pub fn kernel_names() -> Vec<String> {
+    let mut v: Vec<String> = ["embedding", "rms_norm", "rope", "silu_mul", "add", "add_bias", "to_f16", "argmax", "attention"].iter().map(|s| s.to_string()).collect();
+    for s in DTYPE_SUFFIXES {
+        v.extend([format!("matvec_{s}"), format!("dequant_f32_{s}"), format!("dequant_f16_{s}")]);
+    }
+    v
+}
+
+#[cfg(feature = "cuda")]
+/// Compiles the kernels for `arch` (e.g. "sm_90") with NVRTC, or reads the cached PTX from an earlier
+/// compilation of the same source for the same architecture.
+pub fn compile(arch: &str) -> crate::Result<String> {
+    use std::hash::{Hash, Hasher};
+    let src = source();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (src.as_str(), arch).hash(&mut h);
+    let dir = layerstream_model::fetch::cache_dir().join("kernels");
+    let path = dir.join(format!("{arch}-{:016x}.ptx", h.finish()));
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        return Ok(ptx);
+    }
+    // SAFETY: only probes whether libnvrtc can be loaded (the compile call panics when it cannot).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(crate::Error::Device("NVRTC (libnvrtc.so) not found: install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH".into()));
+    }
+    let arch_static: &'static str = Box::leak(arch.to_owned().into_boxed_str());
+    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch_static), options: vec!["--std=c++17".into()], ..Default::default() };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| crate::Error::Device(format!("NVRTC compiling the kernels for {arch}: {e}")))?;
+    let text = ptx.to_src();
+    // The cache is an optimisation: a read-only home still works, it just compiles every time.
+    if std::fs::create_dir_all(&dir).is_ok() {
+        let tmp = dir.join(format!(".{}.{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("k"), std::process::id()));
+        if std::fs::write(&tmp, &text).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(text)
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    /// Compiles the kernels with NVRTC where the library exists (no GPU needed) and checks that every
+    /// entry point the backend loads is in the PTX; skips with the reason elsewhere.
+    #[test]
+    fn kernels_compile_with_nvrtc_and_export_every_entry_point() {
+        // SAFETY: only probes whether libnvrtc can be loaded.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipping NVRTC compile check: libnvrtc.so not found (set LD_LIBRARY_PATH to a CUDA toolkit's lib directory)");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("ls-nvrtc-{}", std::process::id()));
+        std::env::set_var("LAYERSTREAM_CACHE", &dir);
+        let ptx = super::compile("sm_90").expect("kernels compile");
+        for name in super::kernel_names() {
+            assert!(ptx.contains(&format!(".entry {name}(")), "kernel {name} missing from the PTX");
+        }
+        let cached = std::fs::read_dir(dir.join("kernels")).unwrap().count();
+        assert_eq!(cached, 1, "the PTX is cached once");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

