@@ -55,7 +55,12 @@ fn all_configs(model: &str, import_dir: &Path, store: &Path, n: usize) {
     check_config(store, model, &expected, n, &["--workers", "1", "--resident-layers", "1", "--layer-group-size", "3", "--streaming-buffers", "3"]);
     // (d) prefetch off: every transfer is exposed.
     for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--no-prefetch"]) {
-        assert_eq!(v["stats"]["overlap_pct"].as_f64().unwrap(), 0.0);
+        let st = &v["stats"];
+        assert_eq!(st["overlap_pct"].as_f64().unwrap(), 0.0);
+        // Without prefetch every copy and every compute lies inside the layer pass, one after another.
+        let f = |k: &str| st[k].as_f64().unwrap();
+        assert!(f("layers_ms") >= f("transfer_ms") + f("compute_ms"), "{st}");
+        assert!(f("ideal_ms") >= f("transfer_ms").max(f("compute_ms")) && f("ideal_ms") <= f("transfer_ms") + f("compute_ms"), "{st}");
     }
 }
 

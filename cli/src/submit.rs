@@ -80,6 +80,7 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "tokens_per_s": st.tokens_per_s, "bytes_streamed": st.bytes_streamed,
                             "transfer_ms": st.transfer_ms, "compute_ms": st.compute_ms, "stall_ms": st.stall_ms,
                             "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps, "max_batch": st.max_batch,
+                            "layers_ms": st.layers_ms, "ideal_ms": st.ideal_ms,
                         },
                     });
                     writeln!(out, "{v}")?;

@@ -21,6 +21,8 @@ pub struct Pipeline {
 pub struct StepResult {
     pub tokens: Vec<u32>,
     pub layers: Vec<LayerTiming>,
+    /// Wall time of the workers' layer passes, summed over workers.
+    pub layers_ms: f64,
 }
 
 impl Pipeline {
@@ -37,6 +39,7 @@ impl Pipeline {
                 .map_err(|s| format!("worker {addr} failed: {} ({:?})", s.message(), s.code()))?
                 .into_inner();
             out.layers.extend(resp.layers);
+            out.layers_ms += resp.layers_ms;
             if i + 1 == self.workers.len() {
                 if resp.tokens.len() != seqs.len() {
                     return Err(format!("worker {addr} returned {} tokens for {} sequences", resp.tokens.len(), seqs.len()));

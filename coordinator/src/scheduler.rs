@@ -183,7 +183,7 @@ impl Scheduler {
         for (s, &tok) in seqs.iter().zip(&out.tokens) {
             let a = &mut active[i];
             a.pos += s.token_ids.len();
-            a.acc.add(&out.layers, seqs.len());
+            a.acc.add(&out.layers, out.layers_ms, seqs.len());
             a.output.push(tok);
             let p = &a.req.params;
             let mut reason: Option<(&str, String)> = None;

@@ -13,14 +13,18 @@ pub struct Acc {
     pub stall_ms: f64,
     pub steps: u64,
     pub max_batch: u32,
+    pub layers_ms: f64,
+    pub ideal_ms: f64,
 }
 
 impl Acc {
-    /// Adds one step's layer timings.
-    pub fn add(&mut self, layers: &[LayerTiming], batch: usize) {
+    /// Adds one step's layer timings and the wall time of its layer passes.
+    pub fn add(&mut self, layers: &[LayerTiming], layers_ms: f64, batch: usize) {
         self.steps += 1;
         self.max_batch = self.max_batch.max(batch as u32);
+        self.layers_ms += layers_ms;
         for l in layers {
+            self.ideal_ms += l.transfer_ms.max(l.compute_ms);
             self.bytes += l.bytes;
             self.transfer_ms += l.transfer_ms;
             self.compute_ms += l.compute_ms;
@@ -51,6 +55,8 @@ impl Acc {
             steps: self.steps,
             stall_ms: self.stall_ms,
             max_batch: self.max_batch,
+            layers_ms: self.layers_ms,
+            ideal_ms: self.ideal_ms,
         }
     }
 }
@@ -62,9 +68,10 @@ mod tests {
     #[test]
     fn overlap_is_hidden_share_of_transfer() {
         let mut a = Acc::default();
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 3);
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 6.0, 3);
         assert_eq!(a.overlap_pct(), 75.0);
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }], 1);
+        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }, LayerTiming { compute_ms: 2.0, ..Default::default() }], 7.0, 1);
+        assert_eq!((a.layers_ms, a.ideal_ms), (13.0, 11.0), "ideal = Σ max(transfer, compute) per layer");
         assert_eq!(a.max_batch, 3);
         assert_eq!(a.overlap_pct(), 37.5);
         assert_eq!(Acc::default().overlap_pct(), 100.0);

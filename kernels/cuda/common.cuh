@@ -29,35 +29,34 @@ __device__ __forceinline__ float ld_h(const u8* p) {
     return h2f(*(const u16*)p);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+struct SumOp {
+    static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+    static __device__ __forceinline__ float identity() { return 0.0f; }
+};
+
+struct MaxOp {
+    static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+    static __device__ __forceinline__ float identity() { return -3.0e38f; }
+};
+
+template <class Op> __device__ __forceinline__ float warp_reduce(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce<SumOp>(v); }
 
-// Block-wide sum / max; blockDim.x must be a multiple of 32. Every thread gets the result.
-__device__ float block_sum(float v) {
+// Block-wide reduction; blockDim.x must be a multiple of 32. Every thread gets the result.
+template <class Op> __device__ float block_reduce(float v) {
     __shared__ float part[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce<Op>(v);
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    float t = lane < nw ? part[lane] : 0.0f;
-    return warp_sum(t);
+    float t = lane < nw ? part[lane] : Op::identity();
+    return warp_reduce<Op>(t);
 }
 
-__device__ float block_max(float v) {
-    __shared__ float part[32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? part[lane] : -3.0e38f;
-    return warp_max(t);
-}
+__device__ float block_sum(float v) { return block_reduce<SumOp>(v); }
+__device__ float block_max(float v) { return block_reduce<MaxOp>(v); }

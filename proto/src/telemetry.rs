@@ -98,6 +98,25 @@ pub fn adopt_parent(span: &tracing::Span, meta: &tonic::metadata::MetadataMap) {
     }
 }
 
+/// A span's trace context, kept past the span's end, so spans made later or on another thread (a
+/// prefetch running ahead of the step that will use it) can join that trace.
+#[derive(Clone, Default)]
+pub struct TraceParent(opentelemetry::Context);
+
+impl TraceParent {
+    /// The trace context of `span`.
+    pub fn of(span: &tracing::Span) -> TraceParent {
+        TraceParent(span.context())
+    }
+
+    /// Makes `span` (new, without children yet) a child of this context, if it is a valid one.
+    pub fn adopt(&self, span: &tracing::Span) {
+        if self.0.span().span_context().is_valid() {
+            let _ = span.set_parent(self.0.clone());
+        }
+    }
+}
+
 /// The hex trace id of `span` (empty if it has none).
 pub fn trace_id(span: &tracing::Span) -> String {
     let cx = span.context();

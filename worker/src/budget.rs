@@ -53,8 +53,17 @@ pub fn usage(m: &Manifest, plan: &StagePlan) -> Usage {
         embed_head += file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin");
     }
     let resident = plan.resident.iter().map(|&l| layer_bytes(m, l)).sum();
-    let max_group = stream_groups(plan).iter().map(|g| g.iter().map(|&l| layer_bytes(m, l)).sum::<u64>()).max().unwrap_or(0);
-    let buffers = if stream_groups(plan).is_empty() { 0 } else { plan.buffers as u64 };
+    let (count, bytes) = streaming_buffers(m, plan);
     let kv = plan.kv_capacity as u64 * kv_bytes_per_token_layer(m) * plan.layers.len() as u64;
-    Usage { embed_head, resident, streaming: buffers * max_group, kv }
+    Usage { embed_head, resident, streaming: count as u64 * bytes, kv }
+}
+
+/// The streaming buffers `plan` needs: how many and the bytes of each. One buffer holds one layer;
+/// `plan.buffers` groups may be in flight (one computing, one copying, the rest queued), so there
+/// are `buffers × group_size` buffers of the largest streamed layer (none when nothing streams).
+pub fn streaming_buffers(m: &Manifest, plan: &StagePlan) -> (usize, u64) {
+    let groups = stream_groups(plan);
+    let Some(largest) = groups.iter().flatten().map(|&l| layer_bytes(m, l)).max() else { return (0, 0) };
+    let widest = groups.iter().map(Vec::len).max().unwrap_or(1);
+    (plan.buffers.max(1) * widest, largest)
 }

@@ -8,6 +8,7 @@ pub mod error;
 pub mod forward;
 pub mod generate;
 pub mod model;
+pub mod prefetch;
 pub mod sampling;
 pub mod server;
 pub mod service;

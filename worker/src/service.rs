@@ -162,6 +162,7 @@ impl Worker for WorkerService {
                 .map(|t| LayerTiming { layer: t.layer, resident: t.resident, bytes: t.bytes, transfer_ms: t.transfer_ms, compute_ms: t.compute_ms, stall_ms: t.stall_ms })
                 .collect(),
             wall_ms,
+            layers_ms: out.layers_ms,
         }))
     }
 

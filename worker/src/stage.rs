@@ -1,18 +1,18 @@
 //! A worker's stage of the pipeline: its layer range with resident and streamed layers, optional
 //! embedding and head, per-sequence KV caches and samplers, and the step that runs a batch through it
-//! while a copy thread streams the next layer group from the loader.
+//! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
 use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::budget::layer_bytes;
-use crate::stream::{Fetched, LoaderLink};
+use crate::budget::streaming_buffers;
+use crate::prefetch::{Fetcher, LayerSource, StepMark};
+use crate::stream::LoaderLink;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
-use layerstream_model::layout::layer_file;
 use layerstream_model::{LoadedFile, ModelConfig, Store};
+use layerstream_proto::telemetry::TraceParent;
 use std::collections::HashMap;
-use std::sync::mpsc;
 use std::time::Instant;
 use tracing::{info_span, Span};
 
@@ -55,6 +55,8 @@ pub struct StepOut {
     pub hidden: Vec<f32>,
     pub tokens: Vec<u32>,
     pub layers: Vec<LayerTiming>,
+    /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
+    pub layers_ms: f64,
 }
 
 struct Seq<B: Backend> {
@@ -64,24 +66,18 @@ struct Seq<B: Backend> {
     history: Vec<u32>,
 }
 
-/// A streamed group after its transfer.
-struct Group<B: Backend> {
-    layers: Vec<(u32, LayerWeights<B>, Span, LayerTiming)>,
-}
-
 /// The worker's loaded assignment.
 pub struct Stage<B: Backend> {
     pub cfg: ModelConfig,
     pub plan: StagePlan,
     backend: B,
     ctx: LayerCtx,
-    store: Store,
     embed: Option<B::Weight>,
     /// Final norm and lm_head (`None` = tied: the embedding table).
     head: Option<(B::Weight, Option<B::Weight>)>,
     resident: HashMap<u32, LayerWeights<B>>,
     groups: Vec<Vec<u32>>,
-    link: LoaderLink,
+    fetcher: Fetcher<B>,
     seqs: HashMap<u64, Seq<B>>,
 }
 
@@ -95,8 +91,9 @@ pub fn stream_groups(plan: &StagePlan) -> Vec<Vec<u32>> {
     streamed.chunks(plan.group_size.max(1)).map(<[u32]>::to_vec).collect()
 }
 
-impl<B: Backend> Stage<B> {
-    /// Loads an assignment: embedding/head from the store, resident layers through the loader.
+impl<B: Backend + 'static> Stage<B> {
+    /// Loads an assignment: embedding/head from the store, resident layers through the loader; with
+    /// prefetch on, the copy thread starts on the first streamed group right away.
     pub fn load(backend: B, store: Store, plan: StagePlan, mut link: LoaderLink) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
@@ -113,33 +110,20 @@ impl<B: Backend> Stage<B> {
             None
         };
         let groups = stream_groups(&plan);
-        if let Some(max_layer) = groups.iter().flatten().map(|&l| layer_bytes(&store.manifest, l)).max() {
-            // Enough buffers for every layer in flight: the groups queued ahead, one computing, one copying.
-            backend.stream_buffers(plan.buffers.max(1) * plan.group_size.max(1), max_layer as usize)?;
+        let (count, bytes) = streaming_buffers(&store.manifest, &plan);
+        if count > 0 {
+            backend.stream_buffers(count, bytes as usize)?;
         }
+        let src = LayerSource { backend: backend.clone(), cfg: cfg.clone(), store };
         let mut resident = HashMap::new();
         for &l in &plan.resident {
-            resident.insert(l, Self::load_layer(&backend, &cfg, &store, &mut link, l, &Span::current(), false)?.0);
+            resident.insert(l, src.load_layer(&mut link, l, &Span::current(), false)?.0);
         }
         link.set_order(groups.iter().flatten().copied().collect())?;
-        Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, store, embed, head, resident, groups, link, seqs: HashMap::new() })
-    }
-
-    /// Copies layer `layer` from its loader slot (registered with the device once) to the device in
-    /// one transfer: into a streaming buffer (`streamed`) or its own allocation. Returns the weights,
-    /// what was fetched, and the device-timed copy milliseconds where the backend measures them.
-    fn load_layer(b: &B, cfg: &ModelConfig, store: &Store, link: &mut LoaderLink, layer: u32, span: &Span, streamed: bool) -> Result<(LayerWeights<B>, Fetched, Option<f64>)> {
-        let name = layer_file(layer as usize);
-        let entry = store.manifest.file(&name).ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?.clone();
-        let ((w, ms), f) = link.with_slot(layer, span, |region, len| {
-            if len as u64 != entry.size {
-                return Err(Error::Shape(format!("{name}: loader delivered {len} bytes, manifest says {}", entry.size)));
-            }
-            b.register_host(region)?;
-            let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
-            Ok((LayerWeights::from_blob(b, cfg, &entry, &blob)?, ms))
-        })?;
-        Ok((w, f, ms))
+        // Groups in flight: one computing, one being copied, `buffers - 2` finished and queued.
+        let queue = (plan.prefetch && plan.buffers >= 2).then(|| plan.buffers - 2);
+        let fetcher = Fetcher::new(src, groups.clone(), link, queue, StepMark { number: 0, parent: TraceParent::of(&Span::current()) });
+        Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, embed, head, resident, groups, fetcher, seqs: HashMap::new() })
     }
 
     /// Live sequences and positions held.
@@ -198,7 +182,9 @@ impl<B: Backend> Stage<B> {
             }
         };
         let seq_rows: Vec<SeqRows> = batch.iter().map(|s| SeqRows { rows: s.tokens.len(), start_pos: s.start_pos }).collect();
+        let t_layers = Instant::now();
         let timings = self.run_layers(&mut x, batch, &seq_rows, step_span)?;
+        let layers_ms = t_layers.elapsed().as_secs_f64() * 1e3;
         for s in batch {
             let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
             seq.len += s.tokens.len();
@@ -206,7 +192,7 @@ impl<B: Backend> Stage<B> {
                 seq.history.extend_from_slice(&s.tokens);
             }
         }
-        let mut out = StepOut { layers: timings, ..Default::default() };
+        let mut out = StepOut { layers: timings, layers_ms, ..Default::default() };
         let b = &self.backend;
         if let Some((norm, lm)) = &self.head {
             let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
@@ -223,8 +209,10 @@ impl<B: Backend> Stage<B> {
     }
 
     fn run_layers(&mut self, x: &mut B::Tensor, batch: &[StepSeq], seq_rows: &[SeqRows], step_span: &Span) -> Result<Vec<LayerTiming>> {
-        let Stage { backend: b, ctx, cfg, store, resident, groups, link, seqs, plan, .. } = self;
+        let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, .. } = self;
         let range = plan.layers.clone();
+        let step_no = fetcher.next_step_number();
+        fetcher.begin_step(step_no, step_span);
         let mut timings = Vec::with_capacity(range.len());
         // The batch's sequences in batch order, looked up once per step (not once per layer).
         let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
@@ -245,77 +233,33 @@ impl<B: Backend> Stage<B> {
             Ok(t)
         };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l, resident);
-        let fetch_group = |g: &[u32], link: &mut LoaderLink| -> Result<Group<B>> {
-            let mut layers = Vec::with_capacity(g.len());
-            for &l in g {
-                let span = layer_span(l, false);
-                let h2d = info_span!(parent: &span, "h2d", layer = l, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
-                // The transfer: slot → device in one copy (CUDA: event-timed on the copy stream; CPU:
-                // into the weight storage, timed from acquire to usable weights).
-                let t0 = Instant::now();
-                let (w, f, dev_ms) = h2d.in_scope(|| Self::load_layer(b, cfg, store, link, l, &h2d, true))?;
-                let transfer_ms = dev_ms.unwrap_or(t0.elapsed().as_secs_f64() * 1e3);
-                h2d.record("bytes", f.bytes as i64);
-                h2d.record("gbps", f.bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
-                if let Some(ms) = dev_ms {
-                    h2d.record("device_ms", ms);
-                }
-                drop(h2d);
-                layers.push((l, w, span, LayerTiming { layer: l, bytes: f.bytes as u64, transfer_ms, ..Default::default() }));
-            }
-            Ok(Group { layers })
-        };
         let first_of_group: HashMap<u32, usize> = groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
-        let mut run = |next_group: &mut dyn FnMut() -> Result<Group<B>>, x: &mut B::Tensor| -> Result<()> {
-            let mut pending: Option<Group<B>> = None;
-            for l in range.clone() {
-                if let Some(w) = resident.get(&l) {
-                    let span = layer_span(l, true);
-                    timings.push(compute(l, w, &span, LayerTiming { layer: l, resident: true, ..Default::default() }, x)?);
-                    continue;
-                }
-                if first_of_group.contains_key(&l) {
-                    let t0 = Instant::now();
-                    let g = next_group()?;
-                    let stall = t0.elapsed().as_secs_f64() * 1e3;
-                    pending = Some(g);
-                    if let Some(p) = pending.as_mut() {
-                        p.layers[0].3.stall_ms = stall;
-                    }
-                }
-                let g = pending.as_mut().ok_or_else(|| Error::Request(format!("layer {l} has no group")))?;
-                let idx = g.layers.iter().position(|e| e.0 == l).ok_or_else(|| Error::Request(format!("layer {l} missing from its group")))?;
-                let (_, w, span, t) = &g.layers[idx];
-                timings.push(compute(l, w, span, t.clone(), x)?);
-                if idx + 1 == g.layers.len() {
-                    pending = None; // evict the group as a unit after its compute
-                }
+        let mut pending = None;
+        for l in range.clone() {
+            if let Some(w) = resident.get(&l) {
+                let span = layer_span(l, true);
+                timings.push(compute(l, w, &span, LayerTiming { layer: l, resident: true, ..Default::default() }, x)?);
+                continue;
             }
-            Ok(())
-        };
-        if !plan.prefetch || groups.is_empty() || plan.buffers < 2 {
-            let mut it = groups.iter();
-            run(&mut || fetch_group(it.next().expect("group order"), link), x)?;
-        } else {
-            let cap = plan.buffers - 2;
-            std::thread::scope(|s| -> Result<()> {
-                let (tx, rx) = mpsc::sync_channel::<Result<Group<B>>>(cap);
-                let groups_ref = &*groups;
-                let link_ref = &mut *link;
-                let copier = s.spawn(move || {
-                    for g in groups_ref {
-                        let r = fetch_group(g, link_ref);
-                        let failed = r.is_err();
-                        if tx.send(r).is_err() || failed {
-                            return;
-                        }
-                    }
-                });
-                let res = run(&mut || rx.recv().map_err(|_| Error::Request("copy thread ended early".into()))?, x);
-                drop(rx);
-                let _ = copier.join();
-                res
-            })?;
+            if let Some(&gi) = first_of_group.get(&l) {
+                let t0 = Instant::now();
+                let mut g = fetcher.next(gi)?;
+                g.layers[0].timing.stall_ms = t0.elapsed().as_secs_f64() * 1e3;
+                pending = Some(g);
+            }
+            let g = pending.as_mut().ok_or_else(|| Error::Request(format!("layer {l} has no group")))?;
+            let idx = g.layers.iter().position(|e| e.layer == l).ok_or_else(|| Error::Request(format!("layer {l} missing from its group")))?;
+            let a = &mut g.layers[idx];
+            if g.step != step_no {
+                // Copied ahead, during an earlier step or between steps: that copy stays traced
+                // where it ran; this step's compute gets its own layer span.
+                a.span.record("next_step", true);
+                a.span = layer_span(l, false);
+            }
+            timings.push(compute(l, &a.weights, &a.span, a.timing.clone(), x)?);
+            if idx + 1 == g.layers.len() {
+                pending = None; // evict the group as a unit after its compute
+            }
         }
         Ok(timings)
     }
@@ -323,9 +267,11 @@ impl<B: Backend> Stage<B> {
 
 impl<B: Backend> Drop for Stage<B> {
     fn drop(&mut self) {
-        // Unpin the slot mappings before the link unmaps them.
-        for region in self.link.regions() {
-            self.backend.unregister_host(region);
+        // Stop the copy thread, then unpin the slot mappings before the link unmaps them.
+        if let Some(link) = self.fetcher.stop() {
+            for region in link.regions() {
+                self.backend.unregister_host(region);
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
-//! The worker's side of the loader: acquire a layer's shm slot, copy it into a staging buffer
-//! (the transfer), release the slot. Slot mappings are opened once and reused.
+//! The worker's side of the loader: acquire a layer's shm slot, hand its bytes to the copy, release
+//! the slot. Slot mappings are opened once and reused (and registered with the device once).
 
 use crate::error::{Error, Result};
 use layerstream_loader::shm::ShmRegion;
@@ -7,15 +7,7 @@ use layerstream_proto::telemetry::traced_request;
 use layerstream_proto::v1::loader_client::LoaderClient;
 use layerstream_proto::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
 use std::collections::HashMap;
-use std::time::Instant;
 use tonic::transport::Channel;
-
-/// One layer copied out of the loader.
-pub struct Fetched {
-    pub bytes: usize,
-    /// Time of the slot → buffer copy alone.
-    pub copy_ms: f64,
-}
 
 /// A connection to the loader daemon plus the slot regions mapped so far.
 pub struct LoaderLink {
@@ -45,11 +37,10 @@ impl LoaderLink {
 
     /// Acquires layer `layer`'s slot under `span`'s trace context, hands `use_slot` the whole slot
     /// mapping and the layer's length (its bytes are `mapping[..len]`), then releases the slot.
-    pub fn with_slot<R>(&mut self, layer: u32, span: &tracing::Span, use_slot: impl FnOnce(&[u8], usize) -> Result<R>) -> Result<(R, Fetched)> {
+    pub fn with_slot<R>(&mut self, layer: u32, span: &tracing::Span, use_slot: impl FnOnce(&[u8], usize) -> Result<R>) -> Result<R> {
         let mut c = self.client.clone();
         let req = traced_request(span, AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true });
         let a = self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
-        let t = Instant::now();
         if !self.regions.contains_key(&a.shm_name) {
             let r = ShmRegion::open_readonly(&a.shm_name).map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
             self.regions.insert(a.shm_name.clone(), r);
@@ -60,10 +51,9 @@ impl LoaderLink {
             return Err(Error::Request(format!("loader slot {} holds {} bytes, layer {layer} claims {len}", a.shm_name, region.len())));
         }
         let out = use_slot(region, len);
-        let copy_ms = t.elapsed().as_secs_f64() * 1e3;
         let rel = SlotRelease { worker: self.worker.clone(), layer };
         self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
-        Ok((out?, Fetched { bytes: len, copy_ms }))
+        out
     }
 
     /// Every slot mapping opened so far.

@@ -1,0 +1,202 @@
+//! The copy side of a stage: streamed layer groups go from the loader's shm slots into the
+//! backend's streaming buffers in the stage's cyclic layer order.
+//!
+//! With prefetch on, one copy thread lives as long as the stage and runs ahead across step
+//! boundaries, bounded by the streaming buffers: the first groups of the next step cross the link
+//! while this step's last layers compute and while the coordinator samples. With prefetch off the
+//! step fetches each group itself when it reaches it (transfer, then compute: the baseline).
+
+use crate::error::{Error, Result};
+use crate::stage::LayerTiming;
+use crate::stream::LoaderLink;
+use crate::weights::LayerWeights;
+use layerstream_kernels::Backend;
+use layerstream_model::layout::layer_file;
+use layerstream_model::{ModelConfig, Store};
+use layerstream_proto::telemetry::TraceParent;
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tracing::{info_span, Span};
+
+/// What loading a layer file onto a device needs.
+#[derive(Clone)]
+pub struct LayerSource<B: Backend> {
+    pub backend: B,
+    pub cfg: ModelConfig,
+    pub store: Store,
+}
+
+impl<B: Backend> LayerSource<B> {
+    /// Copies layer `layer` from its loader slot (registered with the device once) to the device in
+    /// one transfer: into a streaming buffer (`streamed`) or its own allocation. Returns the weights,
+    /// the bytes copied and the device-timed copy milliseconds where the backend measures them.
+    pub fn load_layer(&self, link: &mut LoaderLink, layer: u32, span: &Span, streamed: bool) -> Result<(LayerWeights<B>, u64, Option<f64>)> {
+        let b = &self.backend;
+        let name = layer_file(layer as usize);
+        let entry = self.store.manifest.file(&name).ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?.clone();
+        let (w, ms) = link.with_slot(layer, span, |region, len| {
+            if len as u64 != entry.size {
+                return Err(Error::Shape(format!("{name}: loader delivered {len} bytes, manifest says {}", entry.size)));
+            }
+            b.register_host(region)?;
+            let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
+            Ok((LayerWeights::from_blob(b, &self.cfg, &entry, &blob)?, ms))
+        })?;
+        Ok((w, entry.size, ms))
+    }
+}
+
+/// The step now running (or the last one to run): spans the copy thread makes join its trace.
+#[derive(Clone, Default)]
+pub struct StepMark {
+    pub number: u64,
+    pub parent: TraceParent,
+}
+
+/// One streamed layer on the device. `span` is its `layer` span, opened when its copy began.
+pub struct Arrived<B: Backend> {
+    pub layer: u32,
+    pub weights: LayerWeights<B>,
+    pub span: Span,
+    pub timing: LayerTiming,
+}
+
+/// A streamed group after its transfer; `step` is the step that was running when its copy began.
+pub struct Group<B: Backend> {
+    pub index: usize,
+    pub step: u64,
+    pub layers: Vec<Arrived<B>>,
+}
+
+/// Copies group `index` of `groups`; its spans join the trace of the step in `mark`.
+fn fetch_group<B: Backend>(src: &LayerSource<B>, link: &mut LoaderLink, groups: &[Vec<u32>], index: usize, mark: &Mutex<StepMark>) -> Result<Group<B>> {
+    let m = mark.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut layers = Vec::with_capacity(groups[index].len());
+    for &l in &groups[index] {
+        let span = info_span!(parent: None, "layer", otel.name = format!("layer {l}"), layer = l, resident = false, next_step = tracing::field::Empty);
+        m.parent.adopt(&span);
+        let h2d = info_span!(parent: &span, "h2d", layer = l, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
+        // The transfer: slot → device in one copy (CUDA: event-timed on the copy stream; CPU: into
+        // the weight storage, timed from acquire to usable weights).
+        let t0 = Instant::now();
+        let (weights, bytes, dev_ms) = h2d.in_scope(|| src.load_layer(link, l, &h2d, true))?;
+        let transfer_ms = dev_ms.unwrap_or(t0.elapsed().as_secs_f64() * 1e3);
+        h2d.record("bytes", bytes as i64);
+        h2d.record("gbps", bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
+        if let Some(ms) = dev_ms {
+            h2d.record("device_ms", ms);
+        }
+        drop(h2d);
+        layers.push(Arrived { layer: l, weights, span, timing: LayerTiming { layer: l, bytes, transfer_ms, ..Default::default() } });
+    }
+    Ok(Group { index, step: m.number, layers })
+}
+
+enum Mode<B: Backend> {
+    /// Prefetch off: the step fetches each group when it needs it.
+    Inline(Box<LoaderLink>),
+    /// Prefetch on: a copy thread runs ahead; it hands the link back when it ends.
+    Ahead { rx: Receiver<Result<Group<B>>>, thread: JoinHandle<LoaderLink> },
+    /// The copy thread died and took the link with it.
+    Lost,
+}
+
+/// Delivers a stage's streamed groups, in order, to its steps.
+pub struct Fetcher<B: Backend> {
+    src: LayerSource<B>,
+    groups: Arc<Vec<Vec<u32>>>,
+    mark: Arc<Mutex<StepMark>>,
+    /// Groups the copy thread may hold finished beyond the one it hands over next (prefetch on).
+    queue: Option<usize>,
+    mode: Mode<B>,
+}
+
+impl<B: Backend + 'static> Fetcher<B> {
+    /// Starts delivering `groups` from the first; `queue` = Some(extra groups buffered ahead) runs a
+    /// copy thread, None fetches inline.
+    pub fn new(src: LayerSource<B>, groups: Vec<Vec<u32>>, link: LoaderLink, queue: Option<usize>, mark: StepMark) -> Self {
+        let mut f = Fetcher { src, groups: Arc::new(groups), mark: Arc::new(Mutex::new(mark)), queue, mode: Mode::Inline(Box::new(link)) };
+        if let (Some(q), false) = (queue, f.groups.is_empty()) {
+            let Mode::Inline(link) = std::mem::replace(&mut f.mode, Mode::Lost) else { unreachable!("just built inline") };
+            f.mode = f.spawn(*link, 0, q);
+        }
+        f
+    }
+
+    fn spawn(&self, mut link: LoaderLink, start: usize, queue: usize) -> Mode<B> {
+        let (tx, rx) = sync_channel(queue);
+        let (src, groups, mark) = (self.src.clone(), self.groups.clone(), self.mark.clone());
+        let thread = std::thread::Builder::new()
+            .name("layerstream-copy".into())
+            .spawn(move || {
+                let mut i = start;
+                loop {
+                    let g = fetch_group(&src, &mut link, &groups, i, &mark);
+                    let failed = g.is_err();
+                    // A closed channel means the stage is going away; an error ends the thread so
+                    // the next step restarts it where that step begins.
+                    if tx.send(g).is_err() || failed {
+                        return link;
+                    }
+                    i = (i + 1) % groups.len();
+                }
+            })
+            .expect("spawning the copy thread");
+        Mode::Ahead { rx, thread }
+    }
+
+    /// Marks the start of step `number` under `span`: copies begun from now on are traced in it.
+    pub fn begin_step(&self, number: u64, span: &Span) {
+        *self.mark.lock().unwrap_or_else(|e| e.into_inner()) = StepMark { number, parent: TraceParent::of(span) };
+    }
+
+    /// The next step number (one past the last marked).
+    pub fn next_step_number(&self) -> u64 {
+        self.mark.lock().unwrap_or_else(|e| e.into_inner()).number + 1
+    }
+
+    /// Group `index`, waiting for its copy. Groups copied for an earlier, failed step are dropped; a
+    /// copy thread that ended on an error is restarted at `index`.
+    pub fn next(&mut self, index: usize) -> Result<Group<B>> {
+        let n = self.groups.len();
+        if index >= n {
+            return Err(Error::Request(format!("streamed group {index} does not exist ({n} groups)")));
+        }
+        // At most one lap of stale groups, one restart, then the wanted group.
+        for _ in 0..n + 2 {
+            match &mut self.mode {
+                Mode::Inline(link) => return fetch_group(&self.src, link, &self.groups, index, &self.mark),
+                Mode::Lost => return Err(Error::Request("the copy thread panicked; the stage must be reloaded".into())),
+                Mode::Ahead { rx, .. } => match rx.recv() {
+                    Ok(Ok(g)) if g.index == index => return Ok(g),
+                    Ok(Ok(_stale)) => continue,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        // The thread has ended (after an error it reported): start it again here.
+                        let link = self.stop().ok_or_else(|| Error::Request("the copy thread panicked; the stage must be reloaded".into()))?;
+                        self.mode = self.spawn(link, index, self.queue.unwrap_or(0));
+                    }
+                },
+            }
+        }
+        Err(Error::Request(format!("streamed group {index} never arrived from the copy thread")))
+    }
+}
+
+impl<B: Backend> Fetcher<B> {
+    /// Stops the copy thread (dropping what it buffered) and returns the loader link.
+    pub fn stop(&mut self) -> Option<LoaderLink> {
+        match std::mem::replace(&mut self.mode, Mode::Lost) {
+            Mode::Inline(link) => Some(*link),
+            Mode::Lost => None,
+            Mode::Ahead { rx, thread } => {
+                // Dropping the receiver frees the buffered groups (and their streaming buffers), so a
+                // thread waiting for a buffer or to hand a group over returns.
+                drop(rx);
+                thread.join().ok()
+            }
+        }
+    }
+}
