@@ -4,6 +4,7 @@
 #   cargo build --release -p layerstream --features cuda
 #   cargo test --release -p layerstream --features cuda --test cuda --no-run      # → CUDA_TEST
 #   cargo test --release -p layerstream-kernels --features cuda --lib --no-run    # → KERNELS_TEST
+# (benchmarks/gpu-prepare.sh does all of this into .dev/, with the SmolLM2 store in two parts.)
 # Usage: benchmarks/gpu-run.sh BIN_DIR OUT_DIR   (BIN_DIR holds layerstream, cuda-test, kernels-test)
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
@@ -18,6 +19,14 @@ for lib in libnvrtc.so.13 libcublas.so.13; do
   d=$(dirname "$(find /usr/local/cuda*/ /usr/lib /opt -name "$lib" 2>/dev/null | head -1)")
   [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
+# The real SmolLM2 store, carried in parts (see gpu-prepare.sh): unpacked where the default model
+# is looked for, so the SmolLM2 CUDA test and `run` without --model use it.
+PARTS=$(ls -d "$ROOT"/.dev/smol-*/part 2>/dev/null | sort -V)
+if [ -n "$PARTS" ]; then
+  export LAYERSTREAM_CACHE=${LAYERSTREAM_CACHE:-/tmp/ls-cache}
+  SMOL_REAL="$LAYERSTREAM_CACHE/stores/smollm2-135m-instruct-q4_1"
+  mkdir -p "$SMOL_REAL" && cat $PARTS | tar -C "$SMOL_REAL" -xf - && "$LS" verify "$SMOL_REAL" | tail -1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 S70=/tmp/ls-70b; SSM=/tmp/ls-smol
 [ -d $S70 ] || "$LS" synth --shape llama-3-70b --dtype q4_k --layers ${LAYERS70:-20} $S70 >/dev/null
@@ -29,7 +38,7 @@ echo "== CUDA worker tests"; "$BIN/cuda-test" --test-threads=1 --nocapture 2>&1 
 echo "== h2d"; "$LS" h2d-bench --device cuda:0 --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"
 IDS=$(seq 1 512 | paste -sd, -)
 echo "== resident run (prefill 512 tokens, decode 64)"
-for m in $SSM $S70; do for p in f16 f32; do
+for m in ${SMOL_REAL:-} $SSM $S70; do for p in f16 f32; do
   LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device cuda:0 --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
 done; done 2>&1 | tee "$OUT/run.txt"
 fi

@@ -200,3 +200,62 @@ impl<B: Backend> Fetcher<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_kernels::CpuBackend;
+    use layerstream_loader::daemon::{Daemon, LoaderService};
+    use layerstream_proto::v1::loader_server::LoaderServer;
+
+    /// A loader daemon serving `store` on a Unix socket in `rt`, and a link to it.
+    fn loader(rt: &tokio::runtime::Runtime, store: &Store, dir: &std::path::Path) -> LoaderLink {
+        let ns = format!("prefetch-test-{}", std::process::id());
+        let daemon = Arc::new(Daemon::new(store.clone(), &ns, 3, store.manifest.max_layer_bytes() as usize, 1).unwrap());
+        let sock = dir.join("loader.sock");
+        let listener = rt.block_on(async { tokio::net::UnixListener::bind(&sock) }).unwrap();
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        rt.spawn(tonic::transport::Server::builder().add_service(LoaderServer::new(LoaderService(daemon))).serve_with_incoming(incoming));
+        let channel = rt.block_on(layerstream_proto::transport::connect_uds(&sock)).unwrap();
+        LoaderLink::new(channel, "w0".into(), rt.handle().clone())
+    }
+
+    /// Real loader, real shm slots, CPU backend: groups arrive in order and cycle; a copy that fails
+    /// (a layer file missing on disk) reaches the step as an error naming the file, and the next
+    /// request restarts the copy thread there; groups copied ahead for an abandoned step are skipped.
+    #[test]
+    fn copy_thread_runs_ahead_restarts_after_an_error_and_skips_stale_groups() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("store");
+        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(4), 7, &dir).unwrap();
+        let store = Store::open(&dir).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let mut link = loader(&rt, &store, tmp.path());
+        link.set_order(vec![0, 1, 2, 3]).unwrap();
+        // Layer 2 is missing before anything is read, so neither a prefetch nor a cache can hide it.
+        let f2 = dir.join(layer_file(2));
+        let aside = tmp.path().join("aside.bin");
+        std::fs::rename(&f2, &aside).unwrap();
+        let src = LayerSource { backend: CpuBackend, cfg: store.manifest.config.clone(), store: store.clone() };
+        let groups = vec![vec![0], vec![1], vec![2], vec![3]];
+        let mut f = Fetcher::new(src, groups, link, Some(0), StepMark::default());
+        for i in 0..2 {
+            let g = f.next(i).unwrap();
+            assert_eq!((g.index, g.layers.len(), g.layers[0].layer), (i, 1, i as u32));
+            assert_eq!(g.layers[0].timing.bytes, store.manifest.file(&layer_file(i)).unwrap().size);
+        }
+        let err = f.next(2).err().expect("layer 2's file is missing").to_string();
+        assert!(err.contains("layer_002") || err.contains(&layer_file(2)), "{err}");
+        std::fs::rename(&aside, &f2).unwrap();
+        let g = f.next(2).expect("the copy thread restarts at group 2");
+        assert_eq!(g.layers[0].layer, 2);
+        drop(g);
+        // The thread has copied group 3 ahead; a step that starts over wants group 0 and gets it.
+        let g = f.next(0).unwrap();
+        assert_eq!(g.layers[0].layer, 0);
+        assert!(f.next(9).is_err(), "no group 9");
+        drop(g);
+        let link = f.stop().expect("the link comes back from the copy thread");
+        assert!(link.regions().count() > 0, "slot mappings were opened");
+    }
+}
