@@ -73,7 +73,7 @@ pub async fn run(a: SinkArgs) -> Result<()> {
     println!("LISTENING http://{}", listener.local_addr()?);
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(Sink(Mutex::new(file))))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), layerstream_proto::transport::shutdown_signal())
+        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
         .await?;
     Ok(())
 }

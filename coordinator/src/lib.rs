@@ -178,7 +178,7 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         .add_service(layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>().await)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(CoordinatorServer::new(svc))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), layerstream_proto::transport::shutdown_signal())
+        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
         .await?;
     tracing_guard.flush();
     Ok(())

@@ -81,7 +81,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(WorkerServer::new(WorkerService(state)).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), layerstream_proto::transport::shutdown_signal())
+        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
         .await?;
     Ok(())
 }
