@@ -90,8 +90,8 @@ pub fn layer_forward<B: Backend>(
     Ok(())
 }
 
-/// Final norm and lm_head on the last row of each sequence: one logits vector per sequence.
-pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<Vec<Vec<f32>>> {
+/// Final norm and lm_head on the last row of each sequence: logits `[sequences, vocab]` on the device.
+pub fn head_tensor<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<B::Tensor> {
     let mut last = Vec::with_capacity(seqs.len());
     let mut off = 0;
     for s in seqs {
@@ -100,7 +100,12 @@ pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[Seq
     }
     let last = b.concat_rows(&last)?;
     let h = b.rms_norm(&last, norm, ctx.eps)?;
-    let logits = b.matmul(&h, lm_head)?;
+    Ok(b.matmul(&h, lm_head)?)
+}
+
+/// `head_tensor` copied to the host: one logits vector per sequence.
+pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<Vec<Vec<f32>>> {
+    let logits = head_tensor(b, ctx, x, seqs, norm, lm_head)?;
     let (n, vocab) = b.dims(&logits);
     let host = b.to_host(&logits)?;
     debug_assert_eq!(n, seqs.len());

@@ -75,6 +75,12 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Whether `sample` is a plain argmax (temperature 0, no repetition penalty): the head can then
+    /// pick the token on the device without copying the logits back.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// Picks the next token from `logits` given the tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let p = self.params.clone();

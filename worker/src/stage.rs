@@ -3,7 +3,7 @@
 //! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
 use crate::error::{Error, Result};
-use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
+use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::budget::streaming_buffers;
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
@@ -196,11 +196,19 @@ impl<B: Backend + 'static> Stage<B> {
         let b = &self.backend;
         if let Some((norm, lm)) = &self.head {
             let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
-            let logits = head_logits(b, &self.ctx, &x, &seq_rows, norm, lm)?;
-            for (s, mut l) in batch.iter().zip(logits) {
-                let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
-                let hist = seq.history.clone();
-                out.tokens.push(seq.sampler.as_mut().expect("head stage samples").sample(&mut l, &hist));
+            let logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
+            let greedy = batch.iter().all(|s| self.seqs[&s.seq_id].sampler.as_ref().is_some_and(Sampler::is_greedy));
+            if greedy {
+                // Argmax on the device: one token id per sequence comes back, not the logits.
+                out.tokens = b.argmax_rows(&logits)?;
+            } else {
+                let (_, vocab) = b.dims(&logits);
+                let host = b.to_host(&logits)?;
+                for (s, l) in batch.iter().zip(host.chunks_exact(vocab)) {
+                    let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
+                    let mut l = l.to_vec();
+                    out.tokens.push(seq.sampler.as_mut().expect("head stage samples").sample(&mut l, &seq.history));
+                }
             }
         } else {
             out.hidden = b.to_host(&x)?;
