@@ -75,6 +75,26 @@ fn tiny_llama_pipeline_configs_equal_run() {
     tiny("tiny-llama");
 }
 
+/// Seeded sampling (temperature, top-k, repetition penalty) through two streaming workers gives the
+/// same tokens as `run` with the same seed: the last worker samples on the host from the same logits.
+#[test]
+fn seeded_sampling_through_the_pipeline_equals_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let s = store.dir.to_str().unwrap();
+    let g = &goldens("tiny-llama")[0];
+    let mut args = golden_args(g, 24);
+    args.extend(["--temperature", "0.9", "--top-k", "50", "--repetition-penalty", "1.2", "--seed", "7"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))["output_ids"].clone();
+    let greedy = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..args.len() - 8]].concat()))["output_ids"].clone();
+    assert_ne!(want, greedy, "sampling settings change the output");
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0"]);
+    let got = submit(stack.addr(), &args)["output_ids"].clone();
+    assert_eq!(got, want);
+    stack.shutdown();
+}
+
 #[test]
 fn tiny_qwen2_pipeline_configs_equal_run() {
     tiny("tiny-qwen2");
