@@ -31,6 +31,10 @@ pub struct BenchArgs {
     /// Layer group size in the streamed runs.
     #[arg(long, default_value_t = 1)]
     pub layer_group_size: usize,
+    /// Streaming buffers (layer groups in flight: one computing, one copying, the rest queued) in
+    /// the streamed runs; default: `up`'s.
+    #[arg(long)]
+    pub streaming_buffers: Option<usize>,
     /// Concurrent requests (batched together).
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -143,6 +147,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let model = crate::run::model_dir(&a.model)?.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut streamed = vec!["--layer-group-size".to_owned(), a.layer_group_size.to_string()];
+    if let Some(n) = a.streaming_buffers {
+        streamed.extend(["--streaming-buffers".to_owned(), n.to_string()]);
+    }
     match a.memory_budget {
         Some(b) => streamed.extend(["--memory-budget".to_owned(), b.to_string()]),
         None => streamed.extend(["--resident-layers".to_owned(), a.resident_layers.to_string()]),
@@ -155,7 +162,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         run_config("fully resident", &model, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
         run_config("streamed (prefetch off)", &model, &off, &a, &rt).context("prefetch-off run")?,
     ];
-    println!("workload: {} concurrent requests × {} tokens, {} worker(s), {} resident layers/worker when streamed, group {}", a.batch, a.max_new_tokens, a.workers, a.resident_layers, a.layer_group_size);
+    println!(
+        "workload: {} concurrent requests × {} tokens, {} worker(s), {} resident layers/worker when streamed, group {}, streaming buffers {}",
+        a.batch,
+        a.max_new_tokens,
+        a.workers,
+        a.resident_layers,
+        a.layer_group_size,
+        a.streaming_buffers.map_or("default".to_owned(), |n| n.to_string())
+    );
     println!("| config | tokens/s | MB streamed/step | transfer GB/s | streamed GB/s over wall | layer pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
