@@ -98,7 +98,8 @@ enum Mode<B: Backend> {
     /// Prefetch off: the step fetches each group when it needs it.
     Inline(Box<LoaderLink>),
     /// Prefetch on: a copy thread runs ahead; it hands the link back when it ends.
-    Ahead { rx: Receiver<Result<Group<B>>>, thread: JoinHandle<LoaderLink> },
+    /// Each message is a group index and its copy (or the error that ended the thread).
+    Ahead { rx: Receiver<(usize, Result<Group<B>>)>, thread: JoinHandle<LoaderLink> },
     /// The copy thread died and took the link with it.
     Lost,
 }
@@ -137,7 +138,7 @@ impl<B: Backend + 'static> Fetcher<B> {
                     let failed = g.is_err();
                     // A closed channel means the stage is going away; an error ends the thread so
                     // the next step restarts it where that step begins.
-                    if tx.send(g).is_err() || failed {
+                    if tx.send((i, g)).is_err() || failed {
                         return link;
                     }
                     i = (i + 1) % groups.len();
@@ -157,8 +158,8 @@ impl<B: Backend + 'static> Fetcher<B> {
         self.mark.lock().unwrap_or_else(|e| e.into_inner()).number + 1
     }
 
-    /// Group `index`, waiting for its copy. Groups copied for an earlier, failed step are dropped; a
-    /// copy thread that ended on an error is restarted at `index`.
+    /// Group `index`, waiting for its copy. Groups copied for an earlier step that ended early are
+    /// dropped; a copy thread that ended on an error is restarted at `index`.
     pub fn next(&mut self, index: usize) -> Result<Group<B>> {
         let n = self.groups.len();
         if index >= n {
@@ -170,9 +171,10 @@ impl<B: Backend + 'static> Fetcher<B> {
                 Mode::Inline(link) => return fetch_group(&self.src, link, &self.groups, index, &self.mark),
                 Mode::Lost => return Err(Error::Request("the copy thread panicked; the stage must be reloaded".into())),
                 Mode::Ahead { rx, .. } => match rx.recv() {
-                    Ok(Ok(g)) if g.index == index => return Ok(g),
-                    Ok(Ok(_stale)) => continue,
-                    Ok(Err(e)) => return Err(e),
+                    Ok((i, r)) if i == index => return r,
+                    // Copied (or failed) for an earlier step that ended early; after a failure the
+                    // thread has ended, and the next receive restarts it.
+                    Ok(_stale) => continue,
                     Err(_) => {
                         // The thread has ended (after an error it reported): start it again here.
                         let link = self.stop().ok_or_else(|| Error::Request("the copy thread panicked; the stage must be reloaded".into()))?;
@@ -222,7 +224,8 @@ mod tests {
 
     /// Real loader, real shm slots, CPU backend: groups arrive in order and cycle; a copy that fails
     /// (a layer file missing on disk) reaches the step as an error naming the file, and the next
-    /// request restarts the copy thread there; groups copied ahead for an abandoned step are skipped.
+    /// request restarts the copy thread there; groups copied, or failed, ahead for a step that ended
+    /// early are skipped.
     #[test]
     fn copy_thread_runs_ahead_restarts_after_an_error_and_skips_stale_groups() {
         let tmp = tempfile::tempdir().unwrap();
@@ -246,15 +249,21 @@ mod tests {
         }
         let err = f.next(2).err().expect("layer 2's file is missing").to_string();
         assert!(err.contains("layer_002") || err.contains(&layer_file(2)), "{err}");
+        // Layer 2 back, layer 3 gone: the restarted thread delivers group 2, then fails on group 3
+        // while nobody waits for it.
         std::fs::rename(&aside, &f2).unwrap();
+        let f3 = dir.join(layer_file(3));
+        std::fs::rename(&f3, &aside).unwrap();
         let g = f.next(2).expect("the copy thread restarts at group 2");
         assert_eq!(g.layers[0].layer, 2);
         drop(g);
-        // The thread has copied group 3 ahead; a step that starts over wants group 0 and gets it.
+        // A step that starts over wants group 0: the failure of group 3 belonged to the step that
+        // ended, so the thread is restarted at group 0 instead of failing this step.
         let g = f.next(0).unwrap();
         assert_eq!(g.layers[0].layer, 0);
         assert!(f.next(9).is_err(), "no group 9");
         drop(g);
+        std::fs::rename(&aside, &f3).unwrap();
         let link = f.stop().expect("the link comes back from the copy thread");
         assert!(link.regions().count() > 0, "slot mappings were opened");
     }
