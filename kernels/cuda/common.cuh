@@ -13,6 +13,21 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
+#ifdef LAYERSTREAM_HOST_EMU
+// Host emulation (kernels/emu, tests only): the same round-to-nearest conversions via _Float16.
+__device__ __forceinline__ float h2f(u16 h) {
+    _Float16 x;
+    __builtin_memcpy(&x, &h, 2);
+    return (float)x;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    _Float16 x = (_Float16)f;
+    u16 h;
+    __builtin_memcpy(&h, &x, 2);
+    return h;
+}
+#else
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -24,6 +39,7 @@ __device__ __forceinline__ u16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 __device__ __forceinline__ float ld_h(const u8* p) {
     return h2f(*(const u16*)p);

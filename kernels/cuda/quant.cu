@@ -1,6 +1,6 @@
-// GGML block formats on the GPU (layouts as in ggml-quants.c and the CPU backend's quant.rs):
-// element c of a row, a fused dequantize-matvec for decode (up to MATVEC_ROWS activation rows) and
-// dequantize-to-f32/f16 for the prefill GEMMs.
+// GGML block formats on the GPU (layouts as in ggml-quants.c and the CPU backend's quant.rs): runs
+// of 8 elements of a row (and single elements), a fused dequantize-matvec for decode (up to
+// MATVEC_ROWS activation rows) and dequantize-to-f32/f16 for the prefill GEMMs.
 
 __device__ __forceinline__ void scale_min_k4(int j, const u8* s, float* sc, float* mn) {
     if (j < 4) {
@@ -12,44 +12,72 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* s, float* sc, floa
     }
 }
 
+// Elements c0 .. c0+7 of a row stored as block format T (c0 a multiple of 8): the run shares one
+// block and one sub-block scale, so scales are decoded once per 8 elements.
+template <int T>
+__device__ __forceinline__ void deq8(const u8* row, int c0, float* v) {
+    if (T == DT_Q8_0) {
+        const u8* b = row + (c0 >> 5) * 34;
+        const float d = ld_h(b);
+        const u8* q = b + 2 + (c0 & 31);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = d * (float)(signed char)q[e];
+    } else if (T == DT_Q4_0 || T == DT_Q4_1) {
+        const int i0 = c0 & 31;
+        const u8* b = row + (c0 >> 5) * (T == DT_Q4_1 ? 20 : 18);
+        const u8* qs = b + (T == DT_Q4_1 ? 4 : 2) + (i0 & 15);
+        const int shift = i0 < 16 ? 0 : 4;
+        const float d = ld_h(b);
+        if (T == DT_Q4_1) {
+            const float m = ld_h(b + 2);
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = d * (float)((qs[e] >> shift) & 0xF) + m;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = d * (float)(((qs[e] >> shift) & 0xF) - 8);
+        }
+    } else if (T == DT_Q4_K) {
+        const u8* b = row + (c0 >> 8) * 144;
+        const int i0 = c0 & 255, j = i0 >> 6, l0 = i0 & 63, hi = l0 >= 32;
+        float sc, mn;
+        scale_min_k4(2 * j + hi, b + 4, &sc, &mn);
+        const float d = ld_h(b) * sc, m = ld_h(b + 2) * mn;
+        const u8* q = b + 16 + 32 * j + (l0 & 31);
+        const int shift = hi ? 4 : 0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = d * (float)((q[e] >> shift) & 0xF) - m;
+    } else {  // DT_Q6_K
+        const u8* b = row + (c0 >> 8) * 210;
+        const int i0 = c0 & 255, n = i0 >> 7, r = i0 & 127, quarter = r >> 5, l0 = r & 31;
+        const u8* ql = b + 64 * n + ((quarter & 1) ? 32 : 0) + l0;
+        const u8* qh = b + 128 + 32 * n + l0;
+        const int lshift = (quarter & 2) ? 4 : 0, hshift = 2 * quarter;
+        const float d = ld_h(b + 208) * (float)((const signed char*)(b + 192 + 8 * n))[l0 / 16 + 2 * quarter];
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = d * (float)((((ql[e] >> lshift) & 0xF) | (((qh[e] >> hshift) & 3) << 4)) - 32);
+    }
+}
+
 // Element c of a row stored as dtype T.
 template <int T>
 __device__ __forceinline__ float deq(const u8* row, int c) {
     if (T == DT_F32) return ((const float*)row)[c];
     if (T == DT_F16) return h2f(((const u16*)row)[c]);
     if (T == DT_BF16) return __uint_as_float(((unsigned)((const u16*)row)[c]) << 16);
-    if (T == DT_Q8_0) {
-        const u8* b = row + (c >> 5) * 34;
-        return ld_h(b) * (float)(signed char)b[2 + (c & 31)];
+    float v[8];
+    deq8<T>(row, c & ~7, v);
+    return v[c & 7];
+}
+
+// Eight elements for any dtype (float formats element by element).
+template <int T>
+__device__ __forceinline__ void deq8_any(const u8* row, int c0, float* v) {
+    if (T == DT_F32 || T == DT_F16 || T == DT_BF16) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = deq<T>(row, c0 + e);
+    } else {
+        deq8<T>(row, c0, v);
     }
-    if (T == DT_Q4_0 || T == DT_Q4_1) {
-        int i = c & 31;
-        const u8* b = row + (c >> 5) * (T == DT_Q4_1 ? 20 : 18);
-        const u8* qs = b + (T == DT_Q4_1 ? 4 : 2);
-        int q = i < 16 ? (qs[i] & 0xF) : (qs[i - 16] >> 4);
-        float d = ld_h(b);
-        if (T == DT_Q4_1) return d * (float)q + ld_h(b + 2);
-        return d * (float)(q - 8);
-    }
-    if (T == DT_Q4_K) {
-        const u8* b = row + (c >> 8) * 144;
-        int i = c & 255, j = i >> 6, l = i & 63;
-        int hi = l >= 32;
-        int q = (b[16 + 32 * j + (l & 31)] >> (hi ? 4 : 0)) & 0xF;
-        float sc, mn;
-        scale_min_k4(2 * j + hi, b + 4, &sc, &mn);
-        return ld_h(b) * sc * (float)q - ld_h(b + 2) * mn;
-    }
-    // DT_Q6_K
-    const u8* b = row + (c >> 8) * 210;
-    int i = c & 255, n = i >> 7, r = i & 127, quarter = r >> 5, l = r & 31;
-    const u8* ql = b + 64 * n;
-    const u8* qh = b + 128 + 32 * n;
-    const signed char* sc = (const signed char*)(b + 192 + 8 * n);
-    int low = (quarter & 1) ? ql[l + 32] : ql[l];
-    low = (quarter & 2) ? (low >> 4) : (low & 0xF);
-    int q = (low | (((qh[l] >> (2 * quarter)) & 3) << 4)) - 32;
-    return ld_h(b + 208) * (float)sc[l / 16 + 2 * quarter] * (float)q;
 }
 
 // The same, with the dtype chosen at run time (norm weights, biases, embedding rows).
@@ -68,8 +96,8 @@ __device__ float deq_rt(const u8* row, int t, int c) {
 
 #define MATVEC_ROWS 8
 
-// y[m, n] = x[m, k] · w[n, k]ᵀ for m <= MATVEC_ROWS: one warp per output column, each weight element
-// dequantized once and used for every activation row.
+// y[m, n] = x[m, k] · w[n, k]ᵀ for m <= MATVEC_ROWS: one warp per output column; each lane
+// dequantizes runs of 8 elements (one scale decode per run) and uses them for every activation row.
 template <int T>
 __device__ void matvec_impl(const u8* w, long long row_bytes, const float* x, float* y, int m, int n, int k) {
     int col = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
@@ -79,7 +107,21 @@ __device__ void matvec_impl(const u8* w, long long row_bytes, const float* x, fl
     float acc[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
-    for (int c = lane; c < k; c += 32) {
+    const int k8 = k & ~7;
+    for (int c0 = lane * 8; c0 < k8; c0 += 256) {
+        float wv[8];
+        deq8_any<T>(row, c0, wv);
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) {
+            if (r < m) {
+                const float* xr = x + (long long)r * k + c0;
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[r] += wv[e] * xr[e];
+            }
+        }
+    }
+    // Float weights whose width is not a multiple of 8 (block formats always are).
+    for (int c = k8 + lane; c < k; c += 32) {
         float wv = deq<T>(row, c);
 #pragma unroll
         for (int r = 0; r < MATVEC_ROWS; r++)
@@ -92,34 +134,45 @@ __device__ void matvec_impl(const u8* w, long long row_bytes, const float* x, fl
     }
 }
 
-// out[r, c] = w[r, c] as f32 for rows*k elements (rows starting at w).
-template <int T>
-__device__ void dequant_f32_impl(const u8* w, long long row_bytes, float* out, long long rows, int k) {
-    long long total = rows * k;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+// out[r, c] = w[r, c] converted by `conv`, for rows*k elements (rows starting at w); each thread
+// takes runs of 8 elements of one row when k is a multiple of 8, single elements otherwise.
+template <int T, class Out, class Conv>
+__device__ void dequant_impl(const u8* w, long long row_bytes, Out* out, long long rows, int k, Conv conv) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if ((k & 7) == 0) {
+        const long long runs = rows * (k >> 3);
+        for (long long g = first; g < runs; g += stride) {
+            const long long i = g << 3, r = i / k;
+            float v[8];
+            deq8_any<T>(w + r * row_bytes, (int)(i - r * k), v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) out[i + e] = conv(v[e]);
+        }
+        return;
+    }
+    for (long long i = first; i < rows * k; i += stride) {
         long long r = i / k;
-        out[i] = deq<T>(w + r * row_bytes, (int)(i - r * k));
+        out[i] = conv(deq<T>(w + r * row_bytes, (int)(i - r * k)));
     }
 }
 
-template <int T>
-__device__ void dequant_f16_impl(const u8* w, long long row_bytes, u16* out, long long rows, int k) {
-    long long total = rows * k;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / k;
-        out[i] = f2h(deq<T>(w + r * row_bytes, (int)(i - r * k)));
-    }
-}
+struct AsF32 {
+    __device__ float operator()(float v) const { return v; }
+};
+struct AsF16 {
+    __device__ u16 operator()(float v) const { return f2h(v); }
+};
 
 #define QUANT_KERNELS(NAME, T)                                                                                   \
     extern "C" __global__ void matvec_##NAME(const u8* w, long long rb, const float* x, float* y, int m, int n, int k) { \
         matvec_impl<T>(w, rb, x, y, m, n, k);                                                                    \
     }                                                                                                            \
     extern "C" __global__ void dequant_f32_##NAME(const u8* w, long long rb, float* out, long long rows, int k) {  \
-        dequant_f32_impl<T>(w, rb, out, rows, k);                                                                \
+        dequant_impl<T>(w, rb, out, rows, k, AsF32());                                                           \
     }                                                                                                            \
     extern "C" __global__ void dequant_f16_##NAME(const u8* w, long long rb, u16* out, long long rows, int k) {    \
-        dequant_f16_impl<T>(w, rb, out, rows, k);                                                                \
+        dequant_impl<T>(w, rb, out, rows, k, AsF16());                                                           \
     }
 
 QUANT_KERNELS(f32, DT_F32)

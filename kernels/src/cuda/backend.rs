@@ -91,18 +91,7 @@ pub struct CudaKv {
     len: usize,
 }
 
-fn dtype_code(d: DType) -> i32 {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Bf16 => 2,
-        DType::Q8_0 => 3,
-        DType::Q4_0 => 4,
-        DType::Q4_1 => 5,
-        DType::Q4K => 6,
-        DType::Q6K => 7,
-    }
-}
+use super::source::dtype_code;
 
 fn suffix(d: DType) -> &'static str {
     super::source::DTYPE_SUFFIXES[dtype_code(d) as usize]
@@ -211,7 +200,8 @@ impl CudaBackend {
         for r0 in (0..n).step_by(chunk) {
             let nr = chunk.min(n - r0);
             let src = w.ptr + (r0 * w.row_bytes) as u64;
-            self.gpu.launch(&name, (blocks(nr * k, 256), 1, 1), 256, 0, &[src, w.row_bytes as u64, scratch.ptr, nr as u64, i(k as i32)])?;
+            // One thread per run of 8 elements (the kernel strides over the rest when k % 8 != 0).
+            self.gpu.launch(&name, (blocks((nr * k).div_ceil(8), 256), 1, 1), 256, 0, &[src, w.row_bytes as u64, scratch.ptr, nr as u64, i(k as i32)])?;
             self.gemm(scratch.ptr, xptr, ty, y.buf.ptr + (r0 * 4) as u64, nr, m, k, n)?;
         }
         Ok(())

@@ -20,6 +20,10 @@ mod stream_pool;
 mod stub;
 #[cfg(all(test, feature = "cuda"))]
 mod tests_gpu;
+#[cfg(test)]
+mod test_data;
+#[cfg(test)]
+mod tests_emu;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPrecision, RUNTIME_RESERVE};

@@ -14,6 +14,21 @@ pub fn source() -> String {
     FILES.iter().map(|(name, text)| format!("// ---- {name}\n{text}\n")).collect()
 }
 
+/// The `DT_*` code of common.cuh for a stored dtype (the index into `DTYPE_SUFFIXES`).
+pub fn dtype_code(d: layerstream_model::DType) -> i32 {
+    use layerstream_model::DType;
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+        DType::Q4K => 6,
+        DType::Q6K => 7,
+    }
+}
+
 /// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
 pub const DTYPE_SUFFIXES: [&str; 8] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
 

@@ -1,0 +1,47 @@
+// A minimal CUDA execution model on the host, so the .cu kernels can be checked against the CPU
+// backend where there is no GPU (tests only; see kernels/src/cuda/tests_emu.rs). One OS thread per CUDA
+// thread, blocks one after another (so __shared__ can be a static), the threads of a warp meeting at
+// a barrier for each shuffle, and __syncthreads a block-wide barrier that exited threads leave.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct dim_ { unsigned x, y, z; };
+inline thread_local dim_ threadIdx, blockIdx;
+inline dim_ blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct WarpSync { std::barrier<> bar{32}; float f[32]; int i[32]; };
+inline std::barrier<>* g_block;
+inline std::vector<std::unique_ptr<WarpSync>>* g_warps;
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    auto& w = *(*g_warps)[threadIdx.x >> 5]; int l = threadIdx.x & 31;
+    w.f[l] = v; w.bar.arrive_and_wait(); float r = w.f[l ^ o]; w.bar.arrive_and_wait(); return r;
+}
+inline int __shfl_xor_sync(unsigned, int v, int o) {
+    auto& w = *(*g_warps)[threadIdx.x >> 5]; int l = threadIdx.x & 31;
+    w.i[l] = v; w.bar.arrive_and_wait(); int r = w.i[l ^ o]; w.bar.arrive_and_wait(); return r;
+}
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+template <class F> void launch(unsigned grid, unsigned block, F kernel) {
+    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < grid; b++) {
+        std::barrier<> bb(block);
+        std::vector<std::unique_ptr<WarpSync>> ws;
+        for (unsigned w = 0; w < (block + 31) / 32; w++) ws.push_back(std::make_unique<WarpSync>());
+        g_block = &bb; g_warps = &ws;
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t, b] { threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0}; kernel(); bb.arrive_and_drop(); });
+        for (auto& t : ts) t.join();
+    }
+}

@@ -1,0 +1,45 @@
+// Runs the quantized matvec and dequantize kernels of kernels/cuda/quant.cu under the host emulator.
+// Usage: quant-emu DTYPE M N K IN OUT, DTYPE a DT_* code of common.cuh. IN holds the weight rows
+// (N × row bytes) then x (M × K f32); OUT gets y = x·wᵀ (M × N f32), then w as f32 (N × K), then w
+// as f16 (N × K).
+#define LAYERSTREAM_HOST_EMU
+#include "emu.h"
+#include "../cuda/common.cuh"
+#include "../cuda/quant.cu"
+#include <cstdio>
+#include <cstdlib>
+
+int main(int argc, char** argv) {
+    if (argc != 7) {
+        fprintf(stderr, "usage: quant-emu DTYPE M N K IN OUT\n");
+        return 2;
+    }
+    const int t = atoi(argv[1]), m = atoi(argv[2]), n = atoi(argv[3]), k = atoi(argv[4]);
+    const int blk_elems[] = {1, 1, 1, 32, 32, 32, 256, 256}, blk_bytes[] = {4, 2, 2, 34, 18, 20, 144, 210};
+    if (t < 0 || t > 7 || k % blk_elems[t] != 0) return 2;
+    const long long rb = (long long)k / blk_elems[t] * blk_bytes[t];
+    std::vector<u8> w(rb * n);
+    std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), d32((size_t)n * k, NAN);
+    std::vector<u16> d16((size_t)n * k, 0xFFFF);
+    FILE* in = fopen(argv[5], "rb");
+    if (!in || fread(w.data(), 1, w.size(), in) != w.size() || fread(x.data(), 4, x.size(), in) != x.size()) return 3;
+    fclose(in);
+    // The launch shapes of kernels/src/cuda/backend.rs: a warp per output row, a thread per 8 elements.
+    launch((n * 32 + 255) / 256, 256, [&] {
+#define MATVEC(NAME, T) if (t == T) matvec_##NAME(w.data(), rb, x.data(), y.data(), m, n, k);
+        MATVEC(f32, DT_F32) MATVEC(f16, DT_F16) MATVEC(bf16, DT_BF16) MATVEC(q8_0, DT_Q8_0)
+        MATVEC(q4_0, DT_Q4_0) MATVEC(q4_1, DT_Q4_1) MATVEC(q4_k, DT_Q4_K) MATVEC(q6_k, DT_Q6_K)
+    });
+    launch(((long long)n * k / 8 + 255) / 256 + 1, 256, [&] {
+#define DEQUANT(NAME, T) if (t == T) { dequant_f32_##NAME(w.data(), rb, d32.data(), n, k); dequant_f16_##NAME(w.data(), rb, d16.data(), n, k); }
+        DEQUANT(f32, DT_F32) DEQUANT(f16, DT_F16) DEQUANT(bf16, DT_BF16) DEQUANT(q8_0, DT_Q8_0)
+        DEQUANT(q4_0, DT_Q4_0) DEQUANT(q4_1, DT_Q4_1) DEQUANT(q4_k, DT_Q4_K) DEQUANT(q6_k, DT_Q6_K)
+    });
+    FILE* out = fopen(argv[6], "wb");
+    if (!out) return 3;
+    fwrite(y.data(), 4, y.size(), out);
+    fwrite(d32.data(), 4, d32.size(), out);
+    fwrite(d16.data(), 2, d16.size(), out);
+    fclose(out);
+    return 0;
+}
