@@ -7,6 +7,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -33,15 +34,19 @@ inline int __shfl_xor_sync(unsigned, int v, int o) {
     w.i[l] = v; w.bar.arrive_and_wait(); int r = w.i[l ^ o]; w.bar.arrive_and_wait(); return r;
 }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-template <class F> void launch(unsigned grid, unsigned block, F kernel) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    for (unsigned b = 0; b < grid; b++) {
+// Runs `kernel` on a grid of gx × gy blocks of `block` threads (blocks in order, x fastest).
+template <class F> void launch2(unsigned gx, unsigned gy, unsigned block, F kernel) {
+    gridDim = {gx, gy, 1}; blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < gx * gy; b++) {
         std::barrier<> bb(block);
         std::vector<std::unique_ptr<WarpSync>> ws;
         for (unsigned w = 0; w < (block + 31) / 32; w++) ws.push_back(std::make_unique<WarpSync>());
         g_block = &bb; g_warps = &ws;
         std::vector<std::thread> ts;
-        for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t, b] { threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0}; kernel(); bb.arrive_and_drop(); });
+        for (unsigned t = 0; t < block; t++) ts.emplace_back([&, t, b] { threadIdx = {t, 0, 0}; blockIdx = {b % gx, b / gx, 0}; kernel(); bb.arrive_and_drop(); });
         for (auto& t : ts) t.join();
     }
 }
+template <class F> void launch(unsigned grid, unsigned block, F kernel) { launch2(grid, 1, block, kernel); }
+// Reads exactly v.size() elements of v's type from f; false on a short file.
+template <class T> bool read_into(FILE* f, std::vector<T>& v) { return fread(v.data(), sizeof(T), v.size(), f) == v.size(); }

@@ -6,7 +6,6 @@
 #include "emu.h"
 #include "../cuda/common.cuh"
 #include "../cuda/quant.cu"
-#include <cstdio>
 #include <cstdlib>
 
 int main(int argc, char** argv) {
@@ -22,7 +21,7 @@ int main(int argc, char** argv) {
     std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), d32((size_t)n * k, NAN);
     std::vector<u16> d16((size_t)n * k, 0xFFFF);
     FILE* in = fopen(argv[5], "rb");
-    if (!in || fread(w.data(), 1, w.size(), in) != w.size() || fread(x.data(), 4, x.size(), in) != x.size()) return 3;
+    if (!in || !read_into(in, w) || !read_into(in, x)) return 3;
     fclose(in);
     // The launch shapes of kernels/src/cuda/backend.rs: a warp per output row, a thread per 8 elements.
     launch((n * 32 + 255) / 256, 256, [&] {

@@ -1,11 +1,12 @@
-//! The quantized `.cu` kernels (fused dequantize-matvec, dequantize-to-f32/f16) run on the host under
-//! `kernels/emu` — a thread per CUDA thread, real warp shuffles and block barriers — and are compared
-//! with the CPU backend, so their arithmetic and indexing are checked on machines without a GPU (CI).
+//! The `.cu` kernels run on the host under `kernels/emu` — a thread per CUDA thread, real warp
+//! shuffles and block barriers, the launch shapes of `backend.rs` — and are compared with the CPU
+//! backend, so their arithmetic, indexing and reductions are checked on machines without a GPU (CI):
+//! the quantized matvec and dequantize kernels of every dtype, attention, RMSNorm and argmax.
 //! Skipped, saying why, where no C++20 compiler is installed.
 
 use super::source::dtype_code;
 use super::test_data::{rel, weight_bytes, Rng, DTYPES};
-use crate::backend::Backend;
+use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
 use half::f16;
@@ -13,70 +14,131 @@ use layerstream_model::DType;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Builds `kernels/emu/quant_main.cpp` into `dir`; `None` (with the reason printed) when there is no
-/// C++ compiler.
-fn build_emulator(dir: &Path) -> Option<PathBuf> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu/quant_main.cpp");
-    let exe = dir.join("quant-emu");
-    let out = match Command::new(&cxx).args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-o"]).arg(&exe).arg(&src).output() {
-        Ok(out) => out,
-        Err(e) => {
-            eprintln!("skipping the emulated CUDA kernel test: cannot run {cxx:?} ({e})");
-            return None;
-        }
-    };
-    assert!(out.status.success(), "{cxx} failed on {}:\n{}", src.display(), String::from_utf8_lossy(&out.stderr));
-    Some(exe)
+/// One emulator program built into a temporary directory.
+struct Emu {
+    dir: tempfile::TempDir,
+    exe: PathBuf,
+}
+
+impl Emu {
+    /// Builds `kernels/emu/<main>`; `None` (with the reason printed) when there is no C++ compiler.
+    fn build(main: &str) -> Option<Emu> {
+        let dir = tempfile::tempdir().unwrap();
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu").join(main);
+        let exe = dir.path().join("emu");
+        let out = match Command::new(&cxx).args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-o"]).arg(&exe).arg(&src).output() {
+            Ok(out) => out,
+            Err(e) => {
+                eprintln!("skipping the emulated CUDA kernel test: cannot run {cxx:?} ({e})");
+                return None;
+            }
+        };
+        assert!(out.status.success(), "{cxx} failed on {}:\n{}", src.display(), String::from_utf8_lossy(&out.stderr));
+        Some(Emu { dir, exe })
+    }
+
+    /// Runs the program with `args`, `input` as its input file; returns its output file.
+    fn run(&self, args: &[String], input: &[u8]) -> Vec<u8> {
+        let (inp, out) = (self.dir.path().join("in"), self.dir.path().join("out"));
+        std::fs::write(&inp, input).unwrap();
+        let status = Command::new(&self.exe).args(args).arg(&inp).arg(&out).status().unwrap();
+        assert!(status.success(), "emulator {args:?}: {status}");
+        std::fs::read(&out).unwrap()
+    }
+}
+
+fn args<const N: usize>(first: &str, nums: [usize; N]) -> Vec<String> {
+    std::iter::once(first.to_string()).chain(nums.iter().map(|v| v.to_string())).collect()
+}
+
+fn bytes_of(parts: &[&[f32]]) -> Vec<u8> {
+    parts.iter().flat_map(|p| p.iter().flat_map(|v| v.to_le_bytes())).collect()
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
-/// Runs the emulated kernels on `n` rows of `k` random weights of `dtype` and `m` activation rows;
-/// returns the worst relative errors of (matvec, dequant f32, dequant f16) against the CPU backend.
-fn compare(exe: &Path, dir: &Path, dtype: DType, m: usize, n: usize, k: usize, rng: &mut Rng) -> (f64, f64, f64) {
-    let w = weight_bytes(dtype, n, k, rng);
-    let x = rng.vec(m * k);
-    let (input, output) = (dir.join("in"), dir.join("out"));
-    let mut bytes = w.clone();
-    bytes.extend(x.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(&input, bytes).unwrap();
-    let status = Command::new(exe).args([dtype_code(dtype), m as i32, n as i32, k as i32].map(|v| v.to_string())).arg(&input).arg(&output).status().unwrap();
-    assert!(status.success(), "quant-emu {dtype} m={m} n={n} k={k}: {status}");
-    let out = std::fs::read(&output).unwrap();
-    assert_eq!(out.len(), (m * n + n * k) * 4 + n * k * 2, "quant-emu output size");
-    let (y, rest) = out.split_at(m * n * 4);
-    let (d32, d16) = rest.split_at(n * k * 4);
-    let d16: Vec<f32> = d16.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
-
-    let cw = CpuBackend.weight("w", dtype, &[n, k], &w).unwrap();
-    let want_y = CpuBackend.matmul(&CpuBackend.from_host(&x, m, k).unwrap(), &cw).unwrap().data;
-    let mut want_d = vec![0f32; n * k];
-    let rb = dtype.row_bytes(k).unwrap();
-    for (row, o) in w.chunks_exact(rb).zip(want_d.chunks_exact_mut(k)) {
-        dequant_row(dtype, row, o);
-    }
-    let want_d16: Vec<f32> = want_d.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
-    (rel(&f32s(y), &want_y), rel(&f32s(d32), &want_d), rel(&d16, &want_d16))
-}
-
 #[test]
 fn emulated_quant_kernels_match_cpu_for_every_dtype() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = build_emulator(dir.path()) else { return };
+    let Some(emu) = Emu::build("quant_main.cpp") else { return };
     let mut rng = Rng(23);
+    let n = 12;
     for dtype in DTYPES {
         // Float formats also at a width that is not a multiple of 8 (the per-element tail paths).
         let widths: &[usize] = if dtype.block_elems() == 1 { &[512, 516] } else { &[512] };
         for &k in widths {
             for m in [1, 3, 8] {
-                let (ey, e32, e16) = compare(&exe, dir.path(), dtype, m, 12, k, &mut rng);
+                let w = weight_bytes(dtype, n, k, &mut rng);
+                let x = rng.vec(m * k);
+                let mut input = w.clone();
+                input.extend(bytes_of(&[&x]));
+                let out = emu.run(&args(&dtype_code(dtype).to_string(), [m, n, k]), &input);
+                assert_eq!(out.len(), (m * n + n * k) * 4 + n * k * 2, "emulator output size");
+                let (y, rest) = out.split_at(m * n * 4);
+                let (d32, d16) = rest.split_at(n * k * 4);
+                let d16: Vec<f32> = d16.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+
+                let cw = CpuBackend.weight("w", dtype, &[n, k], &w).unwrap();
+                let want_y = CpuBackend.matmul(&CpuBackend.from_host(&x, m, k).unwrap(), &cw).unwrap().data;
+                let mut want_d = vec![0f32; n * k];
+                for (row, o) in w.chunks_exact(dtype.row_bytes(k).unwrap()).zip(want_d.chunks_exact_mut(k)) {
+                    dequant_row(dtype, row, o);
+                }
+                let want_d16: Vec<f32> = want_d.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+                let (ey, e32, e16) = (rel(&f32s(y), &want_y), rel(&f32s(d32), &want_d), rel(&d16, &want_d16));
                 assert!(ey < 1e-5, "matvec {dtype} m={m} k={k}: relative error {ey:e}");
                 assert!(e32 < 1e-6, "dequant_f32 {dtype} k={k}: relative error {e32:e}");
                 assert!(e16 < 1e-6, "dequant_f16 {dtype} k={k}: relative error {e16:e}");
             }
         }
     }
+}
+
+#[test]
+fn emulated_attention_rms_norm_and_argmax_match_cpu() {
+    let Some(emu) = Emu::build("ops_main.cpp") else { return };
+    let c = CpuBackend;
+    let mut rng = Rng(31);
+    // Attention: prefill after a cached prefix, decode, and a context longer than the block (128).
+    let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 };
+    let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+    for (start, m) in [(0, 5), (5, 3), (17, 1), (300, 2)] {
+        let mut cache = c.kv_cache(s, start + m).unwrap();
+        let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
+        if start > 0 {
+            let pq = rng.vec(start * qd);
+            let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
+            c.attention(&t(&pq, qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s).unwrap();
+        }
+        let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
+        let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
+        let want = c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s).unwrap().data;
+        let got = f32s(&emu.run(&args("attention", [start, m, s.n_heads, s.n_kv_heads, s.head_dim]), &bytes_of(&[&q, &pk, &k, &pv, &v])));
+        let e = rel(&got, &want);
+        assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
+    }
+    // RMSNorm over whole rows (256 threads) and per head (64 threads).
+    let (rows, cols) = (3, 512);
+    let x = rng.vec(rows * cols);
+    for g in [cols, 64] {
+        let w = rng.vec(g);
+        let cw = c.weight("n", DType::F32, &[g], &bytes_of(&[&w])).unwrap();
+        let want = c.rms_norm(&c.from_host(&x, rows, cols).unwrap(), &cw, 1e-5).unwrap().data;
+        let e = rel(&f32s(&emu.run(&args("rms_norm", [rows, cols, g]), &bytes_of(&[&x, &w]))), &want);
+        assert!(e < 1e-6, "rms_norm group {g}: relative error {e:e}");
+    }
+    // Argmax: the lowest index among equal maxima, as the CPU sampler picks.
+    let (rows, cols) = (4, 1000);
+    let mut x = rng.vec(rows * cols);
+    // Ties within one thread's stride (40, 296) and across threads (700).
+    for c in [700, 296, 40] {
+        x[2 * cols + c] = 5.0;
+    }
+    x[3 * cols + 999] = 9.0;
+    let want = c.argmax_rows(&c.from_host(&x, rows, cols).unwrap()).unwrap();
+    let got: Vec<u32> = emu.run(&args("argmax", [rows, cols]), &bytes_of(&[&x])).chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(got, want);
+    assert_eq!((want[2], want[3]), (40, 999));
 }
