@@ -8,8 +8,10 @@
 # Usage: benchmarks/gpu-run.sh BIN_DIR OUT_DIR   (BIN_DIR holds layerstream, cuda-test, kernels-test)
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
+# Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
+# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, ONLY_BENCH.
 set -uo pipefail
-BIN=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"
+BIN=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD_ROOT=${BUILD_ROOT:-/work/main}
 if [ "$ROOT" != "$BUILD_ROOT" ]; then mkdir -p "$(dirname "$BUILD_ROOT")"; ln -sfn "$ROOT" "$BUILD_ROOT"; fi
@@ -35,11 +37,11 @@ du -sh $S70 $SSM | tee "$OUT/stores.txt"
 if [ -z "${ONLY_BENCH:-}" ]; then
 echo "== kernel tests"; "$BIN/kernels-test" cuda --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15
 echo "== CUDA worker tests"; "$BIN/cuda-test" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | head -30
-echo "== h2d"; "$LS" h2d-bench --device cuda:0 --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"
-IDS=$(seq 1 512 | paste -sd, -)
-echo "== resident run (prefill 512 tokens, decode 64)"
+echo "== h2d"; "$LS" h2d-bench --device $DEV --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"
+IDS=$(seq 1 ${PROMPT_TOKENS:-512} | paste -sd, -)
+echo "== resident run (prefill ${PROMPT_TOKENS:-512} tokens, decode 64)"
 for m in ${SMOL_REAL:-} $SSM $S70; do for p in f16 f32; do
-  LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device cuda:0 --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
+  LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device $DEV --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
 done; done 2>&1 | tee "$OUT/run.txt"
 fi
 echo "== streamed vs resident vs prefetch off"
@@ -47,5 +49,5 @@ echo "== streamed vs resident vs prefetch off"
 # streaming buffers (groups in flight) of the streamed runs.
 for b in ${BATCHES:-1 8 32 64 128}; do
   echo "-- batch $b" | tee -a "$OUT/bench.txt"
-  "$LS" bench --model $S70 --device cuda:0 --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens ${TOKENS:-8} --prompt "The quick brown fox jumps over the lazy dog" --json-out "$OUT/bench-b$b.json" 2>&1 | grep -E "^\||/|workload" | tee -a "$OUT/bench.txt"
+  "$LS" bench --model $S70 --device $DEV --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens ${TOKENS:-8} --prompt "The quick brown fox jumps over the lazy dog" --json-out "$OUT/bench-b$b.json" 2>&1 | grep -E "^\||/|workload|^note" | tee -a "$OUT/bench.txt"
 done

@@ -162,12 +162,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         run_config("fully resident", &model, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
         run_config("streamed (prefetch off)", &model, &off, &a, &rt).context("prefetch-off run")?,
     ];
+    let streamed_as = match a.memory_budget {
+        Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
+        None => format!("{} resident layers/worker", a.resident_layers),
+    };
     println!(
-        "workload: {} concurrent requests × {} tokens, {} worker(s), {} resident layers/worker when streamed, group {}, streaming buffers {}",
+        "workload: {} concurrent requests × {} tokens, {} worker(s), streamed runs with {streamed_as}, group {}, streaming buffers {}",
         a.batch,
         a.max_new_tokens,
         a.workers,
-        a.resident_layers,
         a.layer_group_size,
         a.streaming_buffers.map_or("default".to_owned(), |n| n.to_string())
     );
@@ -178,6 +181,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "| {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
             r.config, r.tokens_per_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
         );
+    }
+    if rows[0].bytes_streamed_per_step == 0.0 {
+        println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
     }
     println!("streamed / resident tokens/s: {:.2}", rows[0].tokens_per_s / rows[1].tokens_per_s);
     println!("prefetch on / off tokens/s:   {:.2}", rows[0].tokens_per_s / rows[2].tokens_per_s);
