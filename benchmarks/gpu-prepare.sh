@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepares what a GPU machine without a Rust toolchain or network needs for benchmarks/gpu-run.sh,
-# under .dev/ (keep it out of git: `echo .dev >> "$(git rev-parse --git-dir)/info/exclude"`):
+# under .dev/ (ignored by git):
 #   .dev/bin/{layerstream,cuda-test,kernels-test}   release builds with --features cuda, stripped
 #   .dev/smol-0/part … .dev/smol-2/part              the imported SmolLM2 store (~94 MB) in 32 MiB parts
 # The device tool carries at most 64 MiB per call, so carry them over calls to the same warm machine

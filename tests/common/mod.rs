@@ -118,7 +118,7 @@ pub fn run_golden(store: &Path, g: &Golden) -> Vec<u32> {
 /// Checks tokenization, template rendering, prefill logits and greedy continuation for every golden.
 pub fn check_model_against_goldens(name: &str, store: &Store) {
     let tok = store.tokenizer().unwrap();
-    let model = Model::load(CpuBackend, store).unwrap();
+    let model = Model::load(CpuBackend::default(), store).unwrap();
     let prompts = prompts();
     for g in goldens(name) {
         assert_eq!(tok.encode(&g.prompt_text).unwrap(), g.input_ids, "{name}/{}: tokenization", g.name);

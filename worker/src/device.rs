@@ -31,7 +31,7 @@ impl Device {
         if name != "cpu" {
             anyhow::bail!("unknown device {name:?}: use cpu or cuda:N");
         }
-        Ok(Device::Cpu(CpuBackend))
+        Ok(Device::Cpu(CpuBackend::default()))
     }
 
     /// The bytes assignments may use: the flag on the CPU; on a GPU, the smaller of the flag and

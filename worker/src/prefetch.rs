@@ -239,7 +239,7 @@ mod tests {
         let f2 = dir.join(layer_file(2));
         let aside = tmp.path().join("aside.bin");
         std::fs::rename(&f2, &aside).unwrap();
-        let src = LayerSource { backend: CpuBackend, cfg: store.manifest.config.clone(), store: store.clone() };
+        let src = LayerSource { backend: CpuBackend::default(), cfg: store.manifest.config.clone(), store: store.clone() };
         let groups = vec![vec![0], vec![1], vec![2], vec![3]];
         let mut f = Fetcher::new(src, groups, link, Some(0), StepMark::default());
         for i in 0..2 {

@@ -3,15 +3,19 @@
 
 mod attention;
 mod matmul;
+mod pool;
 
 pub use attention::CpuKv;
 pub use matmul::gemm_f32;
+pub use pool::Blob as CpuBlob;
 
 use crate::backend::{AttnShape, Backend};
 use crate::error::{ensure, Error, Result};
 use crate::quant::dequant_row;
 use crate::rope::RopeTable;
 use layerstream_model::DType;
+use std::ops::Range;
+use std::sync::Arc;
 
 /// Activations on the CPU.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,13 +25,14 @@ pub struct CpuTensor {
     pub cols: usize,
 }
 
-/// A weight on the CPU: raw stored bytes, plus an f32 copy for float and 1-D tensors.
+/// A weight on the CPU: its stored bytes (a range of the layer file's blob it came from, shared, not
+/// copied), or an f32 copy for float and 1-D tensors.
 #[derive(Debug, Clone)]
 pub struct CpuWeight {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
-    raw: Vec<u8>,
+    raw: Option<(Arc<CpuBlob>, Range<usize>)>,
     f32: Option<Vec<f32>>,
 }
 
@@ -37,10 +42,43 @@ impl CpuWeight {
         if let Some(f) = &self.f32 {
             return f[r * self.cols..(r + 1) * self.cols].to_vec();
         }
-        let rb = self.raw.len() / self.rows;
+        let raw = self.raw();
+        let rb = raw.len() / self.rows;
         let mut out = vec![0f32; self.cols];
-        dequant_row(self.dtype, &self.raw[r * rb..(r + 1) * rb], &mut out);
+        dequant_row(self.dtype, &raw[r * rb..(r + 1) * rb], &mut out);
         out
+    }
+
+    /// The stored bytes (empty where the weight is held as f32).
+    fn raw(&self) -> &[u8] {
+        self.raw.as_ref().map_or(&[], |(buf, range)| &buf[range.clone()])
+    }
+
+    /// Checks `bytes` against `dtype` and `shape` and builds the weight; quantized bytes are kept as
+    /// `owner`'s range when given (a blob), else copied.
+    fn build(name: &str, dtype: DType, shape: &[usize], bytes: &[u8], owner: Option<(&Arc<CpuBlob>, Range<usize>)>) -> Result<CpuWeight> {
+        let err = |msg: String| Error::Weight { name: name.into(), msg };
+        let (rows, cols) = match shape {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => return Err(err(format!("expected 1 or 2 dimensions, got {shape:?}"))),
+        };
+        if dtype.tensor_bytes(shape) != Some(bytes.len()) {
+            return Err(err(format!("{} bytes do not hold {dtype} {shape:?}", bytes.len())));
+        }
+        if dtype == DType::F32 || rows == 1 {
+            let mut v = vec![0f32; rows * cols];
+            let rb = bytes.len() / rows;
+            for (r, o) in v.chunks_exact_mut(cols).enumerate() {
+                dequant_row(dtype, &bytes[r * rb..(r + 1) * rb], o);
+            }
+            return Ok(CpuWeight { dtype, rows, cols, raw: None, f32: Some(v) });
+        }
+        let raw = match owner {
+            Some((buf, range)) => (Arc::clone(buf), range),
+            None => (Arc::new(CpuBlob::owned(bytes)), 0..bytes.len()),
+        };
+        Ok(CpuWeight { dtype, rows, cols, raw: Some(raw), f32: None })
     }
 
     /// All values as f32 (for 1-D weights: norms, biases).
@@ -49,28 +87,36 @@ impl CpuWeight {
     }
 }
 
-/// The CPU device.
+/// The CPU device. Clones share its streaming buffers.
 #[derive(Debug, Clone, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    pool: Arc<pool::Pool>,
+}
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type KvCache = CpuKv;
-    type Blob = Vec<u8>;
+    type Blob = Arc<CpuBlob>;
     type Mark = std::time::Instant;
 
     fn name(&self) -> String {
         "cpu".into()
     }
 
-    fn upload_blob(&self, bytes: &[u8], _streamed: bool) -> Result<(Vec<u8>, Option<f64>)> {
-        Ok((bytes.to_vec(), None))
+    fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Arc<CpuBlob>, Option<f64>)> {
+        let blob = if streamed { self.pool.lend(bytes) } else { CpuBlob::owned(bytes) };
+        Ok((Arc::new(blob), None))
     }
 
-    fn weight_in(&self, blob: &Vec<u8>, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<CpuWeight> {
+    fn stream_buffers(&self, count: usize, bytes: usize) -> Result<()> {
+        self.pool.fill(count, bytes);
+        Ok(())
+    }
+
+    fn weight_in(&self, blob: &Arc<CpuBlob>, name: &str, dtype: DType, shape: &[usize], range: Range<usize>) -> Result<CpuWeight> {
         let bytes = blob.get(range.clone()).ok_or_else(|| Error::Weight { name: name.into(), msg: format!("bytes {range:?} lie outside the file ({} bytes)", blob.len()) })?;
-        self.weight(name, dtype, shape, bytes)
+        CpuWeight::build(name, dtype, shape, bytes, Some((blob, range)))
     }
 
     fn mark(&self) -> Result<std::time::Instant> {
@@ -82,27 +128,7 @@ impl Backend for CpuBackend {
     }
 
     fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<CpuWeight> {
-        let err = |msg: String| Error::Weight { name: name.into(), msg };
-        let (rows, cols) = match shape {
-            [c] => (1, *c),
-            [r, c] => (*r, *c),
-            _ => return Err(err(format!("expected 1 or 2 dimensions, got {shape:?}"))),
-        };
-        if dtype.tensor_bytes(shape) != Some(bytes.len()) {
-            return Err(err(format!("{} bytes do not hold {dtype} {shape:?}", bytes.len())));
-        }
-        let f32 = if dtype == DType::F32 || rows == 1 {
-            let mut v = vec![0f32; rows * cols];
-            let rb = bytes.len() / rows;
-            for (r, o) in v.chunks_exact_mut(cols).enumerate() {
-                dequant_row(dtype, &bytes[r * rb..(r + 1) * rb], o);
-            }
-            Some(v)
-        } else {
-            None
-        };
-        let raw = if f32.is_some() { Vec::new() } else { bytes.to_vec() };
-        Ok(CpuWeight { dtype, rows, cols, raw, f32 })
+        CpuWeight::build(name, dtype, shape, bytes, None)
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
@@ -141,7 +167,7 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
         ensure(x.cols == w.cols, "matmul", || format!("x has {} columns, weight has {}", x.cols, w.cols))?;
-        let data = matmul::matmul(w.dtype, &w.raw, w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
+        let data = matmul::matmul(w.dtype, w.raw(), w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
         Ok(CpuTensor { data, rows: x.rows, cols: w.rows })
     }
 
@@ -222,7 +248,7 @@ mod tests {
 
     #[test]
     fn rms_norm_matches_reference_per_row_and_per_head() {
-        let b = CpuBackend;
+        let b = CpuBackend::default();
         let x = b.from_host(&[1.0, 2.0, 3.0, 4.0], 1, 4).unwrap();
         let out = b.rms_norm(&x, &w(&b, &[1.0, 1.0, 2.0, 2.0]), 0.0).unwrap();
         let r = (30.0f32 / 4.0).sqrt();
@@ -234,7 +260,7 @@ mod tests {
 
     #[test]
     fn rope_rotates_pairs_half_apart_and_keeps_norm() {
-        let b = CpuBackend;
+        let b = CpuBackend::default();
         let table = RopeTable { head_dim: 4, inv_freq: vec![1.0, 0.5] };
         let mut x = b.from_host(&[1.0, 0.0, 0.0, 1.0], 1, 4).unwrap();
         b.rope(&mut x, &[2], &table).unwrap();
@@ -247,7 +273,7 @@ mod tests {
 
     #[test]
     fn silu_mul_and_embedding() {
-        let b = CpuBackend;
+        let b = CpuBackend::default();
         let g = b.from_host(&[0.0, 1.0], 1, 2).unwrap();
         let u = b.from_host(&[3.0, 2.0], 1, 2).unwrap();
         let o = b.silu_mul(&g, &u).unwrap();

@@ -80,8 +80,8 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 let (d32, d16) = rest.split_at(n * k * 4);
                 let d16: Vec<f32> = d16.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
 
-                let cw = CpuBackend.weight("w", dtype, &[n, k], &w).unwrap();
-                let want_y = CpuBackend.matmul(&CpuBackend.from_host(&x, m, k).unwrap(), &cw).unwrap().data;
+                let cw = CpuBackend::default().weight("w", dtype, &[n, k], &w).unwrap();
+                let want_y = CpuBackend::default().matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &cw).unwrap().data;
                 let mut want_d = vec![0f32; n * k];
                 for (row, o) in w.chunks_exact(dtype.row_bytes(k).unwrap()).zip(want_d.chunks_exact_mut(k)) {
                     dequant_row(dtype, row, o);
@@ -99,7 +99,7 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
 #[test]
 fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let Some(emu) = Emu::build("ops_main.cpp") else { return };
-    let c = CpuBackend;
+    let c = CpuBackend::default();
     let mut rng = Rng(31);
     // Attention: prefill after a cached prefix, decode, and a context longer than the block (128).
     let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 };

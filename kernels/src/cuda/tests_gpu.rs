@@ -26,10 +26,10 @@ fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
         let (n, k) = (300, 512);
         for dtype in DTYPES {
             let bytes = weight_bytes(dtype, n, k, &mut rng);
-            let (wc, wg) = (CpuBackend.weight("w", dtype, &[n, k], &bytes).unwrap(), g.weight("w", dtype, &[n, k], &bytes).unwrap());
+            let (wc, wg) = (CpuBackend::default().weight("w", dtype, &[n, k], &bytes).unwrap(), g.weight("w", dtype, &[n, k], &bytes).unwrap());
             for m in [1, 3, 8, 9, 40] {
                 let x = rng.vec(m * k);
-                let want = CpuBackend.matmul(&CpuBackend.from_host(&x, m, k).unwrap(), &wc).unwrap().data;
+                let want = CpuBackend::default().matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &wc).unwrap().data;
                 let got = g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &wg).unwrap()).unwrap();
                 // The matvec path (m <= 8) is f32 whatever the GEMM precision.
                 let t = if m <= 8 { 1e-5 } else { tol };
@@ -43,7 +43,7 @@ fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
 #[test]
 fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     let Some(g) = gpu(GemmPrecision::F32) else { return };
-    let c = CpuBackend;
+    let c = CpuBackend::default();
     let mut rng = Rng(5);
     let (rows, cols, hd) = (7, 256, 64);
     let x = rng.vec(rows * cols);
@@ -101,7 +101,7 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
 #[test]
 fn attention_prefill_then_decode_past_cache_growth_matches_cpu() {
     let Some(g) = gpu(GemmPrecision::F32) else { return };
-    let c = CpuBackend;
+    let c = CpuBackend::default();
     let s = AttnShape { n_heads: 8, n_kv_heads: 2, head_dim: 64 };
     let (qd, kvd) = (512, 128);
     let mut rng = Rng(9);
