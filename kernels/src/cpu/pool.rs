@@ -18,14 +18,17 @@ impl Pool {
         *self.idle.lock().expect("pool lock") = (fresh, count);
     }
 
-    /// A copy of `bytes` in an idle buffer (a new one when none is idle), returned here on drop.
+    /// A copy of `bytes` in an idle buffer (a plain new copy when none is idle or it is too small),
+    /// returned here on drop.
     pub fn lend(self: &Arc<Self>, bytes: &[u8]) -> Blob {
         let idle = self.idle.lock().expect("pool lock").0.pop();
-        let mut buf = idle.unwrap_or_default();
-        if buf.len() < bytes.len() {
-            buf = touched(bytes.len());
-        }
-        buf[..bytes.len()].copy_from_slice(bytes);
+        let buf = match idle {
+            Some(mut buf) if buf.len() >= bytes.len() => {
+                buf[..bytes.len()].copy_from_slice(bytes);
+                buf
+            }
+            _ => bytes.to_vec(),
+        };
         Blob { buf, len: bytes.len(), home: Some(Arc::clone(self)) }
     }
 
