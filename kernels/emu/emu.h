@@ -50,3 +50,5 @@ template <class F> void launch2(unsigned gx, unsigned gy, unsigned block, F kern
 template <class F> void launch(unsigned grid, unsigned block, F kernel) { launch2(grid, 1, block, kernel); }
 // Reads exactly v.size() elements of v's type from f; false on a short file.
 template <class T> bool read_into(FILE* f, std::vector<T>& v) { return fread(v.data(), sizeof(T), v.size(), f) == v.size(); }
+// Writes all of v to f; false on a short write.
+template <class T> bool write_from(FILE* f, const std::vector<T>& v) { return fwrite(v.data(), sizeof(T), v.size(), f) == v.size(); }

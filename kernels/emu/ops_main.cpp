@@ -15,7 +15,7 @@
 
 template <class T> static int write_out(const char* path, const std::vector<T>& v) {
     FILE* out = fopen(path, "wb");
-    if (!out || fwrite(v.data(), sizeof(T), v.size(), out) != v.size()) return 3;
+    if (!out || !write_from(out, v)) return 3;
     return fclose(out) == 0 ? 0 : 3;
 }
 

@@ -35,10 +35,6 @@ int main(int argc, char** argv) {
         DEQUANT(q4_0, DT_Q4_0) DEQUANT(q4_1, DT_Q4_1) DEQUANT(q4_k, DT_Q4_K) DEQUANT(q6_k, DT_Q6_K)
     });
     FILE* out = fopen(argv[6], "wb");
-    if (!out) return 3;
-    fwrite(y.data(), 4, y.size(), out);
-    fwrite(d32.data(), 4, d32.size(), out);
-    fwrite(d16.data(), 2, d16.size(), out);
-    fclose(out);
-    return 0;
+    if (!out || !write_from(out, y) || !write_from(out, d32) || !write_from(out, d16)) return 3;
+    return fclose(out) == 0 ? 0 : 3;
 }

@@ -105,9 +105,13 @@ pub fn head_tensor<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[Seq
 
 /// `head_tensor` copied to the host: one logits vector per sequence.
 pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<Vec<Vec<f32>>> {
-    let logits = head_tensor(b, ctx, x, seqs, norm, lm_head)?;
-    let (n, vocab) = b.dims(&logits);
-    let host = b.to_host(&logits)?;
-    debug_assert_eq!(n, seqs.len());
-    Ok(host.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    let logits = logits_to_host(b, &head_tensor(b, ctx, x, seqs, norm, lm_head)?)?;
+    debug_assert_eq!(logits.len(), seqs.len());
+    Ok(logits)
+}
+
+/// Logits `[sequences, vocab]` copied to the host, one vector per sequence.
+pub fn logits_to_host<B: Backend>(b: &B, logits: &B::Tensor) -> Result<Vec<Vec<f32>>> {
+    let (_, vocab) = b.dims(logits);
+    Ok(b.to_host(logits)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
 }

@@ -94,6 +94,10 @@ fn fetch_group<B: Backend>(src: &LayerSource<B>, link: &mut LoaderLink, groups: 
     Ok(Group { index, step: m.number, layers })
 }
 
+fn copy_thread_lost() -> Error {
+    Error::Request("the copy thread panicked; the stage must be reloaded".into())
+}
+
 enum Mode<B: Backend> {
     /// Prefetch off: the step fetches each group when it needs it.
     Inline(Box<LoaderLink>),
@@ -148,14 +152,12 @@ impl<B: Backend + 'static> Fetcher<B> {
         Mode::Ahead { rx, thread }
     }
 
-    /// Marks the start of step `number` under `span`: copies begun from now on are traced in it.
-    pub fn begin_step(&self, number: u64, span: &Span) {
-        *self.mark.lock().unwrap_or_else(|e| e.into_inner()) = StepMark { number, parent: TraceParent::of(span) };
-    }
-
-    /// The next step number (one past the last marked).
-    pub fn next_step_number(&self) -> u64 {
-        self.mark.lock().unwrap_or_else(|e| e.into_inner()).number + 1
+    /// Marks the start of the next step (one past the last marked) under `span`: copies begun from
+    /// now on are traced in it. Returns its number.
+    pub fn begin_step(&self, span: &Span) -> u64 {
+        let mut mark = self.mark.lock().unwrap_or_else(|e| e.into_inner());
+        *mark = StepMark { number: mark.number + 1, parent: TraceParent::of(span) };
+        mark.number
     }
 
     /// Group `index`, waiting for its copy. Groups copied for an earlier step that ended early are
@@ -169,7 +171,7 @@ impl<B: Backend + 'static> Fetcher<B> {
         for _ in 0..n + 2 {
             match &mut self.mode {
                 Mode::Inline(link) => return fetch_group(&self.src, link, &self.groups, index, &self.mark),
-                Mode::Lost => return Err(Error::Request("the copy thread panicked; the stage must be reloaded".into())),
+                Mode::Lost => return Err(copy_thread_lost()),
                 Mode::Ahead { rx, .. } => match rx.recv() {
                     Ok((i, r)) if i == index => return r,
                     // Copied (or failed) for an earlier step that ended early; after a failure the
@@ -177,7 +179,7 @@ impl<B: Backend + 'static> Fetcher<B> {
                     Ok(_stale) => continue,
                     Err(_) => {
                         // The thread has ended (after an error it reported): start it again here.
-                        let link = self.stop().ok_or_else(|| Error::Request("the copy thread panicked; the stage must be reloaded".into()))?;
+                        let link = self.stop().ok_or_else(copy_thread_lost)?;
                         self.mode = self.spawn(link, index, self.queue.unwrap_or(0));
                     }
                 },

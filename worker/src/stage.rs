@@ -3,7 +3,7 @@
 //! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
 use crate::error::{Error, Result};
-use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
+use crate::forward::{head_tensor, layer_forward, logits_to_host, LayerCtx, SeqRows};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::budget::streaming_buffers;
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
@@ -202,11 +202,8 @@ impl<B: Backend + 'static> Stage<B> {
                 // Argmax on the device: one token id per sequence comes back, not the logits.
                 out.tokens = b.argmax_rows(&logits)?;
             } else {
-                let (_, vocab) = b.dims(&logits);
-                let host = b.to_host(&logits)?;
-                for (s, l) in batch.iter().zip(host.chunks_exact(vocab)) {
+                for (s, mut l) in batch.iter().zip(logits_to_host(b, &logits)?) {
                     let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
-                    let mut l = l.to_vec();
                     out.tokens.push(seq.sampler.as_mut().expect("head stage samples").sample(&mut l, &seq.history));
                 }
             }
@@ -219,8 +216,7 @@ impl<B: Backend + 'static> Stage<B> {
     fn run_layers(&mut self, x: &mut B::Tensor, batch: &[StepSeq], seq_rows: &[SeqRows], step_span: &Span) -> Result<Vec<LayerTiming>> {
         let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, .. } = self;
         let range = plan.layers.clone();
-        let step_no = fetcher.next_step_number();
-        fetcher.begin_step(step_no, step_span);
+        let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
         // The batch's sequences in batch order, looked up once per step (not once per layer).
         let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
