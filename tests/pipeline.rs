@@ -33,6 +33,11 @@ fn check_config(store: &Path, model: &str, expected: &[(Golden, Vec<u32>)], n: u
         assert_eq!(&got, want, "{model}/{} with {config:?}: pipeline differs from `layerstream run`", g.name);
         assert_greedy(model, g, &got);
         assert_eq!(v["trace_id"].as_str().unwrap().len(), 32);
+        // Time to first token: after arrival, before the job's end; a decode rate once two tokens exist.
+        let st = &v["stats"];
+        let (first, wall) = (st["first_token_ms"].as_f64().unwrap(), st["wall_ms"].as_f64().unwrap());
+        assert!(first > 0.0 && first < wall, "{st}");
+        assert!(got.len() < 2 || st["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{st}");
         results.push(v);
     }
     stack.shutdown();

@@ -1,12 +1,13 @@
 //! `layerstream bench`: one workload run three ways side by side — layers streamed with prefetch,
 //! fully resident, and streamed with prefetch off — each on a fresh `layerstream up` stack; prints
-//! tokens/s, bytes streamed, transfer GB/s and overlap %, and the ratios between them.
+//! tokens/s (overall, prefill, decode), bytes streamed, transfer GB/s and overlap %, and the ratios
+//! between them.
 
 use crate::up::{spawn, Children};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Stats};
+use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Stats, TokenIds};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -44,6 +45,9 @@ pub struct BenchArgs {
     /// Prompt of every request.
     #[arg(long, default_value = "Explain why the sky is blue in one paragraph.")]
     pub prompt: String,
+    /// Instead of --prompt, a prompt of this many token ids (for prefill throughput).
+    #[arg(long)]
+    pub prompt_tokens: Option<usize>,
     /// Loader shm slots (default: `up`'s); as many as the layers keeps the whole model in host RAM, so
     /// the streamed runs measure the host→device link rather than the disk.
     #[arg(long)]
@@ -60,6 +64,13 @@ struct Row {
     tokens: u64,
     wall_s: f64,
     tokens_per_s: f64,
+    /// Prompt tokens of every request over the time until the last request's first token: the batch's
+    /// prefill throughput (queueing included, as a client sees it).
+    prefill_tok_s: f64,
+    /// The slowest time to first token.
+    first_token_ms: f64,
+    /// Tokens after each request's first over the wall time after the last first token.
+    decode_tok_s: f64,
     bytes_streamed_per_step: f64,
     transfer_gbps: f64,
     /// Bytes streamed by the first request over the workload's wall time: the link speed achieved.
@@ -76,18 +87,42 @@ struct Row {
     stall_ms: f64,
 }
 
-async fn workload(addr: &str, a: &BenchArgs) -> Result<(u64, f64, Stats)> {
+/// What one workload measured: tokens generated, wall seconds, and every request's stats.
+struct Measured {
+    tokens: u64,
+    wall_s: f64,
+    stats: Vec<Stats>,
+}
+
+impl Measured {
+    /// (prefill tok/s, slowest first token ms, decode tok/s) over the batch.
+    fn phases(&self) -> (f64, f64, f64) {
+        let first_ms = self.stats.iter().map(|s| s.first_token_ms).fold(0.0, f64::max);
+        let prompt: u64 = self.stats.iter().map(|s| s.prompt_tokens).sum();
+        let after_first: u64 = self.stats.iter().map(|s| s.completion_tokens.saturating_sub(1)).sum();
+        let decode_s = self.wall_s - first_ms / 1e3;
+        let prefill = if first_ms > 0.0 { prompt as f64 / (first_ms / 1e3) } else { 0.0 };
+        (prefill, first_ms, if decode_s > 0.0 { after_first as f64 / decode_s } else { 0.0 })
+    }
+}
+
+/// The request every client of the workload sends.
+fn request(a: &BenchArgs, vocab: usize) -> GenerateRequest {
+    let input = match a.prompt_tokens {
+        // Ids spread over the vocabulary, skipping 0 (often a special token).
+        Some(n) => generate_request::Input::TokenIds(TokenIds { ids: (0..n).map(|i| (1 + i * 7919 % (vocab - 1).max(1)) as u32).collect() }),
+        None => generate_request::Input::Prompt(a.prompt.clone()),
+    };
+    GenerateRequest { input: Some(input), max_new_tokens: a.max_new_tokens, ignore_eos: true, ..Default::default() }
+}
+
+async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
     let client = CoordinatorClient::connect(addr.to_owned()).await?;
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..a.batch {
         let mut c = client.clone();
-        let req = GenerateRequest {
-            input: Some(generate_request::Input::Prompt(a.prompt.clone())),
-            max_new_tokens: a.max_new_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        };
+        let req = request(a, vocab);
         tasks.push(tokio::spawn(async move {
             let mut s = c.generate(req).await?.into_inner();
             while let Some(ev) = s.message().await? {
@@ -98,17 +133,17 @@ async fn workload(addr: &str, a: &BenchArgs) -> Result<(u64, f64, Stats)> {
             Err(tonic::Status::aborted("stream ended early"))
         }));
     }
-    let mut tokens = 0;
-    let mut first = None;
+    let mut m = Measured { tokens: 0, wall_s: 0.0, stats: Vec::new() };
     for t in tasks {
         let (n, st) = t.await?.map_err(|s| anyhow::anyhow!("request failed: {}", s.message()))?;
-        tokens += n;
-        first.get_or_insert(st);
+        m.tokens += n;
+        m.stats.push(st);
     }
-    Ok((tokens, t0.elapsed().as_secs_f64(), first.unwrap_or_default()))
+    m.wall_s = t0.elapsed().as_secs_f64();
+    Ok(m)
 }
 
-fn run_config(name: &str, model: &str, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
+fn run_config(name: &str, model: &str, vocab: usize, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
     let mut children = Children(Vec::new());
     let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string(), "--device".into(), a.device.clone()];
     args.extend_from_slice(extra);
@@ -118,15 +153,21 @@ fn run_config(name: &str, model: &str, extra: &[String], a: &BenchArgs, rt: &tok
     let addr = spawn(&mut children, name, &args)?;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
     let warm = BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, device: a.device.clone(), ..*a };
-    rt.block_on(workload(&addr, &warm))?;
-    let (tokens, wall_s, st) = rt.block_on(workload(&addr, a))?;
+    rt.block_on(workload(&addr, &warm, vocab))?;
+    let m = rt.block_on(workload(&addr, a, vocab))?;
     drop(children);
+    let (prefill_tok_s, first_token_ms, decode_tok_s) = m.phases();
+    let (tokens, wall_s) = (m.tokens, m.wall_s);
+    let st = m.stats.into_iter().next().unwrap_or_default();
     let steps = st.steps.max(1) as f64;
     Ok(Row {
         config: name.into(),
         tokens,
         wall_s,
         tokens_per_s: tokens as f64 / wall_s,
+        prefill_tok_s,
+        first_token_ms,
+        decode_tok_s,
         bytes_streamed_per_step: st.bytes_streamed as f64 / steps,
         transfer_gbps: if st.transfer_ms > 0.0 { st.bytes_streamed as f64 / (st.transfer_ms / 1e3) / 1e9 } else { 0.0 },
         stream_gbps_wall: st.bytes_streamed as f64 / wall_s / 1e9,
@@ -144,7 +185,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
         bail!("--batch and --max-new-tokens must be > 0");
     }
-    let model = crate::run::model_dir(&a.model)?.display().to_string();
+    let model_dir = crate::run::model_dir(&a.model)?;
+    let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
+    let model = model_dir.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut streamed = vec!["--layer-group-size".to_owned(), a.layer_group_size.to_string()];
     if let Some(n) = a.streaming_buffers {
@@ -157,38 +200,67 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
     let rows = vec![
-        run_config("streamed (prefetch on)", &model, &streamed, &a, &rt).context("streamed run")?,
+        run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt).context("streamed run")?,
         // Resident: as much memory as the machine offers (a GPU worker caps it at what is free).
-        run_config("fully resident", &model, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
-        run_config("streamed (prefetch off)", &model, &off, &a, &rt).context("prefetch-off run")?,
+        run_config("fully resident", &model, vocab, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
+        run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt).context("prefetch-off run")?,
     ];
     let streamed_as = match a.memory_budget {
         Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
         None => format!("{} resident layers/worker", a.resident_layers),
     };
     println!(
-        "workload: {} concurrent requests × {} tokens, {} worker(s), streamed runs with {streamed_as}, group {}, streaming buffers {}",
+        "workload: {} concurrent requests × {} tokens after a {} prompt, {} worker(s), streamed runs with {streamed_as}, group {}, streaming buffers {}",
         a.batch,
         a.max_new_tokens,
+        a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
         a.workers,
         a.layer_group_size,
         a.streaming_buffers.map_or("default".to_owned(), |n| n.to_string())
     );
-    println!("| config | tokens/s | MB streamed/step | transfer GB/s | streamed GB/s over wall | layer pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| config | tokens/s | prefill tok/s | first token ms | decode tok/s | MB streamed/step | transfer GB/s | streamed GB/s over wall | layer pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
-            r.config, r.tokens_per_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
+            "| {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
+            r.config, r.tokens_per_s, r.prefill_tok_s, r.first_token_ms, r.decode_tok_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
         );
     }
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
     }
-    println!("streamed / resident tokens/s: {:.2}", rows[0].tokens_per_s / rows[1].tokens_per_s);
-    println!("prefetch on / off tokens/s:   {:.2}", rows[0].tokens_per_s / rows[2].tokens_per_s);
+    let ratio = |a: &Row, b: &Row| format!("{:.2} (prefill {:.2}, decode {:.2})", a.tokens_per_s / b.tokens_per_s, a.prefill_tok_s / b.prefill_tok_s, a.decode_tok_s / b.decode_tok_s);
+    println!("streamed / resident tokens/s: {}", ratio(&rows[0], &rows[1]));
+    println!("prefetch on / off tokens/s:   {}", ratio(&rows[0], &rows[2]));
     if let Some(p) = &a.json_out {
         std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    #[test]
+    fn prefill_runs_to_the_last_first_token_and_decode_counts_the_rest() {
+        let st = |prompt, first, done| Stats { prompt_tokens: prompt, first_token_ms: first, completion_tokens: done, ..Default::default() };
+        let m = Measured { tokens: 10, wall_s: 1.2, stats: vec![st(10, 100.0, 5), st(20, 200.0, 5)] };
+        // 30 prompt tokens by 0.2 s; 8 later tokens over the 1.0 s after it.
+        assert_eq!(m.phases(), (150.0, 200.0, 8.0));
+        let ids = |n| match request(&Cli::parse_from(["bench", "--prompt-tokens", n]).a, 50).input {
+            Some(generate_request::Input::TokenIds(t)) => t.ids,
+            other => panic!("{other:?}"),
+        };
+        let v = ids("300");
+        assert_eq!(v.len(), 300);
+        assert!(v.iter().all(|&i| (1..50).contains(&i)), "ids stay inside the vocabulary and skip 0");
+    }
 }

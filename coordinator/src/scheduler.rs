@@ -26,6 +26,8 @@ pub struct SeqRequest {
     pub span: Span,
     pub trace_id: String,
     pub cancel: Arc<AtomicBool>,
+    /// When the coordinator accepted it (time to first token counts from here).
+    pub queued: Instant,
 }
 
 impl SeqRequest {
@@ -89,7 +91,7 @@ fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_
 }
 
 fn finish(a: &Active, reason: &str, error: String) -> GenerateEvent {
-    let stats = a.acc.stats(a.req.input_ids.len(), a.output.len(), a.started.elapsed());
+    let stats = a.acc.stats(a.req.input_ids.len(), a.output.len(), a.started.elapsed(), a.req.queued.elapsed());
     final_event(&a.req, &a.output, &a.tracker.text, stats, reason, error)
 }
 
@@ -127,7 +129,7 @@ impl Scheduler {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
-                let _ = r.events.try_send(final_event(r, &[], "", Acc::default().stats(r.input_ids.len(), 0, Default::default()), "cancelled", String::new()));
+                let _ = r.events.try_send(final_event(r, &[], "", Acc::default().stats(r.input_ids.len(), 0, Default::default(), r.queued.elapsed()), "cancelled", String::new()));
             }
             !gone
         });
@@ -185,6 +187,9 @@ impl Scheduler {
             a.pos += s.token_ids.len();
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
             a.output.push(tok);
+            if a.output.len() == 1 {
+                a.acc.first_token = Some(a.req.queued.elapsed());
+            }
             let p = &a.req.params;
             let mut reason: Option<(&str, String)> = None;
             let mut delta = String::new();

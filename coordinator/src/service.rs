@@ -102,6 +102,7 @@ impl CoordinatorService {
                 span: span.clone(),
                 trace_id: trace_id.clone(),
                 cancel,
+                queued: std::time::Instant::now(),
             };
             if self.queue.try_send(seq).is_err() {
                 self.jobs.cancel(&job_id);

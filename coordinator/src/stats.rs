@@ -15,6 +15,8 @@ pub struct Acc {
     pub max_batch: u32,
     pub layers_ms: f64,
     pub ideal_ms: f64,
+    /// Time from arrival to the first generated token.
+    pub first_token: Option<Duration>,
 }
 
 impl Acc {
@@ -40,9 +42,12 @@ impl Acc {
         ((self.transfer_ms - self.stall_ms).max(0.0) / self.transfer_ms * 100.0).min(100.0)
     }
 
-    /// The final stats.
-    pub fn stats(&self, prompt: usize, completion: usize, wall: Duration) -> Stats {
+    /// The final stats: `wall` since admission, `since_arrival` since the request arrived.
+    pub fn stats(&self, prompt: usize, completion: usize, wall: Duration, since_arrival: Duration) -> Stats {
         let wall_ms = wall.as_secs_f64() * 1e3;
+        let first = self.first_token.unwrap_or_default();
+        let after_first = since_arrival.saturating_sub(first).as_secs_f64();
+        let decode_tokens_per_s = if completion >= 2 && after_first > 0.0 { (completion - 1) as f64 / after_first } else { 0.0 };
         Stats {
             prompt_tokens: prompt as u64,
             completion_tokens: completion as u64,
@@ -57,6 +62,8 @@ impl Acc {
             max_batch: self.max_batch,
             layers_ms: self.layers_ms,
             ideal_ms: self.ideal_ms,
+            first_token_ms: self.first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            decode_tokens_per_s,
         }
     }
 }
@@ -75,6 +82,11 @@ mod tests {
         assert_eq!(a.max_batch, 3);
         assert_eq!(a.overlap_pct(), 37.5);
         assert_eq!(Acc::default().overlap_pct(), 100.0);
-        assert_eq!(a.stats(3, 2, Duration::from_secs(1)).bytes_streamed, 20);
+        assert_eq!(a.stats(3, 2, Duration::from_secs(1), Duration::from_secs(1)).bytes_streamed, 20);
+        // First token 0.5 s after arrival, 5 tokens by 2.5 s: 4 tokens over the 2 s after the first.
+        a.first_token = Some(Duration::from_millis(500));
+        let st = a.stats(3, 5, Duration::from_secs(2), Duration::from_millis(2500));
+        assert_eq!((st.first_token_ms, st.decode_tokens_per_s), (500.0, 2.0));
+        assert_eq!(a.stats(3, 1, Duration::from_secs(2), Duration::from_secs(2)).decode_tokens_per_s, 0.0, "one token has no decode rate");
     }
 }
