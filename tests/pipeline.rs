@@ -55,6 +55,13 @@ fn all_configs(model: &str, import_dir: &Path, store: &Path, n: usize) {
     for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--streaming-buffers", "2"]) {
         assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0);
     }
+    // Chunked prefill: prompts cross in steps of at most 3 tokens, with the same tokens out; a request
+    // alone takes ⌈prompt / 3⌉ prefill steps, then one step per further token.
+    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "1", "--max-step-tokens", "3"]) {
+        let (prompt, out) = (v["input_ids"].as_array().unwrap().len() as u64, v["output_ids"].as_array().unwrap().len() as u64);
+        assert!(prompt > 3, "the goldens' prompts are long enough to be split");
+        assert_eq!(v["stats"]["steps"].as_u64().unwrap(), prompt.div_ceil(3) + out - 1, "{v}");
+    }
     // (c) partial residency, with layer groups of 3.
     check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "3"]);
     check_config(store, model, &expected, n, &["--workers", "1", "--resident-layers", "1", "--layer-group-size", "3", "--streaming-buffers", "3"]);
@@ -97,6 +104,12 @@ fn seeded_sampling_through_the_pipeline_equals_run() {
     let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0"]);
     let got = submit(stack.addr(), &args)["output_ids"].clone();
     assert_eq!(got, want);
+    stack.shutdown();
+    // The prompt in chunks of 2: a chunk samples nothing, so the seeded generator is not advanced.
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0", "--max-step-tokens", "2"]);
+    let v = submit(stack.addr(), &args);
+    assert!(v["stats"]["steps"].as_u64().unwrap() > v["output_ids"].as_array().unwrap().len() as u64, "the prompt was split");
+    assert_eq!(v["output_ids"], want);
     stack.shutdown();
 }
 

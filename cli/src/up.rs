@@ -48,6 +48,9 @@ pub struct UpArgs {
     /// Most sequences per step.
     #[arg(long, default_value_t = 32)]
     pub max_batch: usize,
+    /// Most tokens per step; longer prompts are split over steps (chunked prefill).
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
     /// Coordinator address.
     #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
@@ -154,7 +157,8 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     let mut cargs = vec!["coordinator".into(), "--model".into(), model_s, "--listen".into(), a.listen.clone(), "--worker".into(), addrs.join(","),
         "--layer-group-size".into(), a.layer_group_size.to_string(), "--streaming-buffers".into(), a.streaming_buffers.to_string(),
-        "--kv-capacity".into(), a.kv_capacity.to_string(), "--max-batch".into(), a.max_batch.to_string()];
+        "--kv-capacity".into(), a.kv_capacity.to_string(), "--max-batch".into(), a.max_batch.to_string(),
+        "--max-step-tokens".into(), a.max_step_tokens.to_string()];
     cargs.extend(opt("--resident-layers", &a.resident_layers));
     if a.no_prefetch {
         cargs.push("--no-prefetch".into());

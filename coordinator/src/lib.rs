@@ -52,6 +52,10 @@ pub struct CoordinatorArgs {
     /// Most sequences in one step.
     #[arg(long, env = "LAYERSTREAM_MAX_BATCH", default_value_t = 32)]
     pub max_batch: usize,
+    /// Most tokens in one step (decodes count one each); longer prompts are split over steps
+    /// (chunked prefill), which bounds a step's activation memory and latency.
+    #[arg(long, env = "LAYERSTREAM_MAX_STEP_TOKENS", default_value_t = 2048)]
+    pub max_step_tokens: usize,
     /// Queued sequences before new requests get RESOURCE_EXHAUSTED.
     #[arg(long, env = "LAYERSTREAM_QUEUE_SIZE", default_value_t = 256)]
     pub queue_size: usize,
@@ -157,7 +161,7 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         pipeline,
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
-        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity },
+        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity, max_step_tokens: args.max_step_tokens.max(1) },
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {

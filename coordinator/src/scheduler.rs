@@ -1,6 +1,9 @@
 //! The continuous-batching scheduler: an actor that owns the queue and the running sequences.
 //! Between steps, sequences join (their prefill rides the same weight pass as running decodes) and
 //! leave (finished, cancelled, or their client gone); one pipeline step serves every active sequence.
+//! A step carries at most `max_step_tokens` tokens: every decode brings one, and prompts take what is
+//! left, a long prompt split over several steps (chunked prefill), so a step's activations and
+//! latency stay bounded however long the prompts are.
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
@@ -51,6 +54,7 @@ struct Active {
 pub struct Limits {
     pub max_batch: usize,
     pub kv_capacity: usize,
+    pub max_step_tokens: usize,
 }
 
 /// The actor.
@@ -60,6 +64,24 @@ pub struct Scheduler {
     pub tokenizer: Arc<Tokenizer>,
     pub eos: Vec<u32>,
     pub limits: Limits,
+}
+
+/// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
+/// in admission order: 1 per decode (never held back), then prompt chunks in order from what is left
+/// of `max_tokens` (at least one token when nothing decodes); 0 = sits this step out. Pure, unit-tested.
+pub fn step_tokens(seqs: &[(usize, usize)], max_tokens: usize) -> Vec<usize> {
+    let decodes = seqs.iter().filter(|(pos, len)| pos >= len).count();
+    let mut left = max_tokens.max(1).saturating_sub(decodes);
+    seqs.iter()
+        .map(|&(pos, len)| {
+            if pos >= len {
+                return 1;
+            }
+            let n = (len - pos).min(left);
+            left -= n;
+            n
+        })
+        .collect()
 }
 
 /// Which of the waiting requests may join now (FIFO, within batch and KV limits): pure, unit-tested.
@@ -150,22 +172,30 @@ impl Scheduler {
     }
 
     async fn step(&self, active: &mut Vec<Active>) {
-        let seqs: Vec<StepSeq> = active
+        let shares = step_tokens(&active.iter().map(|a| (a.pos, a.req.input_ids.len())).collect::<Vec<_>>(), self.limits.max_step_tokens);
+        // (index into `active`, tokens it brings) for the sequences that ride this step.
+        let members: Vec<(usize, usize)> = shares.into_iter().enumerate().filter(|&(_, n)| n > 0).collect();
+        let seqs: Vec<StepSeq> = members
             .iter()
-            .map(|a| StepSeq {
-                seq_id: a.req.seq_id,
-                start_pos: a.pos as u32,
-                token_ids: if a.pos == 0 { a.req.input_ids.clone() } else { vec![*a.output.last().expect("decoding after prefill")] },
-                sampling: (a.pos == 0).then(|| {
-                    let s = &a.req.params.sampling;
-                    Sampling { temperature: s.temperature, top_k: s.top_k as u32, top_p: s.top_p, repetition_penalty: s.repetition_penalty, seed: s.seed }
-                }),
+            .map(|&(i, n)| {
+                let a = &active[i];
+                let prompt = a.req.input_ids.len();
+                StepSeq {
+                    seq_id: a.req.seq_id,
+                    start_pos: a.pos as u32,
+                    token_ids: if a.pos < prompt { a.req.input_ids[a.pos..a.pos + n].to_vec() } else { vec![*a.output.last().expect("decoding after prefill")] },
+                    sampling: (a.pos == 0).then(|| {
+                        let s = &a.req.params.sampling;
+                        Sampling { temperature: s.temperature, top_k: s.top_k as u32, top_p: s.top_p, repetition_penalty: s.repetition_penalty, seed: s.seed }
+                    }),
+                    prompt_continues: a.pos + n < prompt,
+                }
             })
             .collect();
         let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        // One `step` span per request in the batch, so each request's trace shows every step it rode;
+        // One `step` span per request in the step, so each request's trace shows every step it rode;
         // the first carries the workers' spans.
-        let spans: Vec<Span> = active.iter().map(|a| info_span!(parent: &a.req.span, "step", batch = seqs.len(), rows)).collect();
+        let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len(), rows)).collect();
         let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
         drop(spans);
         let out = match res {
@@ -181,11 +211,13 @@ impl Scheduler {
             }
         };
         let mut done = Vec::new();
-        let mut i = 0;
-        for (s, &tok) in seqs.iter().zip(&out.tokens) {
+        for ((&(i, n), s), &tok) in members.iter().zip(&seqs).zip(&out.tokens) {
             let a = &mut active[i];
-            a.pos += s.token_ids.len();
+            a.pos += n;
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
+            if s.prompt_continues {
+                continue;
+            }
             a.output.push(tok);
             if a.output.len() == 1 {
                 a.acc.first_token = Some(a.req.queued.elapsed());
@@ -219,7 +251,6 @@ impl Scheduler {
                 let _ = a.req.events.send(ev).await;
                 done.push(i);
             }
-            i += 1;
         }
         let mut ids = Vec::new();
         for &j in done.iter().rev() {
@@ -235,10 +266,21 @@ mod tests {
 
     #[test]
     fn admission_respects_batch_and_kv_limits_in_order() {
-        let l = Limits { max_batch: 3, kv_capacity: 100 };
+        let l = Limits { max_batch: 3, kv_capacity: 100, max_step_tokens: 64 };
         assert_eq!(admit(0, 0, &[10, 10, 10, 10], l), 3);
         assert_eq!(admit(2, 0, &[10, 10], l), 1);
         assert_eq!(admit(0, 80, &[30, 10], l), 0, "FIFO: a big request is not overtaken");
         assert_eq!(admit(0, 0, &[], l), 0);
+    }
+
+    #[test]
+    fn decodes_always_ride_and_prompts_are_chunked_in_order_within_the_step_budget() {
+        // (position, prompt length): a decode, a fresh 10-token prompt, a prompt 4 tokens from its end.
+        let seqs = [(12, 5), (0, 10), (6, 10)];
+        assert_eq!(step_tokens(&seqs, 8), vec![1, 7, 0], "the first prompt takes what the decode left");
+        assert_eq!(step_tokens(&seqs, 64), vec![1, 10, 4], "everything fits: no chunking");
+        assert_eq!(step_tokens(&seqs, 1), vec![1, 0, 0], "decodes are never held back");
+        assert_eq!(step_tokens(&[(0, 10)], 0), vec![1], "a lone prompt always moves");
+        assert_eq!(step_tokens(&[(3, 10), (9, 10)], 8), vec![7, 1]);
     }
 }

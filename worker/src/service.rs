@@ -136,6 +136,7 @@ impl Worker for WorkerService {
                 start_pos: s.start_pos as usize,
                 tokens: s.token_ids,
                 sampling: s.sampling.map(|p| crate::SamplingParams::from_wire(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed)),
+                prompt_continues: s.prompt_continues,
             })
             .collect();
         let hidden: Vec<f32> = req.hidden.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();

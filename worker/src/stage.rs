@@ -36,6 +36,8 @@ pub struct StepSeq {
     pub start_pos: usize,
     pub tokens: Vec<u32>,
     pub sampling: Option<SamplingParams>,
+    /// More of the prompt follows (chunked prefill): nothing is sampled for it (0 is returned).
+    pub prompt_continues: bool,
 }
 
 /// Timing of one layer in one step.
@@ -203,6 +205,11 @@ impl<B: Backend + 'static> Stage<B> {
                 out.tokens = b.argmax_rows(&logits)?;
             } else {
                 for (s, mut l) in batch.iter().zip(logits_to_host(b, &logits)?) {
+                    if s.prompt_continues {
+                        // A prompt chunk: sampling here would advance a seeded generator.
+                        out.tokens.push(0);
+                        continue;
+                    }
                     let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
                     out.tokens.push(seq.sampler.as_mut().expect("head stage samples").sample(&mut l, &seq.history));
                 }
