@@ -165,3 +165,22 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
     assert!(max_batch > 1, "the jobs were never batched together");
     stack.shutdown();
 }
+
+/// A worker's own step limit (on a GPU what its activation memory holds; here set through its
+/// environment) lowers the coordinator's `--max-step-tokens`: prompts are split to fit, same tokens.
+#[test]
+fn a_workers_step_token_limit_splits_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let s = store.dir.to_str().unwrap();
+    let args = golden_args(&goldens("tiny-llama")[0], 6);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))["output_ids"].clone();
+    let stack = Stack::up_env(&store.dir, &["--workers", "2", "--resident-layers", "0"], &[("LAYERSTREAM_WORKER_MAX_STEP_TOKENS", "3")]);
+    let v = submit(stack.addr(), &args);
+    stack.shutdown();
+    assert_eq!(v["output_ids"], want);
+    let prompt = v["input_ids"].as_array().unwrap().len() as u64;
+    assert!(prompt > 3);
+    assert_eq!(v["stats"]["steps"].as_u64().unwrap(), prompt.div_ceil(3) + 5, "{v}");
+}

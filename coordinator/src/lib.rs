@@ -136,6 +136,7 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
     };
     let plans = planner::plan(&store.manifest, &specs, &opts).map_err(|e| anyhow::anyhow!("planning failed: {e}"))?;
     let mut assignments = Vec::new();
+    let mut step_tokens = args.max_step_tokens.max(1);
     for ((addr, _, _, c), p) in workers.iter_mut().zip(&plans) {
         let a = Assignment {
             worker: addr.clone(),
@@ -151,7 +152,11 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
             bytes_needed: layerstream_worker::budget::usage(&store.manifest, p).total(),
         };
         tracing::info!(worker = %addr, layers = ?p.layers, resident = ?p.resident, group = p.group_size, buffers = p.buffers, bytes = a.bytes_needed, prefetch = p.prefetch, "plan");
-        c.assign(a.clone()).await.map_err(|s| anyhow::anyhow!("worker {addr} refused its assignment: {}", s.message()))?;
+        let r = c.assign(a.clone()).await.map_err(|s| anyhow::anyhow!("worker {addr} refused its assignment: {}", s.message()))?.into_inner();
+        if r.max_step_tokens > 0 && (r.max_step_tokens as usize) < step_tokens {
+            step_tokens = r.max_step_tokens as usize;
+            tracing::info!(worker = %addr, max_step_tokens = step_tokens, "tokens per step limited by the worker's activation memory");
+        }
         assignments.push(a);
     }
     let (queue, rx) = tokio::sync::mpsc::channel(args.queue_size.max(1));
@@ -161,7 +166,7 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         pipeline,
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
-        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity, max_step_tokens: args.max_step_tokens.max(1) },
+        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity, max_step_tokens: step_tokens },
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {

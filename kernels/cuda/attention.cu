@@ -1,38 +1,58 @@
 // Causal grouped-query attention of m new rows of one sequence over its KV cache (which already holds
-// the new keys/values at positions start..start+m). One block per (head, row); scores go to a global
-// scratch row of ctx_stride floats, so the context length is bounded by memory, not shared memory.
+// the new keys/values at positions start..start+m). One block per (head, row), walking the context in
+// tiles of blockDim.x positions with an online softmax (running max and sum, the output rescaled as
+// the max grows), so no scores buffer: memory does not grow with rows × heads × context.
 
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out, float* scores,
-                                     int start, int n_heads, int n_kv_heads, int hd, int ctx_stride, float scale) {
-    int h = blockIdx.x, row = blockIdx.y;
-    int kvh = h / (n_heads / n_kv_heads);
-    int qd = n_heads * hd, kvd = n_kv_heads * hd;
-    int n_ctx = start + row + 1;
+#define ATT_MAX_THREADS 256
+// head_dim ≤ ATT_DIMS_PER_THREAD × blockDim.x (the backend checks it).
+#define ATT_DIMS_PER_THREAD 4
+
+extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out,
+                                     int start, int n_heads, int n_kv_heads, int hd, float scale) {
+    __shared__ float p[ATT_MAX_THREADS];
+    const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int qd = n_heads * hd, kvd = n_kv_heads * hd;
+    const int n_ctx = start + row + 1;
     const float* qv = q + (long long)row * qd + (long long)h * hd;
-    float* s = scores + ((long long)row * n_heads + h) * ctx_stride;
-    for (int t = threadIdx.x; t < n_ctx; t += blockDim.x) {
-        const float* kv = kc + (long long)t * kvd + (long long)kvh * hd;
-        float acc = 0.0f;
-        for (int d = 0; d < hd; d++) acc += qv[d] * kv[d];
-        s[t] = acc * scale;
+    float acc[ATT_DIMS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) acc[i] = 0.0f;
+    float mx = -3.0e38f, sum = 0.0f;
+    for (int t0 = 0; t0 < n_ctx; t0 += nt) {
+        const int t = t0 + tid;
+        float s = -3.0e38f;
+        if (t < n_ctx) {
+            const float* kv = kc + (long long)t * kvd + (long long)kvh * hd;
+            float d = 0.0f;
+            for (int j = 0; j < hd; j++) d += qv[j] * kv[j];
+            s = d * scale;
+        }
+        const float mx_new = fmaxf(mx, block_max(s));
+        const float e = t < n_ctx ? expf(s - mx_new) : 0.0f;
+        const float tile_sum = block_sum(e);
+        p[tid] = e;
+        __syncthreads();
+        const float corr = expf(mx - mx_new);
+        sum = sum * corr + tile_sum;
+        mx = mx_new;
+        const int n = min(nt, n_ctx - t0);
+#pragma unroll
+        for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) {
+            const int d = tid + i * nt;
+            if (d < hd) {
+                const float* vp = vc + (long long)t0 * kvd + (long long)kvh * hd + d;
+                float a = acc[i] * corr;
+                for (int j = 0; j < n; j++) a += p[j] * vp[(long long)j * kvd];
+                acc[i] = a;
+            }
+        }
+        __syncthreads();  // every thread is done with p before the next tile overwrites it
     }
-    __syncthreads();
-    float mx = -3.0e38f;
-    for (int t = threadIdx.x; t < n_ctx; t += blockDim.x) mx = fmaxf(mx, s[t]);
-    mx = block_max(mx);
-    float sum = 0.0f;
-    for (int t = threadIdx.x; t < n_ctx; t += blockDim.x) {
-        float e = expf(s[t] - mx);
-        s[t] = e;
-        sum += e;
-    }
-    sum = block_sum(sum);
-    __syncthreads();
-    float inv = 1.0f / sum;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        const float* vp = vc + (long long)kvh * hd + d;
-        for (int t = 0; t < n_ctx; t++) acc += s[t] * inv * vp[(long long)t * kvd];
-        out[(long long)row * qd + (long long)h * hd + d] = acc;
+    const float inv = 1.0f / sum;
+#pragma unroll
+    for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) {
+        const int d = tid + i * nt;
+        if (d < hd) out[(long long)row * qd + (long long)h * hd + d] = acc[i] * inv;
     }
 }

@@ -31,9 +31,9 @@ int main(int argc, char** argv) {
         const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], ctx = start + m;
         std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
         if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc)) return 3;
-        std::vector<float> o(q.size(), NAN), scores((size_t)m * nh * ctx, NAN);
+        std::vector<float> o(q.size(), NAN);
         const float scale = 1.0f / sqrtf((float)hd);
-        launch2(nh, m, 128, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), scores.data(), start, nh, nkv, hd, ctx, scale); });
+        launch2(nh, m, 128, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

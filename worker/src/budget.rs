@@ -3,11 +3,27 @@
 
 use crate::stage::{stream_groups, StagePlan};
 use layerstream_model::layout::layer_file;
-use layerstream_model::Manifest;
+use layerstream_model::{Manifest, ModelConfig};
 
 /// KV bytes of one position in one layer (f32 keys and values).
 pub fn kv_bytes_per_token_layer(m: &Manifest) -> u64 {
     2 * m.config.kv_dim() as u64 * 4
+}
+
+/// Device bytes one token of a step keeps alive at the peak of a layer's forward pass (f32): what
+/// `layer_forward` holds until it returns — the residual, both norms' outputs, o and down (5 × hidden),
+/// q, the attention output and its per-sequence pieces (3 × q width), k and v and their pieces
+/// (4 × kv width), gate, up and SiLU·up (3 × intermediate) — plus a GEMM input's f16 copy (half the
+/// intermediate width in f32 terms).
+pub fn activation_bytes_per_token(cfg: &ModelConfig) -> u64 {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let floats = 5 * h + 3 * cfg.num_heads * cfg.head_dim + 4 * cfg.kv_dim() + 3 * i + i / 2;
+    floats as u64 * 4
+}
+
+/// Most tokens one step may carry when `reserve` bytes hold its activations (at least 1).
+pub fn step_token_limit(cfg: &ModelConfig, reserve: u64) -> usize {
+    (reserve / activation_bytes_per_token(cfg).max(1)).max(1) as usize
 }
 
 /// Bytes of a store file (0 if absent).
@@ -66,4 +82,26 @@ pub fn streaming_buffers(m: &Manifest, plan: &StagePlan) -> (usize, u64) {
     let Some(largest) = groups.iter().flatten().map(|&l| layer_bytes(m, l)).max() else { return (0, 0) };
     let widest = groups.iter().map(Vec::len).max().unwrap_or(1);
     (plan.buffers.max(1) * widest, largest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_model::synth::shape_config;
+
+    /// Under a GPU's activation reserve a 70B-shaped step still carries a few hundred tokens (a
+    /// prompt chunk stays a GEMM, not a row-by-row matvec), and SmolLM2 is not held below the
+    /// coordinator's default of 2048.
+    #[test]
+    fn step_token_limits_under_the_activation_reserve() {
+        let reserve = 320 << 20;
+        let big = shape_config("llama-3-70b", Some(1)).unwrap();
+        let per = activation_bytes_per_token(&big);
+        assert!(per > 4 * 3 * 28672, "at least gate, up and SiLU·up per token: {per}");
+        let n = step_token_limit(&big, reserve);
+        assert!((256..2048).contains(&n), "70B: {n} tokens per step");
+        assert!(n as u64 * per <= reserve && (n as u64 + 1) * per > reserve);
+        assert!(step_token_limit(&shape_config("smollm2-135m", Some(1)).unwrap(), reserve) > 2048);
+        assert_eq!(step_token_limit(&big, 1), 1, "always at least one token");
+    }
 }

@@ -4,9 +4,9 @@
 use crate::error::Result;
 use crate::stage::{Stage, StagePlan, StepOut, StepSeq};
 use crate::stream::LoaderLink;
-use layerstream_kernels::cuda::{parse_cuda_device, CudaBackend, RUNTIME_RESERVE};
+use layerstream_kernels::cuda::{parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, RUNTIME_RESERVE};
 use layerstream_kernels::{Backend, CpuBackend};
-use layerstream_model::Store;
+use layerstream_model::{ModelConfig, Store};
 use tracing::Span;
 
 /// A device a worker computes on.
@@ -47,6 +47,15 @@ impl Device {
                 }
                 Ok(usable)
             }
+        }
+    }
+
+    /// Most tokens one step may carry on this device: on a GPU what the activation reserve holds for
+    /// this model; None on the CPU (host memory, outside the budget).
+    pub fn step_token_limit(&self, cfg: &ModelConfig) -> Option<usize> {
+        match self {
+            Device::Cpu(_) => None,
+            Device::Cuda(_) => Some(crate::budget::step_token_limit(cfg, ACTIVATION_RESERVE)),
         }
     }
 

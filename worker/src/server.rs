@@ -26,6 +26,10 @@ pub struct WorkerArgs {
     /// Bytes this worker may use for weights, streaming buffers and KV cache (suffixes K, M, G).
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", default_value = "8G", value_parser = parse_bytes)]
     pub memory_budget: u64,
+    /// Most tokens one step may carry (default: on a GPU, what the activation reserve holds for the
+    /// model; no limit on the CPU). Reported to the coordinator, which splits prompts to stay under it.
+    #[arg(long, env = "LAYERSTREAM_WORKER_MAX_STEP_TOKENS")]
+    pub max_step_tokens: Option<usize>,
     /// The loader daemon's control socket.
     #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET", default_value = "/tmp/layerstream-loader.sock")]
     pub loader_socket: PathBuf,
@@ -56,6 +60,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         Device::Cpu(_) => None,
     };
     let store = Store::open(&args.model)?;
+    let device_limit = backend.step_token_limit(&store.manifest.config);
+    let max_step_tokens = match (args.max_step_tokens, device_limit) {
+        (Some(f), Some(d)) => Some(f.clamp(1, d)),
+        (f, d) => f.map(|f| f.max(1)).or(d),
+    };
     let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     // Bound to every interface (containers): name ourselves by host name, which peers can resolve.
@@ -69,6 +78,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         device: args.device.clone(),
         backend,
         budget,
+        max_step_tokens,
         free_at_start,
         store,
         loader_socket: args.loader_socket.clone(),
@@ -76,7 +86,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         live: Default::default(),
     });
     println!("LISTENING {id}");
-    tracing::info!(%id, device = %args.device, budget, "worker ready");
+    tracing::info!(%id, device = %args.device, budget, max_step_tokens = ?max_step_tokens, "worker ready");
     tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
         .add_service(layerstream_proto::transport::reflection())

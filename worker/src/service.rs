@@ -24,6 +24,8 @@ pub struct WorkerState {
     pub backend: Device,
     /// Bytes assignments may use (for a GPU: already capped by free device memory).
     pub budget: u64,
+    /// Most tokens one step may carry (None: no limit).
+    pub max_step_tokens: Option<usize>,
     /// Free device memory when the worker started (GPU workers), to report what it has taken since.
     pub free_at_start: Option<u64>,
     pub store: Store,
@@ -119,13 +121,17 @@ impl Worker for WorkerService {
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        Ok(Response::new(AssignResponse { bytes_used: bytes }))
+        Ok(Response::new(AssignResponse { bytes_used: bytes, max_step_tokens: self.0.max_step_tokens.map_or(0, |n| n as u32) }))
     }
 
     async fn step(&self, r: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
         let span = info_span!("worker_step", otel.name = "worker step", worker = %self.0.id, seqs = r.get_ref().seqs.len());
         adopt_parent(&span, r.metadata());
         let req = r.into_inner();
+        let rows: usize = req.seqs.iter().map(|s| s.token_ids.len()).sum();
+        if let Some(max) = self.0.max_step_tokens.filter(|&m| rows > m) {
+            return Err(Status::invalid_argument(format!("a step of {rows} tokens exceeds this worker's limit of {max} tokens per step (its activation memory)")));
+        }
         let stage = self.0.stage.clone();
         let live = self.0.live.clone();
         let batch: Vec<StepSeq> = req

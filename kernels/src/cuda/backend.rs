@@ -19,8 +19,12 @@ use std::sync::Arc;
 const MATVEC_ROWS: usize = 8;
 /// Elements of the dequantization scratch for the GEMM path (chunks of weight rows).
 const SCRATCH_ELEMS: usize = 32 << 20;
-/// Device memory a CUDA worker keeps outside its plan: GEMM scratch, activations, cuBLAS workspace.
-pub const RUNTIME_RESERVE: u64 = 512 << 20;
+/// Threads per attention block: the context tile (ATT_MAX_THREADS in attention.cu is the most).
+const ATTENTION_THREADS: u32 = 128;
+/// Largest head dimension the attention kernel takes (ATT_DIMS_PER_THREAD × ATTENTION_THREADS).
+const ATTENTION_MAX_HEAD_DIM: usize = 4 * ATTENTION_THREADS as usize;
+// The GEMM scratch (f32 at most) and 64 MiB for cuBLAS and the logits fit beside the activations.
+const _: () = assert!(SCRATCH_ELEMS as u64 * 4 + super::ACTIVATION_RESERVE + (64 << 20) <= super::RUNTIME_RESERVE);
 
 /// Precision of the GEMM path (prefill and large batches).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -417,6 +421,7 @@ impl Backend for CudaBackend {
 
     fn attention(&self, q: &CudaTensor, k: &CudaTensor, v: &CudaTensor, cache: &mut CudaKv, s: AttnShape) -> Result<CudaTensor> {
         let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
+        ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim))?;
         self.gpu.bind()?;
         let m = q.rows;
         let start = cache.len;
@@ -439,10 +444,9 @@ impl Backend for CudaBackend {
         if m == 0 {
             return Ok(out);
         }
-        let scores = DevBuf::ordered(&self.gpu, m * s.n_heads * need * 4)?;
         let scale = 1.0 / (s.head_dim as f32).sqrt();
-        let args = [q.buf.ptr, kc, vc, out.buf.ptr, scores.ptr, i(start as i32), i(s.n_heads as i32), i(s.n_kv_heads as i32), i(s.head_dim as i32), i(need as i32), f(scale)];
-        self.gpu.launch("attention", (s.n_heads as u32, m as u32, 1), 128, 0, &args)?;
+        let args = [q.buf.ptr, kc, vc, out.buf.ptr, i(start as i32), i(s.n_heads as i32), i(s.n_kv_heads as i32), i(s.head_dim as i32), f(scale)];
+        self.gpu.launch("attention", (s.n_heads as u32, m as u32, 1), ATTENTION_THREADS, 0, &args)?;
         Ok(out)
     }
 }

@@ -26,9 +26,17 @@ mod test_data;
 mod tests_emu;
 
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPrecision, RUNTIME_RESERVE};
+pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPrecision};
 #[cfg(not(feature = "cuda"))]
-pub use stub::{CudaBackend, RUNTIME_RESERVE};
+pub use stub::CudaBackend;
+
+/// Device memory a CUDA worker keeps outside its plan: the GEMM dequantization scratch, cuBLAS's
+/// workspace, the head's logits and a step's activations.
+pub const RUNTIME_RESERVE: u64 = 512 << 20;
+/// The part of `RUNTIME_RESERVE` a step's activations may use (the rest holds the GEMM scratch, at
+/// most 128 MiB, cuBLAS's workspace and the logits): a worker accepts steps of at most this many
+/// bytes of activations, and the coordinator splits prompts to stay under it.
+pub const ACTIVATION_RESERVE: u64 = 320 << 20;
 
 /// What a CUDA device reports.
 #[derive(Debug, Clone, PartialEq)]

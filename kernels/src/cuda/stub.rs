@@ -14,9 +14,6 @@ pub enum Never {}
 #[derive(Debug, Clone)]
 pub struct CudaBackend(Never);
 
-/// Device memory a CUDA worker keeps outside its plan (the same constant as in CUDA builds).
-pub const RUNTIME_RESERVE: u64 = 512 << 20;
-
 impl CudaBackend {
     /// Always fails: this build has no CUDA support.
     pub fn new(ordinal: usize) -> Result<CudaBackend> {

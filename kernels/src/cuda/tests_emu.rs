@@ -101,10 +101,12 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let Some(emu) = Emu::build("ops_main.cpp") else { return };
     let c = CpuBackend::default();
     let mut rng = Rng(31);
-    // Attention: prefill after a cached prefix, decode, and a context longer than the block (128).
-    let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 };
-    let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
-    for (start, m) in [(0, 5), (5, 3), (17, 1), (300, 2)] {
+    // Attention: prefill after a cached prefix, decode, and contexts over several 128-position tiles
+    // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle) and
+    // 320 (three per thread, the last partly).
+    for (start, m, hd) in [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320)] {
+        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd };
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let mut cache = c.kv_cache(s, start + m).unwrap();
         let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
         if start > 0 {
