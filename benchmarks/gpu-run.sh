@@ -51,9 +51,9 @@ for b in ${BATCHES:-1 8 32 64 128}; do
   echo "-- batch $b" | tee -a "$OUT/bench.txt"
   "$LS" bench --model $S70 --device $DEV --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens ${TOKENS:-8} --prompt "The quick brown fox jumps over the lazy dog" --json-out "$OUT/bench-b$b.json" 2>&1 | grep -E "^\||/|workload|^note" | tee -a "$OUT/bench.txt"
 done
-# Prefill throughput streamed vs resident: a PROMPT_TOKENS-token prompt per request (kept to small
-# batches: a step's activations grow with its rows and must fit the worker's runtime reserve).
-for b in ${PREFILL_BATCHES:-1 2}; do
+# Prefill throughput streamed vs resident: a PROMPT_TOKENS-token prompt per request (the coordinator
+# splits prompts into steps the worker's activation reserve holds: ~490 tokens for 70B shapes).
+for b in ${PREFILL_BATCHES:-1 4}; do
   echo "-- prefill, batch $b, ${PROMPT_TOKENS:-512}-token prompts" | tee -a "$OUT/bench.txt"
   "$LS" bench --model $S70 --device $DEV --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens 4 --prompt-tokens ${PROMPT_TOKENS:-512} --json-out "$OUT/bench-prefill-b$b.json" 2>&1 | grep -E "^\||/|workload|^note" | tee -a "$OUT/bench.txt"
 done
