@@ -167,7 +167,8 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
 }
 
 /// A worker's own step limit (on a GPU what its activation memory holds; here set through its
-/// environment) lowers the coordinator's `--max-step-tokens`: prompts are split to fit, same tokens.
+/// environment) lowers the coordinator's `--max-step-tokens`: prompts are split to fit, same tokens;
+/// a step over the limit sent to the worker directly is refused, naming the limit.
 #[test]
 fn a_workers_step_token_limit_splits_prompts() {
     let dir = tempfile::tempdir().unwrap();
@@ -178,7 +179,17 @@ fn a_workers_step_token_limit_splits_prompts() {
     let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))["output_ids"].clone();
     let stack = Stack::up_env(&store.dir, &["--workers", "2", "--resident-layers", "0"], &[("LAYERSTREAM_WORKER_MAX_STEP_TOKENS", "3")]);
     let v = submit(stack.addr(), &args);
+    let refused = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        use layerstream_proto::v1::{coordinator_client::CoordinatorClient, worker_client::WorkerClient, ListWorkersRequest, StepRequest, StepSeq};
+        let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
+        let first = c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers.remove(0);
+        let mut w = WorkerClient::connect(first.address).await.unwrap();
+        let seq = StepSeq { seq_id: 999, token_ids: vec![1, 2, 3, 4], ..Default::default() };
+        w.step(StepRequest { seqs: vec![seq], hidden: vec![] }).await.unwrap_err()
+    });
     stack.shutdown();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("4 tokens") && refused.message().contains("limit of 3"), "{}", refused.message());
     assert_eq!(v["output_ids"], want);
     let prompt = v["input_ids"].as_array().unwrap().len() as u64;
     assert!(prompt > 3);
