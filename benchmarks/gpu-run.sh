@@ -9,7 +9,9 @@
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
 # Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
-# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, ONLY_BENCH.
+# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, ONLY_BENCH, NO_BENCH.
+# A device call is limited to 10 minutes: run it twice on one warm machine if needed, first with
+# NO_BENCH=1 (tests, h2d, resident runs), then with ONLY_BENCH=1 (the streamed comparisons).
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,6 +46,7 @@ for m in ${SMOL_REAL:-} $SSM $S70; do for p in f16 f32; do
   LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device $DEV --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
 done; done 2>&1 | tee "$OUT/run.txt"
 fi
+[ -n "${NO_BENCH:-}" ] && exit 0
 echo "== streamed vs resident vs prefetch off"
 # Batch 128 is there to reach compute ≥ transfer (the "≥ 90% hidden" target); BUFFERS sets the
 # streaming buffers (groups in flight) of the streamed runs.
