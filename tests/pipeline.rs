@@ -132,6 +132,8 @@ fn smollm2_streamed_with_partial_residency_equals_run_and_transformers() {
     check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4", "--layer-group-size", "3", "--streaming-buffers", "3"]);
 }
 
+/// Also with 4 tokens a step: at most 4 sequences run, prompts are chunked around the running decodes
+/// and sit steps out when the decodes take the whole step.
 #[test]
 fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -146,24 +148,28 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
             serde_json::from_value(last_json(&layerstream(&["run", "--model", &s, "--prompt", p, "--max-new-tokens", &n, "--ignore-eos", "--json"]))["output_ids"].clone()).unwrap()
         })
         .collect();
-    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "1"]);
-    let addr = stack.addr().to_owned();
-    let handles: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let (addr, p) = (addr.clone(), p.to_string());
-            std::thread::spawn(move || submit(&addr, &["--prompt", &p, "--max-new-tokens", &(5 + 5 * i).to_string(), "--ignore-eos"]))
-        })
-        .collect();
-    let results: Vec<serde_json::Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    for (i, v) in results.iter().enumerate() {
-        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-        assert_eq!(got, solo[i], "job {i} differs from its solo run");
+    for (extra, most) in [(None, 8), (Some("4"), 4)] {
+        let mut args = vec!["--workers", "2", "--resident-layers", "1"];
+        args.extend(extra.map(|n| ["--max-step-tokens", n]).into_iter().flatten());
+        let stack = Stack::up(&store.dir, &args);
+        let addr = stack.addr().to_owned();
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let (addr, p) = (addr.clone(), p.to_string());
+                std::thread::spawn(move || submit(&addr, &["--prompt", &p, "--max-new-tokens", &(5 + 5 * i).to_string(), "--ignore-eos"]))
+            })
+            .collect();
+        let results: Vec<serde_json::Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (i, v) in results.iter().enumerate() {
+            let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+            assert_eq!(got, solo[i], "job {i} differs from its solo run ({args:?})");
+        }
+        let max_batch = results.iter().map(|v| v["stats"]["max_batch"].as_u64().unwrap()).max().unwrap();
+        assert!(max_batch > 1 && max_batch <= most, "{max_batch} sequences in one step ({args:?})");
+        stack.shutdown();
     }
-    let max_batch = results.iter().map(|v| v["stats"]["max_batch"].as_u64().unwrap()).max().unwrap();
-    assert!(max_batch > 1, "the jobs were never batched together");
-    stack.shutdown();
 }
 
 /// A worker's own step limit (on a GPU what its activation memory holds; here set through its

@@ -3,7 +3,8 @@
 //! leave (finished, cancelled, or their client gone); one pipeline step serves every active sequence.
 //! A step carries at most `max_step_tokens` tokens: every decode brings one, and prompts take what is
 //! left, a long prompt split over several steps (chunked prefill), so a step's activations and
-//! latency stay bounded however long the prompts are.
+//! latency stay bounded however long the prompts are (admission keeps the running sequences, each a
+//! decode token per step, within that count).
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
