@@ -166,8 +166,7 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         pipeline,
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
-        // Every running sequence decodes one token a step, so no more may run than a step carries.
-        limits: scheduler::Limits { max_batch: args.max_batch.clamp(1, step_tokens), kv_capacity: args.kv_capacity, max_step_tokens: step_tokens },
+        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity, max_step_tokens: step_tokens },
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {

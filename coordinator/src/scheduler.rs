@@ -86,10 +86,12 @@ pub fn step_tokens(seqs: &[(usize, usize)], max_tokens: usize) -> Vec<usize> {
 }
 
 /// Which of the waiting requests may join now (FIFO, within batch and KV limits): pure, unit-tested.
+/// Every running sequence decodes a token a step, so no more run than a step carries.
 pub fn admit(active: usize, kv_used: usize, waiting: &[usize], l: Limits) -> usize {
     let (mut n, mut used) = (0, kv_used);
+    let most = l.max_batch.min(l.max_step_tokens);
     for &need in waiting {
-        if active + n >= l.max_batch || used + need > l.kv_capacity {
+        if active + n >= most || used + need > l.kv_capacity {
             break;
         }
         used += need;
@@ -272,6 +274,7 @@ mod tests {
         assert_eq!(admit(2, 0, &[10, 10], l), 1);
         assert_eq!(admit(0, 80, &[30, 10], l), 0, "FIFO: a big request is not overtaken");
         assert_eq!(admit(0, 0, &[], l), 0);
+        assert_eq!(admit(1, 0, &[10, 10, 10], Limits { max_step_tokens: 2, ..l }), 1, "no more running than a step carries");
     }
 
     #[test]

@@ -61,10 +61,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let store = Store::open(&args.model)?;
     let device_limit = backend.step_token_limit(&store.manifest.config);
-    let max_step_tokens = match (args.max_step_tokens, device_limit) {
-        (Some(f), Some(d)) => Some(f.clamp(1, d)),
-        (f, d) => f.map(|f| f.max(1)).or(d),
-    };
+    // The smaller of the flag and what the device holds; None when neither limits it.
+    let max_step_tokens = [args.max_step_tokens.map(|f| f.max(1)), device_limit].into_iter().flatten().min();
     let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     // Bound to every interface (containers): name ourselves by host name, which peers can resolve.
