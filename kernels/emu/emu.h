@@ -48,6 +48,13 @@ template <class F> void launch2(unsigned gx, unsigned gy, unsigned block, F kern
     }
 }
 template <class F> void launch(unsigned grid, unsigned block, F kernel) { launch2(grid, 1, block, kernel); }
+// Bytes of one stored row of k elements of dtype t (a DT_* code of common.cuh); -1 for an unknown
+// dtype or a width that is not whole blocks.
+inline long long row_bytes(int t, long long k) {
+    const int elems[] = {1, 1, 1, 32, 32, 32, 256, 256}, bytes[] = {4, 2, 2, 34, 18, 20, 144, 210};
+    if (t < 0 || t > 7 || k % elems[t] != 0) return -1;
+    return k / elems[t] * bytes[t];
+}
 // Reads exactly v.size() elements of v's type from f; false on a short file.
 template <class T> bool read_into(FILE* f, std::vector<T>& v) { return fread(v.data(), sizeof(T), v.size(), f) == v.size(); }
 // Writes all of v to f; false on a short write.

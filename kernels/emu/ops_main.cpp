@@ -1,9 +1,16 @@
-// Runs the block-reducing kernels of kernels/cuda (attention, rms_norm, argmax) under the host
-// emulator, with the launch shapes of kernels/src/cuda/backend.rs. All data f32 unless said.
+// Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
+// shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
 //   ops-emu attention START M NH NKV HD IN OUT   IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
 //                                                OUT: attention output (M×NH·HD)
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
 //   ops-emu argmax ROWS COLS IN OUT              IN: x (ROWS×COLS)               OUT: u32 per row
+//   ops-emu embedding T VOCAB COLS N IN OUT      IN: table (VOCAB rows of T), N u32 ids   OUT: N×COLS
+//   ops-emu rope ROWS COLS HD IN OUT             IN: x (ROWS×COLS), i32 position per row, HD/2
+//                                                inverse frequencies             OUT: rotated x
+//   ops-emu silu_mul N IN OUT                    IN: gate (N), up (N)            OUT: silu(gate)·up
+//   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
+//   ops-emu add_bias T ROWS COLS IN OUT          IN: x (ROWS×COLS), bias (a row of T)  OUT: x + bias
+//   ops-emu to_f16 N IN OUT                      IN: x (N)                       OUT: N f16 bit patterns
 #define LAYERSTREAM_HOST_EMU
 #include "emu.h"
 #include "../cuda/common.cuh"
@@ -12,6 +19,9 @@
 #include "../cuda/attention.cu"
 #include <cstdlib>
 #include <string>
+
+// The grid backend.rs gives an element-wise kernel over n values: 256-thread blocks, at most 2^20.
+static unsigned grid_for(long long n) { return (unsigned)std::clamp((n + 255) / 256, 1LL, 1LL << 20); }
 
 template <class T> static int write_out(const char* path, const std::vector<T>& v) {
     FILE* out = fopen(path, "wb");
@@ -50,6 +60,51 @@ int main(int argc, char** argv) {
         if (!read_into(in, x)) return 3;
         launch(rows, 256, [&] { argmax(x.data(), idx.data(), cols); });
         return write_out(out, idx);
+    }
+    if (op == "embedding" && a.size() == 4) {
+        const int t = a[0], vocab = a[1], cols = a[2], n = a[3];
+        const long long rb = row_bytes(t, cols);
+        if (rb < 0) return 2;
+        std::vector<u8> table(rb * vocab);
+        std::vector<unsigned> ids(n);
+        if (!read_into(in, table) || !read_into(in, ids)) return 3;
+        std::vector<float> o((size_t)n * cols, NAN);
+        launch(n, 256, [&] { embedding(table.data(), t, rb, ids.data(), o.data(), cols); });
+        return write_out(out, o);
+    }
+    if (op == "rope" && a.size() == 3) {
+        const int rows = a[0], cols = a[1], hd = a[2];
+        std::vector<float> x((size_t)rows * cols), inv(hd / 2);
+        std::vector<int> pos(rows);
+        if (!read_into(in, x) || !read_into(in, pos) || !read_into(in, inv)) return 3;
+        launch(grid_for((long long)rows * (cols / hd) * (hd / 2)), 256, [&] { rope(x.data(), pos.data(), inv.data(), rows, cols, hd); });
+        return write_out(out, x);
+    }
+    if ((op == "silu_mul" || op == "add" || op == "to_f16") && a.size() == 1) {
+        const long long n = a[0];
+        std::vector<float> x(n), y(op == "to_f16" ? 0 : n), o(n, NAN);
+        if (!read_into(in, x) || !read_into(in, y)) return 3;
+        if (op == "to_f16") {
+            std::vector<u16> h(n, 0xFFFF);
+            launch(grid_for(n), 256, [&] { to_f16(x.data(), h.data(), n); });
+            return write_out(out, h);
+        }
+        if (op == "add") {
+            launch(grid_for(n), 256, [&] { add(x.data(), y.data(), n); });
+            return write_out(out, x);
+        }
+        launch(grid_for(n), 256, [&] { silu_mul(x.data(), y.data(), o.data(), n); });
+        return write_out(out, o);
+    }
+    if (op == "add_bias" && a.size() == 3) {
+        const int t = a[0], rows = a[1], cols = a[2];
+        const long long rb = row_bytes(t, cols), n = (long long)rows * cols;
+        if (rb < 0) return 2;
+        std::vector<float> x(n);
+        std::vector<u8> b(rb);
+        if (!read_into(in, x) || !read_into(in, b)) return 3;
+        launch(grid_for(n), 256, [&] { add_bias(x.data(), b.data(), t, n, cols); });
+        return write_out(out, x);
     }
     fprintf(stderr, "usage: see the head of ops_main.cpp\n");
     return 2;

@@ -14,9 +14,8 @@ int main(int argc, char** argv) {
         return 2;
     }
     const int t = atoi(argv[1]), m = atoi(argv[2]), n = atoi(argv[3]), k = atoi(argv[4]);
-    const int blk_elems[] = {1, 1, 1, 32, 32, 32, 256, 256}, blk_bytes[] = {4, 2, 2, 34, 18, 20, 144, 210};
-    if (t < 0 || t > 7 || k % blk_elems[t] != 0) return 2;
-    const long long rb = (long long)k / blk_elems[t] * blk_bytes[t];
+    const long long rb = row_bytes(t, k);
+    if (rb < 0) return 2;
     std::vector<u8> w(rb * n);
     std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), d32((size_t)n * k, NAN);
     std::vector<u16> d16((size_t)n * k, 0xFFFF);

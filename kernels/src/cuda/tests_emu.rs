@@ -1,7 +1,8 @@
 //! The `.cu` kernels run on the host under `kernels/emu` — a thread per CUDA thread, real warp
 //! shuffles and block barriers, the launch shapes of `backend.rs` — and are compared with the CPU
 //! backend, so their arithmetic, indexing and reductions are checked on machines without a GPU (CI):
-//! the quantized matvec and dequantize kernels of every dtype, attention, RMSNorm and argmax.
+//! every kernel — the quantized matvec and dequantize kernels of every dtype, attention, RMSNorm,
+//! argmax, the embedding gather, RoPE (default and llama3-scaled), SiLU·mul, the adds and f32→f16.
 //! Skipped, saying why, where no C++20 compiler is installed.
 
 use super::source::dtype_code;
@@ -9,6 +10,8 @@ use super::test_data::{rel, weight_bytes, Rng, DTYPES};
 use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
+use crate::RopeTable;
+use layerstream_model::{RopeConfig, RopeScaling};
 use half::f16;
 use layerstream_model::DType;
 use std::path::{Path, PathBuf};
@@ -143,4 +146,59 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let got: Vec<u32> = emu.run(&args("argmax", [rows, cols]), &bytes_of(&[&x])).chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
     assert_eq!(got, want);
     assert_eq!((want[2], want[3]), (40, 999));
+}
+
+#[test]
+fn emulated_elementwise_kernels_match_cpu() {
+    let Some(emu) = Emu::build("ops_main.cpp") else { return };
+    let c = CpuBackend::default();
+    let mut rng = Rng(37);
+    // Embedding: rows of every stored dtype gathered by id (repeats, the first and the last row).
+    let (vocab, cols, ids) = (7, 512, [3u32, 0, 6, 3]);
+    for dtype in DTYPES {
+        let table = weight_bytes(dtype, vocab, cols, &mut rng);
+        let want = c.embedding(&c.weight("e", dtype, &[vocab, cols], &table).unwrap(), &ids).unwrap().data;
+        let mut input = table;
+        input.extend(ids.iter().flat_map(|i| i.to_le_bytes()));
+        let got = f32s(&emu.run(&args("embedding", [dtype_code(dtype) as usize, vocab, cols, ids.len()]), &input));
+        assert_eq!(got, want, "embedding of {dtype:?} rows");
+    }
+    // RoPE at positions up to 100k, default and llama3-scaled frequencies (3 heads of 64 a row).
+    let llama3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+    for scaling in [None, Some(llama3)] {
+        let table = RopeTable::new(&RopeConfig { theta: 500_000.0, scaling: scaling.clone() }, 64);
+        let positions = [0usize, 1, 17, 8191, 100_000];
+        let (rows, cols) = (positions.len(), 3 * 64);
+        let x = rng.vec(rows * cols);
+        let mut want = c.from_host(&x, rows, cols).unwrap();
+        c.rope(&mut want, &positions, &table).unwrap();
+        let mut input = bytes_of(&[&x]);
+        input.extend(positions.iter().flat_map(|&p| (p as i32).to_le_bytes()));
+        input.extend(bytes_of(&[&table.inv_freq]));
+        let e = rel(&f32s(&emu.run(&args("rope", [rows, cols, 64]), &input)), &want.data);
+        assert!(e < 1e-6, "rope ({scaling:?}): relative error {e:e}");
+    }
+    // Element-wise over a length that leaves the last block partly idle.
+    let (rows, cols) = (3, 300);
+    let n = rows * cols;
+    let (x, y) = (rng.vec(n).iter().map(|v| v * 8.0).collect::<Vec<_>>(), rng.vec(n));
+    let t = |d: &[f32]| c.from_host(d, rows, cols).unwrap();
+    let want = c.silu_mul(&t(&x), &t(&y)).unwrap().data;
+    let e = rel(&f32s(&emu.run(&args("silu_mul", [n]), &bytes_of(&[&x, &y]))), &want);
+    assert!(e < 1e-6, "silu_mul: relative error {e:e}");
+    let mut want = t(&x);
+    c.add(&mut want, &t(&y)).unwrap();
+    assert_eq!(f32s(&emu.run(&args("add", [n]), &bytes_of(&[&x, &y]))), want.data, "add");
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let b = weight_bytes(dtype, 1, cols, &mut rng);
+        let mut want = t(&x);
+        c.add_bias(&mut want, &c.weight("b", dtype, &[cols], &b).unwrap()).unwrap();
+        let mut input = bytes_of(&[&x]);
+        input.extend(&b);
+        let got = f32s(&emu.run(&args("add_bias", [dtype_code(dtype) as usize, rows, cols]), &input));
+        assert_eq!(got, want.data, "add_bias of a {dtype:?} bias");
+    }
+    let want: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let got: Vec<u16> = emu.run(&args("to_f16", [n]), &bytes_of(&[&x])).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    assert_eq!(got, want, "to_f16 rounds to nearest even as half does");
 }
