@@ -7,7 +7,7 @@ use crate::up::{spawn, Children};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Stats, TokenIds};
+use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -52,6 +52,15 @@ pub struct BenchArgs {
     /// the streamed runs measure the host→device link rather than the disk.
     #[arg(long)]
     pub loader_slots: Option<usize>,
+    /// Sampling temperature of every request (0 = greedy: the head picks the token on the device).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k of every request (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Top-p of every request (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Also write the results as JSON here.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -107,22 +116,23 @@ impl Measured {
 }
 
 /// The request every client of the workload sends.
-fn request(a: &BenchArgs, vocab: usize) -> GenerateRequest {
+fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
     let input = match a.prompt_tokens {
         // Ids spread over the vocabulary, skipping 0 (often a special token).
         Some(n) => generate_request::Input::TokenIds(TokenIds { ids: (0..n).map(|i| (1 + i * 7919 % (vocab - 1).max(1)) as u32).collect() }),
         None => generate_request::Input::Prompt(a.prompt.clone()),
     };
-    GenerateRequest { input: Some(input), max_new_tokens: a.max_new_tokens, ignore_eos: true, ..Default::default() }
+    let sampling = Sampling { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed, ..Default::default() };
+    GenerateRequest { input: Some(input), max_new_tokens: a.max_new_tokens, ignore_eos: true, sampling: Some(sampling), ..Default::default() }
 }
 
 async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
     let client = CoordinatorClient::connect(addr.to_owned()).await?;
     let t0 = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..a.batch {
+    for i in 0..a.batch {
         let mut c = client.clone();
-        let req = request(a, vocab);
+        let req = request(a, vocab, i as u64);
         tasks.push(tokio::spawn(async move {
             let mut s = c.generate(req).await?.into_inner();
             while let Some(ev) = s.message().await? {
@@ -255,12 +265,15 @@ mod tests {
         let m = Measured { tokens: 10, wall_s: 1.2, stats: vec![st(10, 100.0, 5), st(20, 200.0, 5)] };
         // 30 prompt tokens by 0.2 s; 8 later tokens over the 1.0 s after it.
         assert_eq!(m.phases(), (150.0, 200.0, 8.0));
-        let ids = |n| match request(&Cli::parse_from(["bench", "--prompt-tokens", n]).a, 50).input {
+        let ids = |n| match request(&Cli::parse_from(["bench", "--prompt-tokens", n]).a, 50, 0).input {
             Some(generate_request::Input::TokenIds(t)) => t.ids,
             other => panic!("{other:?}"),
         };
         let v = ids("300");
         assert_eq!(v.len(), 300);
         assert!(v.iter().all(|&i| (1..50).contains(&i)), "ids stay inside the vocabulary and skip 0");
+        // Sampling flags reach every request, each with its own seed.
+        let r = request(&Cli::parse_from(["bench", "--temperature", "0.7", "--top-k", "40", "--top-p", "0.9"]).a, 50, 3);
+        assert_eq!(r.sampling, Some(Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: 3, ..Default::default() }));
     }
 }

@@ -1,5 +1,6 @@
 //! Token sampling: repetition penalty, temperature, top-k, top-p, seeded randomness; greedy at
-//! temperature 0. Same seed and logits → same tokens.
+//! temperature 0. Same seed and logits → same tokens. Candidates are selected, not sorted out of the
+//! whole vocabulary, and a step's sequences are sampled on several threads (`sample_batch`).
 
 use layerstream_kernels::host::{argmax, softmax};
 use serde::{Deserialize, Serialize};
@@ -97,26 +98,11 @@ impl Sampler {
         if p.temperature == 0.0 {
             return argmax(logits) as u32;
         }
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-        if p.top_k > 0 {
-            idx.truncate(p.top_k);
-        }
-        let mut probs: Vec<f32> = idx.iter().map(|&i| logits[i as usize] / p.temperature).collect();
-        softmax(&mut probs);
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let keep = probs.iter().position(|&x| {
-                cum += x;
-                cum >= p.top_p
-            });
-            let n = keep.map_or(probs.len(), |k| k + 1);
-            probs.truncate(n);
-            idx.truncate(n);
-            let s: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|x| *x /= s);
-        }
         let r = self.uniform() as f32;
+        if p.top_k == 0 && p.top_p >= 1.0 {
+            return draw_unordered(logits, p.temperature, r);
+        }
+        let (idx, probs) = nucleus(logits, &p);
         let mut cum = 0.0;
         for (i, &pr) in probs.iter().enumerate() {
             cum += pr;
@@ -126,6 +112,153 @@ impl Sampler {
         }
         *idx.last().expect("at least one candidate")
     }
+}
+
+/// One sequence's share of a step's sampling: its sampler, the tokens it has seen, its logits.
+pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], Vec<f32>);
+
+/// Logit values below which a batch is sampled on the calling thread (spawning costs more).
+const PARALLEL_MIN_LOGITS: usize = 1 << 20;
+
+/// Samples every job's next token (`None`, a prompt chunk that samples nothing, gives 0), spreading
+/// the jobs over the machine's cores when the batch's logits are many: a 128k-token vocabulary at
+/// batch 64 is 8M values, tens of milliseconds on one core.
+pub fn sample_batch(jobs: Vec<Option<SampleJob<'_>>>) -> Vec<u32> {
+    let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+    let run = |chunk: &mut [Option<SampleJob<'_>>]| -> Vec<u32> {
+        chunk.iter_mut().map(|j| j.as_mut().map_or(0, |(s, history, logits)| s.sample(logits, history))).collect()
+    };
+    let mut jobs = jobs;
+    if total < PARALLEL_MIN_LOGITS || threads < 2 {
+        return run(&mut jobs);
+    }
+    let per = jobs.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs.chunks_mut(per).map(|c| scope.spawn(move || run(c))).collect();
+        handles.into_iter().flat_map(|h| h.join().expect("a sampling thread panicked")).collect()
+    })
+}
+
+/// Token order for truncation: higher logit first, the lower id first among equal logits.
+fn descending(logits: &[f32]) -> impl Fn(&u32, &u32) -> std::cmp::Ordering + '_ {
+    move |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
+}
+
+/// Moves the `n` most likely ids of `all` (every id) to its front, given that its first `done` are
+/// already the `done` most likely: a selection over the rest, linear in the vocabulary.
+fn select_top(logits: &[f32], all: &mut [u32], done: usize, n: usize) {
+    if n > done && n < all.len() {
+        all[done..].select_nth_unstable_by(n - done - 1, descending(logits));
+    }
+}
+
+/// The first `n` ids of `all`, sorted most likely first.
+fn sorted_head(logits: &[f32], all: &[u32], n: usize) -> Vec<u32> {
+    let mut head = all[..n].to_vec();
+    head.sort_unstable_by(descending(logits));
+    head
+}
+
+/// `exp(l/t − max/t)` for each logit and their sum, in id order.
+fn weights(logits: &[f32], t: f32) -> (f32, f32) {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) / t;
+    (m, logits.iter().map(|&l| (l / t - m).exp()).sum())
+}
+
+/// Samples from the whole tempered distribution, walking ids in order (no sort).
+fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
+    let (m, s) = weights(logits, t);
+    let (mut cum, mut last) = (0.0, 0);
+    for (i, &l) in logits.iter().enumerate() {
+        let p = (l / t - m).exp() / s;
+        if p > 0.0 {
+            last = i;
+        }
+        cum += p;
+        if r < cum {
+            return i as u32;
+        }
+    }
+    last as u32
+}
+
+/// The candidates top-k and top-p keep, most likely first, with their renormalised probabilities
+/// (`pub` for `benches/sampling.rs`). Only as many ids are sorted as the cut needs: top-k's k, or for
+/// top-p alone a head, selected and grown ×8, whose probabilities reach top-p (a 0.9 nucleus of a
+/// chat model's 128k-token distribution is usually tens to hundreds of ids).
+pub fn nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
+    let t = p.temperature;
+    let mut all: Vec<u32> = (0..logits.len() as u32).collect();
+    let (mut idx, mut probs);
+    if p.top_k > 0 {
+        let k = p.top_k.min(logits.len());
+        select_top(logits, &mut all, 0, k);
+        idx = sorted_head(logits, &all, k);
+        probs = idx.iter().map(|&i| logits[i as usize] / t).collect::<Vec<f32>>();
+        softmax(&mut probs);
+    } else {
+        let (m, s) = weights(logits, t);
+        let prob = |i: u32| (logits[i as usize] / t - m).exp() / s;
+        let (mut done, mut n) = (0, 64.min(logits.len()));
+        loop {
+            select_top(logits, &mut all, done, n);
+            // Sort only a head that can hold the nucleus; the cut itself is made on the sorted sums.
+            if n == logits.len() || all[..n].iter().map(|&i| prob(i)).sum::<f32>() >= p.top_p {
+                idx = sorted_head(logits, &all, n);
+                probs = idx.iter().map(|&i| prob(i)).collect();
+                if n == logits.len() || nucleus_len(&probs, p.top_p).is_some() {
+                    break;
+                }
+            }
+            (done, n) = (n, (n * 8).min(logits.len()));
+        }
+    }
+    cut_top_p(&mut idx, &mut probs, p.top_p);
+    (idx, probs)
+}
+
+/// How many of `probs` (most likely first) it takes for their sum to reach `top_p`; `None` if all
+/// of them fall short.
+fn nucleus_len(probs: &[f32], top_p: f32) -> Option<usize> {
+    let mut cum = 0.0;
+    probs
+        .iter()
+        .position(|&x| {
+            cum += x;
+            cum >= top_p
+        })
+        .map(|k| k + 1)
+}
+
+/// Keeps the nucleus of sorted candidates (all of them when `top_p` ≥ 1) and renormalises.
+fn cut_top_p(idx: &mut Vec<u32>, probs: &mut Vec<f32>, top_p: f32) {
+    if top_p < 1.0 {
+        let n = nucleus_len(probs, top_p).unwrap_or(probs.len());
+        idx.truncate(n);
+        probs.truncate(n);
+        let s: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= s);
+    }
+}
+
+/// What `nucleus` must equal, by definition: sort every id (same order), then cut. The reference of
+/// its test and the baseline of `benches/sampling.rs`; not used to sample.
+#[doc(hidden)]
+pub fn full_sort_nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    idx.sort_by(descending(logits));
+    let mut probs: Vec<f32> = if p.top_k > 0 {
+        idx.truncate(p.top_k);
+        let mut v: Vec<f32> = idx.iter().map(|&i| logits[i as usize] / p.temperature).collect();
+        softmax(&mut v);
+        v
+    } else {
+        let (m, s) = weights(logits, p.temperature);
+        idx.iter().map(|&i| (logits[i as usize] / p.temperature - m).exp() / s).collect()
+    };
+    cut_top_p(&mut idx, &mut probs, p.top_p);
+    (idx, probs)
 }
 
 #[cfg(test)]
@@ -183,5 +316,61 @@ mod tests {
     fn invalid_params_are_named() {
         let p = SamplingParams { top_p: 0.0, ..Default::default() };
         assert!(p.validate().unwrap_err().contains("top_p"));
+    }
+
+    #[test]
+    fn selected_candidates_equal_a_full_sort() {
+        // Logits with many ties (a few hundred distinct values over 5000 ids), flat and peaked.
+        let mut state = 7u64;
+        for peak in [0.5f32, 4.0, 12.0] {
+            let logits: Vec<f32> = (0..5000)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((state >> 40) % 300) as f32 / 300.0 * peak
+                })
+                .collect();
+            for (temperature, top_k, top_p) in [(0.7, 0, 0.9), (1.0, 0, 0.5), (1.3, 0, 0.999), (0.7, 50, 1.0), (0.7, 50, 0.8), (1.0, 6000, 0.95), (0.2, 1, 1.0)] {
+                let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
+                let (got, want) = (nucleus(&logits, &p), full_sort_nucleus(&logits, &p));
+                assert_eq!(got, want, "peak {peak}, {p:?}");
+                assert!(got.0.len() > 1 || top_k == 1, "peak {peak}, {p:?}: a trivial nucleus tests nothing");
+            }
+        }
+    }
+
+    #[test]
+    fn untruncated_sampling_follows_the_softmax() {
+        // Probabilities 1/15, 2/15, 4/15, 8/15 at temperature 1 (ids deliberately not sorted).
+        let l = [8f32.ln(), 1f32.ln(), 4f32.ln(), 2f32.ln()];
+        let want = [8.0 / 15.0, 1.0 / 15.0, 4.0 / 15.0, 2.0 / 15.0];
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 9, ..Default::default() });
+        let mut counts = [0usize; 4];
+        let n = 20_000;
+        for _ in 0..n {
+            counts[s.sample(&mut l.clone(), &[]) as usize] += 1;
+        }
+        for (c, w) in counts.iter().zip(want) {
+            // Binomial standard deviation ≤ 0.0036 here: 0.015 is over four of them.
+            assert!((*c as f64 / n as f64 - w).abs() < 0.015, "frequencies {counts:?} vs {want:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_sampled_across_threads_equals_one_by_one() {
+        // 24 sequences of a 60k vocabulary: over PARALLEL_MIN_LOGITS, so the threads run.
+        let (n, vocab) = (24, 60_000);
+        let logits = |j: usize| -> Vec<f32> { (0..vocab).map(|i| ((i * 31 + j * 17) % 997) as f32 / 60.0).collect() };
+        let params = |j: usize| SamplingParams { temperature: 0.8, top_k: [0, 40][j % 2], top_p: 0.9, repetition_penalty: 1.1, seed: j as u64 };
+        let history: Vec<Vec<u32>> = (0..n).map(|j| vec![j as u32, 5, 900]).collect();
+        let mut solo: Vec<Sampler> = (0..n).map(|j| Sampler::new(params(j))).collect();
+        let mut batch = solo.clone();
+        for round in 0..3 {
+            // Every third sequence is a prompt chunk this round: it samples nothing, gets 0.
+            let skip = |j: usize| (j + round) % 3 == 0;
+            let want: Vec<u32> = (0..n).map(|j| if skip(j) { 0 } else { solo[j].sample(&mut logits(j), &history[j]) }).collect();
+            let jobs = batch.iter_mut().enumerate().map(|(j, s)| (!skip(j)).then(|| (s, history[j].as_slice(), logits(j)))).collect();
+            assert!(n * vocab >= PARALLEL_MIN_LOGITS);
+            assert_eq!(sample_batch(jobs), want, "round {round}");
+        }
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::forward::{head_tensor, layer_forward, logits_to_host, LayerCtx, SeqRows};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{sample_batch, Sampler, SamplingParams};
 use crate::budget::streaming_buffers;
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::stream::LoaderLink;
@@ -204,15 +204,15 @@ impl<B: Backend + 'static> Stage<B> {
                 // Argmax on the device: one token id per sequence comes back, not the logits.
                 out.tokens = b.argmax_rows(&logits)?;
             } else {
-                for (s, mut l) in batch.iter().zip(logits_to_host(b, &logits)?) {
-                    if s.prompt_continues {
-                        // A prompt chunk: sampling here would advance a seeded generator.
-                        out.tokens.push(0);
-                        continue;
-                    }
-                    let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
-                    out.tokens.push(seq.sampler.as_mut().expect("head stage samples").sample(&mut l, &seq.history));
-                }
+                let mut by_id: HashMap<u64, &mut Seq<B>> = self.seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
+                let jobs = batch.iter().zip(logits_to_host(b, &logits)?).map(|(s, l)| {
+                    // A prompt chunk samples nothing: that would advance a seeded generator.
+                    (!s.prompt_continues).then(|| {
+                        let Seq { sampler, history, .. } = by_id.remove(&s.seq_id).expect("prepared");
+                        (sampler.as_mut().expect("head stage samples"), history.as_slice(), l)
+                    })
+                });
+                out.tokens = sample_batch(jobs.collect());
             }
         } else {
             out.hidden = b.to_host(&x)?;
