@@ -2,6 +2,7 @@
 # Prepares what a GPU machine without a Rust toolchain or network needs for benchmarks/gpu-run.sh,
 # under .dev/ (ignored by git):
 #   .dev/bin/{layerstream,cuda-test,kernels-test}   release builds with --features cuda, stripped
+#   .dev/bin/sampling-bench                         host sampling benchmark (benches/sampling.rs)
 #   .dev/smol-0/part … .dev/smol-2/part              the imported SmolLM2 store (~94 MB) in 32 MiB parts
 # The device tool carries at most 64 MiB per call, so carry them over calls to the same warm machine
 # (the sizes printed at the end say what fits together), e.g.:
@@ -17,6 +18,7 @@ if [ -z "${SKIP_BUILD:-}" ]; then
   cp "$(exe -p layerstream --features cuda --test cuda)" .dev/bin/cuda-test
   cp "$(exe -p layerstream-kernels --features cuda --lib)" .dev/bin/kernels-test
   cp target/release/layerstream .dev/bin/layerstream
+  cp "$(cargo bench -p layerstream-worker --bench sampling --no-run --message-format=json 2>/dev/null | python3 -c "import json,sys; print([m['executable'] for m in map(json.loads, sys.stdin) if m.get('reason')=='compiler-artifact' and m.get('executable')][-1])")" .dev/bin/sampling-bench
   strip .dev/bin/*
 fi
 # The embedded model's store, where `layerstream run` imports it on first use.

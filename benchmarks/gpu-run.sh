@@ -9,7 +9,8 @@
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
 # Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
-# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, ONLY_BENCH, NO_BENCH.
+# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES,
+# ONLY_BENCH, NO_BENCH.
 # A device call is limited to 10 minutes: run it twice on one warm machine if needed, first with
 # NO_BENCH=1 (tests, h2d, resident runs), then with ONLY_BENCH=1 (the streamed comparisons).
 set -uo pipefail
@@ -45,6 +46,8 @@ echo "== resident run (prefill ${PROMPT_TOKENS:-512} tokens, decode 64)"
 for m in ${SMOL_REAL:-} $SSM $S70; do for p in f16 f32; do
   LAYERSTREAM_CUDA_GEMM=$p "$LS" run --device $DEV --model $m --token-ids "$IDS" --max-new-tokens 64 --ignore-eos --json 2>/dev/null | tail -1 | python3 -c "import json,sys; t=json.load(sys.stdin)['timings']; print('$m gemm=$p prefill tok/s %.0f decode tok/s %.1f' % (t['prefill_tok_s'], t['decode_tok_s']))"
 done; done 2>&1 | tee "$OUT/run.txt"
+# Host sampling on this machine's cores (full sort vs selection; one by one vs sample_batch).
+[ -x "$BIN/sampling-bench" ] && { echo "== host sampling"; "$BIN/sampling-bench" 2>&1 | tee "$OUT/sampling.txt"; }
 fi
 [ -n "${NO_BENCH:-}" ] && exit 0
 echo "== streamed vs resident vs prefetch off"
@@ -59,4 +62,10 @@ done
 for b in ${PREFILL_BATCHES:-1 4}; do
   echo "-- prefill, batch $b, ${PROMPT_TOKENS:-512}-token prompts" | tee -a "$OUT/bench.txt"
   "$LS" bench --model $S70 --device $DEV --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens 4 --prompt-tokens ${PROMPT_TOKENS:-512} --json-out "$OUT/bench-prefill-b$b.json" 2>&1 | grep -E "^\||/|workload|^note" | tee -a "$OUT/bench.txt"
+done
+# Sampled decode (T 0.7, top-p 0.9: logits come back to the host, 128k vocabulary) vs the greedy
+# rows above (argmax on the device).
+for b in ${SAMPLED_BATCHES:-64}; do
+  echo "-- sampled (T 0.7, top-p 0.9), batch $b" | tee -a "$OUT/bench.txt"
+  "$LS" bench --model $S70 --device $DEV --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --batch $b --streaming-buffers ${BUFFERS:-2} --max-new-tokens ${TOKENS:-8} --prompt "The quick brown fox jumps over the lazy dog" --temperature 0.7 --top-p 0.9 --json-out "$OUT/bench-sampled-b$b.json" 2>&1 | grep -E "^\||/|workload|^note" | tee -a "$OUT/bench.txt"
 done
