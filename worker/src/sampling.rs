@@ -145,19 +145,39 @@ fn descending(logits: &[f32]) -> impl Fn(&u32, &u32) -> std::cmp::Ordering + '_ 
     move |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b))
 }
 
-/// Moves the `n` most likely ids of `all` (every id) to its front, given that its first `done` are
-/// already the `done` most likely: a selection over the rest, linear in the vocabulary.
-fn select_top(logits: &[f32], all: &mut [u32], done: usize, n: usize) {
-    if n > done && n < all.len() {
-        all[done..].select_nth_unstable_by(n - done - 1, descending(logits));
+/// The `k` most likely ids, sorted: a selection over the vocabulary (linear), then a sort of `k`.
+fn top_k_sorted(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..logits.len() as u32).collect();
+    if k < all.len() {
+        all.select_nth_unstable_by(k.max(1) - 1, descending(logits));
+        all.truncate(k);
     }
+    all.sort_unstable_by(descending(logits));
+    all
 }
 
-/// The first `n` ids of `all`, sorted most likely first.
-fn sorted_head(logits: &[f32], all: &[u32], n: usize) -> Vec<u32> {
-    let mut head = all[..n].to_vec();
-    head.sort_unstable_by(descending(logits));
-    head
+/// Buckets of `mass_buckets`: eighths of a nat below the most likely token's tempered logit.
+const BUCKETS: usize = 512;
+const BUCKETS_PER_NAT: f32 = 8.0;
+
+/// The ids whose probability (`exp(l/t − m) / s`) is at least that of the lowest bucket where the
+/// buckets' mass, most likely first, reaches `top_p`: a prefix of the descending order that holds the
+/// nucleus, found in linear time, sorted. Everything when the mass never reaches `top_p`.
+fn nucleus_candidates(logits: &[f32], t: f32, m: f32, s: f32, top_p: f32) -> Vec<u32> {
+    let bucket = |l: f32| (((m - l / t) * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1);
+    let mut mass = [0f32; BUCKETS];
+    for &l in logits {
+        mass[bucket(l)] += (l / t - m).exp() / s;
+    }
+    let mut cum = 0.0;
+    let last = mass.iter().position(|&x| {
+        cum += x;
+        cum >= top_p
+    });
+    let last = last.unwrap_or(BUCKETS - 1);
+    let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| bucket(logits[i as usize]) <= last).collect();
+    idx.sort_unstable_by(descending(logits));
+    idx
 }
 
 /// `exp(l/t − max/t)` for each logit and their sum, in id order.
@@ -185,33 +205,24 @@ fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
 
 /// The candidates top-k and top-p keep, most likely first, with their renormalised probabilities
 /// (`pub` for `benches/sampling.rs`). Only as many ids are sorted as the cut needs: top-k's k, or for
-/// top-p alone a head, selected and grown ×8, whose probabilities reach top-p (a 0.9 nucleus of a
-/// chat model's 128k-token distribution is usually tens to hundreds of ids).
+/// top-p alone the prefix that a histogram of the probabilities (1/8-nat buckets) says holds the
+/// nucleus (for a chat model's 128k-token distribution usually tens to hundreds of ids).
 pub fn nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
     let t = p.temperature;
-    let mut all: Vec<u32> = (0..logits.len() as u32).collect();
     let (mut idx, mut probs);
     if p.top_k > 0 {
-        let k = p.top_k.min(logits.len());
-        select_top(logits, &mut all, 0, k);
-        idx = sorted_head(logits, &all, k);
+        idx = top_k_sorted(logits, p.top_k);
         probs = idx.iter().map(|&i| logits[i as usize] / t).collect::<Vec<f32>>();
         softmax(&mut probs);
     } else {
         let (m, s) = weights(logits, t);
-        let prob = |i: u32| (logits[i as usize] / t - m).exp() / s;
-        let (mut done, mut n) = (0, 64.min(logits.len()));
-        loop {
-            select_top(logits, &mut all, done, n);
-            // Sort only a head that can hold the nucleus; the cut itself is made on the sorted sums.
-            if n == logits.len() || all[..n].iter().map(|&i| prob(i)).sum::<f32>() >= p.top_p {
-                idx = sorted_head(logits, &all, n);
-                probs = idx.iter().map(|&i| prob(i)).collect();
-                if n == logits.len() || nucleus_len(&probs, p.top_p).is_some() {
-                    break;
-                }
-            }
-            (done, n) = (n, (n * 8).min(logits.len()));
+        let prob = |i: &u32| (logits[*i as usize] / t - m).exp() / s;
+        idx = nucleus_candidates(logits, t, m, s, p.top_p);
+        probs = idx.iter().map(prob).collect();
+        if idx.len() < logits.len() && nucleus_len(&probs, p.top_p).is_none() {
+            // Summed in another order, the candidates fell a rounding short of top-p: take all.
+            idx = top_k_sorted(logits, logits.len());
+            probs = idx.iter().map(prob).collect();
         }
     }
     cut_top_p(&mut idx, &mut probs, p.top_p);
@@ -329,7 +340,7 @@ mod tests {
                     ((state >> 40) % 300) as f32 / 300.0 * peak
                 })
                 .collect();
-            for (temperature, top_k, top_p) in [(0.7, 0, 0.9), (1.0, 0, 0.5), (1.3, 0, 0.999), (0.7, 50, 1.0), (0.7, 50, 0.8), (1.0, 6000, 0.95), (0.2, 1, 1.0)] {
+            for (temperature, top_k, top_p) in [(0.7, 0, 0.9), (1.0, 0, 0.5), (1.3, 0, 0.999), (1.0, 0, 0.999_999_9), (0.7, 50, 1.0), (0.7, 50, 0.8), (1.0, 6000, 0.95), (0.2, 1, 1.0)] {
                 let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
                 let (got, want) = (nucleus(&logits, &p), full_sort_nucleus(&logits, &p));
                 assert_eq!(got, want, "peak {peak}, {p:?}");
