@@ -1,6 +1,7 @@
 // Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
 // shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
-//   ops-emu attention START M NH NKV HD IN OUT   IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
+//   ops-emu attention START M NH NKV HD THREADS IN OUT
+//                                                IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
 //                                                OUT: attention output (M×NH·HD)
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
 //   ops-emu argmax ROWS COLS IN OUT              IN: x (ROWS×COLS)               OUT: u32 per row
@@ -37,13 +38,13 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[argc - 2], "rb");
     if (!in) return 3;
     const char* out = argv[argc - 1];
-    if (op == "attention" && a.size() == 5) {
-        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], ctx = start + m;
+    if (op == "attention" && a.size() == 6) {
+        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], ctx = start + m;
         std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
         if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc)) return 3;
         std::vector<float> o(q.size(), NAN);
         const float scale = 1.0f / sqrtf((float)hd);
-        launch2(nh, m, 128, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale); });
+        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

@@ -19,8 +19,7 @@ use std::sync::Arc;
 const MATVEC_ROWS: usize = 8;
 /// Elements of the dequantization scratch for the GEMM path (chunks of weight rows).
 const SCRATCH_ELEMS: usize = 32 << 20;
-/// Threads per attention block: the context tile (ATT_MAX_THREADS in attention.cu is the most).
-const ATTENTION_THREADS: u32 = 128;
+use super::ATTENTION_THREADS;
 /// Largest head dimension the attention kernel takes (ATT_DIMS_PER_THREAD × ATTENTION_THREADS).
 const ATTENTION_MAX_HEAD_DIM: usize = 4 * ATTENTION_THREADS as usize;
 // The GEMM scratch (f32 at most) and 64 MiB for cuBLAS and the logits fit beside the activations.

@@ -30,6 +30,11 @@ pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPre
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaBackend;
 
+/// Threads per attention block: the context tile (ATT_MAX_THREADS in attention.cu is the most). Here,
+/// not in backend.rs, so the host emulator's test launches the kernel with the same block.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const ATTENTION_THREADS: u32 = 128;
+
 /// Device memory a CUDA worker keeps outside its plan: the GEMM dequantization scratch, cuBLAS's
 /// workspace, the head's logits and a step's activations.
 pub const RUNTIME_RESERVE: u64 = 512 << 20;

@@ -105,9 +105,9 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let c = CpuBackend::default();
     let mut rng = Rng(31);
     // Attention: prefill after a cached prefix, decode, and contexts over several 128-position tiles
-    // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle) and
-    // 320 (three per thread, the last partly).
-    for (start, m, hd) in [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320)] {
+    // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle), 320
+    // (three per thread, the last partly) and 512 (the most the backend accepts: four per thread).
+    for (start, m, hd) in [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320), (40, 1, 512)] {
         let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd };
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let mut cache = c.kv_cache(s, start + m).unwrap();
@@ -120,7 +120,7 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
         let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
         let want = c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s).unwrap().data;
-        let got = f32s(&emu.run(&args("attention", [start, m, s.n_heads, s.n_kv_heads, s.head_dim]), &bytes_of(&[&q, &pk, &k, &pv, &v])));
+        let got = f32s(&emu.run(&args("attention", [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize]), &bytes_of(&[&q, &pk, &k, &pv, &v])));
         let e = rel(&got, &want);
         assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
     }
