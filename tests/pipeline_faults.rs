@@ -113,7 +113,7 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     let spans_file = dir.path().join("spans.jsonl");
     let mut sink = Proc::start(&["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()], &[]);
     let stack = Stack::up_env(&store, &["--workers", "2", "--resident-layers", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
-    let v = submit(stack.addr(), &["--prompt", "The quick brown fox", "--max-new-tokens", "3"]);
+    let v = submit(stack.addr(), &["--prompt", "The quick brown fox", "--max-new-tokens", "3", "--temperature", "0.8", "--seed", "5"]);
     let trace = v["trace_id"].as_str().unwrap().to_owned();
     stack.shutdown(); // flushes every process's exporter
     // Every process flushed at shutdown; wait until the receiver's file stops growing.
@@ -137,6 +137,7 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     assert!(named("step").len() >= 3);
     for s in named("step") {
         assert_eq!(parent_name(s).as_deref(), Some("job"));
+        assert_eq!(s["attributes"]["batch"].as_i64(), Some(1), "{s}");
     }
     for s in named("worker step") {
         assert_eq!(parent_name(s).as_deref(), Some("step"));
@@ -150,6 +151,8 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     }
     for s in named("compute") {
         assert!(parent_name(s).unwrap().starts_with("layer "));
+        // Counts are numbers in the trace, not strings (unsigned fields would export as strings).
+        assert!(s["attributes"]["layer"].is_i64() && s["attributes"]["rows"].as_i64() > Some(0), "{s}");
     }
     let h2d = named("h2d");
     assert!(!h2d.is_empty(), "streamed layers have h2d spans");
@@ -164,9 +167,21 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         assert_eq!(s["service"], "loader-daemon");
         assert_eq!(parent_name(s).as_deref(), Some("acquire"));
         assert!(s["attributes"]["cache"] == "hit" || s["attributes"]["cache"] == "miss");
+        assert!(s["attributes"]["layer"].is_i64(), "{s}");
     }
     for s in named("acquire") {
         assert_eq!(parent_name(s).as_deref(), Some("h2d"));
+    }
+    // The last worker's head (final norm, lm_head, token choice) once a step; sampling inside it.
+    assert_eq!(named("head").len(), named("step").len(), "a head span per step");
+    for s in named("head") {
+        assert_eq!(parent_name(s).as_deref(), Some("worker step"));
+        assert_eq!(s["attributes"]["greedy"], false);
+    }
+    assert_eq!(named("sample").len(), named("step").len(), "a sample span per step");
+    for s in named("sample") {
+        assert_eq!(parent_name(s).as_deref(), Some("head"));
+        assert_eq!(s["attributes"]["rows"].as_i64(), Some(1), "{s}");
     }
 }
 

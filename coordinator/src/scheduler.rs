@@ -198,7 +198,7 @@ impl Scheduler {
         let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         // One `step` span per request in the step, so each request's trace shows every step it rode;
         // the first carries the workers' spans.
-        let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len(), rows)).collect();
+        let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64)).collect();
         let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
         drop(spans);
         let out = match res {

@@ -86,7 +86,7 @@ impl CoordinatorService {
             prepared.push((ids, p));
         }
         let job_id = format!("job-{}", self.next_job.fetch_add(1, Ordering::Relaxed));
-        let span = info_span!(parent: None, "job", job_id = %job_id, requests = requests.len());
+        let span = info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
         let trace_id = layerstream_proto::telemetry::trace_id(&span);
         let cancels: Vec<Arc<AtomicBool>> = prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
         let (live, _) = watch::channel(0usize);

@@ -60,7 +60,7 @@ impl Daemon {
     /// Reads `layer` into `slot` on a blocking thread, traced as `read layer N`.
     async fn load(self: &Arc<Self>, slot: usize, layer: u32) -> Result<f64, Status> {
         let me = self.clone();
-        let span = info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = tracing::field::Empty, gbps = tracing::field::Empty, cache = "miss");
+        let span = info_span!("read", otel.name = format!("read layer {layer}"), layer = layer as i64, bytes = tracing::field::Empty, gbps = tracing::field::Empty, cache = "miss");
         let s2 = span.clone();
         let res = tokio::task::spawn_blocking(move || {
             let _e = s2.enter();
@@ -125,7 +125,7 @@ impl Daemon {
                 Acquire::Hit(slot) => {
                     self.prefetch_after(worker, layer);
                     if !missed {
-                        info_span!("read", otel.name = format!("read layer {layer}"), layer, bytes = len as i64, cache = "hit").in_scope(|| {});
+                        info_span!("read", otel.name = format!("read layer {layer}"), layer = layer as i64, bytes = len as i64, cache = "hit").in_scope(|| {});
                     }
                     return Ok(AcquireResponse { slot: slot as u32, shm_name: self.slots[slot].name.clone(), len, hit: !missed, read_ms });
                 }
@@ -166,7 +166,7 @@ impl Loader for LoaderService {
     }
 
     async fn acquire(&self, r: Request<AcquireRequest>) -> Result<Response<AcquireResponse>, Status> {
-        let span = info_span!("acquire", layer = r.get_ref().layer);
+        let span = info_span!("acquire", layer = r.get_ref().layer as i64);
         adopt_parent(&span, r.metadata());
         let r = r.into_inner();
         self.0.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)

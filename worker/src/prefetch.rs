@@ -75,9 +75,9 @@ fn fetch_group<B: Backend>(src: &LayerSource<B>, link: &mut LoaderLink, groups: 
     let m = mark.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut layers = Vec::with_capacity(groups[index].len());
     for &l in &groups[index] {
-        let span = info_span!(parent: None, "layer", otel.name = format!("layer {l}"), layer = l, resident = false, next_step = tracing::field::Empty);
+        let span = info_span!(parent: None, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident = false, next_step = tracing::field::Empty);
         m.parent.adopt(&span);
-        let h2d = info_span!(parent: &span, "h2d", layer = l, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
+        let h2d = info_span!(parent: &span, "h2d", layer = l as i64, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
         // The transfer: slot → device in one copy (CUDA: event-timed on the copy stream; CPU: into
         // the weight storage, timed from acquire to usable weights).
         let t0 = Instant::now();

@@ -106,7 +106,7 @@ impl Worker for WorkerService {
             .await
             .map_err(|e| Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display())))?;
         let rt = tokio::runtime::Handle::current();
-        let span = info_span!("assign", layers = ?plan.layers, resident = plan.resident.len());
+        let span = info_span!("assign", layers = ?plan.layers, resident = plan.resident.len() as i64);
         let bytes = u.total();
         tokio::task::spawn_blocking(move || {
             let _e = span.enter();
@@ -125,7 +125,7 @@ impl Worker for WorkerService {
     }
 
     async fn step(&self, r: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
-        let span = info_span!("worker_step", otel.name = "worker step", worker = %self.0.id, seqs = r.get_ref().seqs.len());
+        let span = info_span!("worker_step", otel.name = "worker step", worker = %self.0.id, seqs = r.get_ref().seqs.len() as i64);
         adopt_parent(&span, r.metadata());
         let req = r.into_inner();
         let rows: usize = req.seqs.iter().map(|s| s.token_ids.len()).sum();

@@ -198,8 +198,11 @@ impl<B: Backend + 'static> Stage<B> {
         let b = &self.backend;
         if let Some((norm, lm)) = &self.head {
             let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
-            let logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
             let greedy = batch.iter().all(|s| self.seqs[&s.seq_id].sampler.as_ref().is_some_and(Sampler::is_greedy));
+            // Final norm, lm_head and the token choice: the step's time outside the layers, in the trace.
+            let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
+            let _in_head = head_span.enter();
+            let logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
             if greedy {
                 // Argmax on the device: one token id per sequence comes back, not the logits.
                 out.tokens = b.argmax_rows(&logits)?;
@@ -212,7 +215,9 @@ impl<B: Backend + 'static> Stage<B> {
                         (sampler.as_mut().expect("head stage samples"), history.as_slice(), l)
                     })
                 });
-                out.tokens = sample_batch(jobs.collect());
+                let jobs: Vec<_> = jobs.collect();
+                let _in_sample = info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
+                out.tokens = sample_batch(jobs);
             }
         } else {
             out.hidden = b.to_host(&x)?;
@@ -231,7 +236,7 @@ impl<B: Backend + 'static> Stage<B> {
         let mut compute = |layer: u32, w: &LayerWeights<B>, span: &Span, mut t: LayerTiming, x: &mut B::Tensor| -> Result<LayerTiming> {
             let li = (layer - range.start) as usize;
             let mut caches: Vec<&mut B::KvCache> = ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
-            let cs = info_span!(parent: span, "compute", layer, rows = b.dims(x).0, device_ms = tracing::field::Empty);
+            let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
             // Timed on the device (CUDA events around the layer's kernels; host clock on the CPU), and
             // waited for, so the span covers the compute itself.
             t.compute_ms = cs.in_scope(|| -> Result<f64> {
@@ -243,7 +248,7 @@ impl<B: Backend + 'static> Stage<B> {
             cs.record("device_ms", t.compute_ms);
             Ok(t)
         };
-        let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l, resident);
+        let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident);
         let first_of_group: HashMap<u32, usize> = groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
         let mut pending = None;
         for l in range.clone() {
