@@ -5,6 +5,7 @@
 //! Run: `cargo bench -p layerstream-worker --bench sampling`.
 
 use layerstream_worker::sampling::{full_sort_nucleus, nucleus, sample_batch, Sampler, SamplingParams};
+use std::hint::black_box;
 use std::time::Instant;
 
 /// Normal logits (Box–Muller over a fixed LCG) with standard deviation `sd` and one token `lead`
@@ -45,14 +46,16 @@ fn main() {
             for (temperature, top_k, top_p) in cases {
                 let p = SamplingParams { temperature, top_k, top_p, seed: 1, ..Default::default() };
                 let size = if top_k == 0 && top_p >= 1.0 { vocab } else { nucleus(&rows[0], &p).0.len() };
-                let full = ms(9, || drop(full_sort_nucleus(&rows[0], &p)));
+                let full = ms(9, || drop(black_box(full_sort_nucleus(&rows[0], &p))));
                 let mut one = Sampler::new(p.clone());
-                let sel = ms(9, || drop(one.sample(&mut rows[0].clone(), &[])));
-                let old_batch = ms(3, || rows.iter().for_each(|r| drop(full_sort_nucleus(r, &p))));
+                let sel = ms(9, || { black_box(one.sample(&mut rows[0].clone(), &[])); });
+                let old_batch = ms(3, || rows.iter().for_each(|r| drop(black_box(full_sort_nucleus(r, &p)))));
                 let mut samplers: Vec<Sampler> = (0..64).map(|_| Sampler::new(p.clone())).collect();
                 let new_batch = ms(5, || {
-                    let jobs = samplers.iter_mut().zip(&rows).map(|(s, r)| Some((s, &[][..], r.clone()))).collect();
-                    drop(sample_batch(jobs));
+                    // The step's logits arrive as one host buffer (copied here, as from the device).
+                    let mut host: Vec<f32> = rows.concat();
+                    let jobs = samplers.iter_mut().zip(host.chunks_exact_mut(vocab)).map(|(s, r)| Some((s, &[][..], r))).collect();
+                    drop(black_box(sample_batch(jobs)));
                 });
                 let name = format!("T {temperature}, top-k {top_k}, top-p {top_p}");
                 println!("| {vocab} | {shape} | {name} | {size} | {full:.2} | {sel:.2} | {:.1}× | {old_batch:.0} | {new_batch:.1} | {:.1}× |", full / sel, old_batch / new_batch);

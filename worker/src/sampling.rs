@@ -114,8 +114,9 @@ impl Sampler {
     }
 }
 
-/// One sequence's share of a step's sampling: its sampler, the tokens it has seen, its logits.
-pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], Vec<f32>);
+/// One sequence's share of a step's sampling: its sampler, the tokens it has seen, its logits (a
+/// row of the step's logits on the host, penalised in place).
+pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], &'a mut [f32]);
 
 /// Logit values below which a batch is sampled on the calling thread (spawning costs more).
 const PARALLEL_MIN_LOGITS: usize = 1 << 20;
@@ -379,7 +380,8 @@ mod tests {
             // Every third sequence is a prompt chunk this round: it samples nothing, gets 0.
             let skip = |j: usize| (j + round) % 3 == 0;
             let want: Vec<u32> = (0..n).map(|j| if skip(j) { 0 } else { solo[j].sample(&mut logits(j), &history[j]) }).collect();
-            let jobs = batch.iter_mut().enumerate().map(|(j, s)| (!skip(j)).then(|| (s, history[j].as_slice(), logits(j)))).collect();
+            let mut rows: Vec<Vec<f32>> = (0..n).map(logits).collect();
+            let jobs = batch.iter_mut().zip(&mut rows).enumerate().map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice()))).collect();
             assert!(n * vocab >= PARALLEL_MIN_LOGITS);
             assert_eq!(sample_batch(jobs), want, "round {round}");
         }

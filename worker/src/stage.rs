@@ -3,7 +3,7 @@
 //! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
 use crate::error::{Error, Result};
-use crate::forward::{head_tensor, layer_forward, logits_to_host, LayerCtx, SeqRows};
+use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
 use crate::sampling::{sample_batch, Sampler, SamplingParams};
 use crate::budget::streaming_buffers;
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
@@ -208,7 +208,10 @@ impl<B: Backend + 'static> Stage<B> {
                 out.tokens = b.argmax_rows(&logits)?;
             } else {
                 let mut by_id: HashMap<u64, &mut Seq<B>> = self.seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
-                let jobs = batch.iter().zip(logits_to_host(b, &logits)?).map(|(s, l)| {
+                // One copy of the step's logits; each sequence samples from its own row of it.
+                let mut host = b.to_host(&logits)?;
+                let vocab = b.dims(&logits).1;
+                let jobs = batch.iter().zip(host.chunks_exact_mut(vocab)).map(|(s, l)| {
                     // A prompt chunk samples nothing: that would advance a seeded generator.
                     (!s.prompt_continues).then(|| {
                         let Seq { sampler, history, .. } = by_id.remove(&s.seq_id).expect("prepared");
