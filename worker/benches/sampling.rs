@@ -4,7 +4,8 @@
 //! sorts vs `sample_batch` (spread over the cores).
 //! Run: `cargo bench -p layerstream-worker --bench sampling`.
 
-use layerstream_worker::sampling::{full_sort_nucleus, nucleus, sample_batch, Sampler, SamplingParams};
+use layerstream_worker::nucleus::{full_sort_nucleus, nucleus};
+use layerstream_worker::sampling::{sample_batch, Sampler, SamplingParams};
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -9,6 +9,7 @@ pub mod forward;
 pub mod generate;
 pub mod model;
 pub mod prefetch;
+pub mod nucleus;
 pub mod sampling;
 pub mod server;
 pub mod service;
