@@ -1,6 +1,6 @@
 //! Token sampling: repetition penalty, temperature, top-k, top-p, seeded randomness; greedy at
-//! temperature 0. Same seed and logits → same tokens. Candidates are selected (`nucleus`), not sorted out of the
-//! whole vocabulary, and a step's sequences are sampled on several threads (`sample_batch`).
+//! temperature 0. Same seed and logits → same tokens. Candidates are selected (`nucleus`), not
+//! sorted out of the whole vocabulary; a step's sequences are sampled on several threads.
 
 use crate::nucleus::{draw_unordered, nucleus};
 use layerstream_kernels::host::argmax;
