@@ -68,6 +68,12 @@ struct Seq<B: Backend> {
     history: Vec<u32>,
 }
 
+/// The batch's sequences, in batch order (each prepared, each once in a step).
+fn in_batch_order<'a, B: Backend>(seqs: &'a mut HashMap<u64, Seq<B>>, batch: &[StepSeq]) -> Vec<&'a mut Seq<B>> {
+    let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
+    batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect()
+}
+
 /// The worker's loaded assignment.
 pub struct Stage<B: Backend> {
     pub cfg: ModelConfig,
@@ -207,18 +213,16 @@ impl<B: Backend + 'static> Stage<B> {
                 // Argmax on the device: one token id per sequence comes back, not the logits.
                 out.tokens = b.argmax_rows(&logits)?;
             } else {
-                let mut by_id: HashMap<u64, &mut Seq<B>> = self.seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
                 // One copy of the step's logits; each sequence samples from its own row of it.
                 let mut host = b.to_host(&logits)?;
                 let vocab = b.dims(&logits).1;
-                let jobs = batch.iter().zip(host.chunks_exact_mut(vocab)).map(|(s, l)| {
-                    // A prompt chunk samples nothing: that would advance a seeded generator.
-                    (!s.prompt_continues).then(|| {
-                        let Seq { sampler, history, .. } = by_id.remove(&s.seq_id).expect("prepared");
-                        (sampler.as_mut().expect("head stage samples"), history.as_slice(), l)
+                let rows = batch.iter().zip(in_batch_order(&mut self.seqs, batch)).zip(host.chunks_exact_mut(vocab));
+                let jobs: Vec<_> = rows
+                    .map(|((s, seq), l)| {
+                        // A prompt chunk samples nothing: that would advance a seeded generator.
+                        (!s.prompt_continues).then(|| (seq.sampler.as_mut().expect("head stage samples"), seq.history.as_slice(), l))
                     })
-                });
-                let jobs: Vec<_> = jobs.collect();
+                    .collect();
                 let _in_sample = info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
                 out.tokens = sample_batch(jobs);
             }
@@ -233,9 +237,8 @@ impl<B: Backend + 'static> Stage<B> {
         let range = plan.layers.clone();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
-        // The batch's sequences in batch order, looked up once per step (not once per layer).
-        let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
-        let mut ordered: Vec<&mut Seq<B>> = batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect();
+        // Looked up once per step (not once per layer).
+        let mut ordered = in_batch_order(seqs, batch);
         let mut compute = |layer: u32, w: &LayerWeights<B>, span: &Span, mut t: LayerTiming, x: &mut B::Tensor| -> Result<LayerTiming> {
             let li = (layer - range.start) as usize;
             let mut caches: Vec<&mut B::KvCache> = ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
