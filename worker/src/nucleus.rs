@@ -26,14 +26,14 @@ fn top_k_sorted(logits: &[f32], k: usize) -> Vec<u32> {
 const BUCKETS: usize = 512;
 const BUCKETS_PER_NAT: f32 = 8.0;
 
-/// The ids whose probability (`exp(l/t − m) / s`) is at least that of the lowest bucket where the
-/// buckets' mass, most likely first, reaches `top_p`: a prefix of the descending order that holds the
-/// nucleus, found in linear time, sorted. Everything when the mass never reaches `top_p`.
-fn nucleus_candidates(logits: &[f32], t: f32, m: f32, s: f32, top_p: f32) -> Vec<u32> {
-    let bucket = |l: f32| (((m - l / t) * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1);
+/// The ids whose probability is at least that of the lowest bucket where the buckets' mass, most
+/// likely first, reaches `top_p`: a prefix of the descending order that holds the nucleus, found in
+/// linear time, sorted. Everything when the mass never reaches `top_p`.
+fn nucleus_candidates(logits: &[f32], d: &Tempered, top_p: f32) -> Vec<u32> {
+    let bucket = |l: f32| (((d.m - l / d.t) * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1);
     let mut mass = [0f32; BUCKETS];
     for &l in logits {
-        mass[bucket(l)] += (l / t - m).exp() / s;
+        mass[bucket(l)] += d.prob(l);
     }
     let mut cum = 0.0;
     let last = mass.iter().position(|&x| {
@@ -46,18 +46,39 @@ fn nucleus_candidates(logits: &[f32], t: f32, m: f32, s: f32, top_p: f32) -> Vec
     idx
 }
 
-/// `exp(l/t − max/t)` for each logit and their sum, in id order.
-fn weights(logits: &[f32], t: f32) -> (f32, f32) {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) / t;
-    (m, logits.iter().map(|&l| (l / t - m).exp()).sum())
+/// The whole vocabulary's distribution at temperature `t`: `exp(l/t − m) / s`, `m` the largest
+/// tempered logit and `s` the sum of the exponentials in id order. One definition, so the selection
+/// and its full-sort reference compute bit-identical probabilities.
+struct Tempered {
+    t: f32,
+    m: f32,
+    s: f32,
+}
+
+impl Tempered {
+    fn new(logits: &[f32], t: f32) -> Tempered {
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) / t;
+        Tempered { t, m, s: logits.iter().map(|&l| (l / t - m).exp()).sum() }
+    }
+
+    fn prob(&self, l: f32) -> f32 {
+        (l / self.t - self.m).exp() / self.s
+    }
+}
+
+/// Softmax over the tempered logits of `idx` only (top-k renormalises over its k).
+fn softmax_of(logits: &[f32], idx: &[u32], t: f32) -> Vec<f32> {
+    let mut probs: Vec<f32> = idx.iter().map(|&i| logits[i as usize] / t).collect();
+    softmax(&mut probs);
+    probs
 }
 
 /// Samples from the whole tempered distribution, walking ids in order (no sort).
 pub(crate) fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
-    let (m, s) = weights(logits, t);
+    let d = Tempered::new(logits, t);
     let (mut cum, mut last) = (0.0, 0);
     for (i, &l) in logits.iter().enumerate() {
-        let p = (l / t - m).exp() / s;
+        let p = d.prob(l);
         if p > 0.0 {
             last = i;
         }
@@ -78,12 +99,11 @@ pub fn nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
     let (mut idx, mut probs);
     if p.top_k > 0 {
         idx = top_k_sorted(logits, p.top_k);
-        probs = idx.iter().map(|&i| logits[i as usize] / t).collect::<Vec<f32>>();
-        softmax(&mut probs);
+        probs = softmax_of(logits, &idx, t);
     } else {
-        let (m, s) = weights(logits, t);
-        let prob = |i: &u32| (logits[*i as usize] / t - m).exp() / s;
-        idx = nucleus_candidates(logits, t, m, s, p.top_p);
+        let d = Tempered::new(logits, t);
+        let prob = |i: &u32| d.prob(logits[*i as usize]);
+        idx = nucleus_candidates(logits, &d, p.top_p);
         probs = idx.iter().map(prob).collect();
         if idx.len() < logits.len() && nucleus_len(&probs, p.top_p).is_none() {
             // Summed in another order, the candidates fell a rounding short of top-p: take all.
@@ -127,12 +147,10 @@ pub fn full_sort_nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f
     idx.sort_by(descending(logits));
     let mut probs: Vec<f32> = if p.top_k > 0 {
         idx.truncate(p.top_k);
-        let mut v: Vec<f32> = idx.iter().map(|&i| logits[i as usize] / p.temperature).collect();
-        softmax(&mut v);
-        v
+        softmax_of(logits, &idx, p.temperature)
     } else {
-        let (m, s) = weights(logits, p.temperature);
-        idx.iter().map(|&i| (logits[i as usize] / p.temperature - m).exp() / s).collect()
+        let d = Tempered::new(logits, p.temperature);
+        idx.iter().map(|&i| d.prob(logits[i as usize])).collect()
     };
     cut_top_p(&mut idx, &mut probs, p.top_p);
     (idx, probs)
