@@ -5,7 +5,7 @@ use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, TokenIds};
+use layerstream_proto::v1::{generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds};
 use std::io::Write;
 
 /// Flags of `layerstream submit`.
@@ -43,7 +43,7 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
     Ok(GenerateRequest {
         input: Some(input),
         max_new_tokens: s.max_new_tokens as u32,
-        sampling: Some(Sampling { temperature: s.temperature, top_k: s.top_k as u32, top_p: s.top_p, repetition_penalty: s.repetition_penalty, seed: s.seed }),
+        sampling: Some(s.params().sampling.to_wire()),
         stop: s.stop.clone(),
         ignore_eos: s.ignore_eos,
     })

@@ -9,7 +9,7 @@
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
 use layerstream_model::Tokenizer;
-use layerstream_proto::v1::{generate_event, FinalEvent, GenerateEvent, Sampling, StepSeq, TokenEvent};
+use layerstream_proto::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use layerstream_worker::generate::TextTracker;
 use layerstream_worker::GenerateParams;
 use std::collections::VecDeque;
@@ -187,10 +187,7 @@ impl Scheduler {
                     seq_id: a.req.seq_id,
                     start_pos: a.pos as u32,
                     token_ids: if a.pos < prompt { a.req.input_ids[a.pos..a.pos + n].to_vec() } else { vec![*a.output.last().expect("decoding after prefill")] },
-                    sampling: (a.pos == 0).then(|| {
-                        let s = &a.req.params.sampling;
-                        Sampling { temperature: s.temperature, top_k: s.top_k as u32, top_p: s.top_p, repetition_penalty: s.repetition_penalty, seed: s.seed }
-                    }),
+                    sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
                     prompt_continues: a.pos + n < prompt,
                 }
             })

@@ -63,7 +63,7 @@ impl CoordinatorService {
             max_new_tokens: if r.max_new_tokens == 0 { DEFAULT_MAX_NEW_TOKENS } else { r.max_new_tokens as usize },
             stop: r.stop.clone(),
             ignore_eos: r.ignore_eos,
-            sampling: SamplingParams::from_wire(s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.seed),
+            sampling: SamplingParams::from_wire(&s),
         }
     }
 

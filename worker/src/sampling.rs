@@ -4,6 +4,7 @@
 
 use crate::nucleus::{draw_unordered, nucleus};
 use layerstream_kernels::host::argmax;
+use layerstream_proto::v1::Sampling;
 use serde::{Deserialize, Serialize};
 
 /// Per-request sampling settings (HF `generate` semantics).
@@ -27,15 +28,20 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// From wire values where 0 means "unset" for top_p and repetition_penalty (proto3 defaults).
-    pub fn from_wire(temperature: f32, top_k: u32, top_p: f32, repetition_penalty: f32, seed: u64) -> Self {
+    /// From the wire, where 0 means "unset" for top_p and repetition_penalty (proto3 defaults).
+    pub fn from_wire(w: &Sampling) -> Self {
         SamplingParams {
-            temperature,
-            top_k: top_k as usize,
-            top_p: if top_p <= 0.0 { 1.0 } else { top_p },
-            repetition_penalty: if repetition_penalty <= 0.0 { 1.0 } else { repetition_penalty },
-            seed,
+            temperature: w.temperature,
+            top_k: w.top_k as usize,
+            top_p: if w.top_p <= 0.0 { 1.0 } else { w.top_p },
+            repetition_penalty: if w.repetition_penalty <= 0.0 { 1.0 } else { w.repetition_penalty },
+            seed: w.seed,
         }
+    }
+
+    /// To the wire (`from_wire` reads it back unchanged).
+    pub fn to_wire(&self) -> Sampling {
+        Sampling { temperature: self.temperature, top_k: self.top_k as u32, top_p: self.top_p, repetition_penalty: self.repetition_penalty, seed: self.seed }
     }
 
     /// Rejects out-of-range values with a message naming the field.
@@ -125,13 +131,12 @@ const PARALLEL_MIN_LOGITS: usize = 1 << 20;
 /// Samples every job's next token (`None`, a prompt chunk that samples nothing, gives 0), spreading
 /// the jobs over the machine's cores when the batch's logits are many: a 128k-token vocabulary at
 /// batch 64 is 8M values, tens of milliseconds on one core.
-pub fn sample_batch(jobs: Vec<Option<SampleJob<'_>>>) -> Vec<u32> {
+pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> Vec<u32> {
     let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
     let run = |chunk: &mut [Option<SampleJob<'_>>]| -> Vec<u32> {
         chunk.iter_mut().map(|j| j.as_mut().map_or(0, |(s, history, logits)| s.sample(logits, history))).collect()
     };
-    let mut jobs = jobs;
     if total < PARALLEL_MIN_LOGITS || threads < 2 {
         return run(&mut jobs);
     }
@@ -191,6 +196,13 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.2, ..Default::default() });
         assert_eq!(s.sample(&mut l, &[0]), 1);
         assert!((l[0] - 2.0 / 1.2).abs() < 1e-6);
+    }
+
+    #[test]
+    fn wire_round_trip_and_unset_fields() {
+        let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };
+        assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
+        assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default(), "proto3 zeros mean unset");
     }
 
     #[test]

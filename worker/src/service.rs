@@ -141,7 +141,7 @@ impl Worker for WorkerService {
                 seq_id: s.seq_id,
                 start_pos: s.start_pos as usize,
                 tokens: s.token_ids,
-                sampling: s.sampling.map(|p| crate::SamplingParams::from_wire(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed)),
+                sampling: s.sampling.as_ref().map(crate::SamplingParams::from_wire),
                 prompt_continues: s.prompt_continues,
             })
             .collect();
