@@ -41,6 +41,14 @@ __device__ __forceinline__ u16 f2h(float f) {
 }
 #endif
 
+// f32 → bf16 bits, rounded to nearest even (a NaN stays a NaN). Plain integer arithmetic: every
+// architecture (cvt.rn.bf16.f32 needs sm_80) and the host emulator run this same code.
+__device__ __forceinline__ u16 f2bf(float f) {
+    const unsigned b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+    return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 __device__ __forceinline__ float ld_h(const u8* p) {
     return h2f(*(const u16*)p);
 }

@@ -57,6 +57,10 @@ extern "C" __global__ void to_f16(const float* x, u16* out, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) out[i] = f2h(x[i]);
 }
 
+extern "C" __global__ void to_bf16(const float* x, u16* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) out[i] = f2bf(x[i]);
+}
+
 // One block per row: index of the largest value (the lowest index among equal maxima).
 extern "C" __global__ void argmax(const float* x, unsigned* out, int cols) {
     const float* row = x + (long long)blockIdx.x * cols;

@@ -163,6 +163,9 @@ struct AsF32 {
 struct AsF16 {
     __device__ u16 operator()(float v) const { return f2h(v); }
 };
+struct AsBf16 {
+    __device__ u16 operator()(float v) const { return f2bf(v); }
+};
 
 #define QUANT_KERNELS(NAME, T)                                                                                   \
     extern "C" __global__ void matvec_##NAME(const u8* w, long long rb, const float* x, float* y, int m, int n, int k) { \
@@ -173,6 +176,9 @@ struct AsF16 {
     }                                                                                                            \
     extern "C" __global__ void dequant_f16_##NAME(const u8* w, long long rb, u16* out, long long rows, int k) {    \
         dequant_impl<T>(w, rb, out, rows, k, AsF16());                                                           \
+    }                                                                                                            \
+    extern "C" __global__ void dequant_bf16_##NAME(const u8* w, long long rb, u16* out, long long rows, int k) {   \
+        dequant_impl<T>(w, rb, out, rows, k, AsBf16());                                                          \
     }
 
 QUANT_KERNELS(f32, DT_F32)

@@ -34,6 +34,7 @@ inline int __shfl_xor_sync(unsigned, int v, int o) {
     w.i[l] = v; w.bar.arrive_and_wait(); int r = w.i[l ^ o]; w.bar.arrive_and_wait(); return r;
 }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 // Runs `kernel` on a grid of gx × gy blocks of `block` threads (blocks in order, x fastest).
 template <class F> void launch2(unsigned gx, unsigned gy, unsigned block, F kernel) {
     gridDim = {gx, gy, 1}; blockDim = {block, 1, 1};

@@ -12,6 +12,7 @@
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
 //   ops-emu add_bias T ROWS COLS IN OUT          IN: x (ROWS×COLS), bias (a row of T)  OUT: x + bias
 //   ops-emu to_f16 N IN OUT                      IN: x (N)                       OUT: N f16 bit patterns
+//   ops-emu to_bf16 N IN OUT                     IN: x (N)                       OUT: N bf16 bit patterns
 #define LAYERSTREAM_HOST_EMU
 #include "emu.h"
 #include "../cuda/common.cuh"
@@ -81,13 +82,14 @@ int main(int argc, char** argv) {
         launch(grid_for((long long)rows * (cols / hd) * (hd / 2)), 256, [&] { rope(x.data(), pos.data(), inv.data(), rows, cols, hd); });
         return write_out(out, x);
     }
-    if ((op == "silu_mul" || op == "add" || op == "to_f16") && a.size() == 1) {
+    const bool to_half = op == "to_f16" || op == "to_bf16";
+    if ((op == "silu_mul" || op == "add" || to_half) && a.size() == 1) {
         const long long n = a[0];
-        std::vector<float> x(n), y(op == "to_f16" ? 0 : n), o(n, NAN);
+        std::vector<float> x(n), y(to_half ? 0 : n), o(n, NAN);
         if (!read_into(in, x) || !read_into(in, y)) return 3;
-        if (op == "to_f16") {
+        if (to_half) {
             std::vector<u16> h(n, 0xFFFF);
-            launch(grid_for(n), 256, [&] { to_f16(x.data(), h.data(), n); });
+            launch(grid_for(n), 256, [&] { op == "to_f16" ? to_f16(x.data(), h.data(), n) : to_bf16(x.data(), h.data(), n); });
             return write_out(out, h);
         }
         if (op == "add") {

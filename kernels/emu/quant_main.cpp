@@ -1,7 +1,7 @@
 // Runs the quantized matvec and dequantize kernels of kernels/cuda/quant.cu under the host emulator.
 // Usage: quant-emu DTYPE M N K IN OUT, DTYPE a DT_* code of common.cuh. IN holds the weight rows
 // (N × row bytes) then x (M × K f32); OUT gets y = x·wᵀ (M × N f32), then w as f32 (N × K), then w
-// as f16 (N × K).
+// as f16 (N × K), then w as bf16 (N × K).
 #define LAYERSTREAM_HOST_EMU
 #include "emu.h"
 #include "../cuda/common.cuh"
@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
     if (rb < 0) return 2;
     std::vector<u8> w(rb * n);
     std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), d32((size_t)n * k, NAN);
-    std::vector<u16> d16((size_t)n * k, 0xFFFF);
+    std::vector<u16> d16((size_t)n * k, 0xFFFF), dbf((size_t)n * k, 0xFFFF);
     FILE* in = fopen(argv[5], "rb");
     if (!in || !read_into(in, w) || !read_into(in, x)) return 3;
     fclose(in);
@@ -29,11 +29,12 @@ int main(int argc, char** argv) {
         MATVEC(q4_0, DT_Q4_0) MATVEC(q4_1, DT_Q4_1) MATVEC(q4_k, DT_Q4_K) MATVEC(q6_k, DT_Q6_K)
     });
     launch(((long long)n * k / 8 + 255) / 256 + 1, 256, [&] {
-#define DEQUANT(NAME, T) if (t == T) { dequant_f32_##NAME(w.data(), rb, d32.data(), n, k); dequant_f16_##NAME(w.data(), rb, d16.data(), n, k); }
+#define DEQUANT(NAME, T) if (t == T) { dequant_f32_##NAME(w.data(), rb, d32.data(), n, k); dequant_f16_##NAME(w.data(), rb, d16.data(), n, k); \
+                                 dequant_bf16_##NAME(w.data(), rb, dbf.data(), n, k); }
         DEQUANT(f32, DT_F32) DEQUANT(f16, DT_F16) DEQUANT(bf16, DT_BF16) DEQUANT(q8_0, DT_Q8_0)
         DEQUANT(q4_0, DT_Q4_0) DEQUANT(q4_1, DT_Q4_1) DEQUANT(q4_k, DT_Q4_K) DEQUANT(q6_k, DT_Q6_K)
     });
     FILE* out = fopen(argv[6], "wb");
-    if (!out || !write_from(out, y) || !write_from(out, d32) || !write_from(out, d16)) return 3;
+    if (!out || !write_from(out, y) || !write_from(out, d32) || !write_from(out, d16) || !write_from(out, dbf)) return 3;
     return fclose(out) == 0 ? 0 : 3;
 }

@@ -66,7 +66,7 @@ pub trait Backend: Send + Sync + Clone {
     fn argmax_rows(&self, t: &Self::Tensor) -> Result<Vec<u32>> {
         let (rows, cols) = self.dims(t);
         let host = self.to_host(t)?;
-        Ok((0..rows).map(|r| crate::host::argmax(&host[r * cols..(r + 1) * cols]) as u32).collect())
+        host.chunks_exact(cols.max(1)).take(rows).enumerate().map(|(r, row)| crate::host::check_logits(row, r).map(|()| crate::host::argmax(row) as u32)).collect()
     }
 
     /// Copies host activations to the device.

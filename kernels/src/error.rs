@@ -9,6 +9,9 @@ pub enum Error {
     Weight { name: String, msg: String },
     #[error("device: {0}")]
     Device(String),
+    /// Logits holding a NaN or an infinity: the arithmetic broke down, no token can be chosen.
+    #[error("non-finite logits: {0}")]
+    NonFinite(String),
 }
 
 /// Result alias for the kernels crate.

@@ -1,4 +1,14 @@
-//! Small host-side numeric helpers used by sampling and tests: softmax, argmax, log-softmax.
+//! Small host-side numeric helpers used by sampling and tests: softmax, argmax, log-softmax, and the
+//! check that a row of logits is finite.
+
+/// Fails, naming the row and the first bad logit, when row `r` of the logits holds a NaN or an
+/// infinity: any token chosen from it would be garbage (argmax of a NaN row is its first index).
+pub fn check_logits(row: &[f32], r: usize) -> crate::Result<()> {
+    match row.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(crate::Error::NonFinite(format!("row {r}: logit {i} is {}", row[i]))),
+    }
+}
 
 /// Index of the largest value (first on ties).
 pub fn argmax(x: &[f32]) -> usize {
@@ -27,6 +37,21 @@ pub fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Backend;
+
+    #[test]
+    fn non_finite_logits_are_an_error_naming_the_row_and_the_logit() {
+        assert!(check_logits(&[0.5, -3.0, 1e30], 0).is_ok());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = check_logits(&[0.5, bad, 1.0], 4).unwrap_err().to_string();
+            assert!(e.contains("non-finite") && e.contains("row 4") && e.contains("logit 1"), "{e}");
+        }
+        // The CPU backend's greedy pick refuses a NaN row instead of answering token 0.
+        let c = crate::cpu::CpuBackend::default();
+        let rows = c.from_host(&[1.0, 2.0, f32::NAN, f32::NAN], 2, 2).unwrap();
+        assert!(c.argmax_rows(&rows).unwrap_err().to_string().contains("row 1"));
+        assert_eq!(c.argmax_rows(&c.from_host(&[1.0, 2.0, 5.0, 4.0], 2, 2).unwrap()).unwrap(), [1, 0]);
+    }
 
     #[test]
     fn softmax_sums_to_one_and_orders() {

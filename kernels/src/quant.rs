@@ -156,6 +156,25 @@ pub(crate) mod tests {
         f16::from_f32(x).to_le_bytes()
     }
 
+    /// `synth`'s random weights are centred and small in every format, as trained weights are (biased
+    /// Q4_K weights once pushed a synthetic 70B model's activations past f16's range).
+    #[test]
+    fn synthetic_weights_are_zero_mean_and_small() {
+        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+            let (rows, k) = (64, 512);
+            let t = layerstream_model::synth::random_tensor_seeded(7, dtype, &[rows, k]).unwrap();
+            let mut w = vec![0f32; rows * k];
+            for (row, out) in t.data.chunks_exact(dtype.row_bytes(k).unwrap()).zip(w.chunks_exact_mut(k)) {
+                dequant_row(dtype, row, out);
+            }
+            let mean = w.iter().map(|&v| v as f64).sum::<f64>() / w.len() as f64;
+            let rms = (w.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
+            assert!(mean.abs() < 0.15 * rms, "{dtype}: mean {mean} against rms {rms}");
+            assert!((0.005..0.06).contains(&rms), "{dtype}: rms {rms}");
+            assert!(w.iter().all(|v| v.abs() <= 0.2), "{dtype}: a weight beyond ±0.2");
+        }
+    }
+
     #[test]
     fn q4_0_and_q4_1_known_values() {
         let mut b = vec![];

@@ -65,7 +65,13 @@ fn f16(x: f32) -> [u8; 2] {
     half::f16::from_f32(x).to_le_bytes()
 }
 
-/// A random tensor of `dtype` whose values stay small (|w| ≲ 0.1) so activations stay finite.
+/// A random tensor of `dtype` whose values are zero-mean and small (|w| ≲ 0.1), as trained weights
+/// are, so activations stay in the range real models see. `seed` picks the values.
+#[doc(hidden)]
+pub fn random_tensor_seeded(seed: u64, dtype: DType, shape: &[usize]) -> Result<SourceTensor> {
+    random_tensor(&mut Rng(seed | 1), dtype, shape)
+}
+
 fn random_tensor(rng: &mut Rng, dtype: DType, shape: &[usize]) -> Result<SourceTensor> {
     let n = dtype.tensor_bytes(shape).ok_or_else(|| Error::tensor("synth", format!("{shape:?} is not whole {dtype} blocks")))?;
     let mut data = vec![0u8; n];
@@ -80,11 +86,18 @@ fn random_tensor(rng: &mut Rng, dtype: DType, shape: &[usize]) -> Result<SourceT
             b[0..2].copy_from_slice(&f16(6e-3));
             b[2..4].copy_from_slice(&f16(-4.5e-2));
         }),
+        // w = d·scale·q − dmin·min with q in 0..16: each sub-block's 6-bit min is set equal to its scale
+        // and dmin = 7.5·d, so w = d·scale·(q − 7.5), centred. The 12 packed bytes at 4..16 hold
+        // scales then mins of sub-blocks 0..4 in bytes 0..4 and 4..8 (high bits of 4..8 in the same
+        // bytes' top two bits), sub-blocks 4..8 as the nibbles of bytes 8..12: copy 0..4 to 4..8, and
+        // repeat each low nibble of 8..12 in its high nibble.
         DType::Q4K => data.chunks_exact_mut(144).for_each(|b| {
             b[0..2].copy_from_slice(&f16(2e-4));
-            b[2..4].copy_from_slice(&f16(2e-4));
+            b[2..4].copy_from_slice(&f16(1.5e-3));
+            b.copy_within(4..8, 8);
+            b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
         }),
-        DType::Q6K => data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(1e-4))),
+        DType::Q6K => data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5))),
     }
     Ok(SourceTensor { dtype, shape: shape.to_vec(), data })
 }

@@ -126,6 +126,7 @@ pub fn generate<B: Backend>(
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();
         }
+        layerstream_kernels::host::check_logits(&logits, 0)?;
         let id = sampler.sample(&mut logits, &history);
         output.push(id);
         history.push(id);

@@ -18,7 +18,7 @@ use std::sync::Arc;
 /// quant.cu); above it, weights are dequantized in chunks and multiplied with cuBLAS.
 const MATVEC_ROWS: usize = 8;
 /// Elements of the dequantization scratch for the GEMM path (chunks of weight rows).
-const SCRATCH_ELEMS: usize = 32 << 20;
+pub(super) const SCRATCH_ELEMS: usize = 32 << 20;
 use super::ATTENTION_THREADS;
 /// Largest head dimension the attention kernel takes (ATT_DIMS_PER_THREAD × ATTENTION_THREADS).
 const ATTENTION_MAX_HEAD_DIM: usize = 4 * ATTENTION_THREADS as usize;
@@ -28,19 +28,34 @@ const _: () = assert!(SCRATCH_ELEMS as u64 * 4 + super::ACTIVATION_RESERVE + (64
 /// Precision of the GEMM path (prefill and large batches).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmPrecision {
-    /// Weights dequantized to f16, activations converted to f16, f32 accumulation (the fast default).
+    /// Weights dequantized to bf16, activations converted to bf16, f32 accumulation: f32's range, so
+    /// no activation overflows (the default from compute capability 8.0, where cuBLAS has bf16 GEMMs).
+    Bf16,
+    /// As Bf16 with f16 (3 more mantissa bits, but values past ±65504 become infinite; the default
+    /// before compute capability 8.0).
     F16,
     /// Everything in f32 (parity runs).
     F32,
 }
 
 impl GemmPrecision {
-    /// From `LAYERSTREAM_CUDA_GEMM` (`f16`, the default, or `f32`).
-    pub fn from_env() -> Result<GemmPrecision> {
+    /// From `LAYERSTREAM_CUDA_GEMM` (`bf16`, `f16` or `f32`); `None` when unset (the device's default).
+    pub fn from_env() -> Result<Option<GemmPrecision>> {
         match std::env::var("LAYERSTREAM_CUDA_GEMM").as_deref() {
-            Err(_) | Ok("f16") | Ok("") => Ok(GemmPrecision::F16),
-            Ok("f32") => Ok(GemmPrecision::F32),
-            Ok(other) => Err(Error::Device(format!("LAYERSTREAM_CUDA_GEMM={other:?}: expected f16 or f32"))),
+            Err(_) | Ok("") => Ok(None),
+            Ok("bf16") => Ok(Some(GemmPrecision::Bf16)),
+            Ok("f16") => Ok(Some(GemmPrecision::F16)),
+            Ok("f32") => Ok(Some(GemmPrecision::F32)),
+            Ok(other) => Err(Error::Device(format!("LAYERSTREAM_CUDA_GEMM={other:?}: expected bf16, f16 or f32"))),
+        }
+    }
+
+    /// The default on a device of compute capability `sm` (major × 10 + minor).
+    pub fn default_for(sm: u32) -> GemmPrecision {
+        if sm >= 80 {
+            GemmPrecision::Bf16
+        } else {
+            GemmPrecision::F16
         }
     }
 }
@@ -105,15 +120,25 @@ fn blocks(n: usize, per: usize) -> u32 {
 }
 
 impl CudaBackend {
-    /// Opens `cuda:ordinal` with the GEMM precision from the environment.
+    /// Opens `cuda:ordinal` with the GEMM precision from the environment, else the device's default.
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
-        Self::with_precision(ordinal, GemmPrecision::from_env()?)
+        Self::open(ordinal, GemmPrecision::from_env()?)
     }
 
     /// Opens `cuda:ordinal` with an explicit GEMM precision.
     pub fn with_precision(ordinal: usize, precision: GemmPrecision) -> Result<CudaBackend> {
+        Self::open(ordinal, Some(precision))
+    }
+
+    fn open(ordinal: usize, precision: Option<GemmPrecision>) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
+        let precision = precision.unwrap_or(GemmPrecision::default_for(gpu.sm));
         Ok(CudaBackend { pool: Arc::new(StreamPool::new(gpu.clone())), gpu, precision })
+    }
+
+    /// The precision of this backend's GEMMs.
+    pub fn precision(&self) -> GemmPrecision {
+        self.precision
     }
 
     /// Device memory `(free, total)` from cuMemGetInfo.
@@ -184,17 +209,21 @@ impl CudaBackend {
 
     fn matmul_gemm(&self, x: &CudaTensor, w: &CudaWeight, y: &CudaTensor) -> Result<()> {
         let (m, n, k) = (x.rows, w.rows, w.cols);
-        let f16 = self.precision == GemmPrecision::F16;
-        if !f16 && w.dtype == DType::F32 {
-            return self.gemm(w.ptr, x.buf.ptr, cublas::sys::cudaDataType::CUDA_R_32F, y.buf.ptr, n, m, k, n);
-        }
-        let (esize, ty, kernel) = if f16 { (2, cublas::sys::cudaDataType::CUDA_R_16F, "dequant_f16_") } else { (4, cublas::sys::cudaDataType::CUDA_R_32F, "dequant_f32_") };
-        let xin = if f16 {
-            let xh = DevBuf::ordered(&self.gpu, m * k * 2)?;
-            self.gpu.launch("to_f16", (blocks(m * k, 256), 1, 1), 256, 0, &[x.buf.ptr, xh.ptr, (m * k) as u64])?;
-            Some(xh)
-        } else {
-            None
+        use cublas::sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+        // (element bytes, cuBLAS type, weight dequantization kernel prefix, activation conversion)
+        let (esize, ty, kernel, convert) = match self.precision {
+            GemmPrecision::F32 if w.dtype == DType::F32 => return self.gemm(w.ptr, x.buf.ptr, CUDA_R_32F, y.buf.ptr, n, m, k, n),
+            GemmPrecision::F32 => (4, CUDA_R_32F, "dequant_f32_", None),
+            GemmPrecision::F16 => (2, CUDA_R_16F, "dequant_f16_", Some("to_f16")),
+            GemmPrecision::Bf16 => (2, CUDA_R_16BF, "dequant_bf16_", Some("to_bf16")),
+        };
+        let xin = match convert {
+            Some(to_half) => {
+                let xh = DevBuf::ordered(&self.gpu, m * k * 2)?;
+                self.gpu.launch(to_half, (blocks(m * k, 256), 1, 1), 256, 0, &[x.buf.ptr, xh.ptr, (m * k) as u64])?;
+                Some(xh)
+            }
+            None => None,
         };
         let xptr = xin.as_ref().map_or(x.buf.ptr, |b| b.ptr);
         let chunk = (SCRATCH_ELEMS / k).clamp(1, n);
@@ -281,6 +310,12 @@ impl Backend for CudaBackend {
         }
         let mut host = vec![0u32; t.rows];
         self.read(out.ptr, &mut host)?;
+        // The kernel leaves its initial index (past the row) where no value compares larger: NaNs.
+        if let Some(r) = host.iter().position(|&id| id as usize >= t.cols) {
+            return Err(Error::NonFinite(format!(
+                "row {r} has no finite maximum (NaN activations; LAYERSTREAM_CUDA_GEMM=f32 tells a GEMM overflow from a broken model)"
+            )));
+        }
         Ok(host)
     }
 

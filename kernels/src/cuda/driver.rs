@@ -19,6 +19,8 @@ pub fn derr(what: &'static str) -> impl Fn(DriverError) -> Error {
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub ordinal: usize,
+    /// Compute capability, major × 10 + minor (90 for Hopper).
+    pub sm: u32,
     /// Kernels, GEMMs, activations and KV caches.
     pub compute: sys::CUstream,
     /// Host→device weight copies.
@@ -71,7 +73,7 @@ impl Gpu {
         let handle = cublas::result::create_handle().map_err(|e| Error::Device(format!("cuBLAS handle: {e:?}")))?;
         // SAFETY: the handle and the stream were just created on this context.
         unsafe { cublas::result::set_stream(handle, compute as _) }.map_err(|e| Error::Device(format!("cuBLAS stream: {e:?}")))?;
-        Ok(Arc::new(Gpu { ctx, ordinal, compute, copy, module, funcs, blas: Mutex::new(handle) }))
+        Ok(Arc::new(Gpu { ctx, ordinal, sm: (major * 10 + minor) as u32, compute, copy, module, funcs, blas: Mutex::new(handle) }))
     }
 
     /// Makes this device's context current on the calling thread.

@@ -34,9 +34,9 @@ pub const DTYPE_SUFFIXES: [&str; 8] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4
 
 /// Every kernel entry point the backend loads.
 pub fn kernel_names() -> Vec<String> {
-    let mut v: Vec<String> = ["embedding", "rms_norm", "rope", "silu_mul", "add", "add_bias", "to_f16", "argmax", "attention"].iter().map(|s| s.to_string()).collect();
+    let mut v: Vec<String> = ["embedding", "rms_norm", "rope", "silu_mul", "add", "add_bias", "to_f16", "to_bf16", "argmax", "attention"].iter().map(|s| s.to_string()).collect();
     for s in DTYPE_SUFFIXES {
-        v.extend([format!("matvec_{s}"), format!("dequant_f32_{s}"), format!("dequant_f16_{s}")]);
+        v.extend([format!("matvec_{s}"), format!("dequant_f32_{s}"), format!("dequant_f16_{s}"), format!("dequant_bf16_{s}")]);
     }
     v
 }

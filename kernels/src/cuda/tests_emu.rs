@@ -12,7 +12,7 @@ use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
 use crate::RopeTable;
 use layerstream_model::{RopeConfig, RopeScaling};
-use half::f16;
+use half::{bf16, f16};
 use layerstream_model::DType;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -78,10 +78,12 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 let mut input = w.clone();
                 input.extend(bytes_of(&[&x]));
                 let out = emu.run(&args(&dtype_code(dtype).to_string(), [m, n, k]), &input);
-                assert_eq!(out.len(), (m * n + n * k) * 4 + n * k * 2, "emulator output size");
+                assert_eq!(out.len(), (m * n + n * k) * 4 + n * k * 4, "emulator output size");
                 let (y, rest) = out.split_at(m * n * 4);
-                let (d32, d16) = rest.split_at(n * k * 4);
+                let (d32, rest) = rest.split_at(n * k * 4);
+                let (d16, dbf) = rest.split_at(n * k * 2);
                 let d16: Vec<f32> = d16.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+                let dbf: Vec<f32> = dbf.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
 
                 let cw = CpuBackend::default().weight("w", dtype, &[n, k], &w).unwrap();
                 let want_y = CpuBackend::default().matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &cw).unwrap().data;
@@ -90,10 +92,12 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                     dequant_row(dtype, row, o);
                 }
                 let want_d16: Vec<f32> = want_d.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
-                let (ey, e32, e16) = (rel(&f32s(y), &want_y), rel(&f32s(d32), &want_d), rel(&d16, &want_d16));
+                let want_dbf: Vec<f32> = want_d.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+                let (ey, e32, e16, ebf) = (rel(&f32s(y), &want_y), rel(&f32s(d32), &want_d), rel(&d16, &want_d16), rel(&dbf, &want_dbf));
                 assert!(ey < 1e-5, "matvec {dtype} m={m} k={k}: relative error {ey:e}");
                 assert!(e32 < 1e-6, "dequant_f32 {dtype} k={k}: relative error {e32:e}");
                 assert!(e16 < 1e-6, "dequant_f16 {dtype} k={k}: relative error {e16:e}");
+                assert!(ebf < 1e-6, "dequant_bf16 {dtype} k={k}: relative error {ebf:e}");
             }
         }
     }
@@ -201,4 +205,10 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
     let got: Vec<u16> = emu.run(&args("to_f16", [n]), &bytes_of(&[&x])).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
     assert_eq!(got, want, "to_f16 rounds to nearest even as half does");
+    // bf16 keeps f32's range: huge values, infinities and NaNs included.
+    let mut x = x;
+    x.extend([3.0e38, -3.4e38, 65520.0, 1.0e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)]);
+    let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let got: Vec<u16> = emu.run(&args("to_bf16", [x.len()]), &bytes_of(&[&x])).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    assert_eq!(got, want, "to_bf16 rounds to nearest even (ties included) as half does");
 }

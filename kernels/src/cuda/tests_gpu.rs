@@ -20,7 +20,7 @@ fn gpu(p: GemmPrecision) -> Option<CudaBackend> {
 
 #[test]
 fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
-    for (prec, tol) in [(GemmPrecision::F32, 1e-5), (GemmPrecision::F16, 2e-3)] {
+    for (prec, tol) in [(GemmPrecision::F32, 1e-5), (GemmPrecision::F16, 2e-3), (GemmPrecision::Bf16, 8e-3)] {
         let Some(g) = gpu(prec) else { return };
         let mut rng = Rng(prec as u64 + 11);
         let (n, k) = (300, 512);
@@ -36,6 +36,33 @@ fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
                 let e = rel(&got, &want);
                 assert!(e < t, "{dtype} m={m} {prec:?}: relative error {e:e}");
             }
+        }
+    }
+}
+
+/// A weight larger than the dequantization scratch is multiplied in chunks of rows; bf16 GEMMs keep
+/// activations that f16 cannot hold (|x| > 65504) finite.
+#[test]
+fn gemm_in_scratch_chunks_and_bf16_range() {
+    if gpu(GemmPrecision::F32).is_none() {
+        return;
+    }
+    let c = CpuBackend::default();
+    let mut rng = Rng(31);
+    let k = 4096;
+    let n = super::backend::SCRATCH_ELEMS / k + 300;
+    let bytes = weight_bytes(DType::Q4K, n, k, &mut rng);
+    let wc = c.weight("w", DType::Q4K, &[n, k], &bytes).unwrap();
+    let m = 12;
+    for (scale, precisions) in [(1.0f32, &[GemmPrecision::F32, GemmPrecision::Bf16][..]), (1e5, &[GemmPrecision::Bf16][..])] {
+        let x: Vec<f32> = rng.vec(m * k).iter().map(|v| v * scale).collect();
+        let want = c.matmul(&c.from_host(&x, m, k).unwrap(), &wc).unwrap().data;
+        for &p in precisions {
+            let g = gpu(p).unwrap();
+            let got = g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &g.weight("w", DType::Q4K, &[n, k], &bytes).unwrap()).unwrap()).unwrap();
+            let e = rel(&got, &want);
+            let tol = if p == GemmPrecision::F32 { 1e-5 } else { 8e-3 };
+            assert!(got.iter().all(|v| v.is_finite()) && e < tol, "{p:?} n={n} k={k} scale {scale}: relative error {e:e}");
         }
     }
 }
@@ -96,6 +123,11 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     let lg = g.from_host(&logits, 3, 49152).unwrap();
     assert_eq!(g.argmax_rows(&lg).unwrap(), c.argmax_rows(&c.from_host(&logits, 3, 49152).unwrap()).unwrap());
     assert_eq!(g.argmax_rows(&lg).unwrap()[1..], [40000, 7]);
+    // A row of NaNs (what an overflowed activation leaves) is an error naming the row, not a token.
+    let mut bad = logits.clone();
+    bad[49152..2 * 49152].fill(f32::NAN);
+    let e = g.argmax_rows(&g.from_host(&bad, 3, 49152).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("non-finite") && e.contains("row 1"), "{e}");
 }
 
 #[test]
