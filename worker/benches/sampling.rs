@@ -56,7 +56,7 @@ fn main() {
                     // The step's logits arrive as one host buffer (copied here, as from the device).
                     let mut host: Vec<f32> = rows.concat();
                     let jobs = samplers.iter_mut().zip(host.chunks_exact_mut(vocab)).map(|(s, r)| Some((s, &[][..], r))).collect();
-                    drop(black_box(sample_batch(jobs)));
+                    drop(black_box(sample_batch(jobs).expect("finite logits")));
                 });
                 let name = format!("T {temperature}, top-k {top_k}, top-p {top_p}");
                 println!("| {vocab} | {shape} | {name} | {size} | {full:.2} | {sel:.2} | {:.1}× | {old_batch:.0} | {new_batch:.1} | {:.1}× |", full / sel, old_batch / new_batch);

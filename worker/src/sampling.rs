@@ -3,7 +3,7 @@
 //! sorted out of the whole vocabulary; a step's sequences are sampled on several threads.
 
 use crate::nucleus::{draw_unordered, nucleus};
-use layerstream_kernels::host::argmax;
+use layerstream_kernels::host::{argmax, check_logits};
 use layerstream_proto::v1::Sampling;
 use serde::{Deserialize, Serialize};
 
@@ -130,20 +130,27 @@ const PARALLEL_MIN_LOGITS: usize = 1 << 20;
 
 /// Samples every job's next token (`None`, a prompt chunk that samples nothing, gives 0), spreading
 /// the jobs over the machine's cores when the batch's logits are many: a 128k-token vocabulary at
-/// batch 64 is 8M values, tens of milliseconds on one core.
-pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> Vec<u32> {
+/// batch 64 is 8M values, tens of milliseconds on one core. A job whose logits hold a NaN or an
+/// infinity fails the batch, naming its index (checked on the thread that samples it).
+pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> layerstream_kernels::Result<Vec<u32>> {
     let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
-    let run = |chunk: &mut [Option<SampleJob<'_>>]| -> Vec<u32> {
-        chunk.iter_mut().map(|j| j.as_mut().map_or(0, |(s, history, logits)| s.sample(logits, history))).collect()
+    // `first`: the batch index of the chunk's first job.
+    let run = |first: usize, chunk: &mut [Option<SampleJob<'_>>]| -> layerstream_kernels::Result<Vec<u32>> {
+        let sample = |(i, job): (usize, &mut Option<SampleJob<'_>>)| match job {
+            None => Ok(0),
+            Some((s, history, logits)) => check_logits(logits, first + i).map(|()| s.sample(logits, history)),
+        };
+        chunk.iter_mut().enumerate().map(sample).collect()
     };
     if total < PARALLEL_MIN_LOGITS || threads < 2 {
-        return run(&mut jobs);
+        return run(0, &mut jobs);
     }
     let per = jobs.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs.chunks_mut(per).map(|c| scope.spawn(move || run(c))).collect();
-        handles.into_iter().flat_map(|h| h.join().expect("a sampling thread panicked")).collect()
+        let handles: Vec<_> = jobs.chunks_mut(per).enumerate().map(|(c, chunk)| scope.spawn(move || run(c * per, chunk))).collect();
+        let parts: Vec<Vec<u32>> = handles.into_iter().map(|h| h.join().expect("a sampling thread panicked")).collect::<layerstream_kernels::Result<_>>()?;
+        Ok(parts.concat())
     })
 }
 
@@ -244,7 +251,14 @@ mod tests {
             let mut rows: Vec<Vec<f32>> = (0..n).map(logits).collect();
             let jobs = batch.iter_mut().zip(&mut rows).enumerate().map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice()))).collect();
             assert!(n * vocab >= PARALLEL_MIN_LOGITS);
-            assert_eq!(sample_batch(jobs), want, "round {round}");
+            assert_eq!(sample_batch(jobs).unwrap(), want, "round {round}");
         }
+        // A non-finite row fails the batch, named by its index in the batch (job 17 runs on a thread
+        // whose chunk starts past 0).
+        let mut rows: Vec<Vec<f32>> = (0..n).map(logits).collect();
+        rows[17][123] = f32::NAN;
+        let jobs = batch.iter_mut().zip(&mut rows).enumerate().map(|(j, (s, l))| Some((s, history[j].as_slice(), l.as_mut_slice()))).collect();
+        let e = sample_batch(jobs).unwrap_err().to_string();
+        assert!(e.contains("row 17") && e.contains("logit 123"), "{e}");
     }
 }

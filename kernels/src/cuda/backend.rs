@@ -51,7 +51,7 @@ impl GemmPrecision {
     }
 
     /// The default on a device of compute capability `sm` (major × 10 + minor).
-    pub fn default_for(sm: u32) -> GemmPrecision {
+    fn default_for(sm: u32) -> GemmPrecision {
         if sm >= 80 {
             GemmPrecision::Bf16
         } else {
@@ -134,11 +134,6 @@ impl CudaBackend {
         let gpu = Gpu::open(ordinal)?;
         let precision = precision.unwrap_or(GemmPrecision::default_for(gpu.sm));
         Ok(CudaBackend { pool: Arc::new(StreamPool::new(gpu.clone())), gpu, precision })
-    }
-
-    /// The precision of this backend's GEMMs.
-    pub fn precision(&self) -> GemmPrecision {
-        self.precision
     }
 
     /// Device memory `(free, total)` from cuMemGetInfo.
