@@ -87,7 +87,7 @@ fn eos_ends_generation_unless_ignored() {
         last_json(&layerstream(&a))
     };
     let stopped = run(&[]);
-    assert_eq!(stopped["finish_reason"], "eos");
+    assert_eq!(stopped["finish_reason"], "stop", "an end-of-sequence token ends it as OpenAI's \"stop\"");
     assert_eq!(stopped["output_ids"], serde_json::json!(g.greedy_ids[..3]));
     let full = run(&["--ignore-eos"]);
     assert_eq!(full["output_ids"].as_array().unwrap().len(), 8);

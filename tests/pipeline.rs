@@ -201,3 +201,45 @@ fn a_workers_step_token_limit_splits_prompts() {
     assert!(prompt > 3);
     assert_eq!(v["stats"]["steps"].as_u64().unwrap(), prompt.div_ceil(3) + 5, "{v}");
 }
+
+/// Stop strings and end-of-sequence tokens end a job through the pipeline exactly as they end `run`
+/// (one `Stopper` in both): same ids, same text cut before the stop string, finish reason "stop".
+#[test]
+fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let s = store.dir.to_str().unwrap();
+    let g = &goldens("tiny-llama")[1];
+    let ids = g.input_ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let base = ["--token-ids", ids.as_str(), "--max-new-tokens", "16", "--ignore-eos"];
+    let run = |extra: &[&str]| last_json(&layerstream(&[&["run", "--model", s, "--json"], &base[..], extra].concat()));
+    let full = run(&[]);
+    let text = full["text"].as_str().unwrap().to_owned();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 6, "the continuation has text to cut: {text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let want_stop = run(&["--stop", &stop]);
+    assert_eq!(want_stop["finish_reason"], "stop");
+    // End of sequence: declare the 3rd greedy token the EOS (without --ignore-eos).
+    let mpath = store.dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["config"]["eos_token_ids"] = serde_json::json!([g.greedy_ids[2]]);
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let eos_args = ["--token-ids", ids.as_str(), "--max-new-tokens", "16"];
+    let want_eos = last_json(&layerstream(&[&["run", "--model", s, "--json"], &eos_args[..]].concat()));
+    assert_eq!(want_eos["output_ids"], serde_json::json!(g.greedy_ids[..3]));
+
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "1"]);
+    let got_stop = submit(stack.addr(), &[&base[..], &["--stop", &stop]].concat());
+    let got_eos = submit(stack.addr(), &eos_args);
+    let got_length = submit(stack.addr(), &base);
+    stack.shutdown();
+    for k in ["output_ids", "text", "finish_reason"] {
+        assert_eq!(got_stop[k], want_stop[k], "stop string: {k}");
+        assert_eq!(got_eos[k], want_eos[k], "eos: {k}");
+    }
+    let cut = got_stop["text"].as_str().unwrap();
+    assert!(!cut.contains(&stop) && text.starts_with(cut), "{text:?} / {cut:?} / {stop:?}");
+    assert_eq!(got_eos["finish_reason"], "stop");
+    assert_eq!((got_length["finish_reason"].as_str(), got_length["output_ids"].as_array().unwrap().len()), (Some("length"), 16));
+}

@@ -80,11 +80,11 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
     while let Some(ev) = watch.message().await.unwrap() {
         if let Some(generate_event::Event::Done(d)) = ev.event.and_then(|e| e.event) {
             assert!(d.output_ids.len() < 1900);
-            reasons.push(d.finish_reason);
+            reasons.push(d.finish_reason());
         }
     }
-    assert_eq!(reasons, vec!["cancelled", "cancelled"]);
-    assert_eq!(c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state, "cancelled");
+    assert_eq!(reasons, vec![FinishReason::Cancelled, FinishReason::Cancelled]);
+    assert_eq!(c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state(), JobState::Cancelled);
     wait_until_zero_sequences(stack.addr()).await;
     let ch = layerstream_proto::transport::connect_uds(&stack.loader_socket()).await.unwrap();
     assert_eq!(LoaderClient::new(ch).describe(DescribeRequest {}).await.unwrap().into_inner().pinned, 0, "slots still pinned");
@@ -229,7 +229,8 @@ fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
     // 1 MiB cannot hold tiny-llama's 12.6 MB embedding: the planner refuses, naming the budget.
     let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "1M"]);
     assert!(err.contains("memory budget 1048576 bytes cannot hold") && err.contains("embedding/head"), "{err}");
-    // Forcing more resident layers than the budget holds is refused too, with the itemised need.
+    // Residency is given one way: a budget (the planner picks) or a count, not both (the planner's
+    // unit tests cover a count that overflows a worker's own budget).
     let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "14M", "--resident-layers", "4"]);
-    assert!(err.contains("4 resident need") && err.contains("more than its memory budget of 14680064 bytes"), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
 }

@@ -3,7 +3,10 @@
 //! tokens/s (overall, prefill, decode), bytes streamed, transfer GB/s and overlap %, and the ratios
 //! between them.
 
-use crate::up::{spawn, Children};
+use crate::up::{spawn_quiet, Children};
+use layerstream_coordinator::PlanFlags;
+use layerstream_loader::SlotFlags;
+use layerstream_worker::server::DeviceFlags;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
@@ -13,56 +16,48 @@ use std::time::Instant;
 
 /// Flags of `layerstream bench`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("residency").args(["resident_layers", "memory_budget"])))]
 pub struct BenchArgs {
     /// Layer store; default: the embedded SmolLM2-135M-Instruct.
     #[arg(long, env = "LAYERSTREAM_MODEL")]
     pub model: Option<PathBuf>,
     /// Workers in each stack.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_WORKERS", default_value_t = 1)]
     pub workers: usize,
-    /// Device of the workers (cpu, or cuda:N in a CUDA build).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Memory budget per worker in the streamed runs (instead of --resident-layers).
-    #[arg(long, value_parser = layerstream_worker::server::parse_bytes)]
-    pub memory_budget: Option<u64>,
-    /// Resident layers per worker in the streamed runs.
-    #[arg(long, default_value_t = 0)]
-    pub resident_layers: usize,
-    /// Layer group size in the streamed runs.
-    #[arg(long, default_value_t = 1)]
-    pub layer_group_size: usize,
-    /// Streaming buffers (layer groups in flight: one computing, one copying, the rest queued) in
-    /// the streamed runs; default: `up`'s.
-    #[arg(long)]
-    pub streaming_buffers: Option<usize>,
+    /// Device of the workers; `--memory-budget` sizes the streamed runs (the planner picks their
+    /// resident layers), the resident run takes what the device has.
+    #[command(flatten)]
+    pub device: DeviceFlags,
+    /// The streamed runs' plan (`--resident-layers` defaults to 0 here: everything streams).
+    #[command(flatten)]
+    pub plan: PlanFlags,
+    /// The loader's slot pool; as many slots as layers keeps the whole model in host RAM, so the
+    /// streamed runs measure the host→device link rather than the disk.
+    #[command(flatten)]
+    pub pool: SlotFlags,
     /// Concurrent requests (batched together).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_BATCH", default_value_t = 4)]
     pub batch: usize,
     /// Tokens generated per request (EOS ignored).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_MAX_NEW_TOKENS", default_value_t = 32)]
     pub max_new_tokens: u32,
     /// Prompt of every request.
-    #[arg(long, default_value = "Explain why the sky is blue in one paragraph.")]
+    #[arg(long, env = "LAYERSTREAM_BENCH_PROMPT", default_value = "Explain why the sky is blue in one paragraph.")]
     pub prompt: String,
     /// Instead of --prompt, a prompt of this many token ids (for prefill throughput).
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_PROMPT_TOKENS")]
     pub prompt_tokens: Option<usize>,
-    /// Loader shm slots (default: `up`'s); as many as the layers keeps the whole model in host RAM, so
-    /// the streamed runs measure the host→device link rather than the disk.
-    #[arg(long)]
-    pub loader_slots: Option<usize>,
     /// Sampling temperature of every request (0 = greedy: the head picks the token on the device).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f32,
     /// Top-k of every request (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_TOP_K", default_value_t = 0)]
     pub top_k: u32,
     /// Top-p of every request (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_TOP_P", default_value_t = 1.0)]
     pub top_p: f32,
     /// Also write the results as JSON here.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_BENCH_JSON_OUT")]
     pub json_out: Option<PathBuf>,
 }
 
@@ -155,14 +150,12 @@ async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
 
 fn run_config(name: &str, model: &str, vocab: usize, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
     let mut children = Children(Vec::new());
-    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string(), "--device".into(), a.device.clone()];
+    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string(), "--device".into(), a.device.device.clone()];
     args.extend_from_slice(extra);
-    if let Some(n) = a.loader_slots {
-        args.extend(["--slots".to_owned(), n.to_string()]);
-    }
-    let addr = spawn(&mut children, name, &args)?;
+    args.extend(a.pool.to_args());
+    let addr = spawn_quiet(&mut children, name, &args)?;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
-    let warm = BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, device: a.device.clone(), ..*a };
+    let warm = BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, device: a.device.clone(), plan: a.plan.clone(), pool: a.pool.clone(), ..*a };
     rt.block_on(workload(&addr, &warm, vocab))?;
     let m = rt.block_on(workload(&addr, a, vocab))?;
     drop(children);
@@ -190,6 +183,27 @@ fn run_config(name: &str, model: &str, vocab: usize, extra: &[String], a: &Bench
     })
 }
 
+/// The results as two markdown tables, each under 120 columns: throughput, then where the time went.
+fn tables(rows: &[Row]) -> String {
+    let mut t = String::from("| config | tok/s | prefill tok/s | first token ms | decode tok/s | MB/step | GB/s | GB/s over wall |\n");
+    t += "|---|---|---|---|---|---|---|---|\n";
+    for r in rows {
+        t += &format!(
+            "| {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
+            r.config, r.tokens_per_s, r.prefill_tok_s, r.first_token_ms, r.decode_tok_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall
+        );
+    }
+    t += "\n| config | pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |\n";
+    t += "|---|---|---|---|---|---|---|\n";
+    for r in rows {
+        t += &format!(
+            "| {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |\n",
+            r.config, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
+        );
+    }
+    t
+}
+
 /// Runs the three configurations and prints the comparison.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
@@ -199,13 +213,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
     let model = model_dir.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut streamed = vec!["--layer-group-size".to_owned(), a.layer_group_size.to_string()];
-    if let Some(n) = a.streaming_buffers {
-        streamed.extend(["--streaming-buffers".to_owned(), n.to_string()]);
+    if a.plan.no_prefetch {
+        bail!("bench runs the prefetch-off configuration itself; drop --no-prefetch");
     }
-    match a.memory_budget {
-        Some(b) => streamed.extend(["--memory-budget".to_owned(), b.to_string()]),
-        None => streamed.extend(["--resident-layers".to_owned(), a.resident_layers.to_string()]),
+    let resident = a.plan.resident_layers.unwrap_or(0);
+    let plan = PlanFlags { resident_layers: a.device.memory_budget.is_none().then_some(resident), ..a.plan.clone() };
+    let mut streamed = plan.to_args();
+    if let Some(b) = a.device.memory_budget {
+        streamed.extend(["--memory-budget".to_owned(), b.to_string()]);
     }
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
@@ -215,27 +230,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         run_config("fully resident", &model, vocab, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
         run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt).context("prefetch-off run")?,
     ];
-    let streamed_as = match a.memory_budget {
+    let streamed_as = match a.device.memory_budget {
         Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
-        None => format!("{} resident layers/worker", a.resident_layers),
+        None => format!("{resident} resident layers/worker"),
     };
     println!(
-        "workload: {} concurrent requests × {} tokens after a {} prompt, {} worker(s), streamed runs with {streamed_as}, group {}, streaming buffers {}",
+        "workload: {} concurrent requests × {} tokens after a {} prompt, {} worker(s)",
         a.batch,
         a.max_new_tokens,
         a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
-        a.workers,
-        a.layer_group_size,
-        a.streaming_buffers.map_or("default".to_owned(), |n| n.to_string())
+        a.workers
     );
-    println!("| config | tokens/s | prefill tok/s | first token ms | decode tok/s | MB streamed/step | transfer GB/s | streamed GB/s over wall | layer pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for r in &rows {
-        println!(
-            "| {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |",
-            r.config, r.tokens_per_s, r.prefill_tok_s, r.first_token_ms, r.decode_tok_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
-        );
-    }
+    println!("streamed runs: {streamed_as}, group {}, streaming buffers {}", a.plan.layer_group_size, a.plan.streaming_buffers);
+    print!("{}", tables(&rows));
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
     }
@@ -257,6 +264,19 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         a: BenchArgs,
+    }
+
+    /// The printed tables fit a 120-column terminal even with large figures.
+    #[test]
+    fn tables_fit_120_columns() {
+        let r = Row {
+            config: "streamed (prefetch off)".into(), tokens: 1, wall_s: 1.0, tokens_per_s: 12345.6, prefill_tok_s: 123456.7, first_token_ms: 123456.0,
+            decode_tok_s: 12345.6, bytes_streamed_per_step: 9.63e9, transfer_gbps: 55.12, stream_gbps_wall: 54.1, step_over_ideal: 1.07,
+            outside_layers_pct: 16.8, overlap_pct: 92.9, transfer_ms: 123456.0, compute_ms: 123456.0, stall_ms: 12345.0,
+        };
+        let t = tables(&[r.clone(), r]);
+        assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");
+        assert_eq!(t.lines().filter(|l| l.starts_with("| streamed")).count(), 4);
     }
 
     #[test]

@@ -11,10 +11,10 @@ use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest}
 #[derive(Args, Debug)]
 pub struct HealthArgs {
     /// `http://host:port` or `unix:/path/to.sock`.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_HEALTH_ADDR")]
     pub addr: String,
     /// Service name to ask about ("" = the whole server).
-    #[arg(long, default_value = "")]
+    #[arg(long, env = "LAYERSTREAM_HEALTH_SERVICE", default_value = "")]
     pub service: String,
 }
 

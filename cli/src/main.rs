@@ -38,16 +38,16 @@ enum Cmd {
     /// Write a store with random weights of a real model's shapes (for speed measurements).
     Synth {
         /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b.
-        #[arg(long)]
+        #[arg(long, env = "LAYERSTREAM_SYNTH_SHAPE")]
         shape: String,
         /// Weight type of the layers: f16, q8_0, q4_k (also f32, bf16, q4_0, q4_1, q6_k).
-        #[arg(long, default_value = "q4_k")]
+        #[arg(long, env = "LAYERSTREAM_SYNTH_DTYPE", default_value = "q4_k")]
         dtype: String,
         /// Number of layers (default: the real model's).
-        #[arg(long)]
+        #[arg(long, env = "LAYERSTREAM_SYNTH_LAYERS")]
         layers: Option<usize>,
         /// Random seed.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, env = "LAYERSTREAM_SYNTH_SEED", default_value_t = 1)]
         seed: u64,
         /// New store directory.
         dst: PathBuf,
@@ -55,13 +55,13 @@ enum Cmd {
     /// Host→device copy speed: pinned vs pageable vs registered host memory (CUDA builds).
     H2dBench {
         /// Device.
-        #[arg(long, default_value = "cuda:0")]
+        #[arg(long, env = "LAYERSTREAM_H2D_DEVICE", default_value = "cuda:0")]
         device: String,
         /// Copy sizes in MiB.
-        #[arg(long, value_delimiter = ',', default_value = "64,256,512")]
+        #[arg(long, env = "LAYERSTREAM_H2D_MIB", value_delimiter = ',', default_value = "64,256,512")]
         mib: Vec<usize>,
         /// Copies per size.
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, env = "LAYERSTREAM_H2D_ITERS", default_value_t = 10)]
         iters: usize,
     },
     /// Fetch and import the embedded default model (SmolLM2-135M-Instruct) and print its store path.
@@ -127,12 +127,49 @@ fn main() -> Result<()> {
         Cmd::Run(args) => run::run(args)?,
         Cmd::Up(args) => up::run(args)?,
         Cmd::Submit(args) => block_on(submit::run(args))?,
-        Cmd::LoaderDaemon(args) => block_on(layerstream_loader::run(args))?,
-        Cmd::Worker(args) => block_on(layerstream_worker::server::run(args))?,
-        Cmd::Coordinator(args) => block_on(layerstream_coordinator::run(args))?,
+        Cmd::LoaderDaemon(args) => block_on(async { Ok(layerstream_loader::run(args).await?) })?,
+        Cmd::Worker(args) => block_on(async { Ok(layerstream_worker::server::run(args).await?) })?,
+        Cmd::Coordinator(args) => block_on(async { Ok(layerstream_coordinator::run(args).await?) })?,
         Cmd::Bench(args) => bench::run(args)?,
         Cmd::Health(args) => block_on(health::run(args))?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag group is declared once and every command's flags are consistent (clap's own check),
+    /// and `up`/`bench` refuse a residency given two ways.
+    #[test]
+    fn flags_are_consistent_and_conflicts_are_refused() {
+        Cli::command().debug_assert();
+        for cmd in ["up", "bench"] {
+            let e = Cli::try_parse_from(["layerstream", cmd, "--resident-layers", "2", "--memory-budget", "1G"]).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{cmd}: {e}");
+        }
+        let up = match Cli::try_parse_from(["layerstream", "up", "--max-batch", "3", "--slots", "7", "--device", "cpu"]).unwrap().cmd {
+            Cmd::Up(a) => a,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((up.sched.max_batch, up.pool.slots, up.device.device.as_str()), (3, Some(7), "cpu"));
+    }
+
+    /// Every flag of every command reads an environment variable too (positional arguments aside).
+    #[test]
+    fn every_flag_has_an_environment_variable() {
+        let mut missing = Vec::new();
+        for sub in Cli::command().get_subcommands() {
+            for arg in sub.get_arguments() {
+                let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+                if !arg.is_positional() && !builtin && arg.get_env().is_none() {
+                    missing.push(format!("{} --{}", sub.get_name(), arg.get_long().unwrap_or(arg.get_id().as_str())));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "flags without an env var: {missing:?}");
+    }
 }

@@ -15,10 +15,10 @@ use tonic::{Request, Response, Status};
 #[derive(Args, Debug)]
 pub struct SinkArgs {
     /// Address to receive OTLP/gRPC on.
-    #[arg(long, default_value = "127.0.0.1:4317")]
+    #[arg(long, env = "LAYERSTREAM_OTLP_SINK_LISTEN", default_value = "127.0.0.1:4317")]
     pub listen: String,
     /// JSON-lines file the spans are appended to.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_OTLP_SINK_OUT")]
     pub out: PathBuf,
 }
 

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_model::{Message, Tokenizer};
-use layerstream_worker::{GenerateParams, SamplingParams};
+use layerstream_model::{GenerateParams, SamplingParams};
 use std::path::PathBuf;
 
 /// Exactly one way of giving the input.
@@ -15,13 +15,13 @@ pub struct PromptArgs {
     #[arg(long, env = "LAYERSTREAM_PROMPT")]
     pub prompt: Option<String>,
     /// One user turn rendered through the model's chat template, with the generation prompt.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_CHAT")]
     pub chat: Option<String>,
     /// A JSON file holding a list of {"role", "content"} messages, rendered through the template.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_MESSAGES")]
     pub messages: Option<PathBuf>,
     /// Comma-separated token ids, fed as they are.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "LAYERSTREAM_TOKEN_IDS", value_delimiter = ',')]
     pub token_ids: Option<Vec<u32>>,
 }
 
@@ -42,22 +42,22 @@ pub struct SamplingArgs {
     #[arg(long, env = "LAYERSTREAM_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f32,
     /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "LAYERSTREAM_TOP_K", default_value_t = 0)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LAYERSTREAM_TOP_P", default_value_t = 1.0)]
     pub top_p: f32,
     /// Penalise tokens already seen (1 = off; HF semantics).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LAYERSTREAM_REPETITION_PENALTY", default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// Random seed: the same seed gives the same tokens.
     #[arg(long, env = "LAYERSTREAM_SEED", default_value_t = 0)]
     pub seed: u64,
     /// Stop when the output contains this string (repeatable); the string is not returned.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_STOP")]
     pub stop: Vec<String>,
     /// Keep generating past the end-of-sequence token.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_IGNORE_EOS")]
     pub ignore_eos: bool,
 }
 

@@ -26,7 +26,7 @@ pub struct RunArgs {
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
 }
 
@@ -63,7 +63,7 @@ fn generate_on<B: Backend>(backend: B, store: &Store, tok: &layerstream_model::T
     if json {
         let v = serde_json::json!({
             "input_ids": g.input_ids, "output_ids": g.output_ids, "text": g.text,
-            "finish_reason": g.finish_reason, "timings": g.timings,
+            "finish_reason": layerstream_model::stop::reason_name(g.finish_reason), "timings": g.timings,
         });
         writeln!(out, "{v}")?;
     } else {
@@ -71,7 +71,7 @@ fn generate_on<B: Backend>(backend: B, store: &Store, tok: &layerstream_model::T
         writeln!(out)?;
         eprintln!(
             "[prefill {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | finish: {}]",
-            t.prefill_tokens, t.prefill_tok_s, t.decode_tokens, t.decode_tok_s, g.finish_reason
+            t.prefill_tokens, t.prefill_tok_s, t.decode_tokens, t.decode_tok_s, layerstream_model::stop::reason_name(g.finish_reason)
         );
     }
     Ok(())

@@ -19,7 +19,7 @@ pub struct SubmitArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Print one JSON object (input_ids, output_ids, text, stats, trace_id) as the last line.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
 }
 
@@ -68,13 +68,14 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
             }
             Some(generate_event::Event::Done(d)) => {
                 let st = d.stats.unwrap_or_default();
-                if d.finish_reason == "error" {
+                let reason = layerstream_model::stop::reason_name(d.finish_reason());
+                if d.finish_reason() == layerstream_model::FinishReason::Error {
                     bail!("job failed: {}", d.error);
                 }
                 if a.json {
                     let v = serde_json::json!({
                         "input_ids": d.input_ids, "output_ids": d.output_ids, "text": d.text,
-                        "finish_reason": d.finish_reason, "trace_id": d.trace_id,
+                        "finish_reason": reason, "trace_id": d.trace_id,
                         "stats": {
                             "prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
                             "tokens_per_s": st.tokens_per_s, "bytes_streamed": st.bytes_streamed,
@@ -89,7 +90,7 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                     writeln!(out)?;
                     eprintln!(
                         "[{} prompt + {} generated tokens, {:.1} tok/s, first token {:.0} ms, decode {:.1} tok/s | streamed {:.1} MB, transfer {:.0} ms, compute {:.0} ms, overlap {:.0}% | finish: {}]",
-                        st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.first_token_ms, st.decode_tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, d.finish_reason
+                        st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.first_token_ms, st.decode_tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, reason
                     );
                     eprintln!("trace id: {}", d.trace_id);
                 }

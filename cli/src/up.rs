@@ -3,54 +3,34 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use layerstream_coordinator::{PlanFlags, SchedulerFlags};
+use layerstream_loader::SlotFlags;
+use layerstream_worker::server::DeviceFlags;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Flags of `layerstream up`.
+/// Flags of `layerstream up`. The device, plan, scheduler and slot-pool flags are the worker's,
+/// coordinator's and loader's own flag groups, passed on to them unchanged.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("residency").args(["resident_layers", "memory_budget"])))]
 pub struct UpArgs {
     /// Layer store; default: the embedded SmolLM2-135M-Instruct (fetched and imported on first use).
     #[arg(long, env = "LAYERSTREAM_MODEL")]
     pub model: Option<PathBuf>,
     /// Number of workers (the layers are split between them in proportion to their budgets).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "LAYERSTREAM_UP_WORKERS", default_value_t = 1)]
     pub workers: usize,
-    /// Device of every worker.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Resident layers per worker (the rest are streamed).
-    #[arg(long)]
-    pub resident_layers: Option<usize>,
-    /// Memory budget per worker (suffixes K, M, G); resident layers are chosen to fit it.
-    #[arg(long, value_parser = layerstream_worker::server::parse_bytes)]
-    pub memory_budget: Option<u64>,
-    /// Streamed layers move in groups of this many.
-    #[arg(long, default_value_t = 1)]
-    pub layer_group_size: usize,
-    /// Streaming buffers per worker.
-    #[arg(long, default_value_t = 2)]
-    pub streaming_buffers: usize,
-    /// Layers the loader reads ahead of each worker.
-    #[arg(long, default_value_t = 2)]
-    pub prefetch_depth: usize,
-    /// Copy layers synchronously (no overlap), for comparison.
-    #[arg(long)]
-    pub no_prefetch: bool,
-    /// Loader shm slots (default: enough for every worker's buffers and prefetch).
-    #[arg(long)]
-    pub slots: Option<usize>,
-    /// KV cache positions per worker.
-    #[arg(long, default_value_t = 8192)]
-    pub kv_capacity: usize,
-    /// Most sequences per step.
-    #[arg(long, default_value_t = 32)]
-    pub max_batch: usize,
-    /// Most tokens per step; longer prompts are split over steps (chunked prefill).
-    #[arg(long, default_value_t = 2048)]
-    pub max_step_tokens: usize,
+    #[command(flatten)]
+    pub device: DeviceFlags,
+    #[command(flatten)]
+    pub plan: PlanFlags,
+    #[command(flatten)]
+    pub sched: SchedulerFlags,
+    #[command(flatten)]
+    pub pool: SlotFlags,
     /// Coordinator address.
     #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: String,
@@ -64,7 +44,7 @@ pub struct UpArgs {
     #[command(flatten)]
     pub sampling: crate::prompt::SamplingArgs,
     /// With an input: print the result as one JSON object (as `submit --json`).
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
 }
 
@@ -96,11 +76,27 @@ impl Drop for Children {
     }
 }
 
-/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line.
+/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line; its log goes to stderr.
 pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+    spawn_logged(children, name, args, Stdio::inherit(), None)
+}
+
+/// As `spawn`, with the child's log in a file under the temp dir instead of on stderr (`bench`, whose
+/// output is a table); a child that fails to start is reported with the file's last lines.
+pub(crate) fn spawn_quiet(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+    let path = std::env::temp_dir().join(format!("layerstream-{}-{}.log", std::process::id(), name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")));
+    let file = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let res = spawn_logged(children, name, args, Stdio::from(file), Some(&path));
+    if res.is_ok() {
+        let _ = std::fs::remove_file(&path);
+    }
+    res
+}
+
+fn spawn_logged(children: &mut Children, name: &str, args: &[String], stderr: Stdio, log: Option<&std::path::Path>) -> Result<String> {
     let exe = std::env::current_exe().context("locating the layerstream binary")?;
     let mut cmd = Command::new(exe);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
     // SAFETY: the closure runs between fork and exec and only calls async-signal-safe functions
     // (sigemptyset/sigaddset/pthread_sigmask) on a local set: the child gets SIGINT/SIGTERM unblocked.
     unsafe {
@@ -119,7 +115,14 @@ pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Res
     let mut lines = BufReader::new(stdout).lines();
     let addr = match lines.next() {
         Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
-        other => bail!("{name} exited before it was ready ({other:?}); see its log above"),
+        other => match log {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+                bail!("{name} exited before it was ready ({other:?}); its log ({}) ends:\n{}", p.display(), tail.join("\n"))
+            }
+            None => bail!("{name} exited before it was ready ({other:?}); see its log above"),
+        },
     };
     std::thread::spawn(move || for _ in lines {});
     Ok(addr)
@@ -139,30 +142,27 @@ pub fn run(a: UpArgs) -> Result<()> {
     let model_s = model.display().to_string();
     let ns = format!("up{}", std::process::id());
     let socket = std::env::temp_dir().join(format!("layerstream-{ns}.sock")).display().to_string();
-    let per_worker = a.streaming_buffers * a.layer_group_size + a.prefetch_depth + 1;
-    let slots = a.slots.unwrap_or((a.workers * per_worker).max(4)).min(store.manifest.config.num_layers.max(4));
+    let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
+    let slots = a.pool.slots.unwrap_or((a.workers * per_worker).max(4)).min(store.manifest.config.num_layers.max(4));
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
     let otlp = opt("--otlp-endpoint", &a.otlp_endpoint);
-    let mut largs = vec!["loader-daemon".into(), "--model".into(), model_s.clone(), "--socket".into(), socket.clone(), "--namespace".into(), ns.clone(), "--slots".into(), slots.to_string(), "--prefetch-depth".into(), a.prefetch_depth.to_string()];
+    let pool = SlotFlags { slots: Some(slots), ..a.pool.clone() };
+    let mut largs = vec!["loader-daemon".into(), "--model".into(), model_s.clone(), "--socket".into(), socket.clone(), "--namespace".into(), ns.clone()];
+    largs.extend(pool.to_args());
     largs.extend(otlp.clone());
     spawn(&mut children, "loader-daemon", &largs)?;
-    let budget = a.memory_budget.unwrap_or(64 << 30).to_string();
     let mut addrs = Vec::new();
     for i in 0..a.workers {
-        let mut wargs = vec!["worker".into(), "--model".into(), model_s.clone(), "--listen".into(), "127.0.0.1:0".into(), "--device".into(), a.device.clone(), "--memory-budget".into(), budget.clone(), "--loader-socket".into(), socket.clone()];
+        let mut wargs = vec!["worker".into(), "--model".into(), model_s.clone(), "--listen".into(), "127.0.0.1:0".into(), "--loader-socket".into(), socket.clone()];
+        wargs.extend(a.device.to_args());
         wargs.extend(otlp.clone());
         addrs.push(spawn(&mut children, &format!("worker {i}"), &wargs)?);
     }
-    let mut cargs = vec!["coordinator".into(), "--model".into(), model_s, "--listen".into(), a.listen.clone(), "--worker".into(), addrs.join(","),
-        "--layer-group-size".into(), a.layer_group_size.to_string(), "--streaming-buffers".into(), a.streaming_buffers.to_string(),
-        "--kv-capacity".into(), a.kv_capacity.to_string(), "--max-batch".into(), a.max_batch.to_string(),
-        "--max-step-tokens".into(), a.max_step_tokens.to_string()];
-    cargs.extend(opt("--resident-layers", &a.resident_layers));
-    if a.no_prefetch {
-        cargs.push("--no-prefetch".into());
-    }
+    let mut cargs = vec!["coordinator".into(), "--model".into(), model_s, "--listen".into(), a.listen.clone(), "--worker".into(), addrs.join(",")];
+    cargs.extend(a.plan.to_args());
+    cargs.extend(a.sched.to_args());
     cargs.extend(otlp);
     let addr = spawn(&mut children, "coordinator", &cargs)?;
     if a.prompt.is_given() {
@@ -192,7 +192,7 @@ pub fn run(a: UpArgs) -> Result<()> {
 
 /// Removes what a loader that died without cleaning up left in /dev/shm.
 fn clean_shm(ns: &str) {
-    let n = layerstream_loader::shm::remove_stale(ns);
+    let n = layerstream_proto::shm::remove_stale(ns);
     if n > 0 {
         eprintln!("layerstream up: removed {n} shared-memory regions left by a stopped loader");
     }

@@ -1,7 +1,7 @@
 //! Jobs: groups of requests with an id, their event history (for WatchJob replay), results and state,
 //! and the cancel flags of their sequences.
 
-use layerstream_proto::v1::{generate_event, GenerateEvent, Job};
+use layerstream_proto::v1::{generate_event, FinishReason, GenerateEvent, Job, JobState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,18 +29,18 @@ impl JobRecord {
             .collect()
     }
 
-    /// "queued", "running", "done", "cancelled" or "failed".
-    pub fn state(&self) -> &'static str {
+    /// Where the job is.
+    pub fn state(&self) -> JobState {
         let finals = self.finals();
         if finals.len() < self.requests {
-            return if self.history.is_empty() { "queued" } else { "running" };
+            return if self.history.is_empty() { JobState::Queued } else { JobState::Running };
         }
-        if finals.iter().any(|f| f.finish_reason == "error") {
-            "failed"
-        } else if self.cancelled || finals.iter().any(|f| f.finish_reason == "cancelled") {
-            "cancelled"
+        if finals.iter().any(|f| f.finish_reason() == FinishReason::Error) {
+            JobState::Failed
+        } else if self.cancelled || finals.iter().any(|f| f.finish_reason() == FinishReason::Cancelled) {
+            JobState::Cancelled
         } else {
-            "done"
+            JobState::Done
         }
     }
 

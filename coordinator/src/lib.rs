@@ -1,6 +1,8 @@
 //! The coordinator: registers workers, plans layer ranges and residency, runs continuous batching
 //! over the worker pipeline, and serves the public job API with per-job stats and traces.
 
+pub mod error;
+pub mod flags;
 pub mod jobs;
 pub mod pipeline;
 pub mod planner;
@@ -9,10 +11,12 @@ pub mod service;
 pub mod stats;
 
 use clap::Args;
+pub use error::{Error, Result};
+pub use flags::{PlanFlags, SchedulerFlags};
 use layerstream_model::Store;
 use layerstream_proto::v1::coordinator_server::CoordinatorServer;
 use layerstream_proto::v1::worker_client::WorkerClient;
-use layerstream_proto::v1::{Assignment, InfoRequest, Plan};
+use layerstream_proto::v1::{InfoRequest, Plan};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -34,34 +38,10 @@ pub struct CoordinatorArgs {
     /// With `dns://` workers: wait until at least this many addresses resolve.
     #[arg(long, env = "LAYERSTREAM_EXPECT_WORKERS", default_value_t = 1)]
     pub expect_workers: usize,
-    /// Resident layers per worker; default: as many as each worker's memory budget allows.
-    #[arg(long, env = "LAYERSTREAM_RESIDENT_LAYERS")]
-    pub resident_layers: Option<usize>,
-    /// Streamed layers move in groups of this many (one buffer per group).
-    #[arg(long, env = "LAYERSTREAM_LAYER_GROUP_SIZE", default_value_t = 1)]
-    pub layer_group_size: usize,
-    /// Streaming buffers per worker (groups in flight: one computing, the rest loading).
-    #[arg(long, env = "LAYERSTREAM_STREAMING_BUFFERS", default_value_t = 2)]
-    pub streaming_buffers: usize,
-    /// Copy layers synchronously instead of overlapping them with compute (for comparison).
-    #[arg(long, env = "LAYERSTREAM_NO_PREFETCH")]
-    pub no_prefetch: bool,
-    /// KV cache positions per worker, shared by all sequences.
-    #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
-    pub kv_capacity: usize,
-    /// Most sequences in one step.
-    #[arg(long, env = "LAYERSTREAM_MAX_BATCH", default_value_t = 32)]
-    pub max_batch: usize,
-    /// Most tokens in one step (decodes count one each); longer prompts are split over steps
-    /// (chunked prefill), which bounds a step's activation memory and latency.
-    #[arg(long, env = "LAYERSTREAM_MAX_STEP_TOKENS", default_value_t = 2048)]
-    pub max_step_tokens: usize,
-    /// Queued sequences before new requests get RESOURCE_EXHAUSTED.
-    #[arg(long, env = "LAYERSTREAM_QUEUE_SIZE", default_value_t = 256)]
-    pub queue_size: usize,
-    /// Seconds a worker may take for one step before the job fails.
-    #[arg(long, env = "LAYERSTREAM_STEP_TIMEOUT", default_value_t = 300)]
-    pub step_timeout_s: u64,
+    #[command(flatten)]
+    pub plan: PlanFlags,
+    #[command(flatten)]
+    pub sched: SchedulerFlags,
     /// Seconds to wait for workers to come up.
     #[arg(long, env = "LAYERSTREAM_WORKER_WAIT", default_value_t = 60)]
     pub worker_wait_s: u64,
@@ -70,7 +50,7 @@ pub struct CoordinatorArgs {
     pub otlp_endpoint: Option<String>,
 }
 
-async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: &str, wait: Duration) -> anyhow::Result<layerstream_proto::v1::InfoResponse> {
+async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: &str, wait: Duration) -> Result<layerstream_proto::v1::InfoResponse> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         match c.info(InfoRequest {}).await {
@@ -79,13 +59,13 @@ async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: 
                 tracing::debug!(worker = addr, error = %e, "worker not ready yet");
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            Err(e) => anyhow::bail!("worker {addr} unreachable: {}", e.message()),
+            Err(e) => return Err(Error::Worker { worker: addr.into(), msg: format!("unreachable: {}", e.message()) }),
         }
     }
 }
 
 /// Expands `dns://host:port` entries into `http://ip:port` for every resolved address.
-async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> anyhow::Result<Vec<String>> {
+async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> Result<Vec<String>> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let mut out = Vec::new();
@@ -104,14 +84,14 @@ async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> anyh
             return Ok(out);
         }
         if tokio::time::Instant::now() >= deadline {
-            anyhow::bail!("found {} worker address(es) from {list:?}, expected {expect}", out.len());
+            return Err(Error::Setup(format!("found {} worker address(es) from {list:?}, expected {expect}", out.len())));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
-pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
+pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let tracing_guard = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
     let store = Store::open(&args.model)?;
     let tokenizer = Arc::new(store.tokenizer()?);
@@ -121,52 +101,47 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30);
         let info = info_with_retry(&mut c, addr, Duration::from_secs(args.worker_wait_s)).await?;
         if info.num_layers as usize != store.manifest.config.num_layers {
-            anyhow::bail!("worker {addr} serves a model with {} layers, the coordinator's store has {}", info.num_layers, store.manifest.config.num_layers);
+            return Err(Error::Worker {
+                worker: addr.clone(),
+                msg: format!("serves a model with {} layers, the coordinator's store has {}", info.num_layers, store.manifest.config.num_layers),
+            });
         }
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
         workers.push((addr.clone(), info.device, info.memory_budget, c));
     }
     let specs: Vec<planner::WorkerSpec> = workers.iter().map(|w| planner::WorkerSpec { address: w.0.clone(), budget: w.2 }).collect();
     let opts = planner::PlanOptions {
-        resident_layers: args.resident_layers,
-        group_size: args.layer_group_size,
-        buffers: args.streaming_buffers,
-        kv_capacity: args.kv_capacity,
-        prefetch: !args.no_prefetch,
+        resident_layers: args.plan.resident_layers,
+        group_size: args.plan.layer_group_size,
+        buffers: args.plan.streaming_buffers,
+        kv_capacity: args.plan.kv_capacity,
+        prefetch: !args.plan.no_prefetch,
     };
-    let plans = planner::plan(&store.manifest, &specs, &opts).map_err(|e| anyhow::anyhow!("planning failed: {e}"))?;
+    let plans = planner::plan(&store.manifest, &specs, &opts)?;
     let mut assignments = Vec::new();
-    let mut step_tokens = args.max_step_tokens.max(1);
+    let mut step_tokens = args.sched.max_step_tokens.max(1);
     for ((addr, _, _, c), p) in workers.iter_mut().zip(&plans) {
-        let a = Assignment {
-            worker: addr.clone(),
-            layer_start: p.layers.start,
-            layer_end: p.layers.end,
-            resident: p.resident.clone(),
-            group_size: p.group_size as u32,
-            streaming_buffers: p.buffers as u32,
-            kv_capacity: p.kv_capacity as u64,
-            embed: p.embed,
-            head: p.head,
-            prefetch: p.prefetch,
-            bytes_needed: layerstream_worker::budget::usage(&store.manifest, p).total(),
-        };
-        tracing::info!(worker = %addr, layers = ?p.layers, resident = ?p.resident, group = p.group_size, buffers = p.buffers, bytes = a.bytes_needed, prefetch = p.prefetch, "plan");
-        let r = c.assign(a.clone()).await.map_err(|s| anyhow::anyhow!("worker {addr} refused its assignment: {}", s.message()))?.into_inner();
+        let a = p.clone();
+        tracing::info!(worker = %addr, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = a.bytes_needed, prefetch = p.prefetch, "plan");
+        let r = c
+            .assign(a.clone())
+            .await
+            .map_err(|s| Error::Worker { worker: addr.clone(), msg: format!("refused its assignment: {}", s.message()) })?
+            .into_inner();
         if r.max_step_tokens > 0 && (r.max_step_tokens as usize) < step_tokens {
             step_tokens = r.max_step_tokens as usize;
             tracing::info!(worker = %addr, max_step_tokens = step_tokens, "tokens per step limited by the worker's activation memory");
         }
         assignments.push(a);
     }
-    let (queue, rx) = tokio::sync::mpsc::channel(args.queue_size.max(1));
-    let pipeline = pipeline::Pipeline { workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(), step_timeout: Duration::from_secs(args.step_timeout_s) };
+    let (queue, rx) = tokio::sync::mpsc::channel(args.sched.queue_size.max(1));
+    let pipeline = pipeline::Pipeline { workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(), step_timeout: Duration::from_secs(args.sched.step_timeout_s) };
     let sched = scheduler::Scheduler {
         rx,
         pipeline,
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
-        limits: scheduler::Limits { max_batch: args.max_batch.max(1), kv_capacity: args.kv_capacity, max_step_tokens: step_tokens },
+        limits: scheduler::Limits { max_batch: args.sched.max_batch.max(1), kv_capacity: args.plan.kv_capacity, max_step_tokens: step_tokens },
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {
@@ -175,13 +150,13 @@ pub async fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
         tokenizer,
         vocab: store.manifest.config.vocab_size,
         context: store.manifest.config.max_position_embeddings,
-        kv_capacity: args.kv_capacity,
+        kv_capacity: args.plan.kv_capacity,
         plan: Plan { assignments, num_layers: store.manifest.config.num_layers as u32 },
         workers,
         next_seq: AtomicU64::new(1),
         next_job: AtomicU64::new(1),
     };
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
     println!("LISTENING http://{}", listener.local_addr()?);
     tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>().await)

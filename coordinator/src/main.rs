@@ -11,5 +11,5 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    layerstream_coordinator::run(Cli::parse().args).await
+    Ok(layerstream_coordinator::run(Cli::parse().args).await?)
 }

@@ -2,6 +2,7 @@
 //! passed along, sampled tokens from the last; trace context in metadata; a failed or hung worker
 //! ends the step with an error that names it.
 
+use crate::error::{Error, Result};
 use layerstream_proto::telemetry::traced_request;
 use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::{LayerTiming, ReleaseRequest, StepRequest, StepSeq};
@@ -27,7 +28,7 @@ pub struct StepResult {
 
 impl Pipeline {
     /// Runs `seqs` through every worker under `span`.
-    pub async fn step(&self, seqs: Vec<StepSeq>, span: &Span) -> Result<StepResult, String> {
+    pub async fn step(&self, seqs: Vec<StepSeq>, span: &Span) -> Result<StepResult> {
         let mut hidden = Vec::new();
         let mut out = StepResult::default();
         for (i, (addr, client)) in self.workers.iter().enumerate() {
@@ -35,14 +36,14 @@ impl Pipeline {
             let mut c = client.clone();
             let resp = tokio::time::timeout(self.step_timeout, c.step(req))
                 .await
-                .map_err(|_| format!("worker {addr} did not answer a step within {:?}", self.step_timeout))?
-                .map_err(|s| format!("worker {addr} failed: {} ({:?})", s.message(), s.code()))?
+                .map_err(|_| Error::StepTimeout { worker: addr.clone(), timeout: self.step_timeout })?
+                .map_err(|s| Error::Worker { worker: addr.clone(), msg: format!("failed: {} ({:?})", s.message(), s.code()) })?
                 .into_inner();
             out.layers.extend(resp.layers);
             out.layers_ms += resp.layers_ms;
             if i + 1 == self.workers.len() {
                 if resp.tokens.len() != seqs.len() {
-                    return Err(format!("worker {addr} returned {} tokens for {} sequences", resp.tokens.len(), seqs.len()));
+                    return Err(Error::Worker { worker: addr.clone(), msg: format!("returned {} tokens for {} sequences", resp.tokens.len(), seqs.len()) });
                 }
                 out.tokens = resp.tokens;
             } else {

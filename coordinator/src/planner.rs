@@ -2,9 +2,9 @@
 //! streaming buffers and KV capacity. Pure logic, validated up front: a budget that cannot fit is an
 //! error before anything is loaded.
 
+use crate::error::{Error, Result};
+use layerstream_model::plan::{layer_bytes, usage, Assignment};
 use layerstream_model::Manifest;
-use layerstream_worker::budget::{layer_bytes, usage};
-use layerstream_worker::stage::StagePlan;
 
 /// A worker as the planner sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,13 +25,13 @@ pub struct PlanOptions {
 }
 
 /// Splits `n` layers over budgets in proportion (largest remainder), each worker at least one.
-pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32>>, String> {
+pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32>>> {
     let w = budgets.len();
     if w == 0 {
-        return Err("no workers".into());
+        return Err(Error::Plan("no workers".into()));
     }
     if w > n {
-        return Err(format!("{w} workers but only {n} layers: every worker needs at least one layer"));
+        return Err(Error::Plan(format!("{w} workers but only {n} layers: every worker needs at least one layer")));
     }
     let total: f64 = budgets.iter().map(|&b| b.max(1) as f64).sum();
     let exact: Vec<f64> = budgets.iter().map(|&b| b.max(1) as f64 / total * (n - w) as f64).collect();
@@ -65,22 +65,25 @@ pub fn interleave(range: &std::ops::Range<u32>, k: usize) -> Vec<u32> {
     (0..k).map(|i| range.start + (i * n / k) as u32).collect()
 }
 
-/// Plans every worker; errors name the worker and what does not fit.
-pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec<StagePlan>, String> {
+/// Plans every worker as the assignments sent to them; errors name the worker and what does not fit.
+pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec<Assignment>> {
     let budgets: Vec<u64> = workers.iter().map(|w| w.budget).collect();
     let ranges = split_layers(m.config.num_layers, &budgets)?;
     let last = ranges.len() - 1;
     let mut plans = Vec::with_capacity(ranges.len());
     for (i, (range, w)) in ranges.into_iter().zip(workers).enumerate() {
-        let mut p = StagePlan {
-            layers: range.clone(),
+        let mut p = Assignment {
+            worker: w.address.clone(),
+            layer_start: range.start,
+            layer_end: range.end,
             resident: Vec::new(),
-            group_size: o.group_size.max(1),
-            buffers: o.buffers,
-            kv_capacity: o.kv_capacity,
+            group_size: o.group_size.max(1) as u32,
+            streaming_buffers: o.buffers as u32,
+            kv_capacity: o.kv_capacity as u64,
             embed: i == 0,
             head: i == last,
             prefetch: o.prefetch,
+            bytes_needed: 0,
         };
         let k = match o.resident_layers {
             Some(k) => k.min(range.len()),
@@ -88,24 +91,25 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
                 // The most resident layers whose usage fits the budget.
                 (0..=range.len())
                     .rev()
-                    .find(|&k| usage(m, &StagePlan { resident: interleave(&range, k), ..p.clone() }).total() <= w.budget)
+                    .find(|&k| usage(m, &Assignment { resident: interleave(&range, k), ..p.clone() }).total() <= w.budget)
                     .ok_or_else(|| {
-                        let u = usage(m, &StagePlan { resident: vec![], ..p.clone() });
-                        format!("worker {}: memory budget {} bytes cannot hold even a streaming plan for layers {}..{}: needs {u}", w.address, w.budget, range.start, range.end)
+                        let u = usage(m, &Assignment { resident: vec![], ..p.clone() });
+                        Error::Plan(format!("worker {}: memory budget {} bytes cannot hold even a streaming plan for layers {}..{}: needs {u}", w.address, w.budget, range.start, range.end))
                     })?
             }
         };
         p.resident = interleave(&range, k);
         let u = usage(m, &p);
         if u.total() > w.budget {
-            return Err(format!(
+            return Err(Error::Plan(format!(
                 "worker {}: layers {}..{} with {k} resident need {u}, more than its memory budget of {} bytes",
                 w.address, range.start, range.end, w.budget
-            ));
+            )));
         }
-        if p.layers.clone().any(|l| layer_bytes(m, l) == 0) {
-            return Err(format!("the store lacks a layer file in {}..{}", range.start, range.end));
+        if range.clone().any(|l| layer_bytes(m, l) == 0) {
+            return Err(Error::Plan(format!("the store lacks a layer file in {}..{}", range.start, range.end)));
         }
+        p.bytes_needed = u.total();
         plans.push(p);
     }
     Ok(plans)
@@ -123,11 +127,15 @@ mod tests {
         assert_eq!(r.iter().map(|x| x.len()).sum::<usize>(), 10);
         assert!(r[0].len() > r[1].len());
         assert_eq!(r[0].end, r[1].start);
-        assert!(split_layers(2, &[1, 1, 1]).unwrap_err().contains("3 workers"));
+        assert!(split_layers(2, &[1, 1, 1]).unwrap_err().to_string().contains("3 workers"));
     }
 
     fn manifest(dir: &std::path::Path) -> Manifest {
         layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(8), 3, &dir.join("s")).unwrap()
+    }
+
+    fn streaming_plan(r: std::ops::Range<u32>) -> Assignment {
+        Assignment { layer_start: r.start, layer_end: r.end, group_size: 1, streaming_buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true, ..Default::default() }
     }
 
     fn opts(resident: Option<usize>) -> PlanOptions {
@@ -141,13 +149,14 @@ mod tests {
         let layer = layer_bytes(&m, 0);
         let mut last = 0;
         for extra_layers in [0u64, 2, 5, 20] {
-            let budget = usage(&m, &StagePlan { layers: 0..4, resident: vec![], group_size: 1, buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true }).total() + extra_layers * layer;
+            let budget = usage(&m, &streaming_plan(0..4)).total() + extra_layers * layer;
             let w = [WorkerSpec { address: "a".into(), budget }, WorkerSpec { address: "b".into(), budget }];
             let plans = plan(&m, &w, &opts(None)).unwrap();
-            assert_eq!(plans.iter().map(|p| p.layers.len()).sum::<usize>(), 8);
+            assert_eq!(plans.iter().map(|p| (p.layer_end - p.layer_start) as usize).sum::<usize>(), 8);
             assert!(plans[0].embed && !plans[0].head && plans[1].head && !plans[1].embed);
             for p in &plans {
                 assert!(usage(&m, p).total() <= budget);
+                assert_eq!(p.bytes_needed, usage(&m, p).total(), "the assignment carries its own size");
             }
             let k = plans[0].resident.len();
             assert!(k >= last, "more budget, no fewer resident layers");
@@ -161,12 +170,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
         let w = [WorkerSpec { address: "http://w0".into(), budget: 1000 }];
-        let e = plan(&m, &w, &opts(None)).unwrap_err();
+        let e = plan(&m, &w, &opts(None)).unwrap_err().to_string();
         assert!(e.contains("http://w0") && e.contains("cannot hold"), "{e}");
         let big = [WorkerSpec { address: "http://w0".into(), budget: 1 << 40 }];
         assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
-        let tight = usage(&m, &StagePlan { layers: 0..8, resident: vec![], group_size: 1, buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true }).total();
-        let e = plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8))).unwrap_err();
+        let tight = usage(&m, &streaming_plan(0..8)).total();
+        let e = plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8))).unwrap_err().to_string();
         assert!(e.contains("8 resident need"), "{e}");
     }
 

@@ -8,10 +8,8 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
-use layerstream_model::Tokenizer;
+use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_proto::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
-use layerstream_worker::generate::TextTracker;
-use layerstream_worker::GenerateParams;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -43,9 +41,9 @@ impl SeqRequest {
 
 struct Active {
     req: SeqRequest,
-    output: Vec<u32>,
     pos: usize,
-    tracker: TextTracker,
+    /// Output tokens, their text, and the stop criteria.
+    stopper: Stopper,
     acc: Acc,
     started: Instant,
 }
@@ -63,6 +61,7 @@ pub struct Scheduler {
     pub rx: mpsc::Receiver<SeqRequest>,
     pub pipeline: Pipeline,
     pub tokenizer: Arc<Tokenizer>,
+    /// The model's end-of-sequence ids.
     pub eos: Vec<u32>,
     pub limits: Limits,
 }
@@ -100,7 +99,7 @@ pub fn admit(active: usize, kv_used: usize, waiting: &[usize], l: Limits) -> usi
     n
 }
 
-fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_proto::v1::Stats, reason: &str, error: String) -> GenerateEvent {
+fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_proto::v1::Stats, reason: FinishReason, error: String) -> GenerateEvent {
     GenerateEvent {
         index: req.index,
         event: Some(generate_event::Event::Done(FinalEvent {
@@ -115,9 +114,10 @@ fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_
     }
 }
 
-fn finish(a: &Active, reason: &str, error: String) -> GenerateEvent {
-    let stats = a.acc.stats(a.req.input_ids.len(), a.output.len(), a.started.elapsed(), a.req.queued.elapsed());
-    final_event(&a.req, &a.output, &a.tracker.text, stats, reason, error)
+fn finish(a: &Active, reason: FinishReason, error: String) -> GenerateEvent {
+    let output = a.stopper.output();
+    let stats = a.acc.stats(a.req.input_ids.len(), output.len(), a.started.elapsed(), a.req.queued.elapsed());
+    final_event(&a.req, output, &a.stopper.text, stats, reason, error)
 }
 
 impl Scheduler {
@@ -139,8 +139,8 @@ impl Scheduler {
             let needs: Vec<usize> = waiting.iter().map(SeqRequest::reserve).collect();
             for _ in 0..admit(active.len(), kv_used, &needs, self.limits) {
                 let req = waiting.pop_front().expect("admitted from the queue");
-                let tracker = TextTracker::new(req.params.stop.clone());
-                active.push(Active { req, output: Vec::new(), pos: 0, tracker, acc: Acc::default(), started: Instant::now() });
+                let stopper = Stopper::new(&req.params, &self.eos);
+                active.push(Active { req, pos: 0, stopper, acc: Acc::default(), started: Instant::now() });
             }
             self.drop_cancelled(&mut active, &mut waiting).await;
             if active.is_empty() {
@@ -154,7 +154,7 @@ impl Scheduler {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
-                let _ = r.events.try_send(final_event(r, &[], "", Acc::default().stats(r.input_ids.len(), 0, Default::default(), r.queued.elapsed()), "cancelled", String::new()));
+                let _ = r.events.try_send(final_event(r, &[], "", Acc::default().stats(r.input_ids.len(), 0, Default::default(), r.queued.elapsed()), FinishReason::Cancelled, String::new()));
             }
             !gone
         });
@@ -164,7 +164,7 @@ impl Scheduler {
             let a = &active[i];
             if a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed() {
                 let a = active.swap_remove(i);
-                let _ = a.req.events.try_send(finish(&a, "cancelled", String::new()));
+                let _ = a.req.events.try_send(finish(&a, FinishReason::Cancelled, String::new()));
                 tracing::info!(seq = a.req.seq_id, "sequence cancelled; freeing its KV cache");
                 gone.push(a.req.seq_id);
             } else {
@@ -186,7 +186,7 @@ impl Scheduler {
                 StepSeq {
                     seq_id: a.req.seq_id,
                     start_pos: a.pos as u32,
-                    token_ids: if a.pos < prompt { a.req.input_ids[a.pos..a.pos + n].to_vec() } else { vec![*a.output.last().expect("decoding after prefill")] },
+                    token_ids: if a.pos < prompt { a.req.input_ids[a.pos..a.pos + n].to_vec() } else { vec![*a.stopper.output().last().expect("decoding after prefill")] },
                     sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
                     prompt_continues: a.pos + n < prompt,
                 }
@@ -204,7 +204,7 @@ impl Scheduler {
                 tracing::error!(error = %e, "step failed; ending every active sequence");
                 let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
                 for a in active.drain(..) {
-                    let _ = a.req.events.send(finish(&a, "error", e.clone())).await;
+                    let _ = a.req.events.send(finish(&a, FinishReason::Error, e.to_string())).await;
                 }
                 self.pipeline.release(ids).await;
                 return;
@@ -218,32 +218,13 @@ impl Scheduler {
             if s.prompt_continues {
                 continue;
             }
-            a.output.push(tok);
-            if a.output.len() == 1 {
+            if a.stopper.output().is_empty() {
                 a.acc.first_token = Some(a.req.queued.elapsed());
             }
-            let p = &a.req.params;
-            let mut reason: Option<(&str, String)> = None;
-            let mut delta = String::new();
-            if !p.ignore_eos && self.eos.contains(&tok) {
-                reason = Some(("eos", String::new()));
-            } else {
-                match a.tracker.update(&self.tokenizer, &a.output) {
-                    Ok((d, stopped)) => {
-                        delta = d;
-                        if stopped {
-                            reason = Some(("stop", String::new()));
-                        }
-                    }
-                    Err(e) => reason = Some(("error", format!("decoding output: {e}"))),
-                }
-            }
-            if reason.is_none() && a.output.len() >= p.max_new_tokens {
-                reason = Some(("length", String::new()));
-            }
-            if reason.is_some() {
-                delta.push_str(&a.tracker.flush());
-            }
+            let (delta, reason) = match a.stopper.push(&self.tokenizer, tok) {
+                Ok(p) => (p.delta, p.finish.map(|r| (r, String::new()))),
+                Err(e) => (String::new(), Some((FinishReason::Error, format!("decoding output: {e}")))),
+            };
             let ev = GenerateEvent { index: a.req.index, event: Some(generate_event::Event::Token(TokenEvent { ids: vec![tok], text: delta })) };
             let _ = a.req.events.send(ev).await;
             if let Some((r, err)) = reason {

@@ -4,12 +4,10 @@
 
 use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
-use layerstream_model::{Message, Tokenizer};
+use layerstream_model::{check_request, GenerateParams, Message, SamplingParams, Tokenizer};
 use layerstream_proto::v1::coordinator_server::Coordinator;
 use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::*;
-use layerstream_worker::generate::check_request;
-use layerstream_worker::{GenerateParams, SamplingParams};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -134,7 +132,7 @@ impl CoordinatorService {
                 for ev in new {
                     seen += 1;
                     let err = match &ev.event {
-                        Some(generate_event::Event::Done(d)) if d.finish_reason == "error" => Some(d.error.clone()),
+                        Some(generate_event::Event::Done(d)) if d.finish_reason() == FinishReason::Error => Some(d.error.clone()),
                         _ => None,
                     };
                     if tx.send(Ok(ev)).await.is_err() {

@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::rope::RopeTable;
-use layerstream_model::DType;
+use layerstream_types::DType;
 
 /// Attention geometry of a model.
 #[derive(Debug, Clone, Copy, PartialEq)]

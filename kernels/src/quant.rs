@@ -4,7 +4,7 @@
 //! blocks; `DType::row_bytes` gives their size.
 
 use half::{bf16, f16};
-use layerstream_model::DType;
+use layerstream_types::DType;
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
@@ -162,9 +162,9 @@ pub(crate) mod tests {
     fn synthetic_weights_are_zero_mean_and_small() {
         for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
             let (rows, k) = (64, 512);
-            let t = layerstream_model::synth::random_tensor_seeded(7, dtype, &[rows, k]).unwrap();
+            let t = layerstream_types::random::Rng::new(7).tensor(dtype, &[rows, k]).unwrap();
             let mut w = vec![0f32; rows * k];
-            for (row, out) in t.data.chunks_exact(dtype.row_bytes(k).unwrap()).zip(w.chunks_exact_mut(k)) {
+            for (row, out) in t.chunks_exact(dtype.row_bytes(k).unwrap()).zip(w.chunks_exact_mut(k)) {
                 dequant_row(dtype, row, out);
             }
             let mean = w.iter().map(|&v| v as f64).sum::<f64>() / w.len() as f64;

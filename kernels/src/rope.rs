@@ -1,6 +1,6 @@
 //! RoPE inverse frequencies (default and llama3-scaled), computed as transformers does.
 
-use layerstream_model::{RopeConfig, RopeScaling};
+use layerstream_types::{RopeConfig, RopeScaling};
 
 /// Per-pair inverse frequencies for one head dimension.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,7 +3,7 @@
 
 use crate::pool::{Acquire, Pool};
 use crate::read::read_into;
-use crate::shm::{slot_name, ShmRegion};
+use layerstream_proto::shm::{slot_name, ShmRegion};
 use layerstream_model::layout::layer_file;
 use layerstream_model::Store;
 use layerstream_proto::telemetry::adopt_parent;
@@ -29,8 +29,8 @@ pub struct Daemon {
 
 impl Daemon {
     /// Creates `n` slots of `slot_size` bytes in namespace `ns` (stale ones removed first).
-    pub fn new(store: Store, ns: &str, n: usize, slot_size: usize, depth: usize) -> anyhow::Result<Daemon> {
-        let removed = crate::shm::remove_stale(ns);
+    pub fn new(store: Store, ns: &str, n: usize, slot_size: usize, depth: usize) -> crate::Result<Daemon> {
+        let removed = layerstream_proto::shm::remove_stale(ns);
         if removed > 0 {
             warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
         }
@@ -38,7 +38,7 @@ impl Daemon {
         let mut slots = Vec::with_capacity(n);
         for i in 0..n {
             let name = slot_name(ns, i);
-            slots.push(ShmRegion::create(&name, slot_size).map_err(|e| anyhow::anyhow!("creating /dev/shm/{name} ({slot_size} bytes): {e}"))?);
+            slots.push(ShmRegion::create(&name, slot_size).map_err(|source| crate::Error::Shm { name: name.clone(), bytes: slot_size, source })?);
         }
         let first = store.dir.join(layer_file(0));
         let direct = crate::read::direct_supported(&first);

@@ -4,15 +4,39 @@
 //! data never goes over gRPC.
 
 pub mod daemon;
+pub mod error;
 pub mod pool;
 pub mod read;
-pub mod shm;
 
+pub use error::{Error, Result};
 use clap::Args;
 use layerstream_model::Store;
 use layerstream_proto::v1::loader_server::LoaderServer;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// The slot pool's size and read-ahead (shared by `loader-daemon`, `up` and `bench`).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct SlotFlags {
+    /// Number of shm slots, each holding one layer file (default: 8 for a standalone loader; `up`
+    /// sizes it for its workers' buffers and read-ahead).
+    #[arg(long, alias = "loader-slots", env = "LAYERSTREAM_SLOTS")]
+    pub slots: Option<usize>,
+    /// Layers to read ahead of each worker's position.
+    #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH", default_value_t = 2)]
+    pub prefetch_depth: usize,
+}
+
+impl SlotFlags {
+    /// The same settings as command-line arguments (for a child loader).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--prefetch-depth".to_owned(), self.prefetch_depth.to_string()];
+        if let Some(n) = self.slots {
+            a.extend(["--slots".to_owned(), n.to_string()]);
+        }
+        a
+    }
+}
 
 /// Flags of the loader daemon.
 #[derive(Args, Debug, Clone)]
@@ -27,32 +51,29 @@ pub struct LoaderArgs {
     /// the same namespace are removed at start.
     #[arg(long, env = "LAYERSTREAM_SHM_NAMESPACE", default_value = "default")]
     pub namespace: String,
-    /// Number of shm slots (each holds one layer file).
-    #[arg(long, env = "LAYERSTREAM_SLOTS", default_value_t = 8)]
-    pub slots: usize,
+    #[command(flatten)]
+    pub pool: SlotFlags,
     /// Bytes per slot; default: the store's largest layer file.
     #[arg(long, env = "LAYERSTREAM_SLOT_SIZE")]
     pub slot_size: Option<usize>,
-    /// Layers to read ahead of each worker's position.
-    #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH", default_value_t = 2)]
-    pub prefetch_depth: usize,
     /// OTLP gRPC endpoint for traces (off when unset).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 }
 
 /// Runs the daemon until SIGINT/SIGTERM; prints `LISTENING unix:<socket>` when ready.
-pub async fn run(args: LoaderArgs) -> anyhow::Result<()> {
+pub async fn run(args: LoaderArgs) -> Result<()> {
     let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
     let store = Store::open(&args.model)?;
     let slot_size = args.slot_size.unwrap_or(store.manifest.max_layer_bytes() as usize);
-    if args.slots == 0 || slot_size == 0 {
-        anyhow::bail!("--slots and --slot-size must be > 0");
+    let slots = args.pool.slots.unwrap_or(8);
+    if slots == 0 || slot_size == 0 {
+        return Err(Error::Config("--slots and --slot-size must be > 0".into()));
     }
-    let daemon = Arc::new(daemon::Daemon::new(store, &args.namespace, args.slots, slot_size, args.prefetch_depth)?);
-    tracing::info!(slots = args.slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
+    let daemon = Arc::new(daemon::Daemon::new(store, &args.namespace, slots, slot_size, args.pool.prefetch_depth)?);
+    tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
     let _ = std::fs::remove_file(&args.socket);
-    let listener = tokio::net::UnixListener::bind(&args.socket).map_err(|e| anyhow::anyhow!("binding {}: {e}", args.socket.display()))?;
+    let listener = tokio::net::UnixListener::bind(&args.socket).map_err(|source| Error::Bind { path: args.socket.clone(), source })?;
     println!("LISTENING unix:{}", args.socket.display());
     let server = tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await)

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+pub use layerstream_types::rope::{RopeConfig, RopeScaling};
 
 /// Decoder-only architectures the forward pass implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -33,26 +34,6 @@ impl Arch {
             other => Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() }),
         }
     }
-}
-
-/// RoPE frequency scaling variants.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
-pub enum RopeScaling {
-    /// Llama 3.1's piecewise wavelength scaling.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
-}
-
-/// Rotary position embedding parameters (HF "half" layout: pairs (i, i + d/2)).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RopeConfig {
-    pub theta: f64,
-    pub scaling: Option<RopeScaling>,
 }
 
 /// Everything the forward pass needs to know about a model.

@@ -25,6 +25,8 @@ pub enum Error {
     Template(String),
     #[error("default model: {0}")]
     Fetch(String),
+    #[error("{field}: {msg}")]
+    Request { field: String, msg: String },
 }
 
 /// Result alias for the model crate.

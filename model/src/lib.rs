@@ -4,7 +4,6 @@
 //! importer that writes the per-layer store every other layerstream process reads.
 
 pub mod config;
-pub mod dtype;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
@@ -12,13 +11,18 @@ pub mod gguf_tokenizer;
 pub mod hf;
 pub mod import;
 pub mod layout;
+pub mod plan;
 pub mod source;
+pub mod stop;
+pub mod generation;
 pub mod store;
 pub mod synth;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
-pub use dtype::DType;
+pub use layerstream_types::{dtype, DType};
 pub use error::{Error, Result};
 pub use store::{FileEntry, LoadedFile, Manifest, Store};
+pub use generation::{check_request, GenerateParams, SamplingParams};
+pub use stop::{FinishReason, Stopper};
 pub use tokenizer::{Message, Tokenizer};

@@ -1,11 +1,12 @@
 //! The worker's compute device, chosen by `--device`: the CPU or a CUDA GPU (opened once per
 //! process: context, kernels, cuBLAS), its usable memory budget, and the stage loaded on it.
 
-use crate::error::Result;
-use crate::stage::{Stage, StagePlan, StepOut, StepSeq};
+use crate::error::{Error, Result};
+use crate::stage::{Stage, StepOut, StepSeq};
 use crate::stream::LoaderLink;
 use layerstream_kernels::cuda::{parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, RUNTIME_RESERVE};
 use layerstream_kernels::{Backend, CpuBackend};
+use layerstream_model::plan::Assignment;
 use layerstream_model::{ModelConfig, Store};
 use tracing::Span;
 
@@ -24,26 +25,30 @@ pub enum AnyStage {
 
 impl Device {
     /// Opens `cpu` or `cuda[:N]`.
-    pub fn open(name: &str) -> anyhow::Result<Device> {
+    pub fn open(name: &str) -> Result<Device> {
         if let Some(ordinal) = parse_cuda_device(name) {
             return Ok(Device::Cuda(CudaBackend::new(ordinal?)?));
         }
         if name != "cpu" {
-            anyhow::bail!("unknown device {name:?}: use cpu or cuda:N");
+            return Err(Error::Device { device: name.into(), msg: "unknown device: use cpu or cuda:N".into() });
         }
         Ok(Device::Cpu(CpuBackend::default()))
     }
 
-    /// The bytes assignments may use: the flag on the CPU; on a GPU, the smaller of the flag and
-    /// what cuMemGetInfo reports free, less the runtime reserve (GEMM scratch, activations, cuBLAS).
-    pub fn budget(&self, flag: u64) -> anyhow::Result<u64> {
+    /// The bytes assignments may use — one rule for every command: the flag if given, else what the
+    /// device has available (host MemAvailable on the CPU, free memory on a GPU); on a GPU, never
+    /// more than is free, less the runtime reserve (GEMM scratch, activations, cuBLAS).
+    pub fn budget(&self, flag: Option<u64>) -> Result<u64> {
         match self {
-            Device::Cpu(_) => Ok(flag),
+            Device::Cpu(_) => Ok(flag.unwrap_or_else(host_available_bytes)),
             Device::Cuda(b) => {
                 let (free, total) = b.mem_info()?;
-                let usable = flag.min(free as u64).saturating_sub(RUNTIME_RESERVE);
+                let usable = flag.unwrap_or(u64::MAX).min(free as u64).saturating_sub(RUNTIME_RESERVE);
                 if usable == 0 {
-                    anyhow::bail!("{}: budget {flag} bytes with {free} of {total} bytes free leaves nothing after the {RUNTIME_RESERVE}-byte runtime reserve", b.name());
+                    return Err(Error::Device {
+                        device: b.name(),
+                        msg: format!("a budget of {flag:?} bytes with {free} of {total} bytes free leaves nothing after the {RUNTIME_RESERVE}-byte runtime reserve"),
+                    });
                 }
                 Ok(usable)
             }
@@ -55,12 +60,12 @@ impl Device {
     pub fn step_token_limit(&self, cfg: &ModelConfig) -> Option<usize> {
         match self {
             Device::Cpu(_) => None,
-            Device::Cuda(_) => Some(crate::budget::step_token_limit(cfg, ACTIVATION_RESERVE)),
+            Device::Cuda(_) => Some(layerstream_model::plan::step_token_limit(cfg, ACTIVATION_RESERVE)),
         }
     }
 
     /// Loads an assignment on this device.
-    pub fn load(&self, store: Store, plan: StagePlan, link: LoaderLink) -> Result<AnyStage> {
+    pub fn load(&self, store: Store, plan: Assignment, link: LoaderLink) -> Result<AnyStage> {
         Ok(match self {
             Device::Cpu(b) => AnyStage::Cpu(Stage::load(b.clone(), store, plan, link)?),
             Device::Cuda(b) => AnyStage::Cuda(Stage::load(b.clone(), store, plan, link)?),
@@ -70,7 +75,7 @@ impl Device {
 
 impl AnyStage {
     /// The loaded plan.
-    pub fn plan(&self) -> &StagePlan {
+    pub fn plan(&self) -> &Assignment {
         match self {
             AnyStage::Cpu(s) => &s.plan,
             AnyStage::Cuda(s) => &s.plan,
@@ -100,4 +105,12 @@ impl AnyStage {
             AnyStage::Cuda(s) => s.kv_used(),
         }
     }
+}
+
+/// The host's MemAvailable (from /proc/meminfo), or 8 GiB where it cannot be read.
+pub fn host_available_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(8 << 30, |kib| kib << 10)
 }

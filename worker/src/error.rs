@@ -11,6 +11,18 @@ pub enum Error {
     Shape(String),
     #[error("request: {0}")]
     Request(String),
+    #[error("KV cache full: {used} + {asked} positions exceed capacity {capacity}")]
+    KvFull { used: usize, asked: usize, capacity: usize },
+    #[error("device {device}: {msg}")]
+    Device { device: String, msg: String },
+    #[error("binding {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("loader daemon {what}: {msg}")]
+    Loader { what: String, msg: String },
 }
 
 /// Result alias for the worker crate.

@@ -2,7 +2,6 @@
 //! sampling and generation (used by `layerstream run`), and the pipeline stage served over gRPC
 //! that streams layer groups from the loader daemon while it computes.
 
-pub mod budget;
 pub mod device;
 pub mod error;
 pub mod forward;
@@ -18,6 +17,7 @@ pub mod stream;
 pub mod weights;
 
 pub use error::{Error, Result};
-pub use generate::{generate, GenerateParams, Generation, Timings};
+pub use generate::{generate, Generation, Timings};
+pub use layerstream_model::GenerateParams;
 pub use model::{Model, SeqState};
 pub use sampling::{Sampler, SamplingParams};

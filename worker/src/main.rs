@@ -11,5 +11,5 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    layerstream_worker::server::run(Cli::parse().args).await
+    Ok(layerstream_worker::server::run(Cli::parse().args).await?)
 }

@@ -4,60 +4,7 @@
 
 use crate::nucleus::{draw_unordered, nucleus};
 use layerstream_kernels::host::{argmax, check_logits};
-use layerstream_proto::v1::Sampling;
-use serde::{Deserialize, Serialize};
-
-/// Per-request sampling settings (HF `generate` semantics).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SamplingParams {
-    /// 0 = greedy.
-    pub temperature: f32,
-    /// 0 = off.
-    pub top_k: usize,
-    /// 1 = off.
-    pub top_p: f32,
-    /// 1 = off; >1 discourages tokens already in the prompt or output.
-    pub repetition_penalty: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, seed: 0 }
-    }
-}
-
-impl SamplingParams {
-    /// From the wire, where 0 means "unset" for top_p and repetition_penalty (proto3 defaults).
-    pub fn from_wire(w: &Sampling) -> Self {
-        SamplingParams {
-            temperature: w.temperature,
-            top_k: w.top_k as usize,
-            top_p: if w.top_p <= 0.0 { 1.0 } else { w.top_p },
-            repetition_penalty: if w.repetition_penalty <= 0.0 { 1.0 } else { w.repetition_penalty },
-            seed: w.seed,
-        }
-    }
-
-    /// To the wire (`from_wire` reads it back unchanged).
-    pub fn to_wire(&self) -> Sampling {
-        Sampling { temperature: self.temperature, top_k: self.top_k as u32, top_p: self.top_p, repetition_penalty: self.repetition_penalty, seed: self.seed }
-    }
-
-    /// Rejects out-of-range values with a message naming the field.
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be >= 0, got {}", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
-        }
-        Ok(())
-    }
-}
+pub use layerstream_model::SamplingParams;
 
 /// A sampler with its own random stream.
 #[derive(Debug, Clone)]
@@ -203,19 +150,6 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.2, ..Default::default() });
         assert_eq!(s.sample(&mut l, &[0]), 1);
         assert!((l[0] - 2.0 / 1.2).abs() < 1e-6);
-    }
-
-    #[test]
-    fn wire_round_trip_and_unset_fields() {
-        let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };
-        assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
-        assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default(), "proto3 zeros mean unset");
-    }
-
-    #[test]
-    fn invalid_params_are_named() {
-        let p = SamplingParams { top_p: 0.0, ..Default::default() };
-        assert!(p.validate().unwrap_err().contains("top_p"));
     }
 
     #[test]

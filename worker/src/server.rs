@@ -8,6 +8,31 @@ use layerstream_proto::v1::worker_server::WorkerServer;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+/// Where a worker computes and how much memory it may use (shared by `worker`, `run`'s device, `up`
+/// and `bench`, which pass it on with `to_args`).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct DeviceFlags {
+    /// Compute device: `cpu` (or `cuda:N` in a CUDA build).
+    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Bytes a worker may use for weights, streaming buffers and KV cache (suffixes K, M, G);
+    /// default: what the device has available (host MemAvailable on the CPU, free memory on a GPU),
+    /// less the GPU runtime reserve.
+    #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+}
+
+impl DeviceFlags {
+    /// The same settings as command-line arguments (for a child worker).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--device".to_owned(), self.device.clone()];
+        if let Some(b) = self.memory_budget {
+            a.extend(["--memory-budget".to_owned(), b.to_string()]);
+        }
+        a
+    }
+}
+
 /// Flags of a worker.
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -20,12 +45,8 @@ pub struct WorkerArgs {
     /// Address other processes use to reach this worker (default: the bound address).
     #[arg(long, env = "LAYERSTREAM_WORKER_ADVERTISE")]
     pub advertise: Option<String>,
-    /// Compute device: `cpu` (or `cuda:N` in a CUDA build).
-    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
-    pub device: String,
-    /// Bytes this worker may use for weights, streaming buffers and KV cache (suffixes K, M, G).
-    #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", default_value = "8G", value_parser = parse_bytes)]
-    pub memory_budget: u64,
+    #[command(flatten)]
+    pub device: DeviceFlags,
     /// Most tokens one step may carry (default: on a GPU, what the activation reserve holds for the
     /// model; no limit on the CPU). Reported to the coordinator, which splits prompts to stay under it.
     #[arg(long, env = "LAYERSTREAM_WORKER_MAX_STEP_TOKENS")]
@@ -51,10 +72,10 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// Runs a worker until SIGINT/SIGTERM.
-pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
-    let backend = Device::open(&args.device)?;
-    let budget = backend.budget(args.memory_budget)?;
+    let backend = Device::open(&args.device.device)?;
+    let budget = backend.budget(args.device.memory_budget)?;
     let free_at_start = match &backend {
         Device::Cuda(b) => Some(b.mem_info()?.0 as u64),
         Device::Cpu(_) => None,
@@ -63,7 +84,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let device_limit = backend.step_token_limit(&store.manifest.config);
     // The smaller of the flag and what the device holds; None when neither limits it.
     let max_step_tokens = [args.max_step_tokens.map(|f| f.max(1)), device_limit].into_iter().flatten().min();
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("binding {}: {e}", args.listen))?;
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|source| crate::Error::Bind { addr: args.listen.clone(), source })?;
     let addr = listener.local_addr()?;
     // Bound to every interface (containers): name ourselves by host name, which peers can resolve.
     let host = match std::env::var("HOSTNAME") {
@@ -73,7 +94,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let id = args.advertise.clone().unwrap_or_else(|| format!("http://{host}:{}", addr.port()));
     let state = Arc::new(WorkerState {
         id: id.clone(),
-        device: args.device.clone(),
+        device: args.device.device.clone(),
         backend,
         budget,
         max_step_tokens,
@@ -84,7 +105,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         live: Default::default(),
     });
     println!("LISTENING {id}");
-    tracing::info!(%id, device = %args.device, budget, max_step_tokens = ?max_step_tokens, "worker ready");
+    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, "worker ready");
     tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
         .add_service(layerstream_proto::transport::reflection())

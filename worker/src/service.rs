@@ -1,10 +1,10 @@
 //! The worker's gRPC service: Info, Assign (budget-checked), Step (a batch through the stage),
 //! Release (free sequences).
 
-use crate::budget::{file_bytes, kv_bytes_per_token_layer, layer_bytes, usage};
 use crate::device::{AnyStage, Device};
-use crate::stage::{StagePlan, StepSeq};
+use crate::stage::StepSeq;
 use crate::stream::LoaderLink;
+use layerstream_model::plan::{usage, AssignmentExt};
 use layerstream_model::Store;
 use layerstream_proto::telemetry::adopt_parent;
 use layerstream_proto::v1::worker_server::Worker;
@@ -50,24 +50,14 @@ impl WorkerState {
 /// The gRPC face of a worker.
 pub struct WorkerService(pub Arc<WorkerState>);
 
+/// The one mapping of the worker's errors to gRPC status codes.
 fn err(e: crate::Error) -> Status {
+    use crate::Error;
     match e {
-        crate::Error::Request(m) if m.contains("KV cache full") => Status::resource_exhausted(m),
-        crate::Error::Request(m) => Status::failed_precondition(m),
+        Error::KvFull { .. } => Status::resource_exhausted(e.to_string()),
+        Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => Status::failed_precondition(e.to_string()),
+        Error::Loader { .. } => Status::unavailable(e.to_string()),
         other => Status::internal(other.to_string()),
-    }
-}
-
-fn plan_from(a: &Assignment) -> StagePlan {
-    StagePlan {
-        layers: a.layer_start..a.layer_end,
-        resident: a.resident.clone(),
-        group_size: a.group_size.max(1) as usize,
-        buffers: a.streaming_buffers as usize,
-        kv_capacity: a.kv_capacity as usize,
-        embed: a.embed,
-        head: a.head,
-        prefetch: a.prefetch,
     }
 }
 
@@ -75,17 +65,12 @@ fn plan_from(a: &Assignment) -> StagePlan {
 impl Worker for WorkerService {
     async fn info(&self, _r: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
         let s = &self.0;
-        let m = &s.store.manifest;
-        let n = m.config.num_layers as u32;
+        let n = s.store.manifest.config.num_layers as u32;
         let live = s.live.load(Ordering::Relaxed);
         Ok(Response::new(InfoResponse {
             device: s.device.clone(),
             memory_budget: s.budget,
             num_layers: n,
-            layer_bytes: (0..n).map(|l| layer_bytes(m, l)).collect(),
-            kv_bytes_per_token_layer: kv_bytes_per_token_layer(m),
-            embed_bytes: file_bytes(m, "embed.bin"),
-            head_bytes: file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin"),
             sequences: live,
             device_bytes_used: s.device_bytes_used(),
         }))
@@ -94,8 +79,7 @@ impl Worker for WorkerService {
     async fn assign(&self, r: Request<Assignment>) -> Result<Response<AssignResponse>, Status> {
         let a = r.into_inner();
         let s = self.0.clone();
-        let plan = plan_from(&a);
-        let u = usage(&s.store.manifest, &plan);
+        let u = usage(&s.store.manifest, &a);
         if u.total() > s.budget {
             return Err(Status::resource_exhausted(format!(
                 "worker {}: assignment of layers {}..{} needs {u}, more than its memory budget of {} bytes",
@@ -106,7 +90,7 @@ impl Worker for WorkerService {
             .await
             .map_err(|e| Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display())))?;
         let rt = tokio::runtime::Handle::current();
-        let span = info_span!("assign", layers = ?plan.layers, resident = plan.resident.len() as i64);
+        let span = info_span!("assign", layers = ?a.layers(), resident = a.resident.len() as i64);
         let bytes = u.total();
         tokio::task::spawn_blocking(move || {
             let _e = span.enter();
@@ -114,8 +98,8 @@ impl Worker for WorkerService {
             let t = Instant::now();
             // Free the previous assignment's device memory before loading the new one.
             s.stage.lock().unwrap().take();
-            let stage = s.backend.load(s.store.clone(), plan, link).map_err(err)?;
-            info!(worker = %s.id, layers = ?stage.plan().layers, resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
+            let stage = s.backend.load(s.store.clone(), a, link).map_err(err)?;
+            info!(worker = %s.id, layers = ?stage.plan().layers(), resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
             *s.stage.lock().unwrap() = Some(stage);
             Ok::<_, Status>(())
         })

@@ -5,29 +5,16 @@
 use crate::error::{Error, Result};
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
 use crate::sampling::{sample_batch, Sampler, SamplingParams};
-use crate::budget::streaming_buffers;
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::stream::LoaderLink;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
+use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
 use layerstream_proto::telemetry::TraceParent;
 use std::collections::HashMap;
 use std::time::Instant;
 use tracing::{info_span, Span};
-
-/// What the coordinator assigned.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StagePlan {
-    pub layers: std::ops::Range<u32>,
-    pub resident: Vec<u32>,
-    pub group_size: usize,
-    pub buffers: usize,
-    pub kv_capacity: usize,
-    pub embed: bool,
-    pub head: bool,
-    pub prefetch: bool,
-}
 
 /// One sequence in a step.
 #[derive(Debug, Clone)]
@@ -77,7 +64,7 @@ fn in_batch_order<'a, B: Backend>(seqs: &'a mut HashMap<u64, Seq<B>>, batch: &[S
 /// The worker's loaded assignment.
 pub struct Stage<B: Backend> {
     pub cfg: ModelConfig,
-    pub plan: StagePlan,
+    pub plan: Assignment,
     backend: B,
     ctx: LayerCtx,
     embed: Option<B::Weight>,
@@ -93,20 +80,14 @@ fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Resul
     upload(b, f, name, Some(shape))?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
 }
 
-/// Streamed layers of a plan, chunked into groups in layer order.
-pub fn stream_groups(plan: &StagePlan) -> Vec<Vec<u32>> {
-    let streamed: Vec<u32> = plan.layers.clone().filter(|l| !plan.resident.contains(l)).collect();
-    streamed.chunks(plan.group_size.max(1)).map(<[u32]>::to_vec).collect()
-}
-
 impl<B: Backend + 'static> Stage<B> {
     /// Loads an assignment: embedding/head from the store, resident layers through the loader; with
     /// prefetch on, the copy thread starts on the first streamed group right away.
-    pub fn load(backend: B, store: Store, plan: StagePlan, mut link: LoaderLink) -> Result<Self> {
+    pub fn load(backend: B, store: Store, plan: Assignment, mut link: LoaderLink) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        if plan.layers.end as usize > cfg.num_layers || plan.layers.start >= plan.layers.end {
-            return Err(Error::Request(format!("layer range {:?} is invalid for {} layers", plan.layers, cfg.num_layers)));
+        if plan.layer_end as usize > cfg.num_layers || plan.layer_start >= plan.layer_end {
+            return Err(Error::Request(format!("layer range {:?} is invalid for {} layers", plan.layers(), cfg.num_layers)));
         }
         let tied = cfg.tie_word_embeddings;
         let embed = if plan.embed || (plan.head && tied) { Some(need(&backend, &store.load("embed.bin")?, "embed", &[vocab, h])?) } else { None };
@@ -117,7 +98,7 @@ impl<B: Backend + 'static> Stage<B> {
         } else {
             None
         };
-        let groups = stream_groups(&plan);
+        let groups = plan.stream_groups();
         let (count, bytes) = streaming_buffers(&store.manifest, &plan);
         if count > 0 {
             backend.stream_buffers(count, bytes as usize)?;
@@ -129,7 +110,7 @@ impl<B: Backend + 'static> Stage<B> {
         }
         link.set_order(groups.iter().flatten().copied().collect())?;
         // Groups in flight: one computing, one being copied, `buffers - 2` finished and queued.
-        let queue = (plan.prefetch && plan.buffers >= 2).then(|| plan.buffers - 2);
+        let queue = (plan.prefetch && plan.streaming_buffers >= 2).then(|| plan.buffers() - 2);
         let fetcher = Fetcher::new(src, groups.clone(), link, queue, StepMark { number: 0, parent: TraceParent::of(&Span::current()) });
         Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, embed, head, resident, groups, fetcher, seqs: HashMap::new() })
     }
@@ -147,10 +128,10 @@ impl<B: Backend + 'static> Stage<B> {
     }
 
     fn prepare(&mut self, batch: &[StepSeq]) -> Result<()> {
-        let n_layers = self.plan.layers.len();
+        let n_layers = self.plan.layers().len();
         let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        if self.kv_used().1 + new_tokens > self.plan.kv_capacity {
-            return Err(Error::Request(format!("KV cache full: {} + {new_tokens} positions exceed capacity {}", self.kv_used().1, self.plan.kv_capacity)));
+        if self.kv_used().1 + new_tokens > self.plan.kv_positions() {
+            return Err(Error::KvFull { used: self.kv_used().1, asked: new_tokens, capacity: self.plan.kv_positions() });
         }
         for s in batch {
             if s.tokens.is_empty() {
@@ -234,7 +215,7 @@ impl<B: Backend + 'static> Stage<B> {
 
     fn run_layers(&mut self, x: &mut B::Tensor, batch: &[StepSeq], seq_rows: &[SeqRows], step_span: &Span) -> Result<Vec<LayerTiming>> {
         let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, .. } = self;
-        let range = plan.layers.clone();
+        let range = plan.layers();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
         // Looked up once per step (not once per layer).
@@ -295,16 +276,5 @@ impl<B: Backend> Drop for Stage<B> {
                 self.backend.unregister_host(region);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn groups_chunk_streamed_layers_in_order() {
-        let plan = StagePlan { layers: 0..10, resident: vec![0, 5], group_size: 3, buffers: 2, kv_capacity: 1, embed: true, head: true, prefetch: true };
-        assert_eq!(stream_groups(&plan), vec![vec![1, 2, 3], vec![4, 6, 7], vec![8, 9]]);
     }
 }

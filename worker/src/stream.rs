@@ -2,7 +2,7 @@
 //! the slot. Slot mappings are opened once and reused (and registered with the device once).
 
 use crate::error::{Error, Result};
-use layerstream_loader::shm::ShmRegion;
+use layerstream_proto::shm::ShmRegion;
 use layerstream_proto::telemetry::traced_request;
 use layerstream_proto::v1::loader_client::LoaderClient;
 use layerstream_proto::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
@@ -18,7 +18,7 @@ pub struct LoaderLink {
 }
 
 fn loader_err(what: &str, s: tonic::Status) -> Error {
-    Error::Request(format!("loader daemon {what}: {} ({:?})", s.message(), s.code()))
+    Error::Loader { what: what.into(), msg: format!("{} ({:?})", s.message(), s.code()) }
 }
 
 impl LoaderLink {

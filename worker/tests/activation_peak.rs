@@ -1,11 +1,11 @@
-//! The activation estimate a GPU worker sizes its steps by (`budget::activation_bytes_per_token`)
+//! The activation estimate a GPU worker sizes its steps by (`plan::activation_bytes_per_token`)
 //! against what a forward pass really holds. A counting allocator measures the CPU backend's peak
 //! heap over one step: its tensors have the shapes the CUDA backend allocates, plus temporaries of
 //! its own (transposed matmul outputs, dequantized rows), so the GPU's activations stay below it.
 
 use layerstream_kernels::CpuBackend;
 use layerstream_model::{synth, DType, Store};
-use layerstream_worker::budget::activation_bytes_per_token;
+use layerstream_model::plan::activation_bytes_per_token;
 use layerstream_worker::Model;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,7 +1,7 @@
 //! CPU matmul: fused dequantize-dot per row for matvec (decode), dequantize-then-GEMM for prefill.
 
 use crate::quant::{dequant_row, dot};
-use layerstream_model::DType;
+use layerstream_types::DType;
 use rayon::prelude::*;
 
 /// Weight rows handed to one rayon task.

@@ -13,7 +13,7 @@ use crate::backend::{AttnShape, Backend};
 use crate::error::{ensure, Error, Result};
 use crate::quant::dequant_row;
 use crate::rope::RopeTable;
-use layerstream_model::DType;
+use layerstream_types::DType;
 use std::ops::Range;
 use std::sync::Arc;
 

@@ -10,7 +10,7 @@ use crate::error::{ensure, Error, Result};
 use crate::rope::RopeTable;
 use cudarc::cublas;
 use cudarc::driver::result;
-use layerstream_model::DType;
+use layerstream_types::DType;
 use std::any::Any;
 use std::sync::Arc;
 

@@ -15,8 +15,8 @@ pub fn source() -> String {
 }
 
 /// The `DT_*` code of common.cuh for a stored dtype (the index into `DTYPE_SUFFIXES`).
-pub fn dtype_code(d: layerstream_model::DType) -> i32 {
-    use layerstream_model::DType;
+pub fn dtype_code(d: layerstream_types::DType) -> i32 {
+    use layerstream_types::DType;
     match d {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -49,7 +49,7 @@ pub fn compile(arch: &str) -> crate::Result<String> {
     let src = source();
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (src.as_str(), arch).hash(&mut h);
-    let dir = layerstream_model::fetch::cache_dir().join("kernels");
+    let dir = layerstream_types::cache_dir().join("kernels");
     let path = dir.join(format!("{arch}-{:016x}.ptx", h.finish()));
     if let Ok(ptx) = std::fs::read_to_string(&path) {
         return Ok(ptx);

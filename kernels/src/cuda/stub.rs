@@ -4,7 +4,7 @@
 use crate::backend::{AttnShape, Backend};
 use crate::error::Result;
 use crate::rope::RopeTable;
-use layerstream_model::DType;
+use layerstream_types::DType;
 
 /// No value of this type exists.
 #[derive(Debug, Clone, Copy)]

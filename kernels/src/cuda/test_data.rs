@@ -2,7 +2,7 @@
 //! generator, valid quantized weight rows, and the relative error ‖got − want‖ / ‖want‖.
 
 use crate::quant::tests::sanitize;
-use layerstream_model::DType;
+use layerstream_types::DType;
 
 /// Every stored dtype the kernels handle.
 pub(crate) const DTYPES: [DType; 8] = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K];

@@ -11,9 +11,9 @@ use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
 use crate::RopeTable;
-use layerstream_model::{RopeConfig, RopeScaling};
+use layerstream_types::{RopeConfig, RopeScaling};
 use half::{bf16, f16};
-use layerstream_model::DType;
+use layerstream_types::DType;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -6,7 +6,7 @@ use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use super::test_data::{rel, weight_bytes, Rng, DTYPES};
 use crate::rope::RopeTable;
-use layerstream_model::{DType, RopeConfig, RopeScaling};
+use layerstream_types::{DType, RopeConfig, RopeScaling};
 
 fn gpu(p: GemmPrecision) -> Option<CudaBackend> {
     match CudaBackend::with_precision(0, p) {

@@ -1,5 +1,6 @@
-//! POSIX shared-memory regions: created by the loader (mode 0600, pre-faulted once), mapped read-only
-//! by workers, unlinked at exit. Names live in a per-instance namespace `layerstream-<ns>-…`.
+//! POSIX shared-memory regions, the data half of the loader contract: the loader creates them (mode
+//! 0600, pre-faulted once), workers map them read-only, the loader unlinks them at exit. Names live in a
+//! per-instance namespace `layerstream-<ns>-…` that both sides derive with `slot_name`.
 
 use std::ffi::CString;
 use std::io;

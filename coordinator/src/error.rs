@@ -1,0 +1,39 @@
+//! The coordinator's error type, mapped once to gRPC status codes at the service edge.
+
+/// What can stop the coordinator starting or fail a step.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("planning failed: {0}")]
+    Plan(String),
+    #[error("worker {worker}: {msg}")]
+    Worker { worker: String, msg: String },
+    #[error("worker {worker} did not answer a step within {timeout:?}")]
+    StepTimeout { worker: String, timeout: std::time::Duration },
+    #[error("{0}")]
+    Setup(String),
+    #[error("binding {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error(transparent)]
+    Model(#[from] layerstream_model::Error),
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Result alias for the coordinator crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        match &e {
+            Error::Model(layerstream_model::Error::Request { .. }) => tonic::Status::invalid_argument(e.to_string()),
+            Error::Model(layerstream_model::Error::Tokenizer(_) | layerstream_model::Error::Template(_)) => {
+                tonic::Status::invalid_argument(e.to_string())
+            }
+            Error::StepTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
+            Error::Worker { .. } | Error::Transport(_) => tonic::Status::unavailable(e.to_string()),
+            _ => tonic::Status::internal(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Flag groups shared by every command that plans or schedules (`coordinator`, `up`, `bench`):
+//! declared once here with their environment variables, flattened into each command, and passed on
+//! to a child coordinator by `to_args` so `up` never re-declares them.
+
+use clap::Args;
+
+/// How the planner lays layers over the workers.
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct PlanFlags {
+    /// Resident layers per worker (the rest are streamed); default: as many as each worker's memory
+    /// budget allows.
+    #[arg(long, env = "LAYERSTREAM_RESIDENT_LAYERS")]
+    pub resident_layers: Option<usize>,
+    /// Streamed layers move in groups of this many (one buffer per layer of a group).
+    #[arg(long, env = "LAYERSTREAM_LAYER_GROUP_SIZE", default_value_t = 1)]
+    pub layer_group_size: usize,
+    /// Streaming buffers per worker (groups in flight: one computing, the rest loading).
+    #[arg(long, env = "LAYERSTREAM_STREAMING_BUFFERS", default_value_t = 2)]
+    pub streaming_buffers: usize,
+    /// Copy layers synchronously instead of overlapping them with compute (for comparison).
+    #[arg(long, env = "LAYERSTREAM_NO_PREFETCH")]
+    pub no_prefetch: bool,
+    /// KV cache positions per worker, shared by all sequences.
+    #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
+    pub kv_capacity: usize,
+}
+
+/// Admission and step limits of the scheduler.
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct SchedulerFlags {
+    /// Most sequences in one step.
+    #[arg(long, env = "LAYERSTREAM_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// Most tokens in one step (decodes count one each); longer prompts are split over steps
+    /// (chunked prefill), which bounds a step's activation memory and latency.
+    #[arg(long, env = "LAYERSTREAM_MAX_STEP_TOKENS", default_value_t = 2048)]
+    pub max_step_tokens: usize,
+    /// Queued sequences before new requests get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "LAYERSTREAM_QUEUE_SIZE", default_value_t = 256)]
+    pub queue_size: usize,
+    /// Seconds a worker may take for one step before the job fails.
+    #[arg(long = "step-timeout", env = "LAYERSTREAM_STEP_TIMEOUT", default_value_t = 300)]
+    pub step_timeout_s: u64,
+}
+
+fn flag(name: &str, v: impl ToString) -> [String; 2] {
+    [format!("--{name}"), v.to_string()]
+}
+
+impl PlanFlags {
+    /// The same settings as command-line arguments (for a child coordinator).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a: Vec<String> = [flag("layer-group-size", self.layer_group_size), flag("streaming-buffers", self.streaming_buffers), flag("kv-capacity", self.kv_capacity)].concat();
+        if let Some(k) = self.resident_layers {
+            a.extend(flag("resident-layers", k));
+        }
+        if self.no_prefetch {
+            a.push("--no-prefetch".into());
+        }
+        a
+    }
+}
+
+impl SchedulerFlags {
+    /// The same settings as command-line arguments (for a child coordinator).
+    pub fn to_args(&self) -> Vec<String> {
+        [flag("max-batch", self.max_batch), flag("max-step-tokens", self.max_step_tokens), flag("queue-size", self.queue_size), flag("step-timeout", self.step_timeout_s)].concat()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        plan: PlanFlags,
+        #[command(flatten)]
+        sched: SchedulerFlags,
+    }
+
+    /// What `up` passes on parses back to the same settings in the child.
+    #[test]
+    fn to_args_round_trips() {
+        let given = Cli::parse_from(["x", "--resident-layers", "3", "--no-prefetch", "--layer-group-size", "2", "--max-batch", "5", "--step-timeout", "9"]);
+        let mut argv = vec!["x".to_owned()];
+        argv.extend(given.plan.to_args());
+        argv.extend(given.sched.to_args());
+        let back = Cli::parse_from(argv);
+        assert_eq!((back.plan, back.sched), (given.plan, given.sched));
+    }
+}

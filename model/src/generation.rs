@@ -1,0 +1,126 @@
+//! What a request asks for — generation parameters and sampling settings — and the check every door
+//! (`run`, gRPC) applies before any work is done. Both the coordinator and the worker read these;
+//! neither owns them.
+
+use crate::error::{Error, Result};
+use layerstream_proto::v1::Sampling;
+use serde::{Deserialize, Serialize};
+
+/// Per-request sampling settings (HF `generate` semantics).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 1 = off; >1 discourages tokens already in the prompt or output.
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, seed: 0 }
+    }
+}
+
+impl SamplingParams {
+    /// From the wire, where 0 means "unset" for top_p and repetition_penalty (proto3 defaults).
+    pub fn from_wire(w: &Sampling) -> Self {
+        SamplingParams {
+            temperature: w.temperature,
+            top_k: w.top_k as usize,
+            top_p: if w.top_p == 0.0 { 1.0 } else { w.top_p },
+            repetition_penalty: if w.repetition_penalty == 0.0 { 1.0 } else { w.repetition_penalty },
+            seed: w.seed,
+        }
+    }
+
+    /// To the wire (`from_wire` reads it back unchanged).
+    pub fn to_wire(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k as u32,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        }
+    }
+
+    /// Rejects out-of-range values with a message naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(Error::Request { field: field.into(), msg });
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition_penalty", format!("must be > 0, got {}", self.repetition_penalty));
+        }
+        Ok(())
+    }
+}
+
+/// What to generate.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateParams {
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub sampling: SamplingParams,
+}
+
+/// Checks a request against the model before any work is done.
+pub fn check_request(input: &[u32], p: &GenerateParams, vocab: usize, context: usize) -> Result<()> {
+    let bad = |field: &str, msg: String| Err(Error::Request { field: field.into(), msg });
+    if input.is_empty() {
+        return bad("prompt", "encodes to zero tokens".into());
+    }
+    if let Some(t) = input.iter().find(|&&t| t as usize >= vocab) {
+        return bad("token_ids", format!("token id {t} is outside the vocabulary of {vocab}"));
+    }
+    if input.len() + p.max_new_tokens > context {
+        return bad(
+            "max_new_tokens",
+            format!("prompt of {} tokens + max_new_tokens {} exceeds the model's context of {context}", input.len(), p.max_new_tokens),
+        );
+    }
+    if p.stop.iter().any(String::is_empty) {
+        return bad("stop", "an empty stop string would end every request at once".into());
+    }
+    p.sampling.validate()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_round_trip_and_unset_defaults() {
+        let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, repetition_penalty: 1.1, seed: 9 };
+        assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
+        assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default());
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        let ok = GenerateParams { max_new_tokens: 4, ..Default::default() };
+        assert!(check_request(&[1, 2], &ok, 10, 100).is_ok());
+        let field = |r: Result<()>| match r {
+            Err(Error::Request { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(check_request(&[], &ok, 10, 100)), "prompt");
+        assert_eq!(field(check_request(&[10], &ok, 10, 100)), "token_ids");
+        assert_eq!(field(check_request(&[1], &GenerateParams { max_new_tokens: 100, ..ok.clone() }, 10, 100)), "max_new_tokens");
+        assert_eq!(field(check_request(&[1], &GenerateParams { stop: vec![String::new()], ..ok.clone() }, 10, 100)), "stop");
+        let neg = GenerateParams { sampling: SamplingParams::from_wire(&Sampling { top_p: -1.0, ..Default::default() }), ..ok.clone() };
+        assert_eq!(field(check_request(&[1], &neg, 10, 100)), "top_p", "a negative top_p is not 'unset'");
+        let rp = GenerateParams { sampling: SamplingParams::from_wire(&Sampling { repetition_penalty: -1.0, ..Default::default() }), ..ok };
+        assert_eq!(field(check_request(&[1], &rp, 10, 100)), "repetition_penalty");
+    }
+}

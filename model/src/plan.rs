@@ -1,0 +1,173 @@
+//! The plan as both sides of the wire read it: the proto `Assignment` (one plan type, on the wire and
+//! in code) and the memory arithmetic of an assignment over a store's manifest. The coordinator's
+//! planner sizes assignments with it; a worker refuses one that exceeds its budget with the same sums.
+
+use crate::layout::layer_file;
+use crate::store::Manifest;
+use crate::ModelConfig;
+pub use layerstream_proto::v1::Assignment;
+use std::ops::Range;
+
+/// Readings of an `Assignment` with the proto's "0 means the default" rules applied once.
+pub trait AssignmentExt {
+    /// The layer range `[layer_start, layer_end)`.
+    fn layers(&self) -> Range<u32>;
+    /// Streamed layers per group (at least 1).
+    fn group(&self) -> usize;
+    /// Groups in flight (at least 1).
+    fn buffers(&self) -> usize;
+    /// KV positions, over all sequences.
+    fn kv_positions(&self) -> usize;
+    /// Streamed layers, chunked into groups in layer order.
+    fn stream_groups(&self) -> Vec<Vec<u32>>;
+}
+
+impl AssignmentExt for Assignment {
+    fn layers(&self) -> Range<u32> {
+        self.layer_start..self.layer_end
+    }
+    fn group(&self) -> usize {
+        self.group_size.max(1) as usize
+    }
+    fn buffers(&self) -> usize {
+        self.streaming_buffers.max(1) as usize
+    }
+    fn kv_positions(&self) -> usize {
+        self.kv_capacity as usize
+    }
+    fn stream_groups(&self) -> Vec<Vec<u32>> {
+        let streamed: Vec<u32> = self.layers().filter(|l| !self.resident.contains(l)).collect();
+        streamed.chunks(self.group()).map(<[u32]>::to_vec).collect()
+    }
+}
+
+/// KV bytes of one position in one layer (f32 keys and values).
+pub fn kv_bytes_per_token_layer(m: &Manifest) -> u64 {
+    2 * m.config.kv_dim() as u64 * 4
+}
+
+/// Device bytes one token of a step keeps alive at the peak of a layer's forward pass (f32): what
+/// `layer_forward` holds until it returns — the residual, both norms' outputs, o and down (5 × hidden),
+/// q, the attention output and its per-sequence pieces (3 × q width), k and v and their pieces
+/// (4 × kv width), gate, up and SiLU·up (3 × intermediate) — plus a GEMM input's f16 copy (half the
+/// intermediate width in f32 terms).
+pub fn activation_bytes_per_token(cfg: &ModelConfig) -> u64 {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let floats = 5 * h + 3 * cfg.num_heads * cfg.head_dim + 4 * cfg.kv_dim() + 3 * i + i / 2;
+    floats as u64 * 4
+}
+
+/// Most tokens one step may carry when `reserve` bytes hold its activations (at least 1).
+pub fn step_token_limit(cfg: &ModelConfig, reserve: u64) -> usize {
+    (reserve / activation_bytes_per_token(cfg).max(1)).max(1) as usize
+}
+
+/// Bytes of a store file (0 if absent).
+pub fn file_bytes(m: &Manifest, name: &str) -> u64 {
+    m.file(name).map_or(0, |f| f.size)
+}
+
+/// Bytes of layer `l`'s file.
+pub fn layer_bytes(m: &Manifest, l: u32) -> u64 {
+    file_bytes(m, &layer_file(l as usize))
+}
+
+/// Itemised memory of an assignment.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Usage {
+    pub embed_head: u64,
+    pub resident: u64,
+    pub streaming: u64,
+    pub kv: u64,
+}
+
+impl Usage {
+    /// Total bytes.
+    pub fn total(&self) -> u64 {
+        self.embed_head + self.resident + self.streaming + self.kv
+    }
+}
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes (embedding/head {}, resident layers {}, streaming buffers {}, KV cache {})",
+            self.total(),
+            self.embed_head,
+            self.resident,
+            self.streaming,
+            self.kv
+        )
+    }
+}
+
+/// What `a` occupies on a worker of the model in `m`.
+pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
+    let tied = m.config.tie_word_embeddings;
+    let mut embed_head = 0;
+    if a.embed || (a.head && tied) {
+        embed_head += file_bytes(m, "embed.bin");
+    }
+    if a.head {
+        embed_head += file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin");
+    }
+    let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
+    let (count, bytes) = streaming_buffers(m, a);
+    let kv = a.kv_capacity * kv_bytes_per_token_layer(m) * a.layers().len() as u64;
+    Usage { embed_head, resident, streaming: count as u64 * bytes, kv }
+}
+
+/// The streaming buffers `a` needs: how many and the bytes of each. One buffer holds one layer;
+/// `a.buffers()` groups may be in flight (one computing, one copying, the rest queued), so there
+/// are `buffers × group size` buffers of the largest streamed layer (none when nothing streams).
+pub fn streaming_buffers(m: &Manifest, a: &Assignment) -> (usize, u64) {
+    let groups = a.stream_groups();
+    let Some(largest) = groups.iter().flatten().map(|&l| layer_bytes(m, l)).max() else { return (0, 0) };
+    let widest = groups.iter().map(Vec::len).max().unwrap_or(1);
+    (a.buffers() * widest, largest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::shape_config;
+
+    /// Under a GPU's activation reserve a 70B-shaped step still carries a few hundred tokens (a
+    /// prompt chunk stays a GEMM, not a row-by-row matvec), and SmolLM2 is not held below the
+    /// coordinator's default of 2048.
+    #[test]
+    fn step_token_limits_under_the_activation_reserve() {
+        let reserve = 320 << 20;
+        let big = shape_config("llama-3-70b", Some(1)).unwrap();
+        let per = activation_bytes_per_token(&big);
+        assert!(per > 4 * 3 * 28672, "at least gate, up and SiLU·up per token: {per}");
+        let n = step_token_limit(&big, reserve);
+        assert!((256..2048).contains(&n), "70B: {n} tokens per step");
+        assert!(n as u64 * per <= reserve && (n as u64 + 1) * per > reserve);
+        assert!(step_token_limit(&shape_config("smollm2-135m", Some(1)).unwrap(), reserve) > 2048);
+        assert_eq!(step_token_limit(&big, 1), 1, "always at least one token");
+    }
+
+    #[test]
+    fn groups_skip_resident_layers_and_keep_layer_order() {
+        let a = Assignment { layer_start: 0, layer_end: 10, resident: vec![0, 5], group_size: 3, streaming_buffers: 2, ..Default::default() };
+        assert_eq!(a.stream_groups(), vec![vec![1, 2, 3], vec![4, 6, 7], vec![8, 9]]);
+        assert_eq!(Assignment { group_size: 0, ..a.clone() }.group(), 1, "0 on the wire is one layer a group");
+    }
+
+    #[test]
+    fn usage_counts_each_part_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = crate::synth::synth("tiny", crate::DType::Q8_0, Some(4), 3, &dir.path().join("s")).unwrap();
+        let layer = layer_bytes(&m, 0);
+        let a = Assignment { layer_start: 0, layer_end: 4, resident: vec![0], group_size: 1, streaming_buffers: 2, kv_capacity: 8, embed: true, head: true, ..Default::default() };
+        let u = usage(&m, &a);
+        assert_eq!(u.resident, layer);
+        assert_eq!(u.streaming, 2 * layer, "two buffers of one layer");
+        assert_eq!(u.kv, 8 * kv_bytes_per_token_layer(&m) * 4);
+        assert_eq!(u.embed_head, file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"), "tied: one embedding");
+        let all = Assignment { resident: vec![0, 1, 2, 3], ..a };
+        assert_eq!(streaming_buffers(&m, &all), (0, 0), "nothing streams");
+    }
+}

@@ -1,0 +1,13 @@
+//! The small vocabulary both sides of the compute boundary speak: the stored tensor formats (`DType`),
+//! RoPE parameters, the cache directory and valid random blocks of every format. It exists so the
+//! kernels need not depend on the model crate (tokenizers, templates, checkpoint readers) and the
+//! model crate need not depend on the kernels (gemm, rayon, CUDA).
+
+pub mod cache;
+pub mod dtype;
+pub mod random;
+pub mod rope;
+
+pub use cache::cache_dir;
+pub use dtype::DType;
+pub use rope::{RopeConfig, RopeScaling};

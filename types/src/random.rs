@@ -1,0 +1,64 @@
+//! Valid random blocks of every stored format, zero-mean and small (|w| ≲ 0.1) as trained weights
+//! are, so activations stay in the range real models see. `synth` writes stores from them; kernel
+//! tests dequantize them.
+
+use crate::dtype::DType;
+
+/// Deterministic random bytes (xorshift64*).
+pub struct Rng(u64);
+
+fn f16(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_le_bytes()
+}
+
+impl Rng {
+    /// A generator whose stream `seed` picks.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+
+    /// The bytes of a random `dtype` tensor of `shape`; `None` when the rows are not whole blocks.
+    pub fn tensor(&mut self, dtype: DType, shape: &[usize]) -> Option<Vec<u8>> {
+        let mut data = vec![0u8; dtype.tensor_bytes(shape)?];
+        self.fill(&mut data);
+        let centred = |b: u8| (b as f32 - 127.5) / 1275.0;
+        match dtype {
+            DType::F32 => data.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&centred(c[0]).to_le_bytes())),
+            DType::F16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&f16(centred(c[0])))),
+            DType::Bf16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&half::bf16::from_f32(centred(c[0])).to_le_bytes())),
+            DType::Q8_0 => data.chunks_exact_mut(34).for_each(|b| b[0..2].copy_from_slice(&f16(4e-4))),
+            DType::Q4_0 => data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(6e-3))),
+            DType::Q4_1 => data.chunks_exact_mut(20).for_each(|b| {
+                b[0..2].copy_from_slice(&f16(6e-3));
+                b[2..4].copy_from_slice(&f16(-4.5e-2));
+            }),
+            // w = d·scale·q − dmin·min with q in 0..16: each sub-block's 6-bit min is set equal to its
+            // scale and dmin = 7.5·d, so w = d·scale·(q − 7.5), centred. The 12 packed bytes at 4..16
+            // hold scales then mins of sub-blocks 0..4 in bytes 0..4 and 4..8 (high bits of 4..8 in
+            // the same bytes' top two bits), sub-blocks 4..8 as the nibbles of bytes 8..12: copy 0..4
+            // to 4..8, and repeat each low nibble of 8..12 in its high nibble.
+            DType::Q4K => data.chunks_exact_mut(144).for_each(|b| {
+                b[0..2].copy_from_slice(&f16(2e-4));
+                b[2..4].copy_from_slice(&f16(1.5e-3));
+                b.copy_within(4..8, 8);
+                b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+            }),
+            DType::Q6K => data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5))),
+        }
+        Some(data)
+    }
+}

@@ -1,0 +1,23 @@
+//! Rotary position embedding parameters, as the store records them and the kernels apply them.
+
+use serde::{Deserialize, Serialize};
+
+/// RoPE frequency scaling variants.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Llama 3.1's piecewise wavelength scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Rotary position embedding parameters (HF "half" layout: pairs (i, i + d/2)).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: Option<RopeScaling>,
+}
