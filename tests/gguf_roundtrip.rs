@@ -13,7 +13,10 @@ use std::path::Path;
 fn f32s(st: &safetensors::SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {
     let t = st.tensor(name).unwrap();
     assert_eq!(t.dtype(), safetensors::Dtype::F32);
-    (t.shape().to_vec(), t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+    (
+        t.shape().to_vec(),
+        t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+    )
 }
 
 /// tiny-llama without its llama3 rope scaling (GGUF carries that as a tensor we don't import).
@@ -24,9 +27,12 @@ fn hf_without_rope_scaling(dir: &Path) -> std::path::PathBuf {
 }
 
 fn to_gguf(hf: &Path, out: &Path) {
-    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
-    let tj: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("tokenizer.json")).unwrap()).unwrap();
-    let tc: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("tokenizer_config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    let tj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("tokenizer.json")).unwrap()).unwrap();
+    let tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("tokenizer_config.json")).unwrap()).unwrap();
     let vocab = tj["model"]["vocab"].as_object().unwrap();
     let mut tokens = vec![String::new(); vocab.len()];
     for (t, id) in vocab {
@@ -36,8 +42,15 @@ fn to_gguf(hf: &Path, out: &Path) {
     for a in tj["added_tokens"].as_array().unwrap() {
         types[a["id"].as_u64().unwrap() as usize] = 3;
     }
-    let merges: Vec<String> = tj["model"]["merges"].as_array().unwrap().iter()
-        .map(|m| m.as_array().map(|p| format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap())).unwrap_or_else(|| m.as_str().unwrap().into()))
+    let merges: Vec<String> = tj["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            m.as_array()
+                .map(|p| format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()))
+                .unwrap_or_else(|| m.as_str().unwrap().into())
+        })
         .collect();
     let u = |k: &str| Meta::U32(cfg[k].as_u64().unwrap() as u32);
     let meta = vec![
@@ -49,7 +62,10 @@ fn to_gguf(hf: &Path, out: &Path) {
         ("llama.attention.head_count", u("num_attention_heads")),
         ("llama.attention.head_count_kv", u("num_key_value_heads")),
         ("llama.rope.freq_base", Meta::F32(cfg["rope_theta"].as_f64().unwrap() as f32)),
-        ("llama.attention.layer_norm_rms_epsilon", Meta::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Meta::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
+        ),
         ("tokenizer.ggml.model", Meta::Str("gpt2".into())),
         ("tokenizer.ggml.pre", Meta::Str("smollm".into())),
         ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
@@ -62,7 +78,10 @@ fn to_gguf(hf: &Path, out: &Path) {
     ];
     let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let (heads, kv_heads) = (cfg["num_attention_heads"].as_u64().unwrap() as usize, cfg["num_key_value_heads"].as_u64().unwrap() as usize);
+    let (heads, kv_heads) = (
+        cfg["num_attention_heads"].as_u64().unwrap() as usize,
+        cfg["num_key_value_heads"].as_u64().unwrap() as usize,
+    );
     let mut tensors = Vec::new();
     let mut add = |gguf: String, hf: &str, permute: Option<usize>| {
         let (shape, mut data) = f32s(&st, hf);
@@ -102,7 +121,10 @@ fn gguf_and_hf_stores_of_the_same_weights_give_the_same_tokens() {
     let a = layerstream_model::Store::open(&hf_store).unwrap();
     let b = layerstream_model::Store::open(&gguf_store).unwrap();
     // The q/k rows came back in HF order: the layer files hold identical bytes.
-    assert_eq!(a.manifest.file("layer_000.bin").unwrap().tensor("q"), b.manifest.file("layer_000.bin").unwrap().tensor("q"));
+    assert_eq!(
+        a.manifest.file("layer_000.bin").unwrap().tensor("q"),
+        b.manifest.file("layer_000.bin").unwrap().tensor("q")
+    );
     let (ta, tb) = (a.tokenizer().unwrap(), b.tokenizer().unwrap());
     for g in goldens("tiny-llama") {
         assert_eq!(ta.encode(&g.prompt_text).unwrap(), tb.encode(&g.prompt_text).unwrap());
@@ -112,6 +134,18 @@ fn gguf_and_hf_stores_of_the_same_weights_give_the_same_tokens() {
         assert_eq!(ga, gb, "{}: HF and GGUF stores disagree", g.name);
     }
     // Chat rendering from GGUF metadata equals the HF tokenizer_config template.
-    let chat = |s: &Path| last_json(&layerstream(&["run", "--model", s.to_str().unwrap(), "--chat", "hi", "--max-new-tokens", "1", "--json"]))["input_ids"].clone();
+    let chat = |s: &Path| {
+        last_json(&layerstream(&[
+            "run",
+            "--model",
+            s.to_str().unwrap(),
+            "--chat",
+            "hi",
+            "--max-new-tokens",
+            "1",
+            "--json",
+        ]))["input_ids"]
+            .clone()
+    };
     assert_eq!(chat(&hf_store), chat(&gguf_store));
 }

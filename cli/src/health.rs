@@ -24,7 +24,10 @@ pub async fn run(a: HealthArgs) -> Result<()> {
         Some(p) => layerstream_proto::transport::connect_uds(Path::new(p)).await?,
         None => tonic::transport::Endpoint::from_shared(a.addr.clone())?.connect().await?,
     };
-    let r = HealthClient::new(channel).check(HealthCheckRequest { service: a.service.clone() }).await?.into_inner();
+    let r = HealthClient::new(channel)
+        .check(HealthCheckRequest { service: a.service.clone() })
+        .await?
+        .into_inner();
     if r.status != ServingStatus::Serving as i32 {
         bail!("{} is not serving (status {})", a.addr, r.status);
     }

@@ -58,7 +58,12 @@ enum Cmd {
         #[arg(long, env = "LAYERSTREAM_H2D_DEVICE", default_value = "cuda:0")]
         device: String,
         /// Copy sizes in MiB.
-        #[arg(long, env = "LAYERSTREAM_H2D_MIB", value_delimiter = ',', default_value = "64,256,512")]
+        #[arg(
+            long,
+            env = "LAYERSTREAM_H2D_MIB",
+            value_delimiter = ',',
+            default_value = "64,256,512"
+        )]
         mib: Vec<usize>,
         /// Copies per size.
         #[arg(long, env = "LAYERSTREAM_H2D_ITERS", default_value_t = 10)]
@@ -97,7 +102,11 @@ fn main() -> Result<()> {
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();
             println!(
                 "imported {:?}: {} layers, {} files, {:.1} MB -> {}",
-                m.config.arch, m.config.num_layers, m.files.len(), bytes as f64 / 1e6, dst.display()
+                m.config.arch,
+                m.config.num_layers,
+                m.files.len(),
+                bytes as f64 / 1e6,
+                dst.display()
             );
         }
         Cmd::Verify { store } => {
@@ -106,21 +115,40 @@ fn main() -> Result<()> {
             println!("ok: {} files verified in {}", s.manifest.files.len(), store.display());
         }
         Cmd::Synth { shape, dtype, layers, seed, dst } => {
-            let dt: layerstream_model::DType = serde_json::from_value(serde_json::Value::String(dtype.to_lowercase()))
-                .map_err(|_| anyhow::anyhow!("unknown --dtype {dtype:?}; use f16, q8_0, q4_k, f32, bf16, q4_0, q4_1 or q6_k"))?;
+            let dt: layerstream_model::DType = serde_json::from_value(serde_json::Value::String(
+                dtype.to_lowercase(),
+            ))
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "unknown --dtype {dtype:?}; use f16, q8_0, q4_k, f32, bf16, q4_0, q4_1 or q6_k"
+                )
+            })?;
             let m = layerstream_model::synth::synth(&shape, dt, layers, seed, &dst)?;
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();
-            println!("synthesized {shape} ({dt}, {} layers, {:.1} MB per layer, {:.2} GB in all) -> {}", m.config.num_layers, m.max_layer_bytes() as f64 / 1e6, bytes as f64 / 1e9, dst.display());
+            println!(
+                "synthesized {shape} ({dt}, {} layers, {:.1} MB per layer, {:.2} GB in all) -> {}",
+                m.config.num_layers,
+                m.max_layer_bytes() as f64 / 1e6,
+                bytes as f64 / 1e9,
+                dst.display()
+            );
         }
         Cmd::H2dBench { device, mib, iters } => {
-            let ordinal = layerstream_kernels::cuda::parse_cuda_device(&device).ok_or_else(|| anyhow::anyhow!("--device must be cuda:N"))??;
+            let ordinal = layerstream_kernels::cuda::parse_cuda_device(&device)
+                .ok_or_else(|| anyhow::anyhow!("--device must be cuda:N"))??;
             let info = layerstream_kernels::cuda::open_device(ordinal)?;
             println!("{device}: {} ({} MiB)", info.name, info.total_bytes >> 20);
             println!("| MiB | pinned GB/s | pageable GB/s | registered GB/s | pageable/pinned |");
             println!("|---|---|---|---|---|");
             for m in mib {
                 let r = layerstream_kernels::cuda_h2d::h2d_bench(ordinal, m << 20, iters.max(1))?;
-                println!("| {m} | {:.1} | {:.1} | {:.1} | {:.2} |", r.pinned_gbps, r.pageable_gbps, r.registered_gbps, r.pageable_gbps / r.pinned_gbps);
+                println!(
+                    "| {m} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                    r.pinned_gbps,
+                    r.pageable_gbps,
+                    r.registered_gbps,
+                    r.pageable_gbps / r.pinned_gbps
+                );
             }
         }
         Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
@@ -129,7 +157,9 @@ fn main() -> Result<()> {
         Cmd::Submit(args) => block_on(submit::run(args))?,
         Cmd::LoaderDaemon(args) => block_on(async { Ok(layerstream_loader::run(args).await?) })?,
         Cmd::Worker(args) => block_on(async { Ok(layerstream_worker::server::run(args).await?) })?,
-        Cmd::Coordinator(args) => block_on(async { Ok(layerstream_coordinator::run(args).await?) })?,
+        Cmd::Coordinator(args) => {
+            block_on(async { Ok(layerstream_coordinator::run(args).await?) })?
+        }
         Cmd::Bench(args) => bench::run(args)?,
         Cmd::Health(args) => block_on(health::run(args))?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
@@ -148,14 +178,37 @@ mod tests {
     fn flags_are_consistent_and_conflicts_are_refused() {
         Cli::command().debug_assert();
         for cmd in ["up", "bench"] {
-            let e = Cli::try_parse_from(["layerstream", cmd, "--resident-layers", "2", "--memory-budget", "1G"]).unwrap_err();
+            let e = Cli::try_parse_from([
+                "layerstream",
+                cmd,
+                "--resident-layers",
+                "2",
+                "--memory-budget",
+                "1G",
+            ])
+            .unwrap_err();
             assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{cmd}: {e}");
         }
-        let up = match Cli::try_parse_from(["layerstream", "up", "--max-batch", "3", "--slots", "7", "--device", "cpu"]).unwrap().cmd {
+        let up = match Cli::try_parse_from([
+            "layerstream",
+            "up",
+            "--max-batch",
+            "3",
+            "--slots",
+            "7",
+            "--device",
+            "cpu",
+        ])
+        .unwrap()
+        .cmd
+        {
             Cmd::Up(a) => a,
             other => panic!("{other:?}"),
         };
-        assert_eq!((up.sched.max_batch, up.pool.slots, up.device.device.as_str()), (3, Some(7), "cpu"));
+        assert_eq!(
+            (up.sched.max_batch, up.pool.slots, up.device.device.as_str()),
+            (3, Some(7), "cpu")
+        );
     }
 
     /// Every flag of every command reads an environment variable too (positional arguments aside).
@@ -166,7 +219,11 @@ mod tests {
             for arg in sub.get_arguments() {
                 let builtin = matches!(arg.get_id().as_str(), "help" | "version");
                 if !arg.is_positional() && !builtin && arg.get_env().is_none() {
-                    missing.push(format!("{} --{}", sub.get_name(), arg.get_long().unwrap_or(arg.get_id().as_str())));
+                    missing.push(format!(
+                        "{} --{}",
+                        sub.get_name(),
+                        arg.get_long().unwrap_or(arg.get_id().as_str())
+                    ));
                 }
             }
         }

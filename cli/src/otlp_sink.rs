@@ -3,8 +3,12 @@
 
 use anyhow::Result;
 use clap::Args;
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use std::io::Write;
 use std::path::PathBuf;
@@ -40,7 +44,10 @@ fn value(v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>) -> serde_
 
 #[tonic::async_trait]
 impl TraceService for Sink {
-    async fn export(&self, r: Request<ExportTraceServiceRequest>) -> Result<Response<ExportTraceServiceResponse>, Status> {
+    async fn export(
+        &self,
+        r: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
         let mut f = self.0.lock().unwrap();
         for rs in r.into_inner().resource_spans {
             let service = rs
@@ -51,7 +58,8 @@ impl TraceService for Sink {
                 .unwrap_or_default();
             for ss in rs.scope_spans {
                 for s in ss.spans {
-                    let attrs: serde_json::Map<String, serde_json::Value> = s.attributes.iter().map(|a| (a.key.clone(), value(&a.value))).collect();
+                    let attrs: serde_json::Map<String, serde_json::Value> =
+                        s.attributes.iter().map(|a| (a.key.clone(), value(&a.value))).collect();
                     let line = serde_json::json!({
                         "service": service, "name": s.name, "trace_id": hex(&s.trace_id), "span_id": hex(&s.span_id),
                         "parent_span_id": hex(&s.parent_span_id), "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
@@ -73,7 +81,10 @@ pub async fn run(a: SinkArgs) -> Result<()> {
     println!("LISTENING http://{}", listener.local_addr()?);
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(Sink(Mutex::new(file))))
-        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
+        .serve_with_incoming_shutdown(
+            layerstream_proto::transport::tcp_incoming(listener),
+            layerstream_proto::transport::shutdown_signal(),
+        )
         .await?;
     Ok(())
 }

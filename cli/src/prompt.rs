@@ -3,8 +3,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use layerstream_model::{Message, Tokenizer};
 use layerstream_model::{GenerateParams, SamplingParams};
+use layerstream_model::{Message, Tokenizer};
 use std::path::PathBuf;
 
 /// Exactly one way of giving the input.
@@ -28,7 +28,10 @@ pub struct PromptArgs {
 impl PromptArgs {
     /// Whether any input was given.
     pub fn is_given(&self) -> bool {
-        self.prompt.is_some() || self.chat.is_some() || self.messages.is_some() || self.token_ids.is_some()
+        self.prompt.is_some()
+            || self.chat.is_some()
+            || self.messages.is_some()
+            || self.token_ids.is_some()
     }
 }
 
@@ -91,8 +94,11 @@ impl PromptArgs {
         let messages: Vec<Message> = match (&self.chat, &self.messages) {
             (Some(c), _) => vec![Message { role: "user".into(), content: c.clone() }],
             (None, Some(path)) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-                serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display()))?
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                serde_json::from_str(&text).with_context(|| {
+                    format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display())
+                })?
             }
             (None, None) => bail!("give one of --prompt, --chat, --messages, --token-ids"),
         };

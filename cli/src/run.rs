@@ -5,8 +5,8 @@ use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use layerstream_kernels::Backend;
-use layerstream_worker::device::Device;
 use layerstream_model::Store;
+use layerstream_worker::device::Device;
 use layerstream_worker::{generate, Model};
 use std::io::Write;
 use std::path::PathBuf;
@@ -43,13 +43,20 @@ pub fn run(args: RunArgs) -> Result<()> {
     let store = Store::open(&model_dir(&args.model)?)?;
     let tok = store.tokenizer()?;
     let input = args.prompt.input_ids(&tok)?;
+    check_device(&args.device)?;
     match Device::open(&args.device)? {
         Device::Cpu(b) => generate_on(b, &store, &tok, &input, &args),
         Device::Cuda(b) => generate_on(b, &store, &tok, &input, &args),
     }
 }
 
-fn generate_on<B: Backend>(backend: B, store: &Store, tok: &layerstream_model::Tokenizer, input: &[u32], args: &RunArgs) -> Result<()> {
+fn generate_on<B: Backend>(
+    backend: B,
+    store: &Store,
+    tok: &layerstream_model::Tokenizer,
+    input: &[u32],
+    args: &RunArgs,
+) -> Result<()> {
     let params = args.sampling.params();
     let model = Model::load(backend, store)?;
     let mut out = std::io::stdout().lock();
@@ -71,8 +78,27 @@ fn generate_on<B: Backend>(backend: B, store: &Store, tok: &layerstream_model::T
         writeln!(out)?;
         eprintln!(
             "[prefill {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | finish: {}]",
-            t.prefill_tokens, t.prefill_tok_s, t.decode_tokens, t.decode_tok_s, layerstream_model::stop::reason_name(g.finish_reason)
+            t.prefill_tokens,
+            t.prefill_tok_s,
+            t.decode_tokens,
+            t.decode_tok_s,
+            layerstream_model::stop::reason_name(g.finish_reason)
         );
     }
     Ok(())
+}
+
+/// Refuses a device this build cannot open before any process starts: `cuda:N` in a build without
+/// the `cuda` feature, or a name that is neither `cpu` nor `cuda:N`.
+pub fn check_device(name: &str) -> Result<()> {
+    match layerstream_kernels::cuda::parse_cuda_device(name) {
+        Some(Err(e)) => anyhow::bail!("--device {name}: {e}"),
+        Some(Ok(_)) if !layerstream_kernels::cuda::BUILT_WITH_CUDA => {
+            anyhow::bail!("--device {name}: {}", layerstream_kernels::cuda::WITHOUT_CUDA)
+        }
+        None if name != "cpu" => {
+            anyhow::bail!("--device {name}: unknown device; use cpu or cuda:N")
+        }
+        _ => Ok(()),
+    }
 }

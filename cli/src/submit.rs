@@ -5,7 +5,9 @@ use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds};
+use layerstream_proto::v1::{
+    generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds,
+};
 use std::io::Write;
 
 /// Flags of `layerstream submit`.
@@ -29,11 +31,23 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
     let input = if let Some(t) = &p.prompt {
         Input::Prompt(t.clone())
     } else if let Some(c) = &p.chat {
-        Input::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content: c.clone() }] })
+        Input::Chat(ChatMessages {
+            messages: vec![ChatMessage { role: "user".into(), content: c.clone() }],
+        })
     } else if let Some(path) = &p.messages {
-        let v: Vec<layerstream_model::Message> = serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)
-            .with_context(|| format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display()))?;
-        Input::Chat(ChatMessages { messages: v.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect() })
+        let v: Vec<layerstream_model::Message> = serde_json::from_str(
+            &std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?,
+        )
+        .with_context(|| {
+            format!("{}: expected a JSON list of {{\"role\", \"content\"}}", path.display())
+        })?;
+        Input::Chat(ChatMessages {
+            messages: v
+                .into_iter()
+                .map(|m| ChatMessage { role: m.role, content: m.content })
+                .collect(),
+        })
     } else if let Some(ids) = &p.token_ids {
         Input::TokenIds(TokenIds { ids: ids.clone() })
     } else {
@@ -49,11 +63,27 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
     })
 }
 
+/// A connection failure said the way a user can act on: no coordinator there, and how to start one.
+pub(crate) fn no_server(addr: &str, e: &tonic::transport::Error) -> anyhow::Error {
+    let mut cause = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        cause = s.to_string();
+        src = s.source();
+    }
+    anyhow::anyhow!("no coordinator answers at {addr} ({cause}): start one with `layerstream up`, or point --addr (LAYERSTREAM_ADDR) at a running one")
+}
+
 /// Runs the command.
 pub async fn run(a: SubmitArgs) -> Result<()> {
     let req = request(&a)?;
-    let mut client = CoordinatorClient::connect(a.addr.clone()).await.with_context(|| format!("connecting to {}", a.addr))?;
-    let mut stream = client.generate(req).await.map_err(|s| anyhow::anyhow!("{}: {}", a.addr, s.message()))?.into_inner();
+    let mut client =
+        CoordinatorClient::connect(a.addr.clone()).await.map_err(|e| no_server(&a.addr, &e))?;
+    let mut stream = client
+        .generate(req)
+        .await
+        .map_err(|s| anyhow::anyhow!("{}: {}", a.addr, s.message()))?
+        .into_inner();
     let mut out = std::io::stdout().lock();
     loop {
         let ev = match stream.message().await {

@@ -7,8 +7,8 @@ use layerstream_coordinator::{PlanFlags, SchedulerFlags};
 use layerstream_loader::SlotFlags;
 use layerstream_worker::server::DeviceFlags;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -63,7 +63,9 @@ impl Drop for Children {
             loop {
                 match c.try_wait() {
                     Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
                     _ => {
                         eprintln!("layerstream up: {name} did not stop; killing it");
                         let _ = c.kill();
@@ -84,8 +86,13 @@ pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Res
 /// As `spawn`, with the child's log in a file under the temp dir instead of on stderr (`bench`, whose
 /// output is a table); a child that fails to start is reported with the file's last lines.
 pub(crate) fn spawn_quiet(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
-    let path = std::env::temp_dir().join(format!("layerstream-{}-{}.log", std::process::id(), name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")));
-    let file = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let path = std::env::temp_dir().join(format!(
+        "layerstream-{}-{}.log",
+        std::process::id(),
+        name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+    ));
+    let file =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
     let res = spawn_logged(children, name, args, Stdio::from(file), Some(&path));
     if res.is_ok() {
         let _ = std::fs::remove_file(&path);
@@ -93,7 +100,13 @@ pub(crate) fn spawn_quiet(children: &mut Children, name: &str, args: &[String]) 
     res
 }
 
-fn spawn_logged(children: &mut Children, name: &str, args: &[String], stderr: Stdio, log: Option<&std::path::Path>) -> Result<String> {
+fn spawn_logged(
+    children: &mut Children,
+    name: &str,
+    args: &[String],
+    stderr: Stdio,
+    log: Option<&std::path::Path>,
+) -> Result<String> {
     let exe = std::env::current_exe().context("locating the layerstream binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
@@ -118,8 +131,13 @@ fn spawn_logged(children: &mut Children, name: &str, args: &[String], stderr: St
         other => match log {
             Some(p) => {
                 let text = std::fs::read_to_string(p).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
-                bail!("{name} exited before it was ready ({other:?}); its log ({}) ends:\n{}", p.display(), tail.join("\n"))
+                let tail: Vec<&str> =
+                    text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+                bail!(
+                    "{name} exited before it was ready ({other:?}); its log ({}) ends:\n{}",
+                    p.display(),
+                    tail.join("\n")
+                )
             }
             None => bail!("{name} exited before it was ready ({other:?}); see its log above"),
         },
@@ -137,37 +155,74 @@ pub fn run(a: UpArgs) -> Result<()> {
     if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
+    crate::run::check_device(&a.device.device)?;
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let model_s = model.display().to_string();
     let ns = format!("up{}", std::process::id());
     let socket = std::env::temp_dir().join(format!("layerstream-{ns}.sock")).display().to_string();
     let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
-    let slots = a.pool.slots.unwrap_or((a.workers * per_worker).max(4)).min(store.manifest.config.num_layers.max(4));
+    let slots = a
+        .pool
+        .slots
+        .unwrap_or((a.workers * per_worker).max(4))
+        .min(store.manifest.config.num_layers.max(4));
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
     let otlp = opt("--otlp-endpoint", &a.otlp_endpoint);
     let pool = SlotFlags { slots: Some(slots), ..a.pool.clone() };
-    let mut largs = vec!["loader-daemon".into(), "--model".into(), model_s.clone(), "--socket".into(), socket.clone(), "--namespace".into(), ns.clone()];
+    let mut largs = vec![
+        "loader-daemon".into(),
+        "--model".into(),
+        model_s.clone(),
+        "--socket".into(),
+        socket.clone(),
+        "--namespace".into(),
+        ns.clone(),
+    ];
     largs.extend(pool.to_args());
     largs.extend(otlp.clone());
     spawn(&mut children, "loader-daemon", &largs)?;
     let mut addrs = Vec::new();
     for i in 0..a.workers {
-        let mut wargs = vec!["worker".into(), "--model".into(), model_s.clone(), "--listen".into(), "127.0.0.1:0".into(), "--loader-socket".into(), socket.clone()];
+        let mut wargs = vec![
+            "worker".into(),
+            "--model".into(),
+            model_s.clone(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--loader-socket".into(),
+            socket.clone(),
+        ];
         wargs.extend(a.device.to_args());
         wargs.extend(otlp.clone());
         addrs.push(spawn(&mut children, &format!("worker {i}"), &wargs)?);
     }
-    let mut cargs = vec!["coordinator".into(), "--model".into(), model_s, "--listen".into(), a.listen.clone(), "--worker".into(), addrs.join(",")];
+    let mut cargs = vec![
+        "coordinator".into(),
+        "--model".into(),
+        model_s,
+        "--listen".into(),
+        a.listen.clone(),
+        "--worker".into(),
+        addrs.join(","),
+    ];
     cargs.extend(a.plan.to_args());
     cargs.extend(a.sched.to_args());
     cargs.extend(otlp);
     let addr = spawn(&mut children, "coordinator", &cargs)?;
     if a.prompt.is_given() {
-        let sub = crate::submit::SubmitArgs { addr, prompt: a.prompt.clone(), sampling: a.sampling.clone(), json: a.json };
-        let res = tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(crate::submit::run(sub));
+        let sub = crate::submit::SubmitArgs {
+            addr,
+            prompt: a.prompt.clone(),
+            sampling: a.sampling.clone(),
+            json: a.json,
+        };
+        let res = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(crate::submit::run(sub));
         drop(children);
         clean_shm(&ns);
         return res;
@@ -179,7 +234,11 @@ pub fn run(a: UpArgs) -> Result<()> {
             eprintln!("layerstream up: signal {sig}, stopping");
             break;
         }
-        if let Some((name, status)) = children.0.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
+        if let Some((name, status)) = children
+            .0
+            .iter_mut()
+            .find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s)))
+        {
             drop(children);
             clean_shm(&ns);
             bail!("{name} exited ({status}); stopped the rest");
@@ -212,7 +271,8 @@ fn unsafe_sigset() -> libc::sigset_t {
 }
 
 fn wait_signal(set: &mut libc::sigset_t, timeout: Duration) -> Option<i32> {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
     // SAFETY: set is a valid signal set; a null info pointer is allowed; ts is a valid timeout.
     let r = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
     (r > 0).then_some(r)

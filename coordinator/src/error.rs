@@ -27,10 +27,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
         match &e {
-            Error::Model(layerstream_model::Error::Request { .. }) => tonic::Status::invalid_argument(e.to_string()),
-            Error::Model(layerstream_model::Error::Tokenizer(_) | layerstream_model::Error::Template(_)) => {
+            Error::Model(layerstream_model::Error::Request { .. }) => {
                 tonic::Status::invalid_argument(e.to_string())
             }
+            Error::Model(
+                layerstream_model::Error::Tokenizer(_) | layerstream_model::Error::Template(_),
+            ) => tonic::Status::invalid_argument(e.to_string()),
             Error::StepTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
             Error::Worker { .. } | Error::Transport(_) => tonic::Status::unavailable(e.to_string()),
             _ => tonic::Status::internal(e.to_string()),

@@ -50,7 +50,12 @@ fn flag(name: &str, v: impl ToString) -> [String; 2] {
 impl PlanFlags {
     /// The same settings as command-line arguments (for a child coordinator).
     pub fn to_args(&self) -> Vec<String> {
-        let mut a: Vec<String> = [flag("layer-group-size", self.layer_group_size), flag("streaming-buffers", self.streaming_buffers), flag("kv-capacity", self.kv_capacity)].concat();
+        let mut a: Vec<String> = [
+            flag("layer-group-size", self.layer_group_size),
+            flag("streaming-buffers", self.streaming_buffers),
+            flag("kv-capacity", self.kv_capacity),
+        ]
+        .concat();
         if let Some(k) = self.resident_layers {
             a.extend(flag("resident-layers", k));
         }
@@ -64,7 +69,13 @@ impl PlanFlags {
 impl SchedulerFlags {
     /// The same settings as command-line arguments (for a child coordinator).
     pub fn to_args(&self) -> Vec<String> {
-        [flag("max-batch", self.max_batch), flag("max-step-tokens", self.max_step_tokens), flag("queue-size", self.queue_size), flag("step-timeout", self.step_timeout_s)].concat()
+        [
+            flag("max-batch", self.max_batch),
+            flag("max-step-tokens", self.max_step_tokens),
+            flag("queue-size", self.queue_size),
+            flag("step-timeout", self.step_timeout_s),
+        ]
+        .concat()
     }
 }
 
@@ -84,7 +95,18 @@ mod tests {
     /// What `up` passes on parses back to the same settings in the child.
     #[test]
     fn to_args_round_trips() {
-        let given = Cli::parse_from(["x", "--resident-layers", "3", "--no-prefetch", "--layer-group-size", "2", "--max-batch", "5", "--step-timeout", "9"]);
+        let given = Cli::parse_from([
+            "x",
+            "--resident-layers",
+            "3",
+            "--no-prefetch",
+            "--layer-group-size",
+            "2",
+            "--max-batch",
+            "5",
+            "--step-timeout",
+            "9",
+        ]);
         let mut argv = vec!["x".to_owned()];
         argv.extend(given.plan.to_args());
         argv.extend(given.sched.to_args());

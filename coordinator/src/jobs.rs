@@ -37,7 +37,9 @@ impl JobRecord {
         }
         if finals.iter().any(|f| f.finish_reason() == FinishReason::Error) {
             JobState::Failed
-        } else if self.cancelled || finals.iter().any(|f| f.finish_reason() == FinishReason::Cancelled) {
+        } else if self.cancelled
+            || finals.iter().any(|f| f.finish_reason() == FinishReason::Cancelled)
+        {
             JobState::Cancelled
         } else {
             JobState::Done
@@ -51,7 +53,13 @@ impl JobRecord {
 
     /// The public view.
     pub fn view(&self, id: &str) -> Job {
-        Job { job_id: id.into(), state: self.state().into(), results: self.finals(), requests: self.requests as u32, trace_id: self.trace_id.clone() }
+        Job {
+            job_id: id.into(),
+            state: self.state().into(),
+            results: self.finals(),
+            requests: self.requests as u32,
+            trace_id: self.trace_id.clone(),
+        }
     }
 }
 

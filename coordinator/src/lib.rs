@@ -50,7 +50,11 @@ pub struct CoordinatorArgs {
     pub otlp_endpoint: Option<String>,
 }
 
-async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: &str, wait: Duration) -> Result<layerstream_proto::v1::InfoResponse> {
+async fn info_with_retry(
+    c: &mut WorkerClient<tonic::transport::Channel>,
+    addr: &str,
+    wait: Duration,
+) -> Result<layerstream_proto::v1::InfoResponse> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         match c.info(InfoRequest {}).await {
@@ -59,7 +63,12 @@ async fn info_with_retry(c: &mut WorkerClient<tonic::transport::Channel>, addr: 
                 tracing::debug!(worker = addr, error = %e, "worker not ready yet");
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            Err(e) => return Err(Error::Worker { worker: addr.into(), msg: format!("unreachable: {}", e.message()) }),
+            Err(e) => {
+                return Err(Error::Worker {
+                    worker: addr.into(),
+                    msg: format!("unreachable: {}", e.message()),
+                })
+            }
         }
     }
 }
@@ -72,7 +81,10 @@ async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> Resu
         for w in list {
             match w.strip_prefix("dns://") {
                 Some(hostport) => {
-                    let mut ips: Vec<std::net::SocketAddr> = tokio::net::lookup_host(hostport).await.map(|i| i.collect()).unwrap_or_default();
+                    let mut ips: Vec<std::net::SocketAddr> = tokio::net::lookup_host(hostport)
+                        .await
+                        .map(|i| i.collect())
+                        .unwrap_or_default();
                     ips.sort();
                     ips.dedup();
                     out.extend(ips.into_iter().map(|a| format!("http://{a}")));
@@ -84,7 +96,10 @@ async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> Resu
             return Ok(out);
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(Error::Setup(format!("found {} worker address(es) from {list:?}, expected {expect}", out.len())));
+            return Err(Error::Setup(format!(
+                "found {} worker address(es) from {list:?}, expected {expect}",
+                out.len()
+            )));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -92,24 +107,36 @@ async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> Resu
 
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
 pub async fn run(args: CoordinatorArgs) -> Result<()> {
-    let tracing_guard = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
+    let tracing_guard =
+        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
     let store = Store::open(&args.model)?;
     let tokenizer = Arc::new(store.tokenizer()?);
-    let addrs = resolve_workers(&args.workers, args.expect_workers, Duration::from_secs(args.worker_wait_s)).await?;
+    let addrs = resolve_workers(
+        &args.workers,
+        args.expect_workers,
+        Duration::from_secs(args.worker_wait_s),
+    )
+    .await?;
     let mut workers = Vec::new();
     for addr in &addrs {
-        let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30);
+        let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?)
+            .max_decoding_message_size(1 << 30)
+            .max_encoding_message_size(1 << 30);
         let info = info_with_retry(&mut c, addr, Duration::from_secs(args.worker_wait_s)).await?;
         if info.num_layers as usize != store.manifest.config.num_layers {
             return Err(Error::Worker {
                 worker: addr.clone(),
-                msg: format!("serves a model with {} layers, the coordinator's store has {}", info.num_layers, store.manifest.config.num_layers),
+                msg: format!(
+                    "serves a model with {} layers, the coordinator's store has {}",
+                    info.num_layers, store.manifest.config.num_layers
+                ),
             });
         }
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
         workers.push((addr.clone(), info.device, info.memory_budget, c));
     }
-    let specs: Vec<planner::WorkerSpec> = workers.iter().map(|w| planner::WorkerSpec { address: w.0.clone(), budget: w.2 }).collect();
+    let specs: Vec<planner::WorkerSpec> =
+        workers.iter().map(|w| planner::WorkerSpec { address: w.0.clone(), budget: w.2 }).collect();
     let opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
         group_size: args.plan.layer_group_size,
@@ -126,7 +153,10 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         let r = c
             .assign(a.clone())
             .await
-            .map_err(|s| Error::Worker { worker: addr.clone(), msg: format!("refused its assignment: {}", s.message()) })?
+            .map_err(|s| Error::Worker {
+                worker: addr.clone(),
+                msg: format!("refused its assignment: {}", s.message()),
+            })?
             .into_inner();
         if r.max_step_tokens > 0 && (r.max_step_tokens as usize) < step_tokens {
             step_tokens = r.max_step_tokens as usize;
@@ -135,13 +165,20 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         assignments.push(a);
     }
     let (queue, rx) = tokio::sync::mpsc::channel(args.sched.queue_size.max(1));
-    let pipeline = pipeline::Pipeline { workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(), step_timeout: Duration::from_secs(args.sched.step_timeout_s) };
+    let pipeline = pipeline::Pipeline {
+        workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(),
+        step_timeout: Duration::from_secs(args.sched.step_timeout_s),
+    };
     let sched = scheduler::Scheduler {
         rx,
         pipeline,
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
-        limits: scheduler::Limits { max_batch: args.sched.max_batch.max(1), kv_capacity: args.plan.kv_capacity, max_step_tokens: step_tokens },
+        limits: scheduler::Limits {
+            max_batch: args.sched.max_batch.max(1),
+            kv_capacity: args.plan.kv_capacity,
+            max_step_tokens: step_tokens,
+        },
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {
@@ -156,13 +193,23 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         next_seq: AtomicU64::new(1),
         next_job: AtomicU64::new(1),
     };
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
     println!("LISTENING http://{}", listener.local_addr()?);
     tonic::transport::Server::builder()
-        .add_service(layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>().await)
+        .add_service(
+            layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>(
+            )
+            .await,
+        )
         .add_service(layerstream_proto::transport::reflection())
+        .add_service(layerstream_proto::transport::reflection_v1alpha())
         .add_service(CoordinatorServer::new(svc))
-        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
+        .serve_with_incoming_shutdown(
+            layerstream_proto::transport::tcp_incoming(listener),
+            layerstream_proto::transport::shutdown_signal(),
+        )
         .await?;
     tracing_guard.flush();
     Ok(())

@@ -3,7 +3,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "coordinator", version, about = "The layerstream coordinator: job API, planner, continuous batching")]
+#[command(
+    name = "coordinator",
+    version,
+    about = "The layerstream coordinator: job API, planner, continuous batching"
+)]
 struct Cli {
     #[command(flatten)]
     args: layerstream_coordinator::CoordinatorArgs,

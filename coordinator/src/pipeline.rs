@@ -32,18 +32,34 @@ impl Pipeline {
         let mut hidden = Vec::new();
         let mut out = StepResult::default();
         for (i, (addr, client)) in self.workers.iter().enumerate() {
-            let req = traced_request(span, StepRequest { seqs: seqs.clone(), hidden: std::mem::take(&mut hidden) });
+            let req = traced_request(
+                span,
+                StepRequest { seqs: seqs.clone(), hidden: std::mem::take(&mut hidden) },
+            );
             let mut c = client.clone();
             let resp = tokio::time::timeout(self.step_timeout, c.step(req))
                 .await
-                .map_err(|_| Error::StepTimeout { worker: addr.clone(), timeout: self.step_timeout })?
-                .map_err(|s| Error::Worker { worker: addr.clone(), msg: format!("failed: {} ({:?})", s.message(), s.code()) })?
+                .map_err(|_| Error::StepTimeout {
+                    worker: addr.clone(),
+                    timeout: self.step_timeout,
+                })?
+                .map_err(|s| Error::Worker {
+                    worker: addr.clone(),
+                    msg: format!("failed: {} ({:?})", s.message(), s.code()),
+                })?
                 .into_inner();
             out.layers.extend(resp.layers);
             out.layers_ms += resp.layers_ms;
             if i + 1 == self.workers.len() {
                 if resp.tokens.len() != seqs.len() {
-                    return Err(Error::Worker { worker: addr.clone(), msg: format!("returned {} tokens for {} sequences", resp.tokens.len(), seqs.len()) });
+                    return Err(Error::Worker {
+                        worker: addr.clone(),
+                        msg: format!(
+                            "returned {} tokens for {} sequences",
+                            resp.tokens.len(),
+                            seqs.len()
+                        ),
+                    });
                 }
                 out.tokens = resp.tokens;
             } else {
@@ -60,7 +76,12 @@ impl Pipeline {
         }
         for (addr, client) in &self.workers {
             let mut c = client.clone();
-            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), c.release(ReleaseRequest { seq_ids: ids.clone() })).await {
+            if let Err(e) = tokio::time::timeout(
+                Duration::from_secs(5),
+                c.release(ReleaseRequest { seq_ids: ids.clone() }),
+            )
+            .await
+            {
                 tracing::warn!(worker = %addr, error = %e, "release timed out");
             }
         }

@@ -31,10 +31,13 @@ pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32
         return Err(Error::Plan("no workers".into()));
     }
     if w > n {
-        return Err(Error::Plan(format!("{w} workers but only {n} layers: every worker needs at least one layer")));
+        return Err(Error::Plan(format!(
+            "{w} workers but only {n} layers: every worker needs at least one layer"
+        )));
     }
     let total: f64 = budgets.iter().map(|&b| b.max(1) as f64).sum();
-    let exact: Vec<f64> = budgets.iter().map(|&b| b.max(1) as f64 / total * (n - w) as f64).collect();
+    let exact: Vec<f64> =
+        budgets.iter().map(|&b| b.max(1) as f64 / total * (n - w) as f64).collect();
     let mut counts: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
     let mut order: Vec<usize> = (0..w).collect();
     order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
@@ -107,7 +110,10 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             )));
         }
         if range.clone().any(|l| layer_bytes(m, l) == 0) {
-            return Err(Error::Plan(format!("the store lacks a layer file in {}..{}", range.start, range.end)));
+            return Err(Error::Plan(format!(
+                "the store lacks a layer file in {}..{}",
+                range.start, range.end
+            )));
         }
         p.bytes_needed = u.total();
         plans.push(p);
@@ -131,15 +137,38 @@ mod tests {
     }
 
     fn manifest(dir: &std::path::Path) -> Manifest {
-        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(8), 3, &dir.join("s")).unwrap()
+        layerstream_model::synth::synth(
+            "tiny",
+            layerstream_model::DType::Q8_0,
+            Some(8),
+            3,
+            &dir.join("s"),
+        )
+        .unwrap()
     }
 
     fn streaming_plan(r: std::ops::Range<u32>) -> Assignment {
-        Assignment { layer_start: r.start, layer_end: r.end, group_size: 1, streaming_buffers: 2, kv_capacity: 64, embed: true, head: true, prefetch: true, ..Default::default() }
+        Assignment {
+            layer_start: r.start,
+            layer_end: r.end,
+            group_size: 1,
+            streaming_buffers: 2,
+            kv_capacity: 64,
+            embed: true,
+            head: true,
+            prefetch: true,
+            ..Default::default()
+        }
     }
 
     fn opts(resident: Option<usize>) -> PlanOptions {
-        PlanOptions { resident_layers: resident, group_size: 1, buffers: 2, kv_capacity: 64, prefetch: true }
+        PlanOptions {
+            resident_layers: resident,
+            group_size: 1,
+            buffers: 2,
+            kv_capacity: 64,
+            prefetch: true,
+        }
     }
 
     #[test]
@@ -150,13 +179,23 @@ mod tests {
         let mut last = 0;
         for extra_layers in [0u64, 2, 5, 20] {
             let budget = usage(&m, &streaming_plan(0..4)).total() + extra_layers * layer;
-            let w = [WorkerSpec { address: "a".into(), budget }, WorkerSpec { address: "b".into(), budget }];
+            let w = [
+                WorkerSpec { address: "a".into(), budget },
+                WorkerSpec { address: "b".into(), budget },
+            ];
             let plans = plan(&m, &w, &opts(None)).unwrap();
-            assert_eq!(plans.iter().map(|p| (p.layer_end - p.layer_start) as usize).sum::<usize>(), 8);
+            assert_eq!(
+                plans.iter().map(|p| (p.layer_end - p.layer_start) as usize).sum::<usize>(),
+                8
+            );
             assert!(plans[0].embed && !plans[0].head && plans[1].head && !plans[1].embed);
             for p in &plans {
                 assert!(usage(&m, p).total() <= budget);
-                assert_eq!(p.bytes_needed, usage(&m, p).total(), "the assignment carries its own size");
+                assert_eq!(
+                    p.bytes_needed,
+                    usage(&m, p).total(),
+                    "the assignment carries its own size"
+                );
             }
             let k = plans[0].resident.len();
             assert!(k >= last, "more budget, no fewer resident layers");
@@ -175,7 +214,10 @@ mod tests {
         let big = [WorkerSpec { address: "http://w0".into(), budget: 1 << 40 }];
         assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
         let tight = usage(&m, &streaming_plan(0..8)).total();
-        let e = plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8))).unwrap_err().to_string();
+        let e =
+            plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8)))
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("8 resident need"), "{e}");
     }
 

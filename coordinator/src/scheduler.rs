@@ -99,7 +99,14 @@ pub fn admit(active: usize, kv_used: usize, waiting: &[usize], l: Limits) -> usi
     n
 }
 
-fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_proto::v1::Stats, reason: FinishReason, error: String) -> GenerateEvent {
+fn final_event(
+    req: &SeqRequest,
+    output: &[u32],
+    text: &str,
+    stats: layerstream_proto::v1::Stats,
+    reason: FinishReason,
+    error: String,
+) -> GenerateEvent {
     GenerateEvent {
         index: req.index,
         event: Some(generate_event::Event::Done(FinalEvent {
@@ -116,7 +123,12 @@ fn final_event(req: &SeqRequest, output: &[u32], text: &str, stats: layerstream_
 
 fn finish(a: &Active, reason: FinishReason, error: String) -> GenerateEvent {
     let output = a.stopper.output();
-    let stats = a.acc.stats(a.req.input_ids.len(), output.len(), a.started.elapsed(), a.req.queued.elapsed());
+    let stats = a.acc.stats(
+        a.req.input_ids.len(),
+        output.len(),
+        a.started.elapsed(),
+        a.req.queued.elapsed(),
+    );
     final_event(&a.req, output, &a.stopper.text, stats, reason, error)
 }
 
@@ -140,7 +152,13 @@ impl Scheduler {
             for _ in 0..admit(active.len(), kv_used, &needs, self.limits) {
                 let req = waiting.pop_front().expect("admitted from the queue");
                 let stopper = Stopper::new(&req.params, &self.eos);
-                active.push(Active { req, pos: 0, stopper, acc: Acc::default(), started: Instant::now() });
+                active.push(Active {
+                    req,
+                    pos: 0,
+                    stopper,
+                    acc: Acc::default(),
+                    started: Instant::now(),
+                });
             }
             self.drop_cancelled(&mut active, &mut waiting).await;
             if active.is_empty() {
@@ -154,7 +172,19 @@ impl Scheduler {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
-                let _ = r.events.try_send(final_event(r, &[], "", Acc::default().stats(r.input_ids.len(), 0, Default::default(), r.queued.elapsed()), FinishReason::Cancelled, String::new()));
+                let _ = r.events.try_send(final_event(
+                    r,
+                    &[],
+                    "",
+                    Acc::default().stats(
+                        r.input_ids.len(),
+                        0,
+                        Default::default(),
+                        r.queued.elapsed(),
+                    ),
+                    FinishReason::Cancelled,
+                    String::new(),
+                ));
             }
             !gone
         });
@@ -175,9 +205,13 @@ impl Scheduler {
     }
 
     async fn step(&self, active: &mut Vec<Active>) {
-        let shares = step_tokens(&active.iter().map(|a| (a.pos, a.req.input_ids.len())).collect::<Vec<_>>(), self.limits.max_step_tokens);
+        let shares = step_tokens(
+            &active.iter().map(|a| (a.pos, a.req.input_ids.len())).collect::<Vec<_>>(),
+            self.limits.max_step_tokens,
+        );
         // (index into `active`, tokens it brings) for the sequences that ride this step.
-        let members: Vec<(usize, usize)> = shares.into_iter().enumerate().filter(|&(_, n)| n > 0).collect();
+        let members: Vec<(usize, usize)> =
+            shares.into_iter().enumerate().filter(|&(_, n)| n > 0).collect();
         let seqs: Vec<StepSeq> = members
             .iter()
             .map(|&(i, n)| {
@@ -186,7 +220,11 @@ impl Scheduler {
                 StepSeq {
                     seq_id: a.req.seq_id,
                     start_pos: a.pos as u32,
-                    token_ids: if a.pos < prompt { a.req.input_ids[a.pos..a.pos + n].to_vec() } else { vec![*a.stopper.output().last().expect("decoding after prefill")] },
+                    token_ids: if a.pos < prompt {
+                        a.req.input_ids[a.pos..a.pos + n].to_vec()
+                    } else {
+                        vec![*a.stopper.output().last().expect("decoding after prefill")]
+                    },
                     sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
                     prompt_continues: a.pos + n < prompt,
                 }
@@ -223,9 +261,17 @@ impl Scheduler {
             }
             let (delta, reason) = match a.stopper.push(&self.tokenizer, tok) {
                 Ok(p) => (p.delta, p.finish.map(|r| (r, String::new()))),
-                Err(e) => (String::new(), Some((FinishReason::Error, format!("decoding output: {e}")))),
+                Err(e) => {
+                    (String::new(), Some((FinishReason::Error, format!("decoding output: {e}"))))
+                }
             };
-            let ev = GenerateEvent { index: a.req.index, event: Some(generate_event::Event::Token(TokenEvent { ids: vec![tok], text: delta })) };
+            let ev = GenerateEvent {
+                index: a.req.index,
+                event: Some(generate_event::Event::Token(TokenEvent {
+                    ids: vec![tok],
+                    text: delta,
+                })),
+            };
             let _ = a.req.events.send(ev).await;
             if let Some((r, err)) = reason {
                 let ev = finish(a, r, err);
@@ -252,14 +298,22 @@ mod tests {
         assert_eq!(admit(2, 0, &[10, 10], l), 1);
         assert_eq!(admit(0, 80, &[30, 10], l), 0, "FIFO: a big request is not overtaken");
         assert_eq!(admit(0, 0, &[], l), 0);
-        assert_eq!(admit(1, 0, &[10, 10, 10], Limits { max_step_tokens: 2, ..l }), 1, "no more running than a step carries");
+        assert_eq!(
+            admit(1, 0, &[10, 10, 10], Limits { max_step_tokens: 2, ..l }),
+            1,
+            "no more running than a step carries"
+        );
     }
 
     #[test]
     fn decodes_always_ride_and_prompts_are_chunked_in_order_within_the_step_budget() {
         // (position, prompt length): a decode, a fresh 10-token prompt, a prompt 4 tokens from its end.
         let seqs = [(12, 5), (0, 10), (6, 10)];
-        assert_eq!(step_tokens(&seqs, 8), vec![1, 7, 0], "the first prompt takes what the decode left");
+        assert_eq!(
+            step_tokens(&seqs, 8),
+            vec![1, 7, 0],
+            "the first prompt takes what the decode left"
+        );
         assert_eq!(step_tokens(&seqs, 64), vec![1, 10, 4], "everything fits: no chunking");
         assert_eq!(step_tokens(&seqs, 1), vec![1, 0, 0], "decodes are never held back");
         assert_eq!(step_tokens(&[(0, 10)], 0), vec![1], "a lone prompt always moves");

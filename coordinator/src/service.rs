@@ -44,21 +44,31 @@ impl CoordinatorService {
             Some(generate_request::Input::Prompt(p)) => self.tokenizer.encode(p).map_err(bad),
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
             Some(generate_request::Input::Chat(c)) => {
-                let msgs: Vec<Message> = c.messages.iter().map(|m| Message { role: m.role.clone(), content: m.content.clone() }).collect();
+                let msgs: Vec<Message> = c
+                    .messages
+                    .iter()
+                    .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
+                    .collect();
                 if msgs.is_empty() {
                     return Err(Status::invalid_argument("chat has no messages"));
                 }
                 let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad)?;
                 self.tokenizer.encode(&text).map_err(bad)
             }
-            None => Err(Status::invalid_argument("request has no input: set prompt, chat or token_ids")),
+            None => {
+                Err(Status::invalid_argument("request has no input: set prompt, chat or token_ids"))
+            }
         }
     }
 
     fn params(r: &GenerateRequest) -> GenerateParams {
-        let s = r.sampling.clone().unwrap_or_default();
+        let s = r.sampling.unwrap_or_default();
         GenerateParams {
-            max_new_tokens: if r.max_new_tokens == 0 { DEFAULT_MAX_NEW_TOKENS } else { r.max_new_tokens as usize },
+            max_new_tokens: if r.max_new_tokens == 0 {
+                DEFAULT_MAX_NEW_TOKENS
+            } else {
+                r.max_new_tokens as usize
+            },
             stop: r.stop.clone(),
             ignore_eos: r.ignore_eos,
             sampling: SamplingParams::from_wire(&s),
@@ -72,23 +82,40 @@ impl CoordinatorService {
         }
         let mut prepared = Vec::with_capacity(requests.len());
         for (i, r) in requests.iter().enumerate() {
-            let ids = self.input_ids(r).map_err(|s| Status::invalid_argument(format!("request {i}: {}", s.message())))?;
+            let ids = self
+                .input_ids(r)
+                .map_err(|s| Status::invalid_argument(format!("request {i}: {}", s.message())))?;
             let p = Self::params(r);
-            check_request(&ids, &p, self.vocab, self.context).map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
+            check_request(&ids, &p, self.vocab, self.context)
+                .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
             if ids.len() + p.max_new_tokens > self.kv_capacity {
                 return Err(Status::invalid_argument(format!(
                     "request {i}: {} prompt + {} new tokens exceed the KV capacity of {} positions",
-                    ids.len(), p.max_new_tokens, self.kv_capacity
+                    ids.len(),
+                    p.max_new_tokens,
+                    self.kv_capacity
                 )));
             }
             prepared.push((ids, p));
         }
         let job_id = format!("job-{}", self.next_job.fetch_add(1, Ordering::Relaxed));
-        let span = info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
+        let span =
+            info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
         let trace_id = layerstream_proto::telemetry::trace_id(&span);
-        let cancels: Vec<Arc<AtomicBool>> = prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+        let cancels: Vec<Arc<AtomicBool>> =
+            prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
         let (live, _) = watch::channel(0usize);
-        self.jobs.insert(job_id.clone(), JobRecord { trace_id: trace_id.clone(), requests: prepared.len(), history: Vec::new(), cancel: cancels.clone(), live, cancelled: false });
+        self.jobs.insert(
+            job_id.clone(),
+            JobRecord {
+                trace_id: trace_id.clone(),
+                requests: prepared.len(),
+                history: Vec::new(),
+                cancel: cancels.clone(),
+                live,
+                cancelled: false,
+            },
+        );
         for (i, ((ids, p), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
             let (tx, mut rx) = mpsc::channel(256);
             let seq = SeqRequest {
@@ -120,19 +147,32 @@ impl CoordinatorService {
 
     /// Streams a job's events in order until it finishes; `cancel_on_drop` cancels the job if the
     /// client goes away first. A request that ends in error is followed by an ABORTED status.
-    fn watch(&self, job_id: &str, cancel_on_drop: bool) -> Result<mpsc::Receiver<Result<GenerateEvent, Status>>, Status> {
-        let mut live = self.jobs.with(job_id, |j| j.live.subscribe()).ok_or_else(|| Status::not_found(format!("no job {job_id}")))?;
+    fn watch(
+        &self,
+        job_id: &str,
+        cancel_on_drop: bool,
+    ) -> Result<mpsc::Receiver<Result<GenerateEvent, Status>>, Status> {
+        let mut live = self
+            .jobs
+            .with(job_id, |j| j.live.subscribe())
+            .ok_or_else(|| Status::not_found(format!("no job {job_id}")))?;
         let (tx, rx) = mpsc::channel(256);
         let jobs = self.jobs.clone();
         let id = job_id.to_owned();
         tokio::spawn(async move {
             let mut seen = 0usize;
             loop {
-                let (new, finished) = jobs.with(&id, |j| (j.history[seen..].to_vec(), j.finished())).unwrap_or_default();
+                let (new, finished) = jobs
+                    .with(&id, |j| (j.history[seen..].to_vec(), j.finished()))
+                    .unwrap_or_default();
                 for ev in new {
                     seen += 1;
                     let err = match &ev.event {
-                        Some(generate_event::Event::Done(d)) if d.finish_reason() == FinishReason::Error => Some(d.error.clone()),
+                        Some(generate_event::Event::Done(d))
+                            if d.finish_reason() == FinishReason::Error =>
+                        {
+                            Some(d.error.clone())
+                        }
                         _ => None,
                     };
                     if tx.send(Ok(ev)).await.is_err() {
@@ -169,7 +209,10 @@ impl Coordinator for CoordinatorService {
     type WatchJobStream = EventStream<JobEvent>;
 
     #[instrument(skip(self, r))]
-    async fn generate(&self, r: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+    async fn generate(
+        &self,
+        r: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
         let (job_id, trace_id) = self.submit(std::slice::from_ref(r.get_ref()))?;
         let rx = self.watch(&job_id, true)?;
         let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
@@ -180,13 +223,19 @@ impl Coordinator for CoordinatorService {
     }
 
     #[instrument(skip(self, r))]
-    async fn submit_job(&self, r: Request<SubmitJobRequest>) -> Result<Response<SubmitJobResponse>, Status> {
+    async fn submit_job(
+        &self,
+        r: Request<SubmitJobRequest>,
+    ) -> Result<Response<SubmitJobResponse>, Status> {
         let (job_id, trace_id) = self.submit(&r.into_inner().requests)?;
         Ok(Response::new(SubmitJobResponse { job_id, trace_id }))
     }
 
     #[instrument(skip(self, r))]
-    async fn watch_job(&self, r: Request<JobRef>) -> Result<Response<Self::WatchJobStream>, Status> {
+    async fn watch_job(
+        &self,
+        r: Request<JobRef>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
         let id = r.into_inner().job_id;
         let mut rx = self.watch(&id, false)?;
         let (tx, out) = mpsc::channel(256);
@@ -203,23 +252,43 @@ impl Coordinator for CoordinatorService {
 
     async fn get_job(&self, r: Request<JobRef>) -> Result<Response<Job>, Status> {
         let id = r.into_inner().job_id;
-        self.jobs.with(&id, |j| j.view(&id)).map(Response::new).ok_or_else(|| Status::not_found(format!("no job {id}")))
+        self.jobs
+            .with(&id, |j| j.view(&id))
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no job {id}")))
     }
 
     async fn cancel_job(&self, r: Request<JobRef>) -> Result<Response<Job>, Status> {
         let id = r.into_inner().job_id;
         info!(job_id = %id, "cancel requested");
-        self.jobs.cancel(&id).map(Response::new).ok_or_else(|| Status::not_found(format!("no job {id}")))
+        self.jobs
+            .cancel(&id)
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no job {id}")))
     }
 
-    async fn list_workers(&self, _r: Request<ListWorkersRequest>) -> Result<Response<ListWorkersResponse>, Status> {
+    async fn list_workers(
+        &self,
+        _r: Request<ListWorkersRequest>,
+    ) -> Result<Response<ListWorkersResponse>, Status> {
         let mut workers = Vec::new();
         for (addr, device, budget, client) in &self.workers {
             let mut c = client.clone();
-            let info = tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {})).await.ok().and_then(|r| r.ok()).map(|r| r.into_inner());
+            let info =
+                tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {}))
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok())
+                    .map(|r| r.into_inner());
             let healthy = info.is_some();
             let device_bytes_used = info.map_or(0, |i| i.device_bytes_used);
-            workers.push(WorkerInfo { address: addr.clone(), device: device.clone(), memory_budget: *budget, healthy, device_bytes_used });
+            workers.push(WorkerInfo {
+                address: addr.clone(),
+                device: device.clone(),
+                memory_budget: *budget,
+                healthy,
+                device_bytes_used,
+            });
         }
         Ok(Response::new(ListWorkersResponse { workers }))
     }

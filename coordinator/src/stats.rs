@@ -43,11 +43,21 @@ impl Acc {
     }
 
     /// The final stats: `wall` since admission, `since_arrival` since the request arrived.
-    pub fn stats(&self, prompt: usize, completion: usize, wall: Duration, since_arrival: Duration) -> Stats {
+    pub fn stats(
+        &self,
+        prompt: usize,
+        completion: usize,
+        wall: Duration,
+        since_arrival: Duration,
+    ) -> Stats {
         let wall_ms = wall.as_secs_f64() * 1e3;
         let first = self.first_token.unwrap_or_default();
         let after_first = since_arrival.saturating_sub(first).as_secs_f64();
-        let decode_tokens_per_s = if completion >= 2 && after_first > 0.0 { (completion - 1) as f64 / after_first } else { 0.0 };
+        let decode_tokens_per_s = if completion >= 2 && after_first > 0.0 {
+            (completion - 1) as f64 / after_first
+        } else {
+            0.0
+        };
         Stats {
             prompt_tokens: prompt as u64,
             completion_tokens: completion as u64,
@@ -75,18 +85,46 @@ mod tests {
     #[test]
     fn overlap_is_hidden_share_of_transfer() {
         let mut a = Acc::default();
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 1.0, compute_ms: 5.0, ..Default::default() }], 6.0, 3);
+        a.add(
+            &[LayerTiming {
+                bytes: 10,
+                transfer_ms: 4.0,
+                stall_ms: 1.0,
+                compute_ms: 5.0,
+                ..Default::default()
+            }],
+            6.0,
+            3,
+        );
         assert_eq!(a.overlap_pct(), 75.0);
-        a.add(&[LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() }, LayerTiming { compute_ms: 2.0, ..Default::default() }], 7.0, 1);
-        assert_eq!((a.layers_ms, a.ideal_ms), (13.0, 11.0), "ideal = Σ max(transfer, compute) per layer");
+        a.add(
+            &[
+                LayerTiming { bytes: 10, transfer_ms: 4.0, stall_ms: 4.0, ..Default::default() },
+                LayerTiming { compute_ms: 2.0, ..Default::default() },
+            ],
+            7.0,
+            1,
+        );
+        assert_eq!(
+            (a.layers_ms, a.ideal_ms),
+            (13.0, 11.0),
+            "ideal = Σ max(transfer, compute) per layer"
+        );
         assert_eq!(a.max_batch, 3);
         assert_eq!(a.overlap_pct(), 37.5);
         assert_eq!(Acc::default().overlap_pct(), 100.0);
-        assert_eq!(a.stats(3, 2, Duration::from_secs(1), Duration::from_secs(1)).bytes_streamed, 20);
+        assert_eq!(
+            a.stats(3, 2, Duration::from_secs(1), Duration::from_secs(1)).bytes_streamed,
+            20
+        );
         // First token 0.5 s after arrival, 5 tokens by 2.5 s: 4 tokens over the 2 s after the first.
         a.first_token = Some(Duration::from_millis(500));
         let st = a.stats(3, 5, Duration::from_secs(2), Duration::from_millis(2500));
         assert_eq!((st.first_token_ms, st.decode_tokens_per_s), (500.0, 2.0));
-        assert_eq!(a.stats(3, 1, Duration::from_secs(2), Duration::from_secs(2)).decode_tokens_per_s, 0.0, "one token has no decode rate");
+        assert_eq!(
+            a.stats(3, 1, Duration::from_secs(2), Duration::from_secs(2)).decode_tokens_per_s,
+            0.0,
+            "one token has no decode rate"
+        );
     }
 }

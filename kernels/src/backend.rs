@@ -16,10 +16,23 @@ pub struct AttnShape {
 impl AttnShape {
     /// Checks q/k/v (`(rows, cols)` each) against this shape for one `attention` call; returns
     /// `(q_dim, kv_dim)`.
-    pub fn check(&self, q: (usize, usize), k: (usize, usize), v: (usize, usize)) -> crate::Result<(usize, usize)> {
+    pub fn check(
+        &self,
+        q: (usize, usize),
+        k: (usize, usize),
+        v: (usize, usize),
+    ) -> crate::Result<(usize, usize)> {
         let (qd, kvd) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
-        crate::error::ensure(q.1 == qd && k.1 == kvd && v.1 == kvd && k.0 == q.0 && v.0 == q.0, "attention", || format!("q {q:?}, k {k:?}, v {v:?} for {self:?}"))?;
-        crate::error::ensure(self.n_kv_heads > 0 && self.n_heads % self.n_kv_heads == 0, "attention", || format!("{self:?}: heads not a multiple of kv heads"))?;
+        crate::error::ensure(
+            q.1 == qd && k.1 == kvd && v.1 == kvd && k.0 == q.0 && v.0 == q.0,
+            "attention",
+            || format!("q {q:?}, k {k:?}, v {v:?} for {self:?}"),
+        )?;
+        crate::error::ensure(
+            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
+            "attention",
+            || format!("{self:?}: heads not a multiple of kv heads"),
+        )?;
         Ok((qd, kvd))
     }
 }
@@ -41,13 +54,26 @@ pub trait Backend: Send + Sync + Clone {
     fn name(&self) -> String;
 
     /// Places a stored tensor on the device; `shape` is row-major with blocks along the last dim.
-    fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self::Weight>;
+    fn weight(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> Result<Self::Weight>;
     /// Copies a whole file (e.g. a loader shm slot) to the device in one transfer. `streamed`: into one
     /// of the reusable streaming buffers (`stream_buffers`) rather than a new allocation. Returns the
     /// blob and, where the device times it, the transfer's own milliseconds.
     fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Self::Blob, Option<f64>)>;
     /// A weight stored at `range` of `blob` (no copy where the device allows).
-    fn weight_in(&self, blob: &Self::Blob, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<Self::Weight>;
+    fn weight_in(
+        &self,
+        blob: &Self::Blob,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> Result<Self::Weight>;
     /// Allocates `count` streaming buffers of `bytes` each, once (replacing earlier ones).
     fn stream_buffers(&self, _count: usize, _bytes: usize) -> Result<()> {
         Ok(())
@@ -66,10 +92,18 @@ pub trait Backend: Send + Sync + Clone {
     fn argmax_rows(&self, t: &Self::Tensor) -> Result<Vec<u32>> {
         let (rows, cols) = self.dims(t);
         let host = self.to_host(t)?;
-        host.chunks_exact(cols.max(1)).take(rows).enumerate().map(|(r, row)| crate::host::check_logits(row, r).map(|()| crate::host::argmax(row) as u32)).collect()
+        host.chunks_exact(cols.max(1))
+            .take(rows)
+            .enumerate()
+            .map(|(r, row)| {
+                crate::host::check_logits(row, r).map(|()| crate::host::argmax(row) as u32)
+            })
+            .collect()
     }
 
     /// Copies host activations to the device.
+    // `self` is the device the tensor is created on, not the source of the conversion.
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Copies activations back to the host.
     fn to_host(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
@@ -101,7 +135,14 @@ pub trait Backend: Send + Sync + Clone {
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Appends `k`, `v` (`[m, kv_dim]`) to the cache at its current length, then computes causal
     /// attention for `q` (`[m, q_dim]`) over everything cached: one sequence's rows.
-    fn attention(&self, q: &Self::Tensor, k: &Self::Tensor, v: &Self::Tensor, cache: &mut Self::KvCache, shape: AttnShape) -> Result<Self::Tensor>;
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvCache,
+        shape: AttnShape,
+    ) -> Result<Self::Tensor>;
     /// Bytes a cache of `capacity` positions occupies.
     fn kv_bytes(&self, shape: AttnShape, capacity: usize) -> usize {
         2 * capacity * shape.n_kv_heads * shape.head_dim * 4

@@ -23,7 +23,9 @@ pub fn h2d_bench(ordinal: usize, bytes: usize, iters: usize) -> Result<H2dReport
     let ctx = CudaContext::new(ordinal).map_err(err)?;
     let stream = ctx.new_stream().map_err(err)?;
     let mut dst = stream.alloc_zeros::<u8>(bytes).map_err(err)?;
-    let time = |stream: &Arc<CudaStream>, f: &mut dyn FnMut() -> std::result::Result<(), DriverError>| -> Result<f64> {
+    let time = |stream: &Arc<CudaStream>,
+                f: &mut dyn FnMut() -> std::result::Result<(), DriverError>|
+     -> Result<f64> {
         f().map_err(err)?; // warm-up
         let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
         let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;

@@ -19,5 +19,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// Returns a shape error unless `ok`.
 pub fn ensure(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<()> {
-    if ok { Ok(()) } else { Err(Error::Shape { op, msg: msg() }) }
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Shape { op, msg: msg() })
+    }
 }

@@ -44,13 +44,19 @@ mod tests {
         assert!(check_logits(&[0.5, -3.0, 1e30], 0).is_ok());
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let e = check_logits(&[0.5, bad, 1.0], 4).unwrap_err().to_string();
-            assert!(e.contains("non-finite") && e.contains("row 4") && e.contains("logit 1"), "{e}");
+            assert!(
+                e.contains("non-finite") && e.contains("row 4") && e.contains("logit 1"),
+                "{e}"
+            );
         }
         // The CPU backend's greedy pick refuses a NaN row instead of answering token 0.
         let c = crate::cpu::CpuBackend::default();
         let rows = c.from_host(&[1.0, 2.0, f32::NAN, f32::NAN], 2, 2).unwrap();
         assert!(c.argmax_rows(&rows).unwrap_err().to_string().contains("row 1"));
-        assert_eq!(c.argmax_rows(&c.from_host(&[1.0, 2.0, 5.0, 4.0], 2, 2).unwrap()).unwrap(), [1, 0]);
+        assert_eq!(
+            c.argmax_rows(&c.from_host(&[1.0, 2.0, 5.0, 4.0], 2, 2).unwrap()).unwrap(),
+            [1, 0]
+        );
     }
 
     #[test]

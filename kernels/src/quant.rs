@@ -15,7 +15,10 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
     if j < 4 {
         ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
     } else {
-        (((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)) as f32, ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32)
+        (
+            ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)) as f32,
+            ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32,
+        )
     }
 }
 
@@ -33,7 +36,11 @@ pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
         }
         DType::Q4_0 | DType::Q4_1 => {
             let d = f16_at(b, 0);
-            let (m, qs, off) = if dtype == DType::Q4_1 { (f16_at(b, 2), &b[4..20], 0.0) } else { (0.0, &b[2..18], 8.0) };
+            let (m, qs, off) = if dtype == DType::Q4_1 {
+                (f16_at(b, 2), &b[4..20], 0.0)
+            } else {
+                (0.0, &b[2..18], 8.0)
+            };
             for (l, &q) in qs.iter().enumerate() {
                 out[l] = d * ((q & 0xF) as f32 - off) + m;
                 out[l + 16] = d * ((q >> 4) as f32 - off) + m;
@@ -112,10 +119,15 @@ pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
             let bb = dtype.block_bytes();
             for (o, b) in out.chunks_exact_mut(32).zip(row.chunks_exact(bb)) {
                 let d = f16_at(b, 0);
-                let (m, qs) = if dtype == DType::Q4_1 { (f16_at(b, 2), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
+                let (m, qs) = if dtype == DType::Q4_1 {
+                    (f16_at(b, 2), &b[4..20])
+                } else {
+                    (-8.0 * d, &b[2..18])
+                };
                 let qs: &[u8; 16] = qs.try_into().expect("16 quant bytes");
                 let (lo, hi) = o.split_at_mut(16);
-                let (lo, hi): (&mut [f32; 16], &mut [f32; 16]) = (lo.try_into().expect("16"), hi.try_into().expect("16"));
+                let (lo, hi): (&mut [f32; 16], &mut [f32; 16]) =
+                    (lo.try_into().expect("16"), hi.try_into().expect("16"));
                 for l in 0..16 {
                     lo[l] = d * (qs[l] & 0xF) as f32 + m;
                     hi[l] = d * (qs[l] >> 4) as f32 + m;
@@ -160,11 +172,21 @@ pub(crate) mod tests {
     /// Q4_K weights once pushed a synthetic 70B model's activations past f16's range).
     #[test]
     fn synthetic_weights_are_zero_mean_and_small() {
-        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4K,
+            DType::Q6K,
+        ] {
             let (rows, k) = (64, 512);
             let t = layerstream_types::random::Rng::new(7).tensor(dtype, &[rows, k]).unwrap();
             let mut w = vec![0f32; rows * k];
-            for (row, out) in t.chunks_exact(dtype.row_bytes(k).unwrap()).zip(w.chunks_exact_mut(k)) {
+            for (row, out) in t.chunks_exact(dtype.row_bytes(k).unwrap()).zip(w.chunks_exact_mut(k))
+            {
                 dequant_row(dtype, row, out);
             }
             let mean = w.iter().map(|&v| v as f64).sum::<f64>() / w.len() as f64;
@@ -248,9 +270,19 @@ pub(crate) mod tests {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (seed >> 33) as u32
         };
-        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4K,
+            DType::Q6K,
+        ] {
             let cols = 512;
-            let mut row: Vec<u8> = (0..dtype.row_bytes(cols).unwrap()).map(|_| rnd() as u8).collect();
+            let mut row: Vec<u8> =
+                (0..dtype.row_bytes(cols).unwrap()).map(|_| rnd() as u8).collect();
             sanitize(dtype, &mut row, &mut rnd);
             let mut deq = vec![0f32; cols];
             dequant_row(dtype, &row, &mut deq);
@@ -266,14 +298,20 @@ pub(crate) mod tests {
     pub(crate) fn sanitize(dtype: DType, row: &mut [u8], rnd: &mut impl FnMut() -> u32) {
         let mut val = || f16::from_f32((*rnd)() as f32 / u32::MAX as f32 * 0.1).to_le_bytes();
         match dtype {
-            DType::F32 => row.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&((val()[1] as f32) / 100.0).to_le_bytes())),
+            DType::F32 => row
+                .chunks_exact_mut(4)
+                .for_each(|c| c.copy_from_slice(&((val()[1] as f32) / 100.0).to_le_bytes())),
             DType::F16 | DType::Bf16 => row.chunks_exact_mut(2).for_each(|c| c[1] &= 0x3F),
-            DType::Q8_0 | DType::Q4_0 => row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| b[0..2].copy_from_slice(&val())),
+            DType::Q8_0 | DType::Q4_0 => row
+                .chunks_exact_mut(dtype.block_bytes())
+                .for_each(|b| b[0..2].copy_from_slice(&val())),
             DType::Q4_1 | DType::Q4K => row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| {
                 b[0..2].copy_from_slice(&val());
                 b[2..4].copy_from_slice(&val());
             }),
-            DType::Q6K => row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val())),
+            DType::Q6K => {
+                row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val()))
+            }
         }
     }
 }

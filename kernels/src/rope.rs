@@ -15,7 +15,13 @@ impl RopeTable {
         let mut inv: Vec<f64> = (0..head_dim / 2)
             .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / head_dim as f64))
             .collect();
-        if let Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old }) = cfg.scaling {
+        if let Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        }) = cfg.scaling
+        {
             let low_wavelen = old / low_freq_factor;
             let high_wavelen = old / high_freq_factor;
             for f in inv.iter_mut() {
@@ -23,7 +29,8 @@ impl RopeTable {
                 if wavelen > low_wavelen {
                     *f /= factor;
                 } else if wavelen >= high_wavelen {
-                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    let smooth =
+                        (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                     *f = (1.0 - smooth) * *f / factor + smooth * *f;
                 }
             }
@@ -52,7 +59,12 @@ mod tests {
         let base = RopeConfig { theta: 500000.0, scaling: None };
         let scaled = RopeConfig {
             theta: 500000.0,
-            scaling: Some(RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 64.0 }),
+            scaling: Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64.0,
+            }),
         };
         let a = RopeTable::new(&base, 16);
         let b = RopeTable::new(&scaled, 16);

@@ -3,9 +3,9 @@
 
 use crate::pool::{Acquire, Pool};
 use crate::read::read_into;
-use layerstream_proto::shm::{slot_name, ShmRegion};
 use layerstream_model::layout::layer_file;
 use layerstream_model::Store;
+use layerstream_proto::shm::{slot_name, ShmRegion};
 use layerstream_proto::telemetry::adopt_parent;
 use layerstream_proto::v1::loader_server::Loader;
 use layerstream_proto::v1::*;
@@ -29,7 +29,13 @@ pub struct Daemon {
 
 impl Daemon {
     /// Creates `n` slots of `slot_size` bytes in namespace `ns` (stale ones removed first).
-    pub fn new(store: Store, ns: &str, n: usize, slot_size: usize, depth: usize) -> crate::Result<Daemon> {
+    pub fn new(
+        store: Store,
+        ns: &str,
+        n: usize,
+        slot_size: usize,
+        depth: usize,
+    ) -> crate::Result<Daemon> {
         let removed = layerstream_proto::shm::remove_stale(ns);
         if removed > 0 {
             warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
@@ -38,21 +44,39 @@ impl Daemon {
         let mut slots = Vec::with_capacity(n);
         for i in 0..n {
             let name = slot_name(ns, i);
-            slots.push(ShmRegion::create(&name, slot_size).map_err(|source| crate::Error::Shm { name: name.clone(), bytes: slot_size, source })?);
+            slots.push(ShmRegion::create(&name, slot_size).map_err(|source| {
+                crate::Error::Shm { name: name.clone(), bytes: slot_size, source }
+            })?);
         }
         let first = store.dir.join(layer_file(0));
         let direct = crate::read::direct_supported(&first);
         if !direct {
             warn!(store = %store.dir.display(), "O_DIRECT unsupported on this filesystem; using buffered reads");
         }
-        Ok(Daemon { store, slots, slot_size, depth, direct, pool: Mutex::new(Pool::new(n)), changed: tokio::sync::Notify::new(), orders: Mutex::new(HashMap::new()) })
+        Ok(Daemon {
+            store,
+            slots,
+            slot_size,
+            depth,
+            direct,
+            pool: Mutex::new(Pool::new(n)),
+            changed: tokio::sync::Notify::new(),
+            orders: Mutex::new(HashMap::new()),
+        })
     }
 
     fn layer_len(&self, layer: u32) -> Result<u64, Status> {
         let name = layer_file(layer as usize);
-        let f = self.store.manifest.file(&name).ok_or_else(|| Status::not_found(format!("no layer {layer} in the store")))?;
+        let f = self
+            .store
+            .manifest
+            .file(&name)
+            .ok_or_else(|| Status::not_found(format!("no layer {layer} in the store")))?;
         if f.size as usize > self.slot_size {
-            return Err(Status::failed_precondition(format!("{name} is {} bytes, slots hold {}", f.size, self.slot_size)));
+            return Err(Status::failed_precondition(format!(
+                "{name} is {} bytes, slots hold {}",
+                f.size, self.slot_size
+            )));
         }
         Ok(f.size)
     }
@@ -60,7 +84,14 @@ impl Daemon {
     /// Reads `layer` into `slot` on a blocking thread, traced as `read layer N`.
     async fn load(self: &Arc<Self>, slot: usize, layer: u32) -> Result<f64, Status> {
         let me = self.clone();
-        let span = info_span!("read", otel.name = format!("read layer {layer}"), layer = layer as i64, bytes = tracing::field::Empty, gbps = tracing::field::Empty, cache = "miss");
+        let span = info_span!(
+            "read",
+            otel.name = format!("read layer {layer}"),
+            layer = layer as i64,
+            bytes = tracing::field::Empty,
+            gbps = tracing::field::Empty,
+            cache = "miss"
+        );
         let s2 = span.clone();
         let res = tokio::task::spawn_blocking(move || {
             let _e = s2.enter();
@@ -68,7 +99,13 @@ impl Daemon {
             let t = Instant::now();
             // SAFETY: the pool marked this slot Loading: nobody holds a pin and no other load targets it.
             let dst = unsafe { me.slots[slot].bytes_mut() };
-            let r = read_into(&path, dst, me.direct).or_else(|e| if me.direct { read_into(&path, dst, false) } else { Err(e) });
+            let r = read_into(&path, dst, me.direct).or_else(|e| {
+                if me.direct {
+                    read_into(&path, dst, false)
+                } else {
+                    Err(e)
+                }
+            });
             let ms = t.elapsed().as_secs_f64() * 1e3;
             match r {
                 Ok(n) => {
@@ -94,7 +131,9 @@ impl Daemon {
             let orders = self.orders.lock().unwrap();
             let Some(order) = orders.get(worker) else { return };
             let Some(pos) = order.iter().position(|&l| l == layer) else { return };
-            (1..=self.depth.min(order.len().saturating_sub(1))).map(|d| order[(pos + d) % order.len()]).collect()
+            (1..=self.depth.min(order.len().saturating_sub(1)))
+                .map(|d| order[(pos + d) % order.len()])
+                .collect()
         };
         for &l in &next {
             let slot = self.pool.lock().unwrap().start_prefetch(l, &next);
@@ -114,7 +153,11 @@ impl Daemon {
     }
 
     /// Pins `layer` in a slot, reading it first if needed.
-    pub async fn acquire(self: &Arc<Self>, worker: &str, layer: u32) -> Result<AcquireResponse, Status> {
+    pub async fn acquire(
+        self: &Arc<Self>,
+        worker: &str,
+        layer: u32,
+    ) -> Result<AcquireResponse, Status> {
         let len = self.layer_len(layer)?;
         let mut read_ms = 0.0;
         let mut missed = false;
@@ -125,9 +168,22 @@ impl Daemon {
                 Acquire::Hit(slot) => {
                     self.prefetch_after(worker, layer);
                     if !missed {
-                        info_span!("read", otel.name = format!("read layer {layer}"), layer = layer as i64, bytes = len as i64, cache = "hit").in_scope(|| {});
+                        info_span!(
+                            "read",
+                            otel.name = format!("read layer {layer}"),
+                            layer = layer as i64,
+                            bytes = len as i64,
+                            cache = "hit"
+                        )
+                        .in_scope(|| {});
                     }
-                    return Ok(AcquireResponse { slot: slot as u32, shm_name: self.slots[slot].name.clone(), len, hit: !missed, read_ms });
+                    return Ok(AcquireResponse {
+                        slot: slot as u32,
+                        shm_name: self.slots[slot].name.clone(),
+                        len,
+                        hit: !missed,
+                        read_ms,
+                    });
                 }
                 Acquire::Load(slot) => {
                     missed = true;
@@ -146,7 +202,10 @@ pub struct LoaderService(pub Arc<Daemon>);
 
 #[tonic::async_trait]
 impl Loader for LoaderService {
-    async fn describe(&self, _r: Request<DescribeRequest>) -> Result<Response<DescribeResponse>, Status> {
+    async fn describe(
+        &self,
+        _r: Request<DescribeRequest>,
+    ) -> Result<Response<DescribeResponse>, Status> {
         let d = &self.0;
         Ok(Response::new(DescribeResponse {
             store: d.store.dir.display().to_string(),
@@ -154,25 +213,37 @@ impl Loader for LoaderService {
             slot_size: d.slot_size as u64,
             prefetch_depth: d.depth as u32,
             direct_io: d.direct,
-            pinned: { let p = d.pool.lock().unwrap(); (0..p.len()).map(|i| p.pins(i)).sum() },
+            pinned: {
+                let p = d.pool.lock().unwrap();
+                (0..p.len()).map(|i| p.pins(i)).sum()
+            },
         }))
     }
 
-    async fn set_order(&self, r: Request<SetOrderRequest>) -> Result<Response<SetOrderResponse>, Status> {
+    async fn set_order(
+        &self,
+        r: Request<SetOrderRequest>,
+    ) -> Result<Response<SetOrderResponse>, Status> {
         let r = r.into_inner();
         info!(worker = %r.worker, layers = r.layers.len(), "worker layer order set");
         self.0.orders.lock().unwrap().insert(r.worker, r.layers);
         Ok(Response::new(SetOrderResponse {}))
     }
 
-    async fn acquire(&self, r: Request<AcquireRequest>) -> Result<Response<AcquireResponse>, Status> {
+    async fn acquire(
+        &self,
+        r: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
         let span = info_span!("acquire", layer = r.get_ref().layer as i64);
         adopt_parent(&span, r.metadata());
         let r = r.into_inner();
         self.0.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)
     }
 
-    async fn release(&self, r: Request<SlotRelease>) -> Result<Response<SlotReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        r: Request<SlotRelease>,
+    ) -> Result<Response<SlotReleaseResponse>, Status> {
         let r = r.into_inner();
         if !self.0.pool.lock().unwrap().release(r.layer) {
             return Err(Status::failed_precondition(format!("layer {} is not pinned", r.layer)));

@@ -8,8 +8,8 @@ pub mod error;
 pub mod pool;
 pub mod read;
 
-pub use error::{Error, Result};
 use clap::Args;
+pub use error::{Error, Result};
 use layerstream_model::Store;
 use layerstream_proto::v1::loader_server::LoaderServer;
 use std::path::PathBuf;
@@ -63,23 +63,37 @@ pub struct LoaderArgs {
 
 /// Runs the daemon until SIGINT/SIGTERM; prints `LISTENING unix:<socket>` when ready.
 pub async fn run(args: LoaderArgs) -> Result<()> {
-    let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
+    let _tracing =
+        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
     let store = Store::open(&args.model)?;
     let slot_size = args.slot_size.unwrap_or(store.manifest.max_layer_bytes() as usize);
     let slots = args.pool.slots.unwrap_or(8);
     if slots == 0 || slot_size == 0 {
         return Err(Error::Config("--slots and --slot-size must be > 0".into()));
     }
-    let daemon = Arc::new(daemon::Daemon::new(store, &args.namespace, slots, slot_size, args.pool.prefetch_depth)?);
+    let daemon = Arc::new(daemon::Daemon::new(
+        store,
+        &args.namespace,
+        slots,
+        slot_size,
+        args.pool.prefetch_depth,
+    )?);
     tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
     let _ = std::fs::remove_file(&args.socket);
-    let listener = tokio::net::UnixListener::bind(&args.socket).map_err(|source| Error::Bind { path: args.socket.clone(), source })?;
+    let listener = tokio::net::UnixListener::bind(&args.socket)
+        .map_err(|source| Error::Bind { path: args.socket.clone(), source })?;
     println!("LISTENING unix:{}", args.socket.display());
     let server = tonic::transport::Server::builder()
-        .add_service(layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await)
+        .add_service(
+            layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await,
+        )
         .add_service(layerstream_proto::transport::reflection())
+        .add_service(layerstream_proto::transport::reflection_v1alpha())
         .add_service(LoaderServer::new(daemon::LoaderService(daemon.clone())))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), layerstream_proto::transport::shutdown_signal());
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            layerstream_proto::transport::shutdown_signal(),
+        );
     let res = server.await;
     let _ = std::fs::remove_file(&args.socket);
     drop(daemon);

@@ -3,7 +3,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "loader-daemon", version, about = "Prefetch layer files into POSIX shared memory for layerstream workers")]
+#[command(
+    name = "loader-daemon",
+    version,
+    about = "Prefetch layer files into POSIX shared memory for layerstream workers"
+)]
 struct Cli {
     #[command(flatten)]
     args: layerstream_loader::LoaderArgs,

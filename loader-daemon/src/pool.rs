@@ -46,7 +46,9 @@ impl Pool {
 
     /// Slot holding or loading `layer`.
     pub fn find(&self, layer: u32) -> Option<usize> {
-        self.slots.iter().position(|s| matches!(s.state, SlotState::Ready(l) | SlotState::Loading(l) if l == layer))
+        self.slots.iter().position(
+            |s| matches!(s.state, SlotState::Ready(l) | SlotState::Loading(l) if l == layer),
+        )
     }
 
     /// A slot a load may take: empty first, else the least recently used unpinned ready slot,
@@ -58,7 +60,9 @@ impl Pool {
         self.slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.pins == 0 && matches!(s.state, SlotState::Ready(l) if !keep.contains(&l)))
+            .filter(|(_, s)| {
+                s.pins == 0 && matches!(s.state, SlotState::Ready(l) if !keep.contains(&l))
+            })
             .min_by_key(|(_, s)| s.last_used)
             .map(|(i, _)| i)
     }

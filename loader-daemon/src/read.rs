@@ -15,7 +15,10 @@ pub fn read_into(path: &Path, dst: &mut [u8], direct: bool) -> io::Result<usize>
     let mut f = opts.open(path)?;
     let len = f.metadata()?.len() as usize;
     if len > dst.len() {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is {len} bytes, the slot holds {}", path.display(), dst.len())));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is {len} bytes, the slot holds {}", path.display(), dst.len()),
+        ));
     }
     let mut done = 0;
     while done < len {
@@ -25,7 +28,10 @@ pub fn read_into(path: &Path, dst: &mut [u8], direct: bool) -> io::Result<usize>
         let want = want.min(dst.len() - done);
         let n = f.read(&mut dst[done..done + want])?;
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{} ended at offset {done} of {len}", path.display())));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{} ended at offset {done} of {len}", path.display()),
+            ));
         }
         done += n;
     }

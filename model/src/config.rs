@@ -2,9 +2,9 @@
 //! pass needs, parsed from HF `config.json` (both RoPE styles) or GGUF metadata.
 
 use crate::error::{Error, Result};
+pub use layerstream_types::rope::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-pub use layerstream_types::rope::{RopeConfig, RopeScaling};
 
 /// Decoder-only architectures the forward pass implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,7 +31,9 @@ impl Arch {
             "MistralForCausalLM" => Ok(Arch::Mistral),
             "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
             "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
-            other => Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() }),
+            other => {
+                Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() })
+            }
         }
     }
 }
@@ -87,12 +89,17 @@ fn parse_rope(v: &Value) -> Result<RopeConfig> {
     let scaling = match scaling_obj {
         None => None,
         Some(s) => {
-            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+            let kind = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
             match kind {
                 "default" => None,
                 "llama3" => {
                     let f = |name: &str| {
-                        get_f64(s, name).ok_or_else(|| Error::config(format!("rope_scaling.{name}"), "missing"))
+                        get_f64(s, name)
+                            .ok_or_else(|| Error::config(format!("rope_scaling.{name}"), "missing"))
                     };
                     Some(RopeScaling::Llama3 {
                         factor: f("factor")?,
@@ -130,7 +137,10 @@ impl ModelConfig {
         };
         let act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         if act != "silu" {
-            return Err(Error::config("hidden_act", format!("unsupported {act:?}; supported: silu")));
+            return Err(Error::config(
+                "hidden_act",
+                format!("unsupported {act:?}; supported: silu"),
+            ));
         }
         let cfg = ModelConfig {
             arch,
@@ -138,13 +148,22 @@ impl ModelConfig {
             intermediate_size: get_usize(v, "intermediate_size")?,
             num_layers: get_usize(v, "num_hidden_layers")?,
             num_heads,
-            num_kv_heads: v.get("num_key_value_heads").and_then(Value::as_u64).map_or(num_heads, |x| x as usize),
+            num_kv_heads: v
+                .get("num_key_value_heads")
+                .and_then(Value::as_u64)
+                .map_or(num_heads, |x| x as usize),
             head_dim,
             vocab_size: get_usize(v, "vocab_size")?,
             rms_norm_eps: get_f64(v, "rms_norm_eps").unwrap_or(1e-6),
             rope: parse_rope(v)?,
-            max_position_embeddings: v.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            max_position_embeddings: v
+                .get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(4096) as usize,
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: token_ids(v.get("eos_token_id")),
@@ -168,13 +187,16 @@ impl ModelConfig {
                 return Err(Error::config(field, "must be > 0"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::config(
                 "num_key_value_heads",
-                format!("{} does not divide num_attention_heads {}", self.num_kv_heads, self.num_heads),
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_kv_heads, self.num_heads
+                ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(Error::config("head_dim", "must be even for RoPE"));
         }
         Ok(())

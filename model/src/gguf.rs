@@ -175,11 +175,18 @@ impl GgufFile {
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let mut c = Cursor { buf: &map, pos: 0, path };
         if c.take(4)? != MAGIC {
-            return Err(Error::Corrupt { path: path.into(), offset: 0, msg: "not a GGUF file (bad magic)".into() });
+            return Err(Error::Corrupt {
+                path: path.into(),
+                offset: 0,
+                msg: "not a GGUF file (bad magic)".into(),
+            });
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(Error::format(path, format!("GGUF version {version} unsupported (2 or 3)")));
+            return Err(Error::format(
+                path,
+                format!("GGUF version {version} unsupported (2 or 3)"),
+            ));
         }
         let n_tensors = c.u64()? as usize;
         let n_kv = c.u64()? as usize;
@@ -209,19 +216,23 @@ impl GgufFile {
             ne.reverse();
             raw.push((name, ne, dtype, offset));
         }
-        let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
+        let align =
+            metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
         let data_start = c.pos.div_ceil(align) * align;
         let mut tensors = Vec::with_capacity(raw.len());
         for (name, shape, dtype, rel) in raw {
-            let bytes = dtype
-                .tensor_bytes(&shape)
-                .ok_or_else(|| Error::tensor(&name, format!("shape {shape:?} is not whole {dtype} blocks")))?;
+            let bytes = dtype.tensor_bytes(&shape).ok_or_else(|| {
+                Error::tensor(&name, format!("shape {shape:?} is not whole {dtype} blocks"))
+            })?;
             let offset = data_start + rel;
             if offset + bytes > map.len() {
                 return Err(Error::Corrupt {
                     path: path.into(),
                     offset: map.len() as u64,
-                    msg: format!("tensor {name} needs bytes up to {} (file truncated)", offset + bytes),
+                    msg: format!(
+                        "tensor {name} needs bytes up to {} (file truncated)",
+                        offset + bytes
+                    ),
                 });
             }
             tensors.push(TensorInfo { name, shape, dtype, offset, bytes });
@@ -244,7 +255,10 @@ impl GgufFile {
     }
 
     fn meta_usize(&self, key: &str) -> Result<usize> {
-        self.meta(key)?.as_u64().map(|v| v as usize).ok_or_else(|| Error::config(key, "not an integer"))
+        self.meta(key)?
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::config(key, "not an integer"))
     }
 
     /// Builds the model config from `llama.*` metadata.
@@ -258,11 +272,17 @@ impl GgufFile {
         }
         if let Some(kind) = self.metadata.get("llama.rope.scaling.type").and_then(Value::as_str) {
             if kind != "none" {
-                return Err(Error::config("llama.rope.scaling.type", format!("unsupported {kind:?}")));
+                return Err(Error::config(
+                    "llama.rope.scaling.type",
+                    format!("unsupported {kind:?}"),
+                ));
             }
         }
         if self.tensor("rope_freqs.weight").is_some() {
-            return Err(Error::tensor("rope_freqs.weight", "GGUF llama3 RoPE frequency factors are not supported"));
+            return Err(Error::tensor(
+                "rope_freqs.weight",
+                "GGUF llama3 RoPE frequency factors are not supported",
+            ));
         }
         let hidden = self.meta_usize("llama.embedding_length")?;
         let heads = self.meta_usize("llama.attention.head_count")?;
@@ -270,7 +290,11 @@ impl GgufFile {
             Some(v) => v as usize,
             None => self.meta("tokenizer.ggml.tokens")?.as_array().map_or(0, |a| a.len()),
         };
-        let head_dim = self.metadata.get("llama.attention.key_length").and_then(Value::as_u64).map_or(hidden / heads, |v| v as usize);
+        let head_dim = self
+            .metadata
+            .get("llama.attention.key_length")
+            .and_then(Value::as_u64)
+            .map_or(hidden / heads, |v| v as usize);
         let u32_of = |k: &str| self.metadata.get(k).and_then(Value::as_u64).map(|v| v as u32);
         let cfg = ModelConfig {
             arch: Arch::Llama,
@@ -278,15 +302,30 @@ impl GgufFile {
             intermediate_size: self.meta_usize("llama.feed_forward_length")?,
             num_layers: self.meta_usize("llama.block_count")?,
             num_heads: heads,
-            num_kv_heads: self.metadata.get("llama.attention.head_count_kv").and_then(Value::as_u64).map_or(heads, |v| v as usize),
+            num_kv_heads: self
+                .metadata
+                .get("llama.attention.head_count_kv")
+                .and_then(Value::as_u64)
+                .map_or(heads, |v| v as usize),
             head_dim,
             vocab_size: vocab,
-            rms_norm_eps: self.meta("llama.attention.layer_norm_rms_epsilon")?.as_f64().unwrap_or(1e-5),
+            rms_norm_eps: self
+                .meta("llama.attention.layer_norm_rms_epsilon")?
+                .as_f64()
+                .unwrap_or(1e-5),
             rope: RopeConfig {
-                theta: self.metadata.get("llama.rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
+                theta: self
+                    .metadata
+                    .get("llama.rope.freq_base")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10000.0),
                 scaling: None,
             },
-            max_position_embeddings: self.metadata.get("llama.context_length").and_then(Value::as_u64).unwrap_or(4096) as usize,
+            max_position_embeddings: self
+                .metadata
+                .get("llama.context_length")
+                .and_then(Value::as_u64)
+                .unwrap_or(4096) as usize,
             tie_word_embeddings: self.tensor("output.weight").is_none(),
             qk_norm: false,
             bos_token_id: u32_of("tokenizer.ggml.bos_token_id"),
@@ -317,48 +356,12 @@ pub fn unpermute_rows(data: &[u8], rows: usize, n_heads: usize) -> Vec<u8> {
             for j in 0..2 {
                 let src = h * hd + 2 * i + j;
                 let dst = h * hd + j * (hd / 2) + i;
-                out[dst * row_bytes..(dst + 1) * row_bytes].copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+                out[dst * row_bytes..(dst + 1) * row_bytes]
+                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
             }
         }
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unpermute_inverts_llama_cpp_permute() {
-        // llama.cpp: reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)
-        let (heads, hd, cols) = (2, 8, 3);
-        let rows = heads * hd;
-        let hf: Vec<u8> = (0..rows * cols).map(|x| x as u8).collect();
-        let mut gguf = vec![0u8; hf.len()];
-        for h in 0..heads {
-            for j in 0..2 {
-                for i in 0..hd / 2 {
-                    let src = h * hd + j * hd / 2 + i;
-                    let dst = h * hd + i * 2 + j;
-                    gguf[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
-                }
-            }
-        }
-        assert_ne!(gguf, hf);
-        assert_eq!(unpermute_rows(&gguf, rows, heads), hf);
-    }
-
-    #[test]
-    fn truncated_file_names_offset() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("x.gguf");
-        let mut bytes = b"GGUF".to_vec();
-        bytes.extend_from_slice(&3u32.to_le_bytes());
-        bytes.extend_from_slice(&1u64.to_le_bytes());
-        std::fs::write(&p, &bytes).unwrap();
-        let e = GgufFile::open(&p).err().unwrap().to_string();
-        assert!(e.contains("x.gguf") && e.contains("offset 16"), "{e}");
-    }
 }
 
 /// A GGUF file seen as an importable checkpoint (q/k rows restored to HF order on read).
@@ -396,7 +399,10 @@ impl crate::source::Checkpoint for GgufCheckpoint {
                 // A bias is one "row" per element: permute its elements.
                 let rows = t.shape[0];
                 if rows % (2 * h) != 0 {
-                    return Err(Error::tensor(name, format!("{rows} rows do not split into {h} heads of even size")));
+                    return Err(Error::tensor(
+                        name,
+                        format!("{rows} rows do not split into {h} heads of even size"),
+                    ));
                 }
                 unpermute_rows(data, rows, h)
             }
@@ -419,5 +425,43 @@ impl crate::source::Checkpoint for GgufCheckpoint {
 
     fn layer_prefix(&self, i: usize) -> String {
         format!("blk.{i}.")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp: reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)
+        let (heads, hd, cols) = (2, 8, 3);
+        let rows = heads * hd;
+        let hf: Vec<u8> = (0..rows * cols).map(|x| x as u8).collect();
+        let mut gguf = vec![0u8; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = h * hd + j * hd / 2 + i;
+                    let dst = h * hd + i * 2 + j;
+                    gguf[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        assert_ne!(gguf, hf);
+        assert_eq!(unpermute_rows(&gguf, rows, heads), hf);
+    }
+
+    #[test]
+    fn truncated_file_names_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.gguf");
+        let mut bytes = b"GGUF".to_vec();
+        bytes.extend_from_slice(&3u32.to_le_bytes());
+        bytes.extend_from_slice(&1u64.to_le_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        let e = GgufFile::open(&p).err().unwrap().to_string();
+        assert!(e.contains("x.gguf") && e.contains("offset 16"), "{e}");
     }
 }

@@ -15,19 +15,22 @@ const GPT2_PRE: &[&str] = &["default", "gpt2", "gpt-2", "smollm", "starcoder", "
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn strings<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
-    let arr = g
-        .metadata
-        .get(key)
-        .and_then(Value::as_array)
-        .ok_or_else(|| Error::Tokenizer(format!("GGUF metadata {key} missing or not an array")))?;
-    arr.iter().map(|v| v.as_str().ok_or_else(|| Error::Tokenizer(format!("{key}: non-string entry")))).collect()
+    let arr =
+        g.metadata.get(key).and_then(Value::as_array).ok_or_else(|| {
+            Error::Tokenizer(format!("GGUF metadata {key} missing or not an array"))
+        })?;
+    arr.iter()
+        .map(|v| v.as_str().ok_or_else(|| Error::Tokenizer(format!("{key}: non-string entry"))))
+        .collect()
 }
 
 /// Produces `tokenizer.json` text for a GGUF file's gpt2 BPE tokenizer.
 pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
     let model = g.metadata.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
-        return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} unsupported; supported: gpt2 (byte-level BPE)")));
+        return Err(Error::Tokenizer(format!(
+            "GGUF tokenizer model {model:?} unsupported; supported: gpt2 (byte-level BPE)"
+        )));
     }
     let pre = g.metadata.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
@@ -45,14 +48,18 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
     };
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
     let merges = strings(g, "tokenizer.ggml.merges")?;
-    let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-        Some(a) => a.iter().map(|v| match v {
-            Value::I64(x) => *x,
-            Value::U64(x) => *x as i64,
-            _ => 1,
-        }).collect(),
-        None => vec![1; tokens.len()],
-    };
+    let types: Vec<i64> =
+        match g.metadata.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) => a
+                .iter()
+                .map(|v| match v {
+                    Value::I64(x) => *x,
+                    Value::U64(x) => *x as i64,
+                    _ => 1,
+                })
+                .collect(),
+            None => vec![1; tokens.len()],
+        };
     let mut vocab = Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, tok) in tokens.iter().enumerate() {
@@ -63,7 +70,8 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
                 "normalized": false, "special": ty == TOKEN_TYPE_CONTROL}));
         }
     }
-    let add_bos = g.metadata.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+    let add_bos =
+        g.metadata.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
     let bos = g.metadata.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64);
     let post_processor = match (add_bos, bos) {
         (true, Some(id)) => {

@@ -21,7 +21,10 @@ fn st_dtype(d: safetensors::Dtype, name: &str) -> Result<DType> {
         safetensors::Dtype::F32 => Ok(DType::F32),
         safetensors::Dtype::F16 => Ok(DType::F16),
         safetensors::Dtype::BF16 => Ok(DType::Bf16),
-        other => Err(Error::tensor(name, format!("safetensors dtype {other:?} unsupported (F32, F16, BF16)"))),
+        other => Err(Error::tensor(
+            name,
+            format!("safetensors dtype {other:?} unsupported (F32, F16, BF16)"),
+        )),
     }
 }
 
@@ -36,7 +39,8 @@ impl HfCheckpoint {
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| Error::format(&index_path, "no weight_map object"))?;
-            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            let mut files: Vec<String> =
+                map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
             files.sort();
             files.dedup();
             files
@@ -71,7 +75,8 @@ impl Checkpoint for HfCheckpoint {
     fn tensor(&self, name: &str) -> Result<Option<SourceTensor>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let (path, map) = &self.shards[i];
-        let st = safetensors::SafeTensors::deserialize(map).map_err(|e| Error::format(path, e.to_string()))?;
+        let st = safetensors::SafeTensors::deserialize(map)
+            .map_err(|e| Error::format(path, e.to_string()))?;
         let view = st.tensor(name).map_err(|e| Error::tensor(name, e.to_string()))?;
         Ok(Some(SourceTensor {
             dtype: st_dtype(view.dtype(), name)?,

@@ -14,22 +14,34 @@ use std::path::{Path, PathBuf};
 pub fn open_checkpoint(src: &Path) -> Result<Box<dyn Checkpoint>> {
     if src.is_dir() {
         if !src.join("config.json").exists() {
-            return Err(Error::format(src, "directory has no config.json (expected an HF checkpoint)"));
+            return Err(Error::format(
+                src,
+                "directory has no config.json (expected an HF checkpoint)",
+            ));
         }
         return Ok(Box::new(HfCheckpoint::open(src)?));
     }
     if src.is_file() {
         return Ok(Box::new(GgufCheckpoint::open(src)?));
     }
-    Err(Error::io(src, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory")))
+    Err(Error::io(
+        src,
+        std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+    ))
 }
 
 fn check_shape(name: &str, t: &SourceTensor, want: &[usize]) -> Result<()> {
     if t.shape != want {
-        return Err(Error::tensor(name, format!("shape {:?}, expected {:?} from the config", t.shape, want)));
+        return Err(Error::tensor(
+            name,
+            format!("shape {:?}, expected {:?} from the config", t.shape, want),
+        ));
     }
     if t.dtype.tensor_bytes(&t.shape) != Some(t.data.len()) {
-        return Err(Error::tensor(name, format!("{} bytes do not match {} {:?}", t.data.len(), t.dtype, t.shape)));
+        return Err(Error::tensor(
+            name,
+            format!("{} bytes do not match {} {:?}", t.data.len(), t.dtype, t.shape),
+        ));
     }
     Ok(())
 }
@@ -42,7 +54,10 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
     let mut cfg: ModelConfig = ck.config().clone();
     let bar = if progress {
         let b = indicatif::ProgressBar::new(cfg.num_layers as u64 + 3);
-        b.set_style(indicatif::ProgressStyle::with_template("importing {bar:40} {pos}/{len} files {msg}").expect("static template"));
+        b.set_style(
+            indicatif::ProgressStyle::with_template("importing {bar:40} {pos}/{len} files {msg}")
+                .expect("static template"),
+        );
         b
     } else {
         indicatif::ProgressBar::hidden()
@@ -62,10 +77,19 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
             let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
             match ck.tensor(&src_name)? {
                 Some(t) => {
-                    check_shape(&src_name, &t, &layer_shape(&cfg, lt.name).expect("layout covers every layer tensor"))?;
+                    check_shape(
+                        &src_name,
+                        &t,
+                        &layer_shape(&cfg, lt.name).expect("layout covers every layer tensor"),
+                    )?;
                     tensors.push((lt.name.to_owned(), t));
                 }
-                None if lt.required || (cfg.qk_norm && lt.name.ends_with("_norm") && lt.name != "attn_norm" && lt.name != "ffn_norm") => {
+                None if lt.required
+                    || (cfg.qk_norm
+                        && lt.name.ends_with("_norm")
+                        && lt.name != "attn_norm"
+                        && lt.name != "ffn_norm") =>
+                {
                     return Err(Error::tensor(src_name, "missing from the checkpoint"));
                 }
                 None => {}

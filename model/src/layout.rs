@@ -37,7 +37,8 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
 
 /// Canonical names of the non-layer tensors and their sources: (store name, HF name, GGUF name).
 pub const EMBED: (&str, &str, &str) = ("embed", "model.embed_tokens.weight", "token_embd.weight");
-pub const FINAL_NORM: (&str, &str, &str) = ("final_norm", "model.norm.weight", "output_norm.weight");
+pub const FINAL_NORM: (&str, &str, &str) =
+    ("final_norm", "model.norm.weight", "output_norm.weight");
 pub const LM_HEAD: (&str, &str, &str) = ("lm_head", "lm_head.weight", "output.weight");
 
 /// File name of layer `i` in a store.
@@ -47,7 +48,8 @@ pub fn layer_file(i: usize) -> String {
 
 /// Expected shape of a layer tensor for `cfg`.
 pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
-    let (h, q, kv, f, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
+    let (h, q, kv, f, hd) =
+        (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
     Some(match name {
         "attn_norm" | "ffn_norm" | "o_bias" => vec![h],
         "q" => vec![q, h],

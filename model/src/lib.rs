@@ -6,6 +6,7 @@
 pub mod config;
 pub mod error;
 pub mod fetch;
+pub mod generation;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hf;
@@ -14,15 +15,14 @@ pub mod layout;
 pub mod plan;
 pub mod source;
 pub mod stop;
-pub mod generation;
 pub mod store;
 pub mod synth;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
-pub use layerstream_types::{dtype, DType};
 pub use error::{Error, Result};
-pub use store::{FileEntry, LoadedFile, Manifest, Store};
 pub use generation::{check_request, GenerateParams, SamplingParams};
+pub use layerstream_types::{dtype, DType};
 pub use stop::{FinishReason, Stopper};
+pub use store::{FileEntry, LoadedFile, Manifest, Store};
 pub use tokenizer::{Message, Tokenizer};

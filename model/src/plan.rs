@@ -123,7 +123,9 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
 /// are `buffers × group size` buffers of the largest streamed layer (none when nothing streams).
 pub fn streaming_buffers(m: &Manifest, a: &Assignment) -> (usize, u64) {
     let groups = a.stream_groups();
-    let Some(largest) = groups.iter().flatten().map(|&l| layer_bytes(m, l)).max() else { return (0, 0) };
+    let Some(largest) = groups.iter().flatten().map(|&l| layer_bytes(m, l)).max() else {
+        return (0, 0);
+    };
     let widest = groups.iter().map(Vec::len).max().unwrap_or(1);
     (a.buffers() * widest, largest)
 }
@@ -151,22 +153,48 @@ mod tests {
 
     #[test]
     fn groups_skip_resident_layers_and_keep_layer_order() {
-        let a = Assignment { layer_start: 0, layer_end: 10, resident: vec![0, 5], group_size: 3, streaming_buffers: 2, ..Default::default() };
+        let a = Assignment {
+            layer_start: 0,
+            layer_end: 10,
+            resident: vec![0, 5],
+            group_size: 3,
+            streaming_buffers: 2,
+            ..Default::default()
+        };
         assert_eq!(a.stream_groups(), vec![vec![1, 2, 3], vec![4, 6, 7], vec![8, 9]]);
-        assert_eq!(Assignment { group_size: 0, ..a.clone() }.group(), 1, "0 on the wire is one layer a group");
+        assert_eq!(
+            Assignment { group_size: 0, ..a.clone() }.group(),
+            1,
+            "0 on the wire is one layer a group"
+        );
     }
 
     #[test]
     fn usage_counts_each_part_once() {
         let dir = tempfile::tempdir().unwrap();
-        let m = crate::synth::synth("tiny", crate::DType::Q8_0, Some(4), 3, &dir.path().join("s")).unwrap();
+        let m = crate::synth::synth("tiny", crate::DType::Q8_0, Some(4), 3, &dir.path().join("s"))
+            .unwrap();
         let layer = layer_bytes(&m, 0);
-        let a = Assignment { layer_start: 0, layer_end: 4, resident: vec![0], group_size: 1, streaming_buffers: 2, kv_capacity: 8, embed: true, head: true, ..Default::default() };
+        let a = Assignment {
+            layer_start: 0,
+            layer_end: 4,
+            resident: vec![0],
+            group_size: 1,
+            streaming_buffers: 2,
+            kv_capacity: 8,
+            embed: true,
+            head: true,
+            ..Default::default()
+        };
         let u = usage(&m, &a);
         assert_eq!(u.resident, layer);
         assert_eq!(u.streaming, 2 * layer, "two buffers of one layer");
         assert_eq!(u.kv, 8 * kv_bytes_per_token_layer(&m) * 4);
-        assert_eq!(u.embed_head, file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"), "tied: one embedding");
+        assert_eq!(
+            u.embed_head,
+            file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"),
+            "tied: one embedding"
+        );
         let all = Assignment { resident: vec![0, 1, 2, 3], ..a };
         assert_eq!(streaming_buffers(&m, &all), (0, 0), "nothing streams");
     }

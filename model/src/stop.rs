@@ -20,7 +20,10 @@ pub fn reason_name(r: FinishReason) -> &'static str {
 }
 
 /// Serializes a reason by its `reason_name` (for `serde(serialize_with)`).
-pub fn serialize_reason<S: serde::Serializer>(r: &FinishReason, s: S) -> std::result::Result<S::Ok, S::Error> {
+pub fn serialize_reason<S: serde::Serializer>(
+    r: &FinishReason,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(reason_name(*r))
 }
 
@@ -87,7 +90,9 @@ impl Stopper {
             Some(p) if now.starts_with(&before) => p,
             // The window's earlier text changed (rare merges across the window): take the whole
             // window's text past what it decoded to before, by characters.
-            _ => &now[now.char_indices().nth(before.chars().count()).map_or(now.len(), |(i, _)| i)..],
+            _ => {
+                &now[now.char_indices().nth(before.chars().count()).map_or(now.len(), |(i, _)| i)..]
+            }
         };
         self.text.push_str(piece);
         self.prefix = self.read;
@@ -110,7 +115,12 @@ impl Stopper {
             while !self.text.is_char_boundary(from) {
                 from -= 1;
             }
-            if let Some(cut) = self.stop.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min() {
+            if let Some(cut) = self
+                .stop
+                .iter()
+                .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i))
+                .min()
+            {
                 self.text.truncate(cut);
                 return Ok(self.end(FinishReason::Stop));
             }
@@ -178,7 +188,11 @@ mod tests {
     }
 
     fn params(max: usize, stop: &[&str]) -> GenerateParams {
-        GenerateParams { max_new_tokens: max, stop: stop.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+        GenerateParams {
+            max_new_tokens: max,
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -189,7 +203,11 @@ mod tests {
         for &b in "aé€".as_bytes() {
             deltas.push(s.push(&tok, b as u32).unwrap().delta);
         }
-        assert_eq!(deltas, vec!["a", "", "é", "", "", "€"], "a character is streamed when its last byte arrives");
+        assert_eq!(
+            deltas,
+            vec!["a", "", "é", "", "", "€"],
+            "a character is streamed when its last byte arrives"
+        );
         let mut s = Stopper::new(&params(3, &[]), &[256]);
         assert_eq!(feed(&mut s, &tok, "abcdef"), ("abc".into(), Some(FinishReason::Length)));
         assert_eq!(s.output().len(), 3);
@@ -204,7 +222,11 @@ mod tests {
         assert_eq!(streamed, "one ENtwo ");
         assert_eq!(s.text, "one ENtwo ");
         let mut s = Stopper::new(&params(100, &["é"]), &[256]);
-        assert_eq!(feed(&mut s, &tok, "caé"), ("ca".into(), Some(FinishReason::Stop)), "a multi-byte stop string");
+        assert_eq!(
+            feed(&mut s, &tok, "caé"),
+            ("ca".into(), Some(FinishReason::Stop)),
+            "a multi-byte stop string"
+        );
     }
 
     #[test]

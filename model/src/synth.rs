@@ -21,7 +21,13 @@ pub const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize)] = &[
 /// The config of a named shape with `layers` layers (default: the real count).
 pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
     let &(_, h, f, nh, nkv, vocab, nl) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
-        Error::config("shape", format!("unknown {name:?}; known: {}", SHAPES.iter().map(|s| s.0).collect::<Vec<_>>().join(", ")))
+        Error::config(
+            "shape",
+            format!(
+                "unknown {name:?}; known: {}",
+                SHAPES.iter().map(|s| s.0).collect::<Vec<_>>().join(", ")
+            ),
+        )
     })?;
     let cfg = ModelConfig {
         arch: Arch::Llama,
@@ -46,17 +52,24 @@ pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
 
 /// A random tensor of `dtype` whose values are zero-mean and small (see `layerstream_types::random`).
 fn random_tensor(rng: &mut Rng, dtype: DType, shape: &[usize]) -> Result<SourceTensor> {
-    let data = rng.tensor(dtype, shape).ok_or_else(|| Error::tensor("synth", format!("{shape:?} is not whole {dtype} blocks")))?;
+    let data = rng
+        .tensor(dtype, shape)
+        .ok_or_else(|| Error::tensor("synth", format!("{shape:?} is not whole {dtype} blocks")))?;
     Ok(SourceTensor { dtype, shape: shape.to_vec(), data })
 }
 
 fn ones(n: usize) -> SourceTensor {
-    SourceTensor { dtype: DType::F32, shape: vec![n], data: (0..n).flat_map(|_| 1f32.to_le_bytes()).collect() }
+    SourceTensor {
+        dtype: DType::F32,
+        shape: vec![n],
+        data: (0..n).flat_map(|_| 1f32.to_le_bytes()).collect(),
+    }
 }
 
 /// A word-level tokenizer with one token per id ("t0", "t1", …): enough to run and benchmark.
 fn tokenizer_json(vocab: usize) -> String {
-    let v: serde_json::Map<String, serde_json::Value> = (0..vocab).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let v: serde_json::Map<String, serde_json::Value> =
+        (0..vocab).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
     serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
         "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
@@ -67,7 +80,13 @@ fn tokenizer_json(vocab: usize) -> String {
 
 /// Writes a synthetic store of shape `name` with weights of `dtype` into the new directory `dst`.
 /// The embedding (also the tied lm_head) is f16 for float stores, Q8_0 for quantized ones.
-pub fn synth(name: &str, dtype: DType, layers: Option<usize>, seed: u64, dst: &Path) -> Result<Manifest> {
+pub fn synth(
+    name: &str,
+    dtype: DType,
+    layers: Option<usize>,
+    seed: u64,
+    dst: &Path,
+) -> Result<Manifest> {
     let cfg = shape_config(name, layers)?;
     if dst.exists() && std::fs::read_dir(dst).map_err(|e| Error::io(dst, e))?.next().is_some() {
         return Err(Error::format(dst, "destination exists and is not empty"));
@@ -77,12 +96,22 @@ pub fn synth(name: &str, dtype: DType, layers: Option<usize>, seed: u64, dst: &P
         let mut rng = Rng::new(seed);
         let mut w = StoreWriter::new(dst);
         let embed_dtype = if dtype.is_quantized() { DType::Q8_0 } else { DType::F16 };
-        w.write_tensors("embed.bin", vec![("embed".into(), random_tensor(&mut rng, embed_dtype, &[cfg.vocab_size, cfg.hidden_size])?)])?;
+        w.write_tensors(
+            "embed.bin",
+            vec![(
+                "embed".into(),
+                random_tensor(&mut rng, embed_dtype, &[cfg.vocab_size, cfg.hidden_size])?,
+            )],
+        )?;
         for i in 0..cfg.num_layers {
             let mut tensors = Vec::new();
             for lt in LAYER_TENSORS.iter().filter(|t| t.required) {
                 let shape = layer_shape(&cfg, lt.name).expect("layout covers every layer tensor");
-                let t = if shape.len() == 1 { ones(shape[0]) } else { random_tensor(&mut rng, dtype, &shape)? };
+                let t = if shape.len() == 1 {
+                    ones(shape[0])
+                } else {
+                    random_tensor(&mut rng, dtype, &shape)?
+                };
                 tensors.push((lt.name.to_owned(), t));
             }
             w.write_tensors(&layer_file(i), tensors)?;
@@ -113,7 +142,9 @@ mod tests {
         assert_eq!((q.dtype, q.size), (DType::Q4K, (256 * 256 / 256 * 144) as u64));
         assert!(store.tokenizer().unwrap().encode("t5 t7").unwrap() == vec![5, 7]);
         // q4_k needs rows of whole 256-element blocks: SmolLM2's 576 is not.
-        let e = synth("smollm2-135m", DType::Q4K, Some(1), 1, &dir.path().join("x")).unwrap_err().to_string();
+        let e = synth("smollm2-135m", DType::Q4K, Some(1), 1, &dir.path().join("x"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("q4_k"), "{e}");
         assert!(!dir.path().join("x").exists());
         assert!(shape_config("gpt-5", None).unwrap_err().to_string().contains("llama-3-70b"));

@@ -21,15 +21,26 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     /// Loads `tokenizer.json` text and an optional chat template.
-    pub fn from_json(json: &[u8], chat_template: Option<String>, bos_id: Option<u32>, eos_id: Option<u32>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    pub fn from_json(
+        json: &[u8],
+        chat_template: Option<String>,
+        bos_id: Option<u32>,
+        eos_id: Option<u32>,
+    ) -> Result<Self> {
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json).map_err(|e| Error::Tokenizer(e.to_string()))?;
         let bos_token = bos_id.and_then(|id| inner.id_to_token(id));
         let eos_token = eos_id.and_then(|id| inner.id_to_token(id));
         Ok(Tokenizer { inner, chat_template, bos_token, eos_token })
     }
 
     /// Loads `tokenizer.json` from a file.
-    pub fn from_file(path: &Path, chat_template: Option<String>, bos_id: Option<u32>, eos_id: Option<u32>) -> Result<Self> {
+    pub fn from_file(
+        path: &Path,
+        chat_template: Option<String>,
+        bos_id: Option<u32>,
+        eos_id: Option<u32>,
+    ) -> Result<Self> {
         let bytes = crate::error::read_file(path)?;
         Self::from_json(&bytes, chat_template, bos_id, eos_id)
     }
@@ -52,24 +63,31 @@ impl Tokenizer {
 
     /// Renders messages through the chat template, with the generation prompt appended.
     pub fn apply_chat_template(&self, messages: &[Message]) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::Template("this model has no chat template; use --prompt".into()))?;
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            Error::Template("this model has no chat template; use --prompt".into())
+        })?;
         render_chat(template, messages, self.bos_token.as_deref(), self.eos_token.as_deref())
     }
 }
 
 /// Renders a Jinja chat template the way transformers' `apply_chat_template` does.
-pub fn render_chat(template: &str, messages: &[Message], bos: Option<&str>, eos: Option<&str>) -> Result<String> {
+pub fn render_chat(
+    template: &str,
+    messages: &[Message],
+    bos: Option<&str>,
+    eos: Option<&str>,
+) -> Result<String> {
     let mut env = minijinja::Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        },
+    );
     env.add_template("chat", template).map_err(|e| Error::Template(e.to_string()))?;
     let tmpl = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
     tmpl.render(minijinja::context! {

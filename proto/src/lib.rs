@@ -12,4 +12,5 @@ pub mod v1 {
 }
 
 /// Encoded file descriptors, for gRPC reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("layerstream_descriptor");
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    tonic::include_file_descriptor_set!("layerstream_descriptor");

@@ -28,7 +28,8 @@ unsafe impl Send for ShmRegion {}
 unsafe impl Sync for ShmRegion {}
 
 fn cname(name: &str) -> io::Result<CString> {
-    CString::new(format!("/{name}")).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in shm name"))
+    CString::new(format!("/{name}"))
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in shm name"))
 }
 
 fn map(fd: i32, len: usize, writable: bool) -> io::Result<*mut u8> {
@@ -48,7 +49,9 @@ impl ShmRegion {
     pub fn create(name: &str, len: usize) -> io::Result<ShmRegion> {
         let c = cname(name)?;
         // SAFETY: c is a valid NUL-terminated name; flags and mode are plain integers.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        let fd = unsafe {
+            libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600)
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -91,7 +94,11 @@ impl ShmRegion {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd is open; st is a valid out-pointer.
         let r = unsafe { libc::fstat(fd, &mut st) };
-        let res = if r != 0 { Err(io::Error::last_os_error()) } else { map(fd, st.st_size as usize, false) };
+        let res = if r != 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            map(fd, st.st_size as usize, false)
+        };
         // SAFETY: fd is ours.
         unsafe { libc::close(fd) };
         Ok(ShmRegion { name: name.into(), ptr: res?, len: st.st_size as usize, owner: false })
@@ -154,7 +161,11 @@ pub fn unlink(name: &str) -> io::Result<()> {
 /// Names of existing regions in `/dev/shm` starting with `prefix`.
 pub fn list(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(prefix)).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.starts_with(prefix))
+                .collect()
+        })
         .unwrap_or_default()
 }
 

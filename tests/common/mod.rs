@@ -45,7 +45,8 @@ pub fn goldens(model: &str) -> Vec<Golden> {
 
 /// Prefill last-position logits from transformers, by prompt name.
 pub fn reference_logits(model: &str, prompt: &str) -> Vec<f32> {
-    let bytes = std::fs::read(fixtures().join("reference").join(model).join("logits.safetensors")).unwrap();
+    let bytes =
+        std::fs::read(fixtures().join("reference").join(model).join("logits.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let t = st.tensor(prompt).unwrap();
     t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
@@ -53,7 +54,8 @@ pub fn reference_logits(model: &str, prompt: &str) -> Vec<f32> {
 
 /// The prompts file (messages or raw text per prompt).
 pub fn prompts() -> Vec<serde_json::Value> {
-    serde_json::from_slice(&std::fs::read(fixtures().join("reference/prompts.json")).unwrap()).unwrap()
+    serde_json::from_slice(&std::fs::read(fixtures().join("reference/prompts.json")).unwrap())
+        .unwrap()
 }
 
 /// Number of leading greedy steps that must match: up to the first near-tie.
@@ -65,7 +67,12 @@ pub fn comparable_steps(g: &Golden) -> usize {
 /// fewer tokens were asked for).
 pub fn assert_greedy(model: &str, g: &Golden, got: &[u32]) {
     let n = comparable_steps(g).min(g.greedy_ids.len()).min(got.len());
-    assert_eq!(&got[..n], &g.greedy_ids[..n], "{model}/{}: greedy tokens differ before the first near-tie (step {n})", g.name);
+    assert_eq!(
+        &got[..n],
+        &g.greedy_ids[..n],
+        "{model}/{}: greedy tokens differ before the first near-tie (step {n})",
+        g.name
+    );
 }
 
 /// Imports `src` into a fresh store under `dir`.
@@ -90,7 +97,11 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Runs the real binary; returns stdout, panicking with stderr on failure.
 pub fn layerstream(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_layerstream")).args(args).output().unwrap();
-    assert!(out.status.success(), "layerstream {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "layerstream {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -110,7 +121,17 @@ pub fn last_json(stdout: &str) -> serde_json::Value {
 pub fn run_golden(store: &Path, g: &Golden) -> Vec<u32> {
     let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
     let n = g.greedy_ids.len().to_string();
-    let out = layerstream(&["run", "--model", store.to_str().unwrap(), "--token-ids", &ids.join(","), "--max-new-tokens", &n, "--ignore-eos", "--json"]);
+    let out = layerstream(&[
+        "run",
+        "--model",
+        store.to_str().unwrap(),
+        "--token-ids",
+        &ids.join(","),
+        "--max-new-tokens",
+        &n,
+        "--ignore-eos",
+        "--json",
+    ]);
     let v = last_json(&out);
     serde_json::from_value(v["output_ids"].clone()).unwrap()
 }
@@ -121,11 +142,22 @@ pub fn check_model_against_goldens(name: &str, store: &Store) {
     let model = Model::load(CpuBackend::default(), store).unwrap();
     let prompts = prompts();
     for g in goldens(name) {
-        assert_eq!(tok.encode(&g.prompt_text).unwrap(), g.input_ids, "{name}/{}: tokenization", g.name);
+        assert_eq!(
+            tok.encode(&g.prompt_text).unwrap(),
+            g.input_ids,
+            "{name}/{}: tokenization",
+            g.name
+        );
         let p = prompts.iter().find(|p| p["name"] == g.name.as_str()).unwrap();
         if let Some(msgs) = p.get("messages") {
-            let msgs: Vec<layerstream_model::Message> = serde_json::from_value(msgs.clone()).unwrap();
-            assert_eq!(tok.apply_chat_template(&msgs).unwrap(), g.prompt_text, "{name}/{}: chat template", g.name);
+            let msgs: Vec<layerstream_model::Message> =
+                serde_json::from_value(msgs.clone()).unwrap();
+            assert_eq!(
+                tok.apply_chat_template(&msgs).unwrap(),
+                g.prompt_text,
+                "{name}/{}: chat template",
+                g.name
+            );
         }
         let logits = prefill_logits(&model, &g.input_ids);
         let d = max_abs_diff(&logits, &reference_logits(name, &g.name));
@@ -143,7 +175,8 @@ pub fn copy_hf_with_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)
     for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(src.join(f), dst.join(f)).unwrap();
     }
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
     edit(&mut cfg);
     std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
     dst

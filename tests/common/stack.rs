@@ -95,7 +95,8 @@ impl Stack {
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).unwrap_or("");
+            let ppid =
+                stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).unwrap_or("");
             let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if ppid == up && cmd.split('\0').nth(1) == Some(word) {
                 out.push(pid);
@@ -114,7 +115,12 @@ impl Stack {
     pub fn shutdown(mut self) {
         let prefix = self.shm_prefix();
         self.proc.stop();
-        let left: Vec<String> = std::fs::read_dir("/dev/shm").unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect();
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&prefix))
+            .collect();
         assert!(left.is_empty(), "shared memory left behind: {left:?}");
         std::mem::forget(self);
     }
@@ -136,5 +142,11 @@ pub fn submit(addr: &str, args: &[&str]) -> serde_json::Value {
 /// `submit` args reproducing a golden (token ids, greedy, EOS ignored) with `n` new tokens.
 pub fn golden_args(g: &super::Golden, n: usize) -> Vec<String> {
     let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
-    vec!["--token-ids".into(), ids.join(","), "--max-new-tokens".into(), n.to_string(), "--ignore-eos".into()]
+    vec![
+        "--token-ids".into(),
+        ids.join(","),
+        "--max-new-tokens".into(),
+        n.to_string(),
+        "--ignore-eos".into(),
+    ]
 }

@@ -46,7 +46,8 @@ impl DType {
 
     /// Bytes of one row of `cols` elements; `None` when `cols` is not a whole number of blocks.
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        (cols % self.block_elems() == 0).then(|| cols / self.block_elems() * self.block_bytes())
+        cols.is_multiple_of(self.block_elems())
+            .then(|| cols / self.block_elems() * self.block_bytes())
     }
 
     /// Bytes of a tensor of `shape` (row-major, blocks along the last dimension).

@@ -37,11 +37,21 @@ impl Rng {
         self.fill(&mut data);
         let centred = |b: u8| (b as f32 - 127.5) / 1275.0;
         match dtype {
-            DType::F32 => data.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&centred(c[0]).to_le_bytes())),
-            DType::F16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&f16(centred(c[0])))),
-            DType::Bf16 => data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&half::bf16::from_f32(centred(c[0])).to_le_bytes())),
-            DType::Q8_0 => data.chunks_exact_mut(34).for_each(|b| b[0..2].copy_from_slice(&f16(4e-4))),
-            DType::Q4_0 => data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(6e-3))),
+            DType::F32 => data
+                .chunks_exact_mut(4)
+                .for_each(|c| c.copy_from_slice(&centred(c[0]).to_le_bytes())),
+            DType::F16 => {
+                data.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&f16(centred(c[0]))))
+            }
+            DType::Bf16 => data.chunks_exact_mut(2).for_each(|c| {
+                c.copy_from_slice(&half::bf16::from_f32(centred(c[0])).to_le_bytes())
+            }),
+            DType::Q8_0 => {
+                data.chunks_exact_mut(34).for_each(|b| b[0..2].copy_from_slice(&f16(4e-4)))
+            }
+            DType::Q4_0 => {
+                data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(6e-3)))
+            }
             DType::Q4_1 => data.chunks_exact_mut(20).for_each(|b| {
                 b[0..2].copy_from_slice(&f16(6e-3));
                 b[2..4].copy_from_slice(&f16(-4.5e-2));
@@ -57,7 +67,9 @@ impl Rng {
                 b.copy_within(4..8, 8);
                 b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
             }),
-            DType::Q6K => data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5))),
+            DType::Q6K => {
+                data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5)))
+            }
         }
         Some(data)
     }

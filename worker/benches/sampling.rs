@@ -17,7 +17,9 @@ fn logits(vocab: usize, sd: f32, lead: f32, seed: u64) -> Vec<f32> {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((state >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     };
-    let mut l: Vec<f32> = (0..vocab).map(|_| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32 * sd).collect();
+    let mut l: Vec<f32> = (0..vocab)
+        .map(|_| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32 * sd)
+        .collect();
     l[vocab / 3] += lead;
     l
 }
@@ -46,16 +48,24 @@ fn main() {
             let rows: Vec<Vec<f32>> = (0..64).map(|j| logits(vocab, sd, lead, j)).collect();
             for (temperature, top_k, top_p) in cases {
                 let p = SamplingParams { temperature, top_k, top_p, seed: 1, ..Default::default() };
-                let size = if top_k == 0 && top_p >= 1.0 { vocab } else { nucleus(&rows[0], &p).0.len() };
+                let size =
+                    if top_k == 0 && top_p >= 1.0 { vocab } else { nucleus(&rows[0], &p).0.len() };
                 let full = ms(9, || drop(black_box(full_sort_nucleus(&rows[0], &p))));
                 let mut one = Sampler::new(p.clone());
-                let sel = ms(9, || { black_box(one.sample(&mut rows[0].clone(), &[])); });
-                let old_batch = ms(3, || rows.iter().for_each(|r| drop(black_box(full_sort_nucleus(r, &p)))));
+                let sel = ms(9, || {
+                    black_box(one.sample(&mut rows[0].clone(), &[]));
+                });
+                let old_batch =
+                    ms(3, || rows.iter().for_each(|r| drop(black_box(full_sort_nucleus(r, &p)))));
                 let mut samplers: Vec<Sampler> = (0..64).map(|_| Sampler::new(p.clone())).collect();
                 let new_batch = ms(5, || {
                     // The step's logits arrive as one host buffer (copied here, as from the device).
                     let mut host: Vec<f32> = rows.concat();
-                    let jobs = samplers.iter_mut().zip(host.chunks_exact_mut(vocab)).map(|(s, r)| Some((s, &[][..], r))).collect();
+                    let jobs = samplers
+                        .iter_mut()
+                        .zip(host.chunks_exact_mut(vocab))
+                        .map(|(s, r)| Some((s, &[][..], r)))
+                        .collect();
                     drop(black_box(sample_batch(jobs).expect("finite logits")));
                 });
                 let name = format!("T {temperature}, top-k {top_k}, top-p {top_p}");

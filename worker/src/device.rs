@@ -4,7 +4,9 @@
 use crate::error::{Error, Result};
 use crate::stage::{Stage, StepOut, StepSeq};
 use crate::stream::LoaderLink;
-use layerstream_kernels::cuda::{parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, RUNTIME_RESERVE};
+use layerstream_kernels::cuda::{
+    parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, RUNTIME_RESERVE,
+};
 use layerstream_kernels::{Backend, CpuBackend};
 use layerstream_model::plan::Assignment;
 use layerstream_model::{ModelConfig, Store};
@@ -18,6 +20,8 @@ pub enum Device {
 }
 
 /// A stage loaded on either device.
+// One per worker process, never moved in a hot path: boxing a variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum AnyStage {
     Cpu(Stage<CpuBackend>),
     Cuda(Stage<CudaBackend>),
@@ -30,7 +34,10 @@ impl Device {
             return Ok(Device::Cuda(CudaBackend::new(ordinal?)?));
         }
         if name != "cpu" {
-            return Err(Error::Device { device: name.into(), msg: "unknown device: use cpu or cuda:N".into() });
+            return Err(Error::Device {
+                device: name.into(),
+                msg: "unknown device: use cpu or cuda:N".into(),
+            });
         }
         Ok(Device::Cpu(CpuBackend::default()))
     }
@@ -43,7 +50,8 @@ impl Device {
             Device::Cpu(_) => Ok(flag.unwrap_or_else(host_available_bytes)),
             Device::Cuda(b) => {
                 let (free, total) = b.mem_info()?;
-                let usable = flag.unwrap_or(u64::MAX).min(free as u64).saturating_sub(RUNTIME_RESERVE);
+                let usable =
+                    flag.unwrap_or(u64::MAX).min(free as u64).saturating_sub(RUNTIME_RESERVE);
                 if usable == 0 {
                     return Err(Error::Device {
                         device: b.name(),
@@ -60,7 +68,9 @@ impl Device {
     pub fn step_token_limit(&self, cfg: &ModelConfig) -> Option<usize> {
         match self {
             Device::Cpu(_) => None,
-            Device::Cuda(_) => Some(layerstream_model::plan::step_token_limit(cfg, ACTIVATION_RESERVE)),
+            Device::Cuda(_) => {
+                Some(layerstream_model::plan::step_token_limit(cfg, ACTIVATION_RESERVE))
+            }
         }
     }
 
@@ -111,6 +121,10 @@ impl AnyStage {
 pub fn host_available_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|m| m.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
         .map_or(8 << 30, |kib| kib << 10)
 }

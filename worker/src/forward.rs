@@ -26,14 +26,23 @@ impl LayerCtx {
     /// Derives the attention shape and RoPE table from a config.
     pub fn new(cfg: &ModelConfig) -> Self {
         LayerCtx {
-            shape: AttnShape { n_heads: cfg.num_heads, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim },
+            shape: AttnShape {
+                n_heads: cfg.num_heads,
+                n_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+            },
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
             eps: cfg.rms_norm_eps as f32,
         }
     }
 }
 
-fn proj<B: Backend>(b: &B, x: &B::Tensor, w: &B::Weight, bias: Option<&B::Weight>) -> Result<B::Tensor> {
+fn proj<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    w: &B::Weight,
+    bias: Option<&B::Weight>,
+) -> Result<B::Tensor> {
     let mut y = b.matmul(x, w)?;
     if let Some(bias) = bias {
         b.add_bias(&mut y, bias)?;
@@ -73,7 +82,8 @@ pub fn layer_forward<B: Backend>(
         let mut parts = Vec::with_capacity(seqs.len());
         let mut off = 0;
         for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
-            let (qs, ks, vs) = (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
+            let (qs, ks, vs) =
+                (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
             parts.push(b.attention(&qs, &ks, &vs, cache, ctx.shape)?);
             off += s.rows;
         }
@@ -91,7 +101,14 @@ pub fn layer_forward<B: Backend>(
 }
 
 /// Final norm and lm_head on the last row of each sequence: logits `[sequences, vocab]` on the device.
-pub fn head_tensor<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<B::Tensor> {
+pub fn head_tensor<B: Backend>(
+    b: &B,
+    ctx: &LayerCtx,
+    x: &B::Tensor,
+    seqs: &[SeqRows],
+    norm: &B::Weight,
+    lm_head: &B::Weight,
+) -> Result<B::Tensor> {
     let mut last = Vec::with_capacity(seqs.len());
     let mut off = 0;
     for s in seqs {
@@ -104,7 +121,14 @@ pub fn head_tensor<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[Seq
 }
 
 /// `head_tensor` copied to the host: one logits vector per sequence.
-pub fn head_logits<B: Backend>(b: &B, ctx: &LayerCtx, x: &B::Tensor, seqs: &[SeqRows], norm: &B::Weight, lm_head: &B::Weight) -> Result<Vec<Vec<f32>>> {
+pub fn head_logits<B: Backend>(
+    b: &B,
+    ctx: &LayerCtx,
+    x: &B::Tensor,
+    seqs: &[SeqRows],
+    norm: &B::Weight,
+    lm_head: &B::Weight,
+) -> Result<Vec<Vec<f32>>> {
     let logits = logits_to_host(b, &head_tensor(b, ctx, x, seqs, norm, lm_head)?)?;
     debug_assert_eq!(logits.len(), seqs.len());
     Ok(logits)

@@ -73,9 +73,19 @@ pub fn generate<B: Backend>(
     t.decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
     t.prefill_tok_s = rate(t.prefill_tokens, t.prefill_ms);
     t.decode_tok_s = rate(t.decode_tokens, t.decode_ms);
-    Ok(Generation { input_ids: input.to_vec(), output_ids: output, text: stopper.text, finish_reason: finish, timings: t })
+    Ok(Generation {
+        input_ids: input.to_vec(),
+        output_ids: output,
+        text: stopper.text,
+        finish_reason: finish,
+        timings: t,
+    })
 }
 
 fn rate(n: usize, ms: f64) -> f64 {
-    if ms > 0.0 { n as f64 / (ms / 1e3) } else { 0.0 }
+    if ms > 0.0 {
+        n as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
 }

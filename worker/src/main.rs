@@ -3,7 +3,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "worker", version, about = "A layerstream worker: one device, a range of layers, their KV caches")]
+#[command(
+    name = "worker",
+    version,
+    about = "A layerstream worker: one device, a range of layers, their KV caches"
+)]
 struct Cli {
     #[command(flatten)]
     args: layerstream_worker::server::WorkerArgs,

@@ -31,12 +31,18 @@ impl<B: Backend> Model<B> {
     pub fn load(backend: B, store: &Store) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        let need = |f: &layerstream_model::LoadedFile, name: &str, shape: &[usize]| -> Result<B::Weight> {
-            upload(&backend, f, name, Some(shape))?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
-        };
+        let need =
+            |f: &layerstream_model::LoadedFile, name: &str, shape: &[usize]| -> Result<B::Weight> {
+                upload(&backend, f, name, Some(shape))?
+                    .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
+            };
         let embed = need(&store.load("embed.bin")?, "embed", &[vocab, h])?;
         let norm = need(&store.load("final_norm.bin")?, "final_norm", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(need(&store.load("lm_head.bin")?, "lm_head", &[vocab, h])?) };
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(need(&store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
+        };
         let layers = (0..cfg.num_layers)
             .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))
             .collect::<Result<Vec<_>>>()?;
@@ -45,7 +51,9 @@ impl<B: Backend> Model<B> {
 
     /// A fresh sequence with empty caches sized for `capacity` positions.
     pub fn new_sequence(&self, capacity: usize) -> Result<SeqState<B>> {
-        let caches = (0..self.layers.len()).map(|_| self.backend.kv_cache(self.ctx.shape, capacity)).collect::<std::result::Result<_, _>>()?;
+        let caches = (0..self.layers.len())
+            .map(|_| self.backend.kv_cache(self.ctx.shape, capacity))
+            .collect::<std::result::Result<_, _>>()?;
         Ok(SeqState { caches, len: 0 })
     }
 
@@ -57,15 +65,24 @@ impl<B: Backend> Model<B> {
         if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
             return Err(Error::Request("every sequence in a step needs at least one token".into()));
         }
-        let seqs: Vec<SeqRows> = batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();
+        let seqs: Vec<SeqRows> =
+            batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();
         let mut x = b.embedding(&self.embed, &ids)?;
         for (li, lw) in self.layers.iter().enumerate() {
-            let mut caches: Vec<&mut B::KvCache> = batch.iter_mut().map(|(_, s)| &mut s.caches[li]).collect();
+            let mut caches: Vec<&mut B::KvCache> =
+                batch.iter_mut().map(|(_, s)| &mut s.caches[li]).collect();
             layer_forward(b, &self.ctx, lw, &mut x, &seqs, &mut caches)?;
         }
         for ((t, s), _) in batch.iter_mut().zip(&seqs) {
             s.len += t.len();
         }
-        head_logits(b, &self.ctx, &x, &seqs, &self.norm, self.lm_head.as_ref().unwrap_or(&self.embed))
+        head_logits(
+            b,
+            &self.ctx,
+            &x,
+            &seqs,
+            &self.norm,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+        )
     }
 }

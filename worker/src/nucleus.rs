@@ -41,7 +41,8 @@ fn nucleus_candidates(logits: &[f32], d: &Tempered, top_p: f32) -> Vec<u32> {
         cum >= top_p
     });
     let last = last.unwrap_or(BUCKETS - 1);
-    let mut idx: Vec<u32> = (0..logits.len() as u32).filter(|&i| bucket(logits[i as usize]) <= last).collect();
+    let mut idx: Vec<u32> =
+        (0..logits.len() as u32).filter(|&i| bucket(logits[i as usize]) <= last).collect();
     idx.sort_unstable_by(descending(logits));
     idx
 }
@@ -167,15 +168,28 @@ mod tests {
         for peak in [0.5f32, 4.0, 12.0] {
             let logits: Vec<f32> = (0..5000)
                 .map(|_| {
-                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    state =
+                        state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     ((state >> 40) % 300) as f32 / 300.0 * peak
                 })
                 .collect();
-            for (temperature, top_k, top_p) in [(0.7, 0, 0.9), (1.0, 0, 0.5), (1.3, 0, 0.999), (1.0, 0, 0.999_999_9), (0.7, 50, 1.0), (0.7, 50, 0.8), (1.0, 6000, 0.95), (0.2, 1, 1.0)] {
+            for (temperature, top_k, top_p) in [
+                (0.7, 0, 0.9),
+                (1.0, 0, 0.5),
+                (1.3, 0, 0.999),
+                (1.0, 0, 0.999_999_9),
+                (0.7, 50, 1.0),
+                (0.7, 50, 0.8),
+                (1.0, 6000, 0.95),
+                (0.2, 1, 1.0),
+            ] {
                 let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
                 let (got, want) = (nucleus(&logits, &p), full_sort_nucleus(&logits, &p));
                 assert_eq!(got, want, "peak {peak}, {p:?}");
-                assert!(got.0.len() > 1 || top_k == 1, "peak {peak}, {p:?}: a trivial nucleus tests nothing");
+                assert!(
+                    got.0.len() > 1 || top_k == 1,
+                    "peak {peak}, {p:?}: a trivial nucleus tests nothing"
+                );
             }
         }
     }

@@ -32,13 +32,27 @@ impl<B: Backend> LayerSource<B> {
     /// Copies layer `layer` from its loader slot (registered with the device once) to the device in
     /// one transfer: into a streaming buffer (`streamed`) or its own allocation. Returns the weights,
     /// the bytes copied and the device-timed copy milliseconds where the backend measures them.
-    pub fn load_layer(&self, link: &mut LoaderLink, layer: u32, span: &Span, streamed: bool) -> Result<(LayerWeights<B>, u64, Option<f64>)> {
+    pub fn load_layer(
+        &self,
+        link: &mut LoaderLink,
+        layer: u32,
+        span: &Span,
+        streamed: bool,
+    ) -> Result<(LayerWeights<B>, u64, Option<f64>)> {
         let b = &self.backend;
         let name = layer_file(layer as usize);
-        let entry = self.store.manifest.file(&name).ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?.clone();
+        let entry = self
+            .store
+            .manifest
+            .file(&name)
+            .ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?
+            .clone();
         let (w, ms) = link.with_slot(layer, span, |region, len| {
             if len as u64 != entry.size {
-                return Err(Error::Shape(format!("{name}: loader delivered {len} bytes, manifest says {}", entry.size)));
+                return Err(Error::Shape(format!(
+                    "{name}: loader delivered {len} bytes, manifest says {}",
+                    entry.size
+                )));
             }
             b.register_host(region)?;
             let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
@@ -71,7 +85,13 @@ pub struct Group<B: Backend> {
 }
 
 /// Copies group `index` of `groups`; its spans join the trace of the step in `mark`.
-fn fetch_group<B: Backend>(src: &LayerSource<B>, link: &mut LoaderLink, groups: &[Vec<u32>], index: usize, mark: &Mutex<StepMark>) -> Result<Group<B>> {
+fn fetch_group<B: Backend>(
+    src: &LayerSource<B>,
+    link: &mut LoaderLink,
+    groups: &[Vec<u32>],
+    index: usize,
+    mark: &Mutex<StepMark>,
+) -> Result<Group<B>> {
     let m = mark.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut layers = Vec::with_capacity(groups[index].len());
     for &l in &groups[index] {
@@ -89,7 +109,12 @@ fn fetch_group<B: Backend>(src: &LayerSource<B>, link: &mut LoaderLink, groups: 
             h2d.record("device_ms", ms);
         }
         drop(h2d);
-        layers.push(Arrived { layer: l, weights, span, timing: LayerTiming { layer: l, bytes, transfer_ms, ..Default::default() } });
+        layers.push(Arrived {
+            layer: l,
+            weights,
+            span,
+            timing: LayerTiming { layer: l, bytes, transfer_ms, ..Default::default() },
+        });
     }
     Ok(Group { index, step: m.number, layers })
 }
@@ -121,10 +146,24 @@ pub struct Fetcher<B: Backend> {
 impl<B: Backend + 'static> Fetcher<B> {
     /// Starts delivering `groups` from the first; `queue` = Some(extra groups buffered ahead) runs a
     /// copy thread, None fetches inline.
-    pub fn new(src: LayerSource<B>, groups: Vec<Vec<u32>>, link: LoaderLink, queue: Option<usize>, mark: StepMark) -> Self {
-        let mut f = Fetcher { src, groups: Arc::new(groups), mark: Arc::new(Mutex::new(mark)), queue, mode: Mode::Inline(Box::new(link)) };
+    pub fn new(
+        src: LayerSource<B>,
+        groups: Vec<Vec<u32>>,
+        link: LoaderLink,
+        queue: Option<usize>,
+        mark: StepMark,
+    ) -> Self {
+        let mut f = Fetcher {
+            src,
+            groups: Arc::new(groups),
+            mark: Arc::new(Mutex::new(mark)),
+            queue,
+            mode: Mode::Inline(Box::new(link)),
+        };
         if let (Some(q), false) = (queue, f.groups.is_empty()) {
-            let Mode::Inline(link) = std::mem::replace(&mut f.mode, Mode::Lost) else { unreachable!("just built inline") };
+            let Mode::Inline(link) = std::mem::replace(&mut f.mode, Mode::Lost) else {
+                unreachable!("just built inline")
+            };
             f.mode = f.spawn(*link, 0, q);
         }
         f
@@ -165,12 +204,16 @@ impl<B: Backend + 'static> Fetcher<B> {
     pub fn next(&mut self, index: usize) -> Result<Group<B>> {
         let n = self.groups.len();
         if index >= n {
-            return Err(Error::Request(format!("streamed group {index} does not exist ({n} groups)")));
+            return Err(Error::Request(format!(
+                "streamed group {index} does not exist ({n} groups)"
+            )));
         }
         // At most one lap of stale groups, one restart, then the wanted group.
         for _ in 0..n + 2 {
             match &mut self.mode {
-                Mode::Inline(link) => return fetch_group(&self.src, link, &self.groups, index, &self.mark),
+                Mode::Inline(link) => {
+                    return fetch_group(&self.src, link, &self.groups, index, &self.mark)
+                }
                 Mode::Lost => return Err(copy_thread_lost()),
                 Mode::Ahead { rx, .. } => match rx.recv() {
                     Ok((i, r)) if i == index => return r,
@@ -215,11 +258,18 @@ mod tests {
     /// A loader daemon serving `store` on a Unix socket in `rt`, and a link to it.
     fn loader(rt: &tokio::runtime::Runtime, store: &Store, dir: &std::path::Path) -> LoaderLink {
         let ns = format!("prefetch-test-{}", std::process::id());
-        let daemon = Arc::new(Daemon::new(store.clone(), &ns, 3, store.manifest.max_layer_bytes() as usize, 1).unwrap());
+        let daemon = Arc::new(
+            Daemon::new(store.clone(), &ns, 3, store.manifest.max_layer_bytes() as usize, 1)
+                .unwrap(),
+        );
         let sock = dir.join("loader.sock");
         let listener = rt.block_on(async { tokio::net::UnixListener::bind(&sock) }).unwrap();
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-        rt.spawn(tonic::transport::Server::builder().add_service(LoaderServer::new(LoaderService(daemon))).serve_with_incoming(incoming));
+        rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(LoaderServer::new(LoaderService(daemon)))
+                .serve_with_incoming(incoming),
+        );
         let channel = rt.block_on(layerstream_proto::transport::connect_uds(&sock)).unwrap();
         LoaderLink::new(channel, "w0".into(), rt.handle().clone())
     }
@@ -232,16 +282,25 @@ mod tests {
     fn copy_thread_runs_ahead_restarts_after_an_error_and_skips_stale_groups() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("store");
-        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(4), 7, &dir).unwrap();
+        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(4), 7, &dir)
+            .unwrap();
         let store = Store::open(&dir).unwrap();
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         let mut link = loader(&rt, &store, tmp.path());
         link.set_order(vec![0, 1, 2, 3]).unwrap();
         // Layer 2 is missing before anything is read, so neither a prefetch nor a cache can hide it.
         let f2 = dir.join(layer_file(2));
         let aside = tmp.path().join("aside.bin");
         std::fs::rename(&f2, &aside).unwrap();
-        let src = LayerSource { backend: CpuBackend::default(), cfg: store.manifest.config.clone(), store: store.clone() };
+        let src = LayerSource {
+            backend: CpuBackend::default(),
+            cfg: store.manifest.config.clone(),
+            store: store.clone(),
+        };
         let groups = vec![vec![0], vec![1], vec![2], vec![3]];
         let mut f = Fetcher::new(src, groups, link, Some(0), StepMark::default());
         for i in 0..2 {

@@ -45,7 +45,11 @@ impl Sampler {
             seen.dedup();
             for &t in &seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -83,10 +87,14 @@ pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> layerstream_kernels
     let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
     // `first`: the batch index of the chunk's first job.
-    let run = |first: usize, chunk: &mut [Option<SampleJob<'_>>]| -> layerstream_kernels::Result<Vec<u32>> {
+    let run = |first: usize,
+               chunk: &mut [Option<SampleJob<'_>>]|
+     -> layerstream_kernels::Result<Vec<u32>> {
         let sample = |(i, job): (usize, &mut Option<SampleJob<'_>>)| match job {
             None => Ok(0),
-            Some((s, history, logits)) => check_logits(logits, first + i).map(|()| s.sample(logits, history)),
+            Some((s, history, logits)) => {
+                check_logits(logits, first + i).map(|()| s.sample(logits, history))
+            }
         };
         chunk.iter_mut().enumerate().map(sample).collect()
     };
@@ -95,8 +103,15 @@ pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> layerstream_kernels
     }
     let per = jobs.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs.chunks_mut(per).enumerate().map(|(c, chunk)| scope.spawn(move || run(c * per, chunk))).collect();
-        let parts: Vec<Vec<u32>> = handles.into_iter().map(|h| h.join().expect("a sampling thread panicked")).collect::<layerstream_kernels::Result<_>>()?;
+        let handles: Vec<_> = jobs
+            .chunks_mut(per)
+            .enumerate()
+            .map(|(c, chunk)| scope.spawn(move || run(c * per, chunk)))
+            .collect();
+        let parts: Vec<Vec<u32>> = handles
+            .into_iter()
+            .map(|h| h.join().expect("a sampling thread panicked"))
+            .collect::<layerstream_kernels::Result<_>>()?;
         Ok(parts.concat())
     })
 }
@@ -130,7 +145,12 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_and_top_p_limits_support() {
-        let mut s = Sampler::new(SamplingParams { temperature: 2.0, top_k: 1, seed: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            top_k: 1,
+            seed: 1,
+            ..Default::default()
+        });
         let want = argmax(&logits()) as u32;
         for _ in 0..10 {
             assert_eq!(s.sample(&mut logits(), &[]), want);
@@ -138,7 +158,12 @@ mod tests {
         let mut l = vec![0.0f32; 10];
         l[3] = 10.0;
         l[7] = 9.0;
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.5, seed: 5, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 5,
+            ..Default::default()
+        });
         for _ in 0..20 {
             assert_eq!(s.sample(&mut l.clone(), &[]), 3);
         }
@@ -157,7 +182,8 @@ mod tests {
         // Probabilities 1/15, 2/15, 4/15, 8/15 at temperature 1 (ids deliberately not sorted).
         let l = [8f32.ln(), 1f32.ln(), 4f32.ln(), 2f32.ln()];
         let want = [8.0 / 15.0, 1.0 / 15.0, 4.0 / 15.0, 2.0 / 15.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 9, ..Default::default() });
+        let mut s =
+            Sampler::new(SamplingParams { temperature: 1.0, seed: 9, ..Default::default() });
         let mut counts = [0usize; 4];
         let n = 20_000;
         for _ in 0..n {
@@ -173,17 +199,32 @@ mod tests {
     fn a_batch_sampled_across_threads_equals_one_by_one() {
         // 24 sequences of a 60k vocabulary: over PARALLEL_MIN_LOGITS, so the threads run.
         let (n, vocab) = (24, 60_000);
-        let logits = |j: usize| -> Vec<f32> { (0..vocab).map(|i| ((i * 31 + j * 17) % 997) as f32 / 60.0).collect() };
-        let params = |j: usize| SamplingParams { temperature: 0.8, top_k: [0, 40][j % 2], top_p: 0.9, repetition_penalty: 1.1, seed: j as u64 };
+        let logits = |j: usize| -> Vec<f32> {
+            (0..vocab).map(|i| ((i * 31 + j * 17) % 997) as f32 / 60.0).collect()
+        };
+        let params = |j: usize| SamplingParams {
+            temperature: 0.8,
+            top_k: [0, 40][j % 2],
+            top_p: 0.9,
+            repetition_penalty: 1.1,
+            seed: j as u64,
+        };
         let history: Vec<Vec<u32>> = (0..n).map(|j| vec![j as u32, 5, 900]).collect();
         let mut solo: Vec<Sampler> = (0..n).map(|j| Sampler::new(params(j))).collect();
         let mut batch = solo.clone();
         for round in 0..3 {
             // Every third sequence is a prompt chunk this round: it samples nothing, gets 0.
-            let skip = |j: usize| (j + round) % 3 == 0;
-            let want: Vec<u32> = (0..n).map(|j| if skip(j) { 0 } else { solo[j].sample(&mut logits(j), &history[j]) }).collect();
+            let skip = |j: usize| (j + round).is_multiple_of(3);
+            let want: Vec<u32> = (0..n)
+                .map(|j| if skip(j) { 0 } else { solo[j].sample(&mut logits(j), &history[j]) })
+                .collect();
             let mut rows: Vec<Vec<f32>> = (0..n).map(logits).collect();
-            let jobs = batch.iter_mut().zip(&mut rows).enumerate().map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice()))).collect();
+            let jobs = batch
+                .iter_mut()
+                .zip(&mut rows)
+                .enumerate()
+                .map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice())))
+                .collect();
             assert!(n * vocab >= PARALLEL_MIN_LOGITS);
             assert_eq!(sample_batch(jobs).unwrap(), want, "round {round}");
         }
@@ -191,7 +232,12 @@ mod tests {
         // whose chunk starts past 0).
         let mut rows: Vec<Vec<f32>> = (0..n).map(logits).collect();
         rows[17][123] = f32::NAN;
-        let jobs = batch.iter_mut().zip(&mut rows).enumerate().map(|(j, (s, l))| Some((s, history[j].as_slice(), l.as_mut_slice()))).collect();
+        let jobs = batch
+            .iter_mut()
+            .zip(&mut rows)
+            .enumerate()
+            .map(|(j, (s, l))| Some((s, history[j].as_slice(), l.as_mut_slice())))
+            .collect();
         let e = sample_batch(jobs).unwrap_err().to_string();
         assert!(e.contains("row 17") && e.contains("logit 123"), "{e}");
     }

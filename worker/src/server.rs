@@ -68,12 +68,16 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.trim().parse::<f64>().map(|v| (v * mul as f64) as u64).map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
+    num.trim()
+        .parse::<f64>()
+        .map(|v| (v * mul as f64) as u64)
+        .map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
 }
 
 /// Runs a worker until SIGINT/SIGTERM.
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {
-    let _tracing = layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
+    let _tracing =
+        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
     let backend = Device::open(&args.device.device)?;
     let budget = backend.budget(args.device.memory_budget)?;
     let free_at_start = match &backend {
@@ -83,8 +87,11 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let store = Store::open(&args.model)?;
     let device_limit = backend.step_token_limit(&store.manifest.config);
     // The smaller of the flag and what the device holds; None when neither limits it.
-    let max_step_tokens = [args.max_step_tokens.map(|f| f.max(1)), device_limit].into_iter().flatten().min();
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(|source| crate::Error::Bind { addr: args.listen.clone(), source })?;
+    let max_step_tokens =
+        [args.max_step_tokens.map(|f| f.max(1)), device_limit].into_iter().flatten().min();
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| crate::Error::Bind { addr: args.listen.clone(), source })?;
     let addr = listener.local_addr()?;
     // Bound to every interface (containers): name ourselves by host name, which peers can resolve.
     let host = match std::env::var("HOSTNAME") {
@@ -109,8 +116,16 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     tonic::transport::Server::builder()
         .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
         .add_service(layerstream_proto::transport::reflection())
-        .add_service(WorkerServer::new(WorkerService(state)).max_decoding_message_size(1 << 30).max_encoding_message_size(1 << 30))
-        .serve_with_incoming_shutdown(layerstream_proto::transport::tcp_incoming(listener), layerstream_proto::transport::shutdown_signal())
+        .add_service(layerstream_proto::transport::reflection_v1alpha())
+        .add_service(
+            WorkerServer::new(WorkerService(state))
+                .max_decoding_message_size(1 << 30)
+                .max_encoding_message_size(1 << 30),
+        )
+        .serve_with_incoming_shutdown(
+            layerstream_proto::transport::tcp_incoming(listener),
+            layerstream_proto::transport::shutdown_signal(),
+        )
         .await?;
     Ok(())
 }

@@ -41,7 +41,9 @@ impl WorkerState {
     /// Device memory taken since start (0 on the CPU, or if the driver cannot be asked).
     pub fn device_bytes_used(&self) -> u64 {
         match (&self.backend, self.free_at_start) {
-            (Device::Cuda(b), Some(start)) => b.mem_info().map_or(0, |(free, _)| start.saturating_sub(free as u64)),
+            (Device::Cuda(b), Some(start)) => {
+                b.mem_info().map_or(0, |(free, _)| start.saturating_sub(free as u64))
+            }
             _ => 0,
         }
     }
@@ -55,7 +57,9 @@ fn err(e: crate::Error) -> Status {
     use crate::Error;
     match e {
         Error::KvFull { .. } => Status::resource_exhausted(e.to_string()),
-        Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => Status::failed_precondition(e.to_string()),
+        Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => {
+            Status::failed_precondition(e.to_string())
+        }
         Error::Loader { .. } => Status::unavailable(e.to_string()),
         other => Status::internal(other.to_string()),
     }
@@ -86,9 +90,10 @@ impl Worker for WorkerService {
                 s.id, a.layer_start, a.layer_end, s.budget
             )));
         }
-        let channel = layerstream_proto::transport::connect_uds(&s.loader_socket)
-            .await
-            .map_err(|e| Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display())))?;
+        let channel =
+            layerstream_proto::transport::connect_uds(&s.loader_socket).await.map_err(|e| {
+                Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display()))
+            })?;
         let rt = tokio::runtime::Handle::current();
         let span = info_span!("assign", layers = ?a.layers(), resident = a.resident.len() as i64);
         let bytes = u.total();
@@ -105,7 +110,10 @@ impl Worker for WorkerService {
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        Ok(Response::new(AssignResponse { bytes_used: bytes, max_step_tokens: self.0.max_step_tokens.map_or(0, |n| n as u32) }))
+        Ok(Response::new(AssignResponse {
+            bytes_used: bytes,
+            max_step_tokens: self.0.max_step_tokens.map_or(0, |n| n as u32),
+        }))
     }
 
     async fn step(&self, r: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
@@ -129,12 +137,18 @@ impl Worker for WorkerService {
                 prompt_continues: s.prompt_continues,
             })
             .collect();
-        let hidden: Vec<f32> = req.hidden.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let hidden: Vec<f32> = req
+            .hidden
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         let s2 = span.clone();
         let out = tokio::task::spawn_blocking(move || {
             let t = Instant::now();
             let mut guard = stage.lock().unwrap();
-            let st = guard.as_mut().ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
+            let st = guard
+                .as_mut()
+                .ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
             let out = st.step(&batch, &hidden, &s2).map_err(err);
             live.store(st.kv_used().0 as u32, Ordering::Relaxed);
             let out = out?;
@@ -150,14 +164,24 @@ impl Worker for WorkerService {
             layers: out
                 .layers
                 .into_iter()
-                .map(|t| LayerTiming { layer: t.layer, resident: t.resident, bytes: t.bytes, transfer_ms: t.transfer_ms, compute_ms: t.compute_ms, stall_ms: t.stall_ms })
+                .map(|t| LayerTiming {
+                    layer: t.layer,
+                    resident: t.resident,
+                    bytes: t.bytes,
+                    transfer_ms: t.transfer_ms,
+                    compute_ms: t.compute_ms,
+                    stall_ms: t.stall_ms,
+                })
                 .collect(),
             wall_ms,
             layers_ms: out.layers_ms,
         }))
     }
 
-    async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        r: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
         let ids = r.into_inner().seq_ids;
         let (stage, live) = (self.0.stage.clone(), self.0.live.clone());
         let n = tokio::task::spawn_blocking(move || {

@@ -4,8 +4,8 @@
 
 use crate::error::{Error, Result};
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
-use crate::sampling::{sample_batch, Sampler, SamplingParams};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
+use crate::sampling::{sample_batch, Sampler, SamplingParams};
 use crate::stream::LoaderLink;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
@@ -56,7 +56,10 @@ struct Seq<B: Backend> {
 }
 
 /// The batch's sequences, in batch order (each prepared, each once in a step).
-fn in_batch_order<'a, B: Backend>(seqs: &'a mut HashMap<u64, Seq<B>>, batch: &[StepSeq]) -> Vec<&'a mut Seq<B>> {
+fn in_batch_order<'a, B: Backend>(
+    seqs: &'a mut HashMap<u64, Seq<B>>,
+    batch: &[StepSeq],
+) -> Vec<&'a mut Seq<B>> {
     let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
     batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect()
 }
@@ -77,7 +80,8 @@ pub struct Stage<B: Backend> {
 }
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
-    upload(b, f, name, Some(shape))?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
+    upload(b, f, name, Some(shape))?
+        .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
 }
 
 impl<B: Backend + 'static> Stage<B> {
@@ -87,13 +91,25 @@ impl<B: Backend + 'static> Stage<B> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         if plan.layer_end as usize > cfg.num_layers || plan.layer_start >= plan.layer_end {
-            return Err(Error::Request(format!("layer range {:?} is invalid for {} layers", plan.layers(), cfg.num_layers)));
+            return Err(Error::Request(format!(
+                "layer range {:?} is invalid for {} layers",
+                plan.layers(),
+                cfg.num_layers
+            )));
         }
         let tied = cfg.tie_word_embeddings;
-        let embed = if plan.embed || (plan.head && tied) { Some(need(&backend, &store.load("embed.bin")?, "embed", &[vocab, h])?) } else { None };
+        let embed = if plan.embed || (plan.head && tied) {
+            Some(need(&backend, &store.load("embed.bin")?, "embed", &[vocab, h])?)
+        } else {
+            None
+        };
         let head = if plan.head {
             let norm = need(&backend, &store.load("final_norm.bin")?, "final_norm", &[h])?;
-            let lm = if tied { None } else { Some(need(&backend, &store.load("lm_head.bin")?, "lm_head", &[vocab, h])?) };
+            let lm = if tied {
+                None
+            } else {
+                Some(need(&backend, &store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
+            };
             Some((norm, lm))
         } else {
             None
@@ -111,8 +127,25 @@ impl<B: Backend + 'static> Stage<B> {
         link.set_order(groups.iter().flatten().copied().collect())?;
         // Groups in flight: one computing, one being copied, `buffers - 2` finished and queued.
         let queue = (plan.prefetch && plan.streaming_buffers >= 2).then(|| plan.buffers() - 2);
-        let fetcher = Fetcher::new(src, groups.clone(), link, queue, StepMark { number: 0, parent: TraceParent::of(&Span::current()) });
-        Ok(Stage { ctx: LayerCtx::new(&cfg), cfg, plan, backend, embed, head, resident, groups, fetcher, seqs: HashMap::new() })
+        let fetcher = Fetcher::new(
+            src,
+            groups.clone(),
+            link,
+            queue,
+            StepMark { number: 0, parent: TraceParent::of(&Span::current()) },
+        );
+        Ok(Stage {
+            ctx: LayerCtx::new(&cfg),
+            cfg,
+            plan,
+            backend,
+            embed,
+            head,
+            resident,
+            groups,
+            fetcher,
+            seqs: HashMap::new(),
+        })
     }
 
     /// Live sequences and positions held.
@@ -131,23 +164,42 @@ impl<B: Backend + 'static> Stage<B> {
         let n_layers = self.plan.layers().len();
         let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if self.kv_used().1 + new_tokens > self.plan.kv_positions() {
-            return Err(Error::KvFull { used: self.kv_used().1, asked: new_tokens, capacity: self.plan.kv_positions() });
+            return Err(Error::KvFull {
+                used: self.kv_used().1,
+                asked: new_tokens,
+                capacity: self.plan.kv_positions(),
+            });
         }
         for s in batch {
             if s.tokens.is_empty() {
-                return Err(Error::Request(format!("sequence {} has no tokens in this step", s.seq_id)));
+                return Err(Error::Request(format!(
+                    "sequence {} has no tokens in this step",
+                    s.seq_id
+                )));
             }
             if !self.seqs.contains_key(&s.seq_id) {
                 if s.start_pos != 0 {
-                    return Err(Error::Request(format!("unknown sequence {} at position {}", s.seq_id, s.start_pos)));
+                    return Err(Error::Request(format!(
+                        "unknown sequence {} at position {}",
+                        s.seq_id, s.start_pos
+                    )));
                 }
-                let caches = (0..n_layers).map(|_| self.backend.kv_cache(self.ctx.shape, 0)).collect::<std::result::Result<_, _>>()?;
-                let sampler = if self.plan.head { Some(Sampler::new(s.sampling.clone().unwrap_or_default())) } else { None };
+                let caches = (0..n_layers)
+                    .map(|_| self.backend.kv_cache(self.ctx.shape, 0))
+                    .collect::<std::result::Result<_, _>>()?;
+                let sampler = if self.plan.head {
+                    Some(Sampler::new(s.sampling.clone().unwrap_or_default()))
+                } else {
+                    None
+                };
                 self.seqs.insert(s.seq_id, Seq { caches, len: 0, sampler, history: Vec::new() });
             }
             let seq = &self.seqs[&s.seq_id];
             if seq.len != s.start_pos {
-                return Err(Error::Request(format!("sequence {} is at position {}, step says {}", s.seq_id, seq.len, s.start_pos)));
+                return Err(Error::Request(format!(
+                    "sequence {} is at position {}, step says {}",
+                    s.seq_id, seq.len, s.start_pos
+                )));
             }
         }
         Ok(())
@@ -161,16 +213,25 @@ impl<B: Backend + 'static> Stage<B> {
         let b = &b;
         let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut x = match (&self.embed, self.plan.embed) {
-            (Some(e), true) => b.embedding(e, &batch.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>())?,
+            (Some(e), true) => b.embedding(
+                e,
+                &batch.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(),
+            )?,
             _ => {
                 let h = self.cfg.hidden_size;
                 if hidden.len() != rows * h {
-                    return Err(Error::Request(format!("hidden states hold {} values, {rows} rows × {h} expected", hidden.len())));
+                    return Err(Error::Request(format!(
+                        "hidden states hold {} values, {rows} rows × {h} expected",
+                        hidden.len()
+                    )));
                 }
                 b.from_host(hidden, rows, h)?
             }
         };
-        let seq_rows: Vec<SeqRows> = batch.iter().map(|s| SeqRows { rows: s.tokens.len(), start_pos: s.start_pos }).collect();
+        let seq_rows: Vec<SeqRows> = batch
+            .iter()
+            .map(|s| SeqRows { rows: s.tokens.len(), start_pos: s.start_pos })
+            .collect();
         let t_layers = Instant::now();
         let timings = self.run_layers(&mut x, batch, &seq_rows, step_span)?;
         let layers_ms = t_layers.elapsed().as_secs_f64() * 1e3;
@@ -185,7 +246,9 @@ impl<B: Backend + 'static> Stage<B> {
         let b = &self.backend;
         if let Some((norm, lm)) = &self.head {
             let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
-            let greedy = batch.iter().all(|s| self.seqs[&s.seq_id].sampler.as_ref().is_some_and(Sampler::is_greedy));
+            let greedy = batch
+                .iter()
+                .all(|s| self.seqs[&s.seq_id].sampler.as_ref().is_some_and(Sampler::is_greedy));
             // Final norm, lm_head and the token choice: the step's time outside the layers, in the trace.
             let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
             let _in_head = head_span.enter();
@@ -197,14 +260,24 @@ impl<B: Backend + 'static> Stage<B> {
                 // One copy of the step's logits; each sequence samples from its own row of it.
                 let mut host = b.to_host(&logits)?;
                 let vocab = b.dims(&logits).1;
-                let rows = batch.iter().zip(in_batch_order(&mut self.seqs, batch)).zip(host.chunks_exact_mut(vocab));
+                let rows = batch
+                    .iter()
+                    .zip(in_batch_order(&mut self.seqs, batch))
+                    .zip(host.chunks_exact_mut(vocab));
                 let jobs: Vec<_> = rows
                     .map(|((s, seq), l)| {
                         // A prompt chunk samples nothing: that would advance a seeded generator.
-                        (!s.prompt_continues).then(|| (seq.sampler.as_mut().expect("head stage samples"), seq.history.as_slice(), l))
+                        (!s.prompt_continues).then(|| {
+                            (
+                                seq.sampler.as_mut().expect("head stage samples"),
+                                seq.history.as_slice(),
+                                l,
+                            )
+                        })
                     })
                     .collect();
-                let _in_sample = info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
+                let _in_sample =
+                    info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
                 out.tokens = sample_batch(jobs)?;
             }
         } else {
@@ -213,16 +286,28 @@ impl<B: Backend + 'static> Stage<B> {
         Ok(out)
     }
 
-    fn run_layers(&mut self, x: &mut B::Tensor, batch: &[StepSeq], seq_rows: &[SeqRows], step_span: &Span) -> Result<Vec<LayerTiming>> {
+    fn run_layers(
+        &mut self,
+        x: &mut B::Tensor,
+        batch: &[StepSeq],
+        seq_rows: &[SeqRows],
+        step_span: &Span,
+    ) -> Result<Vec<LayerTiming>> {
         let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, .. } = self;
         let range = plan.layers();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
         // Looked up once per step (not once per layer).
         let mut ordered = in_batch_order(seqs, batch);
-        let mut compute = |layer: u32, w: &LayerWeights<B>, span: &Span, mut t: LayerTiming, x: &mut B::Tensor| -> Result<LayerTiming> {
+        let mut compute = |layer: u32,
+                           w: &LayerWeights<B>,
+                           span: &Span,
+                           mut t: LayerTiming,
+                           x: &mut B::Tensor|
+         -> Result<LayerTiming> {
             let li = (layer - range.start) as usize;
-            let mut caches: Vec<&mut B::KvCache> = ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
+            let mut caches: Vec<&mut B::KvCache> =
+                ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
             let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
             // Timed on the device (CUDA events around the layer's kernels; host clock on the CPU), and
             // waited for, so the span covers the compute itself.
@@ -236,12 +321,19 @@ impl<B: Backend + 'static> Stage<B> {
             Ok(t)
         };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident);
-        let first_of_group: HashMap<u32, usize> = groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
+        let first_of_group: HashMap<u32, usize> =
+            groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
         let mut pending = None;
         for l in range.clone() {
             if let Some(w) = resident.get(&l) {
                 let span = layer_span(l, true);
-                timings.push(compute(l, w, &span, LayerTiming { layer: l, resident: true, ..Default::default() }, x)?);
+                timings.push(compute(
+                    l,
+                    w,
+                    &span,
+                    LayerTiming { layer: l, resident: true, ..Default::default() },
+                    x,
+                )?);
                 continue;
             }
             if let Some(&gi) = first_of_group.get(&l) {
@@ -250,8 +342,14 @@ impl<B: Backend + 'static> Stage<B> {
                 g.layers[0].timing.stall_ms = t0.elapsed().as_secs_f64() * 1e3;
                 pending = Some(g);
             }
-            let g = pending.as_mut().ok_or_else(|| Error::Request(format!("layer {l} has no group")))?;
-            let idx = g.layers.iter().position(|e| e.layer == l).ok_or_else(|| Error::Request(format!("layer {l} missing from its group")))?;
+            let g = pending
+                .as_mut()
+                .ok_or_else(|| Error::Request(format!("layer {l} has no group")))?;
+            let idx = g
+                .layers
+                .iter()
+                .position(|e| e.layer == l)
+                .ok_or_else(|| Error::Request(format!("layer {l} missing from its group")))?;
             let a = &mut g.layers[idx];
             if g.step != step_no {
                 // Copied ahead, during an earlier step or between steps: that copy stays traced

@@ -37,18 +37,32 @@ impl LoaderLink {
 
     /// Acquires layer `layer`'s slot under `span`'s trace context, hands `use_slot` the whole slot
     /// mapping and the layer's length (its bytes are `mapping[..len]`), then releases the slot.
-    pub fn with_slot<R>(&mut self, layer: u32, span: &tracing::Span, use_slot: impl FnOnce(&[u8], usize) -> Result<R>) -> Result<R> {
+    pub fn with_slot<R>(
+        &mut self,
+        layer: u32,
+        span: &tracing::Span,
+        use_slot: impl FnOnce(&[u8], usize) -> Result<R>,
+    ) -> Result<R> {
         let mut c = self.client.clone();
-        let req = traced_request(span, AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true });
-        let a = self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
+        let req = traced_request(
+            span,
+            AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true },
+        );
+        let a =
+            self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
         if !self.regions.contains_key(&a.shm_name) {
-            let r = ShmRegion::open_readonly(&a.shm_name).map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
+            let r = ShmRegion::open_readonly(&a.shm_name)
+                .map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
             self.regions.insert(a.shm_name.clone(), r);
         }
         let region = self.regions[&a.shm_name].bytes();
         let len = a.len as usize;
         if len > region.len() {
-            return Err(Error::Request(format!("loader slot {} holds {} bytes, layer {layer} claims {len}", a.shm_name, region.len())));
+            return Err(Error::Request(format!(
+                "loader slot {} holds {} bytes, layer {layer} claims {len}",
+                a.shm_name,
+                region.len()
+            )));
         }
         let out = use_slot(region, len);
         let rel = SlotRelease { worker: self.worker.clone(), layer };

@@ -26,11 +26,19 @@ pub struct LayerWeights<B: Backend> {
 }
 
 /// Uploads tensor `name` of `file`, checking its shape when `want` is given.
-pub fn upload<B: Backend>(b: &B, file: &LoadedFile, name: &str, want: Option<&[usize]>) -> Result<Option<B::Weight>> {
+pub fn upload<B: Backend>(
+    b: &B,
+    file: &LoadedFile,
+    name: &str,
+    want: Option<&[usize]>,
+) -> Result<Option<B::Weight>> {
     let Some((t, bytes)) = file.tensor(name) else { return Ok(None) };
     if let Some(w) = want {
         if t.shape != w {
-            return Err(Error::Shape(format!("{}: tensor {name} has shape {:?}, the config needs {:?}", file.entry.name, t.shape, w)));
+            return Err(Error::Shape(format!(
+                "{}: tensor {name} has shape {:?}, the config needs {:?}",
+                file.entry.name, t.shape, w
+            )));
         }
     }
     Ok(Some(b.weight(&format!("{}:{name}", file.entry.name), t.dtype, &t.shape, bytes)?))
@@ -45,20 +53,33 @@ impl<B: Backend> LayerWeights<B> {
 
     /// The layer's weights as views of a file already on the device, shapes checked against `cfg`.
     pub fn from_blob(b: &B, cfg: &ModelConfig, entry: &FileEntry, blob: &B::Blob) -> Result<Self> {
-        if let Some(t) = entry.tensors.iter().find(|t| !LAYER_TENSORS.iter().any(|k| k.name == t.name)) {
+        if let Some(t) =
+            entry.tensors.iter().find(|t| !LAYER_TENSORS.iter().any(|k| k.name == t.name))
+        {
             return Err(Error::Shape(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
         let opt = |name: &str| -> Result<Option<B::Weight>> {
             let Some(t) = entry.tensor(name) else { return Ok(None) };
             if let Some(want) = layer_shape(cfg, name) {
                 if t.shape != want {
-                    return Err(Error::Shape(format!("{}: tensor {name} has shape {:?}, the config needs {:?}", entry.name, t.shape, want)));
+                    return Err(Error::Shape(format!(
+                        "{}: tensor {name} has shape {:?}, the config needs {:?}",
+                        entry.name, t.shape, want
+                    )));
                 }
             }
             let range = t.offset as usize..(t.offset + t.size) as usize;
-            Ok(Some(b.weight_in(blob, &format!("{}:{name}", entry.name), t.dtype, &t.shape, range)?))
+            Ok(Some(b.weight_in(
+                blob,
+                &format!("{}:{name}", entry.name),
+                t.dtype,
+                &t.shape,
+                range,
+            )?))
         };
-        let req = |name: &str| opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)));
+        let req = |name: &str| {
+            opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)))
+        };
         let w = LayerWeights {
             attn_norm: req("attn_norm")?,
             q: req("q")?,
@@ -77,7 +98,10 @@ impl<B: Backend> LayerWeights<B> {
             down: req("down")?,
         };
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
-            return Err(Error::Shape(format!("{}: q_norm/k_norm required by {:?}", entry.name, cfg.arch)));
+            return Err(Error::Shape(format!(
+                "{}: q_norm/k_norm required by {:?}",
+                entry.name, cfg.arch
+            )));
         }
         Ok(w)
     }

@@ -4,8 +4,8 @@
 //! its own (transposed matmul outputs, dequantized rows), so the GPU's activations stay below it.
 
 use layerstream_kernels::CpuBackend;
-use layerstream_model::{synth, DType, Store};
 use layerstream_model::plan::activation_bytes_per_token;
+use layerstream_model::{synth, DType, Store};
 use layerstream_worker::Model;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -72,7 +72,13 @@ fn a_steps_peak_memory_stays_within_the_activation_estimate() {
         let peak = PEAK.load(Ordering::SeqCst) - base;
         let est = per * rows;
         eprintln!("{rows} tokens: peak {peak} bytes, estimate {est} (+{logits} logits)");
-        assert!(peak <= est + logits, "{rows} tokens: a step held {peak} bytes, over the estimate {est} + {logits}");
-        assert!(peak * 4 > est, "{rows} tokens: the estimate {est} is over 4× the real peak {peak}");
+        assert!(
+            peak <= est + logits,
+            "{rows} tokens: a step held {peak} bytes, over the estimate {est} + {logits}"
+        );
+        assert!(
+            peak * 4 > est,
+            "{rows} tokens: the estimate {est} is over 4× the real peak {peak}"
+        );
     }
 }

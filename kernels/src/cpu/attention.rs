@@ -14,7 +14,14 @@ pub struct CpuKv {
 }
 
 /// Appends `m` new rows to the cache and attends `q` (`[m, q_dim]`) causally over the cache.
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], m: usize, cache: &mut CpuKv, s: AttnShape) -> Vec<f32> {
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    m: usize,
+    cache: &mut CpuKv,
+    s: AttnShape,
+) -> Vec<f32> {
     let (hd, kvd, qd) = (s.head_dim, s.n_kv_heads * s.head_dim, s.n_heads * s.head_dim);
     let start = cache.len;
     cache.k.extend_from_slice(&k[..m * kvd]);
@@ -29,7 +36,9 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], m: usize, cache: &mut CpuKv, s
         let kvh = h / group;
         let qv = &q[row * qd + h * hd..row * qd + (h + 1) * hd];
         let n_ctx = start + row + 1;
-        let mut scores: Vec<f32> = (0..n_ctx).map(|t| dot(qv, &ck[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale).collect();
+        let mut scores: Vec<f32> = (0..n_ctx)
+            .map(|t| dot(qv, &ck[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale)
+            .collect();
         softmax(&mut scores);
         for (t, p) in scores.iter().enumerate() {
             let vv = &cv[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
@@ -50,19 +59,32 @@ mod tests {
     fn prefill_equals_incremental_decode() {
         let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
         let m = 5;
-        let gen = |n: usize, mul: usize| -> Vec<f32> { (0..n).map(|i| ((i * mul) % 17) as f32 * 0.1 - 0.8).collect() };
+        let gen = |n: usize, mul: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * mul) % 17) as f32 * 0.1 - 0.8).collect()
+        };
         let (q, k, v) = (gen(m * 32, 7), gen(m * 16, 5), gen(m * 16, 3));
         let mut c1 = CpuKv::default();
         let all = attention(&q, &k, &v, m, &mut c1, s);
         let mut c2 = CpuKv::default();
         for r in 0..m {
-            let one = attention(&q[r * 32..(r + 1) * 32], &k[r * 16..(r + 1) * 16], &v[r * 16..(r + 1) * 16], 1, &mut c2, s);
+            let one = attention(
+                &q[r * 32..(r + 1) * 32],
+                &k[r * 16..(r + 1) * 16],
+                &v[r * 16..(r + 1) * 16],
+                1,
+                &mut c2,
+                s,
+            );
             for (a, b) in one.iter().zip(&all[r * 32..(r + 1) * 32]) {
                 assert!((a - b).abs() < 1e-5);
             }
         }
         assert_eq!(c2.len, m);
         // first row attends only to itself: output = v of kv head
-        assert!((all[0] - v[0]).abs() < 1e-6 && (all[8] - v[0]).abs() < 1e-6 && (all[16] - v[8]).abs() < 1e-6);
+        assert!(
+            (all[0] - v[0]).abs() < 1e-6
+                && (all[8] - v[0]).abs() < 1e-6
+                && (all[16] - v[8]).abs() < 1e-6
+        );
     }
 }

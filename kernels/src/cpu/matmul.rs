@@ -13,7 +13,15 @@ const ROWS_PER_TASK: usize = 32;
 pub const GEMM_MIN_ROWS: usize = 256;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` for a stored weight of `dtype`.
-pub fn matmul(dtype: DType, w: &[u8], wf32: Option<&[f32]>, n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+pub fn matmul(
+    dtype: DType,
+    w: &[u8],
+    wf32: Option<&[f32]>,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> Vec<f32> {
     let row_bytes = w.len() / n.max(1);
     if m >= GEMM_MIN_ROWS {
         let owned;
@@ -21,7 +29,9 @@ pub fn matmul(dtype: DType, w: &[u8], wf32: Option<&[f32]>, n: usize, k: usize, 
             Some(f) => f,
             None => {
                 let mut buf = vec![0f32; n * k];
-                buf.par_chunks_mut(k).zip(w.par_chunks(row_bytes)).for_each(|(o, r)| dequant_row(dtype, r, o));
+                buf.par_chunks_mut(k)
+                    .zip(w.par_chunks(row_bytes))
+                    .for_each(|(o, r)| dequant_row(dtype, r, o));
                 owned = buf;
                 &owned
             }
@@ -67,13 +77,24 @@ pub fn gemm_f32(a: &[f32], b: &[f32], out: &mut [f32], m: usize, n: usize, k: us
     // m×k row-major, rhs is bᵀ viewed as k×n (row stride 1, column stride k) over n×k storage.
     unsafe {
         gemm::gemm(
-            m, n, k,
-            out.as_mut_ptr(), 1, n as isize,
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
             false,
-            a.as_ptr(), 1, k as isize,
-            b.as_ptr(), k as isize, 1,
-            0.0, 1.0,
-            false, false, false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
             gemm::Parallelism::Rayon(0),
         );
     }
@@ -107,7 +128,8 @@ mod tests {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 (seed >> 33) as u32
             };
-            let mut w: Vec<u8> = (0..dtype.row_bytes(k).unwrap() * n).map(|_| rnd() as u8).collect();
+            let mut w: Vec<u8> =
+                (0..dtype.row_bytes(k).unwrap() * n).map(|_| rnd() as u8).collect();
             crate::quant::tests::sanitize(dtype, &mut w, &mut rnd);
             let x: Vec<f32> = (0..5 * k).map(|i| ((i * 17) % 11) as f32 * 0.1 - 0.5).collect();
             let batched = matmul(dtype, &w, None, n, k, &x, 5);
@@ -118,13 +140,22 @@ mod tests {
             for r in 0..5 {
                 let single = matmul(dtype, &w, None, n, k, &x[r * k..(r + 1) * k], 1);
                 for j in 0..n {
-                    assert_eq!(batched[r * n + j].to_bits(), single[j].to_bits(), "{dtype}: row {r} differs alone vs batched");
-                    let naive: f64 = (0..k).map(|t| deq[j * k + t] as f64 * x[r * k + t] as f64).sum();
-                    assert!((single[j] as f64 - naive).abs() < 1e-3 * naive.abs().max(1.0), "{dtype}");
+                    assert_eq!(
+                        batched[r * n + j].to_bits(),
+                        single[j].to_bits(),
+                        "{dtype}: row {r} differs alone vs batched"
+                    );
+                    let naive: f64 =
+                        (0..k).map(|t| deq[j * k + t] as f64 * x[r * k + t] as f64).sum();
+                    assert!(
+                        (single[j] as f64 - naive).abs() < 1e-3 * naive.abs().max(1.0),
+                        "{dtype}"
+                    );
                 }
             }
             // The GEMM path agrees with the row path to rounding.
-            let big: Vec<f32> = (0..GEMM_MIN_ROWS * k).map(|i| ((i * 7) % 13) as f32 * 0.05 - 0.3).collect();
+            let big: Vec<f32> =
+                (0..GEMM_MIN_ROWS * k).map(|i| ((i * 7) % 13) as f32 * 0.05 - 0.3).collect();
             let g = matmul(dtype, &w, None, n, k, &big, GEMM_MIN_ROWS);
             let one = matmul(dtype, &w, None, n, k, &big[..k], 1);
             for j in 0..n {

@@ -56,7 +56,13 @@ impl CpuWeight {
 
     /// Checks `bytes` against `dtype` and `shape` and builds the weight; quantized bytes are kept as
     /// `owner`'s range when given (a blob), else copied.
-    fn build(name: &str, dtype: DType, shape: &[usize], bytes: &[u8], owner: Option<(&Arc<CpuBlob>, Range<usize>)>) -> Result<CpuWeight> {
+    fn build(
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        bytes: &[u8],
+        owner: Option<(&Arc<CpuBlob>, Range<usize>)>,
+    ) -> Result<CpuWeight> {
         let err = |msg: String| Error::Weight { name: name.into(), msg };
         let (rows, cols) = match shape {
             [c] => (1, *c),
@@ -114,8 +120,18 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn weight_in(&self, blob: &Arc<CpuBlob>, name: &str, dtype: DType, shape: &[usize], range: Range<usize>) -> Result<CpuWeight> {
-        let bytes = blob.get(range.clone()).ok_or_else(|| Error::Weight { name: name.into(), msg: format!("bytes {range:?} lie outside the file ({} bytes)", blob.len()) })?;
+    fn weight_in(
+        &self,
+        blob: &Arc<CpuBlob>,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        range: Range<usize>,
+    ) -> Result<CpuWeight> {
+        let bytes = blob.get(range.clone()).ok_or_else(|| Error::Weight {
+            name: name.into(),
+            msg: format!("bytes {range:?} lie outside the file ({} bytes)", blob.len()),
+        })?;
         CpuWeight::build(name, dtype, shape, bytes, Some((blob, range)))
     }
 
@@ -132,7 +148,9 @@ impl Backend for CpuBackend {
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
-        ensure(data.len() == rows * cols, "from_host", || format!("{} values for {rows}x{cols}", data.len()))?;
+        ensure(data.len() == rows * cols, "from_host", || {
+            format!("{} values for {rows}x{cols}", data.len())
+        })?;
         Ok(CpuTensor { data: data.to_vec(), rows, cols })
     }
 
@@ -145,8 +163,14 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, t: &CpuTensor, start: usize, n: usize) -> Result<CpuTensor> {
-        ensure(start + n <= t.rows, "rows", || format!("rows {start}..{} of {}", start + n, t.rows))?;
-        Ok(CpuTensor { data: t.data[start * t.cols..(start + n) * t.cols].to_vec(), rows: n, cols: t.cols })
+        ensure(start + n <= t.rows, "rows", || {
+            format!("rows {start}..{} of {}", start + n, t.rows)
+        })?;
+        Ok(CpuTensor {
+            data: t.data[start * t.cols..(start + n) * t.cols].to_vec(),
+            rows: n,
+            cols: t.cols,
+        })
     }
 
     fn concat_rows(&self, parts: &[CpuTensor]) -> Result<CpuTensor> {
@@ -159,15 +183,20 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
         let mut data = Vec::with_capacity(ids.len() * table.cols);
         for &id in ids {
-            ensure((id as usize) < table.rows, "embedding", || format!("token id {id} >= vocab {}", table.rows))?;
+            ensure((id as usize) < table.rows, "embedding", || {
+                format!("token id {id} >= vocab {}", table.rows)
+            })?;
             data.extend(table.row(id as usize));
         }
         Ok(CpuTensor { data, rows: ids.len(), cols: table.cols })
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
-        ensure(x.cols == w.cols, "matmul", || format!("x has {} columns, weight has {}", x.cols, w.cols))?;
-        let data = matmul::matmul(w.dtype, w.raw(), w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
+        ensure(x.cols == w.cols, "matmul", || {
+            format!("x has {} columns, weight has {}", x.cols, w.cols)
+        })?;
+        let data =
+            matmul::matmul(w.dtype, w.raw(), w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
         Ok(CpuTensor { data, rows: x.rows, cols: w.rows })
     }
 
@@ -182,7 +211,9 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let w = weight.values();
-        ensure(!w.is_empty() && x.cols % w.len() == 0, "rms_norm", || format!("weight {} vs width {}", w.len(), x.cols))?;
+        ensure(!w.is_empty() && x.cols.is_multiple_of(w.len()), "rms_norm", || {
+            format!("weight {} vs width {}", w.len(), x.cols)
+        })?;
         let mut out = x.clone();
         for g in out.data.chunks_exact_mut(w.len()) {
             let ms = g.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
@@ -194,7 +225,9 @@ impl Backend for CpuBackend {
 
     fn rope(&self, x: &mut CpuTensor, positions: &[usize], table: &RopeTable) -> Result<()> {
         let hd = table.head_dim;
-        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || format!("{} positions for {} rows", positions.len(), x.rows))?;
+        ensure(positions.len() == x.rows && x.cols.is_multiple_of(hd), "rope", || {
+            format!("{} positions for {} rows", positions.len(), x.rows)
+        })?;
         let half = hd / 2;
         for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
             let (cos, sin) = table.cos_sin(pos);
@@ -210,8 +243,11 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
-        ensure(gate.data.len() == up.data.len(), "silu_mul", || "gate and up differ in size".into())?;
-        let data = gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        ensure(gate.data.len() == up.data.len(), "silu_mul", || {
+            "gate and up differ in size".into()
+        })?;
+        let data =
+            gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
@@ -230,7 +266,14 @@ impl Backend for CpuBackend {
         cache.len
     }
 
-    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, cache: &mut CpuKv, s: AttnShape) -> Result<CpuTensor> {
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut CpuKv,
+        s: AttnShape,
+    ) -> Result<CpuTensor> {
         let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
         let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s);
         Ok(CpuTensor { data, rows: q.rows, cols: qd })

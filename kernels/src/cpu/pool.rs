@@ -96,7 +96,11 @@ mod tests {
         drop(a);
         assert_eq!(pool.idle(), 1);
         let d = pool.lend(&[4; 8]);
-        assert_eq!((d.buf.as_ptr(), &d[..]), (a_ptr, &[4u8; 8][..]), "the returned buffer is reused");
+        assert_eq!(
+            (d.buf.as_ptr(), &d[..]),
+            (a_ptr, &[4u8; 8][..]),
+            "the returned buffer is reused"
+        );
         drop((b, c, d));
         assert_eq!(pool.idle(), 2);
         assert_eq!(&Blob::owned(&[9, 8])[..], &[9, 8]);

@@ -23,7 +23,9 @@ use super::ATTENTION_THREADS;
 /// Largest head dimension the attention kernel takes (ATT_DIMS_PER_THREAD × ATTENTION_THREADS).
 const ATTENTION_MAX_HEAD_DIM: usize = 4 * ATTENTION_THREADS as usize;
 // The GEMM scratch (f32 at most) and 64 MiB for cuBLAS and the logits fit beside the activations.
-const _: () = assert!(SCRATCH_ELEMS as u64 * 4 + super::ACTIVATION_RESERVE + (64 << 20) <= super::RUNTIME_RESERVE);
+const _: () = assert!(
+    SCRATCH_ELEMS as u64 * 4 + super::ACTIVATION_RESERVE + (64 << 20) <= super::RUNTIME_RESERVE
+);
 
 /// Precision of the GEMM path (prefill and large batches).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +48,9 @@ impl GemmPrecision {
             Ok("bf16") => Ok(Some(GemmPrecision::Bf16)),
             Ok("f16") => Ok(Some(GemmPrecision::F16)),
             Ok("f32") => Ok(Some(GemmPrecision::F32)),
-            Ok(other) => Err(Error::Device(format!("LAYERSTREAM_CUDA_GEMM={other:?}: expected bf16, f16 or f32"))),
+            Ok(other) => Err(Error::Device(format!(
+                "LAYERSTREAM_CUDA_GEMM={other:?}: expected bf16, f16 or f32"
+            ))),
         }
     }
 
@@ -155,7 +159,8 @@ impl CudaBackend {
         if !data.is_empty() {
             // SAFETY: `buf` holds exactly these bytes; pageable sources are staged by the driver before
             // the call returns, so `data` may go away afterwards.
-            unsafe { result::memcpy_htod_async(buf.ptr, data, self.gpu.compute) }.map_err(derr("copying to the device"))?;
+            unsafe { result::memcpy_htod_async(buf.ptr, data, self.gpu.compute) }
+                .map_err(derr("copying to the device"))?;
         }
         Ok(buf)
     }
@@ -165,13 +170,24 @@ impl CudaBackend {
             return Ok(());
         }
         // SAFETY: both ranges lie inside live allocations used on the compute stream.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.gpu.compute) }.map_err(derr("device copy"))
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.gpu.compute) }
+            .map_err(derr("device copy"))
     }
 
     /// `y[.., r0..r0+nr] = x · a[nr, k]ᵀ` with `a` row-major of element type `ty` (cuBLAS is
     /// column-major: y is `[n, m]` with leading dimension n).
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, a: u64, x: u64, ty: cublas::sys::cudaDataType, y: u64, nr: usize, m: usize, k: usize, ldy: usize) -> Result<()> {
+    fn gemm(
+        &self,
+        a: u64,
+        x: u64,
+        ty: cublas::sys::cudaDataType,
+        y: u64,
+        nr: usize,
+        m: usize,
+        k: usize,
+        ldy: usize,
+    ) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let h = self.gpu.blas.lock().unwrap();
         // SAFETY: `a` holds nr×k and `x` m×k elements of `ty`, `y` has room for m rows of ldy floats from
@@ -207,7 +223,9 @@ impl CudaBackend {
         use cublas::sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
         // (element bytes, cuBLAS type, weight dequantization kernel prefix, activation conversion)
         let (esize, ty, kernel, convert) = match self.precision {
-            GemmPrecision::F32 if w.dtype == DType::F32 => return self.gemm(w.ptr, x.buf.ptr, CUDA_R_32F, y.buf.ptr, n, m, k, n),
+            GemmPrecision::F32 if w.dtype == DType::F32 => {
+                return self.gemm(w.ptr, x.buf.ptr, CUDA_R_32F, y.buf.ptr, n, m, k, n)
+            }
             GemmPrecision::F32 => (4, CUDA_R_32F, "dequant_f32_", None),
             GemmPrecision::F16 => (2, CUDA_R_16F, "dequant_f16_", Some("to_f16")),
             GemmPrecision::Bf16 => (2, CUDA_R_16BF, "dequant_bf16_", Some("to_bf16")),
@@ -215,7 +233,13 @@ impl CudaBackend {
         let xin = match convert {
             Some(to_half) => {
                 let xh = DevBuf::ordered(&self.gpu, m * k * 2)?;
-                self.gpu.launch(to_half, (blocks(m * k, 256), 1, 1), 256, 0, &[x.buf.ptr, xh.ptr, (m * k) as u64])?;
+                self.gpu.launch(
+                    to_half,
+                    (blocks(m * k, 256), 1, 1),
+                    256,
+                    0,
+                    &[x.buf.ptr, xh.ptr, (m * k) as u64],
+                )?;
                 Some(xh)
             }
             None => None,
@@ -228,7 +252,13 @@ impl CudaBackend {
             let nr = chunk.min(n - r0);
             let src = w.ptr + (r0 * w.row_bytes) as u64;
             // One thread per run of 8 elements (the kernel strides over the rest when k % 8 != 0).
-            self.gpu.launch(&name, (blocks((nr * k).div_ceil(8), 256), 1, 1), 256, 0, &[src, w.row_bytes as u64, scratch.ptr, nr as u64, i(k as i32)])?;
+            self.gpu.launch(
+                &name,
+                (blocks((nr * k).div_ceil(8), 256), 1, 1),
+                256,
+                0,
+                &[src, w.row_bytes as u64, scratch.ptr, nr as u64, i(k as i32)],
+            )?;
             self.gemm(scratch.ptr, xptr, ty, y.buf.ptr + (r0 * 4) as u64, nr, m, k, n)?;
         }
         Ok(())
@@ -256,7 +286,14 @@ impl Backend for CudaBackend {
         Ok((CudaBlob::Owned(Arc::new(buf)), Some(ms)))
     }
 
-    fn weight_in(&self, blob: &CudaBlob, name: &str, dtype: DType, shape: &[usize], range: std::ops::Range<usize>) -> Result<CudaWeight> {
+    fn weight_in(
+        &self,
+        blob: &CudaBlob,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> Result<CudaWeight> {
         let err = |msg: String| Error::Weight { name: name.into(), msg };
         let (rows, cols) = match shape {
             [c] => (1, *c),
@@ -265,7 +302,9 @@ impl Backend for CudaBackend {
         };
         let (base, len) = blob.ptr_len();
         if dtype.tensor_bytes(shape) != Some(range.len()) || range.end > len {
-            return Err(err(format!("bytes {range:?} of a {len}-byte file do not hold {dtype} {shape:?}")));
+            return Err(err(format!(
+                "bytes {range:?} of a {len}-byte file do not hold {dtype} {shape:?}"
+            )));
         }
         let row_bytes = dtype.row_bytes(cols).expect("checked by tensor_bytes");
         let keep: Arc<dyn Any + Send + Sync> = match blob {
@@ -301,7 +340,13 @@ impl Backend for CudaBackend {
         self.gpu.bind()?;
         let out = DevBuf::ordered(&self.gpu, t.rows * 4)?;
         if t.rows > 0 {
-            self.gpu.launch("argmax", (t.rows as u32, 1, 1), 256, 0, &[t.buf.ptr, out.ptr, i(t.cols as i32)])?;
+            self.gpu.launch(
+                "argmax",
+                (t.rows as u32, 1, 1),
+                256,
+                0,
+                &[t.buf.ptr, out.ptr, i(t.cols as i32)],
+            )?;
         }
         let mut host = vec![0u32; t.rows];
         self.read(out.ptr, &mut host)?;
@@ -314,13 +359,21 @@ impl Backend for CudaBackend {
         Ok(host)
     }
 
-    fn weight(&self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<CudaWeight> {
+    fn weight(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> Result<CudaWeight> {
         let (blob, _) = self.upload_blob(bytes, false)?;
         self.weight_in(&blob, name, dtype, shape, 0..bytes.len())
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
-        ensure(data.len() == rows * cols, "from_host", || format!("{} values for {rows}x{cols}", data.len()))?;
+        ensure(data.len() == rows * cols, "from_host", || {
+            format!("{} values for {rows}x{cols}", data.len())
+        })?;
         self.gpu.bind()?;
         Ok(CudaTensor { buf: self.upload_small(data)?, rows, cols })
     }
@@ -337,7 +390,9 @@ impl Backend for CudaBackend {
     }
 
     fn rows(&self, t: &CudaTensor, start: usize, n: usize) -> Result<CudaTensor> {
-        ensure(start + n <= t.rows, "rows", || format!("rows {start}..{} of {}", start + n, t.rows))?;
+        ensure(start + n <= t.rows, "rows", || {
+            format!("rows {start}..{} of {}", start + n, t.rows)
+        })?;
         self.gpu.bind()?;
         let out = self.tensor(n, t.cols)?;
         self.dtod(out.buf.ptr, t.buf.ptr + (start * t.cols * 4) as u64, n * t.cols * 4)?;
@@ -359,28 +414,53 @@ impl Backend for CudaBackend {
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
         for &id in ids {
-            ensure((id as usize) < table.rows, "embedding", || format!("token id {id} >= vocab {}", table.rows))?;
+            ensure((id as usize) < table.rows, "embedding", || {
+                format!("token id {id} >= vocab {}", table.rows)
+            })?;
         }
         self.gpu.bind()?;
         let out = self.tensor(ids.len(), table.cols)?;
         let dev_ids = self.upload_small(ids)?;
         if !ids.is_empty() {
-            let args = [table.ptr, i(dtype_code(table.dtype)), table.row_bytes as u64, dev_ids.ptr, out.buf.ptr, i(table.cols as i32)];
+            let args = [
+                table.ptr,
+                i(dtype_code(table.dtype)),
+                table.row_bytes as u64,
+                dev_ids.ptr,
+                out.buf.ptr,
+                i(table.cols as i32),
+            ];
             self.gpu.launch("embedding", (ids.len() as u32, 1, 1), 256, 0, &args)?;
         }
         Ok(out)
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
-        ensure(x.cols == w.cols, "matmul", || format!("x has {} columns, weight has {}", x.cols, w.cols))?;
+        ensure(x.cols == w.cols, "matmul", || {
+            format!("x has {} columns, weight has {}", x.cols, w.cols)
+        })?;
         self.gpu.bind()?;
         let y = self.tensor(x.rows, w.rows)?;
         if x.rows == 0 {
             return Ok(y);
         }
         if x.rows <= MATVEC_ROWS {
-            let args = [w.ptr, w.row_bytes as u64, x.buf.ptr, y.buf.ptr, i(x.rows as i32), i(w.rows as i32), i(w.cols as i32)];
-            self.gpu.launch(&format!("matvec_{}", suffix(w.dtype)), (blocks(w.rows * 32, 256), 1, 1), 256, 0, &args)?;
+            let args = [
+                w.ptr,
+                w.row_bytes as u64,
+                x.buf.ptr,
+                y.buf.ptr,
+                i(x.rows as i32),
+                i(w.rows as i32),
+                i(w.cols as i32),
+            ];
+            self.gpu.launch(
+                &format!("matvec_{}", suffix(w.dtype)),
+                (blocks(w.rows * 32, 256), 1, 1),
+                256,
+                0,
+                &args,
+            )?;
         } else {
             self.matmul_gemm(x, w, &y)?;
         }
@@ -388,28 +468,53 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaWeight) -> Result<()> {
-        ensure(bias.rows == 1 && bias.cols == x.cols, "add_bias", || format!("bias {} vs width {}", bias.cols, x.cols))?;
+        ensure(bias.rows == 1 && bias.cols == x.cols, "add_bias", || {
+            format!("bias {} vs width {}", bias.cols, x.cols)
+        })?;
         self.gpu.bind()?;
         let n = x.rows * x.cols;
-        self.gpu.launch("add_bias", (blocks(n, 256), 1, 1), 256, 0, &[x.buf.ptr, bias.ptr, i(dtype_code(bias.dtype)), n as u64, i(x.cols as i32)])
+        self.gpu.launch(
+            "add_bias",
+            (blocks(n, 256), 1, 1),
+            256,
+            0,
+            &[x.buf.ptr, bias.ptr, i(dtype_code(bias.dtype)), n as u64, i(x.cols as i32)],
+        )
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, eps: f32) -> Result<CudaTensor> {
         let g = weight.cols;
-        ensure(weight.rows == 1 && g > 0 && x.cols % g == 0, "rms_norm", || format!("weight {g} vs width {}", x.cols))?;
+        ensure(weight.rows == 1 && g > 0 && x.cols % g == 0, "rms_norm", || {
+            format!("weight {g} vs width {}", x.cols)
+        })?;
         self.gpu.bind()?;
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / g;
         if groups > 0 {
-            let args = [x.buf.ptr, out.buf.ptr, weight.ptr, i(dtype_code(weight.dtype)), i(g as i32), f(eps)];
-            self.gpu.launch("rms_norm", (groups as u32, 1, 1), if g >= 256 { 256 } else { 64 }, 0, &args)?;
+            let args = [
+                x.buf.ptr,
+                out.buf.ptr,
+                weight.ptr,
+                i(dtype_code(weight.dtype)),
+                i(g as i32),
+                f(eps),
+            ];
+            self.gpu.launch(
+                "rms_norm",
+                (groups as u32, 1, 1),
+                if g >= 256 { 256 } else { 64 },
+                0,
+                &args,
+            )?;
         }
         Ok(out)
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[usize], table: &RopeTable) -> Result<()> {
         let hd = table.head_dim;
-        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || format!("{} positions for {} rows", positions.len(), x.rows))?;
+        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || {
+            format!("{} positions for {} rows", positions.len(), x.rows)
+        })?;
         self.gpu.bind()?;
         let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let (dpos, dfreq) = (self.upload_small(&pos)?, self.upload_small(&table.inv_freq)?);
@@ -417,16 +522,25 @@ impl Backend for CudaBackend {
         if total == 0 {
             return Ok(());
         }
-        let args = [x.buf.ptr, dpos.ptr, dfreq.ptr, i(x.rows as i32), i(x.cols as i32), i(hd as i32)];
+        let args =
+            [x.buf.ptr, dpos.ptr, dfreq.ptr, i(x.rows as i32), i(x.cols as i32), i(hd as i32)];
         self.gpu.launch("rope", (blocks(total, 256), 1, 1), 256, 0, &args)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
-        ensure(gate.rows == up.rows && gate.cols == up.cols, "silu_mul", || "gate and up differ in size".into())?;
+        ensure(gate.rows == up.rows && gate.cols == up.cols, "silu_mul", || {
+            "gate and up differ in size".into()
+        })?;
         self.gpu.bind()?;
         let out = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
-        self.gpu.launch("silu_mul", (blocks(n, 256), 1, 1), 256, 0, &[gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64])?;
+        self.gpu.launch(
+            "silu_mul",
+            (blocks(n, 256), 1, 1),
+            256,
+            0,
+            &[gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64],
+        )?;
         Ok(out)
     }
 
@@ -440,7 +554,11 @@ impl Backend for CudaBackend {
     fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CudaKv> {
         self.gpu.bind()?;
         let bytes = capacity * shape.n_kv_heads * shape.head_dim * 4;
-        let (k, v) = if capacity > 0 { (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?)) } else { (None, None) };
+        let (k, v) = if capacity > 0 {
+            (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?))
+        } else {
+            (None, None)
+        };
         Ok(CudaKv { k, v, cap: capacity, len: 0 })
     }
 
@@ -448,9 +566,18 @@ impl Backend for CudaBackend {
         cache.len
     }
 
-    fn attention(&self, q: &CudaTensor, k: &CudaTensor, v: &CudaTensor, cache: &mut CudaKv, s: AttnShape) -> Result<CudaTensor> {
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        cache: &mut CudaKv,
+        s: AttnShape,
+    ) -> Result<CudaTensor> {
         let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
-        ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim))?;
+        ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
+            format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
+        })?;
         self.gpu.bind()?;
         let m = q.rows;
         let start = cache.len;
@@ -458,7 +585,10 @@ impl Backend for CudaBackend {
         if need > cache.cap {
             // Grow to the next multiple of 256 positions, keeping what is cached.
             let cap = need.div_ceil(256) * 256;
-            let (nk, nv) = (DevBuf::ordered(&self.gpu, cap * kvd * 4)?, DevBuf::ordered(&self.gpu, cap * kvd * 4)?);
+            let (nk, nv) = (
+                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
+                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
+            );
             if let (Some(ok), Some(ov)) = (&cache.k, &cache.v) {
                 self.dtod(nk.ptr, ok.ptr, start * kvd * 4)?;
                 self.dtod(nv.ptr, ov.ptr, start * kvd * 4)?;
@@ -474,8 +604,24 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let scale = 1.0 / (s.head_dim as f32).sqrt();
-        let args = [q.buf.ptr, kc, vc, out.buf.ptr, i(start as i32), i(s.n_heads as i32), i(s.n_kv_heads as i32), i(s.head_dim as i32), f(scale)];
-        self.gpu.launch("attention", (s.n_heads as u32, m as u32, 1), ATTENTION_THREADS, 0, &args)?;
+        let args = [
+            q.buf.ptr,
+            kc,
+            vc,
+            out.buf.ptr,
+            i(start as i32),
+            i(s.n_heads as i32),
+            i(s.n_kv_heads as i32),
+            i(s.head_dim as i32),
+            f(scale),
+        ];
+        self.gpu.launch(
+            "attention",
+            (s.n_heads as u32, m as u32, 1),
+            ATTENTION_THREADS,
+            0,
+            &args,
+        )?;
         Ok(out)
     }
 }
@@ -485,7 +631,8 @@ impl CudaBackend {
     fn read<T: Copy>(&self, src: u64, dst: &mut [T]) -> Result<()> {
         if !dst.is_empty() {
             // SAFETY: `src` holds at least `dst`'s bytes; the stream is synchronised before `dst` is read.
-            unsafe { result::memcpy_dtoh_async(dst, src, self.gpu.compute) }.map_err(derr("copying to the host"))?;
+            unsafe { result::memcpy_dtoh_async(dst, src, self.gpu.compute) }
+                .map_err(derr("copying to the host"))?;
         }
         self.gpu.sync_compute()
     }

@@ -43,37 +43,59 @@ impl Gpu {
         crate::cuda::open_device(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(derr("creating the context"))?;
         ctx.bind_to_thread().map_err(derr("binding the context"))?;
-        let (major, minor) = ctx.compute_capability().map_err(derr("reading the compute capability"))?;
+        let (major, minor) =
+            ctx.compute_capability().map_err(derr("reading the compute capability"))?;
         let ptx = source::compile(&format!("sm_{major}{minor}"))?;
         let image = CString::new(ptx).map_err(|_| Error::Device("PTX holds a NUL byte".into()))?;
         // SAFETY: `image` is a NUL-terminated PTX string that outlives the call.
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(derr("loading the kernel module"))?;
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(derr("loading the kernel module"))?;
         let mut funcs = HashMap::new();
         for name in source::kernel_names() {
             let c = CString::new(name.clone()).expect("kernel names hold no NUL");
             // SAFETY: `module` was just loaded and is kept alive by this Gpu.
-            let f = unsafe { result::module::get_function(module, c) }.map_err(|e| Error::Device(format!("kernel {name} missing from the module: {e:?}")))?;
+            let f = unsafe { result::module::get_function(module, c) }.map_err(|e| {
+                Error::Device(format!("kernel {name} missing from the module: {e:?}"))
+            })?;
             funcs.insert(name, f);
         }
-        let compute = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(derr("creating the compute stream"))?;
-        let copy = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(derr("creating the copy stream"))?;
+        let compute = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(derr("creating the compute stream"))?;
+        let copy = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(derr("creating the copy stream"))?;
         // Keep memory freed by stream-ordered frees in the pool for the next step instead of handing it
         // back to the driver at every synchronisation.
         // SAFETY: the device handle comes from the live context; the attribute takes a u64.
         unsafe {
-            let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(derr("getting the memory pool"))?;
+            let pool = result::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(derr("getting the memory pool"))?;
             let mut threshold = u64::MAX;
-            result::mem_pool::set_attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut threshold as *mut u64 as *mut c_void)
-                .map_err(derr("setting the pool release threshold"))?;
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            )
+            .map_err(derr("setting the pool release threshold"))?;
         }
         // SAFETY: probes whether libcublas can be loaded (creating a handle panics when it cannot).
         if !unsafe { cublas::sys::is_culib_present() } {
             return Err(Error::Device("cuBLAS (libcublas.so) not found: add the CUDA toolkit's lib directory to LD_LIBRARY_PATH".into()));
         }
-        let handle = cublas::result::create_handle().map_err(|e| Error::Device(format!("cuBLAS handle: {e:?}")))?;
+        let handle = cublas::result::create_handle()
+            .map_err(|e| Error::Device(format!("cuBLAS handle: {e:?}")))?;
         // SAFETY: the handle and the stream were just created on this context.
-        unsafe { cublas::result::set_stream(handle, compute as _) }.map_err(|e| Error::Device(format!("cuBLAS stream: {e:?}")))?;
-        Ok(Arc::new(Gpu { ctx, ordinal, sm: (major * 10 + minor) as u32, compute, copy, module, funcs, blas: Mutex::new(handle) }))
+        unsafe { cublas::result::set_stream(handle, compute as _) }
+            .map_err(|e| Error::Device(format!("cuBLAS stream: {e:?}")))?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            ordinal,
+            sm: (major * 10 + minor) as u32,
+            compute,
+            copy,
+            module,
+            funcs,
+            blas: Mutex::new(handle),
+        }))
     }
 
     /// Makes this device's context current on the calling thread.
@@ -84,13 +106,22 @@ impl Gpu {
     /// Launches kernel `name` on the compute stream. Each argument is passed as 8 bytes: pointers and
     /// 64-bit integers as they are, 32-bit ints and floats in the low half (the driver reads as many
     /// bytes as the parameter's type has; x86-64 and aarch64 are little-endian).
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[u64]) -> Result<()> {
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[u64],
+    ) -> Result<()> {
         let f = *self.funcs.get(name).ok_or_else(|| Error::Device(format!("no kernel {name}")))?;
         let mut vals = args.to_vec();
-        let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        let mut params: Vec<*mut c_void> =
+            vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         // SAFETY: `f` comes from the loaded module; `params` points at one live 8-byte value per kernel
         // parameter, in order, and the driver copies them before returning.
-        unsafe { result::launch_kernel(f, grid, (block, 1, 1), shared, self.compute, &mut params) }.map_err(|e| Error::Device(format!("launching {name}: {e:?}")))
+        unsafe { result::launch_kernel(f, grid, (block, 1, 1), shared, self.compute, &mut params) }
+            .map_err(|e| Error::Device(format!("launching {name}: {e:?}")))
     }
 
     /// Device memory `(free, total)` in bytes, as the driver reports it.
@@ -102,7 +133,8 @@ impl Gpu {
     /// Waits for everything queued on the compute stream.
     pub fn sync_compute(&self) -> Result<()> {
         // SAFETY: the stream belongs to this live context.
-        unsafe { result::stream::synchronize(self.compute) }.map_err(derr("synchronising the compute stream"))
+        unsafe { result::stream::synchronize(self.compute) }
+            .map_err(derr("synchronising the compute stream"))
     }
 }
 
@@ -148,7 +180,9 @@ impl DevBuf {
             0
         } else {
             // SAFETY: the stream is live; every use of this memory is on the compute stream.
-            unsafe { result::malloc_async(gpu.compute, bytes) }.map_err(|e| Error::Device(format!("allocating {bytes} bytes on the device: {e:?}")))?
+            unsafe { result::malloc_async(gpu.compute, bytes) }.map_err(|e| {
+                Error::Device(format!("allocating {bytes} bytes on the device: {e:?}"))
+            })?
         };
         Ok(DevBuf { ptr, bytes, ordered: true, gpu: gpu.clone() })
     }
@@ -157,7 +191,13 @@ impl DevBuf {
     pub fn plain(gpu: &Arc<Gpu>, bytes: usize) -> Result<DevBuf> {
         gpu.bind()?;
         // SAFETY: allocation only; the memory is written before it is read.
-        let ptr = if bytes == 0 { 0 } else { unsafe { result::malloc_sync(bytes) }.map_err(|e| Error::Device(format!("allocating {bytes} bytes on the device: {e:?}")))? };
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+                Error::Device(format!("allocating {bytes} bytes on the device: {e:?}"))
+            })?
+        };
         Ok(DevBuf { ptr, bytes, ordered: false, gpu: gpu.clone() })
     }
 }
@@ -196,7 +236,11 @@ impl Event {
     /// A new event; `timing` events can be measured with `elapsed_ms`.
     pub fn new(gpu: &Arc<Gpu>, timing: bool) -> Result<Event> {
         gpu.bind()?;
-        let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
         let ev = result::event::create(flags).map_err(derr("creating an event"))?;
         Ok(Event { ev, gpu: gpu.clone() })
     }
@@ -210,7 +254,14 @@ impl Event {
     /// Makes `stream` wait for this event's last recording (no-op if never recorded).
     pub fn wait_on(&self, stream: sys::CUstream) -> Result<()> {
         // SAFETY: event and stream belong to the live context.
-        unsafe { result::stream::wait_event(stream, self.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }.map_err(derr("waiting on an event"))
+        unsafe {
+            result::stream::wait_event(
+                stream,
+                self.ev,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(derr("waiting on an event"))
     }
 
     /// Blocks the host until the event completes.
@@ -224,7 +275,9 @@ impl Event {
     pub fn elapsed_ms(&self, end: &Event) -> Result<f64> {
         end.sync()?;
         // SAFETY: both events were created with timing and recorded on this context.
-        unsafe { result::event::elapsed(self.ev, end.ev) }.map(f64::from).map_err(derr("reading event time"))
+        unsafe { result::event::elapsed(self.ev, end.ev) }
+            .map(f64::from)
+            .map_err(derr("reading event time"))
     }
 }
 

@@ -9,21 +9,21 @@
 
 use crate::error::{Error, Result};
 
-pub mod source;
 #[cfg(feature = "cuda")]
 mod backend;
 #[cfg(feature = "cuda")]
 mod driver;
+pub mod source;
 #[cfg(feature = "cuda")]
 mod stream_pool;
 #[cfg(not(feature = "cuda"))]
 mod stub;
-#[cfg(all(test, feature = "cuda"))]
-mod tests_gpu;
 #[cfg(test)]
 mod test_data;
 #[cfg(test)]
 mod tests_emu;
+#[cfg(all(test, feature = "cuda"))]
+mod tests_gpu;
 
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPrecision};
@@ -37,6 +37,12 @@ pub(crate) const ATTENTION_THREADS: u32 = 128;
 
 /// Device memory a CUDA worker keeps outside its plan: the GEMM dequantization scratch, cuBLAS's
 /// workspace, the head's logits and a step's activations.
+/// Whether this build can open CUDA devices (the `cuda` feature).
+pub const BUILT_WITH_CUDA: bool = cfg!(feature = "cuda");
+
+/// The reason a `cuda:N` device is refused in a build without the feature, with what to do.
+pub const WITHOUT_CUDA: &str = "this layerstream was built without CUDA: rebuild with `cargo build --release -p layerstream --features cuda` (libcuda is loaded at run time; building needs no CUDA)";
+
 pub const RUNTIME_RESERVE: u64 = 512 << 20;
 /// The part of `RUNTIME_RESERVE` a step's activations may use (the rest holds the GEMM scratch, at
 /// most 128 MiB, cuBLAS's workspace and the logits): a worker accepts steps of at most this many
@@ -79,13 +85,19 @@ pub fn open_device(ordinal: usize) -> Result<CudaDeviceInfo> {
     }
     let ctx = CudaContext::new(ordinal).map_err(err)?;
     let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(err)?;
-    Ok(CudaDeviceInfo { ordinal, name: ctx.name().map_err(err)?, compute_capability: ctx.compute_capability().map_err(err)?, free_bytes, total_bytes })
+    Ok(CudaDeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(err)?,
+        compute_capability: ctx.compute_capability().map_err(err)?,
+        free_bytes,
+        total_bytes,
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
 /// Stand-in: this build has no CUDA support.
 pub fn open_device(ordinal: usize) -> Result<CudaDeviceInfo> {
-    Err(Error::Device(format!("cuda:{ordinal}: built without CUDA (rebuild with `--features cuda`)")))
+    Err(Error::Device(format!("cuda:{ordinal}: {WITHOUT_CUDA}")))
 }
 
 #[cfg(test)]
@@ -106,12 +118,20 @@ mod tests {
         match open_device(0) {
             Ok(info) => {
                 assert!(info.total_bytes > 0 && info.free_bytes <= info.total_bytes);
-                eprintln!("cuda:0 is {} ({:?}), {} of {} bytes free", info.name, info.compute_capability, info.free_bytes, info.total_bytes);
+                eprintln!(
+                    "cuda:0 is {} ({:?}), {} of {} bytes free",
+                    info.name, info.compute_capability, info.free_bytes, info.total_bytes
+                );
             }
             Err(e) => {
                 let msg = e.to_string();
                 eprintln!("skipping CUDA device checks: {msg}");
-                assert!(msg.contains("without CUDA") || msg.contains("libcuda") || msg.contains("cuda:0"), "{msg}");
+                assert!(
+                    msg.contains("without CUDA")
+                        || msg.contains("libcuda")
+                        || msg.contains("cuda:0"),
+                    "{msg}"
+                );
             }
         }
     }

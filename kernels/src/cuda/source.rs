@@ -30,13 +30,33 @@ pub fn dtype_code(d: layerstream_types::DType) -> i32 {
 }
 
 /// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
-pub const DTYPE_SUFFIXES: [&str; 8] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
+pub const DTYPE_SUFFIXES: [&str; 8] =
+    ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
 
 /// Every kernel entry point the backend loads.
 pub fn kernel_names() -> Vec<String> {
-    let mut v: Vec<String> = ["embedding", "rms_norm", "rope", "silu_mul", "add", "add_bias", "to_f16", "to_bf16", "argmax", "attention"].iter().map(|s| s.to_string()).collect();
+    let mut v: Vec<String> = [
+        "embedding",
+        "rms_norm",
+        "rope",
+        "silu_mul",
+        "add",
+        "add_bias",
+        "to_f16",
+        "to_bf16",
+        "argmax",
+        "attention",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     for s in DTYPE_SUFFIXES {
-        v.extend([format!("matvec_{s}"), format!("dequant_f32_{s}"), format!("dequant_f16_{s}"), format!("dequant_bf16_{s}")]);
+        v.extend([
+            format!("matvec_{s}"),
+            format!("dequant_f32_{s}"),
+            format!("dequant_f16_{s}"),
+            format!("dequant_bf16_{s}"),
+        ]);
     }
     v
 }
@@ -59,12 +79,22 @@ pub fn compile(arch: &str) -> crate::Result<String> {
         return Err(crate::Error::Device("NVRTC (libnvrtc.so) not found: install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH".into()));
     }
     let arch_static: &'static str = Box::leak(arch.to_owned().into_boxed_str());
-    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch_static), options: vec!["--std=c++17".into()], ..Default::default() };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| crate::Error::Device(format!("NVRTC compiling the kernels for {arch}: {e}")))?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch_static),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| {
+        crate::Error::Device(format!("NVRTC compiling the kernels for {arch}: {e}"))
+    })?;
     let text = ptx.to_src();
     // The cache is an optimisation: a read-only home still works, it just compiles every time.
     if std::fs::create_dir_all(&dir).is_ok() {
-        let tmp = dir.join(format!(".{}.{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("k"), std::process::id()));
+        let tmp = dir.join(format!(
+            ".{}.{}",
+            path.file_name().and_then(|n| n.to_str()).unwrap_or("k"),
+            std::process::id()
+        ));
         if std::fs::write(&tmp, &text).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }

@@ -86,7 +86,12 @@ impl Drop for Lease {
 impl StreamPool {
     /// An empty pool on `gpu`.
     pub fn new(gpu: Arc<Gpu>) -> StreamPool {
-        StreamPool { gpu, state: Mutex::new(State::default()), cv: Condvar::new(), registered: Mutex::new(HashMap::new()) }
+        StreamPool {
+            gpu,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            registered: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Replaces the buffers with `count` buffers of `bytes` each.
@@ -115,7 +120,8 @@ impl StreamPool {
         if !bytes.is_empty() {
             // SAFETY: `dst` has room for `bytes`; the host memory stays alive and unchanged until the
             // copy completes, which `t1.elapsed_ms` waits for before returning.
-            unsafe { result::memcpy_htod_async(dst, bytes, g.copy) }.map_err(derr("host→device copy"))?;
+            unsafe { result::memcpy_htod_async(dst, bytes, g.copy) }
+                .map_err(derr("host→device copy"))?;
         }
         t1.record(g.copy)?;
         t0.elapsed_ms(&t1)
@@ -126,7 +132,9 @@ impl StreamPool {
         let buf = {
             let mut st = self.state.lock().unwrap();
             if st.count == 0 {
-                return Err(Error::Device("no streaming buffers: stream_buffers was not called".into()));
+                return Err(Error::Device(
+                    "no streaming buffers: stream_buffers was not called".into(),
+                ));
             }
             loop {
                 if let Some(b) = st.free.pop() {
@@ -135,10 +143,18 @@ impl StreamPool {
                 st = self.cv.wait(st).unwrap();
             }
         };
-        let lease = Lease { len: bytes.len(), buf: Some(buf), pool: Arc::new(StreamPoolRef(Arc::downgrade(self), self.gpu.clone())) };
+        let lease = Lease {
+            len: bytes.len(),
+            buf: Some(buf),
+            pool: Arc::new(StreamPoolRef(Arc::downgrade(self), self.gpu.clone())),
+        };
         let b = lease.buf.as_ref().expect("just leased");
         if bytes.len() > b.dev.bytes {
-            return Err(Error::Device(format!("a {}-byte layer does not fit a {}-byte streaming buffer", bytes.len(), b.dev.bytes)));
+            return Err(Error::Device(format!(
+                "a {}-byte layer does not fit a {}-byte streaming buffer",
+                bytes.len(),
+                b.dev.bytes
+            )));
         }
         self.gpu.bind()?;
         b.released.wait_on(self.gpu.copy)?;

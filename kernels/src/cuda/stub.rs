@@ -17,7 +17,8 @@ pub struct CudaBackend(Never);
 impl CudaBackend {
     /// Always fails: this build has no CUDA support.
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
-        super::open_device(ordinal).map(|_| unreachable!("open_device always fails without the cuda feature"))
+        super::open_device(ordinal)
+            .map(|_| unreachable!("open_device always fails without the cuda feature"))
     }
 
     /// Never called (no value exists).
@@ -44,7 +45,14 @@ impl Backend for CudaBackend {
     fn upload_blob(&self, _: &[u8], _: bool) -> Result<(Never, Option<f64>)> {
         match self.0 {}
     }
-    fn weight_in(&self, _: &Never, _: &str, _: DType, _: &[usize], _: std::ops::Range<usize>) -> Result<Never> {
+    fn weight_in(
+        &self,
+        _: &Never,
+        _: &str,
+        _: DType,
+        _: &[usize],
+        _: std::ops::Range<usize>,
+    ) -> Result<Never> {
         match self.0 {}
     }
     fn mark(&self) -> Result<Never> {
@@ -98,7 +106,14 @@ impl Backend for CudaBackend {
     fn kv_len(&self, _: &Never) -> usize {
         match self.0 {}
     }
-    fn attention(&self, _: &Never, _: &Never, _: &Never, _: &mut Never, _: AttnShape) -> Result<Never> {
+    fn attention(
+        &self,
+        _: &Never,
+        _: &Never,
+        _: &Never,
+        _: &mut Never,
+        _: AttnShape,
+    ) -> Result<Never> {
         match self.0 {}
     }
 }

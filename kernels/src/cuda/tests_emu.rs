@@ -11,9 +11,9 @@ use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
 use crate::RopeTable;
-use layerstream_types::{RopeConfig, RopeScaling};
 use half::{bf16, f16};
 use layerstream_types::DType;
+use layerstream_types::{RopeConfig, RopeScaling};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -30,14 +30,24 @@ impl Emu {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu").join(main);
         let exe = dir.path().join("emu");
-        let out = match Command::new(&cxx).args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-o"]).arg(&exe).arg(&src).output() {
+        let out = match Command::new(&cxx)
+            .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-o"])
+            .arg(&exe)
+            .arg(&src)
+            .output()
+        {
             Ok(out) => out,
             Err(e) => {
                 eprintln!("skipping the emulated CUDA kernel test: cannot run {cxx:?} ({e})");
                 return None;
             }
         };
-        assert!(out.status.success(), "{cxx} failed on {}:\n{}", src.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{cxx} failed on {}:\n{}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         Some(Emu { dir, exe })
     }
 
@@ -82,18 +92,36 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 let (y, rest) = out.split_at(m * n * 4);
                 let (d32, rest) = rest.split_at(n * k * 4);
                 let (d16, dbf) = rest.split_at(n * k * 2);
-                let d16: Vec<f32> = d16.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
-                let dbf: Vec<f32> = dbf.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+                let d16: Vec<f32> = d16
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect();
+                let dbf: Vec<f32> = dbf
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect();
 
                 let cw = CpuBackend::default().weight("w", dtype, &[n, k], &w).unwrap();
-                let want_y = CpuBackend::default().matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &cw).unwrap().data;
+                let want_y = CpuBackend::default()
+                    .matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &cw)
+                    .unwrap()
+                    .data;
                 let mut want_d = vec![0f32; n * k];
-                for (row, o) in w.chunks_exact(dtype.row_bytes(k).unwrap()).zip(want_d.chunks_exact_mut(k)) {
+                for (row, o) in
+                    w.chunks_exact(dtype.row_bytes(k).unwrap()).zip(want_d.chunks_exact_mut(k))
+                {
                     dequant_row(dtype, row, o);
                 }
-                let want_d16: Vec<f32> = want_d.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
-                let want_dbf: Vec<f32> = want_d.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
-                let (ey, e32, e16, ebf) = (rel(&f32s(y), &want_y), rel(&f32s(d32), &want_d), rel(&d16, &want_d16), rel(&dbf, &want_dbf));
+                let want_d16: Vec<f32> =
+                    want_d.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+                let want_dbf: Vec<f32> =
+                    want_d.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+                let (ey, e32, e16, ebf) = (
+                    rel(&f32s(y), &want_y),
+                    rel(&f32s(d32), &want_d),
+                    rel(&d16, &want_d16),
+                    rel(&dbf, &want_dbf),
+                );
                 assert!(ey < 1e-5, "matvec {dtype} m={m} k={k}: relative error {ey:e}");
                 assert!(e32 < 1e-6, "dequant_f32 {dtype} k={k}: relative error {e32:e}");
                 assert!(e16 < 1e-6, "dequant_f16 {dtype} k={k}: relative error {e16:e}");
@@ -111,7 +139,9 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     // Attention: prefill after a cached prefix, decode, and contexts over several 128-position tiles
     // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle), 320
     // (three per thread, the last partly) and 512 (the most the backend accepts: four per thread).
-    for (start, m, hd) in [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320), (40, 1, 512)] {
+    for (start, m, hd) in
+        [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320), (40, 1, 512)]
+    {
         let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd };
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let mut cache = c.kv_cache(s, start + m).unwrap();
@@ -124,7 +154,13 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
         let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
         let want = c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s).unwrap().data;
-        let got = f32s(&emu.run(&args("attention", [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize]), &bytes_of(&[&q, &pk, &k, &pv, &v])));
+        let got = f32s(&emu.run(
+            &args(
+                "attention",
+                [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize],
+            ),
+            &bytes_of(&[&q, &pk, &k, &pv, &v]),
+        ));
         let e = rel(&got, &want);
         assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
     }
@@ -135,7 +171,8 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let w = rng.vec(g);
         let cw = c.weight("n", DType::F32, &[g], &bytes_of(&[&w])).unwrap();
         let want = c.rms_norm(&c.from_host(&x, rows, cols).unwrap(), &cw, 1e-5).unwrap().data;
-        let e = rel(&f32s(&emu.run(&args("rms_norm", [rows, cols, g]), &bytes_of(&[&x, &w]))), &want);
+        let e =
+            rel(&f32s(&emu.run(&args("rms_norm", [rows, cols, g]), &bytes_of(&[&x, &w]))), &want);
         assert!(e < 1e-6, "rms_norm group {g}: relative error {e:e}");
     }
     // Argmax: the lowest index among equal maxima, as the CPU sampler picks.
@@ -147,7 +184,11 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     }
     x[3 * cols + 999] = 9.0;
     let want = c.argmax_rows(&c.from_host(&x, rows, cols).unwrap()).unwrap();
-    let got: Vec<u32> = emu.run(&args("argmax", [rows, cols]), &bytes_of(&[&x])).chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+    let got: Vec<u32> = emu
+        .run(&args("argmax", [rows, cols]), &bytes_of(&[&x]))
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
     assert_eq!(got, want);
     assert_eq!((want[2], want[3]), (40, 999));
 }
@@ -161,14 +202,24 @@ fn emulated_elementwise_kernels_match_cpu() {
     let (vocab, cols, ids) = (7, 512, [3u32, 0, 6, 3]);
     for dtype in DTYPES {
         let table = weight_bytes(dtype, vocab, cols, &mut rng);
-        let want = c.embedding(&c.weight("e", dtype, &[vocab, cols], &table).unwrap(), &ids).unwrap().data;
+        let want =
+            c.embedding(&c.weight("e", dtype, &[vocab, cols], &table).unwrap(), &ids).unwrap().data;
         let mut input = table;
         input.extend(ids.iter().flat_map(|i| i.to_le_bytes()));
-        let got = f32s(&emu.run(&args("embedding", [dtype_code(dtype) as usize, vocab, cols, ids.len()]), &input));
+        let got =
+            f32s(&emu.run(
+                &args("embedding", [dtype_code(dtype) as usize, vocab, cols, ids.len()]),
+                &input,
+            ));
         assert_eq!(got, want, "embedding of {dtype:?} rows");
     }
     // RoPE at positions up to 100k, default and llama3-scaled frequencies (3 heads of 64 a row).
-    let llama3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
     for scaling in [None, Some(llama3)] {
         let table = RopeTable::new(&RopeConfig { theta: 500_000.0, scaling: scaling.clone() }, 64);
         let positions = [0usize, 1, 17, 8191, 100_000];
@@ -199,16 +250,35 @@ fn emulated_elementwise_kernels_match_cpu() {
         c.add_bias(&mut want, &c.weight("b", dtype, &[cols], &b).unwrap()).unwrap();
         let mut input = bytes_of(&[&x]);
         input.extend(&b);
-        let got = f32s(&emu.run(&args("add_bias", [dtype_code(dtype) as usize, rows, cols]), &input));
+        let got =
+            f32s(&emu.run(&args("add_bias", [dtype_code(dtype) as usize, rows, cols]), &input));
         assert_eq!(got, want.data, "add_bias of a {dtype:?} bias");
     }
     let want: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
-    let got: Vec<u16> = emu.run(&args("to_f16", [n]), &bytes_of(&[&x])).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    let got: Vec<u16> = emu
+        .run(&args("to_f16", [n]), &bytes_of(&[&x]))
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
     assert_eq!(got, want, "to_f16 rounds to nearest even as half does");
     // bf16 keeps f32's range: huge values, infinities and NaNs included.
     let mut x = x;
-    x.extend([3.0e38, -3.4e38, 65520.0, 1.0e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)]);
+    x.extend([
+        3.0e38,
+        -3.4e38,
+        65520.0,
+        1.0e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+    ]);
     let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-    let got: Vec<u16> = emu.run(&args("to_bf16", [x.len()]), &bytes_of(&[&x])).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    let got: Vec<u16> = emu
+        .run(&args("to_bf16", [x.len()]), &bytes_of(&[&x]))
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
     assert_eq!(got, want, "to_bf16 rounds to nearest even (ties included) as half does");
 }

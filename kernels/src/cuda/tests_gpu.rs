@@ -1,10 +1,10 @@
 //! Every CUDA kernel against the CPU backend on fresh random inputs (skipped, saying why, where no
 //! GPU is present). Errors are relative: ‖gpu − cpu‖ / ‖cpu‖.
 
+use super::test_data::{rel, weight_bytes, Rng, DTYPES};
 use super::{CudaBackend, GemmPrecision};
 use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
-use super::test_data::{rel, weight_bytes, Rng, DTYPES};
 use crate::rope::RopeTable;
 use layerstream_types::{DType, RopeConfig, RopeScaling};
 
@@ -20,17 +20,26 @@ fn gpu(p: GemmPrecision) -> Option<CudaBackend> {
 
 #[test]
 fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
-    for (prec, tol) in [(GemmPrecision::F32, 1e-5), (GemmPrecision::F16, 2e-3), (GemmPrecision::Bf16, 8e-3)] {
+    for (prec, tol) in
+        [(GemmPrecision::F32, 1e-5), (GemmPrecision::F16, 2e-3), (GemmPrecision::Bf16, 8e-3)]
+    {
         let Some(g) = gpu(prec) else { return };
         let mut rng = Rng(prec as u64 + 11);
         let (n, k) = (300, 512);
         for dtype in DTYPES {
             let bytes = weight_bytes(dtype, n, k, &mut rng);
-            let (wc, wg) = (CpuBackend::default().weight("w", dtype, &[n, k], &bytes).unwrap(), g.weight("w", dtype, &[n, k], &bytes).unwrap());
+            let (wc, wg) = (
+                CpuBackend::default().weight("w", dtype, &[n, k], &bytes).unwrap(),
+                g.weight("w", dtype, &[n, k], &bytes).unwrap(),
+            );
             for m in [1, 3, 8, 9, 40] {
                 let x = rng.vec(m * k);
-                let want = CpuBackend::default().matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &wc).unwrap().data;
-                let got = g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &wg).unwrap()).unwrap();
+                let want = CpuBackend::default()
+                    .matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &wc)
+                    .unwrap()
+                    .data;
+                let got =
+                    g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &wg).unwrap()).unwrap();
                 // The matvec path (m <= 8) is f32 whatever the GEMM precision.
                 let t = if m <= 8 { 1e-5 } else { tol };
                 let e = rel(&got, &want);
@@ -54,15 +63,29 @@ fn gemm_in_scratch_chunks_and_bf16_range() {
     let bytes = weight_bytes(DType::Q4K, n, k, &mut rng);
     let wc = c.weight("w", DType::Q4K, &[n, k], &bytes).unwrap();
     let m = 12;
-    for (scale, precisions) in [(1.0f32, &[GemmPrecision::F32, GemmPrecision::Bf16][..]), (1e5, &[GemmPrecision::Bf16][..])] {
+    for (scale, precisions) in [
+        (1.0f32, &[GemmPrecision::F32, GemmPrecision::Bf16][..]),
+        (1e5, &[GemmPrecision::Bf16][..]),
+    ] {
         let x: Vec<f32> = rng.vec(m * k).iter().map(|v| v * scale).collect();
         let want = c.matmul(&c.from_host(&x, m, k).unwrap(), &wc).unwrap().data;
         for &p in precisions {
             let g = gpu(p).unwrap();
-            let got = g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &g.weight("w", DType::Q4K, &[n, k], &bytes).unwrap()).unwrap()).unwrap();
+            let got = g
+                .to_host(
+                    &g.matmul(
+                        &g.from_host(&x, m, k).unwrap(),
+                        &g.weight("w", DType::Q4K, &[n, k], &bytes).unwrap(),
+                    )
+                    .unwrap(),
+                )
+                .unwrap();
             let e = rel(&got, &want);
             let tol = if p == GemmPrecision::F32 { 1e-5 } else { 8e-3 };
-            assert!(got.iter().all(|v| v.is_finite()) && e < tol, "{p:?} n={n} k={k} scale {scale}: relative error {e:e}");
+            assert!(
+                got.iter().all(|v| v.is_finite()) && e < tol,
+                "{p:?} n={n} k={k} scale {scale}: relative error {e:e}"
+            );
         }
     }
 }
@@ -77,10 +100,17 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     let (xc, xg) = (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
     for (dtype, width) in [(DType::F32, cols), (DType::F32, hd), (DType::F16, cols)] {
         let w = weight_bytes(dtype, 1, width, &mut rng);
-        let (wc, wg) = (c.weight("n", dtype, &[width], &w).unwrap(), g.weight("n", dtype, &[width], &w).unwrap());
-        let e = rel(&g.to_host(&g.rms_norm(&xg, &wg, 1e-5).unwrap()).unwrap(), &c.rms_norm(&xc, &wc, 1e-5).unwrap().data);
+        let (wc, wg) = (
+            c.weight("n", dtype, &[width], &w).unwrap(),
+            g.weight("n", dtype, &[width], &w).unwrap(),
+        );
+        let e = rel(
+            &g.to_host(&g.rms_norm(&xg, &wg, 1e-5).unwrap()).unwrap(),
+            &c.rms_norm(&xc, &wc, 1e-5).unwrap().data,
+        );
         assert!(e < 1e-6, "rms_norm {dtype} width {width}: {e:e}");
-        let (mut bc, mut bg) = (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
+        let (mut bc, mut bg) =
+            (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
         if width == cols {
             c.add_bias(&mut bc, &wc).unwrap();
             g.add_bias(&mut bg, &wg).unwrap();
@@ -89,12 +119,18 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     }
     let scaled = RopeConfig {
         theta: 500000.0,
-        scaling: Some(RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 }),
+        scaling: Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }),
     };
     for cfg in [RopeConfig { theta: 10000.0, scaling: None }, scaled] {
         let table = RopeTable::new(&cfg, hd);
         let pos: Vec<usize> = (0..rows).map(|r| r * 997 + 3).collect();
-        let (mut rc, mut rg) = (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
+        let (mut rc, mut rg) =
+            (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
         c.rope(&mut rc, &pos, &table).unwrap();
         g.rope(&mut rg, &pos, &table).unwrap();
         let e = rel(&g.to_host(&rg).unwrap(), &rc.data);
@@ -102,18 +138,36 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     }
     let y = rng.vec(rows * cols);
     let (yc, yg) = (c.from_host(&y, rows, cols).unwrap(), g.from_host(&y, rows, cols).unwrap());
-    assert!(rel(&g.to_host(&g.silu_mul(&xg, &yg).unwrap()).unwrap(), &c.silu_mul(&xc, &yc).unwrap().data) < 1e-6, "silu_mul");
-    let (mut ac, mut ag) = (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
+    assert!(
+        rel(
+            &g.to_host(&g.silu_mul(&xg, &yg).unwrap()).unwrap(),
+            &c.silu_mul(&xc, &yc).unwrap().data
+        ) < 1e-6,
+        "silu_mul"
+    );
+    let (mut ac, mut ag) =
+        (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
     c.add(&mut ac, &yc).unwrap();
     g.add(&mut ag, &yg).unwrap();
     assert_eq!(g.to_host(&ag).unwrap(), ac.data, "add");
-    let got_rows = g.to_host(&g.concat_rows(&[g.rows(&xg, 5, 2).unwrap(), g.rows(&xg, 0, 1).unwrap()]).unwrap()).unwrap();
+    let got_rows = g
+        .to_host(&g.concat_rows(&[g.rows(&xg, 5, 2).unwrap(), g.rows(&xg, 0, 1).unwrap()]).unwrap())
+        .unwrap();
     assert_eq!(got_rows, [&x[5 * cols..7 * cols], &x[..cols]].concat(), "rows/concat_rows");
     for dtype in [DType::Q8_0, DType::Q4K, DType::F16] {
         let table = weight_bytes(dtype, 50, cols, &mut rng);
-        let (tc, tg) = (c.weight("e", dtype, &[50, cols], &table).unwrap(), g.weight("e", dtype, &[50, cols], &table).unwrap());
+        let (tc, tg) = (
+            c.weight("e", dtype, &[50, cols], &table).unwrap(),
+            g.weight("e", dtype, &[50, cols], &table).unwrap(),
+        );
         let ids = [49, 0, 7, 7];
-        assert!(rel(&g.to_host(&g.embedding(&tg, &ids).unwrap()).unwrap(), &c.embedding(&tc, &ids).unwrap().data) < 1e-7, "embedding {dtype}");
+        assert!(
+            rel(
+                &g.to_host(&g.embedding(&tg, &ids).unwrap()).unwrap(),
+                &c.embedding(&tc, &ids).unwrap().data
+            ) < 1e-7,
+            "embedding {dtype}"
+        );
         assert!(g.embedding(&tg, &[50]).is_err(), "out-of-vocab id must fail");
     }
     let mut logits = rng.vec(3 * 49152);
@@ -121,7 +175,10 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     logits[2 * 49152 + 7] = 5.0;
     logits[2 * 49152 + 9] = 5.0; // tie: the first wins
     let lg = g.from_host(&logits, 3, 49152).unwrap();
-    assert_eq!(g.argmax_rows(&lg).unwrap(), c.argmax_rows(&c.from_host(&logits, 3, 49152).unwrap()).unwrap());
+    assert_eq!(
+        g.argmax_rows(&lg).unwrap(),
+        c.argmax_rows(&c.from_host(&logits, 3, 49152).unwrap()).unwrap()
+    );
     assert_eq!(g.argmax_rows(&lg).unwrap()[1..], [40000, 7]);
     // A row of NaNs (what an overflowed activation leaves) is an error naming the row, not a token.
     let mut bad = logits.clone();
@@ -141,8 +198,24 @@ fn attention_prefill_then_decode_past_cache_growth_matches_cpu() {
     // 250 positions of prefill, then single tokens across the 256-position growth boundary.
     for m in [250, 1, 1, 1, 1, 1, 1, 1, 1, 3] {
         let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
-        let want = c.attention(&c.from_host(&q, m, qd).unwrap(), &c.from_host(&k, m, kvd).unwrap(), &c.from_host(&v, m, kvd).unwrap(), &mut kc, s).unwrap();
-        let got = g.attention(&g.from_host(&q, m, qd).unwrap(), &g.from_host(&k, m, kvd).unwrap(), &g.from_host(&v, m, kvd).unwrap(), &mut kg, s).unwrap();
+        let want = c
+            .attention(
+                &c.from_host(&q, m, qd).unwrap(),
+                &c.from_host(&k, m, kvd).unwrap(),
+                &c.from_host(&v, m, kvd).unwrap(),
+                &mut kc,
+                s,
+            )
+            .unwrap();
+        let got = g
+            .attention(
+                &g.from_host(&q, m, qd).unwrap(),
+                &g.from_host(&k, m, kvd).unwrap(),
+                &g.from_host(&v, m, kvd).unwrap(),
+                &mut kg,
+                s,
+            )
+            .unwrap();
         let e = rel(&g.to_host(&got).unwrap(), &want.data);
         assert!(e < 1e-5, "attention m={m} at {}: {e:e}", g.kv_len(&kg));
     }
@@ -161,20 +234,28 @@ fn streamed_layers_reuse_buffers_and_equal_resident_weights() {
     let mut file = vec![0u8; 2 * per];
     let before = g.mem_info().unwrap().0;
     for round in 0..6 {
-        file = [weight_bytes(DType::Q4K, n, k, &mut rng), weight_bytes(DType::Q4K, n, k, &mut rng)].concat();
+        file = [weight_bytes(DType::Q4K, n, k, &mut rng), weight_bytes(DType::Q4K, n, k, &mut rng)]
+            .concat();
         g.register_host(&file).unwrap();
         let (blob, ms) = g.upload_blob(&file, true).unwrap();
         assert!(ms.unwrap() >= 0.0);
         let w2 = g.weight_in(&blob, "second", DType::Q4K, &[n, k], per..2 * per).unwrap();
         assert!(g.weight_in(&blob, "bad", DType::Q4K, &[n, k], per..3 * per).is_err());
         let resident = g.weight("r", DType::Q4K, &[n, k], &file[per..]).unwrap();
-        let (a, b) = (g.to_host(&g.matmul(&xg, &w2).unwrap()).unwrap(), g.to_host(&g.matmul(&xg, &resident).unwrap()).unwrap());
+        let (a, b) = (
+            g.to_host(&g.matmul(&xg, &w2).unwrap()).unwrap(),
+            g.to_host(&g.matmul(&xg, &resident).unwrap()).unwrap(),
+        );
         assert_eq!(a, b, "round {round}: streamed and resident weights differ");
         g.unregister_host(&file);
     }
     drop(file);
     // Six uploads through two buffers allocated nothing new (the pool's memory was taken before).
     let after = g.mem_info().unwrap().0;
-    assert!(before.abs_diff(after) < 64 << 20, "device memory moved by {} bytes", before.abs_diff(after));
+    assert!(
+        before.abs_diff(after) < 64 << 20,
+        "device memory moved by {} bytes",
+        before.abs_diff(after)
+    );
     assert_eq!(g.registered_bytes(), 0);
 }

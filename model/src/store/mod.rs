@@ -6,7 +6,7 @@ mod manifest;
 mod reader;
 mod writer;
 
-pub use manifest::{FileEntry, Manifest, TensorEntry, ALIGN, MANIFEST, FORMAT_VERSION};
+pub use manifest::{FileEntry, Manifest, TensorEntry, ALIGN, FORMAT_VERSION, MANIFEST};
 pub use reader::{LoadedFile, Store};
 pub use writer::StoreWriter;
 

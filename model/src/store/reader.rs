@@ -32,11 +32,20 @@ impl Store {
     pub fn open(dir: &Path) -> Result<Store> {
         let mpath = dir.join(MANIFEST);
         if !mpath.exists() {
-            return Err(Error::format(dir, "not a layer store (no manifest.json); create one with `layerstream import`"));
+            return Err(Error::format(
+                dir,
+                "not a layer store (no manifest.json); create one with `layerstream import`",
+            ));
         }
         let manifest: Manifest = read_json(&mpath)?;
         if manifest.format_version != FORMAT_VERSION {
-            return Err(Error::format(&mpath, format!("store format {} unsupported (this build reads {FORMAT_VERSION})", manifest.format_version)));
+            return Err(Error::format(
+                &mpath,
+                format!(
+                    "store format {} unsupported (this build reads {FORMAT_VERSION})",
+                    manifest.format_version
+                ),
+            ));
         }
         manifest.config.validate()?;
         for f in &manifest.files {
@@ -46,13 +55,23 @@ impl Store {
                 return Err(Error::Corrupt {
                     path: p,
                     offset: meta.len().min(f.size),
-                    msg: format!("size {} but the manifest says {} ({})", meta.len(), f.size,
-                        if meta.len() < f.size { "truncated" } else { "trailing bytes" }),
+                    msg: format!(
+                        "size {} but the manifest says {} ({})",
+                        meta.len(),
+                        f.size,
+                        if meta.len() < f.size { "truncated" } else { "trailing bytes" }
+                    ),
                 });
             }
             for t in &f.tensors {
-                if t.offset + t.size > f.size || t.dtype.tensor_bytes(&t.shape) != Some(t.size as usize) {
-                    return Err(Error::Corrupt { path: p, offset: t.offset, msg: format!("tensor {} entry is inconsistent", t.name) });
+                if t.offset + t.size > f.size
+                    || t.dtype.tensor_bytes(&t.shape) != Some(t.size as usize)
+                {
+                    return Err(Error::Corrupt {
+                        path: p,
+                        offset: t.offset,
+                        msg: format!("tensor {} entry is inconsistent", t.name),
+                    });
                 }
             }
         }
@@ -72,7 +91,11 @@ impl Store {
         let p = self.dir.join(&f.name);
         let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
         if bytes.len() as u64 != f.size {
-            return Err(Error::Corrupt { path: p, offset: bytes.len() as u64, msg: format!("size changed to {}", bytes.len()) });
+            return Err(Error::Corrupt {
+                path: p,
+                offset: bytes.len() as u64,
+                msg: format!("size changed to {}", bytes.len()),
+            });
         }
         if checksum(&bytes) == f.checksum {
             return Ok(bytes);
@@ -80,10 +103,18 @@ impl Store {
         for t in &f.tensors {
             let s = &bytes[t.offset as usize..(t.offset + t.size) as usize];
             if checksum(s) != t.checksum {
-                return Err(Error::Corrupt { path: p, offset: t.offset, msg: format!("checksum mismatch in tensor {} ({} bytes)", t.name, t.size) });
+                return Err(Error::Corrupt {
+                    path: p,
+                    offset: t.offset,
+                    msg: format!("checksum mismatch in tensor {} ({} bytes)", t.name, t.size),
+                });
             }
         }
-        Err(Error::Corrupt { path: p, offset: 0, msg: "file checksum mismatch (outside any tensor: padding)".into() })
+        Err(Error::Corrupt {
+            path: p,
+            offset: 0,
+            msg: "file checksum mismatch (outside any tensor: padding)".into(),
+        })
     }
 
     /// Reads a whole file (size-checked, not checksummed: `verify` does that).
@@ -91,12 +122,18 @@ impl Store {
         let entry = self
             .manifest
             .file(name)
-            .ok_or_else(|| Error::format(self.dir.join(MANIFEST), format!("no file {name} in the manifest")))?
+            .ok_or_else(|| {
+                Error::format(self.dir.join(MANIFEST), format!("no file {name} in the manifest"))
+            })?
             .clone();
         let p = self.dir.join(name);
         let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
         if bytes.len() as u64 != entry.size {
-            return Err(Error::Corrupt { path: p, offset: bytes.len() as u64, msg: format!("size {} but the manifest says {}", bytes.len(), entry.size) });
+            return Err(Error::Corrupt {
+                path: p,
+                offset: bytes.len() as u64,
+                msg: format!("size {} but the manifest says {}", bytes.len(), entry.size),
+            });
         }
         Ok(LoadedFile { entry, bytes })
     }
@@ -111,7 +148,12 @@ impl Store {
             }
             None => None,
         };
-        Tokenizer::from_file(&self.dir.join(&m.tokenizer), template, m.config.bos_token_id, m.config.eos_token_ids.first().copied())
+        Tokenizer::from_file(
+            &self.dir.join(&m.tokenizer),
+            template,
+            m.config.bos_token_id,
+            m.config.eos_token_ids.first().copied(),
+        )
     }
 
     /// Total bytes of all layer files.

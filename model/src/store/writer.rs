@@ -29,7 +29,11 @@ impl StoreWriter {
     }
 
     /// Writes one file of tensors, each at a 4 KiB-aligned offset.
-    pub fn write_tensors(&mut self, name: &str, tensors: Vec<(String, SourceTensor)>) -> Result<()> {
+    pub fn write_tensors(
+        &mut self,
+        name: &str,
+        tensors: Vec<(String, SourceTensor)>,
+    ) -> Result<()> {
         let mut buf = Vec::new();
         let mut entries = Vec::with_capacity(tensors.len());
         for (tname, t) in tensors {
@@ -46,19 +50,35 @@ impl StoreWriter {
             pad_to(&mut buf, ALIGN);
         }
         self.write(name, &buf)?;
-        self.files.push(FileEntry { name: name.into(), size: buf.len() as u64, checksum: checksum(&buf), tensors: entries });
+        self.files.push(FileEntry {
+            name: name.into(),
+            size: buf.len() as u64,
+            checksum: checksum(&buf),
+            tensors: entries,
+        });
         Ok(())
     }
 
     /// Writes a non-tensor file (tokenizer, chat template).
     pub fn write_aux(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
         self.write(name, bytes)?;
-        self.files.push(FileEntry { name: name.into(), size: bytes.len() as u64, checksum: checksum(bytes), tensors: vec![] });
+        self.files.push(FileEntry {
+            name: name.into(),
+            size: bytes.len() as u64,
+            checksum: checksum(bytes),
+            tensors: vec![],
+        });
         Ok(())
     }
 
     /// Writes `manifest.json` and returns it.
-    pub fn finish(self, config: ModelConfig, source: String, tokenizer: &str, chat_template: Option<&str>) -> Result<Manifest> {
+    pub fn finish(
+        self,
+        config: ModelConfig,
+        source: String,
+        tokenizer: &str,
+        chat_template: Option<&str>,
+    ) -> Result<Manifest> {
         let manifest = Manifest {
             format_version: FORMAT_VERSION,
             source,
