@@ -19,7 +19,7 @@ mkdir -p .dev/bin .dev/fix && rm -rf .dev/smol-*
 if [ -z "${SKIP_BUILD:-}" ]; then
   cargo build --release -p layerstream --features cuda
   exe() { cargo test --release "$@" --no-run --message-format=json 2>/dev/null | python3 -c "import json,sys; print([m['executable'] for m in map(json.loads, sys.stdin) if m.get('reason')=='compiler-artifact' and m.get('executable') and m['target']['kind']!=['bin']][-1])"; }
-  cp "$(exe -p layerstream --features cuda --test cuda)" .dev/bin/cuda-test
+  cp "$(exe -p layerstream-tests --features cuda --test cuda)" .dev/bin/cuda-test
   cp "$(exe -p layerstream-kernels --features cuda --lib)" .dev/bin/kernels-test
   cp target/release/layerstream .dev/bin/layerstream
   cp "$(cargo bench -p layerstream-worker --bench sampling --no-run --message-format=json 2>/dev/null | python3 -c "import json,sys; print([m['executable'] for m in map(json.loads, sys.stdin) if m.get('reason')=='compiler-artifact' and m.get('executable') and m['target']['kind']==['bench']][-1])")" .dev/bin/sampling-bench

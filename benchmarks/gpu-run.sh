@@ -32,6 +32,7 @@ BUILD_ROOT=${BUILD_ROOT:-/work/main}
 if [ "$ROOT" != "$BUILD_ROOT" ]; then mkdir -p "$(dirname "$BUILD_ROOT")"; ln -sfn "$ROOT" "$BUILD_ROOT"; fi
 mkdir -p "$ROOT/target/release" && cp "$BIN/layerstream" "$ROOT/target/release/layerstream"
 LS="$ROOT/target/release/layerstream"
+export LAYERSTREAM_BIN="$LS"   # the end-to-end tests run this binary instead of building one
 for lib in libnvrtc.so.13 libcublas.so.13; do
   d=$(dirname "$(find /usr/local/cuda*/ /usr/lib /opt -name "$lib" 2>/dev/null | head -1)")
   [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"

@@ -3,13 +3,9 @@
 //! give the CPU's greedy tokens up to the goldens' first near-tie, seeded sampling gives the CPU's
 //! tokens, and a GPU worker's device memory (the driver's own numbers) stays inside its budget.
 
-mod common;
-#[path = "common/stack.rs"]
-mod stack;
-
-use common::*;
 use layerstream_kernels::cuda::CudaBackend;
-use stack::*;
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
 use std::path::Path;
 
 fn gpu() -> bool {

@@ -2,12 +2,8 @@
 //! metadata) imports into a store that gives the same tokenization and the same tokens as the store
 //! imported from the HF directory itself.
 
-mod common;
-#[path = "common/gguf_writer.rs"]
-mod gguf_writer;
-
-use common::*;
-use gguf_writer::{permute_rows, write_gguf, Meta};
+use layerstream_tests::gguf_writer::{permute_rows, write_gguf, Meta};
+use layerstream_tests::*;
 use std::path::Path;
 
 fn f32s(st: &safetensors::SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {

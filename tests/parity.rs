@@ -2,8 +2,7 @@
 //! sharded with q/k/v bias; Qwen3 f16 with q/k norm and head_dim ≠ hidden/heads), through the real
 //! importer and the real `layerstream run` binary.
 
-mod common;
-use common::*;
+use layerstream_tests::*;
 
 fn check(name: &str) {
     let dir = tempfile::tempdir().unwrap();
@@ -66,37 +65,7 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
     let dir = tempfile::tempdir().unwrap();
     let store = import(&model_dir("tiny-qwen2"), dir.path());
     let s = store.dir.to_str().unwrap();
-    let args = |seed: &str| {
-        last_json(&layerstream(&[
-            "run",
-            "--model",
-            s,
-            "--prompt",
-            "The quick brown fox",
-            "--temperature",
-            "0.9",
-            "--top-k",
-            "50",
-            "--top-p",
-            "0.95",
-            "--repetition-penalty",
-            "1.1",
-            "--seed",
-            seed,
-            "--max-new-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-        ]))
-    };
-    let (a, b, c) = (args("7"), args("7"), args("8"));
-    assert_eq!(a["output_ids"], b["output_ids"]);
-    assert_ne!(a["output_ids"], c["output_ids"]);
-    // A stop string taken from the sampled text ends generation there and is not returned.
-    let text = a["text"].as_str().unwrap().to_owned();
-    let chars: Vec<char> = text.chars().collect();
-    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
-    let d = last_json(&layerstream(&[
+    let sampled = [
         "run",
         "--model",
         s,
@@ -110,15 +79,22 @@ fn seeded_sampling_is_reproducible_and_stop_strings_cut() {
         "0.95",
         "--repetition-penalty",
         "1.1",
-        "--seed",
-        "7",
         "--max-new-tokens",
         "12",
         "--ignore-eos",
-        "--stop",
-        &stop,
         "--json",
-    ]));
+    ];
+    let args = |seed: &str, extra: &[&str]| {
+        last_json(&layerstream(&[&sampled[..], &["--seed", seed], extra].concat()))
+    };
+    let (a, b, c) = (args("7", &[]), args("7", &[]), args("8", &[]));
+    assert_eq!(a["output_ids"], b["output_ids"]);
+    assert_ne!(a["output_ids"], c["output_ids"]);
+    // A stop string taken from the sampled text ends generation there and is not returned.
+    let text = a["text"].as_str().unwrap().to_owned();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let d = args("7", &["--stop", &stop]);
     assert_eq!(d["finish_reason"], "stop");
     let cut = d["text"].as_str().unwrap();
     assert!(
@@ -135,10 +111,7 @@ fn eos_ends_generation_unless_ignored() {
     // Feed a prompt whose greedy continuation is known, then declare its 3rd token the EOS by
     // rewriting the manifest's eos id: generation must stop right there.
     let g = &goldens("tiny-llama")[1];
-    let mpath = store.dir.join("manifest.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
-    m["config"]["eos_token_ids"] = serde_json::json!([g.greedy_ids[2]]);
-    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    declare_eos(&store.dir, g.greedy_ids[2]);
     let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
     let run = |extra: &[&str]| {
         let mut a = vec!["run", "--model", s, "--token-ids"];

@@ -1,12 +1,8 @@
 //! The real pipeline on loopback: `layerstream up` (loader daemon + workers + coordinator as
 //! processes) and `layerstream submit`, checked against `layerstream run` token for token.
 
-mod common;
-#[path = "common/stack.rs"]
-mod stack;
-
-use common::*;
-use stack::*;
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
 use std::path::Path;
 
 /// `run` outputs for every golden prompt: the reference the pipeline must reproduce exactly.
@@ -360,10 +356,7 @@ fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
     let want_stop = run(&["--stop", &stop]);
     assert_eq!(want_stop["finish_reason"], "stop");
     // End of sequence: declare the 3rd greedy token the EOS (without --ignore-eos).
-    let mpath = store.dir.join("manifest.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
-    m["config"]["eos_token_ids"] = serde_json::json!([g.greedy_ids[2]]);
-    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    declare_eos(&store.dir, g.greedy_ids[2]);
     let eos_args = ["--token-ids", ids.as_str(), "--max-new-tokens", "16"];
     let want_eos =
         last_json(&layerstream(&[&["run", "--model", s, "--json"], &eos_args[..]].concat()));

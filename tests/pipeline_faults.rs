@@ -3,16 +3,12 @@
 //! correct parents; a killed worker or loader ends the job with a clear error, never a hang; no shm
 //! remains after shutdown.
 
-mod common;
-#[path = "common/stack.rs"]
-mod stack;
-
-use common::*;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
 use layerstream_proto::v1::loader_client::LoaderClient;
 use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::*;
-use stack::*;
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -45,7 +41,7 @@ async fn wait_until_zero_sequences(addr: &str) {
 
 /// A `layerstream submit` process generating a long answer, returned once its first text arrived.
 fn long_submit(addr: &str) -> std::process::Child {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+    let mut child = Command::new(bin())
         .args([
             "submit",
             "--addr",

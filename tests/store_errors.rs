@@ -1,8 +1,7 @@
 //! Bad input gets a clear error naming what is wrong, and leaves nothing behind: truncated and
 //! corrupt store files, unknown architectures, wrong shapes, bad requests.
 
-mod common;
-use common::*;
+use layerstream_tests::*;
 use std::path::Path;
 
 fn only_entry(dir: &Path) -> Vec<String> {

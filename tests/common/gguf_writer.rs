@@ -1,6 +1,5 @@
 //! A minimal GGUF v3 writer for tests: turns an HF llama checkpoint into the file llama.cpp's
 //! converter would make (q/k rows permuted for interleaved RoPE, tokenizer as gguf metadata).
-#![allow(dead_code)]
 
 use std::path::Path;
 

@@ -1,6 +1,8 @@
 //! Shared helpers of the end-to-end tests: fixture paths, transformers goldens, the near-tie rule,
 //! and running the real `layerstream` binary.
-#![allow(dead_code)]
+
+pub mod gguf_writer;
+pub mod stack;
 
 use layerstream_kernels::CpuBackend;
 use layerstream_model::Store;
@@ -15,7 +17,7 @@ pub const NEAR_TIE: f64 = 1e-3;
 pub const LOGIT_TOL: f32 = 1e-3;
 
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
 pub fn model_dir(name: &str) -> PathBuf {
@@ -94,9 +96,53 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// The `layerstream` binary under test, built once per test process by cargo in the profile (and
+/// target dir) this test was built in: cargo hands `CARGO_BIN_EXE_…` only to tests of the package
+/// that owns a binary, and these tests are a crate of their own. `LAYERSTREAM_BIN` names a prebuilt
+/// binary instead (a GPU machine without cargo: benchmarks/gpu-run.sh).
+pub fn bin() -> &'static Path {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(prebuilt) = std::env::var_os("LAYERSTREAM_BIN") {
+            return PathBuf::from(prebuilt);
+        }
+        let exe = std::env::current_exe().unwrap();
+        // target/<profile>/deps/<test> → target/<profile>
+        let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+        let target_dir = profile_dir.parent().unwrap();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", "layerstream", "--bin", "layerstream", "--target-dir"])
+            .arg(target_dir);
+        match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") => {}
+            Some("release") => {
+                cmd.arg("--release");
+            }
+            Some(other) => {
+                cmd.args(["--profile", other]);
+            }
+            None => panic!("cannot tell the cargo profile of {}", exe.display()),
+        }
+        if cfg!(feature = "cuda") {
+            cmd.args(["--features", "layerstream/cuda"]);
+        }
+        let out = cmd
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("running cargo to build layerstream");
+        assert!(
+            out.status.success(),
+            "building layerstream failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        profile_dir.join("layerstream")
+    })
+}
+
 /// Runs the real binary; returns stdout, panicking with stderr on failure.
 pub fn layerstream(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_layerstream")).args(args).output().unwrap();
+    let out = Command::new(bin()).args(args).output().unwrap();
     assert!(
         out.status.success(),
         "layerstream {args:?} failed:\n{}",
@@ -107,7 +153,7 @@ pub fn layerstream(args: &[&str]) -> String {
 
 /// Runs the real binary expecting failure; returns stderr.
 pub fn layerstream_fails(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_layerstream")).args(args).output().unwrap();
+    let out = Command::new(bin()).args(args).output().unwrap();
     assert!(!out.status.success(), "layerstream {args:?} should have failed");
     String::from_utf8(out.stderr).unwrap()
 }
@@ -180,4 +226,13 @@ pub fn copy_hf_with_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)
     edit(&mut cfg);
     std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
     dst
+}
+
+/// Makes `id` the store's only end-of-sequence token (rewriting its manifest), so a known greedy
+/// continuation ends exactly there.
+pub fn declare_eos(store: &Path, id: u32) {
+    let mpath = store.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["config"]["eos_token_ids"] = serde_json::json!([id]);
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
 }

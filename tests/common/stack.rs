@@ -1,6 +1,5 @@
 //! Starting the real stack (`layerstream up`) and the OTLP sink as child processes in tests; they
 //! are stopped with SIGTERM when the guard drops, and /dev/shm is checked clean afterwards.
-#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -16,7 +15,7 @@ pub struct Proc {
 impl Proc {
     /// Starts `layerstream <args>` and waits for its address.
     pub fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_layerstream"))
+        let mut child = Command::new(crate::bin())
             .args(args)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
@@ -136,11 +135,11 @@ impl Drop for Stack {
 pub fn submit(addr: &str, args: &[&str]) -> serde_json::Value {
     let mut a = vec!["submit", "--addr", addr, "--json"];
     a.extend_from_slice(args);
-    super::last_json(&super::layerstream(&a))
+    crate::last_json(&crate::layerstream(&a))
 }
 
 /// `submit` args reproducing a golden (token ids, greedy, EOS ignored) with `n` new tokens.
-pub fn golden_args(g: &super::Golden, n: usize) -> Vec<String> {
+pub fn golden_args(g: &crate::Golden, n: usize) -> Vec<String> {
     let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
     vec![
         "--token-ids".into(),
