@@ -39,3 +39,32 @@ impl From<Error> for tonic::Status {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    /// Each kind of failure reaches a client as the status code it can act on.
+    #[test]
+    fn errors_map_to_the_status_a_client_can_act_on() {
+        let code = |e: Error| tonic::Status::from(e).code();
+        let bad = layerstream_model::Error::Request {
+            field: "top_p".into(),
+            msg: "must be in (0, 1]".into(),
+        };
+        assert_eq!(code(bad.into()), Code::InvalidArgument);
+        assert_eq!(
+            code(layerstream_model::Error::Template("no template".into()).into()),
+            Code::InvalidArgument
+        );
+        let timeout =
+            Error::StepTimeout { worker: "w".into(), timeout: std::time::Duration::from_secs(1) };
+        assert_eq!(code(timeout), Code::DeadlineExceeded);
+        assert_eq!(
+            code(Error::Worker { worker: "w".into(), msg: "gone".into() }),
+            Code::Unavailable
+        );
+        assert_eq!(code(Error::Plan("no fit".into())), Code::Internal);
+    }
+}

@@ -39,7 +39,7 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 impl CoordinatorService {
     fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
-        let bad = |e: layerstream_model::Error| Status::invalid_argument(e.to_string());
+        let bad = |e: layerstream_model::Error| Status::from(crate::Error::from(e));
         match &r.input {
             Some(generate_request::Input::Prompt(p)) => self.tokenizer.encode(p).map_err(bad),
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
