@@ -322,3 +322,58 @@ fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
     ]);
     assert!(err.contains("cannot be used with"), "{err}");
 }
+
+/// Malformed `Worker/Step` calls from a client of the internal API (duplicate sequence ids, tokens
+/// outside the vocabulary, unknown positions, hidden states of the wrong size or not finite) are
+/// refused with INVALID_ARGUMENT naming the field, change nothing, and a normal job still gets
+/// `run`'s tokens afterwards.
+#[test]
+fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let args = ["--prompt", "Hello there", "--max-new-tokens", "6", "--ignore-eos"];
+    let want = last_json(&layerstream(&[&["run", "--model", s, "--json"], &args[..]].concat()))
+        ["output_ids"]
+        .clone();
+    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "1"]);
+    let refusals = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
+        let ws = c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers;
+        let mut clients = Vec::new();
+        for w in &ws {
+            clients.push(WorkerClient::connect(w.address.clone()).await.unwrap());
+        }
+        let seq = |id: u64, pos: u32, ids: &[u32]| StepSeq {
+            seq_id: id,
+            start_pos: pos,
+            token_ids: ids.to_vec(),
+            ..Default::default()
+        };
+        let hidden = |vals: &[f32]| vals.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let calls = vec![
+            (0, vec![seq(900, 0, &[1]), seq(900, 0, &[2])], vec![], "seqs.seq_id"),
+            (0, vec![seq(901, 0, &[u32::MAX])], vec![], "seqs.token_ids"),
+            (0, vec![seq(902, 7, &[1])], vec![], "seqs.start_pos"),
+            (1, vec![seq(903, 0, &[1])], hidden(&[0.5; 3]), "hidden"),
+        ];
+        let mut out = Vec::new();
+        for (w, seqs, hidden, field) in calls {
+            let st = clients[w].step(StepRequest { seqs, hidden }).await.unwrap_err();
+            out.push((st.code(), st.message().to_owned(), field));
+        }
+        let h = ws[1].address.clone();
+        let mut second = WorkerClient::connect(h).await.unwrap();
+        let info = second.info(InfoRequest {}).await.unwrap().into_inner();
+        (out, info.sequences)
+    });
+    let (out, live) = refusals;
+    for (code, msg, field) in &out {
+        assert_eq!(*code, tonic::Code::InvalidArgument, "{msg}");
+        assert!(msg.starts_with(field), "{msg} should name {field}");
+    }
+    assert_eq!(live, 0, "a refused step leaves no sequence behind");
+    let v = submit(stack.addr(), &args);
+    stack.shutdown();
+    assert_eq!(v["output_ids"], want, "the stack serves normally after malformed calls");
+}

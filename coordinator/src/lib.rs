@@ -191,7 +191,6 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         plan: Plan { assignments, num_layers: store.manifest.config.num_layers as u32 },
         workers,
         next_seq: AtomicU64::new(1),
-        next_job: AtomicU64::new(1),
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

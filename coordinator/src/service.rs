@@ -18,6 +18,17 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::{info, info_span, instrument};
 
+/// A job id no other client can guess (128 random bits from the kernel), so nobody watches or
+/// cancels a job they were not given.
+pub fn random_job_id() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .expect("reading /dev/urandom");
+    format!("job-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}
+
 /// Default `max_new_tokens` when a request leaves it 0.
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
 
@@ -32,7 +43,6 @@ pub struct CoordinatorService {
     pub plan: Plan,
     pub workers: Vec<(String, String, u64, WorkerClient<Channel>)>,
     pub next_seq: AtomicU64,
-    pub next_job: AtomicU64,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -98,7 +108,7 @@ impl CoordinatorService {
             }
             prepared.push((ids, p));
         }
-        let job_id = format!("job-{}", self.next_job.fetch_add(1, Ordering::Relaxed));
+        let job_id = random_job_id();
         let span =
             info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
         let trace_id = layerstream_proto::telemetry::trace_id(&span);
@@ -295,5 +305,18 @@ impl Coordinator for CoordinatorService {
 
     async fn get_plan(&self, _r: Request<GetPlanRequest>) -> Result<Response<Plan>, Status> {
         Ok(Response::new(self.plan.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Job ids carry 128 random bits: not sequential, not guessable from one another.
+    #[test]
+    fn job_ids_are_random_128_bit() {
+        let (a, b) = (super::random_job_id(), super::random_job_id());
+        assert_ne!(a, b);
+        let hex = a.strip_prefix("job-").unwrap();
+        assert_eq!(hex.len(), 32);
+        assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
     }
 }

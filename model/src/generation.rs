@@ -6,6 +6,10 @@ use crate::error::{Error, Result};
 use layerstream_proto::v1::Sampling;
 use serde::{Deserialize, Serialize};
 
+/// Temperatures below this sample greedily: dividing logits by less would overflow f32 (a temperature
+/// of 1e-38 used to return token 0), and at 1e-5 sampling is already argmax for any real logit gap.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Per-request sampling settings (HF `generate` semantics).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {

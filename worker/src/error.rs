@@ -11,6 +11,8 @@ pub enum Error {
     Shape(String),
     #[error("request: {0}")]
     Request(String),
+    #[error("{field}: {msg}")]
+    Invalid { field: &'static str, msg: String },
     #[error("KV cache full: {used} + {asked} positions exceed capacity {capacity}")]
     KvFull { used: usize, asked: usize, capacity: usize },
     #[error("device {device}: {msg}")]

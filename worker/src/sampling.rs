@@ -15,7 +15,10 @@ pub struct Sampler {
 
 impl Sampler {
     /// Creates a sampler seeded from `params.seed`.
-    pub fn new(params: SamplingParams) -> Self {
+    pub fn new(mut params: SamplingParams) -> Self {
+        if params.temperature < layerstream_model::generation::GREEDY_BELOW {
+            params.temperature = 0.0;
+        }
         let state = params.seed ^ 0x9E37_79B9_7F4A_7C15;
         Sampler { params, state }
     }
@@ -122,6 +125,19 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         (0..50).map(|i| ((i * 37) % 23) as f32 * 0.3).collect()
+    }
+
+    /// A temperature too small to divide by is greedy, not token 0 (logits / 1e-38 overflow f32).
+    #[test]
+    fn a_vanishing_temperature_is_greedy() {
+        let want = argmax(&logits()) as u32;
+        assert_ne!(want, 0);
+        for t in [1e-38f32, 1e-20, 1e-6] {
+            let mut s =
+                Sampler::new(SamplingParams { temperature: t, seed: 3, ..Default::default() });
+            assert_eq!(s.sample(&mut logits(), &[]), want, "temperature {t}");
+            assert!(s.is_greedy());
+        }
     }
 
     #[test]

@@ -57,6 +57,7 @@ fn err(e: crate::Error) -> Status {
     use crate::Error;
     match e {
         Error::KvFull { .. } => Status::resource_exhausted(e.to_string()),
+        Error::Invalid { .. } => Status::invalid_argument(e.to_string()),
         Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => {
             Status::failed_precondition(e.to_string())
         }

@@ -64,6 +64,95 @@ fn in_batch_order<'a, B: Backend>(
     batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect()
 }
 
+/// What a step is checked against.
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    pub vocab: usize,
+    pub context: usize,
+    pub hidden_size: usize,
+}
+
+/// Checks a step's request before any state changes, naming the field at fault: every sequence once,
+/// with tokens inside the vocabulary, at the position its cache holds (`known`: a live sequence's
+/// length; a new one starts at 0) and within the context; `hidden` (stages after the first) of the
+/// step's rows × hidden size, every value finite. Pure, so a malformed call cannot leave a
+/// half-prepared stage behind.
+pub fn check_step(
+    batch: &[StepSeq],
+    hidden: Option<&[f32]>,
+    l: StepLimits,
+    known: impl Fn(u64) -> Option<usize>,
+) -> Result<()> {
+    let bad = |field: &'static str, msg: String| Err(Error::Invalid { field, msg });
+    let mut seen = std::collections::HashSet::with_capacity(batch.len());
+    for s in batch {
+        if !seen.insert(s.seq_id) {
+            return bad("seqs.seq_id", format!("sequence {} appears twice in one step", s.seq_id));
+        }
+        if s.tokens.is_empty() {
+            return bad(
+                "seqs.token_ids",
+                format!("sequence {} has no tokens in this step", s.seq_id),
+            );
+        }
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= l.vocab) {
+            return bad(
+                "seqs.token_ids",
+                format!(
+                    "token id {t} of sequence {} is outside the vocabulary of {}",
+                    s.seq_id, l.vocab
+                ),
+            );
+        }
+        match known(s.seq_id) {
+            None if s.start_pos != 0 => {
+                return bad(
+                    "seqs.start_pos",
+                    format!("unknown sequence {} at position {}", s.seq_id, s.start_pos),
+                );
+            }
+            Some(len) if len != s.start_pos => {
+                return bad(
+                    "seqs.start_pos",
+                    format!(
+                        "sequence {} is at position {len}, step says {}",
+                        s.seq_id, s.start_pos
+                    ),
+                );
+            }
+            _ => {}
+        }
+        if s.start_pos.saturating_add(s.tokens.len()) > l.context {
+            return bad(
+                "seqs.start_pos",
+                format!(
+                    "sequence {} would reach position {} past the context of {}",
+                    s.seq_id,
+                    s.start_pos.saturating_add(s.tokens.len()),
+                    l.context
+                ),
+            );
+        }
+    }
+    if let Some(h) = hidden {
+        let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if h.len() != rows * l.hidden_size {
+            return bad(
+                "hidden",
+                format!(
+                    "hidden states hold {} values, {rows} rows × {} expected",
+                    h.len(),
+                    l.hidden_size
+                ),
+            );
+        }
+        if let Some(i) = h.iter().position(|v| !v.is_finite()) {
+            return bad("hidden", format!("value {i} of the hidden states is {}", h[i]));
+        }
+    }
+    Ok(())
+}
+
 /// The worker's loaded assignment.
 pub struct Stage<B: Backend> {
     pub cfg: ModelConfig,
@@ -160,8 +249,16 @@ impl<B: Backend + 'static> Stage<B> {
         }
     }
 
-    fn prepare(&mut self, batch: &[StepSeq]) -> Result<()> {
-        let n_layers = self.plan.layers().len();
+    /// Checks a whole step against this stage before anything changes (`check_step`), then creates
+    /// the caches and samplers of the sequences it starts.
+    fn prepare(&mut self, batch: &[StepSeq], hidden: &[f32]) -> Result<()> {
+        let hidden = (!self.plan.embed).then_some(hidden);
+        let limits = StepLimits {
+            vocab: self.cfg.vocab_size,
+            context: self.cfg.max_position_embeddings,
+            hidden_size: self.cfg.hidden_size,
+        };
+        check_step(batch, hidden, limits, |id| self.seqs.get(&id).map(|s| s.len))?;
         let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if self.kv_used().1 + new_tokens > self.plan.kv_positions() {
             return Err(Error::KvFull {
@@ -170,37 +267,17 @@ impl<B: Backend + 'static> Stage<B> {
                 capacity: self.plan.kv_positions(),
             });
         }
-        for s in batch {
-            if s.tokens.is_empty() {
-                return Err(Error::Request(format!(
-                    "sequence {} has no tokens in this step",
-                    s.seq_id
-                )));
-            }
-            if !self.seqs.contains_key(&s.seq_id) {
-                if s.start_pos != 0 {
-                    return Err(Error::Request(format!(
-                        "unknown sequence {} at position {}",
-                        s.seq_id, s.start_pos
-                    )));
-                }
-                let caches = (0..n_layers)
-                    .map(|_| self.backend.kv_cache(self.ctx.shape, 0))
-                    .collect::<std::result::Result<_, _>>()?;
-                let sampler = if self.plan.head {
-                    Some(Sampler::new(s.sampling.clone().unwrap_or_default()))
-                } else {
-                    None
-                };
-                self.seqs.insert(s.seq_id, Seq { caches, len: 0, sampler, history: Vec::new() });
-            }
-            let seq = &self.seqs[&s.seq_id];
-            if seq.len != s.start_pos {
-                return Err(Error::Request(format!(
-                    "sequence {} is at position {}, step says {}",
-                    s.seq_id, seq.len, s.start_pos
-                )));
-            }
+        let n_layers = self.plan.layers().len();
+        for s in batch.iter().filter(|s| s.start_pos == 0) {
+            let caches = (0..n_layers)
+                .map(|_| self.backend.kv_cache(self.ctx.shape, 0))
+                .collect::<std::result::Result<_, _>>()?;
+            let sampler = if self.plan.head {
+                Some(Sampler::new(s.sampling.clone().unwrap_or_default()))
+            } else {
+                None
+            };
+            self.seqs.insert(s.seq_id, Seq { caches, len: 0, sampler, history: Vec::new() });
         }
         Ok(())
     }
@@ -208,7 +285,7 @@ impl<B: Backend + 'static> Stage<B> {
     /// Runs one batch step: embeds (first stage) or takes `hidden`, runs every layer of the range
     /// (streamed groups arriving from the copy thread), then samples (last stage) or returns hidden.
     pub fn step(&mut self, batch: &[StepSeq], hidden: &[f32], step_span: &Span) -> Result<StepOut> {
-        self.prepare(batch)?;
+        self.prepare(batch, hidden)?;
         let b = self.backend.clone();
         let b = &b;
         let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -217,16 +294,7 @@ impl<B: Backend + 'static> Stage<B> {
                 e,
                 &batch.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(),
             )?,
-            _ => {
-                let h = self.cfg.hidden_size;
-                if hidden.len() != rows * h {
-                    return Err(Error::Request(format!(
-                        "hidden states hold {} values, {rows} rows × {h} expected",
-                        hidden.len()
-                    )));
-                }
-                b.from_host(hidden, rows, h)?
-            }
+            _ => b.from_host(hidden, rows, self.cfg.hidden_size)?,
         };
         let seq_rows: Vec<SeqRows> = batch
             .iter()
@@ -374,5 +442,56 @@ impl<B: Backend> Drop for Stage<B> {
                 self.backend.unregister_host(region);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(id: u64, pos: usize, tokens: &[u32]) -> StepSeq {
+        StepSeq {
+            seq_id: id,
+            start_pos: pos,
+            tokens: tokens.to_vec(),
+            sampling: None,
+            prompt_continues: false,
+        }
+    }
+
+    const L: StepLimits = StepLimits { vocab: 10, context: 8, hidden_size: 2 };
+
+    fn field(r: Result<()>) -> &'static str {
+        match r {
+            Err(Error::Invalid { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Each malformed step is refused naming its field; a well-formed one passes.
+    #[test]
+    fn malformed_steps_name_the_field() {
+        let live = |id: u64| (id == 7).then_some(3);
+        assert!(
+            check_step(&[seq(1, 0, &[1, 2]), seq(7, 3, &[4])], Some(&[0.5; 6]), L, live).is_ok()
+        );
+        assert_eq!(
+            field(check_step(&[seq(1, 0, &[1]), seq(1, 0, &[2])], None, L, live)),
+            "seqs.seq_id"
+        );
+        assert_eq!(field(check_step(&[seq(1, 0, &[])], None, L, live)), "seqs.token_ids");
+        assert_eq!(field(check_step(&[seq(1, 0, &[10])], None, L, live)), "seqs.token_ids");
+        assert_eq!(field(check_step(&[seq(2, 5, &[1])], None, L, live)), "seqs.start_pos");
+        assert_eq!(field(check_step(&[seq(7, 4, &[1])], None, L, live)), "seqs.start_pos");
+        assert_eq!(
+            field(check_step(&[seq(7, 3, &[1; 6])], None, L, live)),
+            "seqs.start_pos",
+            "past the context"
+        );
+        assert_eq!(field(check_step(&[seq(1, 0, &[1])], Some(&[0.0; 3]), L, live)), "hidden");
+        assert_eq!(
+            field(check_step(&[seq(1, 0, &[1])], Some(&[0.0, f32::NAN]), L, live)),
+            "hidden"
+        );
     }
 }
