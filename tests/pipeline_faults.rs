@@ -377,3 +377,66 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
     stack.shutdown();
     assert_eq!(v["output_ids"], want, "the stack serves normally after malformed calls");
 }
+
+/// `--queue-size` counts waiting sequences: with one running and the queue full, the next request
+/// gets RESOURCE_EXHAUSTED at once; cancelled waiting jobs leave the count, so the queue takes new
+/// work again. A prompt too long for any context is refused before it is tokenized.
+#[test]
+fn a_full_queue_refuses_at_once_and_frees_on_cancel() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "1", "--max-batch", "1", "--queue-size", "2"]);
+    let addr = stack.addr().to_owned();
+    tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        let mut c = CoordinatorClient::connect(addr).await.unwrap();
+        let req = |n: u32| GenerateRequest {
+            input: Some(generate_request::Input::Prompt("Hello".into())),
+            max_new_tokens: n,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let job = |n| SubmitJobRequest { requests: vec![req(n)] };
+        let running = c.submit_job(job(1900)).await.unwrap().into_inner().job_id;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.get_job(JobRef { job_id: running.clone() }).await.unwrap().into_inner().state()
+            != JobState::Running
+        {
+            assert!(Instant::now() < deadline, "the first job never started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let b = c.submit_job(job(4)).await.unwrap().into_inner().job_id;
+        let d = c.submit_job(job(4)).await.unwrap().into_inner().job_id;
+        let full = c.submit_job(job(4)).await.unwrap_err();
+        assert_eq!(full.code(), tonic::Code::ResourceExhausted, "{}", full.message());
+        assert!(full.message().contains("--queue-size"), "{}", full.message());
+        // A two-request job that does not fit as a whole is refused whole.
+        let two = SubmitJobRequest { requests: vec![req(4), req(4)] };
+        assert_eq!(c.submit_job(two).await.unwrap_err().code(), tonic::Code::ResourceExhausted);
+        for id in [&b, &d] {
+            c.cancel_job(JobRef { job_id: id.clone() }).await.unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let e = loop {
+            match c.submit_job(job(4)).await {
+                Ok(r) => break r.into_inner().job_id,
+                Err(s)
+                    if s.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(s) => panic!("the queue never emptied after cancelling: {}", s.message()),
+            }
+        };
+        c.cancel_job(JobRef { job_id: e }).await.unwrap();
+        c.cancel_job(JobRef { job_id: running }).await.unwrap();
+        // Far more text than any context holds: refused naming the bound, without tokenizing it.
+        let huge = GenerateRequest {
+            input: Some(generate_request::Input::Prompt("word ".repeat(40_000))),
+            ..Default::default()
+        };
+        let err = c.submit_job(SubmitJobRequest { requests: vec![huge] }).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("bytes exceed"), "{}", err.message());
+    });
+    stack.shutdown();
+}

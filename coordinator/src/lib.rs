@@ -164,7 +164,9 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         }
         assignments.push(a);
     }
-    let (queue, rx) = tokio::sync::mpsc::channel(args.sched.queue_size.max(1));
+    let queue_size = args.sched.queue_size.max(1);
+    let (queue, rx) = tokio::sync::mpsc::channel(queue_size);
+    let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let pipeline = pipeline::Pipeline {
         workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(),
         step_timeout: Duration::from_secs(args.sched.step_timeout_s),
@@ -172,6 +174,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let sched = scheduler::Scheduler {
         rx,
         pipeline,
+        waiting_count: waiting.clone(),
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
         limits: scheduler::Limits {
@@ -184,6 +187,8 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let svc = service::CoordinatorService {
         jobs: Default::default(),
         queue,
+        waiting,
+        queue_size,
         tokenizer,
         vocab: store.manifest.config.vocab_size,
         context: store.manifest.config.max_position_embeddings,

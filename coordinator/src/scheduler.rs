@@ -61,6 +61,8 @@ pub struct Scheduler {
     pub rx: mpsc::Receiver<SeqRequest>,
     pub pipeline: Pipeline,
     pub tokenizer: Arc<Tokenizer>,
+    /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
+    pub waiting_count: Arc<std::sync::atomic::AtomicUsize>,
     /// The model's end-of-sequence ids.
     pub eos: Vec<u32>,
     pub limits: Limits,
@@ -151,6 +153,7 @@ impl Scheduler {
             let needs: Vec<usize> = waiting.iter().map(SeqRequest::reserve).collect();
             for _ in 0..admit(active.len(), kv_used, &needs, self.limits) {
                 let req = waiting.pop_front().expect("admitted from the queue");
+                self.waiting_count.fetch_sub(1, Ordering::SeqCst);
                 let stopper = Stopper::new(&req.params, &self.eos);
                 active.push(Active {
                     req,
@@ -172,6 +175,7 @@ impl Scheduler {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
+                self.waiting_count.fetch_sub(1, Ordering::SeqCst);
                 let _ = r.events.try_send(final_event(
                     r,
                     &[],

@@ -9,7 +9,7 @@ use layerstream_proto::v1::coordinator_server::Coordinator;
 use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::*;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -29,6 +29,15 @@ pub fn random_job_id() -> String {
     format!("job-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
+/// Bytes of prompt text allowed per token of context before tokenizing: a BPE token rarely spans more
+/// than a few dozen bytes, so anything longer cannot fit.
+pub const PROMPT_BYTES_PER_TOKEN: usize = 64;
+
+/// The most prompt bytes a request may carry for a model with `context` positions.
+pub fn prompt_byte_limit(context: usize) -> usize {
+    context.saturating_mul(PROMPT_BYTES_PER_TOKEN)
+}
+
 /// Default `max_new_tokens` when a request leaves it 0.
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
 
@@ -36,6 +45,11 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
 pub struct CoordinatorService {
     pub jobs: Jobs,
     pub queue: mpsc::Sender<SeqRequest>,
+    /// Sequences accepted and not yet running (the scheduler decrements it as they start or are
+    /// cancelled while waiting).
+    pub waiting: Arc<AtomicUsize>,
+    /// Most waiting sequences (`--queue-size`); beyond it requests get RESOURCE_EXHAUSTED.
+    pub queue_size: usize,
     pub tokenizer: Arc<Tokenizer>,
     pub vocab: usize,
     pub context: usize,
@@ -50,6 +64,22 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 impl CoordinatorService {
     fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
         let bad = |e: layerstream_model::Error| Status::from(crate::Error::from(e));
+        // Bounded before tokenizing: a multi-megabyte prompt cannot fit the context anyway, and
+        // tokenizing it would cost seconds of CPU and hundreds of MB.
+        let bytes = match &r.input {
+            Some(generate_request::Input::Prompt(p)) => p.len(),
+            Some(generate_request::Input::Chat(c)) => {
+                c.messages.iter().map(|m| m.content.len() + m.role.len()).sum()
+            }
+            _ => 0,
+        };
+        let most = prompt_byte_limit(self.context);
+        if bytes > most {
+            return Err(Status::invalid_argument(format!(
+                "prompt: {bytes} bytes exceed the {most}-byte bound ({PROMPT_BYTES_PER_TOKEN} bytes a token of the model's {}-token context)",
+                self.context
+            )));
+        }
         match &r.input {
             Some(generate_request::Input::Prompt(p)) => self.tokenizer.encode(p).map_err(bad),
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
@@ -108,6 +138,15 @@ impl CoordinatorService {
             }
             prepared.push((ids, p));
         }
+        let n = prepared.len();
+        let before = self.waiting.fetch_add(n, Ordering::SeqCst);
+        if before + n > self.queue_size {
+            self.waiting.fetch_sub(n, Ordering::SeqCst);
+            return Err(Status::resource_exhausted(format!(
+                "the queue holds {before} waiting sequences and takes at most {} (--queue-size); retry later",
+                self.queue_size
+            )));
+        }
         let job_id = random_job_id();
         let span =
             info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
@@ -140,6 +179,8 @@ impl CoordinatorService {
                 queued: std::time::Instant::now(),
             };
             if self.queue.try_send(seq).is_err() {
+                // The ones already sent are cancelled and leave the count in the scheduler.
+                self.waiting.fetch_sub(n - i, Ordering::SeqCst);
                 self.jobs.cancel(&job_id);
                 return Err(Status::resource_exhausted("the job queue is full; retry later"));
             }
