@@ -41,6 +41,12 @@ pub struct SchedulerFlags {
     /// Seconds a worker may take for one step before the job fails.
     #[arg(long = "step-timeout", env = "LAYERSTREAM_STEP_TIMEOUT", default_value_t = 300)]
     pub step_timeout_s: u64,
+    /// Seconds a finished job stays visible to GetJob/WatchJob before its record is dropped.
+    #[arg(long = "job-retention", env = "LAYERSTREAM_JOB_RETENTION", default_value_t = 600)]
+    pub job_retention_s: u64,
+    /// Most finished job records kept (the oldest are dropped first).
+    #[arg(long, env = "LAYERSTREAM_MAX_JOB_RECORDS", default_value_t = 10_000)]
+    pub max_job_records: usize,
 }
 
 fn flag(name: &str, v: impl ToString) -> [String; 2] {
@@ -74,6 +80,8 @@ impl SchedulerFlags {
             flag("max-step-tokens", self.max_step_tokens),
             flag("queue-size", self.queue_size),
             flag("step-timeout", self.step_timeout_s),
+            flag("job-retention", self.job_retention_s),
+            flag("max-job-records", self.max_job_records),
         ]
         .concat()
     }

@@ -4,7 +4,8 @@
 use layerstream_proto::v1::{generate_event, FinishReason, GenerateEvent, Job, JobState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// One job's record.
@@ -16,6 +17,8 @@ pub struct JobRecord {
     /// Bumped on every recorded event; watchers wait on it.
     pub live: watch::Sender<usize>,
     pub cancelled: bool,
+    /// When the last request finished (set once); finished records expire after the retention.
+    pub finished_at: Option<Instant>,
 }
 
 impl JobRecord {
@@ -63,29 +66,70 @@ impl JobRecord {
     }
 }
 
-/// All jobs of this coordinator.
-#[derive(Default, Clone)]
+/// All jobs of this coordinator: live ones, and finished ones for `retention` (at most `cap` of
+/// them, oldest dropped first), so GetJob/WatchJob work after the end without memory growing with
+/// every job ever run.
+#[derive(Clone)]
 pub struct Jobs {
     inner: Arc<Mutex<HashMap<String, JobRecord>>>,
+    retention: Duration,
+    cap: usize,
+}
+
+impl Default for Jobs {
+    fn default() -> Self {
+        Jobs::new(Duration::from_secs(600), 10_000)
+    }
 }
 
 impl Jobs {
-    /// Registers a job.
+    /// Keeps finished jobs for `retention`, at most `cap` of them.
+    pub fn new(retention: Duration, cap: usize) -> Self {
+        Jobs { inner: Default::default(), retention, cap }
+    }
+
+    /// The map; a panic elsewhere while it was held leaves whole records behind, so a poisoned lock
+    /// is taken over rather than failing every later request.
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, JobRecord>> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers a job (and drops expired ones).
     pub fn insert(&self, id: String, rec: JobRecord) {
-        self.inner.lock().unwrap().insert(id, rec);
+        let mut m = self.lock();
+        sweep(&mut m, self.retention, self.cap, Instant::now());
+        m.insert(id, rec);
     }
 
     /// Records an event of a job and forwards it to watchers.
     pub fn record(&self, id: &str, ev: GenerateEvent) {
-        if let Some(j) = self.inner.lock().unwrap().get_mut(id) {
+        if let Some(j) = self.lock().get_mut(id) {
             j.history.push(ev);
+            if j.finished_at.is_none() && j.finished() {
+                j.finished_at = Some(Instant::now());
+            }
             j.live.send_replace(j.history.len());
         }
     }
 
     /// Runs `f` on a job.
     pub fn with<T>(&self, id: &str, f: impl FnOnce(&mut JobRecord) -> T) -> Option<T> {
-        self.inner.lock().unwrap().get_mut(id).map(f)
+        self.lock().get_mut(id).map(f)
+    }
+
+    /// Number of records held.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no record is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops expired records now (also done on every insert).
+    pub fn sweep(&self) {
+        sweep(&mut self.lock(), self.retention, self.cap, Instant::now());
     }
 
     /// Sets a job's cancel flags.
@@ -96,5 +140,63 @@ impl Jobs {
             j.live.send_modify(|_| {});
             j.view(id)
         })
+    }
+}
+
+/// Removes finished records older than `retention`, then the oldest finished ones beyond `cap`.
+fn sweep(m: &mut HashMap<String, JobRecord>, retention: Duration, cap: usize, now: Instant) {
+    m.retain(|_, j| j.finished_at.is_none_or(|t| now.duration_since(t) < retention));
+    let mut finished: Vec<(Instant, String)> =
+        m.iter().filter_map(|(id, j)| j.finished_at.map(|t| (t, id.clone()))).collect();
+    if finished.len() > cap {
+        finished.sort();
+        for (_, id) in &finished[..finished.len() - cap] {
+            m.remove(id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_proto::v1::FinalEvent;
+
+    fn record() -> JobRecord {
+        let (live, _) = watch::channel(0);
+        JobRecord {
+            trace_id: String::new(),
+            requests: 1,
+            history: vec![],
+            cancel: vec![],
+            live,
+            cancelled: false,
+            finished_at: None,
+        }
+    }
+
+    fn done() -> GenerateEvent {
+        let d = FinalEvent { finish_reason: FinishReason::Length.into(), ..Default::default() };
+        GenerateEvent { index: 0, event: Some(generate_event::Event::Done(d)) }
+    }
+
+    /// Finished jobs expire after the retention and beyond the cap (oldest first); running ones stay.
+    #[test]
+    fn finished_jobs_expire_and_running_ones_stay() {
+        let jobs = Jobs::new(Duration::from_millis(50), 2);
+        for i in 0..5 {
+            jobs.insert(format!("f{i}"), record());
+            jobs.record(&format!("f{i}"), done());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        jobs.insert("running".into(), record());
+        assert_eq!(jobs.len(), 3, "two finished kept by the cap, plus the running one");
+        assert!(
+            jobs.with("f4", |_| ()).is_some() && jobs.with("f0", |_| ()).is_none(),
+            "the oldest go first"
+        );
+        std::thread::sleep(Duration::from_millis(60));
+        jobs.sweep();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs.with("running", |j| j.state()), Some(JobState::Queued));
     }
 }

@@ -164,6 +164,18 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         }
         assignments.push(a);
     }
+    let jobs = jobs::Jobs::new(
+        Duration::from_secs(args.sched.job_retention_s),
+        args.sched.max_job_records,
+    );
+    // Expired records also go when no new job arrives to sweep them.
+    let sweeper = jobs.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            sweeper.sweep();
+        }
+    });
     let queue_size = args.sched.queue_size.max(1);
     let (queue, rx) = tokio::sync::mpsc::channel(queue_size);
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -185,7 +197,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {
-        jobs: Default::default(),
+        jobs: jobs.clone(),
         queue,
         waiting,
         queue_size,

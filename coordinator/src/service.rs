@@ -163,6 +163,7 @@ impl CoordinatorService {
                 cancel: cancels.clone(),
                 live,
                 cancelled: false,
+                finished_at: None,
             },
         );
         for (i, ((ids, p), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
