@@ -265,12 +265,7 @@ fn killed_mid_job_fails_cleanly(victim: &str) {
     let want = if victim == "worker" { "worker http://" } else { "loader daemon" };
     assert!(err.contains("job failed") && err.contains(want), "{err}");
     drop(stack);
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&prefix))
-        .collect();
+    let left = shm_left(&prefix);
     assert!(left.is_empty(), "{left:?}");
 }
 
@@ -289,37 +284,18 @@ fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     let s = store.to_str().unwrap();
+    let up = ["up", "--model", s, "--listen", "127.0.0.1:0", "--workers", "1"];
     // 1 MiB cannot hold tiny-llama's 12.6 MB embedding: the planner refuses, naming the budget.
-    let err = layerstream_fails(&[
-        "up",
-        "--model",
-        s,
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        "1",
-        "--memory-budget",
-        "1M",
-    ]);
+    let err = layerstream_fails(&[&up[..], &["--memory-budget", "1M"]].concat());
     assert!(
         err.contains("memory budget 1048576 bytes cannot hold") && err.contains("embedding/head"),
         "{err}"
     );
     // Residency is given one way: a budget (the planner picks) or a count, not both (the planner's
     // unit tests cover a count that overflows a worker's own budget).
-    let err = layerstream_fails(&[
-        "up",
-        "--model",
-        s,
-        "--listen",
-        "127.0.0.1:0",
-        "--workers",
-        "1",
-        "--memory-budget",
-        "14M",
-        "--resident-layers",
-        "4",
-    ]);
+    let err = layerstream_fails(
+        &[&up[..], &["--memory-budget", "14M", "--resident-layers", "4"]].concat(),
+    );
     assert!(err.contains("cannot be used with"), "{err}");
 }
 
@@ -356,6 +332,7 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
             (0, vec![seq(901, 0, &[u32::MAX])], vec![], "seqs.token_ids"),
             (0, vec![seq(902, 7, &[1])], vec![], "seqs.start_pos"),
             (1, vec![seq(903, 0, &[1])], hidden(&[0.5; 3]), "hidden"),
+            (1, vec![seq(904, 0, &[1])], vec![0u8; 5], "hidden"),
         ];
         let mut out = Vec::new();
         for (w, seqs, hidden, field) in calls {

@@ -91,14 +91,6 @@ fn generate_on<B: Backend>(
 /// Refuses a device this build cannot open before any process starts: `cuda:N` in a build without
 /// the `cuda` feature, or a name that is neither `cpu` nor `cuda:N`.
 pub fn check_device(name: &str) -> Result<()> {
-    match layerstream_kernels::cuda::parse_cuda_device(name) {
-        Some(Err(e)) => anyhow::bail!("--device {name}: {e}"),
-        Some(Ok(_)) if !layerstream_kernels::cuda::BUILT_WITH_CUDA => {
-            anyhow::bail!("--device {name}: {}", layerstream_kernels::cuda::WITHOUT_CUDA)
-        }
-        None if name != "cpu" => {
-            anyhow::bail!("--device {name}: unknown device; use cpu or cuda:N")
-        }
-        _ => Ok(()),
-    }
+    Device::check(name).map_err(|e| anyhow::anyhow!("--device {name}: {e}"))?;
+    Ok(())
 }

@@ -114,12 +114,7 @@ impl Stack {
     pub fn shutdown(mut self) {
         let prefix = self.shm_prefix();
         self.proc.stop();
-        let left: Vec<String> = std::fs::read_dir("/dev/shm")
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(&prefix))
-            .collect();
+        let left = shm_left(&prefix);
         assert!(left.is_empty(), "shared memory left behind: {left:?}");
         std::mem::forget(self);
     }
@@ -129,6 +124,16 @@ impl Drop for Stack {
     fn drop(&mut self) {
         self.proc.stop();
     }
+}
+
+/// Regions in /dev/shm whose names start with `prefix` (what a stopped stack must not leave).
+pub fn shm_left(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
 }
 
 /// `layerstream submit --json` against `addr`; returns the final JSON object.

@@ -5,7 +5,8 @@ use crate::error::{Error, Result};
 use crate::stage::{Stage, StepOut, StepSeq};
 use crate::stream::LoaderLink;
 use layerstream_kernels::cuda::{
-    parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, RUNTIME_RESERVE,
+    parse_cuda_device, CudaBackend, ACTIVATION_RESERVE, BUILT_WITH_CUDA, RUNTIME_RESERVE,
+    WITHOUT_CUDA,
 };
 use layerstream_kernels::{Backend, CpuBackend};
 use layerstream_model::plan::Assignment;
@@ -28,18 +29,26 @@ pub enum AnyStage {
 }
 
 impl Device {
+    /// Checks a device name without opening anything: `Some(ordinal)` for `cuda[:N]`, `None` for
+    /// `cpu`; an unknown name, or `cuda:N` in a build without the `cuda` feature, is an error that
+    /// says what to do. Commands that start processes call it first, so they fail before spawning.
+    pub fn check(name: &str) -> Result<Option<usize>> {
+        let refuse = |msg: String| Err(Error::Device { device: name.into(), msg });
+        match parse_cuda_device(name) {
+            Some(Err(e)) => Err(e.into()),
+            Some(Ok(_)) if !BUILT_WITH_CUDA => refuse(WITHOUT_CUDA.into()),
+            Some(Ok(ordinal)) => Ok(Some(ordinal)),
+            None if name == "cpu" => Ok(None),
+            None => refuse("unknown device: use cpu or cuda:N".into()),
+        }
+    }
+
     /// Opens `cpu` or `cuda[:N]`.
     pub fn open(name: &str) -> Result<Device> {
-        if let Some(ordinal) = parse_cuda_device(name) {
-            return Ok(Device::Cuda(CudaBackend::new(ordinal?)?));
-        }
-        if name != "cpu" {
-            return Err(Error::Device {
-                device: name.into(),
-                msg: "unknown device: use cpu or cuda:N".into(),
-            });
-        }
-        Ok(Device::Cpu(CpuBackend::default()))
+        Ok(match Device::check(name)? {
+            Some(ordinal) => Device::Cuda(CudaBackend::new(ordinal)?),
+            None => Device::Cpu(CpuBackend::default()),
+        })
     }
 
     /// The bytes assignments may use — one rule for every command: the flag if given, else what the

@@ -11,7 +11,7 @@ use layerstream_proto::v1::worker_server::Worker;
 use layerstream_proto::v1::*;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::{info, info_span, Instrument};
@@ -51,6 +51,20 @@ impl WorkerState {
 
 /// The gRPC face of a worker.
 pub struct WorkerService(pub Arc<WorkerState>);
+
+/// The worker's stage, locked. A panic while the lock was held (a bug, since requests are checked
+/// before a step changes anything) leaves a stage that cannot be trusted: it is dropped and the
+/// poison cleared, so the worker answers "no assignment" until it is assigned again instead of
+/// failing every later request with a poisoned lock.
+fn lock_stage(m: &Mutex<Option<AnyStage>>) -> MutexGuard<'_, Option<AnyStage>> {
+    m.lock().unwrap_or_else(|poisoned| {
+        tracing::error!("a step panicked while holding the stage; dropping the assignment");
+        m.clear_poison();
+        let mut g = poisoned.into_inner();
+        *g = None;
+        g
+    })
+}
 
 /// The one mapping of the worker's errors to gRPC status codes.
 fn err(e: crate::Error) -> Status {
@@ -103,10 +117,10 @@ impl Worker for WorkerService {
             let link = LoaderLink::new(channel, s.id.clone(), rt);
             let t = Instant::now();
             // Free the previous assignment's device memory before loading the new one.
-            s.stage.lock().unwrap().take();
+            lock_stage(&s.stage).take();
             let stage = s.backend.load(s.store.clone(), a, link).map_err(err)?;
             info!(worker = %s.id, layers = ?stage.plan().layers(), resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
-            *s.stage.lock().unwrap() = Some(stage);
+            *lock_stage(&s.stage) = Some(stage);
             Ok::<_, Status>(())
         })
         .await
@@ -138,6 +152,12 @@ impl Worker for WorkerService {
                 prompt_continues: s.prompt_continues,
             })
             .collect();
+        if !req.hidden.len().is_multiple_of(4) {
+            return Err(Status::invalid_argument(format!(
+                "hidden: {} bytes is not a whole number of little-endian f32 values",
+                req.hidden.len()
+            )));
+        }
         let hidden: Vec<f32> = req
             .hidden
             .chunks_exact(4)
@@ -146,7 +166,7 @@ impl Worker for WorkerService {
         let s2 = span.clone();
         let out = tokio::task::spawn_blocking(move || {
             let t = Instant::now();
-            let mut guard = stage.lock().unwrap();
+            let mut guard = lock_stage(&stage);
             let st = guard
                 .as_mut()
                 .ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
@@ -186,7 +206,7 @@ impl Worker for WorkerService {
         let ids = r.into_inner().seq_ids;
         let (stage, live) = (self.0.stage.clone(), self.0.live.clone());
         let n = tokio::task::spawn_blocking(move || {
-            let mut g = stage.lock().unwrap();
+            let mut g = lock_stage(&stage);
             let n = g.as_mut().map_or(0, |st| {
                 st.release(&ids);
                 st.kv_used().0 as u32
@@ -197,5 +217,26 @@ impl Worker for WorkerService {
         .await
         .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(ReleaseResponse { sequences: n }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panic while the stage was locked does not fail every later request: the next lock clears
+    /// the poison (and drops whatever stage the panic interrupted).
+    #[test]
+    fn a_panic_under_the_stage_lock_does_not_poison_later_requests() {
+        let m = Arc::new(Mutex::new(None::<AnyStage>));
+        let m2 = m.clone();
+        let _ = std::thread::spawn(move || {
+            let _g = m2.lock().unwrap();
+            panic!("a step panicked");
+        })
+        .join();
+        assert!(m.is_poisoned());
+        assert!(lock_stage(&m).is_none());
+        assert!(!m.is_poisoned(), "the poison is cleared once");
     }
 }
