@@ -312,13 +312,12 @@ fn a_workers_step_token_limit_splits_prompts() {
     let v = submit(stack.addr(), &args);
     let refused = tokio::runtime::Runtime::new().unwrap().block_on(async {
         use layerstream_proto::v1::{
-            coordinator_client::CoordinatorClient, worker_client::WorkerClient, ListWorkersRequest,
-            StepRequest, StepSeq,
+            coordinator_client::CoordinatorClient, ListWorkersRequest, StepRequest, StepSeq,
         };
         let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
         let first =
             c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers.remove(0);
-        let mut w = WorkerClient::connect(first.address).await.unwrap();
+        let mut w = layerstream_tests::stack::worker_client(first.address).await;
         let seq = StepSeq { seq_id: 999, token_ids: vec![1, 2, 3, 4], ..Default::default() };
         w.step(StepRequest { seqs: vec![seq], hidden: vec![] }).await.unwrap_err()
     });

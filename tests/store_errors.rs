@@ -155,3 +155,54 @@ fn friendly_errors_for_no_server_and_unavailable_devices() {
     let err = layerstream_fails(&["up", "--device", "tpu:0"]);
     assert!(err.contains("unknown device"), "{err}");
 }
+
+/// What a hostile or broken checkpoint directory can hold is refused at `import`, naming it, with
+/// nothing left behind: a `weight_map` pointing outside the directory, a FIFO named as a shard or
+/// as the GGUF file (which would block a reader forever), a NaN `rope_theta`, a chat template
+/// that cannot be rendered.
+#[test]
+fn hostile_checkpoints_are_refused_at_import_and_leave_nothing() {
+    let fifo = |p: &Path| {
+        let ok = std::process::Command::new("mkfifo").arg(p).status().is_ok_and(|s| s.success());
+        assert!(ok, "mkfifo failed");
+    };
+    let import_fails = |dir: &Path, src: &Path| {
+        let dst = dir.join("out");
+        let err = layerstream_fails(&["import", src.to_str().unwrap(), dst.to_str().unwrap()]);
+        assert!(!dst.exists() && !dir.join("out.partial").exists(), "left a store behind");
+        err
+    };
+    // weight_map with a path outside the model directory.
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |_| {});
+    std::fs::write(
+        hf.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"model.embed_tokens.weight": "../../../../etc/passwd"}}"#,
+    )
+    .unwrap();
+    let err = import_fails(dir.path(), &hf);
+    assert!(err.contains("../../../../etc/passwd") && err.contains("not a file inside"), "{err}");
+    // A FIFO as a shard, and as the GGUF file.
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |_| {});
+    std::fs::remove_file(hf.join("model.safetensors")).unwrap();
+    fifo(&hf.join("model.safetensors"));
+    let err = import_fails(dir.path(), &hf);
+    assert!(err.contains("model.safetensors") && err.contains("not a regular file"), "{err}");
+    let gguf = dir.path().join("pipe.gguf");
+    fifo(&gguf);
+    let err = import_fails(dir.path(), &gguf);
+    assert!(err.contains("pipe.gguf") && err.contains("not a regular file"), "{err}");
+    // A NaN RoPE base (JSON has no NaN: a string is not a number, an overflow is infinite).
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |c| c["rope_theta"] = serde_json::json!(-1.0));
+    let err = import_fails(dir.path(), &hf);
+    assert!(err.contains("rope_theta") && err.contains("finite number > 0"), "{err}");
+    // A chat template that fails to render.
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |_| {});
+    std::fs::write(hf.join("chat_template.jinja"), "{{ raise_exception('no chats here') }}")
+        .unwrap();
+    let err = import_fails(dir.path(), &hf);
+    assert!(err.contains("chat template") && err.contains("no chats here"), "{err}");
+}

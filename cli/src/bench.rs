@@ -65,6 +65,10 @@ pub struct BenchArgs {
     /// Also write the results as JSON here.
     #[arg(long, env = "LAYERSTREAM_BENCH_JSON_OUT")]
     pub json_out: Option<PathBuf>,
+    /// Also run the streamed configuration with `--no-verify` and print what the checksum check of
+    /// every read from disk costs (verified / unverified tokens/s).
+    #[arg(long, env = "LAYERSTREAM_BENCH_VERIFY_COST")]
+    pub verify_cost: bool,
 }
 
 /// One configuration's result.
@@ -95,6 +99,10 @@ struct Row {
     transfer_ms: f64,
     compute_ms: f64,
     stall_ms: f64,
+    /// The loader's acquires over the whole run (warm-up included): served from a slot / read from
+    /// disk.
+    loader_hits: u64,
+    loader_misses: u64,
 }
 
 /// What one workload measured: tokens generated, wall seconds, and every request's stats.
@@ -211,6 +219,8 @@ fn run_config(
     };
     rt.block_on(workload(&addr, &warm, vocab))?;
     let m = rt.block_on(workload(&addr, a, vocab))?;
+    let up_pid = children.0[0].1.id();
+    let (loader_hits, loader_misses) = rt.block_on(loader_counts(up_pid)).unwrap_or_default();
     drop(children);
     let (prefill_tok_s, first_token_ms, decode_tok_s) = m.phases();
     let (tokens, wall_s) = (m.tokens, m.wall_s);
@@ -241,7 +251,22 @@ fn run_config(
         transfer_ms: st.transfer_ms,
         compute_ms: st.compute_ms,
         stall_ms: st.stall_ms,
+        loader_hits,
+        loader_misses,
     })
+}
+
+/// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is `up<pid>.sock`
+/// in the runtime dir, its internal token the one `run` put in the environment.
+async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
+    use layerstream_proto::v1::{loader_client::LoaderClient, DescribeRequest};
+    let sock = layerstream_proto::transport::runtime_dir()?.join(format!("up{up_pid}.sock"));
+    let token = std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV).ok();
+    let bearer =
+        layerstream_proto::auth::Bearer::new(token.as_deref()).map_err(anyhow::Error::msg)?;
+    let ch = layerstream_proto::transport::connect_uds(&sock).await?;
+    let d = LoaderClient::new(bearer.wrap(ch)).describe(DescribeRequest {}).await?.into_inner();
+    Ok((d.hits, d.misses))
 }
 
 /// The results as two markdown tables, each under 120 columns: throughput, then where the time went.
@@ -287,6 +312,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let model_dir = crate::run::model_dir(&a.model)?;
     let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
     let model = model_dir.display().to_string();
+    // One internal token for the stacks this bench starts (they inherit it), so it can ask their
+    // loaders for cache hits and misses. Set before any thread exists.
+    if std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV).is_err() {
+        std::env::set_var(
+            layerstream_proto::auth::INTERNAL_TOKEN_ENV,
+            layerstream_proto::auth::random_hex(),
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {
         bail!("bench runs the prefetch-off configuration itself; drop --no-prefetch");
@@ -302,7 +335,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
-    let rows = vec![
+    let mut rows = vec![
         run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
             .context("streamed run")?,
         // Resident: as much memory as the machine offers (a GPU worker caps it at what is free).
@@ -318,6 +351,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt)
             .context("prefetch-off run")?,
     ];
+    if a.verify_cost {
+        let mut unverified = streamed.clone();
+        unverified.push("--no-verify".into());
+        rows.push(
+            run_config("streamed, no verify", &model, vocab, &unverified, &a, &rt)
+                .context("unverified run")?,
+        );
+    }
     let streamed_as = match a.device.memory_budget {
         Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
         None => format!("{resident} resident layers/worker"),
@@ -345,8 +386,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
             a.decode_tok_s / b.decode_tok_s
         )
     };
+    let cache: Vec<String> = rows
+        .iter()
+        .map(|r| format!("{} {} / {}", r.config, r.loader_hits, r.loader_misses))
+        .collect();
+    println!(
+        "loader, acquires served from a slot / layer files read from disk: {}",
+        cache.join("; ")
+    );
     println!("streamed / resident tokens/s: {}", ratio(&rows[0], &rows[1]));
     println!("prefetch on / off tokens/s:   {}", ratio(&rows[0], &rows[2]));
+    if let Some(u) = rows.get(3) {
+        println!("verified / unverified tokens/s: {}", ratio(&rows[0], u));
+    }
     if let Some(p) = &a.json_out {
         std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
     }
@@ -384,6 +436,8 @@ mod tests {
             transfer_ms: 123456.0,
             compute_ms: 123456.0,
             stall_ms: 12345.0,
+            loader_hits: 0,
+            loader_misses: 0,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");

@@ -16,13 +16,20 @@ pub struct HealthArgs {
     /// Service name to ask about ("" = the whole server).
     #[arg(long, env = "LAYERSTREAM_HEALTH_SERVICE", default_value = "")]
     pub service: String,
+    /// PEM CA certificate to trust for an `https://` server.
+    #[arg(long, env = "LAYERSTREAM_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Runs the check.
 pub async fn run(a: HealthArgs) -> Result<()> {
     let channel = match a.addr.strip_prefix("unix:") {
         Some(p) => layerstream_proto::transport::connect_uds(Path::new(p)).await?,
-        None => tonic::transport::Endpoint::from_shared(a.addr.clone())?.connect().await?,
+        None => {
+            let tls = layerstream_proto::transport::client_tls(a.tls_ca.as_deref())
+                .map_err(|m| anyhow::anyhow!("--tls-ca: {m}"))?;
+            layerstream_proto::transport::endpoint(&a.addr, tls.as_ref())?.connect().await?
+        }
     };
     let r = HealthClient::new(channel)
         .check(HealthCheckRequest { service: a.service.clone() })

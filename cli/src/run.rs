@@ -28,6 +28,9 @@ pub struct RunArgs {
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
+    /// Skip the checksum check of the weights as they are loaded (for measuring its cost only).
+    #[arg(long, env = "LAYERSTREAM_NO_VERIFY")]
+    pub no_verify: bool,
 }
 
 /// Resolves `--model`, falling back to the default model.
@@ -40,7 +43,8 @@ pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
 
 /// Runs the command.
 pub fn run(args: RunArgs) -> Result<()> {
-    let store = Store::open(&model_dir(&args.model)?)?;
+    let mut store = Store::open(&model_dir(&args.model)?)?;
+    store.verify = !args.no_verify;
     let tok = store.tokenizer()?;
     let input = args.prompt.input_ids(&tok)?;
     check_device(&args.device)?;

@@ -4,6 +4,7 @@
 use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use layerstream_proto::auth::Bearer;
 use layerstream_proto::v1::coordinator_client::CoordinatorClient;
 use layerstream_proto::v1::{
     generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds,
@@ -23,6 +24,12 @@ pub struct SubmitArgs {
     /// Print one JSON object (input_ids, output_ids, text, stats, trace_id) as the last line.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
+    /// The coordinator's API key (sent as `authorization: Bearer <key>`).
+    #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// PEM CA certificate to trust for an `https://` coordinator.
+    #[arg(long, env = "LAYERSTREAM_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
@@ -77,8 +84,15 @@ pub(crate) fn no_server(addr: &str, e: &tonic::transport::Error) -> anyhow::Erro
 /// Runs the command.
 pub async fn run(a: SubmitArgs) -> Result<()> {
     let req = request(&a)?;
-    let mut client =
-        CoordinatorClient::connect(a.addr.clone()).await.map_err(|e| no_server(&a.addr, &e))?;
+    let bearer =
+        Bearer::new(a.api_key.as_deref()).map_err(|m| anyhow::anyhow!("--api-key: {m}"))?;
+    let tls = layerstream_proto::transport::client_tls(a.tls_ca.as_deref())
+        .map_err(|m| anyhow::anyhow!("--tls-ca: {m}"))?;
+    let channel = layerstream_proto::transport::endpoint(&a.addr, tls.as_ref())?
+        .connect()
+        .await
+        .map_err(|e| no_server(&a.addr, &e))?;
+    let mut client = CoordinatorClient::new(bearer.wrap(channel));
     let mut stream = client
         .generate(req)
         .await
@@ -113,6 +127,7 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps, "max_batch": st.max_batch,
                             "layers_ms": st.layers_ms, "ideal_ms": st.ideal_ms,
                             "first_token_ms": st.first_token_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
+                            "replays": st.replays,
                         },
                     });
                     writeln!(out, "{v}")?;

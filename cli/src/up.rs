@@ -46,6 +46,19 @@ pub struct UpArgs {
     /// With an input: print the result as one JSON object (as `submit --json`).
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
+    /// API key of the job API (clients send `authorization: Bearer <key>`); unset: none.
+    #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Serve the job API over TLS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, env = "LAYERSTREAM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = "LAYERSTREAM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Times each child (loader, worker, coordinator) is restarted after it dies before `up` gives
+    /// up and stops everything.
+    #[arg(long, env = "LAYERSTREAM_MAX_RESTARTS", default_value_t = 5)]
+    pub max_restarts: u32,
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
@@ -122,6 +135,19 @@ fn spawn_logged(
             Ok(())
         });
     }
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, kill): the child
+    // gets SIGTERM when `up` (this thread) dies, even by SIGKILL, so no stack outlives it; if `up`
+    // died before the prctl, the child stops itself at once.
+    let parent = std::process::id() as libc::pid_t;
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::getppid() != parent {
+                libc::kill(libc::getpid(), libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
     let stdout = child.stdout.take().expect("piped");
     children.0.push((name.to_owned(), child));
@@ -150,7 +176,34 @@ fn opt(flag: &str, v: &Option<impl ToString>) -> Vec<String> {
     v.as_ref().map(|v| vec![flag.to_owned(), v.to_string()]).unwrap_or_default()
 }
 
-/// Runs the stack until SIGINT/SIGTERM or until a process dies.
+/// A child `up` keeps running: how to start it again, and how often it was.
+struct Supervised {
+    args: Vec<String>,
+    restarts: u32,
+}
+
+/// Replaces the dead child `i` by a new one started with the same arguments (same address, same
+/// socket), keeping the stop order.
+fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
+    let name = children.0[i].0.clone();
+    let mut fresh = Children(Vec::new());
+    let started = spawn(&mut fresh, &name, args);
+    if let Some(entry) = fresh.0.pop() {
+        children.0[i] = entry;
+    }
+    started.map(|_| ())
+}
+
+/// The argument list with the value after `flag` replaced (a restarted child keeps its address).
+fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    if let Some(i) = args.iter().position(|a| a == flag) {
+        args[i + 1] = value.to_owned();
+    }
+    args
+}
+
+/// Runs the stack until SIGINT/SIGTERM, restarting a child that dies (up to `--max-restarts`
+/// times each); with an input, until its answer is printed.
 pub fn run(a: UpArgs) -> Result<()> {
     if a.workers == 0 {
         bail!("--workers must be at least 1");
@@ -159,17 +212,38 @@ pub fn run(a: UpArgs) -> Result<()> {
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let model_s = model.display().to_string();
+    remove_orphans();
     let ns = format!("up{}", std::process::id());
-    let socket = std::env::temp_dir().join(format!("layerstream-{ns}.sock")).display().to_string();
+    let socket = layerstream_proto::transport::runtime_dir()
+        .context("the private runtime directory for the loader's socket")?
+        .join(format!("{ns}.sock"))
+        .display()
+        .to_string();
+    // The internal APIs' secret: given, or generated for this stack. Children inherit it from the
+    // environment (a command line would show it in `ps`). The API key travels the same way.
+    let token = std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV)
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+        .unwrap_or_else(layerstream_proto::auth::random_hex);
+    std::env::set_var(layerstream_proto::auth::INTERNAL_TOKEN_ENV, &token);
+    if let Some(k) = &a.api_key {
+        std::env::set_var("LAYERSTREAM_API_KEY", k);
+    }
     let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
-    let slots = a
-        .pool
-        .slots
-        .unwrap_or((a.workers * per_worker).max(4))
-        .min(store.manifest.config.num_layers.max(4));
+    // The RAM tier holds what RAM can hold (`default_slots`), never less than the workers'
+    // streaming buffers and read-ahead need.
+    let slots = a.pool.slots.unwrap_or_else(|| {
+        let floor = (a.workers * per_worker).max(4).min(store.manifest.config.num_layers.max(4));
+        layerstream_loader::default_slots(
+            store.manifest.config.num_layers,
+            store.manifest.max_layer_bytes(),
+            floor,
+        )
+    });
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
+    let mut specs = Vec::new();
     let otlp = opt("--otlp-endpoint", &a.otlp_endpoint);
     let pool = SlotFlags { slots: Some(slots), ..a.pool.clone() };
     let mut largs = vec![
@@ -184,6 +258,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     largs.extend(pool.to_args());
     largs.extend(otlp.clone());
     spawn(&mut children, "loader-daemon", &largs)?;
+    specs.push(Supervised { args: largs, restarts: 0 });
     let mut addrs = Vec::new();
     for i in 0..a.workers {
         let mut wargs = vec![
@@ -196,8 +271,15 @@ pub fn run(a: UpArgs) -> Result<()> {
             socket.clone(),
         ];
         wargs.extend(a.device.to_args());
+        if a.pool.no_verify {
+            wargs.push("--no-verify".into());
+        }
         wargs.extend(otlp.clone());
-        addrs.push(spawn(&mut children, &format!("worker {i}"), &wargs)?);
+        let addr = spawn(&mut children, &format!("worker {i}"), &wargs)?;
+        // A restarted worker comes back on the same address, where the coordinator looks for it.
+        let bound = addr.trim_start_matches("http://").to_owned();
+        specs.push(Supervised { args: with_flag(wargs, "--listen", &bound), restarts: 0 });
+        addrs.push(addr);
     }
     let mut cargs = vec![
         "coordinator".into(),
@@ -210,43 +292,114 @@ pub fn run(a: UpArgs) -> Result<()> {
     ];
     cargs.extend(a.plan.to_args());
     cargs.extend(a.sched.to_args());
+    if let (Some(c), Some(k)) = (&a.tls_cert, &a.tls_key) {
+        cargs.extend(["--tls-cert".into(), c.display().to_string()]);
+        cargs.extend(["--tls-key".into(), k.display().to_string()]);
+    }
     cargs.extend(otlp);
     let addr = spawn(&mut children, "coordinator", &cargs)?;
-    if a.prompt.is_given() {
+    specs.push(Supervised {
+        args: with_flag(cargs, "--listen", addr.split("://").last().unwrap_or(&addr)),
+        restarts: 0,
+    });
+    // With an input: the request runs on its own thread while this one supervises the children.
+    let job = a.prompt.is_given().then(|| {
         let sub = crate::submit::SubmitArgs {
-            addr,
+            addr: addr.clone(),
             prompt: a.prompt.clone(),
             sampling: a.sampling.clone(),
             json: a.json,
+            api_key: a.api_key.clone(),
+            // A self-signed certificate is its own CA.
+            tls_ca: a.tls_cert.clone(),
         };
-        let res = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?
-            .block_on(crate::submit::run(sub));
-        drop(children);
-        clean_shm(&ns);
-        return res;
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(crate::submit::run(sub))
+        })
+    });
+    if job.is_none() {
+        println!("LISTENING {addr}");
+        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}; Ctrl-C stops everything", a.workers);
     }
-    println!("LISTENING {addr}");
-    eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}; Ctrl-C stops everything", a.workers);
-    loop {
-        if let Some(sig) = wait_signal(&mut set, Duration::from_millis(200)) {
-            eprintln!("layerstream up: signal {sig}, stopping");
-            break;
-        }
-        if let Some((name, status)) = children
-            .0
-            .iter_mut()
-            .find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s)))
-        {
-            drop(children);
-            clean_shm(&ns);
-            bail!("{name} exited ({status}); stopped the rest");
-        }
-    }
+    let outcome = supervise(&mut children, &mut specs, &mut set, a.max_restarts, job.as_ref());
     drop(children);
     clean_shm(&ns);
-    Ok(())
+    outcome?;
+    match job {
+        Some(j) => j.join().map_err(|_| anyhow::anyhow!("the request thread panicked"))?,
+        None => Ok(()),
+    }
+}
+
+/// Waits for a signal (or the end of `job`), restarting children that die.
+fn supervise(
+    children: &mut Children,
+    specs: &mut [Supervised],
+    set: &mut libc::sigset_t,
+    max_restarts: u32,
+    job: Option<&std::thread::JoinHandle<Result<()>>>,
+) -> Result<()> {
+    loop {
+        if let Some(sig) = wait_signal(set, Duration::from_millis(200)) {
+            eprintln!("layerstream up: signal {sig}, stopping");
+            return Ok(());
+        }
+        if job.is_some_and(|j| j.is_finished()) {
+            return Ok(());
+        }
+        let dead = children
+            .0
+            .iter_mut()
+            .enumerate()
+            .find_map(|(i, (_, c))| c.try_wait().ok().flatten().map(|s| (i, s)));
+        let Some((i, status)) = dead else { continue };
+        let name = children.0[i].0.clone();
+        if specs[i].restarts >= max_restarts {
+            bail!("{name} exited ({status}) after {max_restarts} restarts (--max-restarts); stopped the rest");
+        }
+        specs[i].restarts += 1;
+        eprintln!(
+            "layerstream up: {name} exited ({status}); restarting it ({} of {max_restarts})",
+            specs[i].restarts
+        );
+        respawn(children, i, &specs[i].args).with_context(|| format!("restarting {name}"))?;
+    }
+}
+
+/// Removes what stacks whose `up` died (SIGKILL, a crash) left behind: their shm regions and
+/// loader sockets (named after the dead `up`'s pid).
+fn remove_orphans() {
+    // Gone, or a zombie nobody reaped yet.
+    let dead = |pid: &str| {
+        pid.parse::<u32>().is_ok()
+            && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    };
+    let mut removed = 0;
+    for name in layerstream_proto::shm::list(&format!("{}up", layerstream_proto::shm::PREFIX)) {
+        let rest = &name[layerstream_proto::shm::PREFIX.len() + 2..];
+        if dead(rest.split('-').next().unwrap_or(""))
+            && layerstream_proto::shm::unlink(&name).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    if let Ok(dir) = layerstream_proto::transport::runtime_dir() {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = n.strip_prefix("up").and_then(|r| r.strip_suffix(".sock")) {
+                if dead(pid) && std::fs::remove_file(e.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+    }
+    if removed > 0 {
+        eprintln!("layerstream up: removed {removed} shared-memory regions and sockets left by stacks that were killed");
+    }
 }
 
 /// Removes what a loader that died without cleaning up left in /dev/shm.

@@ -7,6 +7,9 @@ pub enum Error {
     Plan(String),
     #[error("worker {worker}: {msg}")]
     Worker { worker: String, msg: String },
+    /// A worker refused weights that fail their checksum: not recoverable by replaying.
+    #[error("worker {worker}: {msg}")]
+    Corrupt { worker: String, msg: String },
     #[error("worker {worker} did not answer a step within {timeout:?}")]
     StepTimeout { worker: String, timeout: std::time::Duration },
     #[error("{0}")]
@@ -19,6 +22,13 @@ pub enum Error {
     Transport(#[from] tonic::transport::Error),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Whether replaying the step cannot help (the same bytes would be read again).
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, Error::Corrupt { .. })
+    }
 }
 
 /// Result alias for the coordinator crate.
@@ -35,6 +45,7 @@ impl From<Error> for tonic::Status {
             ) => tonic::Status::invalid_argument(e.to_string()),
             Error::StepTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
             Error::Worker { .. } | Error::Transport(_) => tonic::Status::unavailable(e.to_string()),
+            Error::Corrupt { .. } => tonic::Status::data_loss(e.to_string()),
             _ => tonic::Status::internal(e.to_string()),
         }
     }

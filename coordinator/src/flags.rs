@@ -38,9 +38,16 @@ pub struct SchedulerFlags {
     /// Queued sequences before new requests get RESOURCE_EXHAUSTED.
     #[arg(long, env = "LAYERSTREAM_QUEUE_SIZE", default_value_t = 256)]
     pub queue_size: usize,
-    /// Seconds a worker may take for one step before the job fails.
-    #[arg(long = "step-timeout", env = "LAYERSTREAM_STEP_TIMEOUT", default_value_t = 300)]
-    pub step_timeout_s: u64,
+    /// Seconds a worker may take for one step before it counts as stalled (and, when it does not
+    /// answer within the same time again, is reported in the error of the jobs it held). Default:
+    /// derived from measured steps — 10 × the slowest of the last 64, at least 30 s (300 s before
+    /// the first step has been measured).
+    #[arg(long = "step-timeout", env = "LAYERSTREAM_STEP_TIMEOUT")]
+    pub step_timeout_s: Option<u64>,
+    /// How many times in a row the coordinator recovers from a failed step (re-assigning restarted
+    /// workers and replaying the sequences in flight) before the jobs in flight fail.
+    #[arg(long, env = "LAYERSTREAM_MAX_RECOVERIES", default_value_t = 3)]
+    pub max_recoveries: u32,
     /// Seconds a finished job stays visible to GetJob/WatchJob before its record is dropped.
     #[arg(long = "job-retention", env = "LAYERSTREAM_JOB_RETENTION", default_value_t = 600)]
     pub job_retention_s: u64,
@@ -75,15 +82,19 @@ impl PlanFlags {
 impl SchedulerFlags {
     /// The same settings as command-line arguments (for a child coordinator).
     pub fn to_args(&self) -> Vec<String> {
-        [
+        let mut a = [
             flag("max-batch", self.max_batch),
             flag("max-step-tokens", self.max_step_tokens),
             flag("queue-size", self.queue_size),
-            flag("step-timeout", self.step_timeout_s),
+            flag("max-recoveries", self.max_recoveries),
             flag("job-retention", self.job_retention_s),
             flag("max-job-records", self.max_job_records),
         ]
-        .concat()
+        .concat();
+        if let Some(t) = self.step_timeout_s {
+            a.extend(flag("step-timeout", t));
+        }
+        a
     }
 }
 

@@ -14,6 +14,7 @@ use clap::Args;
 pub use error::{Error, Result};
 pub use flags::{PlanFlags, SchedulerFlags};
 use layerstream_model::Store;
+use layerstream_proto::auth::{Bearer, RequireBearer};
 use layerstream_proto::v1::coordinator_server::CoordinatorServer;
 use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::{InfoRequest, Plan};
@@ -21,6 +22,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
+use tonic::service::interceptor::InterceptedService;
 
 /// Flags of the coordinator.
 #[derive(Args, Debug, Clone)]
@@ -48,10 +50,26 @@ pub struct CoordinatorArgs {
     /// OTLP gRPC endpoint for traces (off when unset).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// API key of the public job API: clients send `authorization: Bearer <key>` (gRPC metadata);
+    /// calls without it get UNAUTHENTICATED. Unset: no key (health and reflection are always open).
+    #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Shared secret sent to the workers' internal API (`up` generates one).
+    #[arg(long, env = "LAYERSTREAM_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: Option<String>,
+    /// Serve the job API over TLS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, env = "LAYERSTREAM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = "LAYERSTREAM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificate to trust for `https://` workers (workers started with `--tls-cert`).
+    #[arg(long, env = "LAYERSTREAM_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 async fn info_with_retry(
-    c: &mut WorkerClient<tonic::transport::Channel>,
+    c: &mut pipeline::WorkerConn,
     addr: &str,
     wait: Duration,
 ) -> Result<layerstream_proto::v1::InfoResponse> {
@@ -117,9 +135,20 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         Duration::from_secs(args.worker_wait_s),
     )
     .await?;
+    let bearer = Bearer::new(args.internal_token.as_deref())
+        .map_err(|m| Error::Setup(format!("--internal-token: {m}")))?;
+    let api_guard = RequireBearer::new(args.api_key.as_deref(), "API key")
+        .map_err(|m| Error::Setup(format!("--api-key: {m}")))?;
+    let tls =
+        layerstream_proto::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
+            .map_err(Error::Setup)?;
+    let worker_tls = layerstream_proto::transport::client_tls(args.tls_ca.as_deref())
+        .map_err(|m| Error::Setup(format!("--tls-ca: {m}")))?;
     let mut workers = Vec::new();
     for addr in &addrs {
-        let mut c = WorkerClient::new(layerstream_proto::transport::channel(addr)?)
+        let channel =
+            bearer.clone().wrap(layerstream_proto::transport::channel(addr, worker_tls.as_ref())?);
+        let mut c = WorkerClient::new(channel)
             .max_decoding_message_size(1 << 30)
             .max_encoding_message_size(1 << 30);
         let info = info_with_retry(&mut c, addr, Duration::from_secs(args.worker_wait_s)).await?;
@@ -135,8 +164,6 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
         workers.push((addr.clone(), info.device, info.memory_budget, c));
     }
-    let specs: Vec<planner::WorkerSpec> =
-        workers.iter().map(|w| planner::WorkerSpec { address: w.0.clone(), budget: w.2 }).collect();
     let opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
         group_size: args.plan.layer_group_size,
@@ -144,25 +171,31 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         kv_capacity: args.plan.kv_capacity,
         prefetch: !args.plan.no_prefetch,
     };
-    let plans = planner::plan(&store.manifest, &specs, &opts)?;
-    let mut assignments = Vec::new();
+    let num_layers = store.manifest.config.num_layers as u32;
+    let current = Arc::new(std::sync::RwLock::new(Plan { assignments: vec![], num_layers }));
+    let roster = pipeline::Roster {
+        workers: workers
+            .iter()
+            .map(|w| (planner::WorkerSpec { address: w.0.clone(), budget: w.2 }, w.3.clone()))
+            .collect(),
+        manifest: store.manifest.clone(),
+        opts,
+        current: current.clone(),
+    };
+    let mut pipeline = pipeline::Pipeline {
+        stages: Vec::new(),
+        deadline: pipeline::Deadline::new(args.sched.step_timeout_s.map(Duration::from_secs)),
+        roster,
+    };
+    let all: Vec<usize> = (0..workers.len()).collect();
     let mut step_tokens = args.sched.max_step_tokens.max(1);
-    for ((addr, _, _, c), p) in workers.iter_mut().zip(&plans) {
-        let a = p.clone();
-        tracing::info!(worker = %addr, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = a.bytes_needed, prefetch = p.prefetch, "plan");
-        let r = c
-            .assign(a.clone())
-            .await
-            .map_err(|s| Error::Worker {
-                worker: addr.clone(),
-                msg: format!("refused its assignment: {}", s.message()),
-            })?
-            .into_inner();
-        if r.max_step_tokens > 0 && (r.max_step_tokens as usize) < step_tokens {
-            step_tokens = r.max_step_tokens as usize;
-            tracing::info!(worker = %addr, max_step_tokens = step_tokens, "tokens per step limited by the worker's activation memory");
-        }
-        assignments.push(a);
+    let limit = pipeline.plan_over(&all).await?;
+    if limit > 0 && limit < step_tokens {
+        step_tokens = limit;
+        tracing::info!(
+            max_step_tokens = step_tokens,
+            "tokens per step limited by a worker's activation memory"
+        );
     }
     let jobs = jobs::Jobs::new(
         Duration::from_secs(args.sched.job_retention_s),
@@ -179,10 +212,6 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let queue_size = args.sched.queue_size.max(1);
     let (queue, rx) = tokio::sync::mpsc::channel(queue_size);
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let pipeline = pipeline::Pipeline {
-        workers: workers.iter().map(|w| (w.0.clone(), w.3.clone())).collect(),
-        step_timeout: Duration::from_secs(args.sched.step_timeout_s),
-    };
     let sched = scheduler::Scheduler {
         rx,
         pipeline,
@@ -194,6 +223,9 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
             kv_capacity: args.plan.kv_capacity,
             max_step_tokens: step_tokens,
         },
+        max_recoveries: args.sched.max_recoveries,
+        failures: 0,
+        resync: false,
     };
     tokio::spawn(sched.run());
     let svc = service::CoordinatorService {
@@ -205,23 +237,31 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         vocab: store.manifest.config.vocab_size,
         context: store.manifest.config.max_position_embeddings,
         kv_capacity: args.plan.kv_capacity,
-        plan: Plan { assignments, num_layers: store.manifest.config.num_layers as u32 },
+        plan: current,
         workers,
         next_seq: AtomicU64::new(1),
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
-    println!("LISTENING http://{}", listener.local_addr()?);
-    tonic::transport::Server::builder()
-        .add_service(
-            layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>(
-            )
-            .await,
-        )
+    let local = listener.local_addr()?;
+    if !api_guard.enabled() && !local.ip().is_loopback() {
+        tracing::warn!(addr = %local, "serving the job API on a non-loopback address without an API key");
+        eprintln!("warning: the job API listens on {local} without an API key: anyone who reaches it can submit, watch and cancel jobs (set --api-key or LAYERSTREAM_API_KEY)");
+    }
+    println!("LISTENING {}://{local}", if tls.is_some() { "https" } else { "http" });
+    let (_health, health_svc) =
+        layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>()
+            .await;
+    let mut server = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        server = server.tls_config(t)?;
+    }
+    server
+        .add_service(health_svc)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(layerstream_proto::transport::reflection_v1alpha())
-        .add_service(CoordinatorServer::new(svc))
+        .add_service(InterceptedService::new(CoordinatorServer::new(svc), api_guard))
         .serve_with_incoming_shutdown(
             layerstream_proto::transport::tcp_incoming(listener),
             layerstream_proto::transport::shutdown_signal(),

@@ -1,20 +1,91 @@
-//! One forward step through the worker pipeline: StepRequest to each worker in order, hidden states
-//! passed along, sampled tokens from the last; trace context in metadata; a failed or hung worker
-//! ends the step with an error that names it.
+//! One forward step through the worker pipeline — StepRequest to each worker in order, hidden states
+//! passed along, sampled tokens from the last, trace context in metadata — and what keeps the
+//! pipeline whole: a step deadline derived from measured steps, and `recover`, which after a failed
+//! step brings every worker back to a known state (a worker that lost its assignment, e.g. because
+//! it was restarted, is assigned again; the others free every sequence) so the scheduler can replay
+//! the sequences in flight; a worker that does not come back is planned around when the others can
+//! hold the model (and planned in again once it answers). Errors name the worker and what happened.
 
 use crate::error::{Error, Result};
+use crate::planner::{PlanOptions, WorkerSpec};
+use layerstream_model::Manifest;
+use layerstream_proto::auth::Authed;
 use layerstream_proto::telemetry::traced_request;
 use layerstream_proto::v1::worker_client::WorkerClient;
-use layerstream_proto::v1::{LayerTiming, ReleaseRequest, StepRequest, StepSeq};
-use std::time::Duration;
-use tonic::transport::Channel;
+use layerstream_proto::v1::{
+    AssignResponse, Assignment, InfoRequest, InfoResponse, LayerTiming, Plan, ReleaseRequest,
+    StepRequest, StepSeq,
+};
+use std::collections::VecDeque;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 use tracing::Span;
 
-/// The workers in layer order.
+/// A client of one worker (with the internal token attached when one is set).
+pub type WorkerConn = WorkerClient<Authed>;
+
+/// One worker of the pipeline: its address, client and the assignment it should hold.
 #[derive(Clone)]
+pub struct Stage {
+    pub addr: String,
+    pub client: WorkerConn,
+    pub assignment: Assignment,
+}
+
+/// The step deadline: fixed by `--step-timeout`, or derived from measured steps.
+#[derive(Debug, Clone)]
+pub struct Deadline {
+    fixed: Option<Duration>,
+    recent: VecDeque<Duration>,
+}
+
+impl Deadline {
+    /// Steps remembered for the derived deadline.
+    const WINDOW: usize = 64;
+    /// The derived deadline never goes below this.
+    pub const FLOOR: Duration = Duration::from_secs(30);
+    /// Before any step was measured (the first steps read cold weights).
+    pub const UNMEASURED: Duration = Duration::from_secs(300);
+
+    /// A deadline fixed at `fixed`, or derived when `None`.
+    pub fn new(fixed: Option<Duration>) -> Self {
+        Deadline { fixed, recent: VecDeque::new() }
+    }
+
+    /// The deadline now: the fixed one, or 10 × the slowest recent step, at least `FLOOR`.
+    pub fn current(&self) -> Duration {
+        if let Some(f) = self.fixed {
+            return f;
+        }
+        match self.recent.iter().max() {
+            Some(&slowest) => (slowest * 10).max(Self::FLOOR),
+            None => Self::UNMEASURED,
+        }
+    }
+
+    /// Remembers a completed step's duration.
+    pub fn record(&mut self, took: Duration) {
+        if self.recent.len() == Self::WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(took);
+    }
+}
+
+/// Every registered worker, and what the planner needs to plan over any subset of them.
+pub struct Roster {
+    pub workers: Vec<(WorkerSpec, WorkerConn)>,
+    pub manifest: Manifest,
+    pub opts: PlanOptions,
+    /// The plan in force, shared with GetPlan and ListWorkers.
+    pub current: Arc<RwLock<Plan>>,
+}
+
+/// The workers in layer order.
 pub struct Pipeline {
-    pub workers: Vec<(String, WorkerClient<Channel>)>,
-    pub step_timeout: Duration,
+    pub stages: Vec<Stage>,
+    pub deadline: Deadline,
+    pub roster: Roster,
 }
 
 /// The result of a step.
@@ -26,34 +97,125 @@ pub struct StepResult {
     pub layers_ms: f64,
 }
 
+/// How long one probe of a worker (Info, Release) may take.
+const PROBE: Duration = Duration::from_secs(2);
+/// How long loading an assignment may take (resident layers of a large model read from disk).
+const ASSIGN: Duration = Duration::from_secs(600);
+
+fn worker_err(addr: &str, s: &tonic::Status) -> Error {
+    let msg = format!("failed: {} ({:?})", s.message(), s.code());
+    if s.code() == tonic::Code::DataLoss {
+        // Corrupt weights: replaying would read the same bytes again.
+        return Error::Corrupt { worker: addr.into(), msg };
+    }
+    Error::Worker { worker: addr.into(), msg }
+}
+
+/// Loads `stage.assignment` on its worker; the answer carries the worker's step-token limit.
+pub async fn assign(stage: &Stage) -> Result<AssignResponse> {
+    let mut c = stage.client.clone();
+    let refused = |msg: String| Error::Worker {
+        worker: stage.addr.clone(),
+        msg: format!("refused its assignment: {msg}"),
+    };
+    Ok(tokio::time::timeout(ASSIGN, c.assign(stage.assignment.clone()))
+        .await
+        .map_err(|_| refused(format!("no answer within {ASSIGN:?}")))?
+        .map_err(|s| refused(s.message().to_owned()))?
+        .into_inner())
+}
+
+/// Asks a worker what it holds, within `PROBE`.
+pub async fn probe(client: &WorkerConn) -> std::result::Result<InfoResponse, String> {
+    let mut c = client.clone();
+    match tokio::time::timeout(PROBE, c.info(InfoRequest {})).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(format!("{} ({:?})", s.message(), s.code())),
+        Err(_) => Err(format!("no answer within {PROBE:?} (stalled?)")),
+    }
+}
+
 impl Pipeline {
-    /// Runs `seqs` through every worker under `span`.
-    pub async fn step(&self, seqs: Vec<StepSeq>, span: &Span) -> Result<StepResult> {
+    /// Plans over the registered workers at `members` (indices into the roster), assigns every one
+    /// of them, and makes that the pipeline; returns the smallest step-token limit they report
+    /// (0 = none).
+    pub async fn plan_over(&mut self, members: &[usize]) -> Result<usize> {
+        let r = &self.roster;
+        let specs: Vec<WorkerSpec> = members.iter().map(|&i| r.workers[i].0.clone()).collect();
+        let mut plans = crate::planner::plan(&r.manifest, &specs, &r.opts)?;
+        // One id for this plan: a worker that reports another (or none) lost it.
+        let id = layerstream_proto::auth::random_hex();
+        let mut stages = Vec::new();
+        let mut limit = 0usize;
+        for (p, &i) in plans.iter_mut().zip(members) {
+            p.assignment_id = id.clone();
+            tracing::info!(worker = %p.worker, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = p.bytes_needed, prefetch = p.prefetch, "plan");
+            let stage = Stage {
+                addr: r.workers[i].0.address.clone(),
+                client: r.workers[i].1.clone(),
+                assignment: p.clone(),
+            };
+            let n = assign(&stage).await?.max_step_tokens as usize;
+            if n > 0 && (limit == 0 || n < limit) {
+                limit = n;
+            }
+            stages.push(stage);
+        }
+        self.stages = stages;
+        let plan = Plan { assignments: plans, num_layers: r.manifest.config.num_layers as u32 };
+        *r.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = plan;
+        Ok(limit)
+    }
+
+    /// Indices of the registered workers that answer a probe now.
+    async fn answering(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (i, (_, client)) in self.roster.workers.iter().enumerate() {
+            if probe(client).await.is_ok() {
+                out.push(i);
+            }
+        }
+        out
+    }
+
+    /// With workers planned around: when every registered worker answers again, the plan over all
+    /// of them is restored. For the idle check.
+    pub async fn regrow(&mut self) -> Result<()> {
+        if self.stages.len() == self.roster.workers.len() {
+            return Ok(());
+        }
+        let all = self.answering().await;
+        if all.len() == self.roster.workers.len() {
+            self.plan_over(&all).await?;
+            tracing::warn!(workers = all.len(), "every worker answers again: planned over all");
+        }
+        Ok(())
+    }
+
+    /// Runs `seqs` through every worker under `span`, each within the step deadline.
+    pub async fn step(&mut self, seqs: Vec<StepSeq>, span: &Span) -> Result<StepResult> {
+        let started = Instant::now();
+        let timeout = self.deadline.current();
         let mut hidden = Vec::new();
         let mut out = StepResult::default();
-        for (i, (addr, client)) in self.workers.iter().enumerate() {
+        let last = self.stages.len() - 1;
+        for (i, st) in self.stages.iter().enumerate() {
             let req = traced_request(
                 span,
                 StepRequest { seqs: seqs.clone(), hidden: std::mem::take(&mut hidden) },
             );
-            let mut c = client.clone();
-            let resp = tokio::time::timeout(self.step_timeout, c.step(req))
+            let mut c = st.client.clone();
+            let resp = tokio::time::timeout(timeout, c.step(req))
                 .await
-                .map_err(|_| Error::StepTimeout {
-                    worker: addr.clone(),
-                    timeout: self.step_timeout,
-                })?
-                .map_err(|s| Error::Worker {
-                    worker: addr.clone(),
-                    msg: format!("failed: {} ({:?})", s.message(), s.code()),
-                })?
+                .map_err(|_| Error::StepTimeout { worker: st.addr.clone(), timeout })?
+                .map_err(|s| worker_err(&st.addr, &s))?
                 .into_inner();
             out.layers.extend(resp.layers);
             out.layers_ms += resp.layers_ms;
-            if i + 1 == self.workers.len() {
+            if i == last {
                 if resp.tokens.len() != seqs.len() {
                     return Err(Error::Worker {
-                        worker: addr.clone(),
+                        worker: st.addr.clone(),
                         msg: format!(
                             "returned {} tokens for {} sequences",
                             resp.tokens.len(),
@@ -66,7 +228,95 @@ impl Pipeline {
                 hidden = resp.hidden;
             }
         }
+        self.deadline.record(started.elapsed());
         Ok(out)
+    }
+
+    /// Brings every worker back to a known, empty state after a failed step: waits up to `wait`
+    /// for each to answer, assigns again a worker whose assignment is gone (restarted, or dropped
+    /// after a fault), and frees every sequence on the others, logging what it did; fails naming
+    /// the worker that did not come back or refused. With `replan`, a worker that does not come
+    /// back is planned around when the others can hold the model.
+    pub async fn recover(&mut self, wait: Duration, replan: bool) -> Result<()> {
+        match self.recover_stages(wait).await {
+            Ok(()) => Ok(()),
+            Err(gone) if !replan => Err(gone),
+            Err(gone) => {
+                // Plan around the workers that do not answer, if the others can hold the model.
+                let alive = self.answering().await;
+                if alive.is_empty() {
+                    return Err(gone);
+                }
+                let names: Vec<&str> =
+                    alive.iter().map(|&i| self.roster.workers[i].0.address.as_str()).collect();
+                let msg =
+                    format!("re-planned over {} worker(s) ({})", alive.len(), names.join(", "));
+                match self.plan_over(&alive).await {
+                    Ok(_) => {
+                        tracing::warn!("recovery: {gone}; {msg}");
+                        Ok(())
+                    }
+                    Err(e) => Err(Error::Plan(format!(
+                        "{gone}; the workers that remain cannot take its layers: {e}"
+                    ))),
+                }
+            }
+        }
+    }
+
+    async fn recover_stages(&self, wait: Duration) -> Result<()> {
+        for st in &self.stages {
+            let deadline = Instant::now() + wait;
+            // Until the deadline: a worker still starting (or whose loader is) gets another try.
+            let mut last_err = String::new();
+            let acted = loop {
+                if !last_err.is_empty() && Instant::now() >= deadline {
+                    return Err(Error::Worker {
+                        worker: st.addr.clone(),
+                        msg: format!("did not come back within {wait:?}: {last_err}"),
+                    });
+                }
+                if !last_err.is_empty() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                let info = match probe(&st.client).await {
+                    Ok(info) => info,
+                    Err(e) => {
+                        last_err = e;
+                        continue;
+                    }
+                };
+                if info.assignment_id != st.assignment.assignment_id {
+                    match assign(st).await {
+                        Ok(_) => break true,
+                        Err(e) => last_err = e.to_string(),
+                    }
+                    continue;
+                }
+                let mut c = st.client.clone();
+                let req = ReleaseRequest { seq_ids: vec![], all: true };
+                match tokio::time::timeout(PROBE, c.release(req)).await {
+                    Ok(Ok(_)) => break false,
+                    Ok(Err(s)) => last_err = format!("freeing its sequences: {}", s.message()),
+                    Err(_) => last_err = "freeing its sequences: no answer".into(),
+                }
+            };
+            if acted {
+                tracing::warn!("recovery: assigned {} again (it held no assignment)", st.addr);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every worker holds its assignment (one probe each): for the idle check.
+    pub async fn intact(&self) -> bool {
+        for st in &self.stages {
+            match probe(&st.client).await {
+                Ok(i) if i.assignment_id == st.assignment.assignment_id => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Frees sequences on every worker (best effort: a dead worker has nothing left to free).
@@ -74,16 +324,33 @@ impl Pipeline {
         if ids.is_empty() {
             return;
         }
-        for (addr, client) in &self.workers {
-            let mut c = client.clone();
-            if let Err(e) = tokio::time::timeout(
-                Duration::from_secs(5),
-                c.release(ReleaseRequest { seq_ids: ids.clone() }),
-            )
-            .await
-            {
-                tracing::warn!(worker = %addr, error = %e, "release timed out");
+        for st in &self.stages {
+            let mut c = st.client.clone();
+            let req = ReleaseRequest { seq_ids: ids.clone(), all: false };
+            if let Err(e) = tokio::time::timeout(Duration::from_secs(5), c.release(req)).await {
+                tracing::warn!(worker = %st.addr, error = %e, "release timed out");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_derived_deadline_follows_the_slowest_recent_step_with_a_floor() {
+        let fixed = Deadline::new(Some(Duration::from_secs(3)));
+        assert_eq!(fixed.current(), Duration::from_secs(3));
+        let mut d = Deadline::new(None);
+        assert_eq!(d.current(), Deadline::UNMEASURED);
+        d.record(Duration::from_millis(20));
+        assert_eq!(d.current(), Deadline::FLOOR, "fast steps: the floor");
+        d.record(Duration::from_secs(7));
+        assert_eq!(d.current(), Duration::from_secs(70));
+        for _ in 0..Deadline::WINDOW {
+            d.record(Duration::from_secs(1));
+        }
+        assert_eq!(d.current(), Deadline::FLOOR, "the slow step left the window");
     }
 }

@@ -87,6 +87,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             head: i == last,
             prefetch: o.prefetch,
             bytes_needed: 0,
+            assignment_id: String::new(),
         };
         let k = match o.resident_layers {
             Some(k) => k.min(range.len()),

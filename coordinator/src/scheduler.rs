@@ -13,9 +13,12 @@ use layerstream_proto::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::{info_span, Span};
+
+/// How often an idle scheduler checks that the workers still hold their assignments.
+const IDLE_CHECK: Duration = Duration::from_secs(2);
 
 /// One sequence to generate.
 pub struct SeqRequest {
@@ -41,11 +44,39 @@ impl SeqRequest {
 
 struct Active {
     req: SeqRequest,
+    /// Tokens the workers' KV caches hold for it (0 again after a fault: it is replayed).
     pos: usize,
     /// Output tokens, their text, and the stop criteria.
     stopper: Stopper,
     acc: Acc,
     started: Instant,
+}
+
+impl Active {
+    /// Tokens known so far: the prompt, then every output token.
+    fn known(&self) -> usize {
+        self.req.input_ids.len() + self.stopper.output().len()
+    }
+
+    /// Where prefilling ends and decoding starts: the prompt's end, or — for a sequence replayed
+    /// after a fault — the last output token, which then goes in as a normal decode.
+    fn prefill_end(&self) -> usize {
+        if self.stopper.output().is_empty() {
+            self.req.input_ids.len()
+        } else {
+            self.known() - 1
+        }
+    }
+
+    /// The `n` known tokens from `pos` on.
+    fn tokens(&self, n: usize) -> Vec<u32> {
+        let input = &self.req.input_ids;
+        (self.pos..self.pos + n)
+            .map(|i| {
+                input.get(i).copied().unwrap_or_else(|| self.stopper.output()[i - input.len()])
+            })
+            .collect()
+    }
 }
 
 /// Admission limits.
@@ -66,6 +97,12 @@ pub struct Scheduler {
     /// The model's end-of-sequence ids.
     pub eos: Vec<u32>,
     pub limits: Limits,
+    /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
+    pub max_recoveries: u32,
+    /// Failed steps since the last good one.
+    pub failures: u32,
+    /// A fault left the workers in an unknown state: recover before the next step.
+    pub resync: bool,
 }
 
 /// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
@@ -141,9 +178,21 @@ impl Scheduler {
         let mut waiting: VecDeque<SeqRequest> = VecDeque::new();
         loop {
             if active.is_empty() && waiting.is_empty() {
-                match self.rx.recv().await {
-                    Some(r) => waiting.push_back(r),
-                    None => return,
+                // Idle: every few seconds check that the workers still hold their assignments, so
+                // a worker restarted while nothing ran is assigned again before a job needs it.
+                match tokio::time::timeout(IDLE_CHECK, self.rx.recv()).await {
+                    Ok(Some(r)) => waiting.push_back(r),
+                    Ok(None) => return,
+                    Err(_) => {
+                        if !self.pipeline.intact().await {
+                            self.resync = true;
+                            let _ = self.resync_now().await;
+                        }
+                        if let Err(e) = self.pipeline.regrow().await {
+                            tracing::warn!(error = %e, "planning over every worker again failed");
+                        }
+                        continue;
+                    }
                 }
             }
             while let Ok(r) = self.rx.try_recv() {
@@ -166,6 +215,12 @@ impl Scheduler {
             self.drop_cancelled(&mut active, &mut waiting).await;
             if active.is_empty() {
                 continue;
+            }
+            if self.resync {
+                if let Err(e) = self.resync_now().await {
+                    self.fail_all(&mut active, &e.to_string()).await;
+                    continue;
+                }
             }
             self.step(&mut active).await;
         }
@@ -208,9 +263,72 @@ impl Scheduler {
         self.pipeline.release(gone).await;
     }
 
-    async fn step(&self, active: &mut Vec<Active>) {
+    /// Brings the workers back to a known state after a fault (see `Pipeline::recover`).
+    async fn resync_now(&mut self) -> crate::Result<()> {
+        match self.pipeline.recover(self.pipeline.deadline.current(), true).await {
+            Ok(()) => {
+                self.resync = false;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the workers are not back yet");
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends every active sequence with `error` and frees what the workers still hold of them.
+    async fn fail_all(&mut self, active: &mut Vec<Active>, error: &str) {
+        let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
+        for a in active.drain(..) {
+            let _ = a.req.events.send(finish(&a, FinishReason::Error, error.to_owned())).await;
+        }
+        self.pipeline.release(ids).await;
+    }
+
+    /// A step failed: recover the pipeline and replay every active sequence from position 0 (the
+    /// coordinator holds their prompts and outputs), or, when that cannot help, fail them naming
+    /// the worker and what happened.
+    async fn after_fault(&mut self, active: &mut Vec<Active>, e: crate::Error) {
+        self.failures += 1;
+        if e.is_permanent() || self.failures > self.max_recoveries {
+            tracing::error!(error = %e, failures = self.failures, "step failed; ending every active sequence");
+            let msg = if e.is_permanent() {
+                e.to_string()
+            } else {
+                format!("{e} (after {} recoveries in a row)", self.failures - 1)
+            };
+            self.failures = 0;
+            self.resync = true;
+            self.fail_all(active, &msg).await;
+            return;
+        }
+        tracing::warn!(error = %e, attempt = self.failures, sequences = active.len(), "step failed; recovering the workers and replaying the sequences in flight");
+        // A worker that missed a whole step deadline had its chance: one probe decides. Otherwise
+        // a dead worker gets one step deadline to be restarted (by `up`, or an orchestrator).
+        // A stalled worker may come back (SIGCONT, a long GC): its jobs fail within the deadline,
+        // and only a later resync plans around it if it still does not answer.
+        let (wait, replan) = match e {
+            crate::Error::StepTimeout { .. } => (Duration::ZERO, false),
+            _ => (self.pipeline.deadline.current(), true),
+        };
+        match self.pipeline.recover(wait, replan).await {
+            Ok(()) => {
+                for a in active.iter_mut() {
+                    a.pos = 0;
+                    a.acc.replays += 1;
+                }
+            }
+            Err(e2) => {
+                self.resync = true;
+                self.fail_all(active, &format!("{e}; then {e2}")).await;
+            }
+        }
+    }
+
+    async fn step(&mut self, active: &mut Vec<Active>) {
         let shares = step_tokens(
-            &active.iter().map(|a| (a.pos, a.req.input_ids.len())).collect::<Vec<_>>(),
+            &active.iter().map(|a| (a.pos, a.prefill_end())).collect::<Vec<_>>(),
             self.limits.max_step_tokens,
         );
         // (index into `active`, tokens it brings) for the sequences that ride this step.
@@ -220,17 +338,16 @@ impl Scheduler {
             .iter()
             .map(|&(i, n)| {
                 let a = &active[i];
-                let prompt = a.req.input_ids.len();
                 StepSeq {
                     seq_id: a.req.seq_id,
                     start_pos: a.pos as u32,
-                    token_ids: if a.pos < prompt {
-                        a.req.input_ids[a.pos..a.pos + n].to_vec()
-                    } else {
-                        vec![*a.stopper.output().last().expect("decoding after prefill")]
-                    },
+                    token_ids: a.tokens(n),
                     sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
-                    prompt_continues: a.pos + n < prompt,
+                    // Only the chunk that reaches the last known token samples; a replay's
+                    // chunks (prompt and earlier outputs) sample nothing.
+                    prompt_continues: a.pos + n < a.known(),
+                    // Each output token drew once from a sampling sequence's generator.
+                    draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
                 }
             })
             .collect();
@@ -242,16 +359,9 @@ impl Scheduler {
         drop(spans);
         let out = match res {
             Ok(out) => out,
-            Err(e) => {
-                tracing::error!(error = %e, "step failed; ending every active sequence");
-                let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
-                for a in active.drain(..) {
-                    let _ = a.req.events.send(finish(&a, FinishReason::Error, e.to_string())).await;
-                }
-                self.pipeline.release(ids).await;
-                return;
-            }
+            Err(e) => return self.after_fault(active, e).await,
         };
+        self.failures = 0;
         let mut done = Vec::new();
         for ((&(i, n), s), &tok) in members.iter().zip(&seqs).zip(&out.tokens) {
             let a = &mut active[i];

@@ -6,7 +6,6 @@ use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
 use layerstream_model::{check_request, GenerateParams, Message, SamplingParams, Tokenizer};
 use layerstream_proto::v1::coordinator_server::Coordinator;
-use layerstream_proto::v1::worker_client::WorkerClient;
 use layerstream_proto::v1::*;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -14,19 +13,13 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::{info, info_span, instrument};
 
 /// A job id no other client can guess (128 random bits from the kernel), so nobody watches or
 /// cancels a job they were not given.
 pub fn random_job_id() -> String {
-    use std::io::Read;
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .expect("reading /dev/urandom");
-    format!("job-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    format!("job-{}", layerstream_proto::auth::random_hex())
 }
 
 /// Bytes of prompt text allowed per token of context before tokenizing: a BPE token rarely spans more
@@ -54,8 +47,9 @@ pub struct CoordinatorService {
     pub vocab: usize,
     pub context: usize,
     pub kv_capacity: usize,
-    pub plan: Plan,
-    pub workers: Vec<(String, String, u64, WorkerClient<Channel>)>,
+    /// The plan in force (the scheduler replaces it when it plans around a worker that is gone).
+    pub plan: Arc<std::sync::RwLock<Plan>>,
+    pub workers: Vec<(String, String, u64, crate::pipeline::WorkerConn)>,
     pub next_seq: AtomicU64,
 }
 
@@ -324,15 +318,14 @@ impl Coordinator for CoordinatorService {
         _r: Request<ListWorkersRequest>,
     ) -> Result<Response<ListWorkersResponse>, Status> {
         let mut workers = Vec::new();
+        let plan = self.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         for (addr, device, budget, client) in &self.workers {
-            let mut c = client.clone();
-            let info =
-                tokio::time::timeout(std::time::Duration::from_secs(2), c.info(InfoRequest {}))
-                    .await
-                    .ok()
-                    .and_then(|r| r.ok())
-                    .map(|r| r.into_inner());
-            let healthy = info.is_some();
+            let a = plan.assignments.iter().find(|a| &a.worker == addr);
+            let info = crate::pipeline::probe(client).await.ok();
+            // Healthy: it answers and holds its assignment (a restarted worker does not until the
+            // coordinator assigns it again).
+            let healthy =
+                info.as_ref().zip(a).is_some_and(|(i, a)| i.assignment_id == a.assignment_id);
             let device_bytes_used = info.map_or(0, |i| i.device_bytes_used);
             workers.push(WorkerInfo {
                 address: addr.clone(),
@@ -346,7 +339,9 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn get_plan(&self, _r: Request<GetPlanRequest>) -> Result<Response<Plan>, Status> {
-        Ok(Response::new(self.plan.clone()))
+        Ok(Response::new(
+            self.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+        ))
     }
 }
 

@@ -17,6 +17,8 @@ pub struct Acc {
     pub ideal_ms: f64,
     /// Time from arrival to the first generated token.
     pub first_token: Option<Duration>,
+    /// Replays after worker faults.
+    pub replays: u32,
 }
 
 impl Acc {
@@ -74,6 +76,7 @@ impl Acc {
             ideal_ms: self.ideal_ms,
             first_token_ms: self.first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
             decode_tokens_per_s,
+            replays: self.replays,
         }
     }
 }

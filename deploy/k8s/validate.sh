@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m pip show kubernetes-validate >/dev/null 2>&1 || python3 -m pip install -q kubernetes-validate
-kubernetes-validate --strict config.yaml node.yaml coordinator.yaml
+kubernetes-validate --strict config.yaml secret.yaml node.yaml coordinator.yaml

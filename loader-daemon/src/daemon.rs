@@ -10,10 +10,17 @@ use layerstream_proto::telemetry::adopt_parent;
 use layerstream_proto::v1::loader_server::Loader;
 use layerstream_proto::v1::*;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 use tracing::{info, info_span, warn, Instrument};
+
+/// A worker's cyclic layer order and where in it the worker last read.
+struct Cycle {
+    order: Vec<u32>,
+    cursor: usize,
+}
 
 /// Everything the daemon owns. Dropping it unmaps and unlinks every slot.
 pub struct Daemon {
@@ -24,7 +31,15 @@ pub struct Daemon {
     pub direct: bool,
     pool: Mutex<Pool>,
     changed: tokio::sync::Notify,
-    orders: Mutex<HashMap<String, Vec<u32>>>,
+    orders: Mutex<HashMap<String, Cycle>>,
+    /// Acquires served by a slot already holding the layer (hits, prefetched ones included) and
+    /// layer files read from disk (misses: on demand or ahead), since start.
+    hits: AtomicU64,
+    misses: AtomicU64,
+    /// Set when a panic interrupted an update of the pool: its pins may be wrong, so the daemon
+    /// reports NOT_SERVING (and is restarted) instead of handing out slots it cannot vouch for.
+    broken: AtomicBool,
+    broken_reported: AtomicBool,
 }
 
 impl Daemon {
@@ -41,9 +56,10 @@ impl Daemon {
             warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
         }
         let slot_size = slot_size.div_ceil(4096) * 4096;
+        let instance = &layerstream_proto::auth::random_hex()[..8];
         let mut slots = Vec::with_capacity(n);
         for i in 0..n {
-            let name = slot_name(ns, i);
+            let name = slot_name(ns, instance, i);
             slots.push(ShmRegion::create(&name, slot_size).map_err(|source| {
                 crate::Error::Shm { name: name.clone(), bytes: slot_size, source }
             })?);
@@ -62,7 +78,55 @@ impl Daemon {
             pool: Mutex::new(Pool::new(n)),
             changed: tokio::sync::Notify::new(),
             orders: Mutex::new(HashMap::new()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+            broken_reported: AtomicBool::new(false),
         })
+    }
+
+    /// The slot pool, locked. A poisoned lock (a panic mid-update) is taken over and marks the
+    /// daemon broken instead of failing every later call with a poisoned lock.
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| {
+            self.broken.store(true, Ordering::SeqCst);
+            self.pool.clear_poison();
+            p.into_inner()
+        })
+    }
+
+    /// Workers' cyclic layer orders (plain data: a poisoned lock is taken over).
+    fn orders(&self) -> MutexGuard<'_, HashMap<String, Cycle>> {
+        self.orders.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The slot pool's eviction order, as of now: for a layer, reads until some worker needs it
+    /// again, counted from where each worker last read; `usize::MAX` for a layer in no worker's
+    /// order (never needed: evicted first).
+    fn next_uses(&self) -> impl Fn(u32) -> usize {
+        let mut next = HashMap::new();
+        for c in self.orders().values() {
+            let n = c.order.len();
+            for (i, &l) in c.order.iter().enumerate() {
+                let d = (i + n - c.cursor) % n;
+                next.entry(l).and_modify(|v: &mut usize| *v = (*v).min(d)).or_insert(d);
+            }
+        }
+        move |l| next.get(&l).copied().unwrap_or(usize::MAX)
+    }
+
+    /// Notes that `worker` read `layer` (its position in the worker's cycle).
+    fn advance(&self, worker: &str, layer: u32) {
+        if let Some(c) = self.orders().get_mut(worker) {
+            if let Some(i) = c.order.iter().position(|&l| l == layer) {
+                c.cursor = i;
+            }
+        }
+    }
+
+    /// Whether a panic left the pool in a state the daemon cannot vouch for.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
     }
 
     fn layer_len(&self, layer: u32) -> Result<u64, Status> {
@@ -107,20 +171,31 @@ impl Daemon {
                 }
             });
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            match r {
-                Ok(n) => {
-                    s2.record("bytes", n as i64);
-                    s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
-                    Ok(ms)
-                }
-                Err(e) => Err(Status::internal(format!("reading {}: {e}", path.display()))),
+            let n = r.map_err(|e| Status::internal(format!("reading {}: {e}", path.display())))?;
+            s2.record("bytes", n as i64);
+            s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
+            if me.store.verify {
+                // Checked where the bytes enter memory: a slot that fails is never handed out.
+                let entry =
+                    me.store.manifest.file(&layer_file(layer as usize)).ok_or_else(|| {
+                        Status::not_found(format!("no layer {layer} in the store"))
+                    })?;
+                let _v = info_span!("verify", bytes = n as i64).entered();
+                layerstream_model::store::check_bytes(&path, entry, &dst[..n]).map_err(|e| {
+                    warn!(layer, error = %e, "corrupt layer file: refusing to serve it");
+                    Status::data_loss(e.to_string())
+                })?;
             }
+            Ok(ms)
         })
         .instrument(span)
         .await
         .map_err(|e| Status::internal(format!("read task: {e}")))?;
         let ok = res.is_ok();
-        self.pool.lock().unwrap().loaded(slot, ok);
+        if ok {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        self.pool().loaded(slot, ok);
         self.changed.notify_waiters();
         res
     }
@@ -128,15 +203,16 @@ impl Daemon {
     /// Starts background reads of the next `depth` layers after `layer` in `worker`'s order.
     fn prefetch_after(self: &Arc<Self>, worker: &str, layer: u32) {
         let next: Vec<u32> = {
-            let orders = self.orders.lock().unwrap();
-            let Some(order) = orders.get(worker) else { return };
+            let orders = self.orders();
+            let Some(order) = orders.get(worker).map(|c| &c.order) else { return };
             let Some(pos) = order.iter().position(|&l| l == layer) else { return };
             (1..=self.depth.min(order.len().saturating_sub(1)))
                 .map(|d| order[(pos + d) % order.len()])
                 .collect()
         };
+        let next_use = self.next_uses();
         for &l in &next {
-            let slot = self.pool.lock().unwrap().start_prefetch(l, &next);
+            let slot = self.pool().start_prefetch(l, &next, &next_use);
             if let Some(slot) = slot {
                 let me = self.clone();
                 // The read is traced under the acquire that triggered it.
@@ -159,13 +235,18 @@ impl Daemon {
         layer: u32,
     ) -> Result<AcquireResponse, Status> {
         let len = self.layer_len(layer)?;
+        self.advance(worker, layer);
         let mut read_ms = 0.0;
         let mut missed = false;
         loop {
             let notified = self.changed.notified();
-            let decision = self.pool.lock().unwrap().acquire(layer);
+            let next_use = self.next_uses();
+            let decision = self.pool().acquire(layer, &next_use);
             match decision {
                 Acquire::Hit(slot) => {
+                    if !missed {
+                        self.hits.fetch_add(1, Ordering::Relaxed);
+                    }
                     self.prefetch_after(worker, layer);
                     if !missed {
                         info_span!(
@@ -183,6 +264,7 @@ impl Daemon {
                         len,
                         hit: !missed,
                         read_ms,
+                        order_known: self.orders().contains_key(worker),
                     });
                 }
                 Acquire::Load(slot) => {
@@ -198,7 +280,24 @@ impl Daemon {
 }
 
 /// The gRPC face of the daemon.
-pub struct LoaderService(pub Arc<Daemon>);
+pub struct LoaderService {
+    pub daemon: Arc<Daemon>,
+    pub health: layerstream_proto::transport::Health,
+}
+
+impl LoaderService {
+    /// Refuses calls once the pool is broken, and reports NOT_SERVING the first time.
+    async fn check(&self) -> Result<(), Status> {
+        if !self.daemon.is_broken() {
+            return Ok(());
+        }
+        let why = "a panic interrupted an update of the slot pool";
+        if !self.daemon.broken_reported.swap(true, Ordering::SeqCst) {
+            self.health.not_serving(why).await;
+        }
+        Err(Status::unavailable(format!("loader daemon: {why}; restart it")))
+    }
+}
 
 #[tonic::async_trait]
 impl Loader for LoaderService {
@@ -206,7 +305,8 @@ impl Loader for LoaderService {
         &self,
         _r: Request<DescribeRequest>,
     ) -> Result<Response<DescribeResponse>, Status> {
-        let d = &self.0;
+        self.check().await?;
+        let d = &self.daemon;
         Ok(Response::new(DescribeResponse {
             store: d.store.dir.display().to_string(),
             slots: d.slots.iter().map(|s| s.name.clone()).collect(),
@@ -214,9 +314,11 @@ impl Loader for LoaderService {
             prefetch_depth: d.depth as u32,
             direct_io: d.direct,
             pinned: {
-                let p = d.pool.lock().unwrap();
+                let p = d.pool();
                 (0..p.len()).map(|i| p.pins(i)).sum()
             },
+            hits: d.hits.load(Ordering::Relaxed),
+            misses: d.misses.load(Ordering::Relaxed),
         }))
     }
 
@@ -224,9 +326,10 @@ impl Loader for LoaderService {
         &self,
         r: Request<SetOrderRequest>,
     ) -> Result<Response<SetOrderResponse>, Status> {
+        self.check().await?;
         let r = r.into_inner();
         info!(worker = %r.worker, layers = r.layers.len(), "worker layer order set");
-        self.0.orders.lock().unwrap().insert(r.worker, r.layers);
+        self.daemon.orders().insert(r.worker, Cycle { order: r.layers, cursor: 0 });
         Ok(Response::new(SetOrderResponse {}))
     }
 
@@ -234,21 +337,23 @@ impl Loader for LoaderService {
         &self,
         r: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
+        self.check().await?;
         let span = info_span!("acquire", layer = r.get_ref().layer as i64);
         adopt_parent(&span, r.metadata());
         let r = r.into_inner();
-        self.0.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)
+        self.daemon.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)
     }
 
     async fn release(
         &self,
         r: Request<SlotRelease>,
     ) -> Result<Response<SlotReleaseResponse>, Status> {
+        self.check().await?;
         let r = r.into_inner();
-        if !self.0.pool.lock().unwrap().release(r.layer) {
+        if !self.daemon.pool().release(r.layer) {
             return Err(Status::failed_precondition(format!("layer {} is not pinned", r.layer)));
         }
-        self.0.changed.notify_waiters();
+        self.daemon.changed.notify_waiters();
         Ok(Response::new(SlotReleaseResponse {}))
     }
 }

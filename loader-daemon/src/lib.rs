@@ -18,13 +18,20 @@ use std::sync::Arc;
 /// The slot pool's size and read-ahead (shared by `loader-daemon`, `up` and `bench`).
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct SlotFlags {
-    /// Number of shm slots, each holding one layer file (default: 8 for a standalone loader; `up`
-    /// sizes it for its workers' buffers and read-ahead).
+    /// Number of shm slots, each holding one layer file. Default: the RAM tier holds what RAM can
+    /// hold — every layer when half of the host's available memory (and of /dev/shm's free space)
+    /// holds them, else as many as that half holds, and never fewer than 8 (`up`: than its workers'
+    /// buffers and read-ahead need). Setting it caps the pool.
     #[arg(long, alias = "loader-slots", env = "LAYERSTREAM_SLOTS")]
     pub slots: Option<usize>,
     /// Layers to read ahead of each worker's position.
     #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH", default_value_t = 2)]
     pub prefetch_depth: usize,
+    /// Skip the xxh3 check of weights where they enter memory (the loader's reads from disk, a
+    /// worker's resident loads): for measuring the check's cost only, corrupt bytes then reach the
+    /// compute.
+    #[arg(long, env = "LAYERSTREAM_NO_VERIFY")]
+    pub no_verify: bool,
 }
 
 impl SlotFlags {
@@ -34,7 +41,32 @@ impl SlotFlags {
         if let Some(n) = self.slots {
             a.extend(["--slots".to_owned(), n.to_string()]);
         }
+        if self.no_verify {
+            a.push("--no-verify".to_owned());
+        }
         a
+    }
+}
+
+/// The default pool size: every one of `layers` files of `slot_size` bytes when half of the host's
+/// MemAvailable and half of /dev/shm's free space hold them (the other halves are the stated margin
+/// left to workers and the rest of the host), else as many as fit there, at least `floor`.
+pub fn default_slots(layers: usize, slot_size: u64, floor: usize) -> usize {
+    let memory = layerstream_model::mem::host_available_bytes() / 2;
+    let fit = (memory.min(shm_free_bytes() / 2) / slot_size.max(1)) as usize;
+    fit.min(layers).max(floor)
+}
+
+/// Free bytes in /dev/shm (u64::MAX if it cannot be asked).
+fn shm_free_bytes() -> u64 {
+    let path = std::ffi::CString::new("/dev/shm").expect("no NUL");
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+            return u64::MAX;
+        }
+        (st.f_bavail as u64).saturating_mul(st.f_frsize as u64)
     }
 }
 
@@ -44,10 +76,16 @@ pub struct LoaderArgs {
     /// Layer store directory.
     #[arg(long, env = "LAYERSTREAM_MODEL")]
     pub model: PathBuf,
-    /// Unix socket for the control gRPC service.
-    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET", default_value = "/tmp/layerstream-loader.sock")]
-    pub socket: PathBuf,
-    /// Namespace of this instance's shm names (`/dev/shm/layerstream-<ns>-slot-NNN`); stale regions of
+    /// Unix socket for the control gRPC service (created mode 0600). Default: `loader.sock` in this
+    /// user's private runtime directory (`$XDG_RUNTIME_DIR/layerstream`, else
+    /// `<tmp>/layerstream-<uid>`, mode 0700).
+    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Shared secret of the internal APIs, required from the workers that call this daemon (`up`
+    /// generates one). Unset: none (the socket's 0600 mode still keeps other users out).
+    #[arg(long, env = "LAYERSTREAM_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: Option<String>,
+    /// Namespace of this instance's shm names (`/dev/shm/layerstream-<ns>-<instance>-slot-NNN`, a new instance id per start); stale regions of
     /// the same namespace are removed at start.
     #[arg(long, env = "LAYERSTREAM_SHM_NAMESPACE", default_value = "default")]
     pub namespace: String,
@@ -65,9 +103,13 @@ pub struct LoaderArgs {
 pub async fn run(args: LoaderArgs) -> Result<()> {
     let _tracing =
         layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
-    let store = Store::open(&args.model)?;
+    let mut store = Store::open(&args.model)?;
+    store.verify = !args.pool.no_verify;
     let slot_size = args.slot_size.unwrap_or(store.manifest.max_layer_bytes() as usize);
-    let slots = args.pool.slots.unwrap_or(8);
+    let slots = args
+        .pool
+        .slots
+        .unwrap_or_else(|| default_slots(store.manifest.config.num_layers, slot_size as u64, 8));
     if slots == 0 || slot_size == 0 {
         return Err(Error::Config("--slots and --slot-size must be > 0".into()));
     }
@@ -79,23 +121,46 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
         args.pool.prefetch_depth,
     )?);
     tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
-    let _ = std::fs::remove_file(&args.socket);
-    let listener = tokio::net::UnixListener::bind(&args.socket)
-        .map_err(|source| Error::Bind { path: args.socket.clone(), source })?;
-    println!("LISTENING unix:{}", args.socket.display());
+    let socket = match &args.socket {
+        Some(p) => p.clone(),
+        None => layerstream_proto::transport::default_loader_socket()
+            .map_err(|source| Error::Bind { path: "the runtime directory".into(), source })?,
+    };
+    let guard = layerstream_proto::auth::RequireBearer::new(
+        args.internal_token.as_deref(),
+        "internal token",
+    )
+    .map_err(|m| Error::Config(format!("--internal-token: {m}")))?;
+    let _ = std::fs::remove_file(&socket);
+    // SAFETY: umask has no preconditions; the socket is created 0600 whatever the caller's umask
+    // (the mode is set again below, for filesystems that ignore it at bind).
+    let old_mask = unsafe { libc::umask(0o177) };
+    let bound = tokio::net::UnixListener::bind(&socket);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old_mask) };
+    let listener = bound.map_err(|source| Error::Bind { path: socket.clone(), source })?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+            .map_err(|source| Error::Bind { path: socket.clone(), source })?;
+    }
+    println!("LISTENING unix:{}", socket.display());
+    let (health, health_svc) =
+        layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await;
     let server = tonic::transport::Server::builder()
-        .add_service(
-            layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await,
-        )
+        .add_service(health_svc)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(layerstream_proto::transport::reflection_v1alpha())
-        .add_service(LoaderServer::new(daemon::LoaderService(daemon.clone())))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            LoaderServer::new(daemon::LoaderService { daemon: daemon.clone(), health }),
+            guard,
+        ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::UnixListenerStream::new(listener),
             layerstream_proto::transport::shutdown_signal(),
         );
     let res = server.await;
-    let _ = std::fs::remove_file(&args.socket);
+    let _ = std::fs::remove_file(&socket);
     drop(daemon);
     tracing::info!("loader stopped; shared memory unlinked");
     res.map_err(Into::into)

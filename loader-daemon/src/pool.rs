@@ -1,5 +1,7 @@
-//! The slot pool's bookkeeping, free of I/O: which layer each slot holds, pins (refcounts), LRU order,
-//! and which slot a new load may take. A pinned slot is never chosen for a load.
+//! The slot pool's bookkeeping, free of I/O: which layer each slot holds, pins (refcounts), and which
+//! slot a new load may take. A pinned slot is never chosen for a load. Eviction is by next use: the
+//! workers stream their layers in a known cyclic order, so the layer needed furthest in the future
+//! goes first (LRU over a cyclic order evicts exactly the layer needed next); ties go LRU.
 
 /// State of one slot.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,24 +53,28 @@ impl Pool {
         )
     }
 
-    /// A slot a load may take: empty first, else the least recently used unpinned ready slot,
-    /// never one holding a layer in `keep`.
-    fn victim(&self, keep: &[u32]) -> Option<usize> {
+    /// A slot a load may take: empty first, else the unpinned ready slot whose layer is needed
+    /// furthest in the future (`next_use`: steps until a layer is read again, `usize::MAX` = never),
+    /// the least recently used among equals; never one holding a layer in `keep`.
+    fn victim(&self, keep: &[u32], next_use: &dyn Fn(u32) -> usize) -> Option<usize> {
         if let Some(i) = self.slots.iter().position(|s| s.state == SlotState::Empty) {
             return Some(i);
         }
         self.slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| {
-                s.pins == 0 && matches!(s.state, SlotState::Ready(l) if !keep.contains(&l))
+            .filter_map(|(i, s)| match s.state {
+                SlotState::Ready(l) if s.pins == 0 && !keep.contains(&l) => {
+                    Some((i, next_use(l), s.last_used))
+                }
+                _ => None,
             })
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(i, _)| i)
+            .max_by_key(|&(_, next, last)| (next, std::cmp::Reverse(last)))
+            .map(|(i, _, _)| i)
     }
 
-    /// Pins `layer` for a reader, or says what to do.
-    pub fn acquire(&mut self, layer: u32) -> Acquire {
+    /// Pins `layer` for a reader, or says what to do (`next_use` as for eviction).
+    pub fn acquire(&mut self, layer: u32, next_use: &dyn Fn(u32) -> usize) -> Acquire {
         self.tick += 1;
         match self.find(layer) {
             Some(i) => match self.slots[i].state {
@@ -79,7 +85,7 @@ impl Pool {
                 }
                 _ => Acquire::Wait,
             },
-            None => match self.victim(&[]) {
+            None => match self.victim(&[], next_use) {
                 Some(i) => {
                     self.slots[i].state = SlotState::Loading(layer);
                     Acquire::Load(i)
@@ -89,12 +95,24 @@ impl Pool {
         }
     }
 
-    /// Starts a prefetch of `layer` if it is absent and a slot not holding any of `keep` is free.
-    pub fn start_prefetch(&mut self, layer: u32, keep: &[u32]) -> Option<usize> {
+    /// Starts a prefetch of `layer` if it is absent and a slot not holding any of `keep` is free
+    /// (one holding a layer needed later than `layer` itself: prefetching must not evict what is
+    /// needed sooner).
+    pub fn start_prefetch(
+        &mut self,
+        layer: u32,
+        keep: &[u32],
+        next_use: &dyn Fn(u32) -> usize,
+    ) -> Option<usize> {
         if self.find(layer).is_some() {
             return None;
         }
-        let i = self.victim(keep)?;
+        let i = self.victim(keep, next_use)?;
+        if let SlotState::Ready(l) = self.slots[i].state {
+            if next_use(l) < next_use(layer) {
+                return None;
+            }
+        }
         self.slots[i].state = SlotState::Loading(layer);
         Some(i)
     }
@@ -141,14 +159,19 @@ impl Pool {
 mod tests {
     use super::*;
 
+    /// No order known: every layer is "never needed", so ties fall back to LRU.
+    fn lru(_: u32) -> usize {
+        usize::MAX
+    }
+
     #[test]
     fn hit_after_load_and_shared_by_two_readers() {
         let mut p = Pool::new(2);
-        assert_eq!(p.acquire(5), Acquire::Load(0));
-        assert_eq!(p.acquire(5), Acquire::Wait);
+        assert_eq!(p.acquire(5, &lru), Acquire::Load(0));
+        assert_eq!(p.acquire(5, &lru), Acquire::Wait);
         p.loaded(0, true);
-        assert_eq!(p.acquire(5), Acquire::Hit(0));
-        assert_eq!(p.acquire(5), Acquire::Hit(0));
+        assert_eq!(p.acquire(5, &lru), Acquire::Hit(0));
+        assert_eq!(p.acquire(5, &lru), Acquire::Hit(0));
         assert_eq!(p.pins(0), 2);
     }
 
@@ -156,13 +179,13 @@ mod tests {
     fn pinned_slots_are_never_overwritten() {
         let mut p = Pool::new(2);
         for (l, s) in [(1, 0), (2, 1)] {
-            assert_eq!(p.acquire(l), Acquire::Load(s));
+            assert_eq!(p.acquire(l, &lru), Acquire::Load(s));
             p.loaded(s, true);
-            assert_eq!(p.acquire(l), Acquire::Hit(s));
+            assert_eq!(p.acquire(l, &lru), Acquire::Hit(s));
         }
-        assert_eq!(p.acquire(3), Acquire::Full);
+        assert_eq!(p.acquire(3, &lru), Acquire::Full);
         assert!(p.release(1));
-        assert_eq!(p.acquire(3), Acquire::Load(0), "the unpinned slot is reused");
+        assert_eq!(p.acquire(3, &lru), Acquire::Load(0), "the unpinned slot is reused");
         assert!(!p.release(1), "layer 1 is gone");
     }
 
@@ -170,16 +193,52 @@ mod tests {
     fn lru_victim_and_prefetch_respects_keep() {
         let mut p = Pool::new(2);
         for (l, s) in [(1, 0), (2, 1)] {
-            p.acquire(l);
+            p.acquire(l, &lru);
             p.loaded(s, true);
-            p.acquire(l);
+            p.acquire(l, &lru);
             p.release(l);
         }
-        p.acquire(1); // touch 1: 2 is now LRU
+        p.acquire(1, &lru); // touch 1: 2 is now LRU
         p.release(1);
-        assert_eq!(p.start_prefetch(3, &[2]), Some(0), "2 is kept, so 1 goes");
-        assert_eq!(p.start_prefetch(3, &[]), None, "already loading");
+        assert_eq!(p.start_prefetch(3, &[2], &lru), Some(0), "2 is kept, so 1 goes");
+        assert_eq!(p.start_prefetch(3, &[], &lru), None, "already loading");
         p.loaded(0, false);
         assert_eq!(p.find(3), None, "a failed load empties the slot");
+    }
+
+    /// A worker streaming 10 layers cyclically through 4 slots: LRU evicts exactly the layer needed
+    /// next (every read misses); evicting by next use keeps 3 of the 4 slots useful every cycle.
+    #[test]
+    fn next_use_eviction_beats_lru_on_a_cyclic_order() {
+        let order: Vec<u32> = (0..10).collect();
+        let run = |by_next_use: bool| {
+            let mut p = Pool::new(4);
+            let mut misses = 0;
+            for step in 0..100usize {
+                let layer = order[step % 10];
+                // Steps until each layer is read again, from the one being read now.
+                let next = |l: u32| {
+                    if by_next_use {
+                        (l as usize + 10 - step % 10) % 10
+                    } else {
+                        usize::MAX
+                    }
+                };
+                match p.acquire(layer, &next) {
+                    Acquire::Hit(_) => {}
+                    Acquire::Load(s) => {
+                        misses += 1;
+                        p.loaded(s, true);
+                        assert_eq!(p.acquire(layer, &next), Acquire::Hit(s));
+                    }
+                    other => panic!("{other:?}"),
+                }
+                assert!(p.release(layer));
+            }
+            misses
+        };
+        assert_eq!(run(false), 100, "LRU over a cyclic order misses every read");
+        let misses = run(true);
+        assert!(misses <= 100 - 27, "next-use eviction: {misses} misses of 100");
     }
 }

@@ -172,8 +172,10 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// Checks the dims are consistent (heads divide, sizes non-zero).
+    /// Checks the config is usable: every size > 0 and far from overflowing the byte counts it
+    /// multiplies into, heads divide, floats finite and positive, special tokens in the vocabulary.
     pub fn validate(&self) -> Result<()> {
+        const MAX_DIM: usize = 1 << 24;
         for (field, val) in [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -182,9 +184,16 @@ impl ModelConfig {
             ("num_key_value_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
             ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if val == 0 {
                 return Err(Error::config(field, "must be > 0"));
+            }
+            if val > MAX_DIM {
+                return Err(Error::config(
+                    field,
+                    format!("{val} is implausibly large (> {MAX_DIM})"),
+                ));
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -198,6 +207,48 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(Error::config("head_dim", "must be even for RoPE"));
+        }
+        let positive = |field: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(Error::config(field, format!("must be a finite number > 0, got {v}")))
+            }
+        };
+        positive("rms_norm_eps", self.rms_norm_eps)?;
+        positive("rope_theta", self.rope.theta)?;
+        if let Some(crate::config::RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) = &self.rope.scaling
+        {
+            positive("rope_scaling.factor", *factor)?;
+            positive("rope_scaling.low_freq_factor", *low_freq_factor)?;
+            positive("rope_scaling.high_freq_factor", *high_freq_factor)?;
+            positive(
+                "rope_scaling.original_max_position_embeddings",
+                *original_max_position_embeddings,
+            )?;
+            if high_freq_factor <= low_freq_factor {
+                return Err(Error::config(
+                    "rope_scaling.high_freq_factor",
+                    "must be greater than low_freq_factor",
+                ));
+            }
+        }
+        if let Some(&t) = self.eos_token_ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(Error::config(
+                "eos_token_id",
+                format!("{t} is outside the vocabulary of {}", self.vocab_size),
+            ));
+        }
+        if let Some(t) = self.bos_token_id.filter(|&t| t as usize >= self.vocab_size) {
+            return Err(Error::config(
+                "bos_token_id",
+                format!("{t} is outside the vocabulary of {}", self.vocab_size),
+            ));
         }
         Ok(())
     }

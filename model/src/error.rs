@@ -51,9 +51,25 @@ impl Error {
     }
 }
 
-/// Reads a whole file, naming it on failure.
+/// Reads a whole regular file, naming it on failure (a FIFO or device would block or never end).
 pub fn read_file(path: &std::path::Path) -> Result<Vec<u8>> {
+    regular(path)?;
     std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
+/// Whether `name` is a plain file name: one path component, not `.`/`..`, no separators or NUL
+/// (names a manifest or a `weight_map` gives must stay inside their directory).
+pub fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\\', '\0'])
+}
+
+/// Refuses anything but a regular file (following symlinks), before it is opened.
+pub fn regular(path: &std::path::Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::format(path, "not a regular file"));
+    }
+    Ok(())
 }
 
 /// Reads and parses a JSON file, naming it on failure.

@@ -131,11 +131,16 @@ impl<'a> Cursor<'a> {
             8 => Value::Str(self.string()?),
             9 => {
                 let inner = self.u32()?;
-                let n = self.u64()? as usize;
-                if n > self.buf.len() {
-                    return Err(self.corrupt(format!("array length {n} exceeds file size")));
+                if inner == 9 {
+                    // GGUF metadata has no arrays of arrays; refusing them also bounds recursion.
+                    return Err(self.corrupt("nested metadata arrays are not supported".into()));
                 }
-                let mut items = Vec::with_capacity(n);
+                let n = self.u64()? as usize;
+                // Every item takes at least one byte: a longer array cannot be in the file.
+                if n > self.buf.len() - self.pos {
+                    return Err(self.corrupt(format!("array length {n} exceeds the bytes left")));
+                }
+                let mut items = Vec::with_capacity(n.min(1 << 16));
                 for _ in 0..n {
                     items.push(self.value(inner)?);
                 }
@@ -169,6 +174,7 @@ fn ggml_dtype(code: u32) -> Option<DType> {
 impl GgufFile {
     /// Opens and parses a GGUF file; a truncated or malformed file names the offset at fault.
     pub fn open(path: &Path) -> Result<GgufFile> {
+        crate::error::regular(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only and we never hand out references that outlive `map`;
         // a concurrent writer truncating it is outside what we support (as for any mmap reader).
@@ -216,26 +222,45 @@ impl GgufFile {
             ne.reverse();
             raw.push((name, ne, dtype, offset));
         }
-        let align =
-            metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
+        let align = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => match v.as_u64() {
+                Some(a) if a.is_power_of_two() && a <= 1 << 20 => a as usize,
+                _ => {
+                    return Err(Error::config(
+                        "general.alignment",
+                        format!("{v:?} is not a power of two up to 1 MiB"),
+                    ))
+                }
+            },
+        };
         let data_start = c.pos.div_ceil(align) * align;
         let mut tensors = Vec::with_capacity(raw.len());
+        let mut names = std::collections::HashSet::new();
         for (name, shape, dtype, rel) in raw {
+            if !names.insert(name.clone()) {
+                return Err(Error::tensor(&name, "listed twice in the tensor directory"));
+            }
             let bytes = dtype.tensor_bytes(&shape).ok_or_else(|| {
-                Error::tensor(&name, format!("shape {shape:?} is not whole {dtype} blocks"))
+                Error::tensor(
+                    &name,
+                    format!("shape {shape:?} is not whole {dtype} blocks, or too large"),
+                )
             })?;
-            let offset = data_start + rel;
-            if offset + bytes > map.len() {
+            if rel % align != 0 {
+                return Err(Error::tensor(&name, format!("offset {rel} is not {align}-aligned")));
+            }
+            let end = data_start.checked_add(rel).and_then(|o| o.checked_add(bytes));
+            if end.is_none_or(|e| e > map.len()) {
                 return Err(Error::Corrupt {
                     path: path.into(),
                     offset: map.len() as u64,
                     msg: format!(
-                        "tensor {name} needs bytes up to {} (file truncated)",
-                        offset + bytes
+                        "tensor {name} (offset {rel} + {bytes} bytes) lies past the end of the file"
                     ),
                 });
             }
-            tensors.push(TensorInfo { name, shape, dtype, offset, bytes });
+            tensors.push(TensorInfo { name, shape, dtype, offset: data_start + rel, bytes });
         }
         Ok(GgufFile { path: path.into(), metadata, tensors, map })
     }
@@ -286,6 +311,9 @@ impl GgufFile {
         }
         let hidden = self.meta_usize("llama.embedding_length")?;
         let heads = self.meta_usize("llama.attention.head_count")?;
+        if heads == 0 {
+            return Err(Error::config("llama.attention.head_count", "must be > 0"));
+        }
         let vocab = match self.metadata.get("llama.vocab_size").and_then(Value::as_u64) {
             Some(v) => v as usize,
             None => self.meta("tokenizer.ggml.tokens")?.as_array().map_or(0, |a| a.len()),
@@ -334,6 +362,19 @@ impl GgufFile {
         // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.
         let cfg = ModelConfig { rms_norm_eps: (cfg.rms_norm_eps as f32) as f64, ..cfg };
         cfg.validate()?;
+        // Every block's tensors must belong to a block the config counts.
+        if let Some(t) = self.tensors.iter().find(|t| {
+            t.name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| n >= cfg.num_layers)
+        }) {
+            return Err(Error::config(
+                "llama.block_count",
+                format!("{} blocks, but the file has tensor {}", cfg.num_layers, t.name),
+            ));
+        }
         Ok(cfg)
     }
 
@@ -398,7 +439,11 @@ impl crate::source::Checkpoint for GgufCheckpoint {
             Some(h) => {
                 // A bias is one "row" per element: permute its elements.
                 let rows = t.shape[0];
-                if rows % (2 * h) != 0 {
+                if rows == 0
+                    || h == 0
+                    || !rows.is_multiple_of(2 * h)
+                    || !data.len().is_multiple_of(rows)
+                {
                     return Err(Error::tensor(
                         name,
                         format!("{rows} rows do not split into {h} heads of even size"),

@@ -50,7 +50,18 @@ impl HfCheckpoint {
         let mut shards = Vec::new();
         let mut index = HashMap::new();
         for (i, f) in files.iter().enumerate() {
+            // A shard is a plain file name inside the model directory, and a regular file (a FIFO
+            // or device named as a shard would block or never end).
+            if !crate::error::is_plain_file_name(f) {
+                return Err(Error::format(
+                    &index_path,
+                    format!(
+                        "weight_map names {f:?}, which is not a file inside the model directory"
+                    ),
+                ));
+            }
             let path = dir.join(f);
+            crate::error::regular(&path)?;
             let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
             // SAFETY: read-only map of a checkpoint file that we do not modify; it lives in `shards`
             // as long as any borrow of it.
@@ -87,12 +98,14 @@ impl Checkpoint for HfCheckpoint {
 
     fn tokenizer_json(&self) -> Result<String> {
         let p = self.dir.join("tokenizer.json");
+        crate::error::regular(&p)?;
         std::fs::read_to_string(&p).map_err(|e| Error::io(p, e))
     }
 
     fn chat_template(&self) -> Result<Option<String>> {
         let jinja = self.dir.join("chat_template.jinja");
         if jinja.exists() {
+            crate::error::regular(&jinja)?;
             return std::fs::read_to_string(&jinja).map(Some).map_err(|e| Error::io(jinja, e));
         }
         let cfg = self.dir.join("tokenizer_config.json");

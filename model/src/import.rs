@@ -21,7 +21,8 @@ pub fn open_checkpoint(src: &Path) -> Result<Box<dyn Checkpoint>> {
         }
         return Ok(Box::new(HfCheckpoint::open(src)?));
     }
-    if src.is_file() {
+    if src.exists() {
+        // GgufCheckpoint::open refuses what is not a regular file (a FIFO would block forever).
         return Ok(Box::new(GgufCheckpoint::open(src)?));
     }
     Err(Error::io(
@@ -137,7 +138,14 @@ pub fn import(src: &Path, dst: &Path, progress: bool) -> Result<Manifest> {
     }
     std::fs::create_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
     let kind = if src.is_dir() { "hf" } else { "gguf" };
-    let result = write_all(ck.as_ref(), &partial, format!("{kind}:{}", src.display()), progress);
+    let result = write_all(ck.as_ref(), &partial, format!("{kind}:{}", src.display()), progress)
+        .and_then(|m| {
+            // Everything `run` and `up` will read is checked now, so a bad file fails here: the
+            // manifest's consistency, the tokenizer and the chat template.
+            let store = crate::Store::open(&partial)?;
+            store.tokenizer()?.check_template()?;
+            Ok(m)
+        });
     match result {
         Ok(m) => {
             if dst.exists() {

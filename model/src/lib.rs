@@ -22,7 +22,7 @@ pub mod tokenizer;
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generation::{check_request, GenerateParams, SamplingParams};
-pub use layerstream_types::{dtype, DType};
+pub use layerstream_types::{dtype, mem, DType};
 pub use stop::{FinishReason, Stopper};
 pub use store::{FileEntry, LoadedFile, Manifest, Store};
 pub use tokenizer::{Message, Tokenizer};

@@ -70,6 +70,17 @@ impl Tokenizer {
     }
 }
 
+impl Tokenizer {
+    /// Checks the chat template (if any) by rendering one user turn, so a template that cannot be
+    /// parsed or rendered fails at import rather than at the first chat request.
+    pub fn check_template(&self) -> Result<()> {
+        if self.chat_template.is_some() {
+            self.apply_chat_template(&[Message { role: "user".into(), content: "Hi".into() }])?;
+        }
+        Ok(())
+    }
+}
+
 /// Renders a Jinja chat template the way transformers' `apply_chat_template` does.
 pub fn render_chat(
     template: &str,

@@ -2,6 +2,7 @@
 //! every server shares: health + reflection, Unix-socket transport, tracing with OTLP export and W3C
 //! trace context carried in gRPC metadata.
 
+pub mod auth;
 pub mod shm;
 pub mod telemetry;
 pub mod transport;

@@ -8,9 +8,12 @@ use std::io;
 /// Prefix of every region layerstream creates.
 pub const PREFIX: &str = "layerstream-";
 
-/// The shm name of slot `i` in namespace `ns` (no leading slash; `/dev/shm/<name>`).
-pub fn slot_name(ns: &str, i: usize) -> String {
-    format!("{PREFIX}{ns}-slot-{i:03}")
+/// The shm name of slot `i` of loader instance `instance` in namespace `ns` (no leading slash;
+/// `/dev/shm/<name>`). Each daemon start picks a new instance id, so a worker that still maps a
+/// slot of a daemon that died can never mistake it for a slot of its successor (same namespace,
+/// different names).
+pub fn slot_name(ns: &str, instance: &str, i: usize) -> String {
+    format!("{PREFIX}{ns}-{instance}-slot-{i:03}")
 }
 
 /// A mapped shared-memory region.
@@ -181,7 +184,7 @@ mod tests {
     #[test]
     fn create_share_and_unlink_on_drop() {
         let ns = format!("test{}", std::process::id());
-        let name = slot_name(&ns, 0);
+        let name = slot_name(&ns, "i0", 0);
         let r = ShmRegion::create(&name, 8192).unwrap();
         // SAFETY: test owns the only writer, no readers pinned.
         unsafe { r.bytes_mut()[100] = 42 };
@@ -200,7 +203,7 @@ mod tests {
     #[test]
     fn stale_regions_are_removed() {
         let ns = format!("stale{}", std::process::id());
-        let r = ShmRegion::create(&slot_name(&ns, 1), 4096).unwrap();
+        let r = ShmRegion::create(&slot_name(&ns, "i1", 1), 4096).unwrap();
         std::mem::forget(r); // simulate a crash: never unlinked
         assert_eq!(remove_stale(&ns), 1);
         assert!(list(&format!("{PREFIX}{ns}-")).is_empty());

@@ -3,7 +3,45 @@
 //! every server.
 
 use std::path::{Path, PathBuf};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
+
+/// This user's private directory for layerstream's sockets: `$XDG_RUNTIME_DIR/layerstream`, else
+/// `<temp dir>/layerstream-<uid>`. Created mode 0700; an existing one owned by another user or open
+/// to others is refused (another user could otherwise plant or read the socket).
+pub fn runtime_dir() -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d).join("layerstream"),
+        None => std::env::temp_dir().join(format!("layerstream-{uid}")),
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} must be a directory owned by uid {uid} with mode 0700 (it is {:o}, owner {}); remove it or set XDG_RUNTIME_DIR",
+                dir.display(),
+                meta.permissions().mode() & 0o7777,
+                meta.uid()
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
+/// Where a loader daemon listens by default: `loader.sock` in `runtime_dir()`.
+pub fn default_loader_socket() -> std::io::Result<PathBuf> {
+    Ok(runtime_dir()?.join("loader.sock"))
+}
 
 /// A channel to a gRPC server on a Unix socket.
 pub async fn connect_uds(path: &Path) -> Result<Channel, tonic::transport::Error> {
@@ -27,12 +65,49 @@ pub fn tcp_incoming(listener: tokio::net::TcpListener) -> tonic::transport::serv
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// A lazily-connecting channel to `addr` ("http://host:port").
-pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(addr.to_owned())?
+/// A lazily-connecting channel to `addr` ("http://host:port", or "https://…" with `tls`).
+pub fn channel(
+    addr: &str,
+    tls: Option<&ClientTlsConfig>,
+) -> Result<Channel, tonic::transport::Error> {
+    Ok(endpoint(addr, tls)?.connect_lazy())
+}
+
+/// The endpoint for `addr` with the settings every client uses; TLS when `tls` is given.
+pub fn endpoint(
+    addr: &str,
+    tls: Option<&ClientTlsConfig>,
+) -> Result<Endpoint, tonic::transport::Error> {
+    let e = Endpoint::from_shared(addr.to_owned())?
         .connect_timeout(std::time::Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .connect_lazy())
+        .tcp_nodelay(true);
+    match tls {
+        Some(t) => e.tls_config(t.clone()),
+        None => Ok(e),
+    }
+}
+
+/// Server TLS (rustls) from a PEM certificate chain and key: both given, or neither (plaintext).
+pub fn server_tls(
+    cert: Option<&Path>,
+    key: Option<&Path>,
+) -> Result<Option<ServerTlsConfig>, String> {
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(c), Some(k)) => {
+            let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+            let identity = Identity::from_pem(read(c)?, read(k)?);
+            Ok(Some(ServerTlsConfig::new().identity(identity)))
+        }
+        _ => Err("--tls-cert and --tls-key go together".into()),
+    }
+}
+
+/// Client TLS trusting the PEM CA certificate at `ca` (for `https://` addresses); `None`: plaintext.
+pub fn client_tls(ca: Option<&Path>) -> Result<Option<ClientTlsConfig>, String> {
+    let Some(ca) = ca else { return Ok(None) };
+    let pem = std::fs::read(ca).map_err(|e| format!("{}: {e}", ca.display()))?;
+    Ok(Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem))))
 }
 
 /// The gRPC reflection service over layerstream.v1 (and health).
@@ -58,12 +133,33 @@ pub fn reflection_v1alpha() -> tonic_reflection::server::v1alpha::ServerReflecti
         .expect("embedded descriptor sets are valid")
 }
 
-/// A health service reporting `S` (and the whole server, "") as serving.
-pub async fn health<S: tonic::server::NamedService>(
-) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+/// A health service reporting `S` (and the whole server, "") as serving, and the handle that can
+/// later report it NOT_SERVING (`Health::not_serving`).
+pub async fn health<S: tonic::server::NamedService>() -> (
+    Health,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) {
     let (reporter, service) = tonic_health::server::health_reporter();
     reporter.set_serving::<S>().await;
-    service
+    (Health { reporter, name: S::NAME }, service)
+}
+
+/// The serving status a server reports on gRPC health.
+#[derive(Clone)]
+pub struct Health {
+    reporter: tonic_health::server::HealthReporter,
+    name: &'static str,
+}
+
+impl Health {
+    /// Reports the server and its service NOT_SERVING (it can no longer be trusted to serve: an
+    /// orchestrator should restart it), logging why.
+    pub async fn not_serving(&self, why: &str) {
+        use tonic_health::ServingStatus::NotServing;
+        tracing::error!(reason = why, "reporting NOT_SERVING on gRPC health");
+        self.reporter.set_service_status("", NotServing).await;
+        self.reporter.set_service_status(self.name, NotServing).await;
+    }
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -79,6 +175,55 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use tokio_stream::StreamExt;
+
+    /// `Health::not_serving` flips both the whole server ("") and the named service to NOT_SERVING,
+    /// which is what `layerstream health` and orchestrators' gRPC probes ask.
+    #[tokio::test]
+    async fn not_serving_is_what_health_checks_then_see() {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::health_server::Health as _;
+        use tonic_health::pb::HealthCheckRequest;
+        let (h, _server) = super::health::<crate::v1::worker_server::WorkerServer<Dummy>>().await;
+        let svc = tonic_health::server::HealthService::from_health_reporter(h.reporter.clone());
+        let status = |name: &str| {
+            let req = tonic::Request::new(HealthCheckRequest { service: name.into() });
+            let svc = &svc;
+            async move { svc.check(req).await.unwrap().into_inner().status }
+        };
+        assert_eq!(status("").await, ServingStatus::Serving as i32);
+        h.not_serving("test").await;
+        assert_eq!(status("").await, ServingStatus::NotServing as i32);
+        assert_eq!(status("layerstream.v1.Worker").await, ServingStatus::NotServing as i32);
+    }
+
+    struct Dummy;
+    #[tonic::async_trait]
+    impl crate::v1::worker_server::Worker for Dummy {
+        async fn info(
+            &self,
+            _: tonic::Request<crate::v1::InfoRequest>,
+        ) -> Result<tonic::Response<crate::v1::InfoResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
+        async fn assign(
+            &self,
+            _: tonic::Request<crate::v1::Assignment>,
+        ) -> Result<tonic::Response<crate::v1::AssignResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
+        async fn step(
+            &self,
+            _: tonic::Request<crate::v1::StepRequest>,
+        ) -> Result<tonic::Response<crate::v1::StepResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
+        async fn release(
+            &self,
+            _: tonic::Request<crate::v1::ReleaseRequest>,
+        ) -> Result<tonic::Response<crate::v1::ReleaseResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
+    }
 
     /// Connections a server accepts through `tcp_incoming` have Nagle's algorithm off.
     #[tokio::test]

@@ -84,6 +84,11 @@ pub fn import(src: &Path, dir: &Path) -> Store {
     Store::open(&dst).unwrap()
 }
 
+/// The tiny-llama checkpoint imported into a store under `dir` (what the process tests run on).
+pub fn tiny_store(dir: &Path) -> PathBuf {
+    import(&model_dir("tiny-llama"), dir).dir
+}
+
 /// Runs prefill on `ids` and returns the last-position logits.
 pub fn prefill_logits(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
     let mut seq: SeqState<CpuBackend> = model.new_sequence(ids.len()).unwrap();

@@ -1,10 +1,22 @@
 //! Starting the real stack (`layerstream up`) and the OTLP sink as child processes in tests; they
 //! are stopped with SIGTERM when the guard drops, and /dev/shm is checked clean afterwards.
 
+use layerstream_proto::auth::{Authed, Bearer};
+use layerstream_proto::v1::loader_client::LoaderClient;
+use layerstream_proto::v1::worker_client::WorkerClient;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// The internal token the test stacks run with.
+pub const INTERNAL_TOKEN: &str = "test-internal-token";
+
+/// A client of a worker (its address as `ListWorkers` gives it), with the internal token.
+pub async fn worker_client(addr: String) -> WorkerClient<Authed> {
+    let ch = tonic::transport::Endpoint::from_shared(addr).unwrap().connect().await.unwrap();
+    WorkerClient::new(Bearer::new(Some(INTERNAL_TOKEN)).unwrap().wrap(ch))
+}
 
 /// A running child that printed `LISTENING <addr>`.
 pub struct Proc {
@@ -67,10 +79,14 @@ impl Stack {
         Self::up_env(store, extra, &[])
     }
 
+    /// With the internal token fixed to `INTERNAL_TOKEN` (instead of one `up` generates), so tests
+    /// can call the workers and the loader directly.
     pub fn up_env(store: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Stack {
         let mut args = vec!["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
-        Stack { proc: Proc::start(&args, envs) }
+        let mut envs = envs.to_vec();
+        envs.push((layerstream_proto::auth::INTERNAL_TOKEN_ENV, INTERNAL_TOKEN));
+        Stack { proc: Proc::start(&args, &envs) }
     }
 
     pub fn addr(&self) -> &str {
@@ -82,9 +98,17 @@ impl Stack {
         format!("layerstream-up{}-", self.proc.child.id())
     }
 
-    /// The loader's control socket.
+    /// The loader's control socket (in the user's private runtime directory).
     pub fn loader_socket(&self) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!("layerstream-up{}.sock", self.proc.child.id()))
+        layerstream_proto::transport::runtime_dir()
+            .unwrap()
+            .join(format!("up{}.sock", self.proc.child.id()))
+    }
+
+    /// A client of this stack's loader daemon, with the internal token.
+    pub async fn loader_client(&self) -> LoaderClient<Authed> {
+        let ch = layerstream_proto::transport::connect_uds(&self.loader_socket()).await.unwrap();
+        LoaderClient::new(Bearer::new(Some(INTERNAL_TOKEN)).unwrap().wrap(ch))
     }
 
     /// Pids of the children of `up` whose command line contains `word`.
@@ -106,8 +130,13 @@ impl Stack {
 
     /// Kills a process with SIGKILL.
     pub fn kill9(pid: i32) {
+        Self::signal(pid, 9);
+    }
+
+    /// Sends signal `sig` to a test-owned process (SIGSTOP 19, SIGCONT 18, …).
+    pub fn signal(pid: i32, sig: i32) {
         // SAFETY: sending a signal to a test-owned process.
-        unsafe { libc_kill(pid, 9) };
+        unsafe { libc_kill(pid, sig) };
     }
 
     /// Stops the stack and asserts it left no shared memory behind.

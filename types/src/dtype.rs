@@ -44,17 +44,21 @@ impl DType {
         }
     }
 
-    /// Bytes of one row of `cols` elements; `None` when `cols` is not a whole number of blocks.
+    /// Bytes of one row of `cols` elements; `None` when `cols` is not a whole number of blocks (or
+    /// the count overflows).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        cols.is_multiple_of(self.block_elems())
-            .then(|| cols / self.block_elems() * self.block_bytes())
+        if !cols.is_multiple_of(self.block_elems()) {
+            return None;
+        }
+        (cols / self.block_elems()).checked_mul(self.block_bytes())
     }
 
-    /// Bytes of a tensor of `shape` (row-major, blocks along the last dimension).
+    /// Bytes of a tensor of `shape` (row-major, blocks along the last dimension); `None` for an empty
+    /// shape, a partial block, or a size that overflows (shapes come from files: never trusted).
     pub fn tensor_bytes(self, shape: &[usize]) -> Option<usize> {
         let cols = *shape.last()?;
-        let rows: usize = shape[..shape.len() - 1].iter().product();
-        self.row_bytes(cols).map(|r| r * rows)
+        let rows = shape[..shape.len() - 1].iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        self.row_bytes(cols)?.checked_mul(rows)
     }
 
     /// True for the GGML block formats.

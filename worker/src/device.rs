@@ -56,7 +56,7 @@ impl Device {
     /// more than is free, less the runtime reserve (GEMM scratch, activations, cuBLAS).
     pub fn budget(&self, flag: Option<u64>) -> Result<u64> {
         match self {
-            Device::Cpu(_) => Ok(flag.unwrap_or_else(host_available_bytes)),
+            Device::Cpu(_) => Ok(flag.unwrap_or_else(layerstream_model::mem::host_available_bytes)),
             Device::Cuda(b) => {
                 let (free, total) = b.mem_info()?;
                 let usable =
@@ -117,6 +117,14 @@ impl AnyStage {
         }
     }
 
+    /// Frees every sequence.
+    pub fn release_all(&mut self) {
+        match self {
+            AnyStage::Cpu(s) => s.release_all(),
+            AnyStage::Cuda(s) => s.release_all(),
+        }
+    }
+
     /// Live sequences and positions held.
     pub fn kv_used(&self) -> (usize, usize) {
         match self {
@@ -124,16 +132,4 @@ impl AnyStage {
             AnyStage::Cuda(s) => s.kv_used(),
         }
     }
-}
-
-/// The host's MemAvailable (from /proc/meminfo), or 8 GiB where it cannot be read.
-pub fn host_available_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(8 << 30, |kib| kib << 10)
 }

@@ -11,6 +11,10 @@ pub enum Error {
     Shape(String),
     #[error("request: {0}")]
     Request(String),
+    /// The loaded stage can no longer be trusted (its copy thread died, a group never arrived, a
+    /// slot could not be mapped): the worker drops it and waits to be assigned again.
+    #[error("stage: {0}")]
+    Stage(String),
     #[error("{field}: {msg}")]
     Invalid { field: &'static str, msg: String },
     #[error("KV cache full: {used} + {asked} positions exceed capacity {capacity}")]
@@ -25,6 +29,23 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("loader daemon {what}: {msg}")]
     Loader { what: String, msg: String },
+    /// Weights whose checksum does not match the manifest (the loader's or our own check).
+    #[error("corrupt weights: {0}")]
+    Corrupt(String),
+}
+
+impl Error {
+    /// Whether the error is the request's fault (refused before anything changed), so the loaded
+    /// stage stays usable; anything else leaves a stage the worker drops.
+    pub fn is_request_error(&self) -> bool {
+        matches!(
+            self,
+            Error::Invalid { .. }
+                | Error::KvFull { .. }
+                | Error::Request(_)
+                | Error::Model(layerstream_model::Error::Request { .. })
+        )
+    }
 }
 
 /// Result alias for the worker crate.

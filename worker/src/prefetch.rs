@@ -54,6 +54,15 @@ impl<B: Backend> LayerSource<B> {
                     entry.size
                 )));
             }
+            if !streamed && self.store.verify {
+                // Resident weights are checked once more as they are taken in (the loader checks
+                // every read from disk; this also covers a slot changed since).
+                layerstream_model::store::check_bytes(
+                    &self.store.dir.join(&name),
+                    &entry,
+                    &region[..len],
+                )?;
+            }
             b.register_host(region)?;
             let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
             Ok((LayerWeights::from_blob(b, &self.cfg, &entry, &blob)?, ms))
@@ -120,7 +129,7 @@ fn fetch_group<B: Backend>(
 }
 
 fn copy_thread_lost() -> Error {
-    Error::Request("the copy thread panicked; the stage must be reloaded".into())
+    Error::Stage("the copy thread panicked; the stage must be reloaded".into())
 }
 
 enum Mode<B: Backend> {
@@ -204,7 +213,7 @@ impl<B: Backend + 'static> Fetcher<B> {
     pub fn next(&mut self, index: usize) -> Result<Group<B>> {
         let n = self.groups.len();
         if index >= n {
-            return Err(Error::Request(format!(
+            return Err(Error::Stage(format!(
                 "streamed group {index} does not exist ({n} groups)"
             )));
         }
@@ -228,7 +237,7 @@ impl<B: Backend + 'static> Fetcher<B> {
                 },
             }
         }
-        Err(Error::Request(format!("streamed group {index} never arrived from the copy thread")))
+        Err(Error::Stage(format!("streamed group {index} never arrived from the copy thread")))
     }
 }
 
@@ -265,12 +274,15 @@ mod tests {
         let sock = dir.join("loader.sock");
         let listener = rt.block_on(async { tokio::net::UnixListener::bind(&sock) }).unwrap();
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let (health, _) =
+            rt.block_on(layerstream_proto::transport::health::<LoaderServer<LoaderService>>());
         rt.spawn(
             tonic::transport::Server::builder()
-                .add_service(LoaderServer::new(LoaderService(daemon)))
+                .add_service(LoaderServer::new(LoaderService { daemon, health }))
                 .serve_with_incoming(incoming),
         );
         let channel = rt.block_on(layerstream_proto::transport::connect_uds(&sock)).unwrap();
+        let channel = layerstream_proto::auth::Bearer::default().wrap(channel);
         LoaderLink::new(channel, "w0".into(), rt.handle().clone())
     }
 

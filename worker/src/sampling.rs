@@ -23,6 +23,12 @@ impl Sampler {
         Sampler { params, state }
     }
 
+    /// Advances the generator past `n` draws (a sequence resumed after a fault: each sampled token
+    /// drew once), so it continues exactly where the interrupted one stood.
+    pub fn skip(&mut self, n: u64) {
+        self.state = self.state.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+
     /// splitmix64 → uniform in [0, 1).
     fn uniform(&mut self) -> f64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);

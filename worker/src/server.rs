@@ -4,9 +4,11 @@ use crate::device::Device;
 use crate::service::{WorkerService, WorkerState};
 use clap::Args;
 use layerstream_model::Store;
+use layerstream_proto::auth::{Bearer, RequireBearer};
 use layerstream_proto::v1::worker_server::WorkerServer;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tonic::service::interceptor::InterceptedService;
 
 /// Where a worker computes and how much memory it may use (shared by `worker`, `run`'s device, `up`
 /// and `bench`, which pass it on with `to_args`).
@@ -51,9 +53,25 @@ pub struct WorkerArgs {
     /// model; no limit on the CPU). Reported to the coordinator, which splits prompts to stay under it.
     #[arg(long, env = "LAYERSTREAM_WORKER_MAX_STEP_TOKENS")]
     pub max_step_tokens: Option<usize>,
-    /// The loader daemon's control socket.
-    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET", default_value = "/tmp/layerstream-loader.sock")]
-    pub loader_socket: PathBuf,
+    /// Skip the checksum check of resident weights and of embedding/head files (for measuring its
+    /// cost only).
+    #[arg(long, env = "LAYERSTREAM_NO_VERIFY")]
+    pub no_verify: bool,
+    /// The loader daemon's control socket (default: `loader.sock` in this user's private runtime
+    /// directory, as the loader's own default).
+    #[arg(long, env = "LAYERSTREAM_LOADER_SOCKET")]
+    pub loader_socket: Option<PathBuf>,
+    /// Shared secret of the internal APIs: required from callers of this worker and sent to the
+    /// loader (`up` generates one; compose and k8s take it from a variable or Secret). Unset: none.
+    #[arg(long, env = "LAYERSTREAM_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: Option<String>,
+    /// Serve over TLS with this PEM certificate chain (with `--tls-key`; the coordinator then
+    /// reaches it as `https://…` and trusts its CA with `--tls-ca`).
+    #[arg(long, env = "LAYERSTREAM_WORKER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, env = "LAYERSTREAM_WORKER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// OTLP gRPC endpoint for traces (off when unset).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
@@ -84,7 +102,8 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         Device::Cuda(b) => Some(b.mem_info()?.0 as u64),
         Device::Cpu(_) => None,
     };
-    let store = Store::open(&args.model)?;
+    let mut store = Store::open(&args.model)?;
+    store.verify = !args.no_verify;
     let device_limit = backend.step_token_limit(&store.manifest.config);
     // The smaller of the flag and what the device holds; None when neither limits it.
     let max_step_tokens =
@@ -98,7 +117,26 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         Ok(h) if addr.ip().is_unspecified() && !h.is_empty() => h,
         _ => addr.ip().to_string(),
     };
-    let id = args.advertise.clone().unwrap_or_else(|| format!("http://{host}:{}", addr.port()));
+    let tls =
+        layerstream_proto::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
+            .map_err(|m| crate::Error::Request(format!("TLS: {m}")))?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let id = args.advertise.clone().unwrap_or_else(|| format!("{scheme}://{host}:{}", addr.port()));
+    let loader_socket = match &args.loader_socket {
+        Some(p) => p.clone(),
+        None => layerstream_proto::transport::default_loader_socket()?,
+    };
+    let token = args.internal_token.as_deref();
+    let guard = RequireBearer::new(token, "internal token")
+        .map_err(|m| crate::Error::Request(format!("--internal-token: {m}")))?;
+    let bearer =
+        Bearer::new(token).map_err(|m| crate::Error::Request(format!("--internal-token: {m}")))?;
+    if !guard.enabled() && !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "serving the worker API on a non-loopback address without --internal-token: anyone who reaches it can run steps");
+        eprintln!("warning: worker listening on {addr} without an internal token (LAYERSTREAM_INTERNAL_TOKEN)");
+    }
+    let (health, health_svc) =
+        layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await;
     let state = Arc::new(WorkerState {
         id: id.clone(),
         device: args.device.device.clone(),
@@ -107,21 +145,29 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         max_step_tokens,
         free_at_start,
         store,
-        loader_socket: args.loader_socket.clone(),
+        loader_socket,
+        loader_bearer: bearer,
+        health,
         stage: Arc::new(Mutex::new(None)),
         live: Default::default(),
+        assignment_id: Default::default(),
     });
     println!("LISTENING {id}");
     tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, "worker ready");
-    tonic::transport::Server::builder()
-        .add_service(layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await)
+    let mut server = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        server = server.tls_config(t)?;
+    }
+    server
+        .add_service(health_svc)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(layerstream_proto::transport::reflection_v1alpha())
-        .add_service(
+        .add_service(InterceptedService::new(
             WorkerServer::new(WorkerService(state))
                 .max_decoding_message_size(1 << 30)
                 .max_encoding_message_size(1 << 30),
-        )
+            guard,
+        ))
         .serve_with_incoming_shutdown(
             layerstream_proto::transport::tcp_incoming(listener),
             layerstream_proto::transport::shutdown_signal(),

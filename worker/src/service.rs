@@ -30,11 +30,24 @@ pub struct WorkerState {
     pub free_at_start: Option<u64>,
     pub store: Store,
     pub loader_socket: PathBuf,
+    /// The internal token sent to the loader.
+    pub loader_bearer: layerstream_proto::auth::Bearer,
+    /// gRPC health, reported NOT_SERVING when the worker can no longer be trusted (a step panicked,
+    /// the device failed) so an orchestrator restarts it.
+    pub health: layerstream_proto::transport::Health,
     /// Locked only on blocking threads: a runtime thread waiting on it could starve the gRPC
     /// connections a step's copy thread needs.
     pub stage: Arc<Mutex<Option<AnyStage>>>,
     /// Live sequences, updated after every step and release (read by Info without the lock).
     pub live: Arc<AtomicU32>,
+    /// `assignment_id` of the loaded stage (empty: none), read by Info without the stage lock.
+    pub assignment_id: Arc<Mutex<String>>,
+}
+
+/// Records which assignment the stage holds ("" = none).
+fn set_assignment(id: &Mutex<String>, to: &str) {
+    let mut g = id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    to.clone_into(&mut g);
 }
 
 impl WorkerState {
@@ -47,6 +60,24 @@ impl WorkerState {
             _ => 0,
         }
     }
+
+    /// The stage, locked (see `lock_stage`); a stage a panic interrupted is dropped and forgotten.
+    fn stage(&self) -> MutexGuard<'_, Option<AnyStage>> {
+        lock_stage(&self.stage, || self.forget_stage())
+    }
+
+    /// Drops the loaded stage (`guard` holds the stage lock): Info then reports no assignment and
+    /// no sequences, so the coordinator assigns this worker again.
+    fn drop_stage(&self, guard: &mut Option<AnyStage>) {
+        *guard = None;
+        self.forget_stage();
+    }
+
+    /// What Info reads without the lock, reset for "no stage".
+    fn forget_stage(&self) {
+        set_assignment(&self.assignment_id, "");
+        self.live.store(0, Ordering::Relaxed);
+    }
 }
 
 /// The gRPC face of a worker.
@@ -55,13 +86,17 @@ pub struct WorkerService(pub Arc<WorkerState>);
 /// The worker's stage, locked. A panic while the lock was held (a bug, since requests are checked
 /// before a step changes anything) leaves a stage that cannot be trusted: it is dropped and the
 /// poison cleared, so the worker answers "no assignment" until it is assigned again instead of
-/// failing every later request with a poisoned lock.
-fn lock_stage(m: &Mutex<Option<AnyStage>>) -> MutexGuard<'_, Option<AnyStage>> {
+/// failing every later request with a poisoned lock; `forget` then resets what Info reports.
+fn lock_stage(
+    m: &Mutex<Option<AnyStage>>,
+    forget: impl FnOnce(),
+) -> MutexGuard<'_, Option<AnyStage>> {
     m.lock().unwrap_or_else(|poisoned| {
         tracing::error!("a step panicked while holding the stage; dropping the assignment");
         m.clear_poison();
         let mut g = poisoned.into_inner();
         *g = None;
+        forget();
         g
     })
 }
@@ -75,7 +110,10 @@ fn err(e: crate::Error) -> Status {
         Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => {
             Status::failed_precondition(e.to_string())
         }
-        Error::Loader { .. } => Status::unavailable(e.to_string()),
+        Error::Loader { .. } | Error::Stage(_) => Status::unavailable(e.to_string()),
+        Error::Corrupt(_) | Error::Model(layerstream_model::Error::Corrupt { .. }) => {
+            Status::data_loss(e.to_string())
+        }
         other => Status::internal(other.to_string()),
     }
 }
@@ -92,6 +130,11 @@ impl Worker for WorkerService {
             num_layers: n,
             sequences: live,
             device_bytes_used: s.device_bytes_used(),
+            assignment_id: s
+                .assignment_id
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
         }))
     }
 
@@ -114,13 +157,15 @@ impl Worker for WorkerService {
         let bytes = u.total();
         tokio::task::spawn_blocking(move || {
             let _e = span.enter();
-            let link = LoaderLink::new(channel, s.id.clone(), rt);
+            let link = LoaderLink::new(s.loader_bearer.clone().wrap(channel), s.id.clone(), rt);
             let t = Instant::now();
             // Free the previous assignment's device memory before loading the new one.
-            lock_stage(&s.stage).take();
+            s.drop_stage(&mut s.stage());
+            let id = a.assignment_id.clone();
             let stage = s.backend.load(s.store.clone(), a, link).map_err(err)?;
             info!(worker = %s.id, layers = ?stage.plan().layers(), resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
-            *lock_stage(&s.stage) = Some(stage);
+            *s.stage() = Some(stage);
+            set_assignment(&s.assignment_id, &id);
             Ok::<_, Status>(())
         })
         .await
@@ -139,8 +184,7 @@ impl Worker for WorkerService {
         if let Some(max) = self.0.max_step_tokens.filter(|&m| rows > m) {
             return Err(Status::invalid_argument(format!("a step of {rows} tokens exceeds this worker's limit of {max} tokens per step (its activation memory)")));
         }
-        let stage = self.0.stage.clone();
-        let live = self.0.live.clone();
+        let s = self.0.clone();
         let batch: Vec<StepSeq> = req
             .seqs
             .into_iter()
@@ -150,6 +194,7 @@ impl Worker for WorkerService {
                 tokens: s.token_ids,
                 sampling: s.sampling.as_ref().map(crate::SamplingParams::from_wire),
                 prompt_continues: s.prompt_continues,
+                draws_before: s.draws_before as u64,
             })
             .collect();
         if !req.hidden.len().is_multiple_of(4) {
@@ -166,19 +211,45 @@ impl Worker for WorkerService {
         let s2 = span.clone();
         let out = tokio::task::spawn_blocking(move || {
             let t = Instant::now();
-            let mut guard = lock_stage(&stage);
-            let st = guard
-                .as_mut()
-                .ok_or_else(|| Status::failed_precondition("worker has no assignment yet"))?;
-            let out = st.step(&batch, &hidden, &s2).map_err(err);
-            live.store(st.kv_used().0 as u32, Ordering::Relaxed);
-            let out = out?;
-            Ok::<_, Status>((out, t.elapsed().as_secs_f64() * 1e3))
+            let mut guard = s.stage();
+            // Err carries whether the device itself failed (the worker then reports NOT_SERVING).
+            let st = guard.as_mut().ok_or_else(|| {
+                (Status::failed_precondition("worker has no assignment yet"), false)
+            })?;
+            let out = st.step(&batch, &hidden, &s2);
+            s.live.store(st.kv_used().0 as u32, Ordering::Relaxed);
+            let out = match out {
+                Ok(o) => o,
+                Err(e) if e.is_request_error() => return Err((err(e), false)),
+                Err(e) => {
+                    // The stage may be half-way through a step (copy thread gone, a group lost):
+                    // drop it, so Info shows no assignment and the coordinator assigns again.
+                    tracing::error!(worker = %s.id, error = %e, "step failed inside the stage; dropping the assignment");
+                    s.drop_stage(&mut guard);
+                    let device_failed = matches!(e, crate::Error::Device { .. });
+                    return Err((err(e), device_failed));
+                }
+            };
+            Ok((out, t.elapsed().as_secs_f64() * 1e3))
         })
         .instrument(span)
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
-        let (out, wall_ms) = out;
+        .await;
+        let (out, wall_ms) = match out {
+            Ok(Ok(o)) => o,
+            Ok(Err((status, device_failed))) => {
+                if device_failed {
+                    self.0.health.not_serving(status.message()).await;
+                }
+                return Err(status);
+            }
+            Err(join) => {
+                // A panic is a bug: the stage it interrupted was dropped (lock_stage), but nothing
+                // this process holds can be trusted any more; an orchestrator should restart it.
+                let msg = format!("a step panicked: {join}");
+                self.0.health.not_serving(&msg).await;
+                return Err(Status::internal(msg));
+            }
+        };
         Ok(Response::new(StepResponse {
             hidden: out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(),
             tokens: out.tokens,
@@ -203,15 +274,20 @@ impl Worker for WorkerService {
         &self,
         r: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let ids = r.into_inner().seq_ids;
-        let (stage, live) = (self.0.stage.clone(), self.0.live.clone());
+        let r = r.into_inner();
+        let (ids, all) = (r.seq_ids, r.all);
+        let s = self.0.clone();
         let n = tokio::task::spawn_blocking(move || {
-            let mut g = lock_stage(&stage);
+            let mut g = s.stage();
             let n = g.as_mut().map_or(0, |st| {
-                st.release(&ids);
+                if all {
+                    st.release_all();
+                } else {
+                    st.release(&ids);
+                }
                 st.kv_used().0 as u32
             });
-            live.store(n, Ordering::Relaxed);
+            s.live.store(n, Ordering::Relaxed);
             n
         })
         .await
@@ -225,7 +301,7 @@ mod tests {
     use super::*;
 
     /// A panic while the stage was locked does not fail every later request: the next lock clears
-    /// the poison (and drops whatever stage the panic interrupted).
+    /// the poison, drops whatever stage the panic interrupted and forgets its assignment.
     #[test]
     fn a_panic_under_the_stage_lock_does_not_poison_later_requests() {
         let m = Arc::new(Mutex::new(None::<AnyStage>));
@@ -236,7 +312,9 @@ mod tests {
         })
         .join();
         assert!(m.is_poisoned());
-        assert!(lock_stage(&m).is_none());
+        let mut forgotten = false;
+        assert!(lock_stage(&m, || forgotten = true).is_none());
+        assert!(forgotten, "what Info reports is reset with the stage");
         assert!(!m.is_poisoned(), "the poison is cleared once");
     }
 }

@@ -25,6 +25,8 @@ pub struct StepSeq {
     pub sampling: Option<SamplingParams>,
     /// More of the prompt follows (chunked prefill): nothing is sampled for it (0 is returned).
     pub prompt_continues: bool,
+    /// Draws its sampler made before it was resumed (skipped by the new sampler).
+    pub draws_before: u64,
 }
 
 /// Timing of one layer in one step.
@@ -249,6 +251,11 @@ impl<B: Backend + 'static> Stage<B> {
         }
     }
 
+    /// Frees every sequence.
+    pub fn release_all(&mut self) {
+        self.seqs.clear();
+    }
+
     /// Checks a whole step against this stage before anything changes (`check_step`), then creates
     /// the caches and samplers of the sequences it starts.
     fn prepare(&mut self, batch: &[StepSeq], hidden: &[f32]) -> Result<()> {
@@ -273,7 +280,9 @@ impl<B: Backend + 'static> Stage<B> {
                 .map(|_| self.backend.kv_cache(self.ctx.shape, 0))
                 .collect::<std::result::Result<_, _>>()?;
             let sampler = if self.plan.head {
-                Some(Sampler::new(s.sampling.clone().unwrap_or_default()))
+                let mut sampler = Sampler::new(s.sampling.clone().unwrap_or_default());
+                sampler.skip(s.draws_before);
+                Some(sampler)
             } else {
                 None
             };
@@ -410,14 +419,13 @@ impl<B: Backend + 'static> Stage<B> {
                 g.layers[0].timing.stall_ms = t0.elapsed().as_secs_f64() * 1e3;
                 pending = Some(g);
             }
-            let g = pending
-                .as_mut()
-                .ok_or_else(|| Error::Request(format!("layer {l} has no group")))?;
+            let g =
+                pending.as_mut().ok_or_else(|| Error::Stage(format!("layer {l} has no group")))?;
             let idx = g
                 .layers
                 .iter()
                 .position(|e| e.layer == l)
-                .ok_or_else(|| Error::Request(format!("layer {l} missing from its group")))?;
+                .ok_or_else(|| Error::Stage(format!("layer {l} missing from its group")))?;
             let a = &mut g.layers[idx];
             if g.step != step_no {
                 // Copied ahead, during an earlier step or between steps: that copy stays traced
@@ -456,6 +464,7 @@ mod tests {
             tokens: tokens.to_vec(),
             sampling: None,
             prompt_continues: false,
+            draws_before: 0,
         }
     }
 

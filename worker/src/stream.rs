@@ -2,33 +2,45 @@
 //! the slot. Slot mappings are opened once and reused (and registered with the device once).
 
 use crate::error::{Error, Result};
+use layerstream_proto::auth::Authed;
 use layerstream_proto::shm::ShmRegion;
 use layerstream_proto::telemetry::traced_request;
 use layerstream_proto::v1::loader_client::LoaderClient;
 use layerstream_proto::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
 use std::collections::HashMap;
-use tonic::transport::Channel;
 
 /// A connection to the loader daemon plus the slot regions mapped so far.
 pub struct LoaderLink {
-    client: LoaderClient<Channel>,
+    client: LoaderClient<Authed>,
     worker: String,
+    /// The order last declared, sent again to a loader that no longer knows it (restarted).
+    order: Vec<u32>,
     regions: HashMap<String, ShmRegion>,
     rt: tokio::runtime::Handle,
 }
 
 fn loader_err(what: &str, s: tonic::Status) -> Error {
+    if s.code() == tonic::Code::DataLoss {
+        return Error::Corrupt(s.message().to_owned());
+    }
     Error::Loader { what: what.into(), msg: format!("{} ({:?})", s.message(), s.code()) }
 }
 
 impl LoaderLink {
     /// Wraps a channel to the loader; `worker` identifies this worker's prefetch order.
-    pub fn new(channel: Channel, worker: String, rt: tokio::runtime::Handle) -> Self {
-        LoaderLink { client: LoaderClient::new(channel), worker, regions: HashMap::new(), rt }
+    pub fn new(channel: Authed, worker: String, rt: tokio::runtime::Handle) -> Self {
+        LoaderLink {
+            client: LoaderClient::new(channel),
+            worker,
+            order: Vec::new(),
+            regions: HashMap::new(),
+            rt,
+        }
     }
 
     /// Declares the cyclic order in which this worker streams layers.
     pub fn set_order(&mut self, layers: Vec<u32>) -> Result<()> {
+        self.order.clone_from(&layers);
         let req = SetOrderRequest { worker: self.worker.clone(), layers };
         let mut c = self.client.clone();
         self.rt.block_on(c.set_order(req)).map_err(|s| loader_err("set_order", s))?;
@@ -50,15 +62,19 @@ impl LoaderLink {
         );
         let a =
             self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
+        if !a.order_known && !self.order.is_empty() {
+            // A restarted daemon: declare the order again so its prefetching resumes.
+            self.set_order(self.order.clone())?;
+        }
         if !self.regions.contains_key(&a.shm_name) {
             let r = ShmRegion::open_readonly(&a.shm_name)
-                .map_err(|e| Error::Request(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
+                .map_err(|e| Error::Stage(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
             self.regions.insert(a.shm_name.clone(), r);
         }
         let region = self.regions[&a.shm_name].bytes();
         let len = a.len as usize;
         if len > region.len() {
-            return Err(Error::Request(format!(
+            return Err(Error::Stage(format!(
                 "loader slot {} holds {} bytes, layer {layer} claims {len}",
                 a.shm_name,
                 region.len()

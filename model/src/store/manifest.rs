@@ -57,6 +57,109 @@ impl Manifest {
         self.files.iter().find(|f| f.name == name)
     }
 
+    /// Checks that the manifest describes a whole, consistent store of its config (without reading
+    /// the files): every name a plain file name listed once; every tensor inside its file, aligned,
+    /// sized for its dtype and shape, not overlapping another; a layer file for each of the config's
+    /// layers and none beyond; the embedding, final norm and (untied) lm_head with the config's
+    /// shapes; layer tensors known and shaped as the config says. The message names what is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        let cfg = &self.config;
+        let plain = |n: &str| crate::error::is_plain_file_name(n) && n != MANIFEST;
+        let mut names = std::collections::HashSet::new();
+        for f in &self.files {
+            if !plain(&f.name) {
+                return Err(format!(
+                    "file name {:?} is not a plain file name in the store",
+                    f.name
+                ));
+            }
+            if !names.insert(f.name.as_str()) {
+                return Err(format!("file {} is listed twice", f.name));
+            }
+            let mut spans: Vec<(u64, u64, &str)> = Vec::new();
+            let mut tnames = std::collections::HashSet::new();
+            for t in &f.tensors {
+                let at = |msg: String| format!("{}: tensor {}: {msg}", f.name, t.name);
+                if !tnames.insert(t.name.as_str()) {
+                    return Err(at("listed twice".into()));
+                }
+                let end =
+                    t.offset.checked_add(t.size).filter(|&e| e <= f.size).ok_or_else(|| {
+                        at(format!(
+                            "offset {} + size {} lies outside the file's {} bytes",
+                            t.offset, t.size, f.size
+                        ))
+                    })?;
+                if t.offset % ALIGN != 0 {
+                    return Err(at(format!("offset {} is not {ALIGN}-aligned", t.offset)));
+                }
+                if t.dtype.tensor_bytes(&t.shape).map(|b| b as u64) != Some(t.size) {
+                    return Err(at(format!(
+                        "{} bytes do not hold a {} tensor of shape {:?}",
+                        t.size,
+                        t.dtype.name(),
+                        t.shape
+                    )));
+                }
+                spans.push((t.offset, end, &t.name));
+            }
+            spans.sort();
+            if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+                return Err(format!("{}: tensors {} and {} overlap", f.name, w[0].2, w[1].2));
+            }
+        }
+        for name in [&self.tokenizer].into_iter().chain(self.chat_template.as_ref()) {
+            if !plain(name) || !names.contains(name.as_str()) {
+                return Err(format!("{name:?} is not a file listed in the store"));
+            }
+        }
+        let shaped = |file: &str, tensor: &str, want: &[usize]| -> Result<(), String> {
+            let f = self.file(file).ok_or_else(|| format!("{file} is missing"))?;
+            let t = f.tensor(tensor).ok_or_else(|| format!("{file} has no tensor {tensor}"))?;
+            if t.shape != want {
+                return Err(format!(
+                    "{file}: tensor {tensor} has shape {:?}, the config (vocab {}, hidden {}) needs {want:?}",
+                    t.shape, cfg.vocab_size, cfg.hidden_size
+                ));
+            }
+            Ok(())
+        };
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        shaped("embed.bin", "embed", &[v, h])?;
+        shaped("final_norm.bin", "final_norm", &[h])?;
+        if !cfg.tie_word_embeddings {
+            shaped("lm_head.bin", "lm_head", &[v, h])?;
+        }
+        for i in 0..cfg.num_layers {
+            let name = crate::layout::layer_file(i);
+            let f = self.file(&name).ok_or_else(|| {
+                format!("{name} is missing (the config has {} layers)", cfg.num_layers)
+            })?;
+            for t in &f.tensors {
+                match crate::layout::layer_shape(cfg, &t.name) {
+                    Some(want) if want == t.shape => {}
+                    Some(want) => {
+                        return Err(format!(
+                            "{name}: tensor {} has shape {:?}, the config needs {want:?}",
+                            t.name, t.shape
+                        ))
+                    }
+                    None => return Err(format!("{name}: unknown tensor {}", t.name)),
+                }
+            }
+        }
+        if let Some(f) = self.files.iter().find(|f| {
+            f.name
+                .strip_prefix("layer_")
+                .and_then(|r| r.strip_suffix(".bin"))
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| n >= cfg.num_layers)
+        }) {
+            return Err(format!("{} lies beyond the config's {} layers", f.name, cfg.num_layers));
+        }
+        Ok(())
+    }
+
     /// Size of the largest layer file (the default streaming slot size).
     pub fn max_layer_bytes(&self) -> u64 {
         (0..self.config.num_layers)

@@ -7,7 +7,7 @@ mod reader;
 mod writer;
 
 pub use manifest::{FileEntry, Manifest, TensorEntry, ALIGN, FORMAT_VERSION, MANIFEST};
-pub use reader::{LoadedFile, Store};
+pub use reader::{check_bytes, LoadedFile, Store};
 pub use writer::StoreWriter;
 
 /// The checksum we record: xxh3-64 in hex with its algorithm named.

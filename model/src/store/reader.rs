@@ -5,11 +5,39 @@ use crate::error::{read_json, Error, Result};
 use crate::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
+/// Checks `bytes`, the whole of the file `entry` describes (found at `path`), against its checksum.
+/// A mismatch names the file, the first tensor whose bytes differ and its offset (or the padding).
+pub fn check_bytes(path: &Path, entry: &FileEntry, bytes: &[u8]) -> Result<()> {
+    if bytes.len() as u64 == entry.size && checksum(bytes) == entry.checksum {
+        return Ok(());
+    }
+    let corrupt = |offset, msg| Error::Corrupt { path: path.into(), offset, msg };
+    if bytes.len() as u64 != entry.size {
+        return Err(corrupt(
+            bytes.len() as u64,
+            format!("{} bytes where the manifest says {}", bytes.len(), entry.size),
+        ));
+    }
+    for t in &entry.tensors {
+        // Ranges were checked against the file size when the store was opened.
+        let s = &bytes[t.offset as usize..(t.offset + t.size) as usize];
+        if checksum(s) != t.checksum {
+            return Err(corrupt(
+                t.offset,
+                format!("checksum mismatch in tensor {} ({} bytes)", t.name, t.size),
+            ));
+        }
+    }
+    Err(corrupt(0, "file checksum mismatch (outside any tensor: padding)".into()))
+}
+
 /// An opened layer store.
 #[derive(Debug, Clone)]
 pub struct Store {
     pub dir: PathBuf,
     pub manifest: Manifest,
+    /// Whether `load` checks checksums (on by default; `--no-verify` turns it off for measurements).
+    pub verify: bool,
 }
 
 /// A store file read into memory, with its tensor directory.
@@ -28,7 +56,8 @@ impl LoadedFile {
 }
 
 impl Store {
-    /// Opens `dir`: parses the manifest and checks every file exists with its recorded size.
+    /// Opens `dir`: parses the manifest, checks that it is consistent (`Manifest::check`) and that
+    /// every file exists as a regular file with its recorded size.
     pub fn open(dir: &Path) -> Result<Store> {
         let mpath = dir.join(MANIFEST);
         if !mpath.exists() {
@@ -48,9 +77,13 @@ impl Store {
             ));
         }
         manifest.config.validate()?;
+        manifest.check().map_err(|msg| Error::format(&mpath, msg))?;
         for f in &manifest.files {
             let p = dir.join(&f.name);
             let meta = std::fs::metadata(&p).map_err(|e| Error::io(&p, e))?;
+            if !meta.is_file() {
+                return Err(Error::format(&p, "not a regular file"));
+            }
             if meta.len() != f.size {
                 return Err(Error::Corrupt {
                     path: p,
@@ -63,61 +96,21 @@ impl Store {
                     ),
                 });
             }
-            for t in &f.tensors {
-                if t.offset + t.size > f.size
-                    || t.dtype.tensor_bytes(&t.shape) != Some(t.size as usize)
-                {
-                    return Err(Error::Corrupt {
-                        path: p,
-                        offset: t.offset,
-                        msg: format!("tensor {} entry is inconsistent", t.name),
-                    });
-                }
-            }
         }
-        Ok(Store { dir: dir.into(), manifest })
+        Ok(Store { dir: dir.into(), manifest, verify: true })
     }
 
     /// Checks every file's and tensor's checksum; the error names the file and the offset of the
     /// first corrupt tensor.
     pub fn verify(&self) -> Result<()> {
         for f in &self.manifest.files {
-            self.verify_file(f)?;
+            self.read(f, true)?;
         }
         Ok(())
     }
 
-    fn verify_file(&self, f: &FileEntry) -> Result<Vec<u8>> {
-        let p = self.dir.join(&f.name);
-        let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-        if bytes.len() as u64 != f.size {
-            return Err(Error::Corrupt {
-                path: p,
-                offset: bytes.len() as u64,
-                msg: format!("size changed to {}", bytes.len()),
-            });
-        }
-        if checksum(&bytes) == f.checksum {
-            return Ok(bytes);
-        }
-        for t in &f.tensors {
-            let s = &bytes[t.offset as usize..(t.offset + t.size) as usize];
-            if checksum(s) != t.checksum {
-                return Err(Error::Corrupt {
-                    path: p,
-                    offset: t.offset,
-                    msg: format!("checksum mismatch in tensor {} ({} bytes)", t.name, t.size),
-                });
-            }
-        }
-        Err(Error::Corrupt {
-            path: p,
-            offset: 0,
-            msg: "file checksum mismatch (outside any tensor: padding)".into(),
-        })
-    }
-
-    /// Reads a whole file (size-checked, not checksummed: `verify` does that).
+    /// Reads a whole file, size-checked and (unless `verify` is off) checksummed: corrupt bytes are
+    /// never handed out.
     pub fn load(&self, name: &str) -> Result<LoadedFile> {
         let entry = self
             .manifest
@@ -126,7 +119,13 @@ impl Store {
                 Error::format(self.dir.join(MANIFEST), format!("no file {name} in the manifest"))
             })?
             .clone();
-        let p = self.dir.join(name);
+        let bytes = self.read(&entry, self.verify)?;
+        Ok(LoadedFile { entry, bytes })
+    }
+
+    /// The bytes of `entry`'s file, of the recorded size, checksummed when `check`.
+    fn read(&self, entry: &FileEntry, check: bool) -> Result<Vec<u8>> {
+        let p = self.dir.join(&entry.name);
         let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
         if bytes.len() as u64 != entry.size {
             return Err(Error::Corrupt {
@@ -135,7 +134,10 @@ impl Store {
                 msg: format!("size {} but the manifest says {}", bytes.len(), entry.size),
             });
         }
-        Ok(LoadedFile { entry, bytes })
+        if check {
+            check_bytes(&p, entry, &bytes)?;
+        }
+        Ok(bytes)
     }
 
     /// Loads the tokenizer and chat template.

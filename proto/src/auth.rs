@@ -1,0 +1,158 @@
+//! Bearer tokens on gRPC: the optional API key of the public job API and the shared secret of the
+//! internal worker and loader APIs. Clients attach `authorization: Bearer <token>`; a server given a
+//! token refuses every call of the guarded service without it (UNAUTHENTICATED), comparing in
+//! constant time. Health and reflection stay open, so orchestrators can probe.
+
+use std::sync::Arc;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::Interceptor;
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+/// Environment variable of the internal secret (worker and loader APIs). `up` generates one and
+/// hands it to its children through the environment (never on a command line, where `ps` shows it).
+pub const INTERNAL_TOKEN_ENV: &str = "LAYERSTREAM_INTERNAL_TOKEN";
+
+/// A client channel that attaches a bearer token (or nothing) to every call.
+pub type Authed = InterceptedService<Channel, Bearer>;
+
+/// Client side: attaches `authorization: Bearer <token>` when a token is set.
+#[derive(Clone, Default)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+/// A token must be printable ASCII without spaces (it travels in an HTTP/2 header).
+fn check_token(t: &str) -> Result<(), String> {
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("a token must be non-empty printable ASCII without spaces".into());
+    }
+    Ok(())
+}
+
+/// An empty string means "no token" (an unset variable in compose files is often an empty one).
+fn non_empty(token: Option<&str>) -> Option<&str> {
+    token.map(str::trim).filter(|t| !t.is_empty())
+}
+
+impl Bearer {
+    /// A client interceptor for `token` (`None` or empty: attaches nothing).
+    pub fn new(token: Option<&str>) -> Result<Bearer, String> {
+        let Some(t) = non_empty(token) else { return Ok(Bearer(None)) };
+        check_token(t)?;
+        let v = format!("Bearer {t}").parse().map_err(|_| "token is not a valid header value")?;
+        Ok(Bearer(Some(v)))
+    }
+
+    /// `channel` with this token on every call.
+    pub fn wrap(self, channel: Channel) -> Authed {
+        InterceptedService::new(channel, self)
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut r: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            r.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(r)
+    }
+}
+
+/// Server side: refuses calls whose `authorization` is not `Bearer <token>` when a token is set.
+#[derive(Clone)]
+pub struct RequireBearer {
+    token: Option<Arc<[u8]>>,
+    /// What the token guards, for the error message ("API key", "internal token").
+    what: &'static str,
+}
+
+impl RequireBearer {
+    /// A server interceptor for `token` (`None` or empty: lets every call through).
+    pub fn new(token: Option<&str>, what: &'static str) -> Result<RequireBearer, String> {
+        let token = match non_empty(token) {
+            Some(t) => {
+                check_token(t)?;
+                Some(Arc::from(t.as_bytes()))
+            }
+            None => None,
+        };
+        Ok(RequireBearer { token, what })
+    }
+
+    /// Whether a token is required.
+    pub fn enabled(&self) -> bool {
+        self.token.is_some()
+    }
+
+    /// Whether `header` (an `authorization` value) carries the token.
+    pub fn accepts(&self, header: Option<&[u8]>) -> bool {
+        let Some(want) = &self.token else { return true };
+        let Some(got) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else { return false };
+        // Constant time over the expected token's length: no early exit on the first difference.
+        let mut diff = (got.len() != want.len()) as u8;
+        for (i, &w) in want.iter().enumerate() {
+            diff |= w ^ got.get(i).copied().unwrap_or(0);
+        }
+        diff == 0
+    }
+}
+
+impl Interceptor for RequireBearer {
+    fn call(&mut self, r: Request<()>) -> Result<Request<()>, Status> {
+        let header = r.metadata().get("authorization").map(|v| v.as_bytes());
+        if self.accepts(header) {
+            Ok(r)
+        } else if header.is_none() {
+            Err(Status::unauthenticated(format!(
+                "missing {}: send `authorization: Bearer <token>`",
+                self.what
+            )))
+        } else {
+            Err(Status::unauthenticated(format!("wrong {}", self.what)))
+        }
+    }
+}
+
+/// 128 random bits from the kernel, as 32 hex digits (job ids, generated secrets).
+pub fn random_hex() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .expect("reading /dev/urandom");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_is_required_exactly_when_set() {
+        let open = RequireBearer::new(None, "API key").unwrap();
+        assert!(open.accepts(None) && !open.enabled());
+        assert!(!RequireBearer::new(Some("  "), "x").unwrap().enabled(), "empty means unset");
+        let g = RequireBearer::new(Some("s3cret"), "API key").unwrap();
+        assert!(g.accepts(Some(b"Bearer s3cret")));
+        for bad in
+            [&b"Bearer s3cre"[..], b"Bearer s3cret2", b"s3cret", b"Bearer ", b"bearer s3cret"]
+        {
+            assert!(!g.accepts(Some(bad)), "{:?}", String::from_utf8_lossy(bad));
+        }
+        assert!(!g.accepts(None));
+        assert!(RequireBearer::new(Some("has space"), "x").is_err());
+    }
+
+    #[test]
+    fn the_client_attaches_what_the_server_checks() {
+        let mut c = Bearer::new(Some("tok")).unwrap();
+        let r = c.call(Request::new(())).unwrap();
+        let mut s = RequireBearer::new(Some("tok"), "internal token").unwrap();
+        assert!(s.call(r).is_ok());
+        let e = s.call(Request::new(())).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("missing internal token"), "{}", e.message());
+        assert_eq!(random_hex().len(), 32);
+        assert_ne!(random_hex(), random_hex());
+    }
+}

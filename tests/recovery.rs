@@ -1,0 +1,498 @@
+//! Faults survived, bad bytes refused, doors locked — on the real processes: a worker or the loader
+//! killed mid-job under `up` is restarted and the job completes with the tokens of an uninterrupted
+//! `run` (greedy and seeded sampling); a worker restarted by someone else (standalone processes) is
+//! assigned again; a stopped worker is reported within the step deadline and the stack serves again
+//! after SIGCONT; a flipped byte in a layer file fails the job naming the file and tensor; the API
+//! key and the internal token are required when set; the loader's socket is private; a SIGKILLed
+//! `up` takes its children with it and the next `up` removes what it left.
+
+use layerstream_proto::auth::Bearer;
+use layerstream_proto::v1::coordinator_client::CoordinatorClient;
+use layerstream_proto::v1::*;
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// `layerstream run --json` with these extra arguments: the uninterrupted reference.
+fn run_ids(store: &Path, args: &[&str]) -> Vec<u64> {
+    let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json"];
+    a.extend_from_slice(args);
+    output_ids(&last_json(&layerstream(&a)))
+}
+
+fn request(seed: u64, temperature: f32, n: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::Prompt("Once upon a time".into())),
+        max_new_tokens: n,
+        ignore_eos: true,
+        sampling: Some(Sampling { temperature, top_p: 0.9, seed, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// Streams `req`; calls `at_token` once after the `k`-th token; returns the final event.
+async fn generate_with(
+    addr: &str,
+    req: GenerateRequest,
+    k: usize,
+    at_token: impl FnOnce(),
+) -> FinalEvent {
+    let mut c = CoordinatorClient::connect(addr.to_owned()).await.unwrap();
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let (mut seen, mut hook) = (0, Some(at_token));
+    while let Some(ev) = s.message().await.unwrap() {
+        match ev.event {
+            Some(generate_event::Event::Token(_)) => {
+                seen += 1;
+                if seen == k {
+                    (hook.take().unwrap())();
+                }
+            }
+            Some(generate_event::Event::Done(d)) => return d,
+            None => {}
+        }
+    }
+    panic!("the stream ended without a final event");
+}
+
+/// A process of the stack is SIGKILLed after a few tokens; `up` restarts it, the coordinator
+/// re-assigns and replays, and both the greedy and the seeded sampled request end exactly as an
+/// uninterrupted `run` does.
+fn killed_mid_job_completes(victim: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    const N: u32 = 48;
+    let greedy_ref = run_ids(
+        &store,
+        &["--prompt", "Once upon a time", "--max-new-tokens", "48", "--ignore-eos"],
+    );
+    let sampled_args = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "7"];
+    let sampled_ref = run_ids(
+        &store,
+        &[
+            &["--prompt", "Once upon a time", "--max-new-tokens", "48", "--ignore-eos"][..],
+            &sampled_args,
+        ]
+        .concat(),
+    );
+    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "0"]);
+    let pids = stack.children(victim);
+    assert!(!pids.is_empty(), "no {victim} process found");
+    let addr = stack.addr().to_owned();
+    let victim_pid = *pids.last().unwrap();
+    let (greedy, sampled) = tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        let other = tokio::spawn({
+            let addr = addr.clone();
+            async move { generate_with(&addr, request(7, 0.8, N), usize::MAX, || {}).await }
+        });
+        let greedy =
+            generate_with(&addr, request(0, 0.0, N), 5, move || Stack::kill9(victim_pid)).await;
+        (greedy, other.await.unwrap())
+    });
+    for (name, d, want) in [("greedy", &greedy, &greedy_ref), ("sampled", &sampled, &sampled_ref)] {
+        assert!(d.error.is_empty(), "{name}: {}", d.error);
+        let got: Vec<u64> = d.output_ids.iter().map(|&x| x as u64).collect();
+        assert_eq!(&got, want, "{name}: tokens differ from the uninterrupted run");
+    }
+    let replays = greedy.stats.as_ref().unwrap().replays;
+    assert!(replays >= 1, "the job was never replayed: was the {victim} really killed mid-job?");
+    assert!(stack.children(victim).len() == pids.len(), "the {victim} was not restarted");
+    stack.shutdown();
+}
+
+#[test]
+fn a_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged() {
+    killed_mid_job_completes("worker");
+}
+
+#[test]
+fn the_loader_killed_mid_job_is_restarted_and_the_job_completes_unchanged() {
+    killed_mid_job_completes("loader-daemon");
+}
+
+/// A standalone loader daemon serving `store` on `sock` in shm namespace `ns`.
+fn loader(store: &str, sock: &str, ns: &str) -> Proc {
+    Proc::start(&["loader-daemon", "--model", store, "--socket", sock, "--namespace", ns], &[])
+}
+
+/// A standalone coordinator over `workers` (comma-separated) with `extra` flags.
+fn coordinator(store: &str, workers: &str, extra: &[&str]) -> Proc {
+    let mut a =
+        vec!["coordinator", "--model", store, "--listen", "127.0.0.1:0", "--worker", workers];
+    a.extend_from_slice(extra);
+    Proc::start(&a, &[])
+}
+
+/// The `output_ids` of a `submit --json` object.
+fn output_ids(v: &serde_json::Value) -> Vec<u64> {
+    v["output_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+/// A free TCP port on loopback.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Standalone processes (no `up`): the worker is killed and started again by hand, as an
+/// orchestrator would; the idle coordinator notices it lost its assignment, assigns it again, and
+/// the next job gets `run`'s tokens. Killed mid-job and started again, the job completes with the
+/// tokens of an uninterrupted run.
+#[test]
+fn a_restarted_standalone_worker_is_assigned_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let sock = dir.path().join("loader.sock");
+    let sock_s = sock.to_str().unwrap();
+    let want = run_ids(&store, &["--prompt", "Hi", "--max-new-tokens", "24", "--ignore-eos"]);
+    let mut loader = loader(s, sock_s, "restart-test");
+    let waddr = format!("127.0.0.1:{}", free_port());
+    let worker_args = ["worker", "--model", s, "--listen", &waddr, "--loader-socket", sock_s];
+    let mut worker = Proc::start(&worker_args, &[]);
+    let mut coord = coordinator(s, &worker.addr, &[]);
+    let args = ["--prompt", "Hi", "--max-new-tokens", "24", "--ignore-eos"];
+    assert_eq!(output_ids(&submit(&coord.addr, &args)), want);
+    Stack::kill9(worker.child.id() as i32);
+    let _ = worker.child.wait();
+    worker = Proc::start(&worker_args, &[]);
+    let addr = coord.addr.clone();
+    tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        let mut c = CoordinatorClient::connect(addr).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let w = c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers;
+            if w[0].healthy {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the restarted worker was never assigned again");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    assert_eq!(output_ids(&submit(&coord.addr, &args)), want);
+    // Killed mid-job and started again by hand: the job waits, is replayed, and ends unchanged.
+    let want = run_ids(
+        &store,
+        &["--prompt", "Once upon a time", "--max-new-tokens", "40", "--ignore-eos"],
+    );
+    let victim = worker.child.id() as i32;
+    let restarted = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let slot = restarted.clone();
+    let worker_args: Vec<String> = worker_args.iter().map(|a| a.to_string()).collect();
+    let addr = coord.addr.clone();
+    let done = tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        generate_with(&addr, request(0, 0.0, 40), 5, move || {
+            Stack::kill9(victim);
+            std::thread::sleep(Duration::from_millis(300));
+            let a: Vec<&str> = worker_args.iter().map(String::as_str).collect();
+            *slot.lock().unwrap() = Some(Proc::start(&a, &[]));
+        })
+        .await
+    });
+    let _ = worker.child.wait();
+    worker = restarted.lock().unwrap().take().expect("the worker was restarted mid-job");
+    assert!(done.error.is_empty(), "{}", done.error);
+    let got: Vec<u64> = done.output_ids.iter().map(|&x| x as u64).collect();
+    assert_eq!(got, want, "tokens differ from the uninterrupted run");
+    assert!(done.stats.unwrap().replays >= 1);
+    for p in [&mut coord, &mut worker, &mut loader] {
+        p.stop();
+    }
+    assert!(shm_left("layerstream-restart-test-").is_empty());
+}
+
+/// SIGSTOP of a worker mid-job: the job fails within the step deadline (+ one probe) with an
+/// error naming the worker; after SIGCONT the stack serves again with `run`'s tokens.
+#[test]
+fn a_stopped_worker_is_reported_within_the_deadline_and_serves_again_after_sigcont() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack =
+        Stack::up(&store, &["--workers", "2", "--resident-layers", "1", "--step-timeout", "3"]);
+    let victim = *stack.children("worker").last().unwrap();
+    let addr = stack.addr().to_owned();
+    let t = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let t2 = t.clone();
+    let done = tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        generate_with(&addr, request(0, 0.0, 400), 3, move || {
+            Stack::signal(victim, 19); // SIGSTOP
+            *t2.lock().unwrap() = Some(Instant::now());
+        })
+        .await
+    });
+    let took = t.lock().unwrap().unwrap().elapsed();
+    Stack::signal(victim, 18); // SIGCONT
+    assert_eq!(done.finish_reason(), FinishReason::Error);
+    assert!(done.error.contains("worker http://") && done.error.contains("3s"), "{}", done.error);
+    assert!(took < Duration::from_secs(12), "reported after {took:?} with a 3 s deadline");
+    let want = run_ids(&store, &["--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos"]);
+    let v = submit(stack.addr(), &["--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos"]);
+    let got = output_ids(&v);
+    assert_eq!(got, want, "the stack does not serve again after SIGCONT");
+    stack.shutdown();
+}
+
+/// One flipped byte inside a streamed layer's tensor: the loader refuses the read, the job fails
+/// naming the file and the tensor (no garbage text), `run` refuses to load it, and `verify` names it.
+#[test]
+fn a_flipped_byte_in_a_layer_fails_the_job_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let path = store.join("layer_001.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[4096 + 17] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    let s = store.to_str().unwrap();
+    let err = layerstream_fails(&["run", "--model", s, "--prompt", "Hi", "--max-new-tokens", "2"]);
+    assert!(err.contains("layer_001.bin") && err.contains("checksum mismatch in tensor"), "{err}");
+    let err = layerstream_fails(&["verify", s]);
+    assert!(err.contains("layer_001.bin"), "{err}");
+    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "0"]);
+    let e = layerstream_fails(&[
+        "submit",
+        "--addr",
+        stack.addr(),
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(e.contains("layer_001.bin") && e.contains("checksum mismatch in tensor"), "{e}");
+    // Not replayed over and over: the same bytes would be read again.
+    assert!(!e.contains("recoveries"), "{e}");
+    stack.shutdown();
+}
+
+/// With `--api-key`, the job API refuses calls without it (UNAUTHENTICATED) and serves with it;
+/// health stays open; the workers refuse calls without the internal token.
+#[test]
+fn the_api_key_and_the_internal_token_are_required() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "1", "--api-key", "k3y"]);
+    let err = layerstream_fails(&["submit", "--addr", stack.addr(), "--prompt", "Hi"]);
+    assert!(err.contains("missing API key"), "{err}");
+    let err = layerstream_fails(&[
+        "submit",
+        "--addr",
+        stack.addr(),
+        "--api-key",
+        "nope",
+        "--prompt",
+        "Hi",
+    ]);
+    assert!(err.contains("wrong API key"), "{err}");
+    let v = submit(stack.addr(), &["--api-key", "k3y", "--prompt", "Hi", "--max-new-tokens", "3"]);
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
+    assert_eq!(layerstream(&["health", "--addr", stack.addr()]).trim(), "SERVING");
+    let addr = stack.addr().to_owned();
+    tokio::runtime::Runtime::new().unwrap().block_on(async move {
+        let ch = tonic::transport::Endpoint::from_shared(addr).unwrap().connect().await.unwrap();
+        let mut c = CoordinatorClient::new(Bearer::new(Some("k3y")).unwrap().wrap(ch));
+        let w = c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers;
+        let ch = tonic::transport::Endpoint::from_shared(w[0].address.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut raw = layerstream_proto::v1::worker_client::WorkerClient::new(ch);
+        let e = raw.info(InfoRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{}", e.message());
+        assert!(worker_client(w[0].address.clone()).await.info(InfoRequest {}).await.is_ok());
+    });
+    // The loader's socket: private directory, socket only for its owner.
+    use std::os::unix::fs::PermissionsExt;
+    let sock = stack.loader_socket();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&sock), 0o600, "{}", sock.display());
+    assert_eq!(mode(sock.parent().unwrap()), 0o700);
+    stack.shutdown();
+}
+
+/// SIGKILL of `up`: its children get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop; what a
+/// killed stack leaves in /dev/shm is removed by the next `up`.
+#[test]
+fn children_die_with_a_killed_up_and_the_next_up_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "2"]);
+    let kids: Vec<i32> =
+        ["loader-daemon", "worker", "coordinator"].iter().flat_map(|w| stack.children(w)).collect();
+    assert_eq!(kids.len(), 4);
+    let prefix = stack.shm_prefix();
+    Stack::kill9(stack.proc.child.id() as i32);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while kids.iter().any(|p| alive(*p)) {
+        assert!(Instant::now() < deadline, "children outlived a killed up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // What a loader that could not clean up would leave: a region of the dead stack's namespace.
+    let orphan = format!("{prefix}deadbeef-slot-000");
+    let region = layerstream_proto::shm::ShmRegion::create(&orphan, 4096).unwrap();
+    std::mem::forget(region);
+    assert_eq!(shm_left(&prefix).len(), 1);
+    let next = Stack::up(&store, &["--workers", "1"]);
+    assert!(shm_left(&prefix).is_empty(), "the next up left the dead stack's regions");
+    next.shutdown();
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+}
+
+/// A self-signed certificate for 127.0.0.1/localhost (openssl), or None when openssl is missing.
+fn self_signed(dir: &Path) -> Option<(PathBuf, PathBuf)> {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let ok = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+        ])
+        .args(["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"])
+        .args(["-addext", "basicConstraints=critical,CA:FALSE"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some((cert, key))
+}
+
+/// TLS on gRPC: the job API of `up --tls-cert/--tls-key` answers `submit --tls-ca` over https and
+/// refuses plaintext and clients that do not trust it; a worker started with its own certificate is reached as `https://` by a
+/// coordinator given `--tls-ca`, and the job's tokens equal `run`'s.
+#[test]
+fn tls_on_the_job_api_and_between_coordinator_and_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((cert, key)) = self_signed(dir.path()) else {
+        eprintln!("SKIPPED: openssl is not installed (needed to make a test certificate)");
+        return;
+    };
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let (c, k) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let want = run_ids(&store, &["--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos"]);
+    let args = ["--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos"];
+    let stack = Stack::up(&store, &["--workers", "1", "--tls-cert", c, "--tls-key", k]);
+    assert!(stack.addr().starts_with("https://"), "{}", stack.addr());
+    assert_eq!(output_ids(&submit(stack.addr(), &[&["--tls-ca", c][..], &args].concat())), want);
+    // Plaintext to the TLS port, and TLS without trusting the certificate, both fail.
+    let plain = stack.addr().replace("https://", "http://");
+    layerstream_fails(&[&["submit", "--addr", &plain][..], &args].concat());
+    layerstream_fails(&[&["submit", "--addr", stack.addr()][..], &args].concat());
+    stack.shutdown();
+
+    // Coordinator → worker over TLS (standalone processes).
+    let sock = dir.path().join("loader.sock");
+    let sock_s = sock.to_str().unwrap();
+    let mut loader = loader(s, sock_s, "tls-test");
+    let mut worker = Proc::start(
+        &["worker", "--model", s, "--loader-socket", sock_s, "--tls-cert", c, "--tls-key", k],
+        &[],
+    );
+    assert!(worker.addr.starts_with("https://"), "{}", worker.addr);
+    let mut coord = coordinator(s, &worker.addr, &["--tls-ca", c]);
+    assert_eq!(output_ids(&submit(&coord.addr, &args)), want);
+    for p in [&mut coord, &mut worker, &mut loader] {
+        p.stop();
+    }
+}
+
+/// A worker that dies and does not come back is planned around when the others can hold the
+/// model: the job in flight completes with `run`'s tokens on the remaining worker; once the worker
+/// answers again, the idle coordinator plans over both again.
+#[test]
+fn a_worker_that_stays_dead_is_planned_around_and_back_in_when_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let sock = dir.path().join("loader.sock");
+    let sock_s = sock.to_str().unwrap();
+    let want = run_ids(
+        &store,
+        &["--prompt", "Once upon a time", "--max-new-tokens", "40", "--ignore-eos"],
+    );
+    let mut loader = loader(s, sock_s, "replan-test");
+    let w1_addr = format!("127.0.0.1:{}", free_port());
+    let w1_args = ["worker", "--model", s, "--listen", &w1_addr, "--loader-socket", sock_s];
+    let mut w0 = Proc::start(&["worker", "--model", s, "--loader-socket", sock_s], &[]);
+    let mut w1 = Proc::start(&w1_args, &[]);
+    let workers = format!("{},{}", w0.addr, w1.addr);
+    let mut coord = coordinator(s, &workers, &["--step-timeout", "4"]);
+    let victim = w1.child.id() as i32;
+    let addr = coord.addr.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let plan_len = |addr: String| async move {
+        let mut c = CoordinatorClient::connect(addr).await.unwrap();
+        c.get_plan(GetPlanRequest {}).await.unwrap().into_inner().assignments.len()
+    };
+    let done =
+        rt.block_on(generate_with(&addr, request(0, 0.0, 40), 5, move || Stack::kill9(victim)));
+    let _ = w1.child.wait();
+    assert!(done.error.is_empty(), "{}", done.error);
+    let got: Vec<u64> = done.output_ids.iter().map(|&x| x as u64).collect();
+    assert_eq!(got, want, "tokens differ from the uninterrupted run");
+    assert_eq!(rt.block_on(plan_len(addr.clone())), 1, "not planned around the dead worker");
+    w1 = Proc::start(&w1_args, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rt.block_on(plan_len(addr.clone())) != 2 {
+        assert!(Instant::now() < deadline, "the returning worker was never planned in again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let v =
+        submit(&addr, &["--prompt", "Once upon a time", "--max-new-tokens", "40", "--ignore-eos"]);
+    let got = output_ids(&v);
+    assert_eq!(got, want);
+    for p in [&mut coord, &mut w0, &mut w1, &mut loader] {
+        p.stop();
+    }
+    assert!(shm_left("layerstream-replan-test-").is_empty());
+}
+
+/// The restart budget: with `--max-restarts 0`, a dead worker stops the whole stack with an error
+/// that names it and the flag, and nothing is left running or in /dev/shm.
+#[test]
+fn up_stops_with_a_clear_error_when_the_restart_budget_is_spent() {
+    use std::io::{BufRead, Read};
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let mut up = std::process::Command::new(bin())
+        .args(["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+        .args(["--workers", "2", "--max-restarts", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(up.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with("LISTENING "), "{first}");
+    let mut stack = Stack { proc: Proc { child: up, addr: first.trim()[10..].to_owned() } };
+    let kids: Vec<i32> =
+        ["loader-daemon", "worker", "coordinator"].iter().flat_map(|w| stack.children(w)).collect();
+    Stack::kill9(*stack.children("worker").last().unwrap());
+    let up = &mut stack.proc.child;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "up did not stop after its budget was spent");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    up.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("worker 1 exited") && err.contains("--max-restarts"), "{err}");
+    assert!(kids.iter().all(|p| !alive(*p)), "children left running");
+    assert!(shm_left(&format!("layerstream-up{}-", up.id())).is_empty());
+}
