@@ -195,6 +195,8 @@ fn gpu_worker_stays_within_its_memory_budget() {
         store.dir.to_str().unwrap(),
         "--listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
         "--workers",
         "1",
         "--device",

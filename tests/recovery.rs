@@ -120,6 +120,7 @@ fn loader(store: &str, sock: &str, ns: &str) -> Proc {
 fn coordinator(store: &str, workers: &str, extra: &[&str]) -> Proc {
     let mut a =
         vec!["coordinator", "--model", store, "--listen", "127.0.0.1:0", "--worker", workers];
+    a.extend_from_slice(&["--http-listen", "127.0.0.1:0"]);
     a.extend_from_slice(extra);
     Proc::start(&a, &[])
 }
@@ -468,7 +469,7 @@ fn up_stops_with_a_clear_error_when_the_restart_budget_is_spent() {
     let store = tiny_store(dir.path());
     let mut up = std::process::Command::new(bin())
         .args(["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"])
-        .args(["--workers", "2", "--max-restarts", "0"])
+        .args(["--workers", "2", "--max-restarts", "0", "--http-listen", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -476,7 +477,8 @@ fn up_stops_with_a_clear_error_when_the_restart_budget_is_spent() {
     let mut first = String::new();
     std::io::BufReader::new(up.stdout.take().unwrap()).read_line(&mut first).unwrap();
     assert!(first.starts_with("LISTENING "), "{first}");
-    let mut stack = Stack { proc: Proc { child: up, addr: first.trim()[10..].to_owned() } };
+    let addr = first.split_whitespace().nth(1).unwrap().to_owned();
+    let mut stack = Stack { proc: Proc { child: up, addr, http: None } };
     let kids: Vec<i32> =
         ["loader-daemon", "worker", "coordinator"].iter().flat_map(|w| stack.children(w)).collect();
     Stack::kill9(*stack.children("worker").last().unwrap());

@@ -204,7 +204,9 @@ fn run_config(
     ];
     args.extend_from_slice(extra);
     args.extend(a.pool.to_args());
-    let addr = spawn_quiet(&mut children, name, &args)?;
+    // Never the default port, which a stack the user runs may hold.
+    args.extend(["--http-listen".into(), "127.0.0.1:0".into()]);
+    let (addr, _http) = crate::up::listening_parts(&spawn_quiet(&mut children, name, &args)?);
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
     let warm = BenchArgs {
         batch: 1,

@@ -77,6 +77,7 @@ impl SamplingArgs {
                 top_p: self.top_p,
                 repetition_penalty: self.repetition_penalty,
                 seed: self.seed,
+                logprobs: None,
             },
         }
     }

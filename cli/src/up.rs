@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use layerstream_coordinator::{PlanFlags, SchedulerFlags};
+use layerstream_coordinator::{HttpFlags, PlanFlags, SchedulerFlags};
 use layerstream_loader::SlotFlags;
 use layerstream_worker::server::DeviceFlags;
 use std::io::{BufRead, BufReader};
@@ -29,6 +29,8 @@ pub struct UpArgs {
     pub plan: PlanFlags,
     #[command(flatten)]
     pub sched: SchedulerFlags,
+    #[command(flatten)]
+    pub http: HttpFlags,
     #[command(flatten)]
     pub pool: SlotFlags,
     /// Coordinator address.
@@ -91,7 +93,25 @@ impl Drop for Children {
     }
 }
 
-/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line; its log goes to stderr.
+/// Splits what follows `LISTENING ` into the gRPC address and the HTTP one (`http=<url>`, printed by
+/// a coordinator that serves HTTP).
+pub(crate) fn listening_parts(rest: &str) -> (String, Option<String>) {
+    let mut words = rest.split_whitespace();
+    let addr = words.next().unwrap_or_default().to_owned();
+    let http = words.find_map(|w| w.strip_prefix("http=")).map(str::to_owned);
+    (addr, http)
+}
+
+/// The `LISTENING` line for `addr` and an optional HTTP address.
+pub(crate) fn listening_line(addr: &str, http: Option<&str>) -> String {
+    match http {
+        Some(h) => format!("LISTENING {addr} http={h}"),
+        None => format!("LISTENING {addr}"),
+    }
+}
+
+/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line (its rest is returned);
+/// its log goes to stderr.
 pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
     spawn_logged(children, name, args, Stdio::inherit(), None)
 }
@@ -292,16 +312,20 @@ pub fn run(a: UpArgs) -> Result<()> {
     ];
     cargs.extend(a.plan.to_args());
     cargs.extend(a.sched.to_args());
+    cargs.extend(a.http.to_args());
     if let (Some(c), Some(k)) = (&a.tls_cert, &a.tls_key) {
         cargs.extend(["--tls-cert".into(), c.display().to_string()]);
         cargs.extend(["--tls-key".into(), k.display().to_string()]);
     }
     cargs.extend(otlp);
-    let addr = spawn(&mut children, "coordinator", &cargs)?;
-    specs.push(Supervised {
-        args: with_flag(cargs, "--listen", addr.split("://").last().unwrap_or(&addr)),
-        restarts: 0,
-    });
+    let line = spawn(&mut children, "coordinator", &cargs)?;
+    let (addr, http) = listening_parts(&line);
+    // A restarted coordinator comes back on the same addresses, where clients look for it.
+    let mut cargs = with_flag(cargs, "--listen", addr.split("://").last().unwrap_or(&addr));
+    if let Some(h) = &http {
+        cargs = with_flag(cargs, "--http-listen", h.split("://").last().unwrap_or(h));
+    }
+    specs.push(Supervised { args: cargs, restarts: 0 });
     // With an input: the request runs on its own thread while this one supervises the children.
     let job = a.prompt.is_given().then(|| {
         let sub = crate::submit::SubmitArgs {
@@ -321,8 +345,11 @@ pub fn run(a: UpArgs) -> Result<()> {
         })
     });
     if job.is_none() {
-        println!("LISTENING {addr}");
-        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}; Ctrl-C stops everything", a.workers);
+        println!("{}", listening_line(&addr, http.as_deref()));
+        let web = http.as_ref().map_or(String::new(), |h| {
+            format!("; OpenAI API at {h}/v1 (OPENAI_BASE_URL), live page at {h}/, metrics at {h}/metrics")
+        });
+        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}{web}; Ctrl-C stops everything", a.workers);
     }
     let outcome = supervise(&mut children, &mut specs, &mut set, a.max_restarts, job.as_ref());
     drop(children);

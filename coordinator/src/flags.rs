@@ -25,6 +25,45 @@ pub struct PlanFlags {
     pub kv_capacity: usize,
 }
 
+/// The HTTP server: OpenAI API, `/metrics`, the live page.
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct HttpFlags {
+    /// Address of the HTTP server (OpenAI-compatible API at /v1, Prometheus /metrics, the live page
+    /// at /); `off` disables it. Port 0 picks one (printed as `http=` on the `LISTENING` line).
+    #[arg(long, env = "LAYERSTREAM_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    pub http_listen: String,
+    /// Model id of the OpenAI API (`/v1/models`; requests naming another get 404); default: the
+    /// store directory's name.
+    #[arg(long, env = "LAYERSTREAM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Browser origins allowed to call the HTTP API (CORS; repeat or comma-separate; `*` = any).
+    #[arg(
+        long = "cors-allow-origin",
+        env = "LAYERSTREAM_CORS_ALLOW_ORIGIN",
+        value_delimiter = ','
+    )]
+    pub cors_allow_origin: Vec<String>,
+}
+
+impl HttpFlags {
+    /// Whether the server is on.
+    pub fn enabled(&self) -> bool {
+        self.http_listen != "off"
+    }
+
+    /// The flags for a child coordinator.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = flag("http-listen", &self.http_listen).to_vec();
+        if let Some(n) = &self.served_model_name {
+            a.extend(flag("served-model-name", n));
+        }
+        if !self.cors_allow_origin.is_empty() {
+            a.extend(flag("cors-allow-origin", self.cors_allow_origin.join(",")));
+        }
+        a
+    }
+}
+
 /// Admission and step limits of the scheduler.
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct SchedulerFlags {
@@ -109,6 +148,8 @@ mod tests {
         plan: PlanFlags,
         #[command(flatten)]
         sched: SchedulerFlags,
+        #[command(flatten)]
+        http: HttpFlags,
     }
 
     /// What `up` passes on parses back to the same settings in the child.
@@ -125,11 +166,17 @@ mod tests {
             "5",
             "--step-timeout",
             "9",
+            "--http-listen",
+            "off",
+            "--cors-allow-origin",
+            "http://a,http://b",
         ]);
         let mut argv = vec!["x".to_owned()];
         argv.extend(given.plan.to_args());
         argv.extend(given.sched.to_args());
+        argv.extend(given.http.to_args());
         let back = Cli::parse_from(argv);
-        assert_eq!((back.plan, back.sched), (given.plan, given.sched));
+        assert!(!back.http.enabled());
+        assert_eq!((back.plan, back.sched, back.http), (given.plan, given.sched, given.http));
     }
 }

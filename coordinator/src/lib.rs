@@ -3,7 +3,9 @@
 
 pub mod error;
 pub mod flags;
+pub mod http;
 pub mod jobs;
+pub mod metrics;
 pub mod pipeline;
 pub mod planner;
 pub mod scheduler;
@@ -12,7 +14,7 @@ pub mod stats;
 
 use clap::Args;
 pub use error::{Error, Result};
-pub use flags::{PlanFlags, SchedulerFlags};
+pub use flags::{HttpFlags, PlanFlags, SchedulerFlags};
 use layerstream_model::Store;
 use layerstream_proto::auth::{Bearer, RequireBearer};
 use layerstream_proto::v1::coordinator_server::CoordinatorServer;
@@ -44,6 +46,8 @@ pub struct CoordinatorArgs {
     pub plan: PlanFlags,
     #[command(flatten)]
     pub sched: SchedulerFlags,
+    #[command(flatten)]
+    pub http: HttpFlags,
     /// Seconds to wait for workers to come up.
     #[arg(long, env = "LAYERSTREAM_WORKER_WAIT", default_value_t = 60)]
     pub worker_wait_s: u64,
@@ -121,6 +125,12 @@ async fn resolve_workers(list: &[String], expect: usize, wait: Duration) -> Resu
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The model id the HTTP API serves by default: the store directory's name.
+fn store_name(dir: &std::path::Path) -> String {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    dir.file_name().map_or_else(|| "layerstream".into(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
@@ -212,6 +222,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let queue_size = args.sched.queue_size.max(1);
     let (queue, rx) = tokio::sync::mpsc::channel(queue_size);
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let metrics = Arc::new(metrics::Metrics::new());
     let sched = scheduler::Scheduler {
         rx,
         pipeline,
@@ -226,9 +237,10 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         max_recoveries: args.sched.max_recoveries,
         failures: 0,
         resync: false,
+        metrics: metrics.clone(),
     };
     tokio::spawn(sched.run());
-    let svc = service::CoordinatorService {
+    let svc = Arc::new(service::CoordinatorService {
         jobs: jobs.clone(),
         queue,
         waiting,
@@ -240,16 +252,50 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         plan: current,
         workers,
         next_seq: AtomicU64::new(1),
-    };
+        metrics,
+    });
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
     let local = listener.local_addr()?;
-    if !api_guard.enabled() && !local.ip().is_loopback() {
-        tracing::warn!(addr = %local, "serving the job API on a non-loopback address without an API key");
-        eprintln!("warning: the job API listens on {local} without an API key: anyone who reaches it can submit, watch and cancel jobs (set --api-key or LAYERSTREAM_API_KEY)");
+    let http = match args.http.enabled() {
+        true => {
+            let l =
+                tokio::net::TcpListener::bind(&args.http.http_listen).await.map_err(|source| {
+                    Error::Bind {
+                        addr: format!("{} (--http-listen)", args.http.http_listen),
+                        source,
+                    }
+                })?;
+            Some(l)
+        }
+        false => None,
+    };
+    let http_local = http.as_ref().map(|l| l.local_addr()).transpose()?;
+    for addr in std::iter::once(local).chain(http_local) {
+        if !api_guard.enabled() && !addr.ip().is_loopback() {
+            tracing::warn!(addr = %addr, "serving the job API on a non-loopback address without an API key");
+            eprintln!("warning: the job API listens on {addr} without an API key: anyone who reaches it can submit, watch and cancel jobs (set --api-key or LAYERSTREAM_API_KEY)");
+        }
     }
-    println!("LISTENING {}://{local}", if tls.is_some() { "https" } else { "http" });
+    let http_note = http_local.map_or(String::new(), |a| format!(" http=http://{a}"));
+    println!("LISTENING {}://{local}{http_note}", if tls.is_some() { "https" } else { "http" });
+    if let Some(l) = http {
+        let model = args.http.served_model_name.clone().unwrap_or_else(|| store_name(&args.model));
+        let h = Arc::new(http::Http {
+            svc: svc.clone(),
+            model,
+            api_key: api_guard.clone(),
+            cors: args.http.cors_allow_origin.clone(),
+        });
+        tracing::info!(addr = %l.local_addr()?, "OpenAI API, /metrics and the live page served over HTTP");
+        tokio::spawn(async move {
+            if let Err(e) = http::serve(l, h, layerstream_proto::transport::shutdown_signal()).await
+            {
+                tracing::error!(error = %e, "the HTTP server stopped");
+            }
+        });
+    }
     let (_health, health_svc) =
         layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>()
             .await;
@@ -261,7 +307,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         .add_service(health_svc)
         .add_service(layerstream_proto::transport::reflection())
         .add_service(layerstream_proto::transport::reflection_v1alpha())
-        .add_service(InterceptedService::new(CoordinatorServer::new(svc), api_guard))
+        .add_service(InterceptedService::new(CoordinatorServer::from_arc(svc), api_guard))
         .serve_with_incoming_shutdown(
             layerstream_proto::transport::tcp_incoming(listener),
             layerstream_proto::transport::shutdown_signal(),

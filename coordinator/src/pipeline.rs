@@ -92,9 +92,13 @@ pub struct Pipeline {
 #[derive(Debug, Default)]
 pub struct StepResult {
     pub tokens: Vec<u32>,
+    /// Log-probabilities per sequence (empty when no sequence asked for them).
+    pub logprobs: Vec<layerstream_proto::v1::TokenLogprobs>,
     pub layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
     pub layers_ms: f64,
+    /// Each worker's share, in pipeline order: (address, its layers' timings, its wall time in ms).
+    pub workers: Vec<(String, Vec<LayerTiming>, f64)>,
 }
 
 /// How long one probe of a worker (Info, Release) may take.
@@ -210,8 +214,9 @@ impl Pipeline {
                 .map_err(|_| Error::StepTimeout { worker: st.addr.clone(), timeout })?
                 .map_err(|s| worker_err(&st.addr, &s))?
                 .into_inner();
-            out.layers.extend(resp.layers);
+            out.layers.extend(resp.layers.iter().cloned());
             out.layers_ms += resp.layers_ms;
+            out.workers.push((st.addr.clone(), resp.layers, resp.wall_ms));
             if i == last {
                 if resp.tokens.len() != seqs.len() {
                     return Err(Error::Worker {
@@ -224,6 +229,7 @@ impl Pipeline {
                     });
                 }
                 out.tokens = resp.tokens;
+                out.logprobs = resp.logprobs;
             } else {
                 hidden = resp.hidden;
             }

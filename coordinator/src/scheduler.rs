@@ -103,6 +103,8 @@ pub struct Scheduler {
     pub failures: u32,
     /// A fault left the workers in an unknown state: recover before the next step.
     pub resync: bool,
+    /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
@@ -160,8 +162,20 @@ fn final_event(
     }
 }
 
-fn finish(a: &Active, reason: FinishReason, error: String) -> GenerateEvent {
+fn finish(
+    m: &crate::metrics::Metrics,
+    a: &Active,
+    reason: FinishReason,
+    error: String,
+) -> GenerateEvent {
     let output = a.stopper.output();
+    m.finished(
+        reason,
+        a.req.input_ids.len(),
+        output.len(),
+        a.acc.first_token.map(|d| d.as_secs_f64()),
+        a.req.queued.elapsed().as_secs_f64(),
+    );
     let stats = a.acc.stats(
         a.req.input_ids.len(),
         output.len(),
@@ -177,6 +191,7 @@ impl Scheduler {
         let mut active: Vec<Active> = Vec::new();
         let mut waiting: VecDeque<SeqRequest> = VecDeque::new();
         loop {
+            self.gauges(&active);
             if active.is_empty() && waiting.is_empty() {
                 // Idle: every few seconds check that the workers still hold their assignments, so
                 // a worker restarted while nothing ran is assigned again before a job needs it.
@@ -213,6 +228,7 @@ impl Scheduler {
                 });
             }
             self.drop_cancelled(&mut active, &mut waiting).await;
+            self.gauges(&active);
             if active.is_empty() {
                 continue;
             }
@@ -226,11 +242,18 @@ impl Scheduler {
         }
     }
 
+    fn gauges(&self, active: &[Active]) {
+        self.metrics.running.set(active.len() as i64);
+        self.metrics.waiting.set(self.waiting_count.load(Ordering::SeqCst) as i64);
+    }
+
     async fn drop_cancelled(&self, active: &mut Vec<Active>, waiting: &mut VecDeque<SeqRequest>) {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
                 self.waiting_count.fetch_sub(1, Ordering::SeqCst);
+                let e2e = r.queued.elapsed().as_secs_f64();
+                self.metrics.finished(FinishReason::Cancelled, r.input_ids.len(), 0, None, e2e);
                 let _ = r.events.try_send(final_event(
                     r,
                     &[],
@@ -253,7 +276,12 @@ impl Scheduler {
             let a = &active[i];
             if a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed() {
                 let a = active.swap_remove(i);
-                let _ = a.req.events.try_send(finish(&a, FinishReason::Cancelled, String::new()));
+                let _ = a.req.events.try_send(finish(
+                    &self.metrics,
+                    &a,
+                    FinishReason::Cancelled,
+                    String::new(),
+                ));
                 tracing::info!(seq = a.req.seq_id, "sequence cancelled; freeing its KV cache");
                 gone.push(a.req.seq_id);
             } else {
@@ -281,7 +309,11 @@ impl Scheduler {
     async fn fail_all(&mut self, active: &mut Vec<Active>, error: &str) {
         let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
         for a in active.drain(..) {
-            let _ = a.req.events.send(finish(&a, FinishReason::Error, error.to_owned())).await;
+            let _ = a
+                .req
+                .events
+                .send(finish(&self.metrics, &a, FinishReason::Error, error.to_owned()))
+                .await;
         }
         self.pipeline.release(ids).await;
     }
@@ -355,6 +387,7 @@ impl Scheduler {
         // One `step` span per request in the step, so each request's trace shows every step it rode;
         // the first carries the workers' spans.
         let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64)).collect();
+        let t_step = Instant::now();
         let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
         drop(spans);
         let out = match res {
@@ -362,8 +395,10 @@ impl Scheduler {
             Err(e) => return self.after_fault(active, e).await,
         };
         self.failures = 0;
+        let wall_ms = t_step.elapsed().as_secs_f64() * 1e3;
+        self.metrics.step(seqs.len(), rows, wall_ms, &out.workers);
         let mut done = Vec::new();
-        for ((&(i, n), s), &tok) in members.iter().zip(&seqs).zip(&out.tokens) {
+        for (k, ((&(i, n), s), &tok)) in members.iter().zip(&seqs).zip(&out.tokens).enumerate() {
             let a = &mut active[i];
             a.pos += n;
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
@@ -373,6 +408,8 @@ impl Scheduler {
             if a.stopper.output().is_empty() {
                 a.acc.first_token = Some(a.req.queued.elapsed());
             }
+            self.metrics.generated(1);
+            let logprobs = out.logprobs.get(k).filter(|_| a.req.params.sampling.logprobs.is_some());
             let (delta, reason) = match a.stopper.push(&self.tokenizer, tok) {
                 Ok(p) => (p.delta, p.finish.map(|r| (r, String::new()))),
                 Err(e) => {
@@ -384,11 +421,12 @@ impl Scheduler {
                 event: Some(generate_event::Event::Token(TokenEvent {
                     ids: vec![tok],
                     text: delta,
+                    logprobs: logprobs.cloned().into_iter().collect(),
                 })),
             };
             let _ = a.req.events.send(ev).await;
             if let Some((r, err)) = reason {
-                let ev = finish(a, r, err);
+                let ev = finish(&self.metrics, a, r, err);
                 let _ = a.req.events.send(ev).await;
                 done.push(i);
             }

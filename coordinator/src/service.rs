@@ -51,12 +51,15 @@ pub struct CoordinatorService {
     pub plan: Arc<std::sync::RwLock<Plan>>,
     pub workers: Vec<(String, String, u64, crate::pipeline::WorkerConn)>,
     pub next_seq: AtomicU64,
+    /// Shared with the scheduler and served at the HTTP port's `/metrics`.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 impl CoordinatorService {
-    fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
+    /// The request's prompt as token ids (chat rendered through the template), bounded first.
+    pub(crate) fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
         let bad = |e: layerstream_model::Error| Status::from(crate::Error::from(e));
         // Bounded before tokenizing: a multi-megabyte prompt cannot fit the context anyway, and
         // tokenizing it would cost seconds of CPU and hundreds of MB.
@@ -109,8 +112,20 @@ impl CoordinatorService {
         }
     }
 
-    /// Validates, registers and queues a job; returns (job id, trace id).
-    fn submit(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
+    /// Validates, registers and queues a job; returns (job id, trace id). A refusal is counted in the
+    /// metrics by its code.
+    pub(crate) fn submit(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
+        self.submit_checked(requests).inspect_err(|s| {
+            let reason = match s.code() {
+                tonic::Code::ResourceExhausted => "resource_exhausted",
+                tonic::Code::Unavailable => "unavailable",
+                _ => "invalid_argument",
+            };
+            self.metrics.rejected(reason);
+        })
+    }
+
+    fn submit_checked(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
         if requests.is_empty() {
             return Err(Status::invalid_argument("a job needs at least one request"));
         }
@@ -191,9 +206,33 @@ impl CoordinatorService {
         Ok((job_id, trace_id))
     }
 
+    /// Asks every worker for its Info now: the public view of each (healthy: it answers and holds
+    /// the assignment the plan gave it — a restarted worker does not until it is assigned again)
+    /// with its answer. Scrapes of `/metrics` record what they see.
+    pub(crate) async fn probe_workers(&self) -> Vec<(WorkerInfo, Option<InfoResponse>)> {
+        let plan = self.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let mut out = Vec::new();
+        for (addr, device, budget, client) in &self.workers {
+            let a = plan.assignments.iter().find(|a| &a.worker == addr);
+            let info = crate::pipeline::probe(client).await.ok();
+            let healthy =
+                info.as_ref().zip(a).is_some_and(|(i, a)| i.assignment_id == a.assignment_id);
+            self.metrics.worker_info(addr, info.as_ref(), healthy);
+            let w = WorkerInfo {
+                address: addr.clone(),
+                device: device.clone(),
+                memory_budget: *budget,
+                healthy,
+                device_bytes_used: info.as_ref().map_or(0, |i| i.device_bytes_used),
+            };
+            out.push((w, info));
+        }
+        out
+    }
+
     /// Streams a job's events in order until it finishes; `cancel_on_drop` cancels the job if the
     /// client goes away first. A request that ends in error is followed by an ABORTED status.
-    fn watch(
+    pub(crate) fn watch(
         &self,
         job_id: &str,
         cancel_on_drop: bool,
@@ -317,24 +356,7 @@ impl Coordinator for CoordinatorService {
         &self,
         _r: Request<ListWorkersRequest>,
     ) -> Result<Response<ListWorkersResponse>, Status> {
-        let mut workers = Vec::new();
-        let plan = self.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        for (addr, device, budget, client) in &self.workers {
-            let a = plan.assignments.iter().find(|a| &a.worker == addr);
-            let info = crate::pipeline::probe(client).await.ok();
-            // Healthy: it answers and holds its assignment (a restarted worker does not until the
-            // coordinator assigns it again).
-            let healthy =
-                info.as_ref().zip(a).is_some_and(|(i, a)| i.assignment_id == a.assignment_id);
-            let device_bytes_used = info.map_or(0, |i| i.device_bytes_used);
-            workers.push(WorkerInfo {
-                address: addr.clone(),
-                device: device.clone(),
-                memory_budget: *budget,
-                healthy,
-                device_bytes_used,
-            });
-        }
+        let workers = self.probe_workers().await.into_iter().map(|(w, _)| w).collect();
         Ok(Response::new(ListWorkersResponse { workers }))
     }
 

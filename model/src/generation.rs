@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 /// of 1e-38 used to return token 0), and at 1e-5 sampling is already argmax for any real logit gap.
 pub const GREEDY_BELOW: f32 = 1e-5;
 
+/// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Per-request sampling settings (HF `generate` semantics).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
@@ -22,11 +25,22 @@ pub struct SamplingParams {
     /// 1 = off; >1 discourages tokens already in the prompt or output.
     pub repetition_penalty: f32,
     pub seed: u64,
+    /// Return log-probabilities with each token: `Some(k)` = the chosen token's and the `k` most
+    /// likely ones'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            logprobs: None,
+        }
     }
 }
 
@@ -43,6 +57,7 @@ impl SamplingParams {
                 w.repetition_penalty
             },
             seed: w.seed,
+            logprobs: w.logprobs.then_some(w.top_logprobs as usize),
         }
     }
 
@@ -54,6 +69,8 @@ impl SamplingParams {
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
+            logprobs: self.logprobs.is_some(),
+            top_logprobs: self.logprobs.unwrap_or(0) as u32,
         }
     }
 
@@ -71,6 +88,9 @@ impl SamplingParams {
                 "repetition_penalty",
                 format!("must be > 0, got {}", self.repetition_penalty),
             );
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"));
         }
         Ok(())
     }
@@ -127,6 +147,7 @@ mod tests {
             top_p: 0.9,
             repetition_penalty: 1.1,
             seed: 9,
+            logprobs: Some(3),
         };
         assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
         assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default());

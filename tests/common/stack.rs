@@ -18,10 +18,13 @@ pub async fn worker_client(addr: String) -> WorkerClient<Authed> {
     WorkerClient::new(Bearer::new(Some(INTERNAL_TOKEN)).unwrap().wrap(ch))
 }
 
-/// A running child that printed `LISTENING <addr>`.
+/// A running child that printed `LISTENING <addr>` (a coordinator or `up` serving HTTP adds
+/// ` http=<url>`).
 pub struct Proc {
     pub child: Child,
     pub addr: String,
+    /// The HTTP server's base URL (OpenAI API, /metrics, the page), when it serves one.
+    pub http: Option<String>,
 }
 
 impl Proc {
@@ -36,7 +39,7 @@ impl Proc {
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = match lines.next() {
+        let line = match lines.next() {
             Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
             other => {
                 let _ = child.kill();
@@ -44,7 +47,10 @@ impl Proc {
             }
         };
         std::thread::spawn(move || for _ in lines {});
-        Proc { child, addr }
+        let mut words = line.split_whitespace();
+        let addr = words.next().unwrap_or_default().to_owned();
+        let http = words.find_map(|w| w.strip_prefix("http=")).map(str::to_owned);
+        Proc { child, addr, http }
     }
 
     /// Sends SIGTERM and waits (10 s at most) for the exit.
@@ -83,6 +89,8 @@ impl Stack {
     /// can call the workers and the loader directly.
     pub fn up_env(store: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Stack {
         let mut args = vec!["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+        // Tests run side by side: never the default HTTP port.
+        args.extend_from_slice(&["--http-listen", "127.0.0.1:0"]);
         args.extend_from_slice(extra);
         let mut envs = envs.to_vec();
         envs.push((layerstream_proto::auth::INTERNAL_TOKEN_ENV, INTERNAL_TOKEN));
@@ -91,6 +99,11 @@ impl Stack {
 
     pub fn addr(&self) -> &str {
         &self.proc.addr
+    }
+
+    /// The HTTP base URL (`http://127.0.0.1:port`).
+    pub fn http(&self) -> &str {
+        self.proc.http.as_deref().expect("the stack serves HTTP")
     }
 
     /// The shm namespace prefix of this stack.

@@ -5,6 +5,7 @@
 use crate::nucleus::{draw_unordered, nucleus};
 use layerstream_kernels::host::{argmax, check_logits};
 pub use layerstream_model::SamplingParams;
+use layerstream_proto::v1::TokenLogprobs;
 
 /// A sampler with its own random stream.
 #[derive(Debug, Clone)]
@@ -81,6 +82,31 @@ impl Sampler {
     }
 }
 
+/// Log-probabilities of `chosen` and of the `k` most likely tokens under `logits` (raw: before
+/// temperature, penalties and truncation), computed in f64.
+pub fn logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lp = |t: usize| (logits[t] as f64 - lse) as f32;
+    let k = k.min(logits.len());
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit =
+        |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_logit);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by_logit);
+    TokenLogprobs {
+        logprob: lp(chosen as usize),
+        top_logprobs: idx.iter().map(|&t| lp(t as usize)).collect(),
+        top_ids: idx,
+    }
+}
+
+/// One token sampled for a sequence, with its log-probabilities when they were asked for.
+pub type Sampled = (u32, Option<TokenLogprobs>);
+
 /// One sequence's share of a step's sampling: its sampler, the tokens it has seen, its logits (a
 /// row of the step's logits on the host, penalised in place).
 pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], &'a mut [f32]);
@@ -88,21 +114,28 @@ pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], &'a mut [f32]);
 /// Logit values below which a batch is sampled on the calling thread (spawning costs more).
 const PARALLEL_MIN_LOGITS: usize = 1 << 20;
 
-/// Samples every job's next token (`None`, a prompt chunk that samples nothing, gives 0), spreading
+/// Samples every job's next token (`None`, a prompt chunk that samples nothing, gives 0) and, for a
+/// job that asks, its log-probabilities from the logits as they were before sampling; spreading
 /// the jobs over the machine's cores when the batch's logits are many: a 128k-token vocabulary at
 /// batch 64 is 8M values, tens of milliseconds on one core. A job whose logits hold a NaN or an
 /// infinity fails the batch, naming its index (checked on the thread that samples it).
-pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> layerstream_kernels::Result<Vec<u32>> {
+pub fn sample_batch(
+    mut jobs: Vec<Option<SampleJob<'_>>>,
+) -> layerstream_kernels::Result<Vec<Sampled>> {
     let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
     // `first`: the batch index of the chunk's first job.
     let run = |first: usize,
                chunk: &mut [Option<SampleJob<'_>>]|
-     -> layerstream_kernels::Result<Vec<u32>> {
+     -> layerstream_kernels::Result<Vec<Sampled>> {
         let sample = |(i, job): (usize, &mut Option<SampleJob<'_>>)| match job {
-            None => Ok(0),
+            None => Ok((0, None)),
             Some((s, history, logits)) => {
-                check_logits(logits, first + i).map(|()| s.sample(logits, history))
+                check_logits(logits, first + i)?;
+                // Sampling penalises the row in place: keep the raw logits the log-probs need.
+                let raw = s.params.logprobs.map(|k| (k, logits.to_vec()));
+                let t = s.sample(logits, history);
+                Ok((t, raw.map(|(k, raw)| logprobs(&raw, t, k))))
             }
         };
         chunk.iter_mut().enumerate().map(sample).collect()
@@ -117,7 +150,7 @@ pub fn sample_batch(mut jobs: Vec<Option<SampleJob<'_>>>) -> layerstream_kernels
             .enumerate()
             .map(|(c, chunk)| scope.spawn(move || run(c * per, chunk)))
             .collect();
-        let parts: Vec<Vec<u32>> = handles
+        let parts: Vec<Vec<Sampled>> = handles
             .into_iter()
             .map(|h| h.join().expect("a sampling thread panicked"))
             .collect::<layerstream_kernels::Result<_>>()?;
@@ -218,6 +251,23 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_logits_most_likely_first() {
+        let l = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        // The softmax by hand: exp(l) / Σ exp(l).
+        let z: f32 = l.iter().map(|x| x.exp()).sum();
+        let want = |t: usize| (l[t].exp() / z).ln();
+        let lp = logprobs(&l, 4, 3);
+        assert!((lp.logprob - want(4)).abs() < 1e-6);
+        // Ties keep the lower id first; then the next most likely.
+        assert_eq!(lp.top_ids, vec![1, 3, 0]);
+        for (t, v) in lp.top_ids.iter().zip(&lp.top_logprobs) {
+            assert!((v - want(*t as usize)).abs() < 1e-6);
+        }
+        assert!(logprobs(&l, 0, 0).top_ids.is_empty());
+        assert_eq!(logprobs(&l, 0, 9).top_ids.len(), 5, "no more alternatives than tokens");
+    }
+
+    #[test]
     fn a_batch_sampled_across_threads_equals_one_by_one() {
         // 24 sequences of a 60k vocabulary: over PARALLEL_MIN_LOGITS, so the threads run.
         let (n, vocab) = (24, 60_000);
@@ -230,6 +280,7 @@ mod tests {
             top_p: 0.9,
             repetition_penalty: 1.1,
             seed: j as u64,
+            logprobs: j.is_multiple_of(4).then_some(j % 3),
         };
         let history: Vec<Vec<u32>> = (0..n).map(|j| vec![j as u32, 5, 900]).collect();
         let mut solo: Vec<Sampler> = (0..n).map(|j| Sampler::new(params(j))).collect();
@@ -248,7 +299,14 @@ mod tests {
                 .map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice())))
                 .collect();
             assert!(n * vocab >= PARALLEL_MIN_LOGITS);
-            assert_eq!(sample_batch(jobs).unwrap(), want, "round {round}");
+            let got = sample_batch(jobs).unwrap();
+            assert_eq!(got.iter().map(|s| s.0).collect::<Vec<_>>(), want, "round {round}");
+            for (j, (t, lp)) in got.iter().enumerate() {
+                // Log-probs come from the raw row, not the one penalised while sampling.
+                let expect =
+                    params(j).logprobs.filter(|_| !skip(j)).map(|k| logprobs(&logits(j), *t, k));
+                assert_eq!(lp, &expect, "round {round} row {j}");
+            }
         }
         // A non-finite row fails the batch, named by its index in the batch (job 17 runs on a thread
         // whose chunk starts past 0).

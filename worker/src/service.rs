@@ -44,6 +44,28 @@ pub struct WorkerState {
     pub assignment_id: Arc<Mutex<String>>,
 }
 
+/// The loader daemon's counters, as it describes itself (None when it does not answer within a
+/// second: Info must stay quick for the coordinator's health checks).
+async fn loader_stats(s: &WorkerState) -> Option<LoaderStats> {
+    let ask = async {
+        let ch = layerstream_proto::transport::connect_uds(&s.loader_socket).await.ok()?;
+        let mut c = layerstream_proto::v1::loader_client::LoaderClient::new(
+            s.loader_bearer.clone().wrap(ch),
+        );
+        let d = c.describe(DescribeRequest {}).await.ok()?.into_inner();
+        // Slot names are `<namespace>-slot-NNN`: the namespace names the daemon.
+        let namespace =
+            d.slots.first().and_then(|n| n.rsplit_once("-slot-")).map(|(ns, _)| ns.to_owned());
+        Some(LoaderStats {
+            namespace: namespace.unwrap_or(d.store),
+            hits: d.hits,
+            misses: d.misses,
+            pinned: d.pinned,
+        })
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(1), ask).await.ok().flatten()
+}
+
 /// Records which assignment the stage holds ("" = none).
 fn set_assignment(id: &Mutex<String>, to: &str) {
     let mut g = id.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -124,6 +146,7 @@ impl Worker for WorkerService {
         let s = &self.0;
         let n = s.store.manifest.config.num_layers as u32;
         let live = s.live.load(Ordering::Relaxed);
+        let loader = loader_stats(s).await;
         Ok(Response::new(InfoResponse {
             device: s.device.clone(),
             memory_budget: s.budget,
@@ -135,6 +158,7 @@ impl Worker for WorkerService {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone(),
+            loader,
         }))
     }
 
@@ -267,6 +291,11 @@ impl Worker for WorkerService {
                 .collect(),
             wall_ms,
             layers_ms: out.layers_ms,
+            logprobs: if out.logprobs.iter().any(Option::is_some) {
+                out.logprobs.into_iter().map(Option::unwrap_or_default).collect()
+            } else {
+                Vec::new()
+            },
         }))
     }
 

@@ -45,6 +45,8 @@ pub struct LayerTiming {
 pub struct StepOut {
     pub hidden: Vec<f32>,
     pub tokens: Vec<u32>,
+    /// Log-probabilities per sequence (last worker; None where not asked for), in `tokens` order.
+    pub logprobs: Vec<Option<layerstream_proto::v1::TokenLogprobs>>,
     pub layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
     pub layers_ms: f64,
@@ -323,9 +325,13 @@ impl<B: Backend + 'static> Stage<B> {
         let b = &self.backend;
         if let Some((norm, lm)) = &self.head {
             let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
-            let greedy = batch
-                .iter()
-                .all(|s| self.seqs[&s.seq_id].sampler.as_ref().is_some_and(Sampler::is_greedy));
+            // Log-probs need the logits on the host, so a sequence asking for them samples there.
+            let greedy = batch.iter().all(|s| {
+                self.seqs[&s.seq_id]
+                    .sampler
+                    .as_ref()
+                    .is_some_and(|x| x.is_greedy() && x.params.logprobs.is_none())
+            });
             // Final norm, lm_head and the token choice: the step's time outside the layers, in the trace.
             let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
             let _in_head = head_span.enter();
@@ -355,7 +361,7 @@ impl<B: Backend + 'static> Stage<B> {
                     .collect();
                 let _in_sample =
                     info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
-                out.tokens = sample_batch(jobs)?;
+                (out.tokens, out.logprobs) = sample_batch(jobs)?.into_iter().unzip();
             }
         } else {
             out.hidden = b.to_host(&x)?;

@@ -1,0 +1,191 @@
+//! The HTTP side of the coordinator (`--http-listen`, default 127.0.0.1:8000): the OpenAI API
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), `/health`, Prometheus `/metrics`, the
+//! live page at `/` and its JSON feed `/api/stack`. Every request goes through the gRPC service's
+//! own `submit`/`watch`: one queue, one scheduler, one batch.
+
+pub mod completions;
+pub mod error;
+pub mod openai;
+pub mod stack;
+
+use crate::service::CoordinatorService;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use completions::Kind;
+use error::ApiError;
+use layerstream_proto::auth::RequireBearer;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+/// What the handlers share.
+pub struct Http {
+    pub svc: Arc<CoordinatorService>,
+    /// The id `/v1/models` lists and requests must name (`--served-model-name`, default the store's).
+    pub model: String,
+    pub api_key: RequireBearer,
+    /// Origins allowed to call from a browser (`*`: any); empty: no CORS headers.
+    pub cors: Vec<String>,
+}
+
+/// The router.
+pub fn router(h: Arc<Http>) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(complete))
+        .route("/v1/models", get(models))
+        .route("/api/stack", get(stack::stack))
+        .route_layer(middleware::from_fn_with_state(h.clone(), auth));
+    Router::new()
+        .merge(api)
+        .route("/health", get(stack::health))
+        .route("/metrics", get(stack::metrics))
+        .route("/", get(stack::page))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(h.clone(), cors))
+        .layer(middleware::from_fn_with_state(h.clone(), count))
+        .with_state(h)
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    h: Arc<Http>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(h)).with_graceful_shutdown(shutdown).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    }
+}
+
+/// `Authorization: Bearer <--api-key>` on the API routes (health, metrics and the page stay open, as
+/// in vLLM; the page sends the key the user types).
+async fn auth(State(h): State<Arc<Http>>, req: Request, next: Next) -> Response {
+    let header = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    if req.method() != Method::OPTIONS && !h.api_key.accepts(header) {
+        return ApiError::unauthorized().into_response();
+    }
+    next.run(req).await
+}
+
+/// CORS for the configured origins, preflights included.
+async fn cors(State(h): State<Arc<Http>>, req: Request, next: Next) -> Response {
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let allowed = origin
+        .as_ref()
+        .filter(|o| h.cors.iter().any(|c| c == "*" || o.to_str().is_ok_and(|o| o == c)));
+    let Some(origin) = allowed.cloned() else { return next.run(req).await };
+    let preflight = req.method() == Method::OPTIONS;
+    let mut resp =
+        if preflight { StatusCode::NO_CONTENT.into_response() } else { next.run(req).await };
+    let hd = resp.headers_mut();
+    let any = h.cors.iter().any(|c| c == "*");
+    hd.insert(
+        header::ACCESS_CONTROL_ALLOW_ORIGIN,
+        if any { HeaderValue::from_static("*") } else { origin },
+    );
+    hd.insert(header::VARY, HeaderValue::from_static("Origin"));
+    if preflight {
+        hd.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        hd.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("authorization, content-type"),
+        );
+        hd.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+    }
+    hd.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("x-trace-id"));
+    resp
+}
+
+/// Counts responses by route and status.
+async fn count(State(h): State<Arc<Http>>, req: Request, next: Next) -> Response {
+    let path = match req.uri().path() {
+        p @ ("/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/models"
+        | "/health"
+        | "/metrics"
+        | "/"
+        | "/api/stack") => p.to_owned(),
+        _ => "other".to_owned(),
+    };
+    let resp = next.run(req).await;
+    h.svc.metrics.http_response(&path, resp.status().as_u16());
+    resp
+}
+
+/// Parses a JSON body, answering OpenAI's 400 when it is not one.
+fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_none_or(|v| v.starts_with("application/json"));
+    if !json {
+        return Err(ApiError::bad(
+            "body",
+            "the body must be JSON (Content-Type: application/json)",
+        ));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))
+}
+
+impl Http {
+    fn check_model(&self, asked: Option<&str>) -> Result<(), ApiError> {
+        match asked {
+            Some(m) if m != self.model => Err(ApiError::unknown_model(m, &self.model)),
+            _ => Ok(()),
+        }
+    }
+}
+
+async fn chat(
+    State(h): State<Arc<Http>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let r: openai::ChatRequest = parse(&headers, &body)?;
+    h.check_model(r.common.model.as_deref())?;
+    let (g, shape) = r.to_generate()?;
+    completions::run(h, Kind::Chat, g, shape).await
+}
+
+async fn complete(
+    State(h): State<Arc<Http>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let r: openai::CompletionRequest = parse(&headers, &body)?;
+    h.check_model(r.common.model.as_deref())?;
+    let (g, shape) = r.to_generate()?;
+    completions::run(h, Kind::Completion, g, shape).await
+}
+
+async fn models(State(h): State<Arc<Http>>) -> Response {
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": h.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "layerstream",
+            "max_model_len": h.svc.context,
+        }],
+    }))
+    .into_response()
+}

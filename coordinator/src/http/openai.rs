@@ -1,0 +1,343 @@
+//! OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) and their translation into the
+//! `GenerateRequest` the gRPC API queues: one request path, one scheduler. Parameters layerstream
+//! does not implement get a 400 naming them rather than being ignored.
+
+use super::error::ApiError;
+use layerstream_proto::v1::{
+    generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, TokenIds,
+};
+use serde::Deserialize;
+
+/// A string or a list of them (`stop`).
+#[derive(Debug, Deserialize, Clone)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Message content: a string, or parts of which only text is understood.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// A content part.
+#[derive(Debug, Deserialize, Clone)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A chat message.
+#[derive(Debug, Deserialize, Clone)]
+pub struct Msg {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Deserialize, Clone, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling and length fields both endpoints share (vLLM's extensions included).
+#[derive(Debug, Deserialize, Clone, Default)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<OneOrMany>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub top_k: Option<i64>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub logit_bias: Option<serde_json::Value>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize, Clone)]
+pub struct ChatRequest {
+    pub messages: Vec<Msg>,
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// `prompt` of `/v1/completions`: text, token ids, or a list holding one of either.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize, Clone)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Legacy: the number of most likely tokens to return with each token (0-5 at OpenAI; ≤ 20 here).
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// What a request asks for beyond the GenerateRequest: streaming and how to answer.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: Option<usize>,
+    /// `max_tokens` was given (else the context that remains after the prompt is the limit).
+    pub max_tokens: Option<u32>,
+}
+
+fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(x) if (0..=u32::MAX as i64).contains(&x) => Ok(Some(x as u32)),
+        Some(x) => {
+            Err(ApiError::bad(name, format!("{name}: must be a non-negative integer, got {x}")))
+        }
+    }
+}
+
+impl Common {
+    /// Checks what is not implemented and builds the sampling settings; `logprobs` is the number
+    /// of alternatives asked for (None: no log-probabilities).
+    fn sampling(&self, logprobs: Option<usize>) -> Result<(Sampling, Shape), ApiError> {
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::bad(
+                    name,
+                    format!("{name} is not supported; use repetition_penalty (vLLM's extension) instead"),
+                ));
+            }
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("n", "n: only one choice per request is supported (n = 1)"));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("best_of", "best_of: only 1 is supported"));
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| b.as_object().is_none_or(|o| !o.is_empty())) {
+            return Err(ApiError::bad("logit_bias", "logit_bias is not supported"));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad(
+                    "top_k",
+                    format!("top_k: must be -1, 0 or positive, got {k}"),
+                ))
+            }
+        };
+        if self.top_p.is_some_and(|p| p == 0.0) {
+            return Err(ApiError::bad("top_p", "top_p: must be in (0, 1], got 0"));
+        }
+        // OpenAI's defaults: temperature 1, a fresh random seed per request.
+        let seed = match self.seed {
+            Some(s) => s as u64,
+            None => {
+                u64::from_str_radix(&layerstream_proto::auth::random_hex()[..16], 16).unwrap_or(0)
+            }
+        };
+        let sampling = Sampling {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k,
+            top_p: self.top_p.unwrap_or(1.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            seed,
+            logprobs: logprobs.is_some(),
+            top_logprobs: logprobs.unwrap_or(0) as u32,
+        };
+        let shape = Shape {
+            stream: self.stream,
+            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            logprobs,
+            max_tokens: non_negative("max_tokens", self.max_tokens)?,
+        };
+        Ok((sampling, shape))
+    }
+
+    fn stop(&self) -> Vec<String> {
+        match &self.stop {
+            None => Vec::new(),
+            Some(OneOrMany::One(s)) => vec![s.clone()],
+            Some(OneOrMany::Many(v)) => v.clone(),
+        }
+    }
+
+    fn request(
+        &self,
+        input: generate_request::Input,
+        sampling: Sampling,
+        max: Option<u32>,
+    ) -> GenerateRequest {
+        GenerateRequest {
+            input: Some(input),
+            max_new_tokens: max.unwrap_or(0),
+            sampling: Some(sampling),
+            stop: self.stop(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        }
+    }
+}
+
+fn text_of(m: &Msg) -> Result<String, ApiError> {
+    match &m.content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => out.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::bad(
+                            "messages",
+                            format!("messages: content parts of type `{kind}` are not supported (text only)"),
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+impl ChatRequest {
+    /// The GenerateRequest (max_new_tokens 0 when the request sets no limit) and its shape.
+    pub fn to_generate(&self) -> Result<(GenerateRequest, Shape), ApiError> {
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(ApiError::bad("tools", "tools: tool calls are not supported"));
+        }
+        if self.messages.is_empty() {
+            return Err(ApiError::bad("messages", "messages: at least one message is required"));
+        }
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (false, Some(k)) if k > 0 => {
+                return Err(ApiError::bad("top_logprobs", "top_logprobs: requires logprobs = true"))
+            }
+            (false, _) => None,
+            (true, k) => Some(non_negative("top_logprobs", k)?.unwrap_or(0) as usize),
+        };
+        let (sampling, mut shape) = self.common.sampling(logprobs)?;
+        if let Some(m) = non_negative("max_completion_tokens", self.max_completion_tokens)? {
+            shape.max_tokens = Some(m);
+        }
+        let messages = self
+            .messages
+            .iter()
+            .map(|m| Ok(ChatMessage { role: m.role.clone(), content: text_of(m)? }))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let input = generate_request::Input::Chat(ChatMessages { messages });
+        Ok((self.common.request(input, sampling, shape.max_tokens), shape))
+    }
+}
+
+impl CompletionRequest {
+    /// As `ChatRequest::to_generate`.
+    pub fn to_generate(&self) -> Result<(GenerateRequest, Shape), ApiError> {
+        if self.echo {
+            return Err(ApiError::bad("echo", "echo is not supported"));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::bad("suffix", "suffix is not supported"));
+        }
+        let logprobs = non_negative("logprobs", self.logprobs)?.map(|k| k as usize);
+        let (sampling, shape) = self.common.sampling(logprobs)?;
+        let one = "prompt: one prompt per request is supported";
+        let input = match &self.prompt {
+            Prompt::Text(t) => generate_request::Input::Prompt(t.clone()),
+            Prompt::Ids(ids) => generate_request::Input::TokenIds(TokenIds { ids: ids.clone() }),
+            Prompt::Texts(v) if v.len() == 1 => generate_request::Input::Prompt(v[0].clone()),
+            Prompt::IdLists(v) if v.len() == 1 => {
+                generate_request::Input::TokenIds(TokenIds { ids: v[0].clone() })
+            }
+            _ => return Err(ApiError::bad("prompt", one)),
+        };
+        Ok((self.common.request(input, sampling, shape.max_tokens), shape))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: serde_json::Value) -> Result<(GenerateRequest, Shape), ApiError> {
+        serde_json::from_value::<ChatRequest>(body).unwrap().to_generate()
+    }
+
+    #[test]
+    fn chat_fields_become_the_grpc_request() {
+        let (g, shape) = chat(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 7, "temperature": 0, "seed": 3, "stop": "x", "top_k": -1,
+            "logprobs": true, "top_logprobs": 2, "stream": true, "stream_options": {"include_usage": true},
+            "user": "ignored"
+        }))
+        .unwrap();
+        assert_eq!(g.max_new_tokens, 7);
+        assert_eq!(g.stop, vec!["x".to_string()]);
+        let s = g.sampling.unwrap();
+        assert_eq!(
+            (s.temperature, s.top_k, s.seed, s.logprobs, s.top_logprobs),
+            (0.0, 0, 3, true, 2)
+        );
+        assert!(shape.stream && shape.include_usage);
+        match g.input {
+            Some(generate_request::Input::Chat(c)) => assert_eq!(c.messages[0].content, "hi"),
+            other => panic!("{other:?}"),
+        }
+        // OpenAI's default temperature is 1.
+        let (g, _) =
+            chat(serde_json::json!({"messages": [{"role": "user", "content": "a"}]})).unwrap();
+        assert_eq!(g.sampling.unwrap().temperature, 1.0);
+    }
+
+    #[test]
+    fn unsupported_parameters_are_named() {
+        let m = serde_json::json!([{"role": "user", "content": "a"}]);
+        for (field, v) in [
+            ("n", serde_json::json!(2)),
+            ("frequency_penalty", serde_json::json!(0.5)),
+            ("tools", serde_json::json!([{}])),
+        ] {
+            let mut body = serde_json::json!({"messages": m});
+            body[field] = v;
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field));
+        }
+        let e = chat(serde_json::json!({"messages": m, "max_tokens": -1})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    }
+}

@@ -1,0 +1,75 @@
+//! The stack's state over HTTP: `/health` (200 when every worker holds its assignment, else 503),
+//! Prometheus `/metrics`, the live page's feed `/api/stack` (plan, workers, queue, the last steps'
+//! per-layer transfer and compute), and the page itself at `/` (one HTML file compiled in).
+
+use super::Http;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use serde_json::json;
+use std::sync::Arc;
+
+/// The page: chat and live view, no build step.
+const PAGE: &str = include_str!("page.html");
+
+pub async fn page() -> Html<&'static str> {
+    Html(PAGE)
+}
+
+pub async fn health(State(h): State<Arc<Http>>) -> Response {
+    let workers = h.svc.probe_workers().await;
+    let down: Vec<&str> =
+        workers.iter().filter(|(w, _)| !w.healthy).map(|(w, _)| w.address.as_str()).collect();
+    if down.is_empty() && !workers.is_empty() {
+        axum::Json(json!({"status": "ok", "workers": workers.len()})).into_response()
+    } else {
+        let body = json!({"status": "unavailable", "workers_down": down});
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+    }
+}
+
+pub async fn metrics(State(h): State<Arc<Http>>) -> Response {
+    // Liveness, device memory and the loaders' counters are read now, from every worker's Info.
+    h.svc.probe_workers().await;
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], h.svc.metrics.encode()).into_response()
+}
+
+pub async fn stack(State(h): State<Arc<Http>>) -> Response {
+    let workers = h.svc.probe_workers().await;
+    let plan = h.svc.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let assignments: Vec<_> = plan
+        .assignments
+        .iter()
+        .map(|a| {
+            let (w, info) = workers
+                .iter()
+                .find(|(w, _)| w.address == a.worker)
+                .map(|(w, i)| (Some(w), i.as_ref()))
+                .unwrap_or((None, None));
+            json!({
+                "worker": a.worker,
+                "device": w.map(|w| w.device.clone()),
+                "healthy": w.is_some_and(|w| w.healthy),
+                "layers": [a.layer_start, a.layer_end],
+                "resident": a.resident,
+                "group_size": a.group_size,
+                "buffers": a.streaming_buffers,
+                "embed": a.embed,
+                "head": a.head,
+                "bytes": a.bytes_needed,
+                "budget": w.map(|w| w.memory_budget),
+                "sequences": info.map(|i| i.sequences),
+                "loader": info.and_then(|i| i.loader.as_ref()).map(|l| json!({"hits": l.hits, "misses": l.misses})),
+            })
+        })
+        .collect();
+    let m = &h.svc.metrics;
+    axum::Json(json!({
+        "model": h.model,
+        "num_layers": plan.num_layers,
+        "plan": assignments,
+        "queue": {"waiting": m.waiting.get(), "running": m.running.get()},
+        "steps": m.recent(),
+    }))
+    .into_response()
+}

@@ -1,0 +1,403 @@
+//! Prometheus metrics of the whole stack, served at `/metrics` on the HTTP port: requests and tokens
+//! (the scheduler), latencies, queue and batch, each worker's streaming (from its step answers), and
+//! the loader's cache counters and worker liveness (from the workers' Info, read at scrape time), so
+//! one scrape of the coordinator sees every process. Also keeps the last steps for the live page.
+
+use layerstream_proto::v1::{FinishReason, InfoResponse, LayerTiming};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+type Labels = Vec<(&'static str, String)>;
+type FCounter = Counter<f64, AtomicU64>;
+type FGauge = Gauge<f64, AtomicU64>;
+
+/// Steps kept for the live page.
+pub const RECENT_STEPS: usize = 32;
+
+/// One step as the live page shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepView {
+    /// Milliseconds since the Unix epoch when the step ended.
+    pub at_ms: u64,
+    /// Sequences and token rows in the step.
+    pub batch: usize,
+    pub rows: usize,
+    /// Wall time of the whole step through every worker.
+    pub wall_ms: f64,
+    /// Per worker, in pipeline order.
+    pub workers: Vec<WorkerStepView>,
+}
+
+/// One worker's part of a step.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerStepView {
+    pub worker: String,
+    pub wall_ms: f64,
+    pub layers: Vec<LayerView>,
+}
+
+/// One layer of a step: streamed or resident, and where its time went.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerView {
+    pub layer: u32,
+    pub resident: bool,
+    pub bytes: u64,
+    pub transfer_ms: f64,
+    pub compute_ms: f64,
+    pub stall_ms: f64,
+}
+
+impl From<&LayerTiming> for LayerView {
+    fn from(t: &LayerTiming) -> Self {
+        LayerView {
+            layer: t.layer,
+            resident: t.resident,
+            bytes: t.bytes,
+            transfer_ms: t.transfer_ms,
+            compute_ms: t.compute_ms,
+            stall_ms: t.stall_ms,
+        }
+    }
+}
+
+/// Every metric of the stack.
+pub struct Metrics {
+    registry: Registry,
+    finished: Family<Labels, Counter>,
+    rejected: Family<Labels, Counter>,
+    http: Family<Labels, Counter>,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+    pub waiting: Gauge,
+    pub running: Gauge,
+    batch: Histogram,
+    steps: Counter,
+    bytes: Family<Labels, Counter>,
+    transfer: Family<Labels, FCounter>,
+    compute: Family<Labels, FCounter>,
+    stall: Family<Labels, FCounter>,
+    hidden: Family<Labels, FGauge>,
+    worker_up: Family<Labels, Gauge>,
+    device_bytes: Family<Labels, Gauge>,
+    loader_hits: Family<Labels, Counter>,
+    loader_misses: Family<Labels, Counter>,
+    /// Per worker: (Σ transfer, Σ stall) in ms, for the hidden share.
+    sums: Mutex<HashMap<String, (f64, f64)>>,
+    /// Per loader namespace: the last (hits, misses) seen, to add only what is new.
+    loaders: Mutex<HashMap<String, (u64, u64)>>,
+    recent: Mutex<VecDeque<StepView>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn worker(addr: &str) -> Labels {
+    vec![("worker", addr.to_owned())]
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under the `layerstream_` prefix.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("layerstream");
+        let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let m = Metrics {
+            finished: Family::default(),
+            rejected: Family::default(),
+            http: Family::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            ttft: latency(),
+            tpot: latency(),
+            e2e: latency(),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            batch: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
+            steps: Counter::default(),
+            bytes: Family::default(),
+            transfer: Family::default(),
+            compute: Family::default(),
+            stall: Family::default(),
+            hidden: Family::default(),
+            worker_up: Family::default(),
+            device_bytes: Family::default(),
+            loader_hits: Family::default(),
+            loader_misses: Family::default(),
+            sums: Mutex::default(),
+            loaders: Mutex::default(),
+            recent: Mutex::default(),
+            registry: Registry::default(),
+        };
+        r.register(
+            "requests",
+            "Requests that finished, by finish reason (stop, length, cancelled, error)",
+            m.finished.clone(),
+        );
+        r.register("requests_rejected", "Requests refused before they were queued, by reason (invalid_argument, resource_exhausted, unavailable)", m.rejected.clone());
+        r.register("http_responses", "HTTP responses, by path and status code", m.http.clone());
+        r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
+        r.register("generation_tokens", "Tokens generated", m.generation_tokens.clone());
+        r.register(
+            "time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "time_per_output_token_seconds",
+            "Time per output token after the first, per request",
+            m.tpot.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "From a request's arrival to its end",
+            m.e2e.clone(),
+        );
+        r.register("num_requests_waiting", "Sequences queued, not yet running", m.waiting.clone());
+        r.register("num_requests_running", "Sequences in the running batch", m.running.clone());
+        r.register(
+            "step_batch_size",
+            "Sequences per forward step (one weight pass)",
+            m.batch.clone(),
+        );
+        r.register("steps", "Forward steps (weight passes) run", m.steps.clone());
+        r.register(
+            "worker_bytes_streamed",
+            "Weight bytes a worker copied from the loader's shared memory",
+            m.bytes.clone(),
+        );
+        r.register(
+            "worker_transfer_seconds",
+            "Time a worker spent copying streamed weights",
+            m.transfer.clone(),
+        );
+        r.register(
+            "worker_compute_seconds",
+            "Time a worker spent computing layers",
+            m.compute.clone(),
+        );
+        r.register(
+            "worker_stall_seconds",
+            "Compute time a worker waited for weights",
+            m.stall.clone(),
+        );
+        r.register(
+            "worker_hidden_transfer_ratio",
+            "Share of a worker's transfer time hidden behind compute (1 = fully overlapped)",
+            m.hidden.clone(),
+        );
+        r.register(
+            "worker_up",
+            "1 when the worker answers and holds its assignment",
+            m.worker_up.clone(),
+        );
+        r.register(
+            "worker_device_bytes_used",
+            "Device memory a worker has taken since it started",
+            m.device_bytes.clone(),
+        );
+        r.register(
+            "loader_cache_hits",
+            "Acquires the loader served from a slot that held the layer",
+            m.loader_hits.clone(),
+        );
+        r.register(
+            "loader_cache_misses",
+            "Layer files the loader read from disk",
+            m.loader_misses.clone(),
+        );
+        Metrics { registry: r, ..m }
+    }
+
+    /// A request refused before it was queued.
+    pub fn rejected(&self, reason: &str) {
+        self.rejected.get_or_create(&vec![("reason", reason.to_owned())]).inc();
+    }
+
+    /// An HTTP response.
+    pub fn http_response(&self, path: &str, status: u16) {
+        let l = vec![("path", path.to_owned()), ("status", status.to_string())];
+        self.http.get_or_create(&l).inc();
+    }
+
+    /// A request that ended: its token counts and latencies (seconds).
+    pub fn finished(
+        &self,
+        reason: FinishReason,
+        prompt: usize,
+        generated: usize,
+        ttft: Option<f64>,
+        e2e: f64,
+    ) {
+        let name = match reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Error | FinishReason::Unspecified => "error",
+        };
+        self.finished.get_or_create(&vec![("finish_reason", name.to_owned())]).inc();
+        self.prompt_tokens.inc_by(prompt as u64);
+        self.e2e.observe(e2e);
+        if let Some(t) = ttft {
+            self.ttft.observe(t);
+            if generated >= 2 {
+                self.tpot.observe((e2e - t).max(0.0) / (generated - 1) as f64);
+            }
+        }
+    }
+
+    /// Tokens generated by a step.
+    pub fn generated(&self, n: usize) {
+        self.generation_tokens.inc_by(n as u64);
+    }
+
+    /// A step: its batch and each worker's layer timings (`workers`: address, timings, wall ms).
+    pub fn step(
+        &self,
+        batch: usize,
+        rows: usize,
+        wall_ms: f64,
+        workers: &[(String, Vec<LayerTiming>, f64)],
+    ) {
+        self.steps.inc();
+        self.batch.observe(batch as f64);
+        let mut sums = lock(&self.sums);
+        for (addr, layers, _) in workers {
+            let l = worker(addr);
+            let (mut t, mut c, mut st, mut b) = (0.0, 0.0, 0.0, 0u64);
+            for x in layers {
+                t += x.transfer_ms;
+                c += x.compute_ms;
+                st += x.stall_ms;
+                b += x.bytes;
+            }
+            self.bytes.get_or_create(&l).inc_by(b);
+            self.transfer.get_or_create(&l).inc_by(t / 1e3);
+            self.compute.get_or_create(&l).inc_by(c / 1e3);
+            self.stall.get_or_create(&l).inc_by(st / 1e3);
+            let s = sums.entry(addr.clone()).or_default();
+            s.0 += t;
+            s.1 += st;
+            let hidden = if s.0 > 0.0 { ((s.0 - s.1) / s.0).clamp(0.0, 1.0) } else { 1.0 };
+            self.hidden.get_or_create(&l).set(hidden);
+        }
+        drop(sums);
+        let at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let view = StepView {
+            at_ms,
+            batch,
+            rows,
+            wall_ms,
+            workers: workers
+                .iter()
+                .map(|(w, layers, wall)| WorkerStepView {
+                    worker: w.clone(),
+                    wall_ms: *wall,
+                    layers: layers.iter().map(LayerView::from).collect(),
+                })
+                .collect(),
+        };
+        let mut recent = lock(&self.recent);
+        if recent.len() == RECENT_STEPS {
+            recent.pop_front();
+        }
+        recent.push_back(view);
+    }
+
+    /// The last steps, oldest first.
+    pub fn recent(&self) -> Vec<StepView> {
+        lock(&self.recent).iter().cloned().collect()
+    }
+
+    /// A worker's answer to Info at scrape time (None: it did not answer); `holds` whether it holds
+    /// the assignment the plan gave it.
+    pub fn worker_info(&self, addr: &str, info: Option<&InfoResponse>, holds: bool) {
+        let l = worker(addr);
+        self.worker_up.get_or_create(&l).set(i64::from(info.is_some() && holds));
+        let Some(info) = info else { return };
+        self.device_bytes.get_or_create(&l).set(info.device_bytes_used as i64);
+        let Some(ld) = &info.loader else { return };
+        let mut seen = lock(&self.loaders);
+        let last = seen.entry(ld.namespace.clone()).or_default();
+        // A restarted loader counts from 0 again: add what it has counted since.
+        let add = |now: u64, before: u64| if now >= before { now - before } else { now };
+        let ll = vec![("loader", ld.namespace.clone())];
+        self.loader_hits.get_or_create(&ll).inc_by(add(ld.hits, last.0));
+        self.loader_misses.get_or_create(&ll).inc_by(add(ld.misses, last.1));
+        *last = (ld.hits, ld.misses);
+    }
+
+    /// The exposition text (OpenMetrics, which Prometheus reads).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The content type of `encode`'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_proto::v1::LoaderStats;
+
+    #[test]
+    fn exposition_names_are_prefixed_and_counts_add_up() {
+        let m = Metrics::new();
+        m.finished(FinishReason::Length, 7, 3, Some(0.5), 0.9);
+        m.generated(3);
+        let t = |tr, st| LayerTiming {
+            layer: 1,
+            resident: false,
+            bytes: 100,
+            transfer_ms: tr,
+            compute_ms: 2.0,
+            stall_ms: st,
+        };
+        m.step(2, 5, 10.0, &[("w0".into(), vec![t(4.0, 1.0), t(4.0, 0.0)], 9.0)]);
+        let mut info = InfoResponse {
+            loader: Some(LoaderStats { namespace: "ns".into(), hits: 5, misses: 2, pinned: 0 }),
+            ..Default::default()
+        };
+        m.worker_info("w0", Some(&info), true);
+        // A second worker on the same loader reports the same counters: not counted twice.
+        m.worker_info("w1", Some(&info), false);
+        info.loader.as_mut().unwrap().hits = 9;
+        m.worker_info("w0", Some(&info), true);
+        let text = m.encode();
+        let has = |line: &str| assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        has("layerstream_requests_total{finish_reason=\"length\"} 1");
+        has("layerstream_prompt_tokens_total 7");
+        has("layerstream_generation_tokens_total 3");
+        has("layerstream_worker_bytes_streamed_total{worker=\"w0\"} 200");
+        has("layerstream_worker_hidden_transfer_ratio{worker=\"w0\"} 0.875");
+        has("layerstream_worker_up{worker=\"w0\"} 1");
+        has("layerstream_worker_up{worker=\"w1\"} 0");
+        has("layerstream_loader_cache_hits_total{loader=\"ns\"} 9");
+        has("layerstream_loader_cache_misses_total{loader=\"ns\"} 2");
+        has("layerstream_time_per_output_token_seconds_count 1");
+        assert_eq!(m.recent().len(), 1);
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
