@@ -1,0 +1,337 @@
+//! The HTTP server as its users' tools see it: the official `openai` Python client, `curl -N` for raw
+//! Server-Sent Events, a real Prometheus server scraping `/metrics`, and the page in headless
+//! Chromium. Each tool-driven test says SKIPPED (with how to install the tool) when the tool is
+//! missing; `.ci/run` installs them.
+
+use layerstream_kernels::CpuBackend;
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn have(cmd: &str, args: &[&str]) -> bool {
+    Command::new(cmd).args(args).output().is_ok_and(|o| o.status.success())
+}
+
+fn curl(args: &[&str]) -> String {
+    let o = Command::new("curl").args(["-sS"]).args(args).output().expect("curl");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json_of(s: &str) -> serde_json::Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
+}
+
+/// The HTTP status of a call, with the body.
+fn status(args: &[&str]) -> (u16, String) {
+    let out = curl(&[args, &["-w", "\n%{http_code}"]].concat());
+    let (body, code) = out.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), body.to_owned())
+}
+
+fn log_softmax(l: &[f32]) -> Vec<f64> {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    l.iter().map(|&x| x as f64 - lse).collect()
+}
+
+const PROMPT: &str = "What is the capital of France?";
+
+#[test]
+fn the_openai_client_gets_what_run_answers_with_logprobs_of_the_cpu_backend() {
+    if !have("python3", &["-c", "import openai"]) {
+        eprintln!("SKIPPED: the `openai` Python package is missing (pip install openai)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let stack = Stack::up_env(
+        &store,
+        &["--workers", "2", "--resident-layers", "1", "--api-key", "sk-test-123"],
+        &[],
+    );
+    let ids: Vec<u32> = goldens("tiny-llama")[0].input_ids.clone();
+    let ids_s: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/openai_client.py");
+    let o = Command::new("python3")
+        .arg(&script)
+        .args([stack.http(), "sk-test-123", PROMPT, &ids_s.join(",")])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = json_of(String::from_utf8_lossy(&o.stdout).trim());
+    stack.shutdown();
+
+    // Models: the store's directory name.
+    assert_eq!(v["models"], serde_json::json!([store.file_name().unwrap().to_str().unwrap()]));
+    // Greedy chat equals `layerstream run --chat`, token for token (same text, same count).
+    let run = last_json(&layerstream(&[
+        "run",
+        "--model",
+        s,
+        "--chat",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]));
+    let chat = &v["chat"];
+    assert_eq!(chat["text"], run["text"], "{v}");
+    assert_eq!(chat["role"], "assistant");
+    assert_eq!(chat["object"], "chat.completion");
+    let n_out = run["output_ids"].as_array().unwrap().len();
+    assert_eq!(chat["usage"]["completion_tokens"], n_out);
+    assert_eq!(chat["usage"]["prompt_tokens"], run["input_ids"].as_array().unwrap().len());
+    assert_eq!(chat["finish_reason"], if n_out == 8 { "length" } else { "stop" });
+    // Streaming: the chunks concatenate to the same text; the usage chunk comes last.
+    let st = &v["stream"];
+    assert_eq!(st["text"], chat["text"]);
+    assert_eq!(st["usage"], chat["usage"]);
+    assert_eq!(st["finish_reason"], chat["finish_reason"]);
+    assert!(st["chunks"].as_u64().unwrap() >= 3, "{st}");
+    // Log-probabilities: log-softmax of the CPU backend's logits for the same ids.
+    let st = layerstream_model::Store::open(&store).unwrap();
+    let model = layerstream_worker::Model::load(CpuBackend::default(), &st).unwrap();
+    let want = log_softmax(&prefill_logits(&model, &ids));
+    let mut order: Vec<usize> = (0..want.len()).collect();
+    order.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+    let c = &v["completion"];
+    let chosen = c["token_logprobs"][0].as_f64().unwrap();
+    assert!(
+        (chosen - want[order[0]]).abs() < 1e-4,
+        "greedy's logprob {chosen} vs {}",
+        want[order[0]]
+    );
+    let mut top: Vec<f64> =
+        c["top_logprobs"][0].as_object().unwrap().values().map(|x| x.as_f64().unwrap()).collect();
+    top.sort_by(|a, b| b.total_cmp(a));
+    assert_eq!(top.len(), 3, "{c}");
+    for (got, &i) in top.iter().zip(&order) {
+        assert!((got - want[i]).abs() < 1e-4, "top logprob {got} vs {}", want[i]);
+    }
+    assert_eq!(c["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(c["usage"]["prompt_tokens"], ids.len());
+    // Chat logprobs: the chosen token is the top-1 of its own alternatives (greedy).
+    for e in v["chat_logprobs"].as_array().unwrap() {
+        assert_eq!(e["top"][0][0], e["token"], "{e}");
+        assert!((e["top"][0][1].as_f64().unwrap() - e["logprob"].as_f64().unwrap()).abs() < 1e-6);
+        assert_eq!(e["top"].as_array().unwrap().len(), 2);
+    }
+    // A stop string ends the text before it.
+    if let Some(stop) = v.get("stop") {
+        let text = stop["text"].as_str().unwrap();
+        assert!(!text.contains(stop["stop"].as_str().unwrap()), "{stop}");
+        assert!(chat["text"].as_str().unwrap().starts_with(text), "{stop}");
+        assert_eq!(stop["finish_reason"], "stop");
+    }
+    assert_eq!(v["seeded_equal"], true);
+    let e = &v["errors"];
+    assert_eq!(e["wrong_key"], 401);
+    assert_eq!(e["unknown_model"], 404);
+    assert_eq!(e["too_long"], 400);
+    assert_eq!(e["n2"], 400);
+    assert_eq!(e["top_logprobs_21"], 400);
+}
+
+#[test]
+fn curl_sees_raw_sse_and_a_client_that_hangs_up_cancels_its_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let url = format!("{}/v1/chat/completions", stack.http());
+    let body = format!(
+        r#"{{"messages": [{{"role": "user", "content": "{PROMPT}"}}], "max_tokens": 5, "temperature": 0, "stream": true, "stream_options": {{"include_usage": true}}}}"#
+    );
+    let out = curl(&["-N", "-H", "Content-Type: application/json", "-d", &body, &url]);
+    let data: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{out}");
+    let chunks: Vec<serde_json::Value> =
+        data[..data.len() - 1].iter().map(|d| json_of(d)).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 5, "{out}");
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    // The same answer without streaming.
+    let whole = json_of(&curl(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body.replace("true", "false"),
+        &url,
+    ]));
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(whole["choices"][0]["message"]["content"], text.as_str());
+    // Errors in OpenAI's shape.
+    let (code, b) = status(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        r#"{"messages": [{"role": "user", "content": "x"}], "temperature": -1}"#,
+        &url,
+    ]);
+    assert_eq!(code, 400, "{b}");
+    assert_eq!(json_of(&b)["error"]["param"], "temperature", "{b}");
+    let (code, b) = status(&["-H", "Content-Type: application/json", "-d", "{not json", &url]);
+    assert_eq!(code, 400, "{b}");
+    assert_eq!(json_of(&b)["error"]["type"], "invalid_request_error");
+    // A long request whose client goes away after a second: the job is cancelled, not run out.
+    let long =
+        r#"{"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": true, "stream": true}"#;
+    let _ = curl(&[
+        "-N",
+        "--max-time",
+        "1",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        long,
+        &format!("{}/v1/completions", stack.http()),
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = curl(&[&format!("{}/metrics", stack.http())]);
+        if m.lines().any(|l| l == "layerstream_requests_total{finish_reason=\"cancelled\"} 1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the abandoned request was not cancelled:\n{m}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, b) = status(&[&format!("{}/health", stack.http())]);
+    assert_eq!((code, json_of(&b)["status"].clone()), (200, "ok".into()));
+    stack.shutdown();
+}
+
+/// A free loopback port (bound, then released for the tool that needs one).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn prometheus_scrapes_the_whole_stack() {
+    let prom = ["prometheus", "/usr/bin/prometheus"].into_iter().find(|p| have(p, &["--version"]));
+    let Some(prom) = prom else {
+        eprintln!("SKIPPED: no `prometheus` binary (apt-get install prometheus)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "1"]);
+    let target = stack.http().trim_start_matches("http://").to_owned();
+    let cfg = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &cfg,
+        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: layerstream\n    static_configs:\n      - targets: ['{target}']\n"),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut p = Command::new(prom)
+        .arg(format!("--config.file={}", cfg.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("tsdb").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let body = r#"{"prompt": "The quick brown fox", "max_tokens": 7, "ignore_eos": true, "temperature": 0}"#;
+    let r = json_of(&curl(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        &format!("{}/v1/completions", stack.http()),
+    ]));
+    assert_eq!(r["usage"]["completion_tokens"], 7, "{r}");
+    let q = |expr: &str| {
+        json_of(&curl(&[
+            "-G",
+            &format!("http://127.0.0.1:{port}/api/v1/query"),
+            "--data-urlencode",
+            &format!("query={expr}"),
+        ]))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let value = loop {
+        let v = q("sum(layerstream_generation_tokens_total)");
+        if let Some(x) = v["data"]["result"][0]["value"][1].as_str() {
+            if x == "7" {
+                break x.to_owned();
+            }
+        }
+        assert!(Instant::now() < deadline, "Prometheus never saw the tokens: {v}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(value, "7");
+    // Both workers up, their streaming counted, the loader's cache seen through them.
+    let up = q("sum(layerstream_worker_up)");
+    assert_eq!(up["data"]["result"][0]["value"][1], "2", "{up}");
+    let bytes = q("sum(layerstream_worker_bytes_streamed_total)");
+    assert!(bytes["data"]["result"][0]["value"][1].as_str().unwrap().parse::<f64>().unwrap() > 0.0);
+    let misses = q("sum(layerstream_loader_cache_misses_total)");
+    assert!(
+        misses["data"]["result"][0]["value"][1].as_str().unwrap().parse::<f64>().unwrap() > 0.0
+    );
+    let _ = p.kill();
+    let _ = p.wait();
+    stack.shutdown();
+}
+
+#[test]
+fn the_page_chats_in_a_real_browser() {
+    let browser = ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|b| have(b, &["--version"]));
+    let Some(browser) = browser else {
+        eprintln!("SKIPPED: no Chromium (apt-get install chromium)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "1"]);
+    let body = format!(
+        r#"{{"messages": [{{"role": "user", "content": "{PROMPT}"}}], "max_tokens": 6, "temperature": 0}}"#
+    );
+    let want = json_of(&curl(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body,
+        &format!("{}/v1/chat/completions", stack.http()),
+    ]));
+    let want = want["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    // `?prompt=` sends the prompt as if typed; the DOM after the answer holds its text.
+    let url = format!(
+        "{}/?prompt={}&max=6",
+        stack.http(),
+        PROMPT.replace(' ', "%20").replace('?', "%3F")
+    );
+    let shot = dir.path().join("page.png");
+    let run = |extra: &[&str]| {
+        let o = Command::new(browser)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--virtual-time-budget=15000",
+                "--window-size=1280,800",
+            ])
+            .arg(format!("--user-data-dir={}", dir.path().join("profile").display()))
+            .args(extra)
+            .arg(&url)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let dom = run(&["--dump-dom"]);
+    assert!(dom.contains("data-done=\"1\""), "the answer did not finish in the page:\n{dom}");
+    let html_text = want.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+    assert!(dom.contains(&html_text), "the page's answer is not the API's `{want}`:\n{dom}");
+    assert!(dom.contains("class=\"layer res\""), "the plan view shows resident layers");
+    run(&[&format!("--screenshot={}", shot.display())]);
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot of {} bytes", png.len());
+    stack.shutdown();
+}
