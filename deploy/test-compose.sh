@@ -12,7 +12,7 @@ export COMPOSE_PROJECT_NAME="lstest$$"
 export LAYERSTREAM_IMAGE="layerstream:test-$$"
 work=$(mktemp -d)
 export LAYERSTREAM_MODELS="$work/models" LAYERSTREAM_SPANS_DIR="$work/spans"
-export LAYERSTREAM_PORT=$(free_port) JAEGER_UI_PORT=$(free_port) JAEGER_OTLP_PORT=$(free_port)
+export LAYERSTREAM_PORT=$(free_port) LAYERSTREAM_HTTP_PORT=$(free_port) JAEGER_UI_PORT=$(free_port) JAEGER_OTLP_PORT=$(free_port)
 export LAYERSTREAM_SLOTS=8 LAYERSTREAM_RESIDENT_LAYERS=4
 files=(-f deploy/compose.yaml -f deploy/compose.test.yaml)
 if [ "${LAYERSTREAM_BUILD_PROFILE:-release}" = dev ]; then bin=target/debug/layerstream; else bin=target/release/layerstream; fi
@@ -54,6 +54,16 @@ assert g["output_ids"] == e["output_ids"], f"container answer differs:\n{g['text
 print("answer:", repr(g["text"]), "| overlap", round(g["stats"]["overlap_pct"], 1), "% | trace", g["trace_id"])
 PY
 trace=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["trace_id"])' "$got")
+
+echo "== the published HTTP port: OpenAI chat and /metrics"
+http_got=$(curl -sS "http://127.0.0.1:$LAYERSTREAM_HTTP_PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "$(python3 -c 'import json,sys; print(json.dumps({"messages": [{"role": "user", "content": sys.argv[1]}], "max_tokens": 24, "temperature": 0}))' "$question")")
+python3 - "$expected" "$http_got" <<'PY'
+import json, sys
+e, g = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert g["choices"][0]["message"]["content"] == e["text"], f"HTTP answer differs: {g}"
+PY
+curl -sS "http://127.0.0.1:$LAYERSTREAM_HTTP_PORT/metrics" | grep -q '^layerstream_generation_tokens_total ' || { echo "no metrics on the HTTP port"; exit 1; }
 
 echo "== stop (flushes every exporter) and check the spans"
 compose "${files[@]}" --profile cpu stop -t 20 coordinator worker loader-daemon >/dev/null

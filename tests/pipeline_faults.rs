@@ -120,6 +120,34 @@ async fn a_client_that_goes_away_cancels_its_request() {
     stack.shutdown();
 }
 
+/// The spans of `traces` a receiver wrote to `file`, once they are whole: processes flush at
+/// shutdown, each in its own time, so this waits until every parent and link target they name has
+/// arrived and the loader's reads are there (or 30 s pass).
+fn whole_traces(file: &std::path::Path, traces: &[&str]) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        let all: Vec<serde_json::Value> =
+            text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let ids: std::collections::HashSet<&str> =
+            all.iter().filter_map(|s| s["span_id"].as_str()).collect();
+        let known = |p: Option<&str>| p.is_none_or(|p| p.is_empty() || ids.contains(p));
+        let mine: Vec<&serde_json::Value> =
+            all.iter().filter(|s| traces.contains(&s["trace_id"].as_str().unwrap_or(""))).collect();
+        let whole = mine.iter().all(|s| {
+            known(s["parent_span_id"].as_str())
+                && s["links"].as_array().into_iter().flatten().all(|l| known(l["span_id"].as_str()))
+        });
+        let named =
+            |n: &str| all.iter().any(|s| s["name"].as_str().is_some_and(|x| x.starts_with(n)));
+        let jobs = mine.iter().filter(|s| s["name"] == "job").count();
+        if (whole && named("read layer") && jobs == traces.len()) || Instant::now() > deadline {
+            return all;
+        }
+    }
+}
+
 #[test]
 fn spans_reach_an_otlp_receiver_with_correct_parents() {
     let dir = tempfile::tempdir().unwrap();
@@ -149,30 +177,10 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     );
     let trace = v["trace_id"].as_str().unwrap().to_owned();
     stack.shutdown(); // flushes every process's exporter
-                      // Processes flush at shutdown, each in its own time: wait until the trace is whole (every
-                      // parent it names has arrived, the loader's reads among them) or the deadline passes.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let spans = loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let text = std::fs::read_to_string(&spans_file).unwrap_or_default();
-        let spans: Vec<serde_json::Value> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .filter(|s: &serde_json::Value| s["trace_id"] == trace.as_str())
-            .collect();
-        let ids: std::collections::HashSet<&str> =
-            spans.iter().filter_map(|s| s["span_id"].as_str()).collect();
-        let whole = spans.iter().all(|s| match s["parent_span_id"].as_str() {
-            Some(p) if !p.is_empty() && p.chars().any(|c| c != '0') => ids.contains(p),
-            _ => true,
-        });
-        let has = |name: &str| spans.iter().any(|s| s["name"].as_str() == Some(name));
-        let reads =
-            spans.iter().any(|s| s["name"].as_str().is_some_and(|n| n.starts_with("read layer")));
-        if (whole && reads && has("job")) || Instant::now() > deadline {
-            break spans;
-        }
-    };
+    let spans: Vec<serde_json::Value> = whole_traces(&spans_file, &[trace.as_str()])
+        .into_iter()
+        .filter(|s| s["trace_id"] == trace.as_str())
+        .collect();
     sink.stop();
     let by_id = |id: &str| spans.iter().find(|s| s["span_id"] == id);
     let parent_name = |s: &serde_json::Value| {
@@ -242,6 +250,103 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         assert_eq!(parent_name(s).as_deref(), Some("head"));
         assert_eq!(s["attributes"]["rows"].as_i64(), Some(1), "{s}");
     }
+}
+
+/// With continuous batching one step serves several jobs, yet each job's trace reaches the workers'
+/// `h2d` and `compute` spans of every step it rode: through its own `step` span's children, or
+/// through the link to the step span that carries them. One request is one trace, from its RPC span.
+#[test]
+fn every_concurrent_job_trace_reaches_the_transfers_of_its_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let spans_file = dir.path().join("spans.jsonl");
+    let mut sink = Proc::start(
+        &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
+        &[],
+    );
+    let stack = Stack::up_env(
+        &store,
+        &["--workers", "2", "--resident-layers", "1"],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())],
+    );
+    let addr = stack.addr().to_owned();
+    let jobs: Vec<(String, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = [6usize, 9, 12]
+            .into_iter()
+            .map(|n| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let v = submit(
+                        &addr,
+                        &[
+                            "--prompt",
+                            "The quick brown fox",
+                            "--max-new-tokens",
+                            &n.to_string(),
+                            "--ignore-eos",
+                        ],
+                    );
+                    (v["trace_id"].as_str().unwrap().to_owned(), n)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    stack.shutdown();
+    let traces: Vec<&str> = jobs.iter().map(|(t, _)| t.as_str()).collect();
+    let all = whole_traces(&spans_file, &traces);
+    sink.stop();
+    let by_id: std::collections::HashMap<&str, &serde_json::Value> =
+        all.iter().map(|s| (s["span_id"].as_str().unwrap(), s)).collect();
+    let mut children: std::collections::HashMap<&str, Vec<&serde_json::Value>> = Default::default();
+    for s in &all {
+        children.entry(s["parent_span_id"].as_str().unwrap_or("")).or_default().push(s);
+    }
+    // Names of every span under `id`.
+    let below = |id: &str| {
+        let mut names = std::collections::HashSet::new();
+        let mut todo = vec![id.to_owned()];
+        while let Some(p) = todo.pop() {
+            for c in children.get(p.as_str()).into_iter().flatten() {
+                names.insert(c["name"].as_str().unwrap().split(' ').next().unwrap().to_owned());
+                todo.push(c["span_id"].as_str().unwrap().to_owned());
+            }
+        }
+        names
+    };
+    let mut linked = 0;
+    for (trace, n) in &jobs {
+        let mine: Vec<&serde_json::Value> =
+            all.iter().filter(|s| s["trace_id"] == trace.as_str()).collect();
+        let job = mine.iter().find(|s| s["name"] == "job").expect("a job span");
+        let rpc = by_id
+            .get(job["parent_span_id"].as_str().unwrap())
+            .expect("the job has its RPC span as parent");
+        assert_eq!(rpc["name"], "generate");
+        let steps: Vec<&&serde_json::Value> = mine.iter().filter(|s| s["name"] == "step").collect();
+        // The prefill step, then a step per token after the first.
+        assert!(steps.len() >= *n, "{} steps for {n} tokens", steps.len());
+        for st in steps {
+            let own = st["span_id"].as_str().unwrap();
+            let target = if below(own).contains("worker") {
+                own.to_owned()
+            } else {
+                let links = st["links"].as_array().unwrap();
+                assert_eq!(
+                    links.len(),
+                    1,
+                    "a step without workers' spans links to the one with them: {st}"
+                );
+                linked += 1;
+                links[0]["span_id"].as_str().unwrap().to_owned()
+            };
+            let names = below(&target);
+            for want in ["worker", "layer", "compute", "h2d", "head"] {
+                assert!(names.contains(want), "step {st} reaches no `{want}` span ({names:?})");
+            }
+        }
+    }
+    assert!(linked > 0, "the three jobs never shared a step");
 }
 
 #[test]

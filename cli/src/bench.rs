@@ -69,6 +69,11 @@ pub struct BenchArgs {
     /// every read from disk costs (verified / unverified tokens/s).
     #[arg(long, env = "LAYERSTREAM_BENCH_VERIFY_COST")]
     pub verify_cost: bool,
+    /// Instead of the configurations: one fully resident stack, the workload sent alternately
+    /// through gRPC and the OpenAI HTTP API (streamed) for this many rounds; prints both APIs'
+    /// tokens/s and time to first token and their ratios.
+    #[arg(long, env = "LAYERSTREAM_BENCH_API_COMPARE")]
+    pub api_compare: Option<usize>,
 }
 
 /// One configuration's result.
@@ -126,7 +131,7 @@ impl Measured {
 }
 
 /// The request every client of the workload sends.
-fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
+pub(crate) fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
     let input = match a.prompt_tokens {
         // Ids spread over the vocabulary, skipping 0 (often a special token).
         Some(n) => generate_request::Input::TokenIds(TokenIds {
@@ -321,6 +326,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             layerstream_proto::auth::INTERNAL_TOKEN_ENV,
             layerstream_proto::auth::random_hex(),
         );
+    }
+    if let Some(rounds) = a.api_compare {
+        return crate::bench_api::compare(&a, &model, vocab, rounds.max(1));
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {

@@ -2,6 +2,7 @@
 //! start the streaming stack (`up`) and submit jobs to it; also runs each of the stack's processes.
 
 mod bench;
+mod bench_api;
 mod health;
 mod otlp_sink;
 mod prompt;

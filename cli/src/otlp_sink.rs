@@ -60,10 +60,15 @@ impl TraceService for Sink {
                 for s in ss.spans {
                     let attrs: serde_json::Map<String, serde_json::Value> =
                         s.attributes.iter().map(|a| (a.key.clone(), value(&a.value))).collect();
+                    let links: Vec<serde_json::Value> = s
+                        .links
+                        .iter()
+                        .map(|l| serde_json::json!({"trace_id": hex(&l.trace_id), "span_id": hex(&l.span_id)}))
+                        .collect();
                     let line = serde_json::json!({
                         "service": service, "name": s.name, "trace_id": hex(&s.trace_id), "span_id": hex(&s.span_id),
                         "parent_span_id": hex(&s.parent_span_id), "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                        "attributes": attrs,
+                        "attributes": attrs, "links": links,
                     });
                     writeln!(f, "{line}").map_err(|e| Status::internal(e.to_string()))?;
                 }

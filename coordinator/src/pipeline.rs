@@ -115,14 +115,15 @@ fn worker_err(addr: &str, s: &tonic::Status) -> Error {
     Error::Worker { worker: addr.into(), msg }
 }
 
-/// Loads `stage.assignment` on its worker; the answer carries the worker's step-token limit.
-pub async fn assign(stage: &Stage) -> Result<AssignResponse> {
+/// Loads `stage.assignment` on its worker (traced under `span`, the plan's); the answer carries the
+/// worker's step-token limit.
+pub async fn assign(stage: &Stage, span: &Span) -> Result<AssignResponse> {
     let mut c = stage.client.clone();
     let refused = |msg: String| Error::Worker {
         worker: stage.addr.clone(),
         msg: format!("refused its assignment: {msg}"),
     };
-    Ok(tokio::time::timeout(ASSIGN, c.assign(stage.assignment.clone()))
+    Ok(tokio::time::timeout(ASSIGN, c.assign(traced_request(span, stage.assignment.clone())))
         .await
         .map_err(|_| refused(format!("no answer within {ASSIGN:?}")))?
         .map_err(|s| refused(s.message().to_owned()))?
@@ -149,6 +150,8 @@ impl Pipeline {
         let mut plans = crate::planner::plan(&r.manifest, &specs, &r.opts)?;
         // One id for this plan: a worker that reports another (or none) lost it.
         let id = layerstream_proto::auth::random_hex();
+        // One trace per plan: every worker's `assign` (and the loads under it) inside it.
+        let span = tracing::info_span!(parent: None, "plan", workers = members.len() as i64, plan_id = %id);
         let mut stages = Vec::new();
         let mut limit = 0usize;
         for (p, &i) in plans.iter_mut().zip(members) {
@@ -159,7 +162,7 @@ impl Pipeline {
                 client: r.workers[i].1.clone(),
                 assignment: p.clone(),
             };
-            let n = assign(&stage).await?.max_step_tokens as usize;
+            let n = assign(&stage, &span).await?.max_step_tokens as usize;
             if n > 0 && (limit == 0 || n < limit) {
                 limit = n;
             }
@@ -293,7 +296,8 @@ impl Pipeline {
                     }
                 };
                 if info.assignment_id != st.assignment.assignment_id {
-                    match assign(st).await {
+                    let span = tracing::info_span!(parent: None, "reassign", worker = %st.addr);
+                    match assign(st, &span).await {
                         Ok(_) => break true,
                         Err(e) => last_err = e.to_string(),
                     }

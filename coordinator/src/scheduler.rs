@@ -385,8 +385,12 @@ impl Scheduler {
             .collect();
         let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         // One `step` span per request in the step, so each request's trace shows every step it rode;
-        // the first carries the workers' spans.
+        // the first carries the workers' spans, the others link to it.
         let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64)).collect();
+        // The others link to it, so every request's trace reaches the workers' spans of each step.
+        for s in &spans[1..] {
+            layerstream_proto::telemetry::link(s, &spans[0]);
+        }
         let t_step = Instant::now();
         let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
         drop(spans);

@@ -55,6 +55,14 @@ pub struct CoordinatorService {
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
+/// The span of a job-creating call: the root of the request's trace, or a child of the trace
+/// context the client sent (W3C traceparent), never of whatever context the thread last held.
+fn rpc_span(name: &'static str, meta: &tonic::metadata::MetadataMap) -> tracing::Span {
+    let span = info_span!(parent: None, "rpc", otel.name = name);
+    layerstream_proto::telemetry::adopt_parent(&span, meta);
+    span
+}
+
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 impl CoordinatorService {
@@ -157,8 +165,8 @@ impl CoordinatorService {
             )));
         }
         let job_id = random_job_id();
-        let span =
-            info_span!(parent: None, "job", job_id = %job_id, requests = requests.len() as i64);
+        // Under the API call's span (gRPC handler or HTTP request): one request, one trace.
+        let span = info_span!(parent: tracing::Span::current(), "job", job_id = %job_id, requests = requests.len() as i64);
         let trace_id = layerstream_proto::telemetry::trace_id(&span);
         let cancels: Vec<Arc<AtomicBool>> =
             prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
@@ -293,12 +301,13 @@ impl Coordinator for CoordinatorService {
     type GenerateStream = EventStream<GenerateEvent>;
     type WatchJobStream = EventStream<JobEvent>;
 
-    #[instrument(skip(self, r))]
     async fn generate(
         &self,
         r: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let (job_id, trace_id) = self.submit(std::slice::from_ref(r.get_ref()))?;
+        let span = rpc_span("generate", r.metadata());
+        let (job_id, trace_id) =
+            span.in_scope(|| self.submit(std::slice::from_ref(r.get_ref())))?;
         let rx = self.watch(&job_id, true)?;
         let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
         if let Ok(v) = trace_id.parse() {
@@ -307,12 +316,12 @@ impl Coordinator for CoordinatorService {
         Ok(resp)
     }
 
-    #[instrument(skip(self, r))]
     async fn submit_job(
         &self,
         r: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobResponse>, Status> {
-        let (job_id, trace_id) = self.submit(&r.into_inner().requests)?;
+        let span = rpc_span("submit_job", r.metadata());
+        let (job_id, trace_id) = span.in_scope(|| self.submit(&r.get_ref().requests))?;
         Ok(Response::new(SubmitJobResponse { job_id, trace_id }))
     }
 

@@ -128,6 +128,15 @@ impl TraceParent {
     }
 }
 
+/// Links `from` to `to` (an OpenTelemetry span link; Jaeger shows it as a reference): a request's
+/// step span points at the one step span whose trace holds the workers' spans of the batch it rode.
+pub fn link(from: &tracing::Span, to: &tracing::Span) {
+    let sc = to.context().span().span_context().clone();
+    if sc.is_valid() {
+        from.add_link(sc);
+    }
+}
+
 /// The hex trace id of `span` (empty if it has none).
 pub fn trace_id(span: &tracing::Span) -> String {
     let cx = span.context();

@@ -163,7 +163,12 @@ impl Worker for WorkerService {
     }
 
     async fn assign(&self, r: Request<Assignment>) -> Result<Response<AssignResponse>, Status> {
+        let span =
+            info_span!("assign", layers = tracing::field::Empty, resident = tracing::field::Empty);
+        adopt_parent(&span, r.metadata());
         let a = r.into_inner();
+        span.record("layers", tracing::field::debug(a.layers()));
+        span.record("resident", a.resident.len() as i64);
         let s = self.0.clone();
         let u = usage(&s.store.manifest, &a);
         if u.total() > s.budget {
@@ -177,7 +182,6 @@ impl Worker for WorkerService {
                 Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display()))
             })?;
         let rt = tokio::runtime::Handle::current();
-        let span = info_span!("assign", layers = ?a.layers(), resident = a.resident.len() as i64);
         let bytes = u.total();
         tokio::task::spawn_blocking(move || {
             let _e = span.enter();

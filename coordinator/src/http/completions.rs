@@ -33,6 +33,12 @@ impl Kind {
             Kind::Completion => "cmpl-",
         }
     }
+    fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
     fn object(self, chunk: bool) -> &'static str {
         match (self, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -203,8 +209,12 @@ pub async fn run(
     let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
     g.max_new_tokens = shape.max_tokens.unwrap_or(room as u32);
     g.input = Some(generate_request::Input::TokenIds(TokenIds { ids }));
-    let (job_id, trace_id) =
-        h.svc.submit(std::slice::from_ref(&g)).map_err(|s| ApiError::from_status(&s))?;
+    // The request's span is the root of its trace; the job span goes under it.
+    let span =
+        tracing::info_span!(parent: None, "http request", method = "POST", path = kind.path());
+    let (job_id, trace_id) = span
+        .in_scope(|| h.svc.submit(std::slice::from_ref(&g)))
+        .map_err(|s| ApiError::from_status(&s))?;
     let rx = h.svc.watch(&job_id, true).map_err(|s| ApiError::from_status(&s))?;
     let a = Answer {
         id: format!("{}{}", kind.id_prefix(), job_id.trim_start_matches("job-")),
