@@ -148,12 +148,11 @@ fn whole_traces(file: &std::path::Path, traces: &[&str]) -> Vec<serde_json::Valu
     }
 }
 
-#[test]
-fn spans_reach_an_otlp_receiver_with_correct_parents() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = tiny_store(dir.path());
-    let spans_file = dir.path().join("spans.jsonl");
-    let mut sink = Proc::start(
+/// An OTLP receiver writing to `spans_file` and a 2-worker stack (one resident layer each, the rest
+/// streamed) exporting to it.
+fn traced_stack(dir: &std::path::Path, spans_file: &std::path::Path) -> (Proc, Stack) {
+    let store = tiny_store(dir);
+    let sink = Proc::start(
         &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
         &[],
     );
@@ -162,6 +161,14 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         &["--workers", "2", "--resident-layers", "1"],
         &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())],
     );
+    (sink, stack)
+}
+
+#[test]
+fn spans_reach_an_otlp_receiver_with_correct_parents() {
+    let dir = tempfile::tempdir().unwrap();
+    let spans_file = dir.path().join("spans.jsonl");
+    let (mut sink, stack) = traced_stack(dir.path(), &spans_file);
     let v = submit(
         stack.addr(),
         &[
@@ -258,17 +265,8 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
 #[test]
 fn every_concurrent_job_trace_reaches_the_transfers_of_its_steps() {
     let dir = tempfile::tempdir().unwrap();
-    let store = tiny_store(dir.path());
     let spans_file = dir.path().join("spans.jsonl");
-    let mut sink = Proc::start(
-        &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
-        &[],
-    );
-    let stack = Stack::up_env(
-        &store,
-        &["--workers", "2", "--resident-layers", "1"],
-        &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())],
-    );
+    let (mut sink, stack) = traced_stack(dir.path(), &spans_file);
     let addr = stack.addr().to_owned();
     let jobs: Vec<(String, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = [6usize, 9, 12]

@@ -1,6 +1,6 @@
 //! `bench --api-compare`: one stack, the same workload sent alternately through gRPC `Generate` and
 //! the OpenAI HTTP API (`/v1/completions`, streamed as Server-Sent Events), several rounds, tokens/s
-//! and client-side time to first token side by side: what HTTP costs over gRPC.
+//! and client-side time to the first visible text side by side: what HTTP costs over gRPC.
 
 use crate::bench::{request, BenchArgs};
 use crate::up::{listening_parts, spawn_quiet, Children};
@@ -31,13 +31,14 @@ async fn grpc_one(addr: String, req: GenerateRequest) -> Result<(u64, f64)> {
     let mut first = None;
     while let Some(ev) = s.message().await? {
         match ev.event {
-            Some(generate_event::Event::Token(_)) => {
+            // First visible text, as the HTTP side measures it (a special token shows none).
+            Some(generate_event::Event::Token(t)) if !t.text.is_empty() => {
                 first.get_or_insert(t0.elapsed().as_secs_f64());
             }
             Some(generate_event::Event::Done(d)) => {
                 return Ok((d.output_ids.len() as u64, first.unwrap_or_default()))
             }
-            None => {}
+            _ => {}
         }
     }
     bail!("the gRPC stream ended early")
@@ -65,12 +66,13 @@ async fn http_one(base: String, body: String) -> Result<(u64, f64)> {
     let t0 = Instant::now();
     let host = base.trim_start_matches("http://").to_owned();
     let mut s = tokio::net::TcpStream::connect(&host).await?;
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+    s.set_nodelay(true)?;
+    // One write: a second small one would wait for the server's delayed ACK (Nagle).
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    s.write_all(head.as_bytes()).await?;
-    s.write_all(body.as_bytes()).await?;
+    s.write_all(req.as_bytes()).await?;
     let mut r = BufReader::new(s);
     let mut line = String::new();
     r.read_line(&mut line).await?;

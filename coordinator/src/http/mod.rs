@@ -57,6 +57,12 @@ pub async fn serve(
     h: Arc<Http>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Token chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each one back
+    // until the client's delayed ACK (tens of milliseconds per token).
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(h)).with_graceful_shutdown(shutdown).await
 }
 
