@@ -232,9 +232,15 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
     assert!(!h2d.is_empty(), "streamed layers have h2d spans");
     for s in &h2d {
         assert!(parent_name(s).unwrap().starts_with("layer "));
-        assert!(s["attributes"]["bytes"].as_i64().unwrap() > 0);
+        // A prefetch for the next step cut short by the shutdown (the loader already gone) says
+        // why instead of counting bytes.
+        if s["attributes"].get("error").is_some() {
+            continue;
+        }
+        assert!(s["attributes"]["bytes"].as_i64().unwrap() > 0, "{s}");
         assert!(s["attributes"]["gbps"].as_f64().unwrap() > 0.0);
     }
+    assert!(h2d.iter().any(|s| s["attributes"].get("error").is_none()), "every copy failed");
     let reads = named("read layer");
     assert!(!reads.is_empty());
     for s in &reads {

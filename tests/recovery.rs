@@ -498,3 +498,53 @@ fn up_stops_with_a_clear_error_when_the_restart_budget_is_spent() {
     assert!(kids.iter().all(|p| !alive(*p)), "children left running");
     assert!(shm_left(&format!("layerstream-up{}-", up.id())).is_empty());
 }
+
+/// The HTTP API when no worker can run a request: `/health` answers 503 naming the worker that is
+/// down, and a chat gets OpenAI's 503 error naming it (`--max-recoveries 0`: no replay).
+#[test]
+fn http_answers_503_when_no_worker_can_run_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let sock = dir.path().join("loader.sock");
+    let sock_s = sock.to_str().unwrap();
+    let mut loader = loader(s, sock_s, "http-503-test");
+    let worker_args =
+        ["worker", "--model", s, "--listen", "127.0.0.1:0", "--loader-socket", sock_s];
+    let mut worker = Proc::start(&worker_args, &[]);
+    let mut coord = coordinator(s, &worker.addr, &["--max-recoveries", "0"]);
+    let http = coord.http.clone().expect("the coordinator serves HTTP");
+    let call = |args: &[&str]| {
+        let o = std::process::Command::new("curl")
+            .args(["-sS", "-w", "\n%{http_code}"])
+            .args(args)
+            .output()
+            .expect("curl");
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap();
+        (
+            code.trim().parse::<u16>().unwrap(),
+            serde_json::from_str::<serde_json::Value>(body).unwrap(),
+        )
+    };
+    let chat = format!("{http}/v1/chat/completions");
+    let body = r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}"#;
+    let ask =
+        [&["-H", "Content-Type: application/json", "-d", body][..], &[chat.as_str()]].concat();
+    assert_eq!(call(&ask).0, 200);
+    assert_eq!(call(&[&format!("{http}/health")]).0, 200);
+    Stack::kill9(worker.child.id() as i32);
+    let _ = worker.child.wait();
+    let (code, v) = call(&[&format!("{http}/health")]);
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["workers_down"][0], worker.addr.as_str(), "{v}");
+    let (code, v) = call(&ask);
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(worker.addr.trim_start_matches("http://")), "{msg}");
+    for p in [&mut coord, &mut loader] {
+        p.stop();
+    }
+    assert!(shm_left("layerstream-http-503-test-").is_empty());
+}

@@ -132,6 +132,17 @@ pub fn bin() -> &'static Path {
         if cfg!(feature = "cuda") {
             cmd.args(["--features", "layerstream/cuda"]);
         }
+        // The environment cargo gives a running test (its package's variables, a library path into
+        // target/) made this build compile ring, rustls and tonic again, and the next `cargo test`
+        // compile them back: build as a shell would.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            let from_test =
+                k.starts_with("CARGO_") && !matches!(&*k, "CARGO_HOME" | "CARGO_TARGET_DIR");
+            if from_test || matches!(&*k, "LD_LIBRARY_PATH" | "RUST_RECURSION_COUNT" | "LC_ALL") {
+                cmd.env_remove(&*k);
+            }
+        }
         let out = cmd
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .output()

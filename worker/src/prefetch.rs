@@ -106,11 +106,15 @@ fn fetch_group<B: Backend>(
     for &l in &groups[index] {
         let span = info_span!(parent: None, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident = false, next_step = tracing::field::Empty);
         m.parent.adopt(&span);
-        let h2d = info_span!(parent: &span, "h2d", layer = l as i64, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty);
+        let h2d = info_span!(parent: &span, "h2d", layer = l as i64, bytes = tracing::field::Empty, gbps = tracing::field::Empty, device_ms = tracing::field::Empty, error = tracing::field::Empty);
         // The transfer: slot → device in one copy (CUDA: event-timed on the copy stream; CPU: into
         // the weight storage, timed from acquire to usable weights).
         let t0 = Instant::now();
-        let (weights, bytes, dev_ms) = h2d.in_scope(|| src.load_layer(link, l, &h2d, true))?;
+        // A copy that fails (the loader gone at shutdown, a corrupt file) says so in its span.
+        let (weights, bytes, dev_ms) =
+            h2d.in_scope(|| src.load_layer(link, l, &h2d, true)).inspect_err(|e| {
+                h2d.record("error", tracing::field::display(e));
+            })?;
         let transfer_ms = dev_ms.unwrap_or(t0.elapsed().as_secs_f64() * 1e3);
         h2d.record("bytes", bytes as i64);
         h2d.record("gbps", bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
