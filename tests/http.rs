@@ -138,8 +138,32 @@ fn the_openai_client_gets_what_run_answers_with_logprobs_of_the_cpu_backend() {
 fn curl_sees_raw_sse_and_a_client_that_hangs_up_cancels_its_job() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
-    let stack = Stack::up(&store, &["--workers", "1"]);
+    let stack = Stack::up(&store, &["--workers", "1", "--cors-allow-origin", "http://app.test"]);
     let url = format!("{}/v1/chat/completions", stack.http());
+    // CORS: the configured origin may call from a browser (preflight included); another may not.
+    let pre = curl(&[
+        "-i",
+        "-X",
+        "OPTIONS",
+        "-H",
+        "Origin: http://app.test",
+        "-H",
+        "Access-Control-Request-Method: POST",
+        &url,
+    ]);
+    assert!(pre.starts_with("HTTP/1.1 204"), "{pre}");
+    assert!(pre.to_lowercase().contains("access-control-allow-origin: http://app.test"), "{pre}");
+    assert!(
+        pre.to_lowercase().contains("access-control-allow-headers: authorization, content-type"),
+        "{pre}"
+    );
+    let other = curl(&[
+        "-i",
+        "-H",
+        "Origin: http://elsewhere.test",
+        &format!("{}/v1/models", stack.http()),
+    ]);
+    assert!(!other.to_lowercase().contains("access-control-allow-origin"), "{other}");
     let body = format!(
         r#"{{"messages": [{{"role": "user", "content": "{PROMPT}"}}], "max_tokens": 5, "temperature": 0, "stream": true, "stream_options": {{"include_usage": true}}}}"#
     );
