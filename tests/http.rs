@@ -359,3 +359,23 @@ fn the_page_chats_in_a_real_browser() {
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot of {} bytes", png.len());
     stack.shutdown();
 }
+
+/// `up` with a prompt answers and stops: it serves no HTTP, so a port 8000 another program holds
+/// does not matter; a serving `up` names the address it cannot take.
+#[test]
+fn a_one_shot_up_leaves_port_8000_alone_and_a_taken_port_is_named() {
+    let Ok(_hold) = std::net::TcpListener::bind("127.0.0.1:8000") else {
+        eprintln!("SKIPPED: port 8000 is in use on this machine already");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let s = store.to_str().unwrap();
+    let base = ["up", "--model", s, "--listen", "127.0.0.1:0"];
+    let v = last_json(&layerstream(
+        &[&base[..], &["--chat", PROMPT, "--max-new-tokens", "2", "--json"]].concat(),
+    ));
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 2, "{v}");
+    let err = layerstream_fails(&base);
+    assert!(err.contains("127.0.0.1:8000 (--http-listen)"), "{err}");
+}

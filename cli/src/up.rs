@@ -312,7 +312,12 @@ pub fn run(a: UpArgs) -> Result<()> {
     ];
     cargs.extend(a.plan.to_args());
     cargs.extend(a.sched.to_args());
-    cargs.extend(a.http.to_args());
+    // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
+    let mut http_flags = a.http.clone();
+    if a.prompt.is_given() && http_flags.http_listen.is_none() {
+        http_flags.http_listen = Some("off".into());
+    }
+    cargs.extend(http_flags.to_args());
     if let (Some(c), Some(k)) = (&a.tls_cert, &a.tls_key) {
         cargs.extend(["--tls-cert".into(), c.display().to_string()]);
         cargs.extend(["--tls-key".into(), k.display().to_string()]);

@@ -30,8 +30,9 @@ pub struct PlanFlags {
 pub struct HttpFlags {
     /// Address of the HTTP server (OpenAI-compatible API at /v1, Prometheus /metrics, the live page
     /// at /); `off` disables it. Port 0 picks one (printed as `http=` on the `LISTENING` line).
-    #[arg(long, env = "LAYERSTREAM_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
-    pub http_listen: String,
+    /// Default: 127.0.0.1:8000 (`up` with a prompt, which stops after answering it: off).
+    #[arg(long, env = "LAYERSTREAM_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
     /// Model id of the OpenAI API (`/v1/models`; requests naming another get 404); default: the
     /// store directory's name.
     #[arg(long, env = "LAYERSTREAM_SERVED_MODEL_NAME")]
@@ -45,15 +46,22 @@ pub struct HttpFlags {
     pub cors_allow_origin: Vec<String>,
 }
 
+/// Where the HTTP server listens when no address is given.
+pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:8000";
+
 impl HttpFlags {
-    /// Whether the server is on.
-    pub fn enabled(&self) -> bool {
-        self.http_listen != "off"
+    /// The address to serve HTTP on; None when `off`.
+    pub fn listen(&self) -> Option<&str> {
+        match self.http_listen.as_deref() {
+            Some("off") => None,
+            Some(a) => Some(a),
+            None => Some(DEFAULT_HTTP_LISTEN),
+        }
     }
 
     /// The flags for a child coordinator.
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = flag("http-listen", &self.http_listen).to_vec();
+        let mut a = flag("http-listen", self.listen().unwrap_or("off")).to_vec();
         if let Some(n) = &self.served_model_name {
             a.extend(flag("served-model-name", n));
         }
@@ -176,7 +184,8 @@ mod tests {
         argv.extend(given.sched.to_args());
         argv.extend(given.http.to_args());
         let back = Cli::parse_from(argv);
-        assert!(!back.http.enabled());
+        assert_eq!(back.http.listen(), None);
         assert_eq!((back.plan, back.sched, back.http), (given.plan, given.sched, given.http));
+        assert_eq!(Cli::parse_from(["x"]).http.listen(), Some(DEFAULT_HTTP_LISTEN));
     }
 }

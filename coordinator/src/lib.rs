@@ -258,19 +258,13 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         .await
         .map_err(|source| Error::Bind { addr: args.listen.clone(), source })?;
     let local = listener.local_addr()?;
-    let http = match args.http.enabled() {
-        true => {
-            let l =
-                tokio::net::TcpListener::bind(&args.http.http_listen).await.map_err(|source| {
-                    Error::Bind {
-                        addr: format!("{} (--http-listen)", args.http.http_listen),
-                        source,
-                    }
-                })?;
-            Some(l)
-        }
-        false => None,
-    };
+    let http =
+        match args.http.listen() {
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|source| {
+                Error::Bind { addr: format!("{addr} (--http-listen)"), source }
+            })?),
+            None => None,
+        };
     let http_local = http.as_ref().map(|l| l.local_addr()).transpose()?;
     for addr in std::iter::once(local).chain(http_local) {
         if !api_guard.enabled() && !addr.ip().is_loopback() {
