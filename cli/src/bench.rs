@@ -207,6 +207,9 @@ fn run_config(
         "--device".into(),
         a.device.device.clone(),
     ];
+    if let Some(t) = a.device.threads {
+        args.extend(["--threads".into(), t.to_string()]);
+    }
     args.extend_from_slice(extra);
     args.extend(a.pool.to_args());
     // Never the default port, which a stack the user runs may hold.

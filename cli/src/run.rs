@@ -25,6 +25,9 @@ pub struct RunArgs {
     /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// CPU compute threads (default: every core).
+    #[arg(long, env = "LAYERSTREAM_THREADS")]
+    pub threads: Option<usize>,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
@@ -43,6 +46,9 @@ pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
 
 /// Runs the command.
 pub fn run(args: RunArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
+    }
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
     let tok = store.tokenizer()?;

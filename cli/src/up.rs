@@ -290,7 +290,12 @@ pub fn run(a: UpArgs) -> Result<()> {
             "--loader-socket".into(),
             socket.clone(),
         ];
-        wargs.extend(a.device.to_args());
+        // CPU workers share this host's cores (each its own share) unless --threads says otherwise.
+        let mut device = a.device.clone();
+        if device.device == "cpu" && device.threads.is_none() {
+            device.threads = Some(layerstream_kernels::cpu::threads::share_of_cores(a.workers));
+        }
+        wargs.extend(device.to_args());
         if a.pool.no_verify {
             wargs.push("--no-verify".into());
         }

@@ -123,7 +123,7 @@ pub fn sample_batch(
     mut jobs: Vec<Option<SampleJob<'_>>>,
 ) -> layerstream_kernels::Result<Vec<Sampled>> {
     let total: usize = jobs.iter().flatten().map(|j| j.2.len()).sum();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+    let threads = layerstream_kernels::cpu::threads::cpu_threads().min(jobs.len());
     // `first`: the batch index of the chunk's first job.
     let run = |first: usize,
                chunk: &mut [Option<SampleJob<'_>>]|

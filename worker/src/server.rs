@@ -22,6 +22,10 @@ pub struct DeviceFlags {
     /// less the GPU runtime reserve.
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
+    /// Compute threads of a CPU worker; default: every core for a worker started alone, the cores
+    /// shared out among the CPU workers `up` starts on this host.
+    #[arg(long, env = "LAYERSTREAM_THREADS")]
+    pub threads: Option<usize>,
 }
 
 impl DeviceFlags {
@@ -31,7 +35,18 @@ impl DeviceFlags {
         if let Some(b) = self.memory_budget {
             a.extend(["--memory-budget".to_owned(), b.to_string()]);
         }
+        if let Some(t) = self.threads {
+            a.extend(["--threads".to_owned(), t.to_string()]);
+        }
         a
+    }
+
+    /// Sizes this process's CPU compute pool from `--threads` (before any kernel runs).
+    pub fn apply_threads(&self) -> crate::Result<()> {
+        match self.threads {
+            Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
+            None => Ok(()),
+        }
     }
 }
 
@@ -96,6 +111,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let _tracing =
         layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
+    args.device.apply_threads()?;
     let backend = Device::open(&args.device.device)?;
     let budget = backend.budget(args.device.memory_budget)?;
     let free_at_start = match &backend {
@@ -153,7 +169,8 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         assignment_id: Default::default(),
     });
     println!("LISTENING {id}");
-    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, "worker ready");
+    let threads = layerstream_kernels::cpu::threads::cpu_threads();
+    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, "worker ready");
     let mut server = tonic::transport::Server::builder();
     if let Some(t) = tls {
         server = server.tls_config(t)?;
