@@ -413,7 +413,8 @@ fn readme_grpcurl_examples_work() {
 }
 
 /// CPU workers that `up` starts on one host share its cores: each gets `--threads` cores ÷ workers
-/// (at least one) and runs that many compute threads, instead of every worker using every core.
+/// (at least one) and runs that many compute threads, instead of every worker using every core; a
+/// job's stats report the workers' busy share.
 #[test]
 fn cpu_workers_started_together_share_the_cores() {
     let dir = tempfile::tempdir().unwrap();
@@ -439,5 +440,10 @@ fn cpu_workers_started_together_share_the_cores() {
             .count();
         assert_eq!(compute, share, "worker {pid} runs {compute} compute threads");
     }
+    // The job's stats say how busy the workers were: run one after another, two workers are each
+    // busy at most half of the job's time (the step through the pipeline is their sum).
+    let v = submit(stack.addr(), &["--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos"]);
+    let busy = v["stats"]["workers_busy_pct"].as_f64().unwrap();
+    assert!(busy > 0.0 && busy <= 50.5, "workers busy {busy}%");
     stack.shutdown();
 }

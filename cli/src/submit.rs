@@ -127,15 +127,15 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "overlap_pct": st.overlap_pct, "wall_ms": st.wall_ms, "steps": st.steps, "max_batch": st.max_batch,
                             "layers_ms": st.layers_ms, "ideal_ms": st.ideal_ms,
                             "first_token_ms": st.first_token_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
-                            "replays": st.replays,
+                            "replays": st.replays, "workers_busy_pct": st.workers_busy_pct,
                         },
                     });
                     writeln!(out, "{v}")?;
                 } else {
                     writeln!(out)?;
                     eprintln!(
-                        "[{} prompt + {} generated tokens, {:.1} tok/s, first token {:.0} ms, decode {:.1} tok/s | streamed {:.1} MB, transfer {:.0} ms, compute {:.0} ms, overlap {:.0}% | finish: {}]",
-                        st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.first_token_ms, st.decode_tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, reason
+                        "[{} prompt + {} generated tokens, {:.1} tok/s, first token {:.0} ms, decode {:.1} tok/s | streamed {:.1} MB, transfer {:.0} ms, compute {:.0} ms, overlap {:.0}%, workers busy {:.0}% | finish: {}]",
+                        st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.first_token_ms, st.decode_tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, st.workers_busy_pct, reason
                     );
                     eprintln!("trace id: {}", d.trace_id);
                 }

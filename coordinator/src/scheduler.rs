@@ -406,6 +406,7 @@ impl Scheduler {
             let a = &mut active[i];
             a.pos += n;
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
+            a.acc.add_busy(&out.workers.iter().map(|w| w.2).collect::<Vec<_>>());
             if s.prompt_continues {
                 continue;
             }

@@ -19,6 +19,9 @@ pub struct Acc {
     pub first_token: Option<Duration>,
     /// Replays after worker faults.
     pub replays: u32,
+    /// Σ of the workers' wall times in the steps, and the most workers a step had.
+    pub busy_ms: f64,
+    pub workers: u32,
 }
 
 impl Acc {
@@ -34,6 +37,12 @@ impl Acc {
             self.compute_ms += l.compute_ms;
             self.stall_ms += l.stall_ms;
         }
+    }
+
+    /// Adds one step's wall time on each worker.
+    pub fn add_busy(&mut self, worker_walls_ms: &[f64]) {
+        self.busy_ms += worker_walls_ms.iter().sum::<f64>();
+        self.workers = self.workers.max(worker_walls_ms.len() as u32);
     }
 
     /// Share of transfer time hidden behind compute: 100 when nothing was streamed.
@@ -77,6 +86,11 @@ impl Acc {
             first_token_ms: self.first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
             decode_tokens_per_s,
             replays: self.replays,
+            workers_busy_pct: if self.workers > 0 && wall_ms > 0.0 {
+                self.busy_ms / (self.workers as f64 * wall_ms) * 100.0
+            } else {
+                0.0
+            },
         }
     }
 }
@@ -129,5 +143,9 @@ mod tests {
             0.0,
             "one token has no decode rate"
         );
+        // Two workers busy 600 and 400 ms of a 1 s request: each idle half the time on average.
+        a.add_busy(&[600.0, 400.0]);
+        let st = a.stats(3, 5, Duration::from_secs(1), Duration::from_secs(1));
+        assert_eq!(st.workers_busy_pct, 50.0);
     }
 }
