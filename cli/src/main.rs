@@ -8,6 +8,7 @@ mod otlp_sink;
 mod prompt;
 mod run;
 mod submit;
+mod tokenize;
 mod up;
 
 use anyhow::Result;
@@ -90,6 +91,8 @@ enum Cmd {
     Health(health::HealthArgs),
     /// Receive OTLP traces and append each span to a JSON-lines file (a stand-in for Jaeger).
     OtlpSink(otlp_sink::SinkArgs),
+    /// Print a text's token ids (JSON) under a store's or a GGUF file's tokenizer.
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 fn block_on<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
@@ -164,6 +167,7 @@ fn main() -> Result<()> {
         Cmd::Bench(args) => bench::run(args)?,
         Cmd::Health(args) => block_on(health::run(args))?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
+        Cmd::Tokenize(args) => tokenize::run(args)?,
     }
     Ok(())
 }

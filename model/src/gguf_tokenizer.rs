@@ -11,6 +11,8 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// The GPT-2 pre-tokenizer split (also used by `tokenizer.ggml.pre` = smollm, starcoder, gpt-2).
 const GPT2_PRE: &[&str] = &["default", "gpt2", "gpt-2", "smollm", "starcoder", "refact", "olmo"];
+/// Qwen2's split regex (Qwen2, 2.5, 3): Llama 3's with digits one at a time.
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split regex.
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -36,13 +38,17 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre_tokenizer = if GPT2_PRE.contains(&pre) {
         byte_level.clone()
-    } else if pre == "llama-bpe" || pre == "llama3" {
+    } else if let Some(regex) = match pre {
+        "llama-bpe" | "llama3" => Some(LLAMA3_REGEX),
+        "qwen2" => Some(QWEN2_REGEX),
+        _ => None,
+    } {
         json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": false},
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
             {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]})
     } else {
         return Err(Error::Tokenizer(format!(
-            "GGUF pre-tokenizer {pre:?} unsupported; supported: {}, llama-bpe",
+            "GGUF pre-tokenizer {pre:?} unsupported; supported: {}, llama-bpe, qwen2",
             GPT2_PRE.join(", ")
         )));
     };
@@ -84,6 +90,9 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
         }
         _ => serde_json::Value::Null,
     };
+    // Llama 3's tokenizer takes a whole word that is in the vocabulary as it is, without merging up
+    // to it (HF `ignore_merges`; llama.cpp does the same for this pre-tokenizer): "Việt" is one token.
+    let ignore_merges = matches!(pre, "llama-bpe" | "llama3");
     let doc = json!({
         "version": "1.0",
         "truncation": null,
@@ -94,7 +103,7 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<String> {
         "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
                   "vocab": vocab, "merges": merges},
     });
     Ok(doc.to_string())

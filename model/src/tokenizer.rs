@@ -47,8 +47,22 @@ impl Tokenizer {
 
     /// Encodes text with the tokenizer's special-token handling (as HF `encode` with defaults).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, true).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        self.encode_with(text, true)
+    }
+
+    /// Encodes text; `add_special` adds what the tokenizer adds around a text (a BOS token, …), as
+    /// HF's `add_special_tokens`.
+    pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc =
+            self.inner.encode(text, add_special).map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The tokenizer of a GGUF file (a whole model or a vocab-only file), rebuilt from its metadata.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let g = crate::gguf::GgufFile::open(path)?;
+        let json = crate::gguf_tokenizer::tokenizer_json(&g)?;
+        Self::from_json(json.as_bytes(), g.chat_template(), None, None)
     }
 
     /// Decodes ids to text; `skip_special` drops control tokens (HF `skip_special_tokens`).

