@@ -10,13 +10,13 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
     /// A layer store directory, or a GGUF file (a vocab-only one will do).
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_MODEL")]
     pub model: PathBuf,
     /// Add what the tokenizer adds around a text (a BOS token, …), as HF's `add_special_tokens`.
-    #[arg(long)]
+    #[arg(long, env = "LAYERSTREAM_ADD_SPECIAL")]
     pub add_special: bool,
     /// Read the text from this file instead of the argument.
-    #[arg(long, conflicts_with = "text")]
+    #[arg(long, env = "LAYERSTREAM_TOKENIZE_FILE", conflicts_with = "text")]
     pub file: Option<PathBuf>,
     /// The text.
     pub text: Option<String>,
