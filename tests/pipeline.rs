@@ -412,22 +412,20 @@ fn readme_grpcurl_examples_work() {
     assert!(plan.contains("\"assignments\"") && plan.contains("\"bytesNeeded\""), "{plan}");
 }
 
-/// CPU workers that `up` starts on one host share its cores: each gets `--threads` cores ÷ workers
-/// (at least one) and runs that many compute threads, instead of every worker using every core; a
+/// `up --threads N` gives every CPU worker N compute threads (each runs exactly that many), and a
 /// job's stats report the workers' busy share.
 #[test]
-fn cpu_workers_started_together_share_the_cores() {
+fn up_threads_sizes_every_workers_compute_pool() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
-    let stack = Stack::up(&store, &["--workers", "2"]);
-    let cores = std::thread::available_parallelism().unwrap().get();
-    let share = (cores / 2).max(1);
+    let stack = Stack::up(&store, &["--workers", "2", "--threads", "1"]);
+    let share = 1;
     let workers = stack.children("worker");
     assert_eq!(workers.len(), 2);
     for pid in workers {
         let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap();
         let args: Vec<&str> = cmd.split('\0').collect();
-        let at = args.iter().position(|a| *a == "--threads").expect("up passes --threads");
+        let at = args.iter().position(|a| *a == "--threads").expect("up passes --threads on");
         assert_eq!(args[at + 1], share.to_string());
         // Thread names are cut to 15 bytes: "layerstream-cpu".
         let compute = std::fs::read_dir(format!("/proc/{pid}/task"))

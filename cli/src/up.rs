@@ -290,12 +290,10 @@ pub fn run(a: UpArgs) -> Result<()> {
             "--loader-socket".into(),
             socket.clone(),
         ];
-        // CPU workers share this host's cores (each its own share) unless --threads says otherwise.
-        let mut device = a.device.clone();
-        if device.device == "cpu" && device.threads.is_none() {
-            device.threads = Some(layerstream_kernels::cpu::threads::share_of_cores(a.workers));
-        }
-        wargs.extend(device.to_args());
+        // Every worker gets every core unless --threads says otherwise: workers still run one after
+        // another (no micro-batches in flight), so sharing the cores out only slows each one
+        // (benchmarks/cpu-threads-2core.md: 0.55-0.71x with 2 workers on 2 cores).
+        wargs.extend(a.device.to_args());
         if a.pool.no_verify {
             wargs.push("--no-verify".into());
         }

@@ -22,8 +22,7 @@ pub struct DeviceFlags {
     /// less the GPU runtime reserve.
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
-    /// Compute threads of a CPU worker; default: every core for a worker started alone, the cores
-    /// shared out among the CPU workers `up` starts on this host.
+    /// Compute threads of a CPU worker (default: every core; `up` passes it to every worker).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
 }
