@@ -92,8 +92,6 @@ pub struct Metrics {
     device_bytes: Family<Labels, Gauge>,
     loader_hits: Family<Labels, Counter>,
     loader_misses: Family<Labels, Counter>,
-    /// Per worker: (Σ transfer, Σ stall) in ms, for the hidden share.
-    sums: Mutex<HashMap<String, (f64, f64)>>,
     /// Per loader namespace: the last (hits, misses) seen, to add only what is new.
     loaders: Mutex<HashMap<String, (u64, u64)>>,
     recent: Mutex<VecDeque<StepView>>,
@@ -140,7 +138,6 @@ impl Metrics {
             device_bytes: Family::default(),
             loader_hits: Family::default(),
             loader_misses: Family::default(),
-            sums: Mutex::default(),
             loaders: Mutex::default(),
             recent: Mutex::default(),
             registry: Registry::default(),
@@ -277,7 +274,6 @@ impl Metrics {
     ) {
         self.steps.inc();
         self.batch.observe(batch as f64);
-        let mut sums = lock(&self.sums);
         for (addr, layers, _) in workers {
             let l = worker(addr);
             let (mut t, mut c, mut st, mut b) = (0.0, 0.0, 0.0, 0u64);
@@ -291,13 +287,12 @@ impl Metrics {
             self.transfer.get_or_create(&l).inc_by(t / 1e3);
             self.compute.get_or_create(&l).inc_by(c / 1e3);
             self.stall.get_or_create(&l).inc_by(st / 1e3);
-            let s = sums.entry(addr.clone()).or_default();
-            s.0 += t;
-            s.1 += st;
-            let hidden = if s.0 > 0.0 { ((s.0 - s.1) / s.0).clamp(0.0, 1.0) } else { 1.0 };
+            // From the worker's totals so far: the share of its transfer time not spent stalled.
+            let (t, st) =
+                (self.transfer.get_or_create(&l).get(), self.stall.get_or_create(&l).get());
+            let hidden = if t > 0.0 { ((t - st) / t).clamp(0.0, 1.0) } else { 1.0 };
             self.hidden.get_or_create(&l).set(hidden);
         }
-        drop(sums);
         let at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);

@@ -401,12 +401,14 @@ impl Scheduler {
         self.failures = 0;
         let wall_ms = t_step.elapsed().as_secs_f64() * 1e3;
         self.metrics.step(seqs.len(), rows, wall_ms, &out.workers);
+        // Each worker's wall time in this step, added to every request that rode it.
+        let walls: Vec<f64> = out.workers.iter().map(|w| w.2).collect();
         let mut done = Vec::new();
         for (k, ((&(i, n), s), &tok)) in members.iter().zip(&seqs).zip(&out.tokens).enumerate() {
             let a = &mut active[i];
             a.pos += n;
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
-            a.acc.add_busy(&out.workers.iter().map(|w| w.2).collect::<Vec<_>>());
+            a.acc.add_busy(&walls);
             if s.prompt_continues {
                 continue;
             }
