@@ -198,13 +198,13 @@ pub async fn run(
     mut g: GenerateRequest,
     shape: Shape,
 ) -> Result<Response, ApiError> {
+    if shape.max_tokens == Some(0) {
+        return Err(ApiError::bad("max_tokens", "max_tokens: must be at least 1"));
+    }
     let ids = h.svc.input_ids(&g).map_err(|s| {
         h.svc.metrics.rejected("invalid_argument");
         ApiError::from_status(&s)
     })?;
-    if shape.max_tokens == Some(0) {
-        return Err(ApiError::bad("max_tokens", "max_tokens: must be at least 1"));
-    }
     // No limit given: whatever the context (and the KV cache) leaves after the prompt, as vLLM does.
     let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
     g.max_new_tokens = shape.max_tokens.unwrap_or(room as u32);
