@@ -5,8 +5,7 @@
 # it made. Last line: a one-line summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-compose() { if docker compose version >/dev/null 2>&1; then docker compose "$@"; else docker-compose "$@"; fi; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source deploy/lib.sh
 
 export COMPOSE_PROJECT_NAME="lstest$$"
 export LAYERSTREAM_IMAGE="layerstream:test-$$"
@@ -15,13 +14,7 @@ export LAYERSTREAM_MODELS="$work/models" LAYERSTREAM_SPANS_DIR="$work/spans"
 export LAYERSTREAM_PORT=$(free_port) LAYERSTREAM_HTTP_PORT=$(free_port) JAEGER_UI_PORT=$(free_port) JAEGER_OTLP_PORT=$(free_port)
 export LAYERSTREAM_SLOTS=8 LAYERSTREAM_RESIDENT_LAYERS=4
 files=(-f deploy/compose.yaml -f deploy/compose.test.yaml)
-if [ "${LAYERSTREAM_BUILD_PROFILE:-release}" = dev ]; then bin=target/debug/layerstream; else bin=target/release/layerstream; fi
-
-cleanup() {
-    compose "${files[@]}" --profile cpu down -v --remove-orphans >/dev/null 2>&1 || true
-    docker image rm -f "$LAYERSTREAM_IMAGE" >/dev/null 2>&1 || true
-    rm -rf "$work"
-}
+profile=cpu
 trap cleanup EXIT
 
 echo "== image"
@@ -37,13 +30,9 @@ question="What is the capital of France?"
 expected=$($bin run --model "$store" --chat "$question" --max-new-tokens 24 --json | tail -n 1)
 
 echo "== compose up (cpu profile, project $COMPOSE_PROJECT_NAME, port $LAYERSTREAM_PORT)"
-compose "${files[@]}" --profile cpu up -d
+project up -d
 addr="http://127.0.0.1:$LAYERSTREAM_PORT"
-for i in $(seq 1 180); do
-    $bin health --addr "$addr" >/dev/null 2>&1 && break
-    if [ "$i" = 180 ]; then compose "${files[@]}" --profile cpu logs --tail 30; echo "coordinator never became healthy"; exit 1; fi
-    sleep 1
-done
+wait_healthy "$addr"
 
 echo "== submit"
 got=$($bin submit --addr "$addr" --chat "$question" --max-new-tokens 24 --json | tail -n 1)
@@ -66,7 +55,7 @@ PY
 curl -sS "http://127.0.0.1:$LAYERSTREAM_HTTP_PORT/metrics" | grep -q '^layerstream_generation_tokens_total ' || { echo "no metrics on the HTTP port"; exit 1; }
 
 echo "== stop (flushes every exporter) and check the spans"
-compose "${files[@]}" --profile cpu stop -t 20 coordinator worker loader-daemon >/dev/null
+project stop -t 20 coordinator worker loader-daemon >/dev/null
 sleep 2
 spans=$(grep -c "\"trace_id\":\"$trace\"" "$work/spans/spans.jsonl" || true)
 names=$(python3 - "$work/spans/spans.jsonl" "$trace" <<'PY'
@@ -78,8 +67,5 @@ print(",".join(sorted(names)))
 PY
 )
 
-compose "${files[@]}" --profile cpu down -v --remove-orphans >/dev/null 2>&1
-left_c=$(docker ps -a --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" -q | wc -l)
-left_v=$(docker volume ls --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" -q | wc -l)
-[ "$left_c" = 0 ] && [ "$left_v" = 0 ] || { echo "left behind: $left_c containers, $left_v volumes"; exit 1; }
+down_and_check
 echo "test-compose: PASS — container answer equals the local run; $spans spans in trace $trace ($names); no containers or volumes left"

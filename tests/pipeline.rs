@@ -221,65 +221,12 @@ fn smollm2_streamed_with_partial_residency_equals_run_and_transformers() {
 fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
     let dir = tempfile::tempdir().unwrap();
     let store = import(&model_dir("tiny-llama"), dir.path());
-    let s = store.dir.to_str().unwrap().to_owned();
-    let prompts = [
-        "The quick brown fox",
-        "Hello",
-        "What is the capital of France?",
-        "1 2 3 4",
-        "Once upon a time there was",
-        "a",
-        "Rust is",
-        "Streaming layers",
-    ];
-    let solo: Vec<Vec<u32>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let n = (5 + 5 * i).to_string();
-            serde_json::from_value(
-                last_json(&layerstream(&[
-                    "run",
-                    "--model",
-                    &s,
-                    "--prompt",
-                    p,
-                    "--max-new-tokens",
-                    &n,
-                    "--ignore-eos",
-                    "--json",
-                ]))["output_ids"]
-                    .clone(),
-            )
-            .unwrap()
-        })
-        .collect();
+    let solo = solo_runs(&store.dir);
     for (extra, most) in [(None, 8), (Some("4"), 4)] {
         let mut args = vec!["--workers", "2", "--resident-layers", "1"];
         args.extend(extra.map(|n| ["--max-step-tokens", n]).into_iter().flatten());
         let stack = Stack::up(&store.dir, &args);
-        let addr = stack.addr().to_owned();
-        let handles: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let (addr, p) = (addr.clone(), p.to_string());
-                std::thread::spawn(move || {
-                    submit(
-                        &addr,
-                        &[
-                            "--prompt",
-                            &p,
-                            "--max-new-tokens",
-                            &(5 + 5 * i).to_string(),
-                            "--ignore-eos",
-                        ],
-                    )
-                })
-            })
-            .collect();
-        let results: Vec<serde_json::Value> =
-            handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let results = concurrent_jobs(stack.addr());
         for (i, v) in results.iter().enumerate() {
             let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
             assert_eq!(got, solo[i], "job {i} differs from its solo run ({args:?})");
@@ -319,7 +266,7 @@ fn a_workers_step_token_limit_splits_prompts() {
             c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers.remove(0);
         let mut w = layerstream_tests::stack::worker_client(first.address).await;
         let seq = StepSeq { seq_id: 999, token_ids: vec![1, 2, 3, 4], ..Default::default() };
-        w.step(StepRequest { seqs: vec![seq], hidden: vec![] }).await.unwrap_err()
+        w.step(StepRequest { seqs: vec![seq], ..Default::default() }).await.unwrap_err()
     });
     stack.shutdown();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);

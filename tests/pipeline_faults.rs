@@ -11,28 +11,6 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-async fn live_sequences(addr: &str) -> u32 {
-    let mut c = CoordinatorClient::connect(addr.to_owned()).await.unwrap();
-    let mut total = 0;
-    for w in c.list_workers(ListWorkersRequest {}).await.unwrap().into_inner().workers {
-        let mut wc = worker_client(w.address).await;
-        total += wc.info(InfoRequest {}).await.unwrap().into_inner().sequences;
-    }
-    total
-}
-
-async fn wait_until_zero_sequences(addr: &str) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let n = live_sequences(addr).await;
-        if n == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{n} sequences still hold KV caches");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// A `layerstream submit` process generating a long answer, returned once its first text arrived.
 fn long_submit(addr: &str) -> std::process::Child {
     let mut child = Command::new(bin())
@@ -120,55 +98,12 @@ async fn a_client_that_goes_away_cancels_its_request() {
     stack.shutdown();
 }
 
-/// The spans of `traces` a receiver wrote to `file`, once they are whole: processes flush at
-/// shutdown, each in its own time, so this waits until every parent and link target they name has
-/// arrived and the loader's reads are there (or 30 s pass).
-fn whole_traces(file: &std::path::Path, traces: &[&str]) -> Vec<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let text = std::fs::read_to_string(file).unwrap_or_default();
-        let all: Vec<serde_json::Value> =
-            text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-        let ids: std::collections::HashSet<&str> =
-            all.iter().filter_map(|s| s["span_id"].as_str()).collect();
-        let known = |p: Option<&str>| p.is_none_or(|p| p.is_empty() || ids.contains(p));
-        let mine: Vec<&serde_json::Value> =
-            all.iter().filter(|s| traces.contains(&s["trace_id"].as_str().unwrap_or(""))).collect();
-        let whole = mine.iter().all(|s| {
-            known(s["parent_span_id"].as_str())
-                && s["links"].as_array().into_iter().flatten().all(|l| known(l["span_id"].as_str()))
-        });
-        let named =
-            |n: &str| all.iter().any(|s| s["name"].as_str().is_some_and(|x| x.starts_with(n)));
-        let jobs = mine.iter().filter(|s| s["name"] == "job").count();
-        if (whole && named("read layer") && jobs == traces.len()) || Instant::now() > deadline {
-            return all;
-        }
-    }
-}
-
-/// An OTLP receiver writing to `spans_file` and a 2-worker stack (one resident layer each, the rest
-/// streamed) exporting to it.
-fn traced_stack(dir: &std::path::Path, spans_file: &std::path::Path) -> (Proc, Stack) {
-    let store = tiny_store(dir);
-    let sink = Proc::start(
-        &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
-        &[],
-    );
-    let stack = Stack::up_env(
-        &store,
-        &["--workers", "2", "--resident-layers", "1"],
-        &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())],
-    );
-    (sink, stack)
-}
-
 #[test]
 fn spans_reach_an_otlp_receiver_with_correct_parents() {
     let dir = tempfile::tempdir().unwrap();
     let spans_file = dir.path().join("spans.jsonl");
-    let (mut sink, stack) = traced_stack(dir.path(), &spans_file);
+    let (mut sink, stack) =
+        traced_stack(dir.path(), &spans_file, &["--workers", "2", "--resident-layers", "1"]);
     let v = submit(
         stack.addr(),
         &[
@@ -206,8 +141,15 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
         assert_eq!(parent_name(s).as_deref(), Some("job"));
         assert_eq!(s["attributes"]["batch"].as_i64(), Some(1), "{s}");
     }
-    for s in named("worker step") {
+    // One `stage` span per worker call (its worker and micro-batch named), the worker's own under it.
+    for s in named("stage") {
         assert_eq!(parent_name(s).as_deref(), Some("step"));
+        assert_eq!(s["service"], "coordinator");
+        assert!(s["attributes"]["worker"].is_string() && s["attributes"]["micro_batch"].is_i64());
+    }
+    assert_eq!(named("stage").len(), 2 * named("step").len(), "a stage span per worker call");
+    for s in named("worker step") {
+        assert_eq!(parent_name(s).as_deref(), Some("stage"));
         assert_eq!(s["service"], "worker");
     }
     assert_eq!(
@@ -272,7 +214,8 @@ fn spans_reach_an_otlp_receiver_with_correct_parents() {
 fn every_concurrent_job_trace_reaches_the_transfers_of_its_steps() {
     let dir = tempfile::tempdir().unwrap();
     let spans_file = dir.path().join("spans.jsonl");
-    let (mut sink, stack) = traced_stack(dir.path(), &spans_file);
+    let (mut sink, stack) =
+        traced_stack(dir.path(), &spans_file, &["--workers", "2", "--resident-layers", "1"]);
     let addr = stack.addr().to_owned();
     let jobs: Vec<(String, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = [6usize, 9, 12]
@@ -410,7 +353,10 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
         ];
         let mut out = Vec::new();
         for (w, seqs, hidden, field) in calls {
-            let st = clients[w].step(StepRequest { seqs, hidden }).await.unwrap_err();
+            let st = clients[w]
+                .step(StepRequest { seqs, hidden, ..Default::default() })
+                .await
+                .unwrap_err();
             out.push((st.code(), st.message().to_owned(), field));
         }
         let h = ws[1].address.clone();

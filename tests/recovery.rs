@@ -58,8 +58,8 @@ async fn generate_with(
 
 /// A process of the stack is SIGKILLed after a few tokens; `up` restarts it, the coordinator
 /// re-assigns and replays, and both the greedy and the seeded sampled request end exactly as an
-/// uninterrupted `run` does.
-fn killed_mid_job_completes(victim: &str) {
+/// uninterrupted `run` does. `flags`: the stack's plan.
+fn killed_mid_job_completes(victim: &str, flags: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     const N: u32 = 48;
@@ -76,7 +76,7 @@ fn killed_mid_job_completes(victim: &str) {
         ]
         .concat(),
     );
-    let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "0"]);
+    let stack = Stack::up(&store, flags);
     let pids = stack.children(victim);
     assert!(!pids.is_empty(), "no {victim} process found");
     let addr = stack.addr().to_owned();
@@ -103,12 +103,19 @@ fn killed_mid_job_completes(victim: &str) {
 
 #[test]
 fn a_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged() {
-    killed_mid_job_completes("worker");
+    killed_mid_job_completes("worker", &["--workers", "2", "--resident-layers", "0"]);
+}
+
+/// The same with every layer resident and the two requests in two micro-batches in flight: the
+/// step that fails and the one beside it are both replayed.
+#[test]
+fn a_worker_killed_with_two_micro_batches_in_flight_leaves_both_jobs_unchanged() {
+    killed_mid_job_completes("worker", &["--workers", "2", "--micro-batches", "2"]);
 }
 
 #[test]
 fn the_loader_killed_mid_job_is_restarted_and_the_job_completes_unchanged() {
-    killed_mid_job_completes("loader-daemon");
+    killed_mid_job_completes("loader-daemon", &["--workers", "2", "--resident-layers", "0"]);
 }
 
 /// A standalone loader daemon serving `store` on `sock` in shm namespace `ns`.

@@ -74,15 +74,25 @@ pub struct BenchArgs {
     /// tokens/s and time to first token and their ratios.
     #[arg(long, env = "LAYERSTREAM_BENCH_API_COMPARE")]
     pub api_compare: Option<usize>,
+    /// Instead of the configurations: micro-batches in flight (`auto` or a count) against one
+    /// micro-batch (each step through the workers in turn), on fresh stacks, fully resident and
+    /// streamed as the plan flags say; prints `pipelined / sequential tokens/s` and the workers'
+    /// busy share. Use with `--workers 2` or more.
+    #[arg(long, env = "LAYERSTREAM_BENCH_MICRO_BATCHES")]
+    pub micro_batches: Option<layerstream_coordinator::lanes::MicroBatches>,
 }
 
 /// One configuration's result.
 #[derive(Debug, Clone, serde::Serialize)]
-struct Row {
-    config: String,
+pub(crate) struct Row {
+    pub(crate) config: String,
     tokens: u64,
     wall_s: f64,
-    tokens_per_s: f64,
+    pub(crate) tokens_per_s: f64,
+    /// Micro-batches in flight under the stack's plan (GetPlan).
+    pub(crate) micro_batches: u32,
+    /// The workers' busy share over the first request (Σ busy ÷ (workers × wall)), %.
+    pub(crate) workers_busy_pct: f64,
     /// Prompt tokens of every request over the time until the last request's first token: the batch's
     /// prefill throughput (queueing included, as a client sees it).
     prefill_tok_s: f64,
@@ -90,7 +100,7 @@ struct Row {
     first_token_ms: f64,
     /// Tokens after each request's first over the wall time after the last first token.
     decode_tok_s: f64,
-    bytes_streamed_per_step: f64,
+    pub(crate) bytes_streamed_per_step: f64,
     transfer_gbps: f64,
     /// Bytes streamed by the first request over the workload's wall time: the link speed achieved.
     stream_gbps_wall: f64,
@@ -185,7 +195,7 @@ async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
     Ok(m)
 }
 
-fn run_config(
+pub(crate) fn run_config(
     name: &str,
     model: &str,
     vocab: usize,
@@ -229,6 +239,11 @@ fn run_config(
     };
     rt.block_on(workload(&addr, &warm, vocab))?;
     let m = rt.block_on(workload(&addr, a, vocab))?;
+    let micro_batches = rt.block_on(async {
+        let mut c = CoordinatorClient::connect(addr.clone()).await?;
+        let plan = c.get_plan(layerstream_proto::v1::GetPlanRequest {}).await?.into_inner();
+        Ok::<_, anyhow::Error>(plan.micro_batches)
+    })?;
     let up_pid = children.0[0].1.id();
     let (loader_hits, loader_misses) = rt.block_on(loader_counts(up_pid)).unwrap_or_default();
     drop(children);
@@ -241,6 +256,8 @@ fn run_config(
         tokens,
         wall_s,
         tokens_per_s: tokens as f64 / wall_s,
+        micro_batches,
+        workers_busy_pct: st.workers_busy_pct,
         prefill_tok_s,
         first_token_ms,
         decode_tok_s,
@@ -280,7 +297,7 @@ async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
 }
 
 /// The results as two markdown tables, each under 120 columns: throughput, then where the time went.
-fn tables(rows: &[Row]) -> String {
+pub(crate) fn tables(rows: &[Row]) -> String {
     let mut t = String::from("| config | tok/s | prefill tok/s | first token ms | decode tok/s | MB/step | GB/s | GB/s over wall |\n");
     t += "|---|---|---|---|---|---|---|---|\n";
     for r in rows {
@@ -313,6 +330,30 @@ fn tables(rows: &[Row]) -> String {
     t
 }
 
+/// The flags of a streamed configuration: the plan flags with `--resident-layers` 0 unless given
+/// (everything streams), or the worker budget when one is given (the planner picks).
+pub(crate) fn streamed_args(a: &BenchArgs) -> Vec<String> {
+    let plan = PlanFlags {
+        resident_layers: a
+            .device
+            .memory_budget
+            .is_none()
+            .then_some(a.plan.resident_layers.unwrap_or(0)),
+        ..a.plan.clone()
+    };
+    let mut streamed = plan.to_args();
+    if let Some(b) = a.device.memory_budget {
+        streamed.extend(["--memory-budget".to_owned(), b.to_string()]);
+    }
+    streamed
+}
+
+/// The resident configuration's flags: as much memory as the machine offers (a GPU worker caps it
+/// at what is free).
+pub(crate) fn resident_args() -> Vec<String> {
+    vec!["--memory-budget".into(), (1u64 << 40).to_string()]
+}
+
 /// Runs the three configurations and prints the comparison.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
@@ -333,34 +374,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(rounds) = a.api_compare {
         return crate::bench_api::compare(&a, &model, vocab, rounds.max(1));
     }
+    if let Some(m) = a.micro_batches {
+        return crate::bench_pipeline::compare(&a, &model, vocab, m);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {
         bail!("bench runs the prefetch-off configuration itself; drop --no-prefetch");
     }
     let resident = a.plan.resident_layers.unwrap_or(0);
-    let plan = PlanFlags {
-        resident_layers: a.device.memory_budget.is_none().then_some(resident),
-        ..a.plan.clone()
-    };
-    let mut streamed = plan.to_args();
-    if let Some(b) = a.device.memory_budget {
-        streamed.extend(["--memory-budget".to_owned(), b.to_string()]);
-    }
+    let streamed = streamed_args(&a);
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
     let mut rows = vec![
         run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
             .context("streamed run")?,
-        // Resident: as much memory as the machine offers (a GPU worker caps it at what is free).
-        run_config(
-            "fully resident",
-            &model,
-            vocab,
-            &["--memory-budget".into(), (1u64 << 40).to_string()],
-            &a,
-            &rt,
-        )
-        .context("resident run")?,
+        run_config("fully resident", &model, vocab, &resident_args(), &a, &rt)
+            .context("resident run")?,
         run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt)
             .context("prefetch-off run")?,
     ];
@@ -437,6 +466,8 @@ mod tests {
             tokens: 1,
             wall_s: 1.0,
             tokens_per_s: 12345.6,
+            micro_batches: 2,
+            workers_busy_pct: 87.5,
             prefill_tok_s: 123456.7,
             first_token_ms: 123456.0,
             decode_tok_s: 12345.6,

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_api;
+mod bench_pipeline;
 mod health;
 mod otlp_sink;
 mod prompt;

@@ -215,6 +215,21 @@ fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
 }
 
 /// The argument list with the value after `flag` replaced (a restarted child keeps its address).
+/// The device flags each worker gets. CPU workers with micro-batches in flight run at the same
+/// time, so unless `--threads` says otherwise each gets its share of the cores (cores ÷ workers, at
+/// least one); with `--micro-batches 1` they run one after another and each gets every core
+/// (sharing them out then only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
+fn worker_device(a: &UpArgs) -> layerstream_worker::server::DeviceFlags {
+    let mut d = a.device.clone();
+    let concurrent =
+        a.sched.micro_batches != layerstream_coordinator::lanes::MicroBatches::Fixed(1);
+    if d.threads.is_none() && d.device == "cpu" && a.workers > 1 && concurrent {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        d.threads = Some((cores / a.workers).max(1));
+    }
+    d
+}
+
 fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
     if let Some(i) = args.iter().position(|a| a == flag) {
         args[i + 1] = value.to_owned();
@@ -290,10 +305,7 @@ pub fn run(a: UpArgs) -> Result<()> {
             "--loader-socket".into(),
             socket.clone(),
         ];
-        // Every worker gets every core unless --threads says otherwise: workers still run one after
-        // another (no micro-batches in flight), so sharing the cores out only slows each one
-        // (benchmarks/cpu-threads-2core.md: 0.55-0.71x with 2 workers on 2 cores).
-        wargs.extend(a.device.to_args());
+        wargs.extend(worker_device(&a).to_args());
         if a.pool.no_verify {
             wargs.push("--no-verify".into());
         }

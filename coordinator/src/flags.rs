@@ -101,6 +101,12 @@ pub struct SchedulerFlags {
     /// Most finished job records kept (the oldest are dropped first).
     #[arg(long, env = "LAYERSTREAM_MAX_JOB_RECORDS", default_value_t = 10_000)]
     pub max_job_records: usize,
+    /// Micro-batches in flight: the running sequences are split into this many groups that move
+    /// through the workers independently, so every worker has one to run (1 = each step through
+    /// the workers one after another). `auto`: one per worker when every layer is resident, else 1
+    /// (a worker that streams would stream its layers once per micro-batch). GetPlan shows the choice.
+    #[arg(long, env = "LAYERSTREAM_MICRO_BATCHES", default_value = "auto")]
+    pub micro_batches: crate::lanes::MicroBatches,
 }
 
 fn flag(name: &str, v: impl ToString) -> [String; 2] {
@@ -136,6 +142,7 @@ impl SchedulerFlags {
             flag("max-recoveries", self.max_recoveries),
             flag("job-retention", self.job_retention_s),
             flag("max-job-records", self.max_job_records),
+            flag("micro-batches", self.micro_batches),
         ]
         .concat();
         if let Some(t) = self.step_timeout_s {
@@ -174,6 +181,8 @@ mod tests {
             "5",
             "--step-timeout",
             "9",
+            "--micro-batches",
+            "3",
             "--http-listen",
             "off",
             "--cors-allow-origin",

@@ -5,6 +5,7 @@ pub mod error;
 pub mod flags;
 pub mod http;
 pub mod jobs;
+pub mod lanes;
 pub mod metrics;
 pub mod pipeline;
 pub mod planner;
@@ -182,7 +183,11 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         prefetch: !args.plan.no_prefetch,
     };
     let num_layers = store.manifest.config.num_layers as u32;
-    let current = Arc::new(std::sync::RwLock::new(Plan { assignments: vec![], num_layers }));
+    let current = Arc::new(std::sync::RwLock::new(Plan {
+        assignments: vec![],
+        num_layers,
+        ..Default::default()
+    }));
     let roster = pipeline::Roster {
         workers: workers
             .iter()
@@ -191,11 +196,14 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         manifest: store.manifest.clone(),
         opts,
         current: current.clone(),
+        micro_batches: args.sched.micro_batches,
     };
     let mut pipeline = pipeline::Pipeline {
         stages: Vec::new(),
         deadline: pipeline::Deadline::new(args.sched.step_timeout_s.map(Duration::from_secs)),
         roster,
+        locks: Arc::new([]),
+        micro_batches: 1,
     };
     let all: Vec<usize> = (0..workers.len()).collect();
     let mut step_tokens = args.sched.max_step_tokens.max(1);

@@ -83,6 +83,9 @@ pub struct Metrics {
     pub running: Gauge,
     batch: Histogram,
     steps: Counter,
+    overlapped: Counter,
+    pub micro_batches: Gauge,
+    busy: Family<Labels, FCounter>,
     bytes: Family<Labels, Counter>,
     transfer: Family<Labels, FCounter>,
     compute: Family<Labels, FCounter>,
@@ -129,6 +132,9 @@ impl Metrics {
             running: Gauge::default(),
             batch: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
             steps: Counter::default(),
+            overlapped: Counter::default(),
+            micro_batches: Gauge::default(),
+            busy: Family::default(),
             bytes: Family::default(),
             transfer: Family::default(),
             compute: Family::default(),
@@ -174,6 +180,21 @@ impl Metrics {
             m.batch.clone(),
         );
         r.register("steps", "Forward steps (weight passes) run", m.steps.clone());
+        r.register(
+            "overlapped_steps",
+            "Steps started while another micro-batch's step was in flight",
+            m.overlapped.clone(),
+        );
+        r.register(
+            "micro_batches",
+            "Micro-batches in flight under the plan in force",
+            m.micro_batches.clone(),
+        );
+        r.register(
+            "worker_busy_seconds",
+            "Wall time a worker spent in steps (its rate is the worker's busy share)",
+            m.busy.clone(),
+        );
         r.register(
             "worker_bytes_streamed",
             "Weight bytes a worker copied from the loader's shared memory",
@@ -264,6 +285,13 @@ impl Metrics {
         self.generation_tokens.inc_by(n as u64);
     }
 
+    /// A step started with `others` micro-batches' steps in flight.
+    pub fn launched(&self, others: usize) {
+        if others > 0 {
+            self.overlapped.inc();
+        }
+    }
+
     /// A step: its batch and each worker's layer timings (`workers`: address, timings, wall ms).
     pub fn step(
         &self,
@@ -274,8 +302,9 @@ impl Metrics {
     ) {
         self.steps.inc();
         self.batch.observe(batch as f64);
-        for (addr, layers, _) in workers {
+        for (addr, layers, wall) in workers {
             let l = worker(addr);
+            self.busy.get_or_create(&l).inc_by(wall / 1e3);
             let (mut t, mut c, mut st, mut b) = (0.0, 0.0, 0.0, 0u64);
             for x in layers {
                 t += x.transfer_ms;

@@ -1,6 +1,6 @@
 //! One forward step through the worker pipeline — StepRequest to each worker in order, hidden states
 //! passed along, sampled tokens from the last, trace context in metadata — and what keeps the
-//! pipeline whole: a step deadline derived from measured steps, and `recover`, which after a failed
+//! pipeline whole (several steps — micro-batches — may be in flight, see `Runner`): a step deadline derived from measured steps, and `recover`, which after a failed
 //! step brings every worker back to a known state (a worker that lost its assignment, e.g. because
 //! it was restarted, is assigned again; the others free every sequence) so the scheduler can replay
 //! the sequences in flight; a worker that does not come back is planned around when the others can
@@ -79,6 +79,8 @@ pub struct Roster {
     pub opts: PlanOptions,
     /// The plan in force, shared with GetPlan and ListWorkers.
     pub current: Arc<RwLock<Plan>>,
+    /// `--micro-batches`.
+    pub micro_batches: crate::lanes::MicroBatches,
 }
 
 /// The workers in layer order.
@@ -86,6 +88,21 @@ pub struct Pipeline {
     pub stages: Vec<Stage>,
     pub deadline: Deadline,
     pub roster: Roster,
+    /// One lock per stage: a worker runs one step at a time, micro-batches in the order they came.
+    pub locks: Arc<[tokio::sync::Mutex<()>]>,
+    /// Micro-batches in flight under the plan in force (see `lanes::choose`).
+    pub micro_batches: usize,
+}
+
+/// One step's way through the workers, detached from the pipeline so that several micro-batches
+/// can be in flight at once: worker k runs one while worker k-1 runs the next. Each worker takes
+/// one step at a time (its lock, FIFO), and each hidden state goes on to the next worker as soon
+/// as it arrives, not when the whole batch is through.
+#[derive(Clone)]
+pub struct Runner {
+    stages: Arc<[Stage]>,
+    locks: Arc<[tokio::sync::Mutex<()>]>,
+    timeout: Duration,
 }
 
 /// The result of a step.
@@ -140,6 +157,63 @@ pub async fn probe(client: &WorkerConn) -> std::result::Result<InfoResponse, Str
     }
 }
 
+impl Runner {
+    /// Runs `seqs` (micro-batch `lane`) through every worker under `span`, each worker first freeing
+    /// the sequences in `release`, each worker's call within the step deadline (waiting for a worker busy with another micro-batch does not count).
+    pub async fn step(
+        self,
+        seqs: Vec<StepSeq>,
+        release: Vec<u64>,
+        span: Span,
+        lane: usize,
+    ) -> Result<StepResult> {
+        let mut hidden = Vec::new();
+        let mut out = StepResult::default();
+        let last = self.stages.len() - 1;
+        for (i, st) in self.stages.iter().enumerate() {
+            let _turn = self.locks[i].lock().await;
+            // One span per worker call: micro-batches on different workers overlap in the trace.
+            let call = tracing::info_span!(parent: &span, "stage", worker = %st.addr, micro_batch = lane as i64, seqs = seqs.len() as i64);
+            let req = traced_request(
+                &call,
+                StepRequest {
+                    seqs: seqs.clone(),
+                    hidden: std::mem::take(&mut hidden),
+                    release: release.clone(),
+                },
+            );
+            let mut c = st.client.clone();
+            let timeout = self.timeout;
+            let resp = tokio::time::timeout(timeout, c.step(req))
+                .await
+                .map_err(|_| Error::StepTimeout { worker: st.addr.clone(), timeout })?
+                .map_err(|s| worker_err(&st.addr, &s))?
+                .into_inner();
+            drop(call);
+            out.layers.extend(resp.layers.iter().cloned());
+            out.layers_ms += resp.layers_ms;
+            out.workers.push((st.addr.clone(), resp.layers, resp.wall_ms));
+            if i == last {
+                if resp.tokens.len() != seqs.len() {
+                    return Err(Error::Worker {
+                        worker: st.addr.clone(),
+                        msg: format!(
+                            "returned {} tokens for {} sequences",
+                            resp.tokens.len(),
+                            seqs.len()
+                        ),
+                    });
+                }
+                out.tokens = resp.tokens;
+                out.logprobs = resp.logprobs;
+            } else {
+                hidden = resp.hidden;
+            }
+        }
+        Ok(out)
+    }
+}
+
 impl Pipeline {
     /// Plans over the registered workers at `members` (indices into the roster), assigns every one
     /// of them, and makes that the pipeline; returns the smallest step-token limit they report
@@ -168,8 +242,17 @@ impl Pipeline {
             }
             stages.push(stage);
         }
+        self.locks = stages.iter().map(|_| tokio::sync::Mutex::new(())).collect();
         self.stages = stages;
-        let plan = Plan { assignments: plans, num_layers: r.manifest.config.num_layers as u32 };
+        let (micro_batches, why) = crate::lanes::choose(r.micro_batches, &plans);
+        tracing::info!(micro_batches, reason = %why, "micro-batches");
+        self.micro_batches = micro_batches;
+        let plan = Plan {
+            assignments: plans,
+            num_layers: r.manifest.config.num_layers as u32,
+            micro_batches: micro_batches as u32,
+            micro_batches_reason: why,
+        };
         *r.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = plan;
         Ok(limit)
     }
@@ -199,48 +282,15 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Runs `seqs` through every worker under `span`, each within the step deadline.
-    pub async fn step(&mut self, seqs: Vec<StepSeq>, span: &Span) -> Result<StepResult> {
-        let started = Instant::now();
-        let timeout = self.deadline.current();
-        let mut hidden = Vec::new();
-        let mut out = StepResult::default();
-        let last = self.stages.len() - 1;
-        for (i, st) in self.stages.iter().enumerate() {
-            let req = traced_request(
-                span,
-                StepRequest { seqs: seqs.clone(), hidden: std::mem::take(&mut hidden) },
-            );
-            let mut c = st.client.clone();
-            let resp = tokio::time::timeout(timeout, c.step(req))
-                .await
-                .map_err(|_| Error::StepTimeout { worker: st.addr.clone(), timeout })?
-                .map_err(|s| worker_err(&st.addr, &s))?
-                .into_inner();
-            out.layers.extend(resp.layers.iter().cloned());
-            out.layers_ms += resp.layers_ms;
-            out.workers.push((st.addr.clone(), resp.layers, resp.wall_ms));
-            if i == last {
-                if resp.tokens.len() != seqs.len() {
-                    return Err(Error::Worker {
-                        worker: st.addr.clone(),
-                        msg: format!(
-                            "returned {} tokens for {} sequences",
-                            resp.tokens.len(),
-                            seqs.len()
-                        ),
-                    });
-                }
-                out.tokens = resp.tokens;
-                out.logprobs = resp.logprobs;
-            } else {
-                hidden = resp.hidden;
-            }
+    /// What a step needs to run detached from the pipeline (several can be in flight): the stages,
+    /// one FIFO lock per worker, and the step deadline as it is now.
+    pub fn runner(&self) -> Runner {
+        Runner {
+            stages: self.stages.clone().into(),
+            locks: self.locks.clone(),
+            timeout: self.deadline.current(),
         }
-        self.deadline.record(started.elapsed());
-        Ok(out)
     }
-
     /// Brings every worker back to a known, empty state after a failed step: waits up to `wait`
     /// for each to answer, assigns again a worker whose assignment is gone (restarted, or dropped
     /// after a fault), and frees every sequence on the others, logging what it did; fails naming

@@ -1,5 +1,6 @@
-//! The planner: (model, workers' budgets, options) → each worker's layer range, resident layers,
-//! streaming buffers and KV capacity. Pure logic, validated up front: a budget that cannot fit is an
+//! The planner: (model, workers' budgets, options) → each worker's layer range (in proportion to
+//! the budgets, the head's compute counted on the last), resident layers, streaming buffers and KV
+//! capacity. Pure logic, validated up front: a budget that cannot fit is an
 //! error before anything is loaded.
 
 use crate::error::{Error, Result};
@@ -24,8 +25,18 @@ pub struct PlanOptions {
     pub prefetch: bool,
 }
 
-/// Splits `n` layers over budgets in proportion (largest remainder), each worker at least one.
-pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32>>> {
+/// The head's compute (final norm and lm_head, run for every sampled row) in layers' worth: its
+/// multiply-adds per token over one layer's (attention projections and MLP). SmolLM2-135M: 8.0.
+pub fn head_layers(c: &layerstream_model::ModelConfig) -> f64 {
+    let (h, q, kv) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size;
+    (h * c.vocab_size) as f64 / layer.max(1) as f64
+}
+
+/// Splits `n` layers over workers in proportion to their budgets, the last worker's share of the
+/// work including the head (`head` layers' worth of compute, see `head_layers`), so with
+/// micro-batches in flight no worker waits on a slower one; each worker gets at least one layer.
+pub fn split_layers(n: usize, budgets: &[u64], head: f64) -> Result<Vec<std::ops::Range<u32>>> {
     let w = budgets.len();
     if w == 0 {
         return Err(Error::Plan("no workers".into()));
@@ -36,28 +47,20 @@ pub fn split_layers(n: usize, budgets: &[u64]) -> Result<Vec<std::ops::Range<u32
         )));
     }
     let total: f64 = budgets.iter().map(|&b| b.max(1) as f64).sum();
-    let exact: Vec<f64> =
-        budgets.iter().map(|&b| b.max(1) as f64 / total * (n - w) as f64).collect();
-    let mut counts: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
-    let mut order: Vec<usize> = (0..w).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
-    let mut left = n - counts.iter().sum::<usize>();
-    for &i in order.iter().cycle() {
-        if left == 0 {
-            break;
-        }
-        counts[i] += 1;
-        left -= 1;
+    let work = n as f64 + head.max(0.0);
+    let (mut out, mut start, mut cum) = (Vec::with_capacity(w), 0u32, 0.0);
+    for (i, &b) in budgets.iter().enumerate() {
+        cum += b.max(1) as f64 / total * work;
+        let end = if i == w - 1 {
+            n
+        } else {
+            // At least one layer here and one for each worker after.
+            (cum.round() as usize).clamp(start as usize + 1, n - (w - 1 - i))
+        };
+        out.push(start..end as u32);
+        start = end as u32;
     }
-    let mut start = 0u32;
-    Ok(counts
-        .into_iter()
-        .map(|c| {
-            let r = start..start + c as u32;
-            start += c as u32;
-            r
-        })
-        .collect())
+    Ok(out)
 }
 
 /// `k` of the layers in `range` spread evenly, starting with the first, so every streamed layer has
@@ -71,7 +74,7 @@ pub fn interleave(range: &std::ops::Range<u32>, k: usize) -> Vec<u32> {
 /// Plans every worker as the assignments sent to them; errors name the worker and what does not fit.
 pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec<Assignment>> {
     let budgets: Vec<u64> = workers.iter().map(|w| w.budget).collect();
-    let ranges = split_layers(m.config.num_layers, &budgets)?;
+    let ranges = split_layers(m.config.num_layers, &budgets, head_layers(&m.config))?;
     let last = ranges.len() - 1;
     let mut plans = Vec::with_capacity(ranges.len());
     for (i, (range, w)) in ranges.into_iter().zip(workers).enumerate() {
@@ -128,13 +131,20 @@ mod tests {
 
     #[test]
     fn split_is_proportional_and_covers_every_layer() {
-        let r = split_layers(30, &[1, 1]).unwrap();
+        let r = split_layers(30, &[1, 1], 0.0).unwrap();
         assert_eq!(r, vec![0..15, 15..30]);
-        let r = split_layers(10, &[3 << 30, 1 << 30]).unwrap();
+        let r = split_layers(10, &[3 << 30, 1 << 30], 0.0).unwrap();
         assert_eq!(r.iter().map(|x| x.len()).sum::<usize>(), 10);
         assert!(r[0].len() > r[1].len());
         assert_eq!(r[0].end, r[1].start);
-        assert!(split_layers(2, &[1, 1, 1]).unwrap_err().to_string().contains("3 workers"));
+        assert!(split_layers(2, &[1, 1, 1], 0.0).unwrap_err().to_string().contains("3 workers"));
+        // The head's work counts on the last worker: SmolLM2's 30 layers and 8 layers' worth of
+        // head over two equal workers are 19 | 11 + head; a head bigger than everything still
+        // leaves every worker a layer.
+        assert_eq!(split_layers(30, &[1, 1], 8.1).unwrap(), vec![0..19, 19..30]);
+        assert_eq!(split_layers(4, &[1, 1, 1], 40.0).unwrap(), vec![0..2, 2..3, 3..4]);
+        let r = split_layers(9, &[1, 1, 1], 3.0).unwrap();
+        assert_eq!(r, vec![0..4, 4..8, 8..9]);
     }
 
     fn manifest(dir: &std::path::Path) -> Manifest {

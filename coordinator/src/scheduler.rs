@@ -4,7 +4,9 @@
 //! A step carries at most `max_step_tokens` tokens: every decode brings one, and prompts take what is
 //! left, a long prompt split over several steps (chunked prefill), so a step's activations and
 //! latency stay bounded however long the prompts are (admission keeps the running sequences, each a
-//! decode token per step, within that count).
+//! decode token per step, within that count). With micro-batches (`--micro-batches`), the running
+//! sequences are split into lanes whose steps are in flight at once, each lane refilled and started
+//! again as soon as its step comes back (see `lanes`).
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
@@ -15,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tracing::{info_span, Span};
 
 /// How often an idle scheduler checks that the workers still hold their assignments.
@@ -50,6 +53,8 @@ struct Active {
     stopper: Stopper,
     acc: Acc,
     started: Instant,
+    /// The micro-batch it rides (None: not placed yet, or waiting for a lane to come back).
+    lane: Option<usize>,
 }
 
 impl Active {
@@ -185,14 +190,42 @@ fn finish(
     final_event(&a.req, output, &a.stopper.text, stats, reason, error)
 }
 
+/// A micro-batch's step, finished: its lane, who rode it (sequence id, tokens brought), what was
+/// sent, when it started, and what came back.
+struct Landed {
+    lane: usize,
+    members: Vec<(u64, usize)>,
+    seqs: Vec<StepSeq>,
+    started: Instant,
+    res: crate::Result<crate::pipeline::StepResult>,
+}
+
+/// The micro-batches in flight.
+#[derive(Default)]
+struct Flight {
+    set: JoinSet<Landed>,
+    /// Per lane: a step in flight.
+    busy: Vec<bool>,
+    /// A step failed: no new step starts until the others are back, then the pipeline recovers.
+    fault: Option<crate::Error>,
+    /// Sequences to free on the workers, carried by the next step (or freed directly when none).
+    release: Vec<u64>,
+}
+
 impl Scheduler {
     /// Runs until every request sender is gone.
     pub async fn run(mut self) {
         let mut active: Vec<Active> = Vec::new();
         let mut waiting: VecDeque<SeqRequest> = VecDeque::new();
+        let mut fl = Flight::default();
+        let mut closed = false;
         loop {
             self.gauges(&active);
-            if active.is_empty() && waiting.is_empty() {
+            if active.is_empty() && waiting.is_empty() && fl.set.is_empty() {
+                self.flush_release(&mut fl).await;
+                if closed {
+                    return;
+                }
                 // Idle: every few seconds check that the workers still hold their assignments, so
                 // a worker restarted while nothing ran is assigned again before a job needs it.
                 match tokio::time::timeout(IDLE_CHECK, self.rx.recv()).await {
@@ -213,6 +246,21 @@ impl Scheduler {
             while let Ok(r) = self.rx.try_recv() {
                 waiting.push_back(r);
             }
+            while let Some(done) = fl.set.try_join_next() {
+                self.landed(done, &mut active, &mut fl).await;
+            }
+            if fl.fault.is_some() {
+                // Wait for every micro-batch in flight, then recover and replay them all.
+                if let Some(done) = fl.set.join_next().await {
+                    self.landed(done, &mut active, &mut fl).await;
+                    continue;
+                }
+                let e = fl.fault.take().expect("checked");
+                fl.busy.iter_mut().for_each(|b| *b = false);
+                fl.release.clear();
+                self.after_fault(&mut active, e).await;
+                continue;
+            }
             let kv_used: usize = active.iter().map(|a| a.req.reserve()).sum();
             let needs: Vec<usize> = waiting.iter().map(SeqRequest::reserve).collect();
             for _ in 0..admit(active.len(), kv_used, &needs, self.limits) {
@@ -225,21 +273,42 @@ impl Scheduler {
                     stopper,
                     acc: Acc::default(),
                     started: Instant::now(),
+                    lane: None,
                 });
             }
-            self.drop_cancelled(&mut active, &mut waiting).await;
+            self.drop_cancelled(&mut active, &mut waiting, &mut fl);
             self.gauges(&active);
-            if active.is_empty() {
-                continue;
-            }
-            if self.resync {
-                if let Err(e) = self.resync_now().await {
-                    self.fail_all(&mut active, &e.to_string()).await;
+            if fl.set.is_empty() {
+                if active.is_empty() {
+                    self.flush_release(&mut fl).await;
                     continue;
                 }
+                if self.resync {
+                    if let Err(e) = self.resync_now().await {
+                        self.fail_all(&mut active, &e.to_string()).await;
+                        continue;
+                    }
+                }
             }
-            self.step(&mut active).await;
+            self.launch(&mut active, &mut fl);
+            if fl.set.is_empty() {
+                self.flush_release(&mut fl).await;
+            }
+            tokio::select! {
+                Some(done) = fl.set.join_next() => self.landed(done, &mut active, &mut fl).await,
+                r = self.rx.recv(), if !closed => match r {
+                    Some(r) => waiting.push_back(r),
+                    None => closed = true,
+                },
+                else => {}
+            }
         }
+    }
+
+    /// Frees, directly, what no step in flight will carry.
+    async fn flush_release(&self, fl: &mut Flight) {
+        let ids = std::mem::take(&mut fl.release);
+        self.pipeline.release(ids).await;
     }
 
     fn gauges(&self, active: &[Active]) {
@@ -247,7 +316,14 @@ impl Scheduler {
         self.metrics.waiting.set(self.waiting_count.load(Ordering::SeqCst) as i64);
     }
 
-    async fn drop_cancelled(&self, active: &mut Vec<Active>, waiting: &mut VecDeque<SeqRequest>) {
+    /// Ends the waiting and running requests that were cancelled or whose client went away (a
+    /// running one only between its steps); their caches are freed by the next step.
+    fn drop_cancelled(
+        &self,
+        active: &mut Vec<Active>,
+        waiting: &mut VecDeque<SeqRequest>,
+        fl: &mut Flight,
+    ) {
         waiting.retain(|r| {
             let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
             if gone {
@@ -270,12 +346,12 @@ impl Scheduler {
             }
             !gone
         });
-        let mut gone = Vec::new();
         let mut i = 0;
         while i < active.len() {
             let a = &active[i];
-            if a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed() {
-                let a = active.swap_remove(i);
+            let in_flight = a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false));
+            if !in_flight && (a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed()) {
+                let a = active.remove(i);
                 let _ = a.req.events.try_send(finish(
                     &self.metrics,
                     &a,
@@ -283,12 +359,11 @@ impl Scheduler {
                     String::new(),
                 ));
                 tracing::info!(seq = a.req.seq_id, "sequence cancelled; freeing its KV cache");
-                gone.push(a.req.seq_id);
+                fl.release.push(a.req.seq_id);
             } else {
                 i += 1;
             }
         }
-        self.pipeline.release(gone).await;
     }
 
     /// Brings the workers back to a known state after a fault (see `Pipeline::recover`).
@@ -358,57 +433,125 @@ impl Scheduler {
         }
     }
 
-    async fn step(&mut self, active: &mut Vec<Active>) {
-        let shares = step_tokens(
-            &active.iter().map(|a| (a.pos, a.prefill_end())).collect::<Vec<_>>(),
-            self.limits.max_step_tokens,
-        );
-        // (index into `active`, tokens it brings) for the sequences that ride this step.
-        let members: Vec<(usize, usize)> =
-            shares.into_iter().enumerate().filter(|&(_, n)| n > 0).collect();
-        let seqs: Vec<StepSeq> = members
-            .iter()
-            .map(|&(i, n)| {
-                let a = &active[i];
-                StepSeq {
-                    seq_id: a.req.seq_id,
-                    start_pos: a.pos as u32,
-                    token_ids: a.tokens(n),
-                    sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
-                    // Only the chunk that reaches the last known token samples; a replay's
-                    // chunks (prompt and earlier outputs) sample nothing.
-                    prompt_continues: a.pos + n < a.known(),
-                    // Each output token drew once from a sampling sequence's generator.
-                    draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
-                }
-            })
-            .collect();
-        let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        // One `step` span per request in the step, so each request's trace shows every step it rode;
-        // the first carries the workers' spans, the others link to it.
-        let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64)).collect();
-        // The others link to it, so every request's trace reaches the workers' spans of each step.
-        for s in &spans[1..] {
-            layerstream_proto::telemetry::link(s, &spans[0]);
+    /// Starts a step for every lane with no step in flight and sequences to run (the lanes refilled
+    /// first, see `lanes::place`).
+    fn launch(&mut self, active: &mut [Active], fl: &mut Flight) {
+        let m = self.pipeline.micro_batches.max(1);
+        if fl.busy.len() != m {
+            // The plan changed the count (only ever with nothing in flight).
+            fl.busy = vec![false; m];
+            self.metrics.micro_batches.set(m as i64);
         }
-        let t_step = Instant::now();
-        let res = self.pipeline.step(seqs.clone(), &spans[0]).await;
-        drop(spans);
-        let out = match res {
-            Ok(out) => out,
-            Err(e) => return self.after_fault(active, e).await,
+        let placed =
+            crate::lanes::place(&active.iter().map(|a| a.lane).collect::<Vec<_>>(), &fl.busy);
+        for (a, l) in active.iter_mut().zip(placed) {
+            a.lane = l;
+        }
+        for lane in 0..m {
+            if fl.busy[lane] {
+                continue;
+            }
+            let idx: Vec<usize> =
+                (0..active.len()).filter(|&i| active[i].lane == Some(lane)).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let shares = step_tokens(
+                &idx.iter().map(|&i| (active[i].pos, active[i].prefill_end())).collect::<Vec<_>>(),
+                self.limits.max_step_tokens,
+            );
+            // (sequence, tokens it brings) for the sequences that ride this step.
+            let members: Vec<(usize, usize)> =
+                idx.into_iter().zip(shares).filter(|&(_, n)| n > 0).collect();
+            let seqs: Vec<StepSeq> = members
+                .iter()
+                .map(|&(i, n)| {
+                    let a = &active[i];
+                    StepSeq {
+                        seq_id: a.req.seq_id,
+                        start_pos: a.pos as u32,
+                        token_ids: a.tokens(n),
+                        sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
+                        // Only the chunk that reaches the last known token samples; a replay's
+                        // chunks (prompt and earlier outputs) sample nothing.
+                        prompt_continues: a.pos + n < a.known(),
+                        // Each output token drew once from a sampling sequence's generator.
+                        draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
+                    }
+                })
+                .collect();
+            let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
+            // One `step` span per request in the step, so each request's trace shows every step it
+            // rode; the first carries the workers' spans, the others link to it.
+            let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64, micro_batch = lane as i64)).collect();
+            for s in &spans[1..] {
+                layerstream_proto::telemetry::link(s, &spans[0]);
+            }
+            let members: Vec<(u64, usize)> =
+                members.iter().map(|&(i, n)| (active[i].req.seq_id, n)).collect();
+            let runner = self.pipeline.runner();
+            let release = std::mem::take(&mut fl.release);
+            self.metrics.launched(fl.busy.iter().filter(|&&b| b).count());
+            fl.busy[lane] = true;
+            fl.set.spawn(async move {
+                let started = Instant::now();
+                let res = runner.step(seqs.clone(), release, spans[0].clone(), lane).await;
+                drop(spans);
+                Landed { lane, members, seqs, started, res }
+            });
+        }
+    }
+
+    /// Takes a finished micro-batch step: its tokens go to their requests (finished ones end and are
+    /// freed by the next step); a failure is kept for recovery once every step in flight is back.
+    async fn landed(
+        &mut self,
+        done: Result<Landed, tokio::task::JoinError>,
+        active: &mut Vec<Active>,
+        fl: &mut Flight,
+    ) {
+        let done = match done {
+            Ok(d) => d,
+            Err(e) => {
+                // Not seen in practice: a step task panicked. Recover like any failed step.
+                fl.fault.get_or_insert(crate::Error::Setup(format!("a step task failed: {e}")));
+                return;
+            }
         };
-        self.failures = 0;
-        let wall_ms = t_step.elapsed().as_secs_f64() * 1e3;
-        self.metrics.step(seqs.len(), rows, wall_ms, &out.workers);
-        // Each worker's wall time in this step, added to every request that rode it.
+        if let Some(b) = fl.busy.get_mut(done.lane) {
+            *b = false;
+        }
+        let out = match done.res {
+            Ok(out) => out,
+            Err(e) => {
+                fl.fault.get_or_insert(e);
+                return;
+            }
+        };
+        let took = done.started.elapsed();
+        self.pipeline.deadline.record(took);
+        if fl.fault.is_none() {
+            self.failures = 0;
+        }
+        let seqs = &done.seqs;
+        self.metrics.step(
+            seqs.len(),
+            seqs.iter().map(|s| s.token_ids.len()).sum(),
+            took.as_secs_f64() * 1e3,
+            &out.workers,
+        );
+        // Each worker's wall time in this step counts as busy time for every running request: with
+        // micro-batches, the workers are busy with the others' steps too.
         let walls: Vec<f64> = out.workers.iter().map(|w| w.2).collect();
-        let mut done = Vec::new();
-        for (k, ((&(i, n), s), &tok)) in members.iter().zip(&seqs).zip(&out.tokens).enumerate() {
-            let a = &mut active[i];
+        for a in active.iter_mut() {
+            a.acc.add_busy(&walls);
+        }
+        let mut done_ids = Vec::new();
+        for (k, ((&(id, n), s), &tok)) in done.members.iter().zip(seqs).zip(&out.tokens).enumerate()
+        {
+            let Some(a) = active.iter_mut().find(|a| a.req.seq_id == id) else { continue };
             a.pos += n;
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
-            a.acc.add_busy(&walls);
             if s.prompt_continues {
                 continue;
             }
@@ -435,14 +578,11 @@ impl Scheduler {
             if let Some((r, err)) = reason {
                 let ev = finish(&self.metrics, a, r, err);
                 let _ = a.req.events.send(ev).await;
-                done.push(i);
+                done_ids.push(id);
             }
         }
-        let mut ids = Vec::new();
-        for &j in done.iter().rev() {
-            ids.push(active.remove(j).req.seq_id);
-        }
-        self.pipeline.release(ids).await;
+        active.retain(|a| !done_ids.contains(&a.req.seq_id));
+        fl.release.extend(done_ids);
     }
 }
 

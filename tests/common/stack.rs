@@ -196,3 +196,129 @@ pub fn golden_args(g: &crate::Golden, n: usize) -> Vec<String> {
         "--ignore-eos".into(),
     ]
 }
+
+/// The spans of `traces` a receiver wrote to `file`, once they are whole: processes flush at
+/// shutdown, each in its own time, so this waits until every parent and link target they name has
+/// arrived and the loader's reads are there (or 30 s pass).
+pub fn whole_traces(file: &std::path::Path, traces: &[&str]) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        let all: Vec<serde_json::Value> =
+            text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let ids: std::collections::HashSet<&str> =
+            all.iter().filter_map(|s| s["span_id"].as_str()).collect();
+        let known = |p: Option<&str>| p.is_none_or(|p| p.is_empty() || ids.contains(p));
+        let mine: Vec<&serde_json::Value> =
+            all.iter().filter(|s| traces.contains(&s["trace_id"].as_str().unwrap_or(""))).collect();
+        let whole = mine.iter().all(|s| {
+            known(s["parent_span_id"].as_str())
+                && s["links"].as_array().into_iter().flatten().all(|l| known(l["span_id"].as_str()))
+        });
+        let named =
+            |n: &str| all.iter().any(|s| s["name"].as_str().is_some_and(|x| x.starts_with(n)));
+        let jobs = mine.iter().filter(|s| s["name"] == "job").count();
+        if (whole && named("read layer") && jobs == traces.len()) || Instant::now() > deadline {
+            return all;
+        }
+    }
+}
+
+/// An OTLP receiver writing to `spans_file` and a stack of the tiny model (`up` with `extra`)
+/// exporting to it.
+pub fn traced_stack(
+    dir: &std::path::Path,
+    spans_file: &std::path::Path,
+    extra: &[&str],
+) -> (Proc, Stack) {
+    let store = crate::tiny_store(dir);
+    let sink = Proc::start(
+        &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
+        &[],
+    );
+    let stack =
+        Stack::up_env(&store, extra, &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
+    (sink, stack)
+}
+
+/// Sequences holding KV caches on the workers of the stack at `addr`, summed.
+pub async fn live_sequences(addr: &str) -> u32 {
+    let mut c =
+        layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(addr.to_owned())
+            .await
+            .unwrap();
+    let mut total = 0;
+    for w in c
+        .list_workers(layerstream_proto::v1::ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .workers
+    {
+        let mut wc = worker_client(w.address).await;
+        total +=
+            wc.info(layerstream_proto::v1::InfoRequest {}).await.unwrap().into_inner().sequences;
+    }
+    total
+}
+
+/// Waits (up to 15 s) until no worker of the stack at `addr` holds a sequence.
+pub async fn wait_until_zero_sequences(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let n = live_sequences(addr).await;
+        if n == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{n} sequences still hold KV caches");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Eight prompts of different lengths for concurrent-job tests.
+pub const PROMPTS: [&str; 8] = [
+    "The quick brown fox",
+    "Hello",
+    "What is the capital of France?",
+    "1 2 3 4",
+    "Once upon a time there was",
+    "a",
+    "Rust is",
+    "Streaming layers",
+];
+
+/// Tokens job `i` of `PROMPTS` generates: every job a different length.
+pub fn prompt_tokens(i: usize) -> String {
+    (5 + 5 * i).to_string()
+}
+
+/// Each of `PROMPTS`' `layerstream run` tokens (EOS ignored): the reference of concurrent jobs.
+pub fn solo_runs(store: &Path) -> Vec<Vec<u32>> {
+    let s = store.to_str().unwrap();
+    (0..PROMPTS.len())
+        .map(|i| {
+            let n = prompt_tokens(i);
+            let a = ["run", "--model", s, "--prompt", PROMPTS[i], "--max-new-tokens", &n];
+            let mut a = a.to_vec();
+            a.extend(["--ignore-eos", "--json"]);
+            serde_json::from_value(crate::last_json(&crate::layerstream(&a))["output_ids"].clone())
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Every one of `PROMPTS` submitted at once to the stack at `addr`; the final JSON of each.
+pub fn concurrent_jobs(addr: &str) -> Vec<serde_json::Value> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..PROMPTS.len())
+            .map(|i| {
+                s.spawn(move || {
+                    let n = prompt_tokens(i);
+                    submit(addr, &["--prompt", PROMPTS[i], "--max-new-tokens", &n, "--ignore-eos"])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

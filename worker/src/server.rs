@@ -22,7 +22,8 @@ pub struct DeviceFlags {
     /// less the GPU runtime reserve.
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
-    /// Compute threads of a CPU worker (default: every core; `up` passes it to every worker).
+    /// Compute threads of a CPU worker (default: every core; `up` gives each of several CPU workers
+    /// cores ÷ workers when micro-batches run them at once, else every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
 }

@@ -237,6 +237,7 @@ impl Worker for WorkerService {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let s2 = span.clone();
+        let release = req.release;
         let out = tokio::task::spawn_blocking(move || {
             let t = Instant::now();
             let mut guard = s.stage();
@@ -244,6 +245,7 @@ impl Worker for WorkerService {
             let st = guard.as_mut().ok_or_else(|| {
                 (Status::failed_precondition("worker has no assignment yet"), false)
             })?;
+            st.release(&release);
             let out = st.step(&batch, &hidden, &s2);
             s.live.store(st.kv_used().0 as u32, Ordering::Relaxed);
             let out = match out {

@@ -67,6 +67,8 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
     axum::Json(json!({
         "model": h.model,
         "num_layers": plan.num_layers,
+        "micro_batches": plan.micro_batches,
+        "micro_batches_reason": plan.micro_batches_reason,
         "plan": assignments,
         "queue": {"waiting": m.waiting.get(), "running": m.running.get()},
         "steps": m.recent(),
