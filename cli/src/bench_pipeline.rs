@@ -36,7 +36,7 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, m: MicroBatches) -> Res
         a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
         a.workers,
         a.device.threads.map_or(
-            "default: cores ÷ workers pipelined, every core sequential".to_owned(),
+            "default (every core; cores ÷ workers while micro-batches run them at once)".to_owned(),
             |t| t.to_string()
         ),
     );

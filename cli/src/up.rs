@@ -214,22 +214,21 @@ fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
     started.map(|_| ())
 }
 
-/// The argument list with the value after `flag` replaced (a restarted child keeps its address).
-/// The device flags each worker gets. CPU workers with micro-batches in flight run at the same
-/// time, so unless `--threads` says otherwise each gets its share of the cores (cores ÷ workers, at
-/// least one); with `--micro-batches 1` they run one after another and each gets every core
-/// (sharing them out then only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
+/// The device flags each worker gets. CPU workers run one after another unless the plan keeps
+/// micro-batches in flight (which the plan decides), and then all at once: each gets every core
+/// (or `--threads`) for the first, and its share, cores ÷ workers (at least one), as
+/// `--concurrent-threads` for the second (sharing the cores out while workers run one after
+/// another only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
 fn worker_device(a: &UpArgs) -> layerstream_worker::server::DeviceFlags {
     let mut d = a.device.clone();
-    let concurrent =
-        a.sched.micro_batches != layerstream_coordinator::lanes::MicroBatches::Fixed(1);
-    if d.threads.is_none() && d.device == "cpu" && a.workers > 1 && concurrent {
+    if d.concurrent_threads.is_none() && d.device == "cpu" && a.workers > 1 {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        d.threads = Some((cores / a.workers).max(1));
+        d.concurrent_threads = Some((cores / a.workers).max(1).min(d.threads.unwrap_or(cores)));
     }
     d
 }
 
+/// The argument list with the value after `flag` replaced (a restarted child keeps its address).
 fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
     if let Some(i) = args.iter().position(|a| a == flag) {
         args[i + 1] = value.to_owned();

@@ -224,12 +224,15 @@ impl Pipeline {
         let mut plans = crate::planner::plan(&r.manifest, &specs, &r.opts)?;
         // One id for this plan: a worker that reports another (or none) lost it.
         let id = layerstream_proto::auth::random_hex();
+        let (micro_batches, why) = crate::lanes::choose(r.micro_batches, &plans);
+        tracing::info!(micro_batches, reason = %why, "micro-batches");
         // One trace per plan: every worker's `assign` (and the loads under it) inside it.
         let span = tracing::info_span!(parent: None, "plan", workers = members.len() as i64, plan_id = %id);
         let mut stages = Vec::new();
         let mut limit = 0usize;
         for (p, &i) in plans.iter_mut().zip(members) {
             p.assignment_id = id.clone();
+            p.micro_batches = micro_batches as u32;
             tracing::info!(worker = %p.worker, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = p.bytes_needed, prefetch = p.prefetch, "plan");
             let stage = Stage {
                 addr: r.workers[i].0.address.clone(),
@@ -244,8 +247,6 @@ impl Pipeline {
         }
         self.locks = stages.iter().map(|_| tokio::sync::Mutex::new(())).collect();
         self.stages = stages;
-        let (micro_batches, why) = crate::lanes::choose(r.micro_batches, &plans);
-        tracing::info!(micro_batches, reason = %why, "micro-batches");
         self.micro_batches = micro_batches;
         let plan = Plan {
             assignments: plans,

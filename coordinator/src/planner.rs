@@ -91,6 +91,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             prefetch: o.prefetch,
             bytes_needed: 0,
             assignment_id: String::new(),
+            micro_batches: 1,
         };
         let k = match o.resident_layers {
             Some(k) => k.min(range.len()),

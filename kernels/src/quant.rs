@@ -143,7 +143,9 @@ pub fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Plain f32 dot product (auto-vectorised: 8 independent accumulators).
+/// Plain f32 dot product (auto-vectorised: 8 independent accumulators). `cpu::rows::dot_rows`
+/// computes the same sums, operation for operation, for many `b`s at once.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));

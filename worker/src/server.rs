@@ -22,10 +22,14 @@ pub struct DeviceFlags {
     /// less the GPU runtime reserve.
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
-    /// Compute threads of a CPU worker (default: every core; `up` gives each of several CPU workers
-    /// cores ÷ workers when micro-batches run them at once, else every core).
+    /// Compute threads of a CPU worker (default: every core; `up --threads N` passes it to every
+    /// worker).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
+    /// Compute threads of a CPU worker while micro-batches keep every worker of its pipeline
+    /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
+    #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
+    pub concurrent_threads: Option<usize>,
 }
 
 impl DeviceFlags {
@@ -37,6 +41,9 @@ impl DeviceFlags {
         }
         if let Some(t) = self.threads {
             a.extend(["--threads".to_owned(), t.to_string()]);
+        }
+        if let Some(t) = self.concurrent_threads {
+            a.extend(["--concurrent-threads".to_owned(), t.to_string()]);
         }
         a
     }
@@ -153,6 +160,12 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     }
     let (health, health_svc) =
         layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await;
+    let concurrent = match args.device.concurrent_threads {
+        Some(n) if n != layerstream_kernels::cpu::threads::cpu_threads() => {
+            Some(layerstream_kernels::cpu::threads::ComputePool::new(n)?)
+        }
+        _ => None,
+    };
     let state = Arc::new(WorkerState {
         id: id.clone(),
         device: args.device.device.clone(),
@@ -167,10 +180,12 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         stage: Arc::new(Mutex::new(None)),
         live: Default::default(),
         assignment_id: Default::default(),
+        concurrent,
     });
     println!("LISTENING {id}");
     let threads = layerstream_kernels::cpu::threads::cpu_threads();
-    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, "worker ready");
+    let concurrent_threads = args.device.concurrent_threads.unwrap_or(threads);
+    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, concurrent_threads, "worker ready");
     let mut server = tonic::transport::Server::builder();
     if let Some(t) = tls {
         server = server.tls_config(t)?;

@@ -42,6 +42,9 @@ pub struct WorkerState {
     pub live: Arc<AtomicU32>,
     /// `assignment_id` of the loaded stage (empty: none), read by Info without the stage lock.
     pub assignment_id: Arc<Mutex<String>>,
+    /// `--concurrent-threads`' pool (when it differs from the main one): steps of a plan with
+    /// micro-batches in flight run on it.
+    pub concurrent: Option<layerstream_kernels::cpu::threads::ComputePool>,
 }
 
 /// The loader daemon's counters, as it describes itself (None when it does not answer within a
@@ -246,7 +249,12 @@ impl Worker for WorkerService {
                 (Status::failed_precondition("worker has no assignment yet"), false)
             })?;
             st.release(&release);
-            let out = st.step(&batch, &hidden, &s2);
+            let out = match &s.concurrent {
+                Some(pool) if st.plan().micro_batches > 1 => {
+                    pool.run(|| st.step(&batch, &hidden, &s2))
+                }
+                _ => st.step(&batch, &hidden, &s2),
+            };
             s.live.store(st.kv_used().0 as u32, Ordering::Relaxed);
             let out = match out {
                 Ok(o) => o,

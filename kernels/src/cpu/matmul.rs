@@ -1,6 +1,9 @@
-//! CPU matmul: fused dequantize-dot per row for matvec (decode), dequantize-then-GEMM for prefill.
+//! CPU matmul: dequantize each weight row and dot it with every activation row (`rows`, two weight
+//! rows at a time) below `GEMM_MIN_ROWS` rows (decode, batched decode, short prefills), dequantize
+//! the whole weight then GEMM from there.
 
-use crate::quant::{dequant_row, dot};
+use crate::cpu::rows::{dot_rows, dot_rows2};
+use crate::quant::dequant_row;
 use layerstream_types::DType;
 use rayon::prelude::*;
 
@@ -40,22 +43,36 @@ pub fn matmul(
         gemm_f32(x, wf, &mut out, m, n, k);
         return out;
     }
-    // Transposed result [n, m]: each task owns whole weight rows.
+    // Transposed result [n, m]: each task owns whole weight rows, two at a time (each activation
+    // row then loaded once for both).
     let mut t = vec![0f32; n * m];
     t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
-        let mut deq = vec![0f32; k];
-        for (j, outs) in block.chunks_exact_mut(m).enumerate() {
-            let r = c * ROWS_PER_TASK + j;
-            let wr: &[f32] = match wf32 {
-                Some(f) => &f[r * k..(r + 1) * k],
+        let (mut d0, mut d1) = (vec![0f32; k], vec![0f32; k]);
+        let mut pairs = block.chunks_exact_mut(2 * m);
+        let mut r = c * ROWS_PER_TASK;
+        for pair in pairs.by_ref() {
+            let (o0, o1) = pair.split_at_mut(m);
+            let (w0, w1): (&[f32], &[f32]) = match wf32 {
+                Some(f) => (&f[r * k..(r + 1) * k], &f[(r + 1) * k..(r + 2) * k]),
                 None => {
-                    dequant_row(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut deq);
-                    &deq
+                    dequant_row(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut d0);
+                    dequant_row(dtype, &w[(r + 1) * row_bytes..(r + 2) * row_bytes], &mut d1);
+                    (&d0, &d1)
                 }
             };
-            for (i, o) in outs.iter_mut().enumerate() {
-                *o = dot(wr, &x[i * k..(i + 1) * k]);
-            }
+            dot_rows2(w0, w1, x, k, o0, o1);
+            r += 2;
+        }
+        let last = pairs.into_remainder();
+        if !last.is_empty() {
+            let w0: &[f32] = match wf32 {
+                Some(f) => &f[r * k..(r + 1) * k],
+                None => {
+                    dequant_row(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut d0);
+                    &d0
+                }
+            };
+            dot_rows(w0, x, k, last);
         }
     });
     if m == 1 {

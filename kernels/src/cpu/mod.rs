@@ -4,6 +4,7 @@
 mod attention;
 mod matmul;
 mod pool;
+pub mod rows;
 pub mod threads;
 
 pub use attention::CpuKv;

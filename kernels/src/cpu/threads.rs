@@ -1,6 +1,8 @@
 //! How many threads the CPU kernels use: every core by default; `--threads N` (worker, `up`, `run`,
-//! `bench`) sets the process's compute pool once at start, e.g. so CPU workers sharing a host keep
-//! to their share of the cores, or to compare with a peer at the same thread count.
+//! `bench`) sets the process's compute pool once at start, e.g. to compare with a peer at the same
+//! thread count; a worker's `--concurrent-threads` adds a second pool (`ComputePool`) for the steps
+//! it runs while the other workers of its pipeline compute too, so workers sharing a host keep to
+//! their share of the cores only then.
 
 /// Sets the compute pool of this process to `n` threads (call before any kernel runs). Fails if
 /// `n` is 0 or the pool was already started.
@@ -15,7 +17,28 @@ pub fn set_cpu_threads(n: usize) -> crate::Result<()> {
         .map_err(|e| crate::Error::Device(format!("setting {n} compute threads: {e}")))
 }
 
-/// Threads the CPU kernels use now.
+/// A second compute pool, for the steps a worker runs while every other worker of its pipeline
+/// computes too (micro-batches in flight): its share of a host it shares.
+pub struct ComputePool(rayon::ThreadPool);
+
+impl ComputePool {
+    /// A pool of `n` threads (at least 1).
+    pub fn new(n: usize) -> crate::Result<Self> {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .thread_name(|i| format!("layerstream-cpu-shared-{i}"))
+            .build()
+            .map(ComputePool)
+            .map_err(|e| crate::Error::Device(format!("starting {n} compute threads: {e}")))
+    }
+
+    /// Runs `f` with every kernel inside it on this pool's threads.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.0.install(f)
+    }
+}
+
+/// Threads the CPU kernels use now (inside `ComputePool::run`: that pool's).
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
 }
@@ -27,5 +50,13 @@ mod tests {
     #[test]
     fn zero_threads_is_refused() {
         assert!(set_cpu_threads(0).is_err());
+    }
+
+    #[test]
+    fn a_compute_pool_runs_its_work_on_its_own_threads() {
+        let pool = ComputePool::new(3).unwrap();
+        assert_eq!(pool.run(cpu_threads), 3);
+        let name = pool.run(|| std::thread::current().name().map(str::to_owned));
+        assert!(name.unwrap_or_default().starts_with("layerstream-cpu-shared-"));
     }
 }
