@@ -134,3 +134,40 @@ async fn a_job_cancelled_mid_way_leaves_the_other_micro_batches_unchanged() {
         stack.shutdown();
     });
 }
+
+/// Neighbouring workers on one host hand hidden states over in shared memory: every worker but the
+/// last leaves its output in a region of its own (one per micro-batch) while the stack runs, the
+/// tokens are the same as through gRPC bytes (`--hidden-over-grpc`, which makes none), and no region
+/// outlives the stack.
+#[test]
+fn hidden_states_cross_in_shared_memory_between_workers_on_one_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let want = solo_runs(&store);
+    for over_grpc in [false, true] {
+        let mut flags = vec!["--workers", "3"];
+        if over_grpc {
+            flags.push("--hidden-over-grpc");
+        }
+        let stack = Stack::up(&store, &flags);
+        for (i, v) in concurrent_jobs(stack.addr()).iter().enumerate() {
+            let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+            assert_eq!(got, want[i], "job {i} differs from its solo run ({flags:?})");
+        }
+        let workers = stack.children("worker");
+        assert_eq!(workers.len(), 3);
+        let regions = |pid: i32| shm_left(&format!("layerstream-hidden-{pid}-"));
+        let made: Vec<usize> = workers.iter().map(|&p| regions(p).len()).collect();
+        if over_grpc {
+            assert_eq!(made, [0, 0, 0], "--hidden-over-grpc made hand-off regions");
+        } else {
+            // Pipeline order is start order; the last worker samples and hands nothing on.
+            assert!(made[0] >= 1 && made[1] >= 1 && made[2] == 0, "regions per worker: {made:?}");
+            assert!(made[0] <= 3, "one region per micro-batch at most: {made:?}");
+        }
+        stack.shutdown();
+        for p in workers {
+            assert!(regions(p).is_empty(), "worker {p} left {:?}", regions(p));
+        }
+    }
+}

@@ -76,8 +76,8 @@ pub struct BenchArgs {
     pub api_compare: Option<usize>,
     /// Instead of the configurations: micro-batches in flight (`auto` or a count) against one
     /// micro-batch (each step through the workers in turn), on fresh stacks, fully resident and
-    /// streamed as the plan flags say; prints `pipelined / sequential tokens/s` and the workers'
-    /// busy share. Use with `--workers 2` or more.
+    /// streamed as the plan flags say, and pipelined with `--hidden-over-grpc`; prints `pipelined /
+    /// sequential tokens/s` and the workers' busy share. Use with `--workers 2` or more.
     #[arg(long, env = "LAYERSTREAM_BENCH_MICRO_BATCHES")]
     pub micro_batches: Option<layerstream_coordinator::lanes::MicroBatches>,
 }

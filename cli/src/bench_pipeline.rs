@@ -1,14 +1,15 @@
 //! `layerstream bench --micro-batches M|auto`: micro-batches in flight against one micro-batch
 //! (every step through the workers in turn), each on a fresh `layerstream up` stack with the same
-//! workload, fully resident and streamed; prints tokens/s, the workers' busy share, and
-//! `pipelined / sequential tokens/s`.
+//! workload, fully resident and streamed, and the pipelined resident stack once more with hidden
+//! states sent as gRPC bytes instead of through shared memory; prints tokens/s, the workers' busy
+//! share, `pipelined / sequential tokens/s` and the hand-off ratio.
 
 use crate::bench::{resident_args, run_config, streamed_args, tables, BenchArgs, Row};
 use anyhow::{bail, Context, Result};
 use layerstream_coordinator::lanes::MicroBatches;
 
-/// Runs the four configurations (resident and streamed, each pipelined and sequential) and prints
-/// the comparison.
+/// Runs the five configurations (resident and streamed, each pipelined and sequential; resident
+/// pipelined with gRPC hand-off) and prints the comparison.
 pub fn compare(a: &BenchArgs, model: &str, vocab: usize, m: MicroBatches) -> Result<()> {
     if a.workers < 2 {
         bail!("--micro-batches compares micro-batches in flight across workers with one: give --workers 2 or more");
@@ -24,6 +25,11 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, m: MicroBatches) -> Res
         ("resident, sequential", with(resident_args(), "1".into())),
         ("streamed, pipelined", with(streamed_args(a), m.to_string())),
         ("streamed, sequential", with(streamed_args(a), "1".into())),
+        ("resident, pipelined, hidden over gRPC", {
+            let mut v = with(resident_args(), m.to_string());
+            v.push("--hidden-over-grpc".into());
+            v
+        }),
     ];
     let mut rows: Vec<Row> = Vec::new();
     for (name, extra) in &configs {
@@ -52,6 +58,10 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, m: MicroBatches) -> Res
         ratio(&rows[2], &rows[3]),
         rows[2].bytes_streamed_per_step / 1e6,
         rows[3].bytes_streamed_per_step / 1e6
+    );
+    println!(
+        "hidden states through shared memory / as gRPC bytes, pipelined tokens/s: {:.2}",
+        ratio(&rows[0], &rows[4])
     );
     if let Some(p) = &a.json_out {
         std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;

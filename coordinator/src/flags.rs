@@ -107,6 +107,10 @@ pub struct SchedulerFlags {
     /// (a worker that streams would stream its layers once per micro-batch). GetPlan shows the choice.
     #[arg(long, env = "LAYERSTREAM_MICRO_BATCHES", default_value = "auto")]
     pub micro_batches: crate::lanes::MicroBatches,
+    /// Send hidden states between workers as gRPC bytes even when neighbours share a host (by
+    /// default they go through a shared-memory region of the sending worker).
+    #[arg(long, env = "LAYERSTREAM_HIDDEN_OVER_GRPC")]
+    pub hidden_over_grpc: bool,
 }
 
 fn flag(name: &str, v: impl ToString) -> [String; 2] {
@@ -148,6 +152,9 @@ impl SchedulerFlags {
         if let Some(t) = self.step_timeout_s {
             a.extend(flag("step-timeout", t));
         }
+        if self.hidden_over_grpc {
+            a.push("--hidden-over-grpc".into());
+        }
         a
     }
 }
@@ -183,6 +190,7 @@ mod tests {
             "9",
             "--micro-batches",
             "3",
+            "--hidden-over-grpc",
             "--http-listen",
             "off",
             "--cors-allow-origin",

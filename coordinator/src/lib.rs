@@ -173,7 +173,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
             });
         }
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
-        workers.push((addr.clone(), info.device, info.memory_budget, c));
+        workers.push((addr.clone(), info.device, info.memory_budget, c, info.host_id));
     }
     let opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
@@ -193,6 +193,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
             .iter()
             .map(|w| (planner::WorkerSpec { address: w.0.clone(), budget: w.2 }, w.3.clone()))
             .collect(),
+        hosts: workers.iter().map(|w| w.4.clone()).collect(),
         manifest: store.manifest.clone(),
         opts,
         current: current.clone(),
@@ -204,6 +205,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         roster,
         locks: Arc::new([]),
         micro_batches: 1,
+        shm_handoff: !args.sched.hidden_over_grpc,
     };
     let all: Vec<usize> = (0..workers.len()).collect();
     let mut step_tokens = args.sched.max_step_tokens.max(1);
@@ -258,7 +260,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         context: store.manifest.config.max_position_embeddings,
         kv_capacity: args.plan.kv_capacity,
         plan: current,
-        workers,
+        workers: workers.into_iter().map(|w| (w.0, w.1, w.2, w.3)).collect(),
         next_seq: AtomicU64::new(1),
         metrics,
     });

@@ -30,6 +30,8 @@ pub struct Stage {
     pub addr: String,
     pub client: WorkerConn,
     pub assignment: Assignment,
+    /// Its host id (see `Roster::hosts`).
+    pub host: String,
 }
 
 /// The step deadline: fixed by `--step-timeout`, or derived from measured steps.
@@ -75,6 +77,9 @@ impl Deadline {
 /// Every registered worker, and what the planner needs to plan over any subset of them.
 pub struct Roster {
     pub workers: Vec<(WorkerSpec, WorkerConn)>,
+    /// Each worker's host id (`InfoResponse.host_id`): neighbours with the same one hand hidden
+    /// states over in shared memory.
+    pub hosts: Vec<String>,
     pub manifest: Manifest,
     pub opts: PlanOptions,
     /// The plan in force, shared with GetPlan and ListWorkers.
@@ -92,6 +97,8 @@ pub struct Pipeline {
     pub locks: Arc<[tokio::sync::Mutex<()>]>,
     /// Micro-batches in flight under the plan in force (see `lanes::choose`).
     pub micro_batches: usize,
+    /// Hand hidden states between neighbours on one host through shared memory (else gRPC bytes).
+    pub shm_handoff: bool,
 }
 
 /// One step's way through the workers, detached from the pipeline so that several micro-batches
@@ -103,6 +110,7 @@ pub struct Runner {
     stages: Arc<[Stage]>,
     locks: Arc<[tokio::sync::Mutex<()>]>,
     timeout: Duration,
+    shm_handoff: bool,
 }
 
 /// The result of a step.
@@ -167,10 +175,15 @@ impl Runner {
         span: Span,
         lane: usize,
     ) -> Result<StepResult> {
-        let mut hidden = Vec::new();
+        let (mut hidden, mut hidden_ref) = (Vec::new(), None);
         let mut out = StepResult::default();
         let last = self.stages.len() - 1;
         for (i, st) in self.stages.iter().enumerate() {
+            // The next worker on the same host reads this one's output from shared memory.
+            let to_shm = self.shm_handoff
+                && i < last
+                && !st.host.is_empty()
+                && self.stages[i + 1].host == st.host;
             let _turn = self.locks[i].lock().await;
             // One span per worker call: micro-batches on different workers overlap in the trace.
             let call = tracing::info_span!(parent: &span, "stage", worker = %st.addr, micro_batch = lane as i64, seqs = seqs.len() as i64);
@@ -180,6 +193,9 @@ impl Runner {
                     seqs: seqs.clone(),
                     hidden: std::mem::take(&mut hidden),
                     release: release.clone(),
+                    micro_batch: lane as u32,
+                    hidden_out_shm: to_shm,
+                    hidden_ref: hidden_ref.take(),
                 },
             );
             let mut c = st.client.clone();
@@ -208,6 +224,7 @@ impl Runner {
                 out.logprobs = resp.logprobs;
             } else {
                 hidden = resp.hidden;
+                hidden_ref = resp.hidden_ref;
             }
         }
         Ok(out)
@@ -238,6 +255,7 @@ impl Pipeline {
                 addr: r.workers[i].0.address.clone(),
                 client: r.workers[i].1.clone(),
                 assignment: p.clone(),
+                host: r.hosts.get(i).cloned().unwrap_or_default(),
             };
             let n = assign(&stage, &span).await?.max_step_tokens as usize;
             if n > 0 && (limit == 0 || n < limit) {
@@ -290,6 +308,7 @@ impl Pipeline {
             stages: self.stages.clone().into(),
             locks: self.locks.clone(),
             timeout: self.deadline.current(),
+            shm_handoff: self.shm_handoff,
         }
     }
     /// Brings every worker back to a known, empty state after a failed step: waits up to `wait`

@@ -6,6 +6,7 @@ pub mod device;
 pub mod error;
 pub mod forward;
 pub mod generate;
+pub mod handoff;
 pub mod model;
 pub mod nucleus;
 pub mod prefetch;

@@ -181,6 +181,8 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         live: Default::default(),
         assignment_id: Default::default(),
         concurrent,
+        handoff: crate::handoff::Handoff::new(),
+        host_id: crate::handoff::host_id(),
     });
     println!("LISTENING {id}");
     let threads = layerstream_kernels::cpu::threads::cpu_threads();
@@ -195,7 +197,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         .add_service(layerstream_proto::transport::reflection())
         .add_service(layerstream_proto::transport::reflection_v1alpha())
         .add_service(InterceptedService::new(
-            WorkerServer::new(WorkerService(state))
+            WorkerServer::new(WorkerService(state.clone()))
                 .max_decoding_message_size(1 << 30)
                 .max_encoding_message_size(1 << 30),
             guard,
@@ -205,5 +207,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
             layerstream_proto::transport::shutdown_signal(),
         )
         .await?;
+    // Whatever still holds the state, the hand-off regions go now.
+    state.handoff.clear();
     Ok(())
 }

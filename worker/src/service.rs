@@ -45,6 +45,10 @@ pub struct WorkerState {
     /// `--concurrent-threads`' pool (when it differs from the main one): steps of a plan with
     /// micro-batches in flight run on it.
     pub concurrent: Option<layerstream_kernels::cpu::threads::ComputePool>,
+    /// Hidden states for the next worker on this host, in shared memory.
+    pub handoff: crate::handoff::Handoff,
+    /// `handoff::host_id()`, reported by Info.
+    pub host_id: String,
 }
 
 /// The loader daemon's counters, as it describes itself (None when it does not answer within a
@@ -162,6 +166,7 @@ impl Worker for WorkerService {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone(),
             loader,
+            host_id: s.host_id.clone(),
         }))
     }
 
@@ -228,17 +233,21 @@ impl Worker for WorkerService {
                 draws_before: s.draws_before as u64,
             })
             .collect();
-        if !req.hidden.len().is_multiple_of(4) {
-            return Err(Status::invalid_argument(format!(
-                "hidden: {} bytes is not a whole number of little-endian f32 values",
-                req.hidden.len()
-            )));
-        }
-        let hidden: Vec<f32> = req
-            .hidden
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let hidden: Vec<f32> = match &req.hidden_ref {
+            Some(r) => crate::handoff::read(r).map_err(Status::invalid_argument)?,
+            None if !req.hidden.len().is_multiple_of(4) => {
+                return Err(Status::invalid_argument(format!(
+                    "hidden: {} bytes is not a whole number of little-endian f32 values",
+                    req.hidden.len()
+                )))
+            }
+            None => req
+                .hidden
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        };
+        let (lane, to_shm) = (req.micro_batch, req.hidden_out_shm);
         let s2 = span.clone();
         let release = req.release;
         let out = tokio::task::spawn_blocking(move || {
@@ -288,8 +297,15 @@ impl Worker for WorkerService {
                 return Err(Status::internal(msg));
             }
         };
+        let (hidden, hidden_ref) = if to_shm && !out.hidden.is_empty() {
+            let r = self.0.handoff.write(lane, &out.hidden).map_err(Status::internal)?;
+            (Vec::new(), Some(r))
+        } else {
+            (out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(), None)
+        };
         Ok(Response::new(StepResponse {
-            hidden: out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            hidden,
+            hidden_ref,
             tokens: out.tokens,
             layers: out
                 .layers
