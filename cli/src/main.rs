@@ -43,7 +43,8 @@ enum Cmd {
         /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b.
         #[arg(long, env = "LAYERSTREAM_SYNTH_SHAPE")]
         shape: String,
-        /// Weight type of the layers: f16, q8_0, q4_k (also f32, bf16, q4_0, q4_1, q6_k).
+        /// Weight type of the layers: any stored format (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+        /// q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs).
         #[arg(long, env = "LAYERSTREAM_SYNTH_DTYPE", default_value = "q4_k")]
         dtype: String,
         /// Number of layers (default: the real model's).
@@ -124,9 +125,9 @@ fn main() -> Result<()> {
                 dtype.to_lowercase(),
             ))
             .map_err(|_| {
-                anyhow::anyhow!(
-                    "unknown --dtype {dtype:?}; use f16, q8_0, q4_k, f32, bf16, q4_0, q4_1 or q6_k"
-                )
+                let all: Vec<&str> =
+                    layerstream_model::DType::ALL.iter().map(|d| d.name()).collect();
+                anyhow::anyhow!("unknown --dtype {dtype:?}; use one of {}", all.join(", "))
             })?;
             let m = layerstream_model::synth::synth(&shape, dt, layers, seed, &dst)?;
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();

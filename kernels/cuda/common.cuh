@@ -9,6 +9,13 @@
 #define DT_Q4_1 5
 #define DT_Q4_K 6
 #define DT_Q6_K 7
+#define DT_Q5_0 8
+#define DT_Q5_1 9
+#define DT_Q2_K 10
+#define DT_Q3_K 11
+#define DT_Q5_K 12
+#define DT_IQ4_NL 13
+#define DT_IQ4_XS 14
 
 typedef unsigned char u8;
 typedef unsigned short u16;

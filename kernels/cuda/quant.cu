@@ -2,6 +2,8 @@
 // of 8 elements of a row (and single elements), a fused dequantize-matvec for decode (up to
 // MATVEC_ROWS activation rows) and dequantize-to-f32/f16 for the prefill GEMMs.
 
+__constant__ signed char IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 __device__ __forceinline__ void scale_min_k4(int j, const u8* s, float* sc, float* mn) {
     if (j < 4) {
         *sc = (float)(s[j] & 63);
@@ -36,16 +38,82 @@ __device__ __forceinline__ void deq8(const u8* row, int c0, float* v) {
 #pragma unroll
             for (int e = 0; e < 8; e++) v[e] = d * (float)(((qs[e] >> shift) & 0xF) - 8);
         }
-    } else if (T == DT_Q4_K) {
-        const u8* b = row + (c0 >> 8) * 144;
+    } else if (T == DT_Q4_K || T == DT_Q5_K) {
+        // d, dmin, 12 bytes of scales/mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes of nibbles:
+        // element i of 256 is nibble (i%64 < 32 ? low : high) of byte 32·(i/64) + i%32, its fifth
+        // bit bit i/32 of byte i%32.
+        const u8* b = row + (c0 >> 8) * (T == DT_Q5_K ? 176 : 144);
         const int i0 = c0 & 255, j = i0 >> 6, l0 = i0 & 63, hi = l0 >= 32;
         float sc, mn;
         scale_min_k4(2 * j + hi, b + 4, &sc, &mn);
         const float d = ld_h(b) * sc, m = ld_h(b + 2) * mn;
-        const u8* q = b + 16 + 32 * j + (l0 & 31);
-        const int shift = hi ? 4 : 0;
+        const u8* q = b + (T == DT_Q5_K ? 48 : 16) + 32 * j + (l0 & 31);
+        const u8* qh = b + 16 + (l0 & 31);
+        const int shift = hi ? 4 : 0, bit = i0 >> 5;
 #pragma unroll
-        for (int e = 0; e < 8; e++) v[e] = d * (float)((q[e] >> shift) & 0xF) - m;
+        for (int e = 0; e < 8; e++) {
+            const int fifth = T == DT_Q5_K ? ((qh[e] >> bit) & 1) << 4 : 0;
+            v[e] = d * (float)(((q[e] >> shift) & 0xF) | fifth) - m;
+        }
+    } else if (T == DT_Q5_0 || T == DT_Q5_1) {
+        // d, [m,] 4 bytes of fifth bits, 16 bytes of nibbles: element i of 32 takes nibble i & 15
+        // (low for i < 16) and fifth bit i.
+        const int i0 = c0 & 31;
+        const u8* b = row + (c0 >> 5) * (T == DT_Q5_1 ? 24 : 22);
+        const u8* hb = b + (T == DT_Q5_1 ? 4 : 2);
+        const unsigned qh = (unsigned)hb[0] | ((unsigned)hb[1] << 8) | ((unsigned)hb[2] << 16) | ((unsigned)hb[3] << 24);
+        const u8* qs = hb + 4 + (i0 & 15);
+        const int shift = i0 < 16 ? 0 : 4;
+        const float d = ld_h(b);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int q = ((qs[e] >> shift) & 0xF) | (((qh >> (i0 + e)) & 1) << 4);
+            v[e] = T == DT_Q5_1 ? d * (float)q + ld_h(b + 2) : d * (float)(q - 16);
+        }
+    } else if (T == DT_Q2_K) {
+        // 16 scale bytes, 64 bytes of 2-bit values, d, dmin: element i of 256 is in half i/128,
+        // shift 2·((i%128)/32), byte (i%32) of the half, scale byte i/16.
+        const u8* b = row + (c0 >> 8) * 84;
+        const int i0 = c0 & 255, half = i0 >> 7, r = i0 & 127, shift = 2 * (r >> 5), l0 = r & 31;
+        const u8 sc = b[i0 >> 4];
+        const float dl = ld_h(b + 80) * (float)(sc & 0xF), ml = ld_h(b + 82) * (float)(sc >> 4);
+        const u8* q = b + 16 + 32 * half + l0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = dl * (float)((q[e] >> shift) & 3) - ml;
+    } else if (T == DT_Q3_K) {
+        // 32 bytes of high bits, 64 of 2-bit values, 12 of packed 6-bit scales, d: as Q2_K, minus 4
+        // where the high bit (bit i/32 of byte i%32) is clear.
+        const u8* b = row + (c0 >> 8) * 110;
+        const int i0 = c0 & 255, half = i0 >> 7, r = i0 & 127, shift = 2 * (r >> 5), l0 = r & 31;
+        const int is = i0 >> 4;
+        const u8* p = b + 96;
+        const int low = is < 8 ? (p[is] & 0xF) : (p[is - 8] >> 4);
+        const int high = (p[8 + (is & 3)] >> (2 * (is >> 2))) & 3;
+        const float dl = ld_h(b + 108) * (float)((low | (high << 4)) - 32);
+        const u8* q = b + 32 + 32 * half + l0;
+        const u8* hm = b + l0;
+        const int bit = i0 >> 5;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = dl * (float)((int)((q[e] >> shift) & 3) - (((hm[e] >> bit) & 1) ? 0 : 4));
+    } else if (T == DT_IQ4_NL || T == DT_IQ4_XS) {
+        // Level indices into the non-linear table; IQ4_NL: d per 32, IQ4_XS: d·(scale − 32) per 32
+        // of 256 (low nibbles of bytes 4..8, high bits in the u16 at 2).
+        const int i0 = T == DT_IQ4_NL ? (c0 & 31) : (c0 & 255);
+        const u8* b = row + (T == DT_IQ4_NL ? (c0 >> 5) * 18 : (c0 >> 8) * 136);
+        float dl = ld_h(b);
+        const u8* qs;
+        if (T == DT_IQ4_XS) {
+            const int ib = i0 >> 5;
+            const int sh = (int)b[2] | ((int)b[3] << 8);
+            const int ls = ((b[4 + ib / 2] >> (4 * (ib & 1))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+            dl *= (float)(ls - 32);
+            qs = b + 8 + 16 * ib + (i0 & 15);
+        } else {
+            qs = b + 2 + (i0 & 15);
+        }
+        const int shift = (i0 & 31) < 16 ? 0 : 4;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = dl * (float)IQ4_LEVELS[(qs[e] >> shift) & 0xF];
     } else {  // DT_Q6_K
         const u8* b = row + (c0 >> 8) * 210;
         const int i0 = c0 & 255, n = i0 >> 7, r = i0 & 127, quarter = r >> 5, l0 = r & 31;
@@ -90,6 +158,13 @@ __device__ float deq_rt(const u8* row, int t, int c) {
     case DT_Q4_0: return deq<DT_Q4_0>(row, c);
     case DT_Q4_1: return deq<DT_Q4_1>(row, c);
     case DT_Q4_K: return deq<DT_Q4_K>(row, c);
+    case DT_Q5_0: return deq<DT_Q5_0>(row, c);
+    case DT_Q5_1: return deq<DT_Q5_1>(row, c);
+    case DT_Q2_K: return deq<DT_Q2_K>(row, c);
+    case DT_Q3_K: return deq<DT_Q3_K>(row, c);
+    case DT_Q5_K: return deq<DT_Q5_K>(row, c);
+    case DT_IQ4_NL: return deq<DT_IQ4_NL>(row, c);
+    case DT_IQ4_XS: return deq<DT_IQ4_XS>(row, c);
     default: return deq<DT_Q6_K>(row, c);
     }
 }
@@ -189,3 +264,10 @@ QUANT_KERNELS(q4_0, DT_Q4_0)
 QUANT_KERNELS(q4_1, DT_Q4_1)
 QUANT_KERNELS(q4_k, DT_Q4_K)
 QUANT_KERNELS(q6_k, DT_Q6_K)
+QUANT_KERNELS(q5_0, DT_Q5_0)
+QUANT_KERNELS(q5_1, DT_Q5_1)
+QUANT_KERNELS(q2_k, DT_Q2_K)
+QUANT_KERNELS(q3_k, DT_Q3_K)
+QUANT_KERNELS(q5_k, DT_Q5_K)
+QUANT_KERNELS(iq4_nl, DT_IQ4_NL)
+QUANT_KERNELS(iq4_xs, DT_IQ4_XS)

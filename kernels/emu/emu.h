@@ -21,6 +21,7 @@ inline dim_ blockDim, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __constant__ static const
 struct WarpSync { std::barrier<> bar{32}; float f[32]; int i[32]; };
 inline std::barrier<>* g_block;
 inline std::vector<std::unique_ptr<WarpSync>>* g_warps;
@@ -52,8 +53,10 @@ template <class F> void launch(unsigned grid, unsigned block, F kernel) { launch
 // Bytes of one stored row of k elements of dtype t (a DT_* code of common.cuh); -1 for an unknown
 // dtype or a width that is not whole blocks.
 inline long long row_bytes(int t, long long k) {
-    const int elems[] = {1, 1, 1, 32, 32, 32, 256, 256}, bytes[] = {4, 2, 2, 34, 18, 20, 144, 210};
-    if (t < 0 || t > 7 || k % elems[t] != 0) return -1;
+    // Indexed by the DT_* codes of common.cuh.
+    const int elems[] = {1, 1, 1, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256};
+    const int bytes[] = {4, 2, 2, 34, 18, 20, 144, 210, 22, 24, 84, 110, 176, 18, 136};
+    if (t < 0 || t > 14 || k % elems[t] != 0) return -1;
     return k / elems[t] * bytes[t];
 }
 // Reads exactly v.size() elements of v's type from f; false on a short file.

@@ -27,12 +27,16 @@ int main(int argc, char** argv) {
 #define MATVEC(NAME, T) if (t == T) matvec_##NAME(w.data(), rb, x.data(), y.data(), m, n, k);
         MATVEC(f32, DT_F32) MATVEC(f16, DT_F16) MATVEC(bf16, DT_BF16) MATVEC(q8_0, DT_Q8_0)
         MATVEC(q4_0, DT_Q4_0) MATVEC(q4_1, DT_Q4_1) MATVEC(q4_k, DT_Q4_K) MATVEC(q6_k, DT_Q6_K)
+        MATVEC(q5_0, DT_Q5_0) MATVEC(q5_1, DT_Q5_1) MATVEC(q2_k, DT_Q2_K) MATVEC(q3_k, DT_Q3_K)
+        MATVEC(q5_k, DT_Q5_K) MATVEC(iq4_nl, DT_IQ4_NL) MATVEC(iq4_xs, DT_IQ4_XS)
     });
     launch(((long long)n * k / 8 + 255) / 256 + 1, 256, [&] {
 #define DEQUANT(NAME, T) if (t == T) { dequant_f32_##NAME(w.data(), rb, d32.data(), n, k); dequant_f16_##NAME(w.data(), rb, d16.data(), n, k); \
                                  dequant_bf16_##NAME(w.data(), rb, dbf.data(), n, k); }
         DEQUANT(f32, DT_F32) DEQUANT(f16, DT_F16) DEQUANT(bf16, DT_BF16) DEQUANT(q8_0, DT_Q8_0)
         DEQUANT(q4_0, DT_Q4_0) DEQUANT(q4_1, DT_Q4_1) DEQUANT(q4_k, DT_Q4_K) DEQUANT(q6_k, DT_Q6_K)
+        DEQUANT(q5_0, DT_Q5_0) DEQUANT(q5_1, DT_Q5_1) DEQUANT(q2_k, DT_Q2_K) DEQUANT(q3_k, DT_Q3_K)
+        DEQUANT(q5_k, DT_Q5_K) DEQUANT(iq4_nl, DT_IQ4_NL) DEQUANT(iq4_xs, DT_IQ4_XS)
     });
     FILE* out = fopen(argv[6], "wb");
     if (!out || !write_from(out, y) || !write_from(out, d32) || !write_from(out, d16) || !write_from(out, dbf)) return 3;

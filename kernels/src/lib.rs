@@ -10,6 +10,7 @@ pub mod cuda_h2d;
 pub mod error;
 pub mod host;
 pub mod quant;
+pub mod quant_ext;
 pub mod rope;
 
 pub use backend::{AttnShape, Backend};

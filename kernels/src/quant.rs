@@ -11,17 +11,6 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// Q4_K/Q5_K packed 6-bit (scale, min) pair `j` of a super-block.
-fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
-    if j < 4 {
-        ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
-    } else {
-        (
-            ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)) as f32,
-            ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32,
-        )
-    }
-}
-
 /// Dequantizes one block of `dtype` into `out` (`dtype.block_elems()` values).
 pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
     match dtype {
@@ -46,23 +35,14 @@ pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
                 out[l + 16] = d * ((q >> 4) as f32 - off) + m;
             }
         }
-        DType::Q4K => {
-            let d = f16_at(b, 0);
-            let dmin = f16_at(b, 2);
-            let scales = &b[4..16];
-            let qs = &b[16..144];
-            for j in 0..4 {
-                let (sc1, m1) = scale_min_k4(2 * j, scales);
-                let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-                let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
-                let q = &qs[32 * j..32 * j + 32];
-                let o = &mut out[64 * j..64 * j + 64];
-                for l in 0..32 {
-                    o[l] = d1 * (q[l] & 0xF) as f32 - m1;
-                    o[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
-                }
-            }
-        }
+        DType::Q4K => crate::quant_ext::q4_q5_k(b, false, out),
+        DType::Q5_0 => crate::quant_ext::q5(b, false, out),
+        DType::Q5_1 => crate::quant_ext::q5(b, true, out),
+        DType::Q2K => crate::quant_ext::q2_k(b, out),
+        DType::Q3K => crate::quant_ext::q3_k(b, out),
+        DType::Q5K => crate::quant_ext::q4_q5_k(b, true, out),
+        DType::Iq4Nl => crate::quant_ext::iq4_nl(b, out),
+        DType::Iq4Xs => crate::quant_ext::iq4_xs(b, out),
         DType::Q6K => {
             let d = f16_at(b, 208);
             for n in 0..2 {
@@ -194,16 +174,7 @@ pub(crate) mod tests {
     /// Q4_K weights once pushed a synthetic 70B model's activations past f16's range).
     #[test]
     fn synthetic_weights_are_zero_mean_and_small() {
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q4K,
-            DType::Q6K,
-        ] {
+        for dtype in DType::ALL {
             let (rows, k) = (64, 512);
             let t = layerstream_types::random::Rng::new(7).tensor(dtype, &[rows, k]).unwrap();
             let mut w = vec![0f32; rows * k];
@@ -292,16 +263,7 @@ pub(crate) mod tests {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (seed >> 33) as u32
         };
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q4K,
-            DType::Q6K,
-        ] {
+        for dtype in DType::ALL {
             let cols = 512;
             let mut row: Vec<u8> =
                 (0..dtype.row_bytes(cols).unwrap()).map(|_| rnd() as u8).collect();
@@ -324,13 +286,22 @@ pub(crate) mod tests {
                 .chunks_exact_mut(4)
                 .for_each(|c| c.copy_from_slice(&((val()[1] as f32) / 100.0).to_le_bytes())),
             DType::F16 | DType::Bf16 => row.chunks_exact_mut(2).for_each(|c| c[1] &= 0x3F),
-            DType::Q8_0 | DType::Q4_0 => row
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::Iq4Nl | DType::Iq4Xs => row
                 .chunks_exact_mut(dtype.block_bytes())
                 .for_each(|b| b[0..2].copy_from_slice(&val())),
-            DType::Q4_1 | DType::Q4K => row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| {
-                b[0..2].copy_from_slice(&val());
-                b[2..4].copy_from_slice(&val());
+            DType::Q4_1 | DType::Q4K | DType::Q5_1 | DType::Q5K => {
+                row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| {
+                    b[0..2].copy_from_slice(&val());
+                    b[2..4].copy_from_slice(&val());
+                })
+            }
+            DType::Q2K => row.chunks_exact_mut(84).for_each(|b| {
+                b[80..82].copy_from_slice(&val());
+                b[82..84].copy_from_slice(&val());
             }),
+            DType::Q3K => {
+                row.chunks_exact_mut(110).for_each(|b| b[108..110].copy_from_slice(&val()))
+            }
             DType::Q6K => {
                 row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val()))
             }

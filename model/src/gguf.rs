@@ -157,20 +157,6 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn ggml_dtype(code: u32) -> Option<DType> {
-    Some(match code {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        12 => DType::Q4K,
-        14 => DType::Q6K,
-        30 => DType::Bf16,
-        _ => return None,
-    })
-}
-
 impl GgufFile {
     /// Opens and parses a GGUF file; a truncated or malformed file names the offset at fault.
     pub fn open(path: &Path) -> Result<GgufFile> {
@@ -216,8 +202,12 @@ impl GgufFile {
             }
             let code = c.u32()?;
             let offset = c.u64()? as usize;
-            let dtype = ggml_dtype(code).ok_or_else(|| {
-                Error::tensor(&name, format!("GGML type {code} unsupported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"))
+            let dtype = DType::from_ggml_type(code).ok_or_else(|| {
+                let known: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+                Error::tensor(
+                    &name,
+                    format!("GGML type {code} unsupported (supported: {})", known.join(", ")),
+                )
             })?;
             ne.reverse();
             raw.push((name, ne, dtype, offset));

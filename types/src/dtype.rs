@@ -19,6 +19,18 @@ pub enum DType {
     Q4K,
     #[serde(rename = "q6_k")]
     Q6K,
+    Q5_0,
+    Q5_1,
+    #[serde(rename = "q2_k")]
+    Q2K,
+    #[serde(rename = "q3_k")]
+    Q3K,
+    #[serde(rename = "q5_k")]
+    Q5K,
+    #[serde(rename = "iq4_nl")]
+    Iq4Nl,
+    #[serde(rename = "iq4_xs")]
+    Iq4Xs,
 }
 
 impl DType {
@@ -26,8 +38,10 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::Bf16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
-            DType::Q4K | DType::Q6K => 256,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Iq4Nl => {
+                32
+            }
+            DType::Q4K | DType::Q6K | DType::Q2K | DType::Q3K | DType::Q5K | DType::Iq4Xs => 256,
         }
     }
 
@@ -41,6 +55,13 @@ impl DType {
             DType::Q4_1 => 20,
             DType::Q4K => 144,
             DType::Q6K => 210,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q2K => 84,
+            DType::Q3K => 110,
+            DType::Q5K => 176,
+            DType::Iq4Nl => 18,
+            DType::Iq4Xs => 136,
         }
     }
 
@@ -77,7 +98,59 @@ impl DType {
             DType::Q4_1 => "q4_1",
             DType::Q4K => "q4_k",
             DType::Q6K => "q6_k",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q2K => "q2_k",
+            DType::Q3K => "q3_k",
+            DType::Q5K => "q5_k",
+            DType::Iq4Nl => "iq4_nl",
+            DType::Iq4Xs => "iq4_xs",
         }
+    }
+
+    /// Every stored format.
+    pub const ALL: [DType; 15] = [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q4K,
+        DType::Q6K,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q5K,
+        DType::Iq4Nl,
+        DType::Iq4Xs,
+    ];
+
+    /// The GGML type code GGUF files use for this format.
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q8_0 => 8,
+            DType::Q2K => 10,
+            DType::Q3K => 11,
+            DType::Q4K => 12,
+            DType::Q5K => 13,
+            DType::Q6K => 14,
+            DType::Iq4Nl => 20,
+            DType::Iq4Xs => 23,
+            DType::Bf16 => 30,
+        }
+    }
+
+    /// The format of GGML type `code`, if stored here.
+    pub fn from_ggml_type(code: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.ggml_type() == code)
     }
 }
 
@@ -101,7 +174,7 @@ mod tests {
 
     #[test]
     fn serde_names_match_display() {
-        for d in [DType::F32, DType::Bf16, DType::Q8_0, DType::Q4K, DType::Q6K] {
+        for d in DType::ALL {
             let s = serde_json::to_string(&d).unwrap();
             assert_eq!(s, format!("\"{}\"", d.name()));
         }

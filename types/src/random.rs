@@ -70,6 +70,41 @@ impl Rng {
             DType::Q6K => {
                 data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5)))
             }
+            // w = d·(q − 16), q in 0..32.
+            DType::Q5_0 => {
+                data.chunks_exact_mut(22).for_each(|b| b[0..2].copy_from_slice(&f16(3e-3)))
+            }
+            // w = d·q + m, q in 0..32: m = −15.5·d centres it.
+            DType::Q5_1 => data.chunks_exact_mut(24).for_each(|b| {
+                b[0..2].copy_from_slice(&f16(3e-3));
+                b[2..4].copy_from_slice(&f16(-4.65e-2));
+            }),
+            // w = d·scale·q − dmin·min, q in 0..4: each scale byte's min nibble set to its scale
+            // nibble and dmin = 1.5·d, so w = d·scale·(q − 1.5).
+            DType::Q2K => data.chunks_exact_mut(84).for_each(|b| {
+                b[0..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+                b[80..82].copy_from_slice(&f16(2e-3));
+                b[82..84].copy_from_slice(&f16(3e-3));
+            }),
+            // w = d·(scale − 32)·q, q in −4..4, 6-bit scales: centred already.
+            DType::Q3K => {
+                data.chunks_exact_mut(110).for_each(|b| b[108..110].copy_from_slice(&f16(3e-4)))
+            }
+            // As Q4_K (mins equal to scales), q in 0..32: dmin = 15.5·d.
+            DType::Q5K => data.chunks_exact_mut(176).for_each(|b| {
+                b[0..2].copy_from_slice(&f16(1e-4));
+                b[2..4].copy_from_slice(&f16(1.55e-3));
+                b.copy_within(4..8, 8);
+                b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+            }),
+            // w = d·table[q], the non-linear table spans −127..113.
+            DType::Iq4Nl => {
+                data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(4e-4)))
+            }
+            // w = d·(scale − 32)·table[q], 6-bit scales.
+            DType::Iq4Xs => {
+                data.chunks_exact_mut(136).for_each(|b| b[0..2].copy_from_slice(&f16(1e-5)))
+            }
         }
         Some(data)
     }

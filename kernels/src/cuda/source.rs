@@ -26,12 +26,21 @@ pub fn dtype_code(d: layerstream_types::DType) -> i32 {
         DType::Q4_1 => 5,
         DType::Q4K => 6,
         DType::Q6K => 7,
+        DType::Q5_0 => 8,
+        DType::Q5_1 => 9,
+        DType::Q2K => 10,
+        DType::Q3K => 11,
+        DType::Q5K => 12,
+        DType::Iq4Nl => 13,
+        DType::Iq4Xs => 14,
     }
 }
 
 /// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
-pub const DTYPE_SUFFIXES: [&str; 8] =
-    ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"];
+pub const DTYPE_SUFFIXES: [&str; 15] = [
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q5_0", "q5_1", "q2_k", "q3_k",
+    "q5_k", "iq4_nl", "iq4_xs",
+];
 
 /// Every kernel entry point the backend loads.
 pub fn kernel_names() -> Vec<String> {

@@ -5,16 +5,7 @@ use crate::quant::tests::sanitize;
 use layerstream_types::DType;
 
 /// Every stored dtype the kernels handle.
-pub(crate) const DTYPES: [DType; 8] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q4K,
-    DType::Q6K,
-];
+pub(crate) const DTYPES: [DType; 15] = DType::ALL;
 
 /// A linear congruential generator: deterministic, no dependency.
 pub(crate) struct Rng(pub(crate) u64);

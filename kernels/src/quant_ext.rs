@@ -1,0 +1,156 @@
+//! Dequantization of the GGML block formats that llama.cpp's other file types use (Q2_K…Q5_K_M,
+//! IQ4_XS, and the fallbacks it picks for rows that are not a multiple of 256): Q5_0, Q5_1, Q2_K,
+//! Q3_K, Q5_K, IQ4_NL, IQ4_XS. Written from the formats' definitions (ggml-quants.c's block
+//! layouts); `tests/quant_formats.rs` checks every one against gguf-py's reference dequantization.
+
+use half::f16;
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects.
+pub const IQ4_LEVELS: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// Q5_0 / Q5_1 (32 values): `d`, [`m`,] 4 bytes of fifth bits, 16 bytes of nibbles; value j is
+/// `d·q + m` (Q5_1) or `d·(q − 16)` (Q5_0).
+pub fn q5(b: &[u8], with_min: bool, out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (m, hb) = if with_min { (f16_at(b, 2), 4) } else { (0.0, 2) };
+    let qh = u32::from_le_bytes([b[hb], b[hb + 1], b[hb + 2], b[hb + 3]]);
+    let qs = &b[hb + 4..hb + 20];
+    for (j, &q) in qs.iter().enumerate() {
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        let (x0, x1) = ((q as u32 & 0x0F) | h0, (q as u32 >> 4) | h1);
+        if with_min {
+            out[j] = d * x0 as f32 + m;
+            out[j + 16] = d * x1 as f32 + m;
+        } else {
+            out[j] = d * (x0 as i32 - 16) as f32;
+            out[j + 16] = d * (x1 as i32 - 16) as f32;
+        }
+    }
+}
+
+/// Q2_K (256 values): 16 scale bytes (scale nibble, min nibble), 64 bytes of 2-bit values, `d`,
+/// `dmin`; value = `d·scale·q − dmin·min` per 16-value sub-block.
+pub fn q2_k(b: &[u8], out: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    let mut is = 0;
+    let mut y = 0;
+    for half in 0..2 {
+        let q = &qs[32 * half..32 * half + 32];
+        for shift in [0, 2, 4, 6] {
+            for part in 0..2 {
+                let sc = scales[is];
+                is += 1;
+                let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+                for &v in &q[16 * part..16 * part + 16] {
+                    out[y] = dl * ((v >> shift) & 3) as f32 - ml;
+                    y += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Q3_K (256 values): 32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of packed 6-bit
+/// scales, `d`; value = `d·(scale − 32)·(q − (high bit ? 0 : 4))` per 16-value sub-block.
+pub fn q3_k(b: &[u8], out: &mut [f32]) {
+    let (hm, qs, packed) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = f16_at(b, 108);
+    // The 16 six-bit scales: low nibbles in bytes 0..8, high two bits in 8..12.
+    let mut scales = [0i32; 16];
+    for (i, s) in scales.iter_mut().enumerate() {
+        let low = if i < 8 { packed[i] & 0xF } else { packed[i - 8] >> 4 };
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        *s = (low | (high << 4)) as i32 - 32;
+    }
+    let mut is = 0;
+    let mut y = 0;
+    let mut m = 1u8;
+    for half in 0..2 {
+        let q = &qs[32 * half..32 * half + 32];
+        for shift in [0, 2, 4, 6] {
+            for part in 0..2 {
+                let dl = d * scales[is] as f32;
+                is += 1;
+                for l in 16 * part..16 * part + 16 {
+                    let v = ((q[l] >> shift) & 3) as i32 - if hm[l] & m != 0 { 0 } else { 4 };
+                    out[y] = dl * v as f32;
+                    y += 1;
+                }
+            }
+            m <<= 1;
+        }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of the K formats' 12 packed bytes.
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
+    } else {
+        (
+            ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)) as f32,
+            ((s[j + 4] >> 4) | ((s[j] >> 6) << 4)) as f32,
+        )
+    }
+}
+
+/// Q4_K (144 bytes) and Q5_K (176) of 256 values: `d`, `dmin`, 12 bytes of packed scales and
+/// mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes of nibbles; value = `d·scale·q − dmin·min` per
+/// 32-value sub-block.
+pub fn q4_q5_k(b: &[u8], fifth_bits: bool, out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let (qh, qs) = if fifth_bits { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+    for j in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * j, scales);
+        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+        let ql = &qs[32 * j..32 * j + 32];
+        let o = &mut out[64 * j..64 * j + 64];
+        for l in 0..32 {
+            let (mut lo, mut hi) = (ql[l] & 0xF, ql[l] >> 4);
+            if fifth_bits {
+                lo += if qh[l] & u1 != 0 { 16 } else { 0 };
+                hi += if qh[l] & u2 != 0 { 16 } else { 0 };
+            }
+            o[l] = d1 * lo as f32 - m1;
+            o[l + 32] = d2 * hi as f32 - m2;
+        }
+    }
+}
+
+/// IQ4_NL (32 values): `d`, 16 bytes of 4-bit level indices; value = `d·level`.
+pub fn iq4_nl(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        out[j] = d * IQ4_LEVELS[(q & 0xF) as usize] as f32;
+        out[j + 16] = d * IQ4_LEVELS[(q >> 4) as usize] as f32;
+    }
+}
+
+/// IQ4_XS (256 values): `d`, 2 bytes of scales' high bits, 4 bytes of their low nibbles, 128 bytes
+/// of level indices; value = `d·(scale − 32)·level` per 32-value sub-block.
+pub fn iq4_xs(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let sh = u16::from_le_bytes([b[2], b[3]]);
+    let (sl, qs) = (&b[4..8], &b[8..136]);
+    for ib in 0..8 {
+        let ls =
+            ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) as i32 | ((((sh >> (2 * ib)) & 3) as i32) << 4);
+        let dl = d * (ls - 32) as f32;
+        let q = &qs[16 * ib..16 * ib + 16];
+        let o = &mut out[32 * ib..32 * ib + 32];
+        for (j, &v) in q.iter().enumerate() {
+            o[j] = dl * IQ4_LEVELS[(v & 0xF) as usize] as f32;
+            o[j + 16] = dl * IQ4_LEVELS[(v >> 4) as usize] as f32;
+        }
+    }
+}

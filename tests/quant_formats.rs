@@ -1,0 +1,68 @@
+//! Every GGML block format layerstream stores, dequantized by the CPU kernels, against gguf-py's
+//! reference dequantization of the same random blocks (`fixtures/quant/gen.py` wrote both). The CUDA
+//! kernels are checked against the CPU ones (`kernels/src/cuda/tests_emu.rs` under the host
+//! emulator, `tests_gpu.rs` on a GPU), so this anchors both to the format's definition.
+
+use layerstream_kernels::quant::dequant_row;
+use layerstream_model::DType;
+use layerstream_tests::fixtures;
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn every_quantized_format_dequantizes_as_gguf_py_does() {
+    let dir = fixtures().join("quant");
+    let mut checked = Vec::new();
+    for dtype in DType::ALL.into_iter().filter(|d| d.is_quantized()) {
+        let name = dtype.name();
+        let blocks = std::fs::read(dir.join(format!("{name}.blocks"))).unwrap_or_else(|e| {
+            panic!("{name}: no reference blocks ({e}); run fixtures/quant/gen.py")
+        });
+        let want = f32s(&std::fs::read(dir.join(format!("{name}.f32"))).unwrap());
+        assert_eq!(blocks.len() / dtype.block_bytes() * dtype.block_elems(), want.len(), "{name}");
+        let mut got = vec![f32::NAN; want.len()];
+        dequant_row(dtype, &blocks, &mut got);
+        let mut worst = 0f32;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = (g - w).abs();
+            // gguf-py multiplies the same factors in numpy, sometimes grouped differently: a
+            // rounding or two apart at most.
+            assert!(
+                err <= 4.0 * f32::EPSILON * w.abs().max(1e-3),
+                "{name} value {i}: {g} vs gguf-py {w}"
+            );
+            worst = worst.max(err);
+        }
+        checked.push(format!("{name} (max |Δ| {worst:e})"));
+    }
+    assert_eq!(checked.len(), 12, "{checked:?}");
+    eprintln!("checked against gguf-py: {}", checked.join(", "));
+}
+
+/// A store of every format llama.cpp's other file types use (random weights of the `tiny` shape,
+/// whose rows are whole 256-value blocks) runs through `layerstream run` and through a 2-worker
+/// stack that streams every layer, with the same tokens: the format crosses the store, the loader's
+/// shared memory and the worker's kernels intact.
+#[test]
+fn stores_of_the_added_formats_run_alone_and_streamed_alike() {
+    use layerstream_tests::stack::{submit, Stack};
+    use layerstream_tests::{last_json, layerstream};
+    let dir = tempfile::tempdir().unwrap();
+    for dtype in ["q5_0", "q5_1", "q2_k", "q3_k", "q5_k", "iq4_nl", "iq4_xs"] {
+        let store = dir.path().join(dtype);
+        let s = store.to_str().unwrap();
+        layerstream(&["synth", "--shape", "tiny", "--dtype", dtype, "--layers", "2", s]);
+        let args = ["--token-ids", "5,6,7,8", "--max-new-tokens", "6", "--ignore-eos"];
+        let mut run = vec!["run", "--model", s, "--json"];
+        run.extend(args);
+        let solo = last_json(&layerstream(&run))["output_ids"].clone();
+        assert_eq!(solo.as_array().unwrap().len(), 6, "{dtype}: {solo}");
+        let stack = Stack::up(&store, &["--workers", "2", "--resident-layers", "0"]);
+        let v = submit(stack.addr(), &args);
+        assert_eq!(v["output_ids"], solo, "{dtype}: streamed differs from run");
+        assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0, "{dtype}: nothing streamed");
+        stack.shutdown();
+    }
+}
