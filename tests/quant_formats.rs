@@ -1,5 +1,6 @@
 //! Every GGML block format layerstream stores, dequantized by the CPU kernels, against gguf-py's
-//! reference dequantization of the same random blocks (`fixtures/quant/gen.py` wrote both). The CUDA
+//! reference dequantization of the same blocks — blocks llama.cpp's `llama-quantize` wrote
+//! (`fixtures/quant/gen.sh` regenerates both). The CUDA
 //! kernels are checked against the CPU ones (`kernels/src/cuda/tests_emu.rs` under the host
 //! emulator, `tests_gpu.rs` on a GPU), so this anchors both to the format's definition.
 

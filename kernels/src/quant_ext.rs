@@ -1,7 +1,8 @@
 //! Dequantization of the GGML block formats that llama.cpp's other file types use (Q2_K…Q5_K_M,
 //! IQ4_XS, and the fallbacks it picks for rows that are not a multiple of 256): Q5_0, Q5_1, Q2_K,
 //! Q3_K, Q5_K, IQ4_NL, IQ4_XS. Written from the formats' definitions (ggml-quants.c's block
-//! layouts); `tests/quant_formats.rs` checks every one against gguf-py's reference dequantization.
+//! layouts); `tests/quant_formats.rs` checks every one against gguf-py's reference dequantization
+//! of blocks llama.cpp wrote.
 
 use half::f16;
 
