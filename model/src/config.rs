@@ -21,7 +21,7 @@ pub enum Arch {
 
 /// The HF class names accepted, for error messages.
 pub const SUPPORTED_ARCHS: &str =
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (GGUF: llama)";
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (GGUF: llama, qwen2, qwen3)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.

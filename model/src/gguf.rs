@@ -1,7 +1,8 @@
 //! GGUF v2/v3 reader: metadata key/values, tensor directory, and a memory map of the tensor data.
 //!
-//! Only the llama architecture is imported; its metadata becomes a [`ModelConfig`] and its tokenizer
-//! metadata is rebuilt as a `tokenizer.json` by [`crate::gguf_tokenizer`].
+//! The llama (Llama, Mistral), qwen2 and qwen3 architectures are imported; their metadata becomes a
+//! [`ModelConfig`] and their tokenizer metadata is rebuilt as a `tokenizer.json` by
+//! [`crate::gguf_tokenizer`].
 
 use crate::config::{Arch, ModelConfig, RopeConfig};
 use crate::dtype::DType;
@@ -276,19 +277,32 @@ impl GgufFile {
             .ok_or_else(|| Error::config(key, "not an integer"))
     }
 
-    /// Builds the model config from `llama.*` metadata.
-    pub fn config(&self) -> Result<ModelConfig> {
-        let arch = self.meta("general.architecture")?.as_str().unwrap_or("");
-        if arch != "llama" {
-            return Err(Error::UnsupportedArch {
-                got: format!("GGUF {arch}"),
+    /// The architecture (`general.architecture`): llama (also Mistral's files), qwen2 or qwen3.
+    pub fn arch(&self) -> Result<Arch> {
+        match self.meta("general.architecture")?.as_str().unwrap_or("") {
+            "llama" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
+            other => Err(Error::UnsupportedArch {
+                got: format!("GGUF {other}"),
                 supported: crate::config::SUPPORTED_ARCHS.into(),
-            });
+            }),
         }
-        if let Some(kind) = self.metadata.get("llama.rope.scaling.type").and_then(Value::as_str) {
+    }
+
+    /// Builds the model config from the `<architecture>.*` metadata.
+    pub fn config(&self) -> Result<ModelConfig> {
+        let arch = self.arch()?;
+        let p = match arch {
+            Arch::Llama | Arch::Mistral => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        };
+        let key = |k: &str| format!("{p}.{k}");
+        if let Some(kind) = self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
             if kind != "none" {
                 return Err(Error::config(
-                    "llama.rope.scaling.type",
+                    key("rope.scaling.type"),
                     format!("unsupported {kind:?}"),
                 ));
             }
@@ -299,53 +313,53 @@ impl GgufFile {
                 "GGUF llama3 RoPE frequency factors are not supported",
             ));
         }
-        let hidden = self.meta_usize("llama.embedding_length")?;
-        let heads = self.meta_usize("llama.attention.head_count")?;
+        let hidden = self.meta_usize(&key("embedding_length"))?;
+        let heads = self.meta_usize(&key("attention.head_count"))?;
         if heads == 0 {
-            return Err(Error::config("llama.attention.head_count", "must be > 0"));
+            return Err(Error::config(key("attention.head_count"), "must be > 0"));
         }
-        let vocab = match self.metadata.get("llama.vocab_size").and_then(Value::as_u64) {
+        let vocab = match self.metadata.get(&key("vocab_size")).and_then(Value::as_u64) {
             Some(v) => v as usize,
             None => self.meta("tokenizer.ggml.tokens")?.as_array().map_or(0, |a| a.len()),
         };
         let head_dim = self
             .metadata
-            .get("llama.attention.key_length")
+            .get(&key("attention.key_length"))
             .and_then(Value::as_u64)
             .map_or(hidden / heads, |v| v as usize);
         let u32_of = |k: &str| self.metadata.get(k).and_then(Value::as_u64).map(|v| v as u32);
         let cfg = ModelConfig {
-            arch: Arch::Llama,
+            arch,
             hidden_size: hidden,
-            intermediate_size: self.meta_usize("llama.feed_forward_length")?,
-            num_layers: self.meta_usize("llama.block_count")?,
+            intermediate_size: self.meta_usize(&key("feed_forward_length"))?,
+            num_layers: self.meta_usize(&key("block_count"))?,
             num_heads: heads,
             num_kv_heads: self
                 .metadata
-                .get("llama.attention.head_count_kv")
+                .get(&key("attention.head_count_kv"))
                 .and_then(Value::as_u64)
                 .map_or(heads, |v| v as usize),
             head_dim,
             vocab_size: vocab,
             rms_norm_eps: self
-                .meta("llama.attention.layer_norm_rms_epsilon")?
+                .meta(&key("attention.layer_norm_rms_epsilon"))?
                 .as_f64()
                 .unwrap_or(1e-5),
             rope: RopeConfig {
                 theta: self
                     .metadata
-                    .get("llama.rope.freq_base")
+                    .get(&key("rope.freq_base"))
                     .and_then(Value::as_f64)
                     .unwrap_or(10000.0),
                 scaling: None,
             },
             max_position_embeddings: self
                 .metadata
-                .get("llama.context_length")
+                .get(&key("context_length"))
                 .and_then(Value::as_u64)
                 .unwrap_or(4096) as usize,
             tie_word_embeddings: self.tensor("output.weight").is_none(),
-            qk_norm: false,
+            qk_norm: arch == Arch::Qwen3,
             bos_token_id: u32_of("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_of("tokenizer.ggml.eos_token_id").into_iter().collect(),
         };
@@ -361,7 +375,7 @@ impl GgufFile {
                 .is_some_and(|n| n >= cfg.num_layers)
         }) {
             return Err(Error::config(
-                "llama.block_count",
+                key("block_count"),
                 format!("{} blocks, but the file has tensor {}", cfg.num_layers, t.name),
             ));
         }
@@ -418,7 +432,12 @@ impl crate::source::Checkpoint for GgufCheckpoint {
     fn tensor(&self, name: &str) -> Result<Option<crate::source::SourceTensor>> {
         let Some(t) = self.file.tensor(name) else { return Ok(None) };
         let data = self.file.data(t);
-        let heads = if name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias") {
+        // llama.cpp's converter permutes q/k rows for the llama architecture only (its rotary
+        // layout); qwen2/qwen3 keep HF's.
+        let permuted = matches!(self.config.arch, Arch::Llama | Arch::Mistral);
+        let heads = if !permuted {
+            None
+        } else if name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias") {
             Some(self.config.num_heads)
         } else if name.ends_with(".attn_k.weight") || name.ends_with(".attn_k.bias") {
             Some(self.config.num_kv_heads)

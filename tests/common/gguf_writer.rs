@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+#[derive(Clone)]
 pub enum Meta {
     U32(u32),
     F32(f32),
