@@ -20,17 +20,25 @@ pub fn q5(b: &[u8], with_min: bool, out: &mut [f32]) {
     let d = f16_at(b, 0);
     let (m, hb) = if with_min { (f16_at(b, 2), 4) } else { (0.0, 2) };
     let qh = u32::from_le_bytes([b[hb], b[hb + 1], b[hb + 2], b[hb + 3]]);
-    let qs = &b[hb + 4..hb + 20];
-    for (j, &q) in qs.iter().enumerate() {
-        let h0 = ((qh >> j) << 4) & 0x10;
-        let h1 = (qh >> (j + 12)) & 0x10;
-        let (x0, x1) = ((q as u32 & 0x0F) | h0, (q as u32 >> 4) | h1);
-        if with_min {
-            out[j] = d * x0 as f32 + m;
-            out[j + 16] = d * x1 as f32 + m;
-        } else {
-            out[j] = d * (x0 as i32 - 16) as f32;
-            out[j + 16] = d * (x1 as i32 - 16) as f32;
+    // Fixed-size views: no bounds checks in the loops, so they vectorise.
+    let qs: &[u8; 16] = b[hb + 4..hb + 20].try_into().expect("16 quant bytes");
+    let (lo, hi) = out[..32].split_at_mut(16);
+    let (lo, hi): (&mut [f32; 16], &mut [f32; 16]) =
+        (lo.try_into().expect("16"), hi.try_into().expect("16"));
+    let mut x = [[0u32; 16]; 2];
+    for j in 0..16 {
+        x[0][j] = (qs[j] as u32 & 0x0F) | (((qh >> j) & 1) << 4);
+        x[1][j] = (qs[j] as u32 >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+    if with_min {
+        for j in 0..16 {
+            lo[j] = d * x[0][j] as f32 + m;
+            hi[j] = d * x[1][j] as f32 + m;
+        }
+    } else {
+        for j in 0..16 {
+            lo[j] = d * (x[0][j] as i32 - 16) as f32;
+            hi[j] = d * (x[1][j] as i32 - 16) as f32;
         }
     }
 }
@@ -113,17 +121,24 @@ pub fn q4_q5_k(b: &[u8], fifth_bits: bool, out: &mut [f32]) {
         let (sc1, m1) = scale_min_k4(2 * j, scales);
         let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
         let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
-        let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
-        let ql = &qs[32 * j..32 * j + 32];
-        let o = &mut out[64 * j..64 * j + 64];
+        // Fixed-size views: no bounds checks in the loops, so they vectorise.
+        let ql: &[u8; 32] = qs[32 * j..32 * j + 32].try_into().expect("32 quant bytes");
+        let o: &mut [f32; 64] = (&mut out[64 * j..64 * j + 64]).try_into().expect("64 values");
+        let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
         for l in 0..32 {
-            let (mut lo, mut hi) = (ql[l] & 0xF, ql[l] >> 4);
-            if fifth_bits {
-                lo += if qh[l] & u1 != 0 { 16 } else { 0 };
-                hi += if qh[l] & u2 != 0 { 16 } else { 0 };
+            lo[l] = ql[l] & 0xF;
+            hi[l] = ql[l] >> 4;
+        }
+        if fifth_bits {
+            let qh: &[u8; 32] = qh.try_into().expect("32 fifth-bit bytes");
+            for l in 0..32 {
+                lo[l] += ((qh[l] >> (2 * j)) & 1) << 4;
+                hi[l] += ((qh[l] >> (2 * j + 1)) & 1) << 4;
             }
-            o[l] = d1 * lo as f32 - m1;
-            o[l + 32] = d2 * hi as f32 - m2;
+        }
+        for l in 0..32 {
+            o[l] = d1 * lo[l] as f32 - m1;
+            o[l + 32] = d2 * hi[l] as f32 - m2;
         }
     }
 }
@@ -131,9 +146,16 @@ pub fn q4_q5_k(b: &[u8], fifth_bits: bool, out: &mut [f32]) {
 /// IQ4_NL (32 values): `d`, 16 bytes of 4-bit level indices; value = `d·level`.
 pub fn iq4_nl(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
-    for (j, &q) in b[2..18].iter().enumerate() {
-        out[j] = d * IQ4_LEVELS[(q & 0xF) as usize] as f32;
-        out[j + 16] = d * IQ4_LEVELS[(q >> 4) as usize] as f32;
+    let qs: &[u8; 16] = b[2..18].try_into().expect("16 index bytes");
+    iq4_32(d, qs, (&mut out[..32]).try_into().expect("32 values"));
+}
+
+/// 32 values `d·level` from 16 bytes of level indices (low nibbles first, then high).
+fn iq4_32(d: f32, qs: &[u8; 16], out: &mut [f32; 32]) {
+    let levels = IQ4_LEVELS.map(|v| v as f32);
+    for j in 0..16 {
+        out[j] = d * levels[(qs[j] & 0xF) as usize];
+        out[j + 16] = d * levels[(qs[j] >> 4) as usize];
     }
 }
 
@@ -147,11 +169,7 @@ pub fn iq4_xs(b: &[u8], out: &mut [f32]) {
         let ls =
             ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) as i32 | ((((sh >> (2 * ib)) & 3) as i32) << 4);
         let dl = d * (ls - 32) as f32;
-        let q = &qs[16 * ib..16 * ib + 16];
-        let o = &mut out[32 * ib..32 * ib + 32];
-        for (j, &v) in q.iter().enumerate() {
-            o[j] = dl * IQ4_LEVELS[(v & 0xF) as usize] as f32;
-            o[j + 16] = dl * IQ4_LEVELS[(v >> 4) as usize] as f32;
-        }
+        let q: &[u8; 16] = qs[16 * ib..16 * ib + 16].try_into().expect("16 index bytes");
+        iq4_32(dl, q, (&mut out[32 * ib..32 * ib + 32]).try_into().expect("32 values"));
     }
 }
