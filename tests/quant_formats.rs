@@ -67,3 +67,28 @@ fn stores_of_the_added_formats_run_alone_and_streamed_alike() {
         stack.shutdown();
     }
 }
+
+/// `--int8-activations` (opt-in 8-bit activations for Q8_0/Q4_0/Q4_1 weights) reaches the kernels
+/// both in `run` and in the workers `up` starts: a Q4_1 store gives the same tokens either way, and
+/// the dot it computes is checked against its reference and the f32 dot in `cpu::int8`.
+#[test]
+fn int8_activations_give_the_same_tokens_in_run_and_through_up() {
+    use layerstream_tests::stack::{submit, Stack};
+    use layerstream_tests::{last_json, layerstream};
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("q4_1");
+    let s = store.to_str().unwrap();
+    layerstream(&["synth", "--shape", "tiny", "--dtype", "q4_1", "--layers", "2", s]);
+    let args = ["--token-ids", "5,6,7,8", "--max-new-tokens", "8", "--ignore-eos"];
+    let mut run = vec!["run", "--model", s, "--json", "--int8-activations"];
+    run.extend(args);
+    let solo = last_json(&layerstream(&run))["output_ids"].clone();
+    assert_eq!(solo.as_array().unwrap().len(), 8, "{solo}");
+    let stack = Stack::up(&store, &["--workers", "2", "--int8-activations"]);
+    for pid in stack.children("worker") {
+        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap();
+        assert!(cmd.split('\0').any(|a| a == "--int8-activations"), "up did not pass the flag on");
+    }
+    assert_eq!(submit(stack.addr(), &args)["output_ids"], solo);
+    stack.shutdown();
+}

@@ -220,6 +220,9 @@ pub(crate) fn run_config(
     if let Some(t) = a.device.threads {
         args.extend(["--threads".into(), t.to_string()]);
     }
+    if a.device.int8_activations {
+        args.push("--int8-activations".into());
+    }
     args.extend_from_slice(extra);
     args.extend(a.pool.to_args());
     // Never the default port, which a stack the user runs may hold.

@@ -28,6 +28,10 @@ pub struct RunArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
+    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1 weights in decode and short steps, as llama.cpp
+    /// computes (faster; tokens no longer match transformers exactly).
+    #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
+    pub int8_activations: bool,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
@@ -49,6 +53,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(n) = args.threads {
         layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
     }
+    layerstream_kernels::cpu::int8::set_int8_activations(args.int8_activations);
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
     let tok = store.tokenizer()?;

@@ -4,11 +4,7 @@
 //! layouts); `tests/quant_formats.rs` checks every one against gguf-py's reference dequantization
 //! of blocks llama.cpp wrote.
 
-use half::f16;
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
+use crate::quant::f16_at;
 
 /// IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects.
 pub const IQ4_LEVELS: [i8; 16] =

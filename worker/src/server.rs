@@ -30,6 +30,10 @@ pub struct DeviceFlags {
     /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
     #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
     pub concurrent_threads: Option<usize>,
+    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1 weights in decode and short steps, as llama.cpp
+    /// computes (faster; tokens no longer match transformers exactly).
+    #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
+    pub int8_activations: bool,
 }
 
 impl DeviceFlags {
@@ -45,11 +49,16 @@ impl DeviceFlags {
         if let Some(t) = self.concurrent_threads {
             a.extend(["--concurrent-threads".to_owned(), t.to_string()]);
         }
+        if self.int8_activations {
+            a.push("--int8-activations".into());
+        }
         a
     }
 
-    /// Sizes this process's CPU compute pool from `--threads` (before any kernel runs).
+    /// Sizes this process's CPU compute pool from `--threads` and sets `--int8-activations`
+    /// (before any kernel runs).
     pub fn apply_threads(&self) -> crate::Result<()> {
+        layerstream_kernels::cpu::int8::set_int8_activations(self.int8_activations);
         match self.threads {
             Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
             None => Ok(()),

@@ -46,6 +46,25 @@ pub fn matmul(
     // Transposed result [n, m]: each task owns whole weight rows, two at a time (each activation
     // row then loaded once for both).
     let mut t = vec![0f32; n * m];
+    if crate::cpu::int8::int8_activations()
+        && m <= crate::cpu::int8::MAX_ROWS
+        && crate::cpu::int8::supports(dtype)
+        && wf32.is_none()
+        && k.is_multiple_of(32)
+    {
+        // Opt-in: activations quantized to 8 bits once, integer dots per weight block.
+        let xq: Vec<_> = x.chunks_exact(k).take(m).map(crate::cpu::int8::quantize_row).collect();
+        t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
+            for (j, outs) in block.chunks_exact_mut(m).enumerate() {
+                let r = c * ROWS_PER_TASK + j;
+                let wr = &w[r * row_bytes..(r + 1) * row_bytes];
+                for (o, xr) in outs.iter_mut().zip(&xq) {
+                    *o = crate::cpu::int8::dot(dtype, wr, xr);
+                }
+            }
+        });
+        return transpose(t, m, n);
+    }
     t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
         let (mut d0, mut d1) = (vec![0f32; k], vec![0f32; k]);
         let mut pairs = block.chunks_exact_mut(2 * m);
@@ -75,6 +94,11 @@ pub fn matmul(
             dot_rows(w0, x, k, last);
         }
     });
+    transpose(t, m, n)
+}
+
+/// `[n, m]` → `[m, n]` (nothing to move for one row).
+fn transpose(t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return t;
     }

@@ -2,6 +2,7 @@
 //! on the fly, GEMM through the `gemm` crate, rayon across the cores.
 
 mod attention;
+pub mod int8;
 mod matmul;
 mod pool;
 pub mod rows;
