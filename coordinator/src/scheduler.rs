@@ -190,11 +190,10 @@ fn finish(
     final_event(&a.req, output, &a.stopper.text, stats, reason, error)
 }
 
-/// A micro-batch's step, finished: its lane, who rode it (sequence id, tokens brought), what was
-/// sent, when it started, and what came back.
+/// A micro-batch's step, finished: its lane, what was sent (who rode it, with the tokens each
+/// brought), when it started, and what came back.
 struct Landed {
     lane: usize,
-    members: Vec<(u64, usize)>,
     seqs: Vec<StepSeq>,
     started: Instant,
     res: crate::Result<crate::pipeline::StepResult>,
@@ -487,8 +486,6 @@ impl Scheduler {
             for s in &spans[1..] {
                 layerstream_proto::telemetry::link(s, &spans[0]);
             }
-            let members: Vec<(u64, usize)> =
-                members.iter().map(|&(i, n)| (active[i].req.seq_id, n)).collect();
             let runner = self.pipeline.runner();
             let release = std::mem::take(&mut fl.release);
             self.metrics.launched(fl.busy.iter().filter(|&&b| b).count());
@@ -497,7 +494,7 @@ impl Scheduler {
                 let started = Instant::now();
                 let res = runner.step(seqs.clone(), release, spans[0].clone(), lane).await;
                 drop(spans);
-                Landed { lane, members, seqs, started, res }
+                Landed { lane, seqs, started, res }
             });
         }
     }
@@ -547,10 +544,10 @@ impl Scheduler {
             a.acc.add_busy(&walls);
         }
         let mut done_ids = Vec::new();
-        for (k, ((&(id, n), s), &tok)) in done.members.iter().zip(seqs).zip(&out.tokens).enumerate()
-        {
+        for (k, (s, &tok)) in seqs.iter().zip(&out.tokens).enumerate() {
+            let id = s.seq_id;
             let Some(a) = active.iter_mut().find(|a| a.req.seq_id == id) else { continue };
-            a.pos += n;
+            a.pos += s.token_ids.len();
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
             if s.prompt_continues {
                 continue;
