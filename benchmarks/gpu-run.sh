@@ -5,12 +5,19 @@
 # Each call copies whatever pieces it brought into KEEP (/tmp/ls-keep), outside the checkout, so
 # calls to one warm machine can bring them one at a time.
 # Usage: benchmarks/gpu-run.sh OUT_DIR [SECTION…]
-# Sections (default: all, in this order):
+# Sections (default: all but llama, in this order):
 #   kernels   kernel-vs-CPU tests          cuda      worker-on-CUDA tests (CUDA_TESTS: test-binary args)
 #   h2d       link microbenchmark          run       resident `run` on SmolLM2 (real, when all its parts
 #   sampling  host sampling bench                    are here), SmolLM2 shapes and llama-3-70b shapes
 #   stream    streamed vs resident vs prefetch off (BATCHES)
 #   prefill   long prompts (PREFILL_BATCHES)       sampled   T 0.7 top-p 0.9 decode (SAMPLED_BATCHES)
+#   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
+#             ninja and nvcc) vs resident layerstream on the very same weights (`synth --gguf`) of
+#             LLAMA_SHAPES (llama-3-8b llama-3-70b; LLAMA_LAYERS each, default all / LAYERS70;
+#             LLAMA_DTYPE, default q4_k):
+#             llama-bench prefill/decode, interleaved rounds, and llama-batched-bench at 1 and 32
+#             sequences against `layerstream bench` resident at the same batches. Not in the
+#             default list (its build takes minutes): name it.
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
 # Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
@@ -80,6 +87,49 @@ sec_stream() { for b in ${BATCHES-1 8 32 64 128}; do bench "batch $b" bench-b$b 
 sec_prefill() { for b in ${PREFILL_BATCHES-1 4}; do bench "prefill, batch $b, ${PROMPT_TOKENS:-512}-token prompts" bench-prefill-b$b --batch $b --max-new-tokens 4 --prompt-tokens ${PROMPT_TOKENS:-512}; done; }
 # Sampled decode (logits come back to the host, 128k vocabulary) vs the greedy rows (device argmax).
 sec_sampled() { for b in ${SAMPLED_BATCHES-64}; do bench "sampled (T 0.7, top-p 0.9), batch $b" bench-sampled-b$b --batch $b --max-new-tokens ${TOKENS:-8} --prompt "$FOX" --temperature 0.7 --top-p 0.9; done; }
-for s in kernels cuda h2d run sampling stream prefill sampled; do
+sec_llama() {
+  local src=$KEEP/llama-src bld=${LLAMA_BUILD:-$KEEP/llama-build} cuda=OFF
+  command -v nvcc >/dev/null && cuda=ON
+  if [ ! -x "$bld/bin/llama-bench" ] || [ ! -x "$bld/bin/llama-batched-bench" ]; then
+    [ -f "$KEEP/llama/src.tar.xz" ] || { echo "no llama.cpp source: carry .dev/llama (gpu-prepare.sh)"; return; }
+    [ -f "$src/CMakeLists.txt" ] || { mkdir -p "$src" && tar -C "$src" -xJf "$KEEP/llama/src.tar.xz"; }
+    cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_BUILD_SERVER=OFF >"$OUT/llama-cmake.log" 2>&1 || { tail -20 "$OUT/llama-cmake.log"; return; }
+    # A build cut off by the call's time limit goes on from where it stopped in the next call.
+    cmake --build "$bld" --target llama-bench llama-batched-bench -j "$(nproc)" >"$OUT/llama-build.log" 2>&1 \
+      || { tail -20 "$OUT/llama-build.log"; return; }
+  fi
+  local ngl=99; [ "$DEV" = cpu ] && ngl=0
+  local ids; ids=$(python3 -c "print(','.join(str(1 + i * 7919 % 40000) for i in range(${PROMPT_TOKENS:-512})))")
+  for shape in ${LLAMA_SHAPES:-llama-3-8b llama-3-70b}; do
+    local st=/tmp/ls-vs-$shape g=/tmp/ls-vs-$shape.gguf layers=${LLAMA_LAYERS:-}
+    [ "$shape" = llama-3-70b ] && layers=${LLAMA_LAYERS:-${LAYERS70:-20}}
+    [ -f $g ] || "$LS" synth --shape $shape --dtype ${LLAMA_DTYPE:-q4_k} ${layers:+--layers $layers} --gguf $g $st | tail -2
+    echo "-- $shape ${LLAMA_DTYPE:-q4_k} (${layers:-all} layers), resident: llama.cpp -ngl $ngl vs layerstream run --device $DEV" | tee -a "$OUT/llama.txt"
+    for r in $(seq 1 ${ROUNDS:-3}); do
+      "$bld/bin/llama-bench" -m $g -ngl $ngl -p ${PROMPT_TOKENS:-512} -n ${TOKENS:-128} -r 1 -o json 2>/dev/null > "$OUT/llama-bench-$shape-$r.json"
+      "$LS" run --device $DEV --model $st --token-ids "$ids" --max-new-tokens 1 --json 2>/dev/null | tail -1 > "$OUT/ls-prefill-$shape-$r.json"
+      "$LS" run --device $DEV --model $st --token-ids 1 --max-new-tokens $((${TOKENS:-128} + 1)) --ignore-eos --json 2>/dev/null | tail -1 > "$OUT/ls-decode-$shape-$r.json"
+      python3 - "$OUT" "$shape" "$r" <<'PY' | tee -a "$OUT/llama.txt"
+import json, sys
+out, shape, r = sys.argv[1:4]
+lc = json.load(open(f"{out}/llama-bench-{shape}-{r}.json"))
+lp = next(t["avg_ts"] for t in lc if t["n_prompt"] > 0)
+ld = next(t["avg_ts"] for t in lc if t["n_gen"] > 0)
+sp = json.load(open(f"{out}/ls-prefill-{shape}-{r}.json"))["timings"]["prefill_tok_s"]
+sd = json.load(open(f"{out}/ls-decode-{shape}-{r}.json"))["timings"]["decode_tok_s"]
+print(f"round {r}: prefill layerstream {sp:.1f} / llama.cpp {lp:.1f} = {sp / lp:.2f}; decode {sd:.1f} / {ld:.1f} = {sd / ld:.2f}")
+PY
+    done
+    echo "-- $shape batched: llama-batched-bench (-npp 128 -ntg 64) vs layerstream bench" | tee -a "$OUT/llama.txt"
+    "$bld/bin/llama-batched-bench" -m $g -ngl $ngl -c 16384 -npp 128 -ntg 64 -npl 1,32 2>/dev/null | grep -E "^\|" | tee -a "$OUT/llama.txt"
+    for b in 1 32; do
+      RUST_LOG=warn "$LS" bench --model $st --device $DEV --memory-budget ${LLAMA_BUDGET:-70G} --batch $b --prompt-tokens 128 \
+        --max-new-tokens 64 --json-out "$OUT/ls-bench-$shape-b$b.json" 2>&1 | grep -E "^\||workload" | tee -a "$OUT/llama.txt"
+    done
+  done
+}
+for s in kernels cuda h2d run sampling stream prefill sampled llama; do
   on $s && { echo "== $s"; timed sec_$s; }
 done

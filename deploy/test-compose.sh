@@ -52,7 +52,9 @@ import json, sys
 e, g = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 assert g["choices"][0]["message"]["content"] == e["text"], f"HTTP answer differs: {g}"
 PY
-curl -sS "http://127.0.0.1:$LAYERSTREAM_HTTP_PORT/metrics" | grep -q '^layerstream_generation_tokens_total ' || { echo "no metrics on the HTTP port"; exit 1; }
+# Read the whole page first: `curl | grep -q` under pipefail fails when grep stops reading early.
+metrics=$(curl -sS "http://127.0.0.1:$LAYERSTREAM_HTTP_PORT/metrics")
+grep -q '^layerstream_generation_tokens_total ' <<<"$metrics" || { echo "no metrics on the HTTP port"; exit 1; }
 
 echo "== stop (flushes every exporter) and check the spans"
 project stop -t 20 coordinator worker loader-daemon >/dev/null

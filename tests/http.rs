@@ -268,17 +268,21 @@ fn prometheus_scrapes_the_whole_stack() {
         &format!("{}/v1/completions", stack.http()),
     ]));
     assert_eq!(r["usage"]["completion_tokens"], 7, "{r}");
-    let q = |expr: &str| {
-        json_of(&curl(&[
+    let query = |expr: &str| {
+        curl(&[
             "-G",
             &format!("http://127.0.0.1:{port}/api/v1/query"),
             "--data-urlencode",
             &format!("query={expr}"),
-        ]))
+        ])
     };
+    let q = |expr: &str| json_of(&query(expr));
     let deadline = Instant::now() + Duration::from_secs(60);
     let value = loop {
-        let v = q("sum(layerstream_generation_tokens_total)");
+        // While Prometheus starts it answers "Service Unavailable" (not JSON): keep asking.
+        let raw = query("sum(layerstream_generation_tokens_total)");
+        let v: serde_json::Value =
+            serde_json::from_str(&raw).unwrap_or(serde_json::Value::String(raw));
         if let Some(x) = v["data"]["result"][0]["value"][1].as_str() {
             if x == "7" {
                 break x.to_owned();

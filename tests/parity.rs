@@ -26,6 +26,12 @@ fn tiny_qwen3_matches_transformers() {
     check("tiny-qwen3");
 }
 
+/// Mistral with a sliding window (6 positions, every layer; prompts of 12–31 tokens).
+#[test]
+fn tiny_mistral_sliding_window_matches_transformers() {
+    check("tiny-mistral");
+}
+
 #[test]
 fn chat_flag_and_messages_file_render_the_same_prompt() {
     let dir = tempfile::tempdir().unwrap();

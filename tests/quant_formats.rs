@@ -68,7 +68,7 @@ fn stores_of_the_added_formats_run_alone_and_streamed_alike() {
     }
 }
 
-/// `--int8-activations` (opt-in 8-bit activations for Q8_0/Q4_0/Q4_1 weights) reaches the kernels
+/// `--int8-activations` (opt-in 8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights) reaches the kernels
 /// both in `run` and in the workers `up` starts: a Q4_1 store gives the same tokens either way, and
 /// the dot it computes is checked against its reference and the f32 dot in `cpu::int8`.
 #[test]

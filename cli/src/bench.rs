@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// Flags of `layerstream bench`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 #[command(group(clap::ArgGroup::new("residency").args(["resident_layers", "memory_budget"])))]
 pub struct BenchArgs {
     /// Layer store; default: the embedded SmolLM2-135M-Instruct.
@@ -80,6 +80,15 @@ pub struct BenchArgs {
     /// sequential tokens/s` and the workers' busy share. Use with `--workers 2` or more.
     #[arg(long, env = "LAYERSTREAM_BENCH_MICRO_BATCHES")]
     pub micro_batches: Option<layerstream_coordinator::lanes::MicroBatches>,
+    /// Instead of the configurations (mixture-of-experts stores): expert caches of these sizes per
+    /// worker (`all` = every expert kept) with the attention resident, at each `--expert-batches`
+    /// batch, on fresh stacks; prints bytes streamed per token against streaming whole layers
+    /// (every expert), the expert-cache and prediction hit rates and tokens/s.
+    #[arg(long, env = "LAYERSTREAM_BENCH_EXPERT_CACHES", value_delimiter = ',')]
+    pub expert_caches: Vec<String>,
+    /// Batches of the `--expert-caches` runs.
+    #[arg(long, env = "LAYERSTREAM_BENCH_EXPERT_BATCHES", value_delimiter = ',', default_values_t = [1usize, 8, 32])]
+    pub expert_batches: Vec<usize>,
 }
 
 /// One configuration's result.
@@ -99,7 +108,9 @@ pub(crate) struct Row {
     /// The slowest time to first token.
     first_token_ms: f64,
     /// Tokens after each request's first over the wall time after the last first token.
-    decode_tok_s: f64,
+    pub(crate) decode_tok_s: f64,
+    /// Steps the first request rode.
+    pub(crate) steps: u64,
     pub(crate) bytes_streamed_per_step: f64,
     transfer_gbps: f64,
     /// Bytes streamed by the first request over the workload's wall time: the link speed achieved.
@@ -118,6 +129,8 @@ pub(crate) struct Row {
     /// disk.
     loader_hits: u64,
     loader_misses: u64,
+    /// The first request's experts: needed, hit, prefetched, missed (mixture-of-experts stores).
+    pub(crate) experts: [u64; 4],
 }
 
 /// What one workload measured: tokens generated, wall seconds, and every request's stats.
@@ -143,9 +156,12 @@ impl Measured {
 /// The request every client of the workload sends.
 pub(crate) fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
     let input = match a.prompt_tokens {
-        // Ids spread over the vocabulary, skipping 0 (often a special token).
+        // Ids spread over the vocabulary, skipping 0 (often a special token); each request (seed) its
+        // own, so a mixture-of-experts batch routes as different prompts do.
         Some(n) => generate_request::Input::TokenIds(TokenIds {
-            ids: (0..n).map(|i| (1 + i * 7919 % (vocab - 1).max(1)) as u32).collect(),
+            ids: (0..n)
+                .map(|i| (1 + (i * 7919 + seed as usize * 104729) % (vocab - 1).max(1)) as u32)
+                .collect(),
         }),
         None => generate_request::Input::Prompt(a.prompt.clone()),
     };
@@ -229,17 +245,7 @@ pub(crate) fn run_config(
     args.extend(["--http-listen".into(), "127.0.0.1:0".into()]);
     let (addr, _http) = crate::up::listening_parts(&spawn_quiet(&mut children, name, &args)?);
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
-    let warm = BenchArgs {
-        batch: 1,
-        max_new_tokens: 2,
-        prompt: a.prompt.clone(),
-        json_out: None,
-        model: None,
-        device: a.device.clone(),
-        plan: a.plan.clone(),
-        pool: a.pool.clone(),
-        ..*a
-    };
+    let warm = BenchArgs { batch: 1, max_new_tokens: 2, ..a.clone() };
     rt.block_on(workload(&addr, &warm, vocab))?;
     let m = rt.block_on(workload(&addr, a, vocab))?;
     let micro_batches = rt.block_on(async {
@@ -265,6 +271,7 @@ pub(crate) fn run_config(
         first_token_ms,
         decode_tok_s,
         bytes_streamed_per_step: st.bytes_streamed as f64 / steps,
+        steps: st.steps,
         transfer_gbps: if st.transfer_ms > 0.0 {
             st.bytes_streamed as f64 / (st.transfer_ms / 1e3) / 1e9
         } else {
@@ -283,6 +290,7 @@ pub(crate) fn run_config(
         stall_ms: st.stall_ms,
         loader_hits,
         loader_misses,
+        experts: [st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed],
     })
 }
 
@@ -379,6 +387,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(m) = a.micro_batches {
         return crate::bench_pipeline::compare(&a, &model, vocab, m);
+    }
+    if !a.expert_caches.is_empty() {
+        return crate::bench_experts::compare(&a, &model_dir, vocab);
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {
@@ -485,6 +496,8 @@ mod tests {
             stall_ms: 12345.0,
             loader_hits: 0,
             loader_misses: 0,
+            experts: [0; 4],
+            steps: 1,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");

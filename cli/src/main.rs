@@ -3,8 +3,10 @@
 
 mod bench;
 mod bench_api;
+mod bench_experts;
 mod bench_pipeline;
 mod health;
+mod hf_export;
 mod otlp_sink;
 mod prompt;
 mod run;
@@ -40,7 +42,8 @@ enum Cmd {
     },
     /// Write a store with random weights of a real model's shapes (for speed measurements).
     Synth {
-        /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b.
+        /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b; mixtures of experts (every expert in
+        /// its own file): tiny-moe, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b.
         #[arg(long, env = "LAYERSTREAM_SYNTH_SHAPE")]
         shape: String,
         /// Weight type of the layers: any stored format (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
@@ -53,6 +56,13 @@ enum Cmd {
         /// Random seed.
         #[arg(long, env = "LAYERSTREAM_SYNTH_SEED", default_value_t = 1)]
         seed: u64,
+        /// Also write the same weights as a GGUF file here (dense shapes), for llama.cpp to run.
+        #[arg(long, env = "LAYERSTREAM_SYNTH_GGUF")]
+        gguf: Option<PathBuf>,
+        /// Also write the same weights as a Hugging Face checkpoint in this directory (dense
+        /// shapes; quantized weights as the f32 values they dequantize to), for transformers.
+        #[arg(long, env = "LAYERSTREAM_SYNTH_HF")]
+        hf: Option<PathBuf>,
         /// New store directory.
         dst: PathBuf,
     },
@@ -120,7 +130,7 @@ fn main() -> Result<()> {
             s.verify()?;
             println!("ok: {} files verified in {}", s.manifest.files.len(), store.display());
         }
-        Cmd::Synth { shape, dtype, layers, seed, dst } => {
+        Cmd::Synth { shape, dtype, layers, seed, gguf, hf, dst } => {
             let dt: layerstream_model::DType = serde_json::from_value(serde_json::Value::String(
                 dtype.to_lowercase(),
             ))
@@ -134,10 +144,19 @@ fn main() -> Result<()> {
             println!(
                 "synthesized {shape} ({dt}, {} layers, {:.1} MB per layer, {:.2} GB in all) -> {}",
                 m.config.num_layers,
-                m.max_layer_bytes() as f64 / 1e6,
+                m.max_unit_bytes() as f64 / 1e6,
                 bytes as f64 / 1e9,
                 dst.display()
             );
+            if let Some(g) = gguf {
+                let store = layerstream_model::Store::open(&dst)?;
+                layerstream_model::gguf_export::export(&store, &g)?;
+                println!("the same weights as GGUF -> {}", g.display());
+            }
+            if let Some(h) = hf {
+                hf_export::export(&layerstream_model::Store::open(&dst)?, &h)?;
+                println!("the same weights as a Hugging Face checkpoint -> {}", h.display());
+            }
         }
         Cmd::H2dBench { device, mib, iters } => {
             let ordinal = layerstream_kernels::cuda::parse_cuda_device(&device)

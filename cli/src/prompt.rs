@@ -103,6 +103,6 @@ impl PromptArgs {
             }
             (None, None) => bail!("give one of --prompt, --chat, --messages, --token-ids"),
         };
-        Ok(tok.encode(&tok.apply_chat_template(&messages)?)?)
+        Ok(tok.encode_chat(&tok.apply_chat_template(&messages)?)?)
     }
 }

@@ -28,7 +28,7 @@ pub struct RunArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1 weights in decode and short steps, as llama.cpp
+    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights in decode and short steps, as llama.cpp
     /// computes (faster; tokens no longer match transformers exactly).
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,

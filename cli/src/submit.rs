@@ -128,6 +128,8 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "layers_ms": st.layers_ms, "ideal_ms": st.ideal_ms,
                             "first_token_ms": st.first_token_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
                             "replays": st.replays, "workers_busy_pct": st.workers_busy_pct,
+                            "experts_needed": st.experts_needed, "experts_hit": st.experts_hit,
+                            "experts_prefetched": st.experts_prefetched, "experts_missed": st.experts_missed,
                         },
                     });
                     writeln!(out, "{v}")?;
@@ -137,6 +139,12 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                         "[{} prompt + {} generated tokens, {:.1} tok/s, first token {:.0} ms, decode {:.1} tok/s | streamed {:.1} MB, transfer {:.0} ms, compute {:.0} ms, overlap {:.0}%, workers busy {:.0}% | finish: {}]",
                         st.prompt_tokens, st.completion_tokens, st.tokens_per_s, st.first_token_ms, st.decode_tokens_per_s, st.bytes_streamed as f64 / 1e6, st.transfer_ms, st.compute_ms, st.overlap_pct, st.workers_busy_pct, reason
                     );
+                    if st.experts_needed > 0 {
+                        eprintln!(
+                            "[experts: {} needed, {} on the device, {} prefetched, {} fetched on demand]",
+                            st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed
+                        );
+                    }
                     eprintln!("trace id: {}", d.trace_id);
                 }
                 return Ok(());

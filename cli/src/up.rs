@@ -270,7 +270,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         let floor = (a.workers * per_worker).max(4).min(store.manifest.config.num_layers.max(4));
         layerstream_loader::default_slots(
             store.manifest.config.num_layers,
-            store.manifest.max_layer_bytes(),
+            store.manifest.max_unit_bytes(),
             floor,
         )
     });

@@ -23,6 +23,11 @@ pub struct PlanFlags {
     /// KV cache positions per worker, shared by all sequences.
     #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
     pub kv_capacity: usize,
+    /// Mixture-of-experts models: experts each worker keeps on its device (an LRU cache fed from
+    /// the loader, next layers' experts predicted and copied ahead); default: every expert when the
+    /// budget holds them, else what the budget leaves after the resident layers.
+    #[arg(long, env = "LAYERSTREAM_EXPERT_CACHE")]
+    pub expert_cache: Option<usize>,
 }
 
 /// The HTTP server: OpenAI API, `/metrics`, the live page.
@@ -129,6 +134,9 @@ impl PlanFlags {
         if let Some(k) = self.resident_layers {
             a.extend(flag("resident-layers", k));
         }
+        if let Some(n) = self.expert_cache {
+            a.extend(flag("expert-cache", n));
+        }
         if self.no_prefetch {
             a.push("--no-prefetch".into());
         }
@@ -181,6 +189,8 @@ mod tests {
             "x",
             "--resident-layers",
             "3",
+            "--expert-cache",
+            "6",
             "--no-prefetch",
             "--layer-group-size",
             "2",

@@ -37,9 +37,10 @@ impl fmt::Display for MicroBatches {
     }
 }
 
-/// Whether a worker streams any of its layers (holds fewer resident than it runs).
+/// Whether a worker streams any of its layers (holds fewer resident than it runs) or experts (an
+/// expert cache smaller than its experts).
 pub fn streams(a: &Assignment) -> bool {
-    (a.resident.len() as u32) < a.layer_end.saturating_sub(a.layer_start)
+    (a.resident.len() as u32) < a.layer_end.saturating_sub(a.layer_start) || a.expert_cache > 0
 }
 
 /// How many micro-batches the plan runs, and why. `auto` is one per worker: with as many groups in
@@ -55,12 +56,17 @@ pub fn choose(setting: MicroBatches, stages: &[Assignment]) -> (usize, String) {
         return (
             1,
             format!(
-                "--micro-batches {m}, but {} streams layers {}..{} ({} resident): one micro-batch, \
+                "--micro-batches {m}, but {} streams layers {}..{} ({} resident{}): one micro-batch, \
                  so each streamed layer is read once per step",
                 s.worker,
                 s.layer_start,
                 s.layer_end,
-                s.resident.len()
+                s.resident.len(),
+                if s.expert_cache > 0 {
+                    format!(", experts through a cache of {}", s.expert_cache)
+                } else {
+                    String::new()
+                }
             ),
         );
     }

@@ -181,6 +181,7 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         buffers: args.plan.streaming_buffers,
         kv_capacity: args.plan.kv_capacity,
         prefetch: !args.plan.no_prefetch,
+        expert_cache: args.plan.expert_cache,
     };
     let num_layers = store.manifest.config.num_layers as u32;
     let current = Arc::new(std::sync::RwLock::new(Plan {

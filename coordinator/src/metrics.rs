@@ -90,6 +90,8 @@ pub struct Metrics {
     transfer: Family<Labels, FCounter>,
     compute: Family<Labels, FCounter>,
     stall: Family<Labels, FCounter>,
+    /// Experts a worker's steps needed, by where they were: hit, prefetched, missed.
+    experts: Family<Labels, Counter>,
     hidden: Family<Labels, FGauge>,
     worker_up: Family<Labels, Gauge>,
     device_bytes: Family<Labels, Gauge>,
@@ -139,6 +141,7 @@ impl Metrics {
             transfer: Family::default(),
             compute: Family::default(),
             stall: Family::default(),
+            experts: Family::default(),
             hidden: Family::default(),
             worker_up: Family::default(),
             device_bytes: Family::default(),
@@ -214,6 +217,12 @@ impl Metrics {
             "worker_stall_seconds",
             "Compute time a worker waited for weights",
             m.stall.clone(),
+        );
+        r.register(
+            "worker_experts",
+            "Experts a worker's steps needed (mixture-of-experts models), by where they were: on \
+             the device (hit), copied ahead on a prediction (prefetched), fetched on demand (missed)",
+            m.experts.clone(),
         );
         r.register(
             "worker_hidden_transfer_ratio",
@@ -311,6 +320,17 @@ impl Metrics {
                 c += x.compute_ms;
                 st += x.stall_ms;
                 b += x.bytes;
+                for (outcome, n) in [
+                    ("hit", x.experts_hit),
+                    ("prefetched", x.experts_prefetched),
+                    ("missed", x.experts_missed),
+                ] {
+                    if n > 0 {
+                        let labels =
+                            vec![("worker", addr.clone()), ("outcome", outcome.to_owned())];
+                        self.experts.get_or_create(&labels).inc_by(n as u64);
+                    }
+                }
             }
             self.bytes.get_or_create(&l).inc_by(b);
             self.transfer.get_or_create(&l).inc_by(t / 1e3);
@@ -398,6 +418,10 @@ mod tests {
             transfer_ms: tr,
             compute_ms: 2.0,
             stall_ms: st,
+            experts_needed: 4,
+            experts_hit: 1,
+            experts_prefetched: 2,
+            experts_missed: 1,
         };
         m.step(2, 5, 10.0, &[("w0".into(), vec![t(4.0, 1.0), t(4.0, 0.0)], 9.0)]);
         let mut info = InfoResponse {
@@ -415,6 +439,7 @@ mod tests {
         has("layerstream_prompt_tokens_total 7");
         has("layerstream_generation_tokens_total 3");
         has("layerstream_worker_bytes_streamed_total{worker=\"w0\"} 200");
+        has("layerstream_worker_experts_total{worker=\"w0\",outcome=\"prefetched\"} 4");
         has("layerstream_worker_hidden_transfer_ratio{worker=\"w0\"} 0.875");
         has("layerstream_worker_up{worker=\"w0\"} 1");
         has("layerstream_worker_up{worker=\"w1\"} 0");

@@ -4,7 +4,7 @@
 //! error before anything is loaded.
 
 use crate::error::{Error, Result};
-use layerstream_model::plan::{layer_bytes, usage, Assignment};
+use layerstream_model::plan::{layer_bytes, range_experts, usage, Assignment};
 use layerstream_model::Manifest;
 
 /// A worker as the planner sees it.
@@ -23,6 +23,9 @@ pub struct PlanOptions {
     pub buffers: usize,
     pub kv_capacity: usize,
     pub prefetch: bool,
+    /// Experts kept per worker (mixture-of-experts models); `None` = every expert if the budget
+    /// holds them, else what the budget leaves after the resident layers (see `plan`).
+    pub expert_cache: Option<usize>,
 }
 
 /// The head's compute (final norm and lm_head, run for every sampled row) in layers' worth: its
@@ -92,7 +95,16 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             bytes_needed: 0,
             assignment_id: String::new(),
             micro_batches: 1,
+            expert_cache: o.expert_cache.unwrap_or(0) as u32,
         };
+        let (n_experts, _, largest_expert) = range_experts(m, &p);
+        let whole = Assignment { resident: range.clone().collect(), ..p.clone() };
+        if o.expert_cache.is_none() && n_experts > 0 && usage(m, &whole).total() > w.budget {
+            // Attention and routers (the layer files) stay resident first: they are small and every
+            // token uses them. The experts get a cache of one layer's worth at least, then whatever
+            // the budget leaves.
+            p.expert_cache = m.config.moe.as_ref().map_or(1, |x| x.experts) as u32;
+        }
         let k = match o.resident_layers {
             Some(k) => k.min(range.len()),
             None => {
@@ -107,6 +119,13 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             }
         };
         p.resident = interleave(&range, k);
+        if p.expert_cache > 0 && o.expert_cache.is_none() && largest_expert > 0 {
+            let spare = w.budget.saturating_sub(usage(m, &p).total()) / largest_expert;
+            p.expert_cache = (p.expert_cache as u64 + spare).min(n_experts as u64) as u32;
+        }
+        if p.expert_cache as usize >= n_experts {
+            p.expert_cache = 0; // a cache that holds every expert is every expert kept
+        }
         let u = usage(m, &p);
         if u.total() > w.budget {
             return Err(Error::Plan(format!(
@@ -176,6 +195,7 @@ mod tests {
     fn opts(resident: Option<usize>) -> PlanOptions {
         PlanOptions {
             resident_layers: resident,
+            expert_cache: None,
             group_size: 1,
             buffers: 2,
             kv_capacity: 64,
@@ -214,6 +234,48 @@ mod tests {
             last = k;
         }
         assert_eq!(last, 4, "a large budget keeps the whole range resident");
+    }
+
+    /// A mixture-of-experts store: a budget that holds everything keeps every expert (cache 0); a
+    /// smaller one keeps the attention and routers resident first and gives the experts what is
+    /// left (at least one layer's worth), growing with the budget; every plan fits.
+    #[test]
+    fn experts_get_what_the_resident_layers_leave() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = layerstream_model::synth::synth(
+            "tiny-moe",
+            layerstream_model::DType::Q8_0,
+            Some(4),
+            3,
+            &dir.path().join("moe"),
+        )
+        .unwrap();
+        let one = |budget: u64| {
+            plan(&m, &[WorkerSpec { address: "a".into(), budget }], &opts(None)).unwrap().remove(0)
+        };
+        let full = usage(&m, &Assignment { resident: vec![0, 1, 2, 3], ..streaming_plan(0..4) });
+        let everything = full.total() + full.embed_head; // embed + head counted by the real plan
+        assert_eq!(one(everything * 2).expert_cache, 0, "everything fits: every expert kept");
+        let expert = m.max_expert_bytes();
+        let mut last = 0;
+        for spare in [0u64, 3, 10] {
+            let all_layers = Assignment {
+                resident: vec![0, 1, 2, 3],
+                expert_cache: 8,
+                embed: true,
+                head: true,
+                ..streaming_plan(0..4)
+            };
+            let budget = usage(&m, &all_layers).total() + spare * expert;
+            let p = one(budget);
+            assert_eq!(p.resident, vec![0, 1, 2, 3], "attention and routers resident first");
+            assert_eq!(p.expert_cache as u64, 8 + spare, "budget {budget}");
+            assert!(usage(&m, &p).total() <= budget && p.expert_cache > last);
+            last = p.expert_cache;
+        }
+        let forced = PlanOptions { expert_cache: Some(3), ..opts(None) };
+        let p = plan(&m, &[WorkerSpec { address: "a".into(), budget: 1 << 40 }], &forced).unwrap();
+        assert_eq!(p[0].expert_cache, 3, "the flag wins");
     }
 
     #[test]

@@ -98,7 +98,7 @@ impl CoordinatorService {
                     return Err(Status::invalid_argument("chat has no messages"));
                 }
                 let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad)?;
-                self.tokenizer.encode(&text).map_err(bad)
+                self.tokenizer.encode_chat(&text).map_err(bad)
             }
             None => {
                 Err(Status::invalid_argument("request has no input: set prompt, chat or token_ids"))

@@ -22,6 +22,8 @@ pub struct Acc {
     /// Σ of the workers' wall times in the steps, and the most workers a step had.
     pub busy_ms: f64,
     pub workers: u32,
+    /// Experts needed, hit, prefetched and missed (mixture-of-experts layers).
+    pub experts: [u64; 4],
 }
 
 impl Acc {
@@ -36,6 +38,14 @@ impl Acc {
             self.transfer_ms += l.transfer_ms;
             self.compute_ms += l.compute_ms;
             self.stall_ms += l.stall_ms;
+            for (acc, n) in self.experts.iter_mut().zip([
+                l.experts_needed,
+                l.experts_hit,
+                l.experts_prefetched,
+                l.experts_missed,
+            ]) {
+                *acc += n as u64;
+            }
         }
     }
 
@@ -91,6 +101,10 @@ impl Acc {
             } else {
                 0.0
             },
+            experts_needed: self.experts[0],
+            experts_hit: self.experts[1],
+            experts_prefetched: self.experts[2],
+            experts_missed: self.experts[3],
         }
     }
 }

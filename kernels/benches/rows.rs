@@ -7,17 +7,8 @@
 use layerstream_kernels::cpu::gemm_f32;
 use layerstream_kernels::cpu::rows::{dot_rows, dot_rows2};
 use layerstream_kernels::quant::dot;
-use std::time::Instant;
-
-fn best(mut f: impl FnMut()) -> f64 {
-    (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min)
-}
+mod common;
+use common::best;
 
 fn main() {
     let (n, k) = (1536usize, 576usize);

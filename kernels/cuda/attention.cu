@@ -7,19 +7,21 @@
 // head_dim ≤ ATT_DIMS_PER_THREAD × blockDim.x (the backend checks it).
 #define ATT_DIMS_PER_THREAD 4
 
+// window > 0: a row attends only to the last `window` positions of its context (itself included).
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out,
-                                     int start, int n_heads, int n_kv_heads, int hd, float scale) {
+                                     int start, int n_heads, int n_kv_heads, int hd, float scale, int window) {
     __shared__ float p[ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int kvh = h / (n_heads / n_kv_heads);
     const int qd = n_heads * hd, kvd = n_kv_heads * hd;
     const int n_ctx = start + row + 1;
+    const int first = window > 0 && n_ctx > window ? n_ctx - window : 0;
     const float* qv = q + (long long)row * qd + (long long)h * hd;
     float acc[ATT_DIMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) acc[i] = 0.0f;
     float mx = -3.0e38f, sum = 0.0f;
-    for (int t0 = 0; t0 < n_ctx; t0 += nt) {
+    for (int t0 = first; t0 < n_ctx; t0 += nt) {
         const int t = t0 + tid;
         float s = -3.0e38f;
         if (t < n_ctx) {

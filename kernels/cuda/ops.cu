@@ -44,6 +44,34 @@ extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, 
     }
 }
 
+// GELU (tanh form, as PyTorch's approximate="tanh") of gate, times up: Gemma's GeGLU.
+extern "C" __global__ void gelu_tanh_mul(const float* g, const float* u, float* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float x = g[i];
+        out[i] = 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
+// Rows idx[0..n) of x (cols wide) into out, in that order: one block per output row.
+extern "C" __global__ void gather_rows(const float* x, const int* idx, float* out, int n, int cols) {
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        const float* src = x + (long long)idx[r] * cols;
+        float* dst = out + (long long)r * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+    }
+}
+
+// acc[idx[r]] += scale[r] * y[r] for the n rows of y: one block per row of y (an expert's rows are
+// distinct tokens, so no two blocks touch the same row of acc).
+extern "C" __global__ void add_rows_scaled(float* acc, const float* y, const int* idx, const float* scale, int n, int cols) {
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        float* dst = acc + (long long)idx[r] * cols;
+        const float* src = y + (long long)r * cols;
+        const float w = scale[r];
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] += src[c] * w;
+    }
+}
+
 extern "C" __global__ void add(float* x, const float* y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) x[i] += y[i];
 }

@@ -1,6 +1,6 @@
 // Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
 // shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
-//   ops-emu attention START M NH NKV HD THREADS IN OUT
+//   ops-emu attention START M NH NKV HD THREADS [WINDOW SCALAR] IN OUT   (scale 1/√SCALAR, default HD)
 //                                                IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
 //                                                OUT: attention output (M×NH·HD)
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
@@ -9,7 +9,11 @@
 //   ops-emu rope ROWS COLS HD IN OUT             IN: x (ROWS×COLS), i32 position per row, HD/2
 //                                                inverse frequencies             OUT: rotated x
 //   ops-emu silu_mul N IN OUT                    IN: gate (N), up (N)            OUT: silu(gate)·up
+//   ops-emu gelu_tanh_mul N IN OUT               IN: gate (N), up (N)            OUT: gelu_tanh(gate)·up
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
+//   ops-emu gather_rows ROWS COLS N IN OUT       IN: x (ROWS×COLS), N i32 row ids  OUT: N×COLS
+//   ops-emu add_rows_scaled ROWS COLS N IN OUT   IN: acc (ROWS×COLS), y (N×COLS), N i32 row ids,
+//                                                N f32 scales                    OUT: acc
 //   ops-emu add_bias T ROWS COLS IN OUT          IN: x (ROWS×COLS), bias (a row of T)  OUT: x + bias
 //   ops-emu to_f16 N IN OUT                      IN: x (N)                       OUT: N f16 bit patterns
 //   ops-emu to_bf16 N IN OUT                     IN: x (N)                       OUT: N bf16 bit patterns
@@ -39,13 +43,14 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[argc - 2], "rb");
     if (!in) return 3;
     const char* out = argv[argc - 1];
-    if (op == "attention" && a.size() == 6) {
+    if (op == "attention" && (a.size() == 6 || a.size() == 8)) {
         const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], ctx = start + m;
         std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
         if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc)) return 3;
         std::vector<float> o(q.size(), NAN);
-        const float scale = 1.0f / sqrtf((float)hd);
-        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale); });
+        const int window = a.size() == 8 ? a[6] : 0;
+        const float scale = 1.0f / sqrtf((float)(a.size() == 8 ? a[7] : hd));
+        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, window); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {
@@ -74,6 +79,20 @@ int main(int argc, char** argv) {
         launch(n, 256, [&] { embedding(table.data(), t, rb, ids.data(), o.data(), cols); });
         return write_out(out, o);
     }
+    if ((op == "gather_rows" || op == "add_rows_scaled") && a.size() == 3) {
+        const int rows = a[0], cols = a[1], n = a[2];
+        const bool gather = op == "gather_rows";
+        std::vector<float> x((size_t)rows * cols), y(gather ? 0 : (size_t)n * cols), sc(gather ? 0 : n);
+        std::vector<int> idx(n);
+        if (!read_into(in, x) || !read_into(in, y) || !read_into(in, idx) || !read_into(in, sc)) return 3;
+        if (gather) {
+            std::vector<float> o((size_t)n * cols, NAN);
+            launch(n, 256, [&] { gather_rows(x.data(), idx.data(), o.data(), n, cols); });
+            return write_out(out, o);
+        }
+        launch(n, 256, [&] { add_rows_scaled(x.data(), y.data(), idx.data(), sc.data(), n, cols); });
+        return write_out(out, x);
+    }
     if (op == "rope" && a.size() == 3) {
         const int rows = a[0], cols = a[1], hd = a[2];
         std::vector<float> x((size_t)rows * cols), inv(hd / 2);
@@ -83,7 +102,7 @@ int main(int argc, char** argv) {
         return write_out(out, x);
     }
     const bool to_half = op == "to_f16" || op == "to_bf16";
-    if ((op == "silu_mul" || op == "add" || to_half) && a.size() == 1) {
+    if ((op == "silu_mul" || op == "gelu_tanh_mul" || op == "add" || to_half) && a.size() == 1) {
         const long long n = a[0];
         std::vector<float> x(n), y(to_half ? 0 : n), o(n, NAN);
         if (!read_into(in, x) || !read_into(in, y)) return 3;
@@ -95,6 +114,10 @@ int main(int argc, char** argv) {
         if (op == "add") {
             launch(grid_for(n), 256, [&] { add(x.data(), y.data(), n); });
             return write_out(out, x);
+        }
+        if (op == "gelu_tanh_mul") {
+            launch(grid_for(n), 256, [&] { gelu_tanh_mul(x.data(), y.data(), o.data(), n); });
+            return write_out(out, o);
         }
         launch(grid_for(n), 256, [&] { silu_mul(x.data(), y.data(), o.data(), n); });
         return write_out(out, o);

@@ -5,15 +5,31 @@ use crate::error::Result;
 use crate::rope::RopeTable;
 use layerstream_types::DType;
 
-/// Attention geometry of a model.
+/// Attention geometry of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Score scale (1/√head_dim unless the model says otherwise).
+    pub scale: f32,
+    /// Sliding window: a row attends to the last `window` positions, itself included (0 = all).
+    /// A cache of such a layer keeps only what later rows can still see.
+    pub window: usize,
 }
 
 impl AttnShape {
+    /// Full causal attention scaled by 1/√head_dim.
+    pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> AttnShape {
+        AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: 0,
+        }
+    }
+
     /// Checks q/k/v (`(rows, cols)` each) against this shape for one `attention` call; returns
     /// `(q_dim, kv_dim)`.
     pub fn check(
@@ -52,6 +68,12 @@ pub trait Backend: Send + Sync + Clone {
 
     /// A human-readable device name ("cpu", "cuda:0").
     fn name(&self) -> String;
+
+    /// Runs `f`, a step of kernels, where this device's kernels launch cheapest (the CPU: on a
+    /// thread of its compute pool; others: here).
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
 
     /// Places a stored tensor on the device; `shape` is row-major with blocks along the last dim.
     fn weight(
@@ -114,6 +136,34 @@ pub trait Backend: Send + Sync + Clone {
     /// Stacks tensors of equal width by rows.
     fn concat_rows(&self, parts: &[Self::Tensor]) -> Result<Self::Tensor>;
 
+    /// Rows `idx` of `t`, in that order, as a new tensor (a mixture-of-experts layer's tokens for one
+    /// expert). The default goes through the host.
+    fn gather_rows(&self, t: &Self::Tensor, idx: &[usize]) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(t);
+        crate::host::check_gather(rows, idx)?;
+        let host = self.to_host(t)?;
+        let data: Vec<f32> =
+            idx.iter().flat_map(|&r| host[r * cols..(r + 1) * cols].iter().copied()).collect();
+        self.from_host(&data, idx.len(), cols)
+    }
+    /// `acc[idx[i]] += scale[i] * y[i]` for every row `i` of `y` (an expert's output added into the
+    /// layer's, weighted by the router). The default goes through the host.
+    fn add_rows_scaled(
+        &self,
+        acc: &mut Self::Tensor,
+        y: &Self::Tensor,
+        idx: &[usize],
+        scale: &[f32],
+    ) -> Result<()> {
+        let (rows, cols) = self.dims(acc);
+        crate::host::check_add_rows((rows, cols), self.dims(y), idx, scale)?;
+        let mut a = self.to_host(acc)?;
+        let y = self.to_host(y)?;
+        crate::host::add_rows_scaled(&mut a, &y, cols, idx, scale);
+        *acc = self.from_host(&a, rows, cols)?;
+        Ok(())
+    }
+
     /// Gathers embedding rows for `ids` from a `[vocab, hidden]` table.
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x[m, k] · w[n, k]ᵀ → [m, n]`, dequantizing `w` as needed.
@@ -124,6 +174,24 @@ pub trait Backend: Send + Sync + Clone {
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;
     /// Rotates each head of `x` (HF half layout) at the given positions, one per row.
     fn rope(&self, x: &mut Self::Tensor, positions: &[usize], table: &RopeTable) -> Result<()>;
+    /// `gelu_tanh(gate) * up` (GELU's tanh form, Gemma's GeGLU). The default goes through the host.
+    fn gelu_tanh_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(gate);
+        crate::error::ensure(self.dims(up) == (rows, cols), "gelu_tanh_mul", || {
+            "gate and up differ in size".into()
+        })?;
+        let (g, u) = (self.to_host(gate)?, self.to_host(up)?);
+        let out: Vec<f32> =
+            g.iter().zip(&u).map(|(&a, &b)| crate::host::gelu_tanh(a) * b).collect();
+        self.from_host(&out, rows, cols)
+    }
+    /// `x *= s` (Gemma's embedding scale). The default goes through the host.
+    fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<()> {
+        let (rows, cols) = self.dims(x);
+        let v: Vec<f32> = self.to_host(x)?.iter().map(|a| a * s).collect();
+        *x = self.from_host(&v, rows, cols)?;
+        Ok(())
+    }
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x += y`.

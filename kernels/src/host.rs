@@ -34,6 +34,42 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// `acc[idx[i]] += scale[i] * y[i]` over rows of `cols` values (rows of `y` in order).
+pub fn add_rows_scaled(acc: &mut [f32], y: &[f32], cols: usize, idx: &[usize], scale: &[f32]) {
+    for ((&r, &w), yrow) in idx.iter().zip(scale).zip(y.chunks_exact(cols.max(1))) {
+        for (a, &v) in acc[r * cols..(r + 1) * cols].iter_mut().zip(yrow) {
+            *a += v * w;
+        }
+    }
+}
+
+/// Checks `gather_rows` indices against a tensor of `rows` rows.
+pub fn check_gather(rows: usize, idx: &[usize]) -> crate::Result<()> {
+    crate::error::ensure(idx.iter().all(|&r| r < rows), "gather_rows", || {
+        format!("row indices {idx:?} outside {rows} rows")
+    })
+}
+
+/// Checks `add_rows_scaled` operands: `acc` and `y` dims, one index and one scale per row of `y`.
+pub fn check_add_rows(
+    (rows, cols): (usize, usize),
+    (yr, yc): (usize, usize),
+    idx: &[usize],
+    scale: &[f32],
+) -> crate::Result<()> {
+    crate::error::ensure(
+        yc == cols && yr == idx.len() && scale.len() == idx.len() && idx.iter().all(|&r| r < rows),
+        "add_rows_scaled",
+        || format!("acc {rows}x{cols}, y {yr}x{yc}, {} indices, {} scales", idx.len(), scale.len()),
+    )
+}
+
+/// GELU, tanh approximation (PyTorch `gelu(approximate="tanh")`), computed in f32 as PyTorch does.
+pub fn gelu_tanh(x: f32) -> f32 {
+    const K: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,6 +35,11 @@ impl RopeTable {
                 }
             }
         }
+        if let Some(RopeScaling::Linear { factor }) = cfg.scaling {
+            for f in inv.iter_mut() {
+                *f /= factor;
+            }
+        }
         RopeTable { head_dim, inv_freq: inv.into_iter().map(|x| x as f32).collect() }
     }
 

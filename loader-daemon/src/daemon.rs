@@ -3,7 +3,7 @@
 
 use crate::pool::{Acquire, Pool};
 use crate::read::read_into;
-use layerstream_model::layout::layer_file;
+use layerstream_model::layout::{layer_file, unit_file, unit_label};
 use layerstream_model::Store;
 use layerstream_proto::shm::{slot_name, ShmRegion};
 use layerstream_proto::telemetry::adopt_parent;
@@ -129,8 +129,14 @@ impl Daemon {
         self.broken.load(Ordering::SeqCst)
     }
 
+    /// The store file of unit `unit` (a layer, or an expert: `layout::unit_file`).
+    fn unit_name(&self, unit: u32) -> Result<String, Status> {
+        unit_file(&self.store.manifest.config, unit)
+            .ok_or_else(|| Status::not_found(format!("no layer or expert {unit} in the store")))
+    }
+
     fn layer_len(&self, layer: u32) -> Result<u64, Status> {
-        let name = layer_file(layer as usize);
+        let name = self.unit_name(layer)?;
         let f = self
             .store
             .manifest
@@ -150,7 +156,7 @@ impl Daemon {
         let me = self.clone();
         let span = info_span!(
             "read",
-            otel.name = format!("read layer {layer}"),
+            otel.name = format!("read {}", unit_label(&self.store.manifest.config, layer)),
             layer = layer as i64,
             bytes = tracing::field::Empty,
             gbps = tracing::field::Empty,
@@ -159,7 +165,8 @@ impl Daemon {
         let s2 = span.clone();
         let res = tokio::task::spawn_blocking(move || {
             let _e = s2.enter();
-            let path = me.store.dir.join(layer_file(layer as usize));
+            let name = me.unit_name(layer)?;
+            let path = me.store.dir.join(&name);
             let t = Instant::now();
             // SAFETY: the pool marked this slot Loading: nobody holds a pin and no other load targets it.
             let dst = unsafe { me.slots[slot].bytes_mut() };
@@ -177,7 +184,7 @@ impl Daemon {
             if me.store.verify {
                 // Checked where the bytes enter memory: a slot that fails is never handed out.
                 let entry =
-                    me.store.manifest.file(&layer_file(layer as usize)).ok_or_else(|| {
+                    me.store.manifest.file(&name).ok_or_else(|| {
                         Status::not_found(format!("no layer {layer} in the store"))
                     })?;
                 let _v = info_span!("verify", bytes = n as i64).entered();
@@ -251,7 +258,8 @@ impl Daemon {
                     if !missed {
                         info_span!(
                             "read",
-                            otel.name = format!("read layer {layer}"),
+                            otel.name =
+                                format!("read {}", unit_label(&self.store.manifest.config, layer)),
                             layer = layer as i64,
                             bytes = len as i64,
                             cache = "hit"

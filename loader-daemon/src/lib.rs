@@ -105,7 +105,7 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
         layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
     let mut store = Store::open(&args.model)?;
     store.verify = !args.pool.no_verify;
-    let slot_size = args.slot_size.unwrap_or(store.manifest.max_layer_bytes() as usize);
+    let slot_size = args.slot_size.unwrap_or(store.manifest.max_unit_bytes() as usize);
     let slots = args
         .pool
         .slots

@@ -17,11 +17,18 @@ pub enum Arch {
     Qwen2,
     #[serde(rename = "Qwen3ForCausalLM")]
     Qwen3,
+    #[serde(rename = "Qwen3MoeForCausalLM")]
+    Qwen3Moe,
+    #[serde(rename = "MixtralForCausalLM")]
+    Mixtral,
+    #[serde(rename = "Gemma3ForCausalLM")]
+    Gemma3,
 }
 
 /// The HF class names accepted, for error messages.
-pub const SUPPORTED_ARCHS: &str =
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (GGUF: llama, qwen2, qwen3)";
+pub const SUPPORTED_ARCHS: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
+     Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM (GGUF: llama, \
+     qwen2, qwen3, qwen3moe, gemma3)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.
@@ -31,11 +38,44 @@ impl Arch {
             "MistralForCausalLM" => Ok(Arch::Mistral),
             "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
             "Qwen3ForCausalLM" => Ok(Arch::Qwen3),
+            "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
+            "MixtralForCausalLM" => Ok(Arch::Mixtral),
+            "Gemma3ForCausalLM" => Ok(Arch::Gemma3),
             other => {
                 Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() })
             }
         }
     }
+}
+
+/// A mixture-of-experts feed-forward: each token's router picks `top_k` of `experts` expert MLPs.
+///
+/// Routing is softmax over all experts' logits, the top `top_k` taken, renormalised to sum to 1 when
+/// `norm_topk_prob` (Qwen3-MoE's flag; Mixtral's softmax over the top-k logits is the same thing).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Width of each expert's gate/up projections.
+    pub expert_intermediate: usize,
+    pub norm_topk_prob: bool,
+    /// Layers whose MLP is dense (`intermediate_size`) rather than experts, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+}
+
+/// Gemma 3's departures from the Llama layer: RMSNorm by `1 + w` (stored as `1 + w`, so the kernels
+/// see a plain norm), sandwich norms around attention and MLP, GELU (tanh) gating, embeddings scaled
+/// by √hidden, attention scaled by `query_pre_attn_scalar^-½`, and sliding-window attention on every
+/// layer but `global_layers`, with its own RoPE.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GemmaConfig {
+    pub query_pre_attn_scalar: f64,
+    pub sliding_window: usize,
+    /// Layers that attend to the whole context, ascending.
+    pub global_layers: Vec<usize>,
+    /// RoPE of the sliding-window layers.
+    pub local_rope: RopeConfig,
 }
 
 /// Everything the forward pass needs to know about a model.
@@ -57,6 +97,15 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The experts of a mixture-of-experts model (`None`: every MLP dense).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+    /// Gemma 3's layer (`None`: the Llama layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemma: Option<GemmaConfig>,
+    /// Every layer attends to the last this-many positions only (Mistral 7B v0.1's 4096).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
 }
 
 fn get_usize(v: &Value, field: &str) -> Result<usize> {
@@ -78,14 +127,27 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// Parses the RoPE section: older `rope_theta` + `rope_scaling`, or newer `rope_parameters`.
+/// `rope_parameters`, or its `kind` entry where it holds one per attention kind (Gemma 3 in
+/// transformers 5: `full_attention`, `sliding_attention`).
+fn rope_params<'a>(v: &'a Value, kind: &str) -> Option<&'a Value> {
+    let p = v.get("rope_parameters").filter(|p| p.is_object())?;
+    Some(p.get(kind).filter(|k| k.is_object()).unwrap_or(p))
+}
+
+/// Parses the RoPE section: older `rope_theta` + `rope_scaling`, or newer `rope_parameters` (the
+/// `full_attention` entry where it has one per attention kind).
 fn parse_rope(v: &Value) -> Result<RopeConfig> {
-    let params = v.get("rope_parameters").filter(|p| p.is_object());
+    let params = rope_params(v, "full_attention");
     let scaling_obj = params.or_else(|| v.get("rope_scaling").filter(|p| p.is_object()));
     let theta = params
         .and_then(|p| get_f64(p, "rope_theta"))
         .or_else(|| get_f64(v, "rope_theta"))
         .unwrap_or(10000.0);
+    rope_with(theta, scaling_obj)
+}
+
+/// A RoPE config of base `theta`, scaled as `scaling_obj` says (`rope_type` default, llama3, linear).
+fn rope_with(theta: f64, scaling_obj: Option<&Value>) -> Result<RopeConfig> {
     let scaling = match scaling_obj {
         None => None,
         Some(s) => {
@@ -108,10 +170,14 @@ fn parse_rope(v: &Value) -> Result<RopeConfig> {
                         original_max_position_embeddings: f("original_max_position_embeddings")?,
                     })
                 }
+                "linear" => Some(RopeScaling::Linear {
+                    factor: get_f64(s, "factor")
+                        .ok_or_else(|| Error::config("rope_scaling.factor", "missing"))?,
+                }),
                 other => {
                     return Err(Error::config(
                         "rope_scaling.rope_type",
-                        format!("unsupported {other:?}; supported: default, llama3"),
+                        format!("unsupported {other:?}; supported: default, llama3, linear"),
                     ))
                 }
             }
@@ -120,7 +186,97 @@ fn parse_rope(v: &Value) -> Result<RopeConfig> {
     Ok(RopeConfig { theta, scaling })
 }
 
+/// Gemma 3's section: attention scalar, window, which layers are global (`layer_types`, else every
+/// `sliding_window_pattern`-th), the sliding layers' RoPE; soft-capping is refused (Gemma 3 has none).
+fn parse_gemma(arch: Arch, v: &Value) -> Result<Option<GemmaConfig>> {
+    if arch != Arch::Gemma3 {
+        return Ok(None);
+    }
+    for cap in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if v.get(cap).is_some_and(|c| !c.is_null()) {
+            return Err(Error::config(cap, "logit soft-capping is not supported"));
+        }
+    }
+    let layers = get_usize(v, "num_hidden_layers")?;
+    let global_layers = match v.get("layer_types").and_then(Value::as_array) {
+        Some(t) => t
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| k.as_str() == Some("full_attention"))
+            .map(|(i, _)| i)
+            .collect(),
+        None => {
+            let pattern = v.get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6);
+            (0..layers).filter(|i| ((i + 1) as u64).is_multiple_of(pattern.max(1))).collect()
+        }
+    };
+    let local = rope_params(v, "sliding_attention")
+        .filter(|_| v.get("rope_parameters").is_some_and(|p| p.get("sliding_attention").is_some()));
+    let local_rope = match local {
+        Some(p) => rope_with(get_f64(p, "rope_theta").unwrap_or(10000.0), Some(p))?,
+        None => RopeConfig {
+            theta: get_f64(v, "rope_local_base_freq").unwrap_or(10000.0),
+            scaling: None,
+        },
+    };
+    let head_dim = v.get("head_dim").and_then(Value::as_u64).unwrap_or(256) as f64;
+    Ok(Some(GemmaConfig {
+        query_pre_attn_scalar: get_f64(v, "query_pre_attn_scalar").unwrap_or(head_dim),
+        sliding_window: get_usize(v, "sliding_window")?,
+        global_layers,
+        local_rope,
+    }))
+}
+
+/// The experts section of a Qwen3-MoE or Mixtral config (`None` for dense architectures).
+fn parse_moe(arch: Arch, v: &Value) -> Result<Option<MoeConfig>> {
+    match arch {
+        Arch::Qwen3Moe => {
+            let layers = get_usize(v, "num_hidden_layers")?;
+            let step = v.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1) as usize;
+            if step == 0 {
+                return Err(Error::config("decoder_sparse_step", "must be > 0"));
+            }
+            let only: Vec<usize> = v
+                .get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
+                .unwrap_or_default();
+            // transformers: a layer is sparse when it is not in mlp_only_layers and
+            // (index + 1) % decoder_sparse_step == 0.
+            let dense_layers =
+                (0..layers).filter(|i| only.contains(i) || (i + 1) % step != 0).collect();
+            Ok(Some(MoeConfig {
+                experts: get_usize(v, "num_experts")?,
+                top_k: get_usize(v, "num_experts_per_tok")?,
+                expert_intermediate: get_usize(v, "moe_intermediate_size")?,
+                norm_topk_prob: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+                dense_layers,
+            }))
+        }
+        Arch::Mixtral => Ok(Some(MoeConfig {
+            experts: get_usize(v, "num_local_experts")?,
+            top_k: get_usize(v, "num_experts_per_tok")?,
+            expert_intermediate: get_usize(v, "intermediate_size")?,
+            norm_topk_prob: true,
+            dense_layers: Vec::new(),
+        })),
+        _ => Ok(None),
+    }
+}
+
 impl ModelConfig {
+    /// The attention window of layer `layer` (`None`: the whole context).
+    pub fn window_at(&self, layer: usize) -> Option<usize> {
+        let g = self.gemma.as_ref()?;
+        (!g.global_layers.contains(&layer)).then_some(g.sliding_window)
+    }
+
+    /// The experts of layer `layer`, if it is a mixture-of-experts layer.
+    pub fn moe_at(&self, layer: usize) -> Option<&MoeConfig> {
+        self.moe.as_ref().filter(|m| !m.dense_layers.contains(&layer))
+    }
+
     /// Parses an HF `config.json` value.
     pub fn from_hf(v: &Value) -> Result<ModelConfig> {
         let arch_name = v
@@ -135,11 +291,15 @@ impl ModelConfig {
             Some(h) => h as usize,
             None => hidden_size / num_heads,
         };
-        let act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
+        let (act_key, want) = match arch {
+            Arch::Gemma3 => ("hidden_activation", "gelu_pytorch_tanh"),
+            _ => ("hidden_act", "silu"),
+        };
+        let act = v.get(act_key).and_then(Value::as_str).unwrap_or(want);
+        if act != want {
             return Err(Error::config(
-                "hidden_act",
-                format!("unsupported {act:?}; supported: silu"),
+                act_key,
+                format!("unsupported {act:?}; supported for {arch_name}: {want}"),
             ));
         }
         let cfg = ModelConfig {
@@ -164,9 +324,18 @@ impl ModelConfig {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: token_ids(v.get("eos_token_id")),
+            moe: parse_moe(arch, v)?,
+            gemma: parse_gemma(arch, v)?,
+            // Mistral's window covers every layer (Gemma's are per layer, in its own section).
+            sliding_window: match arch {
+                Arch::Mistral => {
+                    v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize)
+                }
+                _ => None,
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -215,6 +384,48 @@ impl ModelConfig {
                 Err(Error::config(field, format!("must be a finite number > 0, got {v}")))
             }
         };
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || m.experts > 4096 {
+                return Err(Error::config(
+                    "num_experts",
+                    format!("{} is not in 1..=4096", m.experts),
+                ));
+            }
+            if m.top_k == 0 || m.top_k > m.experts {
+                return Err(Error::config(
+                    "num_experts_per_tok",
+                    format!("{} is not in 1..={} (the number of experts)", m.top_k, m.experts),
+                ));
+            }
+            // The loader numbers layers, then every layer's experts, in a u32 (`layout::unit_file`).
+            let units =
+                m.experts.checked_mul(self.num_layers).and_then(|x| x.checked_add(self.num_layers));
+            if units.is_none_or(|u| u > u32::MAX as usize) {
+                return Err(Error::config(
+                    "num_experts",
+                    format!(
+                        "{} experts × {} layers are too many files to number",
+                        m.experts, self.num_layers
+                    ),
+                ));
+            }
+            if m.expert_intermediate == 0 || m.expert_intermediate > MAX_DIM {
+                return Err(Error::config(
+                    "moe_intermediate_size",
+                    format!("{} is not in 1..={MAX_DIM}", m.expert_intermediate),
+                ));
+            }
+        }
+        if self.sliding_window == Some(0) {
+            return Err(Error::config("sliding_window", "must be > 0 (or null)"));
+        }
+        if let Some(g) = &self.gemma {
+            if g.sliding_window == 0 {
+                return Err(Error::config("sliding_window", "must be > 0"));
+            }
+            positive("query_pre_attn_scalar", g.query_pre_attn_scalar)?;
+            positive("rope_local_base_freq", g.local_rope.theta)?;
+        }
         positive("rms_norm_eps", self.rms_norm_eps)?;
         positive("rope_theta", self.rope.theta)?;
         if let Some(crate::config::RopeScaling::Llama3 {
@@ -299,6 +510,43 @@ mod tests {
         v["architectures"] = json!(["GPTNeoXForCausalLM"]);
         let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
         assert!(e.contains("GPTNeoXForCausalLM") && e.contains("Qwen3ForCausalLM"), "{e}");
+    }
+
+    /// Qwen3-MoE: sparse layers are those not in `mlp_only_layers` with (i + 1) % step == 0, as in
+    /// transformers; Mixtral: every layer, renormalised; impossible expert counts are named.
+    #[test]
+    fn moe_sections_parse_as_transformers_reads_them() {
+        let mut v = base();
+        v["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+        v["num_hidden_layers"] = json!(6);
+        v["num_experts"] = json!(8);
+        v["num_experts_per_tok"] = json!(2);
+        v["moe_intermediate_size"] = json!(32);
+        v["decoder_sparse_step"] = json!(2);
+        v["mlp_only_layers"] = json!([3]);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let m = c.moe.clone().unwrap();
+        assert_eq!(m.dense_layers, vec![0, 2, 3, 4], "odd layers sparse, but 3 is MLP-only");
+        assert!(!m.norm_topk_prob && c.qk_norm);
+        assert!(c.moe_at(1).is_some() && c.moe_at(3).is_none() && c.moe_at(5).is_some());
+        let mut huge = v.clone();
+        huge["num_experts"] = json!(4096);
+        huge["num_hidden_layers"] = json!(1 << 21);
+        huge["mlp_only_layers"] = json!([]);
+        let e = ModelConfig::from_hf(&huge).unwrap_err().to_string();
+        assert!(e.contains("too many files to number"), "{e}");
+        v["num_experts_per_tok"] = json!(9);
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("num_experts_per_tok") && e.contains("1..=8"), "{e}");
+        let mut x = base();
+        x["architectures"] = json!(["MixtralForCausalLM"]);
+        x["num_local_experts"] = json!(4);
+        x["num_experts_per_tok"] = json!(2);
+        let m = ModelConfig::from_hf(&x).unwrap().moe.unwrap();
+        assert!(m.norm_topk_prob && m.dense_layers.is_empty() && m.expert_intermediate == 160);
+        x.as_object_mut().unwrap().remove("num_local_experts");
+        let e = ModelConfig::from_hf(&x).unwrap_err().to_string();
+        assert!(e.contains("num_local_experts"), "{e}");
     }
 
     #[test]

@@ -280,9 +280,18 @@ impl GgufFile {
     /// The architecture (`general.architecture`): llama (also Mistral's files), qwen2 or qwen3.
     pub fn arch(&self) -> Result<Arch> {
         match self.meta("general.architecture")?.as_str().unwrap_or("") {
+            // Mixtral's files are `llama` with experts.
+            "llama"
+                if self.metadata.get("llama.expert_count").and_then(Value::as_u64).unwrap_or(0)
+                    > 0 =>
+            {
+                Ok(Arch::Mixtral)
+            }
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
+            "gemma3" => Ok(Arch::Gemma3),
             other => Err(Error::UnsupportedArch {
                 got: format!("GGUF {other}"),
                 supported: crate::config::SUPPORTED_ARCHS.into(),
@@ -294,19 +303,28 @@ impl GgufFile {
     pub fn config(&self) -> Result<ModelConfig> {
         let arch = self.arch()?;
         let p = match arch {
-            Arch::Llama | Arch::Mistral => "llama",
+            Arch::Llama | Arch::Mistral | Arch::Mixtral => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::Gemma3 => "gemma3",
         };
         let key = |k: &str| format!("{p}.{k}");
-        if let Some(kind) = self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
-            if kind != "none" {
+        let scaling = match self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => None,
+            Some("linear") => Some(crate::config::RopeScaling::Linear {
+                factor: self
+                    .meta(&key("rope.scaling.factor"))?
+                    .as_f64()
+                    .ok_or_else(|| Error::config(key("rope.scaling.factor"), "not a number"))?,
+            }),
+            Some(kind) => {
                 return Err(Error::config(
                     key("rope.scaling.type"),
-                    format!("unsupported {kind:?}"),
-                ));
+                    format!("unsupported {kind:?}; supported: none, linear"),
+                ))
             }
-        }
+        };
         if self.tensor("rope_freqs.weight").is_some() {
             return Err(Error::tensor(
                 "rope_freqs.weight",
@@ -351,7 +369,7 @@ impl GgufFile {
                     .get(&key("rope.freq_base"))
                     .and_then(Value::as_f64)
                     .unwrap_or(10000.0),
-                scaling: None,
+                scaling,
             },
             max_position_embeddings: self
                 .metadata
@@ -359,10 +377,14 @@ impl GgufFile {
                 .and_then(Value::as_u64)
                 .unwrap_or(4096) as usize,
             tie_word_embeddings: self.tensor("output.weight").is_none(),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             bos_token_id: u32_of("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_of("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            moe: self.moe(arch, p)?,
+            gemma: None,
+            sliding_window: None,
         };
+        let cfg = ModelConfig { gemma: self.gemma(&cfg, p)?, ..cfg };
         // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.
         let cfg = ModelConfig { rms_norm_eps: (cfg.rms_norm_eps as f32) as f64, ..cfg };
         cfg.validate()?;
@@ -382,6 +404,51 @@ impl GgufFile {
         Ok(cfg)
     }
 
+    /// Gemma 3's section as llama.cpp reads it: the window (`attention.sliding_window`), every 6th
+    /// layer global, the sliding layers' base `rope.freq_base_swa` (10000 when absent), and the
+    /// attention scale llama.cpp derives (the file does not carry `query_pre_attn_scalar`): the head
+    /// size, or hidden ÷ heads for the 62-layer 27B.
+    fn gemma(&self, cfg: &ModelConfig, p: &str) -> Result<Option<crate::config::GemmaConfig>> {
+        if cfg.arch != Arch::Gemma3 {
+            return Ok(None);
+        }
+        let f = |k: &str, d: f64| {
+            self.metadata.get(&format!("{p}.{k}")).and_then(Value::as_f64).unwrap_or(d)
+        };
+        let scalar = if cfg.num_layers == 62 {
+            (cfg.hidden_size / cfg.num_heads) as f64
+        } else {
+            cfg.head_dim as f64
+        };
+        Ok(Some(crate::config::GemmaConfig {
+            query_pre_attn_scalar: scalar,
+            sliding_window: self.meta_usize(&format!("{p}.attention.sliding_window"))?,
+            global_layers: (0..cfg.num_layers).filter(|i| (i + 1).is_multiple_of(6)).collect(),
+            local_rope: RopeConfig { theta: f("rope.freq_base_swa", 10000.0), scaling: None },
+        }))
+    }
+
+    /// The experts section: `<arch>.expert_count`, `expert_used_count` and the expert width
+    /// (`expert_feed_forward_length`, or `feed_forward_length` for Mixtral's `llama` files). llama.cpp
+    /// renormalises the top-k weights of both, as Mixtral and Qwen3-MoE (norm_topk_prob) do.
+    fn moe(&self, arch: Arch, p: &str) -> Result<Option<crate::config::MoeConfig>> {
+        if !matches!(arch, Arch::Qwen3Moe | Arch::Mixtral) {
+            return Ok(None);
+        }
+        let width = if arch == Arch::Qwen3Moe {
+            format!("{p}.expert_feed_forward_length")
+        } else {
+            format!("{p}.feed_forward_length")
+        };
+        Ok(Some(crate::config::MoeConfig {
+            experts: self.meta_usize(&format!("{p}.expert_count"))?,
+            top_k: self.meta_usize(&format!("{p}.expert_used_count"))?,
+            expert_intermediate: self.meta_usize(&width)?,
+            norm_topk_prob: true,
+            dense_layers: Vec::new(),
+        }))
+    }
+
     /// The chat template, if the file carries one.
     pub fn chat_template(&self) -> Option<String> {
         self.metadata.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_owned)
@@ -393,14 +460,19 @@ impl GgufFile {
 /// GGUF row `h*hd + 2i + j` holds HF row `h*hd + j*hd/2 + i`. Rows are moved whole, so quantized
 /// blocks are untouched.
 pub fn unpermute_rows(data: &[u8], rows: usize, n_heads: usize) -> Vec<u8> {
+    move_head_rows(data, rows, n_heads, false)
+}
+
+/// Moves whole rows between HF's q/k order and llama.cpp's (`to_gguf`: HF → llama.cpp).
+pub fn move_head_rows(data: &[u8], rows: usize, n_heads: usize, to_gguf: bool) -> Vec<u8> {
     let row_bytes = data.len() / rows;
     let hd = rows / n_heads;
     let mut out = vec![0u8; data.len()];
     for h in 0..n_heads {
         for i in 0..hd / 2 {
             for j in 0..2 {
-                let src = h * hd + 2 * i + j;
-                let dst = h * hd + j * (hd / 2) + i;
+                let (hf, gg) = (h * hd + j * (hd / 2) + i, h * hd + 2 * i + j);
+                let (src, dst) = if to_gguf { (hf, gg) } else { (gg, hf) };
                 out[dst * row_bytes..(dst + 1) * row_bytes]
                     .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
             }
@@ -434,7 +506,7 @@ impl crate::source::Checkpoint for GgufCheckpoint {
         let data = self.file.data(t);
         // llama.cpp's converter permutes q/k rows for the llama architecture only (its rotary
         // layout); qwen2/qwen3 keep HF's.
-        let permuted = matches!(self.config.arch, Arch::Llama | Arch::Mistral);
+        let permuted = matches!(self.config.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
         let heads = if !permuted {
             None
         } else if name.ends_with(".attn_q.weight") || name.ends_with(".attn_q.bias") {
@@ -479,6 +551,41 @@ impl crate::source::Checkpoint for GgufCheckpoint {
 
     fn layer_prefix(&self, i: usize) -> String {
         format!("blk.{i}.")
+    }
+
+    fn router(&self, layer: usize) -> Result<Option<crate::source::SourceTensor>> {
+        self.tensor(&format!("blk.{layer}.{}", crate::layout::GGUF_ROUTER))
+    }
+
+    /// Expert `expert`'s slice of the stacked `[experts, rows, cols]` tensor (whole rows of whole
+    /// blocks, so quantized data is cut, not converted).
+    fn expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        which: &str,
+    ) -> Result<Option<crate::source::SourceTensor>> {
+        let name = format!("blk.{layer}.{}", crate::layout::gguf_experts(which));
+        let Some(t) = self.file.tensor(&name) else { return Ok(None) };
+        let [n, rows, cols] = t.shape[..] else {
+            return Err(Error::tensor(
+                &name,
+                format!("shape {:?} is not [experts, rows, cols]", t.shape),
+            ));
+        };
+        let data = self.file.data(t);
+        if expert >= n || n == 0 || !data.len().is_multiple_of(n) {
+            return Err(Error::tensor(
+                &name,
+                format!("{} bytes do not hold expert {expert} of {n}", data.len()),
+            ));
+        }
+        let per = data.len() / n;
+        Ok(Some(crate::source::SourceTensor {
+            dtype: t.dtype,
+            shape: vec![rows, cols],
+            data: data[expert * per..(expert + 1) * per].to_vec(),
+        }))
     }
 }
 

@@ -7,6 +7,19 @@ use crate::source::{Checkpoint, SourceTensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Where a Gemma 3 checkpoint keeps a layer tensor: its pre-MLP norm is `pre_feedforward_layernorm`
+/// and its `post_attention_layernorm` follows attention (the Llama table's names otherwise).
+pub fn gemma_name(arch: crate::config::Arch, hf: &str) -> &str {
+    use crate::layout::GEMMA_POST_ATTN;
+    match (arch, hf) {
+        (crate::config::Arch::Gemma3, "post_attention_layernorm.weight") => {
+            "pre_feedforward_layernorm.weight"
+        }
+        (crate::config::Arch::Gemma3, GEMMA_POST_ATTN) => "post_attention_layernorm.weight",
+        _ => hf,
+    }
+}
+
 /// An opened HF model directory.
 pub struct HfCheckpoint {
     dir: PathBuf,
@@ -125,10 +138,29 @@ impl Checkpoint for HfCheckpoint {
     }
 
     fn pick_name(&self, hf: &str, _gguf: &str) -> String {
-        hf.to_owned()
+        gemma_name(self.config.arch, hf).to_owned()
+    }
+
+    fn norm_offset(&self) -> f32 {
+        // Gemma's RMSNorm scales by 1 + w: stored as 1 + w, the kernels' plain norm computes it.
+        if self.config.arch == crate::config::Arch::Gemma3 {
+            1.0
+        } else {
+            0.0
+        }
     }
 
     fn layer_prefix(&self, i: usize) -> String {
         format!("model.layers.{i}.")
+    }
+
+    fn router(&self, layer: usize) -> Result<Option<SourceTensor>> {
+        let (router, _) = crate::layout::hf_moe_names(self.config.arch);
+        self.tensor(&format!("{}{router}", self.layer_prefix(layer)))
+    }
+
+    fn expert(&self, layer: usize, expert: usize, which: &str) -> Result<Option<SourceTensor>> {
+        let (_, name) = crate::layout::hf_moe_names(self.config.arch);
+        self.tensor(&format!("{}{}", self.layer_prefix(layer), name(expert, which)))
     }
 }

@@ -5,7 +5,10 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufCheckpoint;
 use crate::hf::HfCheckpoint;
-use crate::layout::{layer_file, layer_shape, EMBED, FINAL_NORM, LAYER_TENSORS, LM_HEAD};
+use crate::layout::{
+    expert_file, expert_shape, layer_file, layer_shape, EMBED, EXPERT_TENSORS, FINAL_NORM,
+    GGUF_ROUTER, LAYER_TENSORS, LM_HEAD, ROUTER,
+};
 use crate::source::{Checkpoint, SourceTensor};
 use crate::store::{Manifest, StoreWriter};
 use std::path::{Path, PathBuf};
@@ -51,6 +54,37 @@ fn required(ck: &dyn Checkpoint, src_name: &str) -> Result<SourceTensor> {
     ck.tensor(src_name)?.ok_or_else(|| Error::tensor(src_name, "missing from the checkpoint"))
 }
 
+/// A norm weight with the checkpoint's `norm_offset` added (as f32); any other tensor as it is.
+fn norm_offset(ck: &dyn Checkpoint, name: &str, t: SourceTensor) -> Result<SourceTensor> {
+    match ck.norm_offset() {
+        o if o != 0.0 && name.ends_with("norm") => t.offset(name, o),
+        _ => Ok(t),
+    }
+}
+
+/// Writes every expert of layer `layer` as its own file (gate, up and down together).
+fn write_experts(
+    ck: &dyn Checkpoint,
+    w: &mut StoreWriter,
+    cfg: &ModelConfig,
+    layer: usize,
+    experts: usize,
+) -> Result<()> {
+    for e in 0..experts {
+        let mut tensors = Vec::with_capacity(3);
+        for which in EXPERT_TENSORS {
+            let what = format!("layer {layer} expert {e} {which}");
+            let t = ck
+                .expert(layer, e, which)?
+                .ok_or_else(|| Error::tensor(&what, "missing from the checkpoint"))?;
+            check_shape(&what, &t, &expert_shape(cfg, which).expect("moe config"))?;
+            tensors.push((which.to_owned(), t));
+        }
+        w.write_tensors(&expert_file(layer, e), tensors)?;
+    }
+    Ok(())
+}
+
 fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) -> Result<Manifest> {
     let mut cfg: ModelConfig = ck.config().clone();
     let bar = if progress {
@@ -74,7 +108,11 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
     for i in 0..cfg.num_layers {
         let prefix = ck.layer_prefix(i);
         let mut tensors = Vec::new();
+        let moe = cfg.moe_at(i).cloned();
         for lt in LAYER_TENSORS {
+            if moe.is_some() && EXPERT_TENSORS.contains(&lt.name) {
+                continue; // the experts' own files hold them
+            }
             let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
             match ck.tensor(&src_name)? {
                 Some(t) => {
@@ -83,18 +121,25 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
                         &t,
                         &layer_shape(&cfg, lt.name).expect("layout covers every layer tensor"),
                     )?;
-                    tensors.push((lt.name.to_owned(), t));
+                    tensors.push((lt.name.to_owned(), norm_offset(ck, lt.name, t)?));
                 }
                 None if lt.required
-                    || (cfg.qk_norm
-                        && lt.name.ends_with("_norm")
-                        && lt.name != "attn_norm"
-                        && lt.name != "ffn_norm") =>
+                    || (cfg.qk_norm && matches!(lt.name, "q_norm" | "k_norm"))
+                    || (cfg.gemma.is_some()
+                        && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
                 {
                     return Err(Error::tensor(src_name, "missing from the checkpoint"));
                 }
                 None => {}
             }
+        }
+        if let Some(m) = &moe {
+            let name = format!("{prefix}{}", ck.pick_name("router", GGUF_ROUTER));
+            let router =
+                ck.router(i)?.ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
+            check_shape(&name, &router, &layer_shape(&cfg, ROUTER).expect("moe config"))?;
+            tensors.push((ROUTER.to_owned(), router));
+            write_experts(ck, &mut w, &cfg, i, m.experts)?;
         }
         w.write_tensors(&layer_file(i), tensors)?;
         bar.set_message(layer_file(i));
@@ -103,6 +148,7 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
 
     let norm = required(ck, &ck.pick_name(FINAL_NORM.1, FINAL_NORM.2))?;
     check_shape(FINAL_NORM.1, &norm, &[h])?;
+    let norm = norm_offset(ck, FINAL_NORM.0, norm)?;
     w.write_tensors("final_norm.bin", vec![(FINAL_NORM.0.into(), norm)])?;
     bar.inc(1);
 

@@ -16,7 +16,8 @@ macro_rules! lt {
     };
 }
 
-/// Every tensor a decoder layer may have, in file order.
+/// Every tensor a decoder layer may have, in file order (a mixture-of-experts layer has the
+/// attention and norms, then `ROUTER` in place of gate/up/down).
 pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("attn_norm", "input_layernorm.weight", "attn_norm.weight", true),
     lt!("q", "self_attn.q_proj.weight", "attn_q.weight", true),
@@ -30,10 +31,22 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight", false),
     lt!("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight", false),
     lt!("ffn_norm", "post_attention_layernorm.weight", "ffn_norm.weight", true),
+    // Gemma 3's sandwich norms: after attention (HF post_attention_layernorm, which Gemma names so
+    // while its pre-MLP norm is pre_feedforward_layernorm; see `hf::gemma_name`) and after the MLP.
+    lt!(
+        "attn_post_norm",
+        "gemma:post_attention_layernorm.weight",
+        "post_attention_norm.weight",
+        false
+    ),
+    lt!("ffn_post_norm", "post_feedforward_layernorm.weight", "post_ffw_norm.weight", false),
     lt!("gate", "mlp.gate_proj.weight", "ffn_gate.weight", true),
     lt!("up", "mlp.up_proj.weight", "ffn_up.weight", true),
     lt!("down", "mlp.down_proj.weight", "ffn_down.weight", true),
 ];
+
+/// Placeholder HF name of Gemma's post-attention norm (no other architecture has one).
+pub const GEMMA_POST_ATTN: &str = "gemma:post_attention_layernorm.weight";
 
 /// Canonical names of the non-layer tensors and their sources: (store name, HF name, GGUF name).
 pub const EMBED: (&str, &str, &str) = ("embed", "model.embed_tokens.weight", "token_embd.weight");
@@ -46,12 +59,85 @@ pub fn layer_file(i: usize) -> String {
     format!("layer_{i:03}.bin")
 }
 
+/// File name of expert `expert` of layer `layer` (its gate, up and down matrices together).
+pub fn expert_file(layer: usize, expert: usize) -> String {
+    format!("layer_{layer:03}_expert_{expert:03}.bin")
+}
+
+/// The store's streamable units, as the loader numbers them: unit `l < num_layers` is layer `l`'s
+/// file (for a mixture-of-experts layer: attention, norms and router), and unit
+/// `num_layers + l * experts + e` is expert `e` of layer `l`.
+pub fn unit_file(cfg: &crate::ModelConfig, unit: u32) -> Option<String> {
+    let (u, n) = (unit as usize, cfg.num_layers);
+    if u < n {
+        return Some(layer_file(u));
+    }
+    let m = cfg.moe.as_ref()?;
+    let (l, e) = ((u - n) / m.experts, (u - n) % m.experts);
+    (l < n && cfg.moe_at(l).is_some()).then(|| expert_file(l, e))
+}
+
+/// How traces and messages name unit `unit`: "layer 3", or "layer 3 expert 12".
+pub fn unit_label(cfg: &crate::ModelConfig, unit: u32) -> String {
+    let (u, n) = (unit as usize, cfg.num_layers);
+    match cfg.moe.as_ref().filter(|_| u >= n) {
+        Some(m) => format!("layer {} expert {}", (u - n) / m.experts, (u - n) % m.experts),
+        None => format!("layer {u}"),
+    }
+}
+
+/// The unit number of expert `expert` of layer `layer` (see `unit_file`).
+pub fn expert_unit(cfg: &crate::ModelConfig, layer: u32, expert: u32) -> u32 {
+    let e = cfg.moe.as_ref().map_or(0, |m| m.experts) as u32;
+    cfg.num_layers as u32 + layer * e + expert
+}
+
+/// Canonical name of a mixture-of-experts layer's router (`[experts, hidden]`, in the layer file).
+pub const ROUTER: &str = "router";
+/// Canonical names of an expert file's tensors.
+pub const EXPERT_TENSORS: [&str; 3] = ["gate", "up", "down"];
+
+/// Where an HF checkpoint of `arch` keeps layer `layer`'s router and its experts' matrices
+/// (per-expert tensors, as the hub stores them), relative to the layer prefix.
+pub fn hf_moe_names(arch: crate::config::Arch) -> (&'static str, fn(usize, &str) -> String) {
+    use crate::config::Arch;
+    match arch {
+        Arch::Mixtral => ("block_sparse_moe.gate.weight", |e, t| {
+            let w = match t {
+                "gate" => "w1",
+                "down" => "w2",
+                _ => "w3",
+            };
+            format!("block_sparse_moe.experts.{e}.{w}.weight")
+        }),
+        _ => ("mlp.gate.weight", |e, t| format!("mlp.experts.{e}.{t}_proj.weight")),
+    }
+}
+
+/// GGUF names of a mixture-of-experts layer's router and stacked expert tensors
+/// (`[experts, rows, cols]`), relative to the layer prefix.
+pub const GGUF_ROUTER: &str = "ffn_gate_inp.weight";
+/// The stacked GGUF tensor holding every expert's `gate`, `up` or `down`.
+pub fn gguf_experts(t: &str) -> String {
+    format!("ffn_{t}_exps.weight")
+}
+
+/// Expected shape of an expert tensor for `cfg`.
+pub fn expert_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
+    let (h, f) = (cfg.hidden_size, cfg.moe.as_ref()?.expert_intermediate);
+    Some(match name {
+        "gate" | "up" => vec![f, h],
+        "down" => vec![h, f],
+        _ => return None,
+    })
+}
+
 /// Expected shape of a layer tensor for `cfg`.
 pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
     let (h, q, kv, f, hd) =
         (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
     Some(match name {
-        "attn_norm" | "ffn_norm" | "o_bias" => vec![h],
+        "attn_norm" | "ffn_norm" | "o_bias" | "attn_post_norm" | "ffn_post_norm" => vec![h],
         "q" => vec![q, h],
         "k" | "v" => vec![kv, h],
         "o" => vec![h, q],
@@ -60,6 +146,61 @@ pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
         "q_norm" | "k_norm" => vec![hd],
         "gate" | "up" => vec![f, h],
         "down" => vec![h, f],
+        ROUTER => vec![cfg.moe.as_ref()?.experts, h],
         _ => return None,
     })
+}
+
+/// One tensor of a dense Llama store as the exporters (`synth --gguf`, `synth --hf`) name it.
+pub struct ExportTensor {
+    /// Store file and canonical tensor name.
+    pub file: String,
+    pub name: String,
+    /// Its names in an HF checkpoint and in a GGUF file.
+    pub hf: String,
+    pub gguf: String,
+    /// The layer-table entry of a layer tensor (`None`: embedding, final norm, head).
+    pub layer: Option<&'static LayerTensor>,
+}
+
+/// Every tensor of a dense Llama store without RoPE scaling (what `synth`'s dense shapes write), in
+/// file order: embedding, each layer's tensors in `LAYER_TENSORS` order, final norm, and the head
+/// when untied. Other stores, or a missing layer file, are an error.
+pub fn dense_llama_tensors(store: &crate::Store) -> crate::Result<Vec<ExportTensor>> {
+    let cfg = &store.manifest.config;
+    if cfg.arch != crate::Arch::Llama || cfg.moe.is_some() || cfg.rope.scaling.is_some() {
+        return Err(crate::Error::format(
+            &store.dir,
+            "export writes dense Llama stores without RoPE scaling (synth's dense shapes)",
+        ));
+    }
+    let whole = |(name, hf, gguf): (&str, &str, &str), file: &str| ExportTensor {
+        file: file.into(),
+        name: name.into(),
+        hf: hf.into(),
+        gguf: gguf.into(),
+        layer: None,
+    };
+    let mut list = vec![whole(EMBED, "embed.bin")];
+    for l in 0..cfg.num_layers {
+        let file = layer_file(l);
+        let f = store
+            .manifest
+            .file(&file)
+            .ok_or_else(|| crate::Error::format(&store.dir, format!("{file} missing")))?;
+        for lt in LAYER_TENSORS.iter().filter(|lt| f.tensor(lt.name).is_some()) {
+            list.push(ExportTensor {
+                file: file.clone(),
+                name: lt.name.into(),
+                hf: format!("model.layers.{l}.{}", lt.hf),
+                gguf: format!("blk.{l}.{}", lt.gguf),
+                layer: Some(lt),
+            });
+        }
+    }
+    list.push(whole(FINAL_NORM, "final_norm.bin"));
+    if !cfg.tie_word_embeddings {
+        list.push(whole(LM_HEAD, "lm_head.bin"));
+    }
+    Ok(list)
 }

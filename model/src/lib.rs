@@ -8,6 +8,8 @@ pub mod error;
 pub mod fetch;
 pub mod generation;
 pub mod gguf;
+pub mod gguf_export;
+pub mod gguf_spm;
 pub mod gguf_tokenizer;
 pub mod hf;
 pub mod import;
@@ -20,7 +22,7 @@ pub mod synth;
 pub mod template_ext;
 pub mod tokenizer;
 
-pub use config::{Arch, ModelConfig, RopeConfig, RopeScaling};
+pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generation::{check_request, GenerateParams, SamplingParams};
 pub use layerstream_types::{dtype, mem, DType};

@@ -79,12 +79,14 @@ pub struct Usage {
     pub resident: u64,
     pub streaming: u64,
     pub kv: u64,
+    /// Experts kept on the device (mixture-of-experts models).
+    pub experts: u64,
 }
 
 impl Usage {
     /// Total bytes.
     pub fn total(&self) -> u64 {
-        self.embed_head + self.resident + self.streaming + self.kv
+        self.embed_head + self.resident + self.streaming + self.kv + self.experts
     }
 }
 
@@ -92,12 +94,13 @@ impl std::fmt::Display for Usage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} bytes (embedding/head {}, resident layers {}, streaming buffers {}, KV cache {})",
+            "{} bytes (embedding/head {}, resident layers {}, streaming buffers {}, KV cache {}{})",
             self.total(),
             self.embed_head,
             self.resident,
             self.streaming,
-            self.kv
+            self.kv,
+            if self.experts > 0 { format!(", experts {}", self.experts) } else { String::new() }
         )
     }
 }
@@ -115,7 +118,30 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
     let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
     let (count, bytes) = streaming_buffers(m, a);
     let kv = a.kv_capacity * kv_bytes_per_token_layer(m) * a.layers().len() as u64;
-    Usage { embed_head, resident, streaming: count as u64 * bytes, kv }
+    Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
+}
+
+/// Every expert of `a`'s mixture-of-experts layers: (count, total bytes, largest file's bytes).
+pub fn range_experts(m: &Manifest, a: &Assignment) -> (usize, u64, u64) {
+    let sizes: Vec<u64> = a
+        .layers()
+        .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l as usize, x.experts)))
+        .flat_map(|(l, n)| (0..n).map(move |e| file_bytes(m, &crate::layout::expert_file(l, e))))
+        .collect();
+    // Sizes come from the manifest: a crafted one saturates rather than wraps.
+    let total = sizes.iter().fold(0u64, |a, &b| a.saturating_add(b));
+    (sizes.len(), total, sizes.iter().copied().max().unwrap_or(0))
+}
+
+/// Device bytes of the experts `a` keeps: all of its range's (`expert_cache` 0, or at least as
+/// many), else `expert_cache` of the largest.
+pub fn expert_bytes(m: &Manifest, a: &Assignment) -> u64 {
+    let (n, all, largest) = range_experts(m, a);
+    match a.expert_cache as usize {
+        0 => all,
+        c if c >= n => all,
+        c => (c as u64).saturating_mul(largest),
+    }
 }
 
 /// The streaming buffers `a` needs: how many and the bytes of each. One buffer holds one layer;

@@ -4,7 +4,9 @@
 use crate::config::{Arch, ModelConfig, RopeConfig};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::{layer_file, layer_shape, LAYER_TENSORS};
+use crate::layout::{
+    expert_file, expert_shape, layer_file, layer_shape, EXPERT_TENSORS, LAYER_TENSORS, ROUTER,
+};
 use crate::source::SourceTensor;
 use crate::store::{Manifest, StoreWriter};
 use layerstream_types::random::Rng;
@@ -18,22 +20,71 @@ pub const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize)] = &[
     ("llama-3-70b", 8192, 28672, 64, 8, 128256, 80),
 ];
 
+/// Mixture-of-experts shapes: (name, hidden, heads, kv heads, head dim, vocab, layers, experts,
+/// experts per token, expert width). The Qwen3 ones have q/k norms; `tiny-moe` is Mixtral-style.
+#[allow(clippy::type_complexity)]
+pub const MOE_SHAPES: &[(&str, usize, usize, usize, usize, usize, usize, usize, usize, usize)] = &[
+    ("tiny-moe", 256, 4, 2, 64, 1024, 4, 8, 2, 256),
+    ("qwen3-30b-a3b", 2048, 32, 4, 128, 151936, 48, 128, 8, 768),
+    ("qwen3-235b-a22b", 4096, 64, 4, 128, 151936, 94, 128, 8, 1536),
+    ("mixtral-8x7b", 4096, 32, 8, 128, 32000, 32, 8, 2, 14336),
+];
+
 /// The config of a named shape with `layers` layers (default: the real count).
 pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
+    if let Some(&(_, h, nh, nkv, hd, vocab, nl, experts, top_k, f)) =
+        MOE_SHAPES.iter().find(|s| s.0 == name)
+    {
+        let qwen = name.starts_with("qwen3");
+        let cfg = ModelConfig {
+            arch: if qwen { Arch::Qwen3Moe } else { Arch::Mixtral },
+            head_dim: hd,
+            qk_norm: qwen,
+            moe: Some(crate::config::MoeConfig {
+                experts,
+                top_k,
+                expert_intermediate: f,
+                norm_topk_prob: true,
+                dense_layers: vec![],
+            }),
+            ..dense_config(h, f, nh, nkv, vocab, layers.unwrap_or(nl))
+        };
+        cfg.validate()?;
+        return Ok(cfg);
+    }
     let &(_, h, f, nh, nkv, vocab, nl) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
         Error::config(
             "shape",
             format!(
                 "unknown {name:?}; known: {}",
-                SHAPES.iter().map(|s| s.0).collect::<Vec<_>>().join(", ")
+                SHAPES
+                    .iter()
+                    .map(|s| s.0)
+                    .chain(MOE_SHAPES.iter().map(|s| s.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )
     })?;
-    let cfg = ModelConfig {
+    let cfg = dense_config(h, f, nh, nkv, vocab, layers.unwrap_or(nl));
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// A Llama-style config of these sizes (tied embeddings, RoPE base 500000).
+fn dense_config(
+    h: usize,
+    f: usize,
+    nh: usize,
+    nkv: usize,
+    vocab: usize,
+    layers: usize,
+) -> ModelConfig {
+    ModelConfig {
         arch: Arch::Llama,
         hidden_size: h,
         intermediate_size: f,
-        num_layers: layers.unwrap_or(nl),
+        num_layers: layers,
         num_heads: nh,
         num_kv_heads: nkv,
         head_dim: h / nh,
@@ -45,9 +96,10 @@ pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
         qk_norm: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
-    };
-    cfg.validate()?;
-    Ok(cfg)
+        moe: None,
+        gemma: None,
+        sliding_window: None,
+    }
 }
 
 /// A random tensor of `dtype` whose values are zero-mean and small (see `layerstream_types::random`).
@@ -105,7 +157,13 @@ pub fn synth(
         )?;
         for i in 0..cfg.num_layers {
             let mut tensors = Vec::new();
-            for lt in LAYER_TENSORS.iter().filter(|t| t.required) {
+            let moe = cfg.moe_at(i);
+            let wanted = |name: &str| match name {
+                "q_norm" | "k_norm" => cfg.qk_norm,
+                "gate" | "up" | "down" => moe.is_none(),
+                _ => LAYER_TENSORS.iter().any(|t| t.name == name && t.required),
+            };
+            for lt in LAYER_TENSORS.iter().filter(|t| wanted(t.name)) {
                 let shape = layer_shape(&cfg, lt.name).expect("layout covers every layer tensor");
                 let t = if shape.len() == 1 {
                     ones(shape[0])
@@ -113,6 +171,21 @@ pub fn synth(
                     random_tensor(&mut rng, dtype, &shape)?
                 };
                 tensors.push((lt.name.to_owned(), t));
+            }
+            if let Some(m) = moe {
+                // The router stays f32, as llama.cpp keeps it in every file type.
+                let shape = layer_shape(&cfg, ROUTER).expect("moe config");
+                tensors.push((ROUTER.into(), random_tensor(&mut rng, DType::F32, &shape)?));
+                for e in 0..m.experts {
+                    let t = EXPERT_TENSORS
+                        .iter()
+                        .map(|&n| {
+                            let shape = expert_shape(&cfg, n).expect("moe config");
+                            Ok((n.to_owned(), random_tensor(&mut rng, dtype, &shape)?))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    w.write_tensors(&expert_file(i, e), t)?;
+                }
             }
             w.write_tensors(&layer_file(i), tensors)?;
         }
@@ -148,5 +221,21 @@ mod tests {
         assert!(e.contains("q4_k"), "{e}");
         assert!(!dir.path().join("x").exists());
         assert!(shape_config("gpt-5", None).unwrap_err().to_string().contains("llama-3-70b"));
+    }
+
+    /// MoE shapes write a router per layer and every expert as its own file, and the store opens
+    /// (the manifest's MoE checks pass) and verifies.
+    #[test]
+    fn moe_shapes_write_one_file_per_expert() {
+        let dir = tempfile::tempdir().unwrap();
+        let dst = dir.path().join("m");
+        let m = synth("tiny-moe", DType::Q4K, Some(2), 3, &dst).unwrap();
+        let store = crate::Store::open(&dst).unwrap();
+        store.verify().unwrap();
+        let x = m.config.moe.clone().unwrap();
+        assert_eq!(m.files.iter().filter(|f| f.name.contains("_expert_")).count(), 2 * x.experts);
+        assert_eq!(m.file("layer_001.bin").unwrap().tensor("router").unwrap().dtype, DType::F32);
+        let q = shape_config("qwen3-30b-a3b", Some(1)).unwrap();
+        assert!(q.qk_norm && q.moe.unwrap().top_k == 8);
     }
 }

@@ -50,6 +50,12 @@ impl Tokenizer {
         self.encode_with(text, true)
     }
 
+    /// Encodes a rendered chat template as transformers' `apply_chat_template(tokenize=True)` does:
+    /// without adding special tokens (the template writes its own BOS; adding another would double it).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>> {
+        self.encode_with(rendered, false)
+    }
+
     /// Encodes text; `add_special` adds what the tokenizer adds around a text (a BOS token, …), as
     /// HF's `add_special_tokens`.
     pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {

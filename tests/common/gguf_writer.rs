@@ -3,54 +3,8 @@
 
 use std::path::Path;
 
-#[derive(Clone)]
-pub enum Meta {
-    U32(u32),
-    F32(f32),
-    Bool(bool),
-    Str(String),
-    Strs(Vec<String>),
-    I32s(Vec<i32>),
-}
-
-fn put_str(b: &mut Vec<u8>, s: &str) {
-    b.extend((s.len() as u64).to_le_bytes());
-    b.extend(s.as_bytes());
-}
-
-fn put_meta(b: &mut Vec<u8>, key: &str, v: &Meta) {
-    put_str(b, key);
-    match v {
-        Meta::U32(x) => {
-            b.extend(4u32.to_le_bytes());
-            b.extend(x.to_le_bytes());
-        }
-        Meta::F32(x) => {
-            b.extend(6u32.to_le_bytes());
-            b.extend(x.to_le_bytes());
-        }
-        Meta::Bool(x) => {
-            b.extend(7u32.to_le_bytes());
-            b.push(*x as u8);
-        }
-        Meta::Str(s) => {
-            b.extend(8u32.to_le_bytes());
-            put_str(b, s);
-        }
-        Meta::Strs(v) => {
-            b.extend(9u32.to_le_bytes());
-            b.extend(8u32.to_le_bytes());
-            b.extend((v.len() as u64).to_le_bytes());
-            v.iter().for_each(|s| put_str(b, s));
-        }
-        Meta::I32s(v) => {
-            b.extend(9u32.to_le_bytes());
-            b.extend(5u32.to_le_bytes());
-            b.extend((v.len() as u64).to_le_bytes());
-            v.iter().for_each(|x| b.extend(x.to_le_bytes()));
-        }
-    }
-}
+pub use layerstream_model::gguf_export::Meta;
+use layerstream_model::gguf_export::{put_meta, put_str};
 
 /// Writes a GGUF file: metadata, then F32 tensors (row-major `shape`, name → data).
 pub fn write_gguf(path: &Path, meta: &[(&str, Meta)], tensors: &[(String, Vec<usize>, Vec<f32>)]) {
@@ -81,19 +35,11 @@ pub fn write_gguf(path: &Path, meta: &[(&str, Meta)], tensors: &[(String, Vec<us
     std::fs::write(path, b).unwrap();
 }
 
-/// llama.cpp's q/k permutation: HF row `h*hd + j*hd/2 + i` moves to `h*hd + 2i + j`.
-pub fn permute_rows(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
-    let hd = rows / heads;
-    let mut out = vec![0f32; data.len()];
-    for h in 0..heads {
-        for j in 0..2 {
-            for i in 0..hd / 2 {
-                let src = h * hd + j * hd / 2 + i;
-                let dst = h * hd + 2 * i + j;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
+/// llama.cpp's q/k permutation of f32 rows (`gguf::move_head_rows`).
+pub fn permute_rows(data: &[f32], rows: usize, _cols: usize, heads: usize) -> Vec<f32> {
+    let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+    layerstream_model::gguf::move_head_rows(&bytes, rows, heads, true)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }

@@ -232,13 +232,21 @@ pub fn traced_stack(
     spans_file: &std::path::Path,
     extra: &[&str],
 ) -> (Proc, Stack) {
-    let store = crate::tiny_store(dir);
+    traced_stack_of(&crate::tiny_store(dir), spans_file, extra)
+}
+
+/// An OTLP receiver writing to `spans_file` and a stack of `store` (`up` with `extra`) exporting to
+/// it.
+pub fn traced_stack_of(
+    store: &std::path::Path,
+    spans_file: &std::path::Path,
+    extra: &[&str],
+) -> (Proc, Stack) {
     let sink = Proc::start(
         &["otlp-sink", "--listen", "127.0.0.1:0", "--out", spans_file.to_str().unwrap()],
         &[],
     );
-    let stack =
-        Stack::up_env(&store, extra, &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
+    let stack = Stack::up_env(store, extra, &[("OTEL_EXPORTER_OTLP_ENDPOINT", sink.addr.as_str())]);
     (sink, stack)
 }
 

@@ -13,6 +13,8 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// Positions divided by `factor` (every inverse frequency divided by it): Gemma 3's global layers.
+    Linear { factor: f64 },
 }
 
 /// Rotary position embedding parameters (HF "half" layout: pairs (i, i + d/2)).

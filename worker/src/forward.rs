@@ -3,8 +3,9 @@
 //! Matmuls run once over the rows of every sequence in the batch (one weight pass serves them all);
 //! attention runs per sequence against that sequence's cache.
 
-use crate::error::Result;
-use crate::weights::LayerWeights;
+use crate::error::{Error, Result};
+use crate::moe::{moe_mlp, ExpertCounts, ExpertSource};
+use crate::weights::{LayerWeights, Mlp};
 use layerstream_kernels::{AttnShape, Backend, RopeTable};
 use layerstream_model::ModelConfig;
 
@@ -17,24 +18,68 @@ pub struct SeqRows {
 
 /// Per-model constants the layers need.
 pub struct LayerCtx {
+    /// The attention of full-context layers (every layer but Gemma's sliding-window ones).
     pub shape: AttnShape,
     pub rope: RopeTable,
+    /// Gemma 3's sliding-window layers: their attention, RoPE and which layers they are.
+    pub local: Option<(AttnShape, RopeTable, Vec<usize>)>,
     pub eps: f32,
+    pub moe: Option<layerstream_model::MoeConfig>,
+    /// Gemma: GELU (tanh) gating and embeddings scaled by √hidden.
+    pub gelu: bool,
+    pub embed_scale: Option<f32>,
 }
 
 impl LayerCtx {
-    /// Derives the attention shape and RoPE table from a config.
+    /// Derives the attention shapes and RoPE tables from a config.
     pub fn new(cfg: &ModelConfig) -> Self {
+        let mut shape = AttnShape::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        shape.window = cfg.sliding_window.unwrap_or(0);
+        let g = cfg.gemma.as_ref();
+        if let Some(g) = g {
+            shape.scale = (1.0 / g.query_pre_attn_scalar.sqrt()) as f32;
+        }
+        let local = g.map(|g| {
+            let sliding = (0..cfg.num_layers).filter(|l| !g.global_layers.contains(l)).collect();
+            (
+                AttnShape { window: g.sliding_window, ..shape },
+                RopeTable::new(&g.local_rope, cfg.head_dim),
+                sliding,
+            )
+        });
         LayerCtx {
-            shape: AttnShape {
-                n_heads: cfg.num_heads,
-                n_kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-            },
+            shape,
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
+            local,
             eps: cfg.rms_norm_eps as f32,
+            moe: cfg.moe.clone(),
+            gelu: g.is_some(),
+            // transformers multiplies by √hidden cast to the activations' dtype (f32 here).
+            embed_scale: g.map(|_| (cfg.hidden_size as f32).sqrt()),
         }
     }
+
+    /// Layer `layer`'s attention and RoPE.
+    pub fn attn(&self, layer: u32) -> (AttnShape, &RopeTable) {
+        match &self.local {
+            Some((s, r, sliding)) if sliding.contains(&(layer as usize)) => (*s, r),
+            _ => (self.shape, &self.rope),
+        }
+    }
+}
+
+/// The rows of `ids` from the embedding table, scaled as the model says.
+pub fn embed<B: Backend>(
+    b: &B,
+    ctx: &LayerCtx,
+    table: &B::Weight,
+    ids: &[u32],
+) -> Result<B::Tensor> {
+    let mut x = b.embedding(table, ids)?;
+    if let Some(s) = ctx.embed_scale {
+        b.scale(&mut x, s)?;
+    }
+    Ok(x)
 }
 
 fn proj<B: Backend>(
@@ -55,17 +100,22 @@ pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
     seqs.iter().flat_map(|s| s.start_pos..s.start_pos + s.rows).collect()
 }
 
-/// Runs one decoder layer in place on `x` (rows of all sequences, stacked in `seqs` order).
-/// `caches[i]` is sequence i's KV cache for this layer.
+/// Runs decoder layer `layer` in place on `x` (rows of all sequences, stacked in `seqs` order).
+/// `caches[i]` is sequence i's KV cache for this layer; a mixture-of-experts layer takes its
+/// experts from `experts` and returns what they cost.
+#[allow(clippy::too_many_arguments)]
 pub fn layer_forward<B: Backend>(
     b: &B,
     ctx: &LayerCtx,
+    layer: u32,
     w: &LayerWeights<B>,
     x: &mut B::Tensor,
     seqs: &[SeqRows],
     caches: &mut [&mut B::KvCache],
-) -> Result<()> {
+    experts: &mut dyn ExpertSource<B>,
+) -> Result<ExpertCounts> {
     let pos = positions(seqs);
+    let (shape, rope) = ctx.attn(layer);
     let h = b.rms_norm(x, &w.attn_norm, ctx.eps)?;
     let mut q = proj(b, &h, &w.q, w.q_bias.as_ref())?;
     let mut k = proj(b, &h, &w.k, w.k_bias.as_ref())?;
@@ -74,30 +124,45 @@ pub fn layer_forward<B: Backend>(
         q = b.rms_norm(&q, qn, ctx.eps)?;
         k = b.rms_norm(&k, kn, ctx.eps)?;
     }
-    b.rope(&mut q, &pos, &ctx.rope)?;
-    b.rope(&mut k, &pos, &ctx.rope)?;
+    b.rope(&mut q, &pos, rope)?;
+    b.rope(&mut k, &pos, rope)?;
     let attn = if seqs.len() == 1 {
-        b.attention(&q, &k, &v, caches[0], ctx.shape)?
+        b.attention(&q, &k, &v, caches[0], shape)?
     } else {
         let mut parts = Vec::with_capacity(seqs.len());
         let mut off = 0;
         for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
             let (qs, ks, vs) =
                 (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            parts.push(b.attention(&qs, &ks, &vs, cache, ctx.shape)?);
+            parts.push(b.attention(&qs, &ks, &vs, cache, shape)?);
             off += s.rows;
         }
         b.concat_rows(&parts)?
     };
-    let o = proj(b, &attn, &w.o, w.o_bias.as_ref())?;
+    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref())?;
+    if let Some(n) = &w.attn_post_norm {
+        o = b.rms_norm(&o, n, ctx.eps)?;
+    }
     b.add(x, &o)?;
     let h2 = b.rms_norm(x, &w.ffn_norm, ctx.eps)?;
-    let g = b.matmul(&h2, &w.gate)?;
-    let u = b.matmul(&h2, &w.up)?;
-    let a = b.silu_mul(&g, &u)?;
-    let d = b.matmul(&a, &w.down)?;
+    let (mut d, counts) = match &w.mlp {
+        Mlp::Dense { gate, up, down } => {
+            let (g, u) = (b.matmul(&h2, gate)?, b.matmul(&h2, up)?);
+            let a = if ctx.gelu { b.gelu_tanh_mul(&g, &u)? } else { b.silu_mul(&g, &u)? };
+            (b.matmul(&a, down)?, ExpertCounts::default())
+        }
+        Mlp::Experts { router } => {
+            let m = ctx.moe.as_ref().ok_or_else(|| {
+                Error::Shape(format!("layer {layer} has a router but the model has no experts"))
+            })?;
+            moe_mlp(b, layer, &h2, router, m, experts)?
+        }
+    };
+    if let Some(n) = &w.ffn_post_norm {
+        d = b.rms_norm(&d, n, ctx.eps)?;
+    }
     b.add(x, &d)?;
-    Ok(())
+    Ok(counts)
 }
 
 /// Final norm and lm_head on the last row of each sequence: logits `[sequences, vocab]` on the device.

@@ -100,10 +100,13 @@ pub fn read(r: &HiddenRef) -> Result<Vec<f32>, String> {
             region.len()
         ));
     }
-    Ok(region.bytes()[..len]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    Ok(le_f32s(&region.bytes()[..len]))
+}
+
+/// Little-endian f32 values of `bytes` (whole values; a trailing partial one is ignored: callers
+/// check the length first).
+pub fn le_f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 #[cfg(test)]

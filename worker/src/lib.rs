@@ -4,10 +4,12 @@
 
 pub mod device;
 pub mod error;
+pub mod experts;
 pub mod forward;
 pub mod generate;
 pub mod handoff;
 pub mod model;
+pub mod moe;
 pub mod nucleus;
 pub mod prefetch;
 pub mod sampling;

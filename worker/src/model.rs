@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
+use crate::moe::ResidentExperts;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
 use layerstream_model::layout::layer_file;
@@ -22,6 +23,7 @@ pub struct Model<B: Backend> {
     pub ctx: LayerCtx,
     embed: B::Weight,
     layers: Vec<LayerWeights<B>>,
+    experts: ResidentExperts<B>,
     norm: B::Weight,
     lm_head: Option<B::Weight>,
 }
@@ -46,7 +48,8 @@ impl<B: Backend> Model<B> {
         let layers = (0..cfg.num_layers)
             .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Model { ctx: LayerCtx::new(&cfg), cfg, backend, embed, layers, norm, lm_head })
+        let experts = ResidentExperts::load(&backend, store, 0..cfg.num_layers as u32)?;
+        Ok(Model { ctx: LayerCtx::new(&cfg), cfg, backend, embed, layers, experts, norm, lm_head })
     }
 
     /// A fresh sequence with empty caches sized for `capacity` positions.
@@ -60,6 +63,11 @@ impl<B: Backend> Model<B> {
     /// Feeds `tokens[i]` to sequence `i` (prefill or decode alike) and returns each sequence's
     /// logits at its last new position.
     pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
+        self.backend.run_step(|| self.forward_here(batch))
+    }
+
+    /// `forward` on the calling thread.
+    fn forward_here(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
         let b = &self.backend;
         let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
         if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
@@ -67,11 +75,12 @@ impl<B: Backend> Model<B> {
         }
         let seqs: Vec<SeqRows> =
             batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();
-        let mut x = b.embedding(&self.embed, &ids)?;
+        let mut x = crate::forward::embed(b, &self.ctx, &self.embed, &ids)?;
         for (li, lw) in self.layers.iter().enumerate() {
             let mut caches: Vec<&mut B::KvCache> =
                 batch.iter_mut().map(|(_, s)| &mut s.caches[li]).collect();
-            layer_forward(b, &self.ctx, lw, &mut x, &seqs, &mut caches)?;
+            let mut experts = &self.experts;
+            layer_forward(b, &self.ctx, li as u32, lw, &mut x, &seqs, &mut caches, &mut experts)?;
         }
         for ((t, s), _) in batch.iter_mut().zip(&seqs) {
             s.len += t.len();

@@ -41,33 +41,22 @@ impl<B: Backend> LayerSource<B> {
     ) -> Result<(LayerWeights<B>, u64, Option<f64>)> {
         let b = &self.backend;
         let name = layer_file(layer as usize);
-        let entry = self
-            .store
-            .manifest
-            .file(&name)
-            .ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?
-            .clone();
-        let (w, ms) = link.with_slot(layer, span, |region, len| {
-            if len as u64 != entry.size {
-                return Err(Error::Shape(format!(
-                    "{name}: loader delivered {len} bytes, manifest says {}",
-                    entry.size
-                )));
-            }
-            if !streamed && self.store.verify {
-                // Resident weights are checked once more as they are taken in (the loader checks
-                // every read from disk; this also covers a slot changed since).
-                layerstream_model::store::check_bytes(
-                    &self.store.dir.join(&name),
-                    &entry,
-                    &region[..len],
-                )?;
-            }
-            b.register_host(region)?;
-            let (blob, ms) = b.upload_blob(&region[..len], streamed)?;
-            Ok((LayerWeights::from_blob(b, &self.cfg, &entry, &blob)?, ms))
-        })?;
-        Ok((w, entry.size, ms))
+        let (w, ms, size) =
+            link.with_file(layer, &self.store.manifest, &name, span, |entry, region, bytes| {
+                if !streamed && self.store.verify {
+                    // Resident weights are checked once more as they are taken in (the loader checks
+                    // every read from disk; this also covers a slot changed since).
+                    layerstream_model::store::check_bytes(
+                        &self.store.dir.join(&name),
+                        entry,
+                        bytes,
+                    )?;
+                }
+                b.register_host(region)?;
+                let (blob, ms) = b.upload_blob(bytes, streamed)?;
+                Ok((LayerWeights::from_blob(b, &self.cfg, entry, &blob)?, ms, entry.size))
+            })?;
+        Ok((w, size, ms))
     }
 }
 
@@ -272,7 +261,7 @@ mod tests {
     fn loader(rt: &tokio::runtime::Runtime, store: &Store, dir: &std::path::Path) -> LoaderLink {
         let ns = format!("prefetch-test-{}", std::process::id());
         let daemon = Arc::new(
-            Daemon::new(store.clone(), &ns, 3, store.manifest.max_layer_bytes() as usize, 1)
+            Daemon::new(store.clone(), &ns, 3, store.manifest.max_unit_bytes() as usize, 1)
                 .unwrap(),
         );
         let sock = dir.join("loader.sock");

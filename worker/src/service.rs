@@ -241,11 +241,7 @@ impl Worker for WorkerService {
                     req.hidden.len()
                 )))
             }
-            None => req
-                .hidden
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
+            None => crate::handoff::le_f32s(&req.hidden),
         };
         let (lane, to_shm) = (req.micro_batch, req.hidden_out_shm);
         let s2 = span.clone();
@@ -313,10 +309,14 @@ impl Worker for WorkerService {
                 .map(|t| LayerTiming {
                     layer: t.layer,
                     resident: t.resident,
-                    bytes: t.bytes,
-                    transfer_ms: t.transfer_ms,
+                    bytes: t.bytes + t.experts.bytes,
+                    transfer_ms: t.transfer_ms + t.experts.transfer_ms,
                     compute_ms: t.compute_ms,
                     stall_ms: t.stall_ms,
+                    experts_needed: t.experts.needed,
+                    experts_hit: t.experts.hit,
+                    experts_prefetched: t.experts.prefetched,
+                    experts_missed: t.experts.missed,
                 })
                 .collect(),
             wall_ms,

@@ -3,10 +3,13 @@
 //! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
 use crate::error::{Error, Result};
+use crate::experts::ExpertCache;
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
+use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{sample_batch, Sampler, SamplingParams};
 use crate::stream::LoaderLink;
+use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
@@ -38,6 +41,8 @@ pub struct LayerTiming {
     pub transfer_ms: f64,
     pub compute_ms: f64,
     pub stall_ms: f64,
+    /// What the layer's experts cost (mixture-of-experts layers).
+    pub experts: crate::moe::ExpertCounts,
 }
 
 /// What a step produced.
@@ -169,6 +174,8 @@ pub struct Stage<B: Backend> {
     resident: HashMap<u32, LayerWeights<B>>,
     groups: Vec<Vec<u32>>,
     fetcher: Fetcher<B>,
+    /// The experts of a mixture-of-experts model's layers (None for a dense model).
+    experts: Option<ExpertCache<B>>,
     seqs: HashMap<u64, Seq<B>>,
 }
 
@@ -212,6 +219,17 @@ impl<B: Backend + 'static> Stage<B> {
         if count > 0 {
             backend.stream_buffers(count, bytes as usize)?;
         }
+        let experts = match cfg.moe {
+            Some(_) => Some(ExpertCache::new(
+                backend.clone(),
+                store.clone(),
+                plan.layers(),
+                plan.expert_cache as usize,
+                link.sibling("experts"),
+                link.sibling("experts-ahead"),
+            )?),
+            None => None,
+        };
         let src = LayerSource { backend: backend.clone(), cfg: cfg.clone(), store };
         let mut resident = HashMap::new();
         for &l in &plan.resident {
@@ -237,6 +255,7 @@ impl<B: Backend + 'static> Stage<B> {
             resident,
             groups,
             fetcher,
+            experts,
             seqs: HashMap::new(),
         })
     }
@@ -296,12 +315,25 @@ impl<B: Backend + 'static> Stage<B> {
     /// Runs one batch step: embeds (first stage) or takes `hidden`, runs every layer of the range
     /// (streamed groups arriving from the copy thread), then samples (last stage) or returns hidden.
     pub fn step(&mut self, batch: &[StepSeq], hidden: &[f32], step_span: &Span) -> Result<StepOut> {
+        let b = self.backend.clone();
+        b.run_step(|| self.step_here(batch, hidden, step_span))
+    }
+
+    /// `step` on the calling thread.
+    fn step_here(
+        &mut self,
+        batch: &[StepSeq],
+        hidden: &[f32],
+        step_span: &Span,
+    ) -> Result<StepOut> {
         self.prepare(batch, hidden)?;
         let b = self.backend.clone();
         let b = &b;
         let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut x = match (&self.embed, self.plan.embed) {
-            (Some(e), true) => b.embedding(
+            (Some(e), true) => crate::forward::embed(
+                b,
+                &self.ctx,
                 e,
                 &batch.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(),
             )?,
@@ -376,7 +408,8 @@ impl<B: Backend + 'static> Stage<B> {
         seq_rows: &[SeqRows],
         step_span: &Span,
     ) -> Result<Vec<LayerTiming>> {
-        let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, .. } = self;
+        let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, experts, .. } = self;
+        let mut experts = experts.as_mut();
         let range = plan.layers();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
@@ -384,6 +417,7 @@ impl<B: Backend + 'static> Stage<B> {
         let mut ordered = in_batch_order(seqs, batch);
         let mut compute = |layer: u32,
                            w: &LayerWeights<B>,
+                           next: Option<&LayerWeights<B>>,
                            span: &Span,
                            mut t: LayerTiming,
                            x: &mut B::Tensor|
@@ -394,25 +428,56 @@ impl<B: Backend + 'static> Stage<B> {
             let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
             // Timed on the device (CUDA events around the layer's kernels; host clock on the CPU), and
             // waited for, so the span covers the compute itself.
-            t.compute_ms = cs.in_scope(|| -> Result<f64> {
+            let (ms, counts) = cs.in_scope(|| -> Result<(f64, ExpertCounts)> {
                 let m0 = b.mark()?;
-                layer_forward(b, ctx, w, x, seq_rows, &mut caches)?;
+                let counts = match experts.as_mut() {
+                    Some(c) => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut **c)?,
+                    None => {
+                        layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut NoExperts)?
+                    }
+                };
                 let m1 = b.mark()?;
-                Ok(b.elapsed_ms(&m0, &m1)?)
+                Ok((b.elapsed_ms(&m0, &m1)?, counts))
             })?;
+            (t.compute_ms, t.experts) = (ms, counts);
             cs.record("device_ms", t.compute_ms);
+            if counts.needed > 0 {
+                info_span!(parent: span, "experts", layer = layer as i64, needed = counts.needed as i64, hit = counts.hit as i64, prefetched = counts.prefetched as i64, missed = counts.missed as i64, bytes = counts.bytes as i64).in_scope(|| {});
+            }
+            // The next layer's router on this layer's output guesses its experts: the copy thread
+            // brings them in while that layer's attention computes.
+            if let (Some(c), Some(nw), Some(m)) = (experts.as_ref(), next, ctx.moe.as_ref()) {
+                if let (true, Mlp::Experts { router }) = (c.predicts(), &nw.mlp) {
+                    let _p = info_span!(parent: span, "predict experts", layer = layer as i64 + 1)
+                        .entered();
+                    let h = b.rms_norm(x, &nw.ffn_norm, ctx.eps)?;
+                    let ids: std::collections::BTreeSet<u32> =
+                        choose(b, &h, router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
+                    c.predict(
+                        layer + 1,
+                        &ids.into_iter().collect::<Vec<_>>(),
+                        TraceParent::of(span),
+                    );
+                }
+            }
             Ok(t)
         };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident);
         let first_of_group: HashMap<u32, usize> =
             groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
-        let mut pending = None;
+        let mut pending: Option<crate::prefetch::Group<B>> = None;
         for l in range.clone() {
             if let Some(w) = resident.get(&l) {
                 let span = layer_span(l, true);
+                // The next layer's weights, where they are already here (for expert predictions).
+                let next = resident.get(&(l + 1)).or_else(|| {
+                    let g = pending.as_ref()?;
+                    g.layers.iter().find(|a| a.layer == l + 1).map(|a| &a.weights)
+                });
                 timings.push(compute(
                     l,
                     w,
+                    next.filter(|_| l + 1 < range.end),
                     &span,
                     LayerTiming { layer: l, resident: true, ..Default::default() },
                     x,
@@ -439,7 +504,14 @@ impl<B: Backend + 'static> Stage<B> {
                 a.span.record("next_step", true);
                 a.span = layer_span(l, false);
             }
-            timings.push(compute(l, &a.weights, &a.span, a.timing.clone(), x)?);
+            let g = &*g;
+            let a = &g.layers[idx];
+            let next = g
+                .layers
+                .get(idx + 1)
+                .map(|n| &n.weights)
+                .or_else(|| resident.get(&(l + 1)).filter(|_| l + 1 < range.end));
+            timings.push(compute(l, &a.weights, next, &a.span, a.timing.clone(), x)?);
             if idx + 1 == g.layers.len() {
                 pending = None; // evict the group as a unit after its compute
             }

@@ -38,6 +38,18 @@ impl LoaderLink {
         }
     }
 
+    /// Another link to the same loader under the name `<worker>/<role>` (its own slot mappings and
+    /// no cyclic order: the expert fetches of a mixture-of-experts stage).
+    pub fn sibling(&self, role: &str) -> LoaderLink {
+        LoaderLink {
+            client: self.client.clone(),
+            worker: format!("{}/{role}", self.worker),
+            order: Vec::new(),
+            regions: HashMap::new(),
+            rt: self.rt.clone(),
+        }
+    }
+
     /// Declares the cyclic order in which this worker streams layers.
     pub fn set_order(&mut self, layers: Vec<u32>) -> Result<()> {
         self.order.clone_from(&layers);
@@ -84,6 +96,31 @@ impl LoaderLink {
         let rel = SlotRelease { worker: self.worker.clone(), layer };
         self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
         out
+    }
+
+    /// `with_slot` for unit `unit` whose store file is `name`: the manifest entry is looked up and
+    /// the slot's length checked against it before `use_slot` sees the entry, the whole mapping and
+    /// the file's bytes.
+    pub fn with_file<R>(
+        &mut self,
+        unit: u32,
+        manifest: &layerstream_model::Manifest,
+        name: &str,
+        span: &tracing::Span,
+        use_slot: impl FnOnce(&layerstream_model::FileEntry, &[u8], &[u8]) -> Result<R>,
+    ) -> Result<R> {
+        let entry = manifest
+            .file(name)
+            .ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?;
+        self.with_slot(unit, span, |region, len| {
+            if len as u64 != entry.size {
+                return Err(Error::Shape(format!(
+                    "{name}: loader delivered {len} bytes, manifest says {}",
+                    entry.size
+                )));
+            }
+            use_slot(entry, region, &region[..len])
+        })
     }
 
     /// Every slot mapping opened so far.

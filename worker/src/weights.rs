@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use layerstream_kernels::Backend;
-use layerstream_model::layout::{layer_shape, LAYER_TENSORS};
+use layerstream_model::layout::{layer_shape, LAYER_TENSORS, ROUTER};
 use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
 
 /// One decoder layer's weights on a device.
@@ -20,9 +20,16 @@ pub struct LayerWeights<B: Backend> {
     pub q_norm: Option<B::Weight>,
     pub k_norm: Option<B::Weight>,
     pub ffn_norm: B::Weight,
-    pub gate: B::Weight,
-    pub up: B::Weight,
-    pub down: B::Weight,
+    /// Gemma's sandwich norms, after attention and after the MLP.
+    pub attn_post_norm: Option<B::Weight>,
+    pub ffn_post_norm: Option<B::Weight>,
+    pub mlp: Mlp<B>,
+}
+
+/// A layer's feed-forward: one dense MLP, or a router over experts kept in their own files.
+pub enum Mlp<B: Backend> {
+    Dense { gate: B::Weight, up: B::Weight, down: B::Weight },
+    Experts { router: B::Weight },
 }
 
 /// Uploads tensor `name` of `file`, checking its shape when `want` is given.
@@ -53,8 +60,10 @@ impl<B: Backend> LayerWeights<B> {
 
     /// The layer's weights as views of a file already on the device, shapes checked against `cfg`.
     pub fn from_blob(b: &B, cfg: &ModelConfig, entry: &FileEntry, blob: &B::Blob) -> Result<Self> {
-        if let Some(t) =
-            entry.tensors.iter().find(|t| !LAYER_TENSORS.iter().any(|k| k.name == t.name))
+        if let Some(t) = entry
+            .tensors
+            .iter()
+            .find(|t| t.name != ROUTER && !LAYER_TENSORS.iter().any(|k| k.name == t.name))
         {
             return Err(Error::Shape(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
@@ -93,10 +102,29 @@ impl<B: Backend> LayerWeights<B> {
             q_norm: opt("q_norm")?,
             k_norm: opt("k_norm")?,
             ffn_norm: req("ffn_norm")?,
-            gate: req("gate")?,
-            up: req("up")?,
-            down: req("down")?,
+            attn_post_norm: opt("attn_post_norm")?,
+            ffn_post_norm: opt("ffn_post_norm")?,
+            mlp: match opt(ROUTER)? {
+                Some(router) => Mlp::Experts { router },
+                None => Mlp::Dense { gate: req("gate")?, up: req("up")?, down: req("down")? },
+            },
         };
+        let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
+        let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));
+        if moe_layer.is_some() != matches!(w.mlp, Mlp::Experts { .. }) {
+            return Err(Error::Shape(format!(
+                "{}: the config says {}, the file holds {}",
+                entry.name,
+                if moe_layer.is_some() { "experts" } else { "a dense MLP" },
+                if moe_layer.is_some() { "a dense MLP" } else { "a router" },
+            )));
+        }
+        if cfg.gemma.is_some() && (w.attn_post_norm.is_none() || w.ffn_post_norm.is_none()) {
+            return Err(Error::Shape(format!(
+                "{}: attn_post_norm/ffn_post_norm required by {:?}",
+                entry.name, cfg.arch
+            )));
+        }
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
             return Err(Error::Shape(format!(
                 "{}: q_norm/k_norm required by {:?}",

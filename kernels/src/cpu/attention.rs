@@ -5,15 +5,20 @@ use crate::host::softmax;
 use crate::quant::dot;
 use rayon::prelude::*;
 
-/// Keys and values of one sequence for one layer, `[len, n_kv_heads * head_dim]` each.
+/// Keys and values of one sequence for one layer, `[len - dropped, n_kv_heads * head_dim]` each:
+/// positions `dropped..len` (a sliding-window layer drops what no later row can see).
 #[derive(Debug, Clone, Default)]
 pub struct CpuKv {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
     pub len: usize,
+    pub dropped: usize,
 }
 
-/// Appends `m` new rows to the cache and attends `q` (`[m, q_dim]`) causally over the cache.
+/// Appends `m` new rows to the cache and attends `q` (`[m, q_dim]`) causally over the cache (over
+/// the last `s.window` positions of each row's context when a window is set), scores scaled by
+/// `s.scale`. A windowed cache then drops the positions no later row can see, once they are as many
+/// as the window (so it holds under two windows, and the drop costs one copy per window of rows).
 pub fn attention(
     q: &[f32],
     k: &[f32],
@@ -28,25 +33,32 @@ pub fn attention(
     cache.v.extend_from_slice(&v[..m * kvd]);
     cache.len += m;
     let group = s.n_heads / s.n_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; m * qd];
-    let (ck, cv) = (&cache.k, &cache.v);
+    let (ck, cv, base) = (&cache.k, &cache.v, cache.dropped);
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (row, h) = (idx / s.n_heads, idx % s.n_heads);
         let kvh = h / group;
         let qv = &q[row * qd + h * hd..row * qd + (h + 1) * hd];
         let n_ctx = start + row + 1;
-        let mut scores: Vec<f32> = (0..n_ctx)
-            .map(|t| dot(qv, &ck[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd]) * scale)
-            .collect();
+        let first = if s.window > 0 { n_ctx.saturating_sub(s.window) } else { 0 };
+        // Cache row of position t.
+        let at = |t: usize| (t - base) * kvd + kvh * hd;
+        let mut scores: Vec<f32> =
+            (first..n_ctx).map(|t| dot(qv, &ck[at(t)..at(t) + hd]) * s.scale).collect();
         softmax(&mut scores);
-        for (t, p) in scores.iter().enumerate() {
-            let vv = &cv[t * kvd + kvh * hd..t * kvd + (kvh + 1) * hd];
-            for (oi, vi) in o.iter_mut().zip(vv) {
+        for (t, p) in (first..n_ctx).zip(&scores) {
+            for (oi, vi) in o.iter_mut().zip(&cv[at(t)..at(t) + hd]) {
                 *oi += p * vi;
             }
         }
     });
+    if s.window > 0 && cache.len - cache.dropped >= 2 * s.window {
+        // Keep the window - 1 positions the next row can still see.
+        let drop = cache.len - (s.window - 1) - cache.dropped;
+        cache.k.drain(..drop * kvd);
+        cache.v.drain(..drop * kvd);
+        cache.dropped += drop;
+    }
     out
 }
 
@@ -57,7 +69,7 @@ mod tests {
     /// Prefilling n tokens at once equals feeding them one at a time (causality + cache reuse).
     #[test]
     fn prefill_equals_incremental_decode() {
-        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+        let s = AttnShape::new(4, 2, 8);
         let m = 5;
         let gen = |n: usize, mul: usize| -> Vec<f32> {
             (0..n).map(|i| ((i * mul) % 17) as f32 * 0.1 - 0.8).collect()
@@ -86,5 +98,41 @@ mod tests {
                 && (all[8] - v[0]).abs() < 1e-6
                 && (all[16] - v[8]).abs() < 1e-6
         );
+    }
+
+    /// A sliding window equals full attention over only the last `window` positions, and the cache
+    /// stays under two windows while decoding far past it.
+    #[test]
+    fn window_attends_to_the_last_positions_and_bounds_the_cache() {
+        let w = 3;
+        let s = AttnShape { window: w, ..AttnShape::new(2, 1, 4) };
+        let gen = |n: usize, mul: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * mul) % 13) as f32 * 0.2 - 1.1).collect()
+        };
+        let n = 20;
+        let (q, k, v) = (gen(n * 8, 7), gen(n * 4, 5), gen(n * 4, 3));
+        let mut c = CpuKv::default();
+        for r in 0..n {
+            let got = attention(
+                &q[r * 8..(r + 1) * 8],
+                &k[r * 4..(r + 1) * 4],
+                &v[r * 4..(r + 1) * 4],
+                1,
+                &mut c,
+                s,
+            );
+            // Reference: full attention over rows max(0, r + 1 - w)..=r only.
+            let lo = (r + 1).saturating_sub(w);
+            let mut full = CpuKv::default();
+            let (kk, vv) = (&k[lo * 4..(r + 1) * 4], &v[lo * 4..(r + 1) * 4]);
+            let m = r + 1 - lo;
+            let qs: Vec<f32> = (0..m).flat_map(|_| q[r * 8..(r + 1) * 8].iter().copied()).collect();
+            let want = attention(&qs, kk, vv, m, &mut full, AttnShape::new(2, 1, 4));
+            for (a, b) in got.iter().zip(&want[(m - 1) * 8..]) {
+                assert!((a - b).abs() < 1e-5, "row {r}");
+            }
+            assert!(c.len - c.dropped < 2 * w, "row {r}: {} cached", c.len - c.dropped);
+        }
+        assert_eq!(c.len, n);
     }
 }

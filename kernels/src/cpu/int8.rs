@@ -1,7 +1,7 @@
 //! Opt-in 8-bit activations for the CPU matvec path (`--int8-activations`; steps of up to `MAX_ROWS`
 //! activation rows), as llama.cpp computes:
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
-//! and Q8_0 / Q4_0 / Q4_1 weight blocks are dotted with them in integer arithmetic, one scale
+//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity
 //! with transformers the f32 path keeps (tokens are checked against llama.cpp's own output instead:
 //! benchmarks/vs-llama-cpp-cpu-2core.md). Off by default; other formats keep the f32 path.
@@ -24,7 +24,16 @@ pub fn int8_activations() -> bool {
 
 /// Weight formats with an 8-bit-activation dot.
 pub fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+    matches!(
+        dtype,
+        DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4K
+            | DType::Q6K
+    )
 }
 
 /// Most activation rows a step may have for the 8-bit path (decode of a few sequences): with more,
@@ -35,17 +44,17 @@ pub const MAX_ROWS: usize = 8;
 const QK: usize = 32;
 
 /// An activation row in blocks of 32: per block a scale `d`, 32 signed values `q` (x ≈ d·q), and
-/// Σq (for formats with an offset).
+/// `d·Σq` (for formats with an offset: the offset times it is the block's offset term).
 pub struct Q8Row {
     d: Vec<f32>,
     q: Vec<i8>,
-    sum: Vec<i32>,
+    ds: Vec<f32>,
 }
 
 /// Quantizes `x` (a whole number of blocks): d = max|x| / 127, q = round(x / d).
 pub fn quantize_row(x: &[f32]) -> Q8Row {
     let n = x.len() / QK;
-    let mut r = Q8Row { d: Vec::with_capacity(n), q: vec![0; n * QK], sum: Vec::with_capacity(n) };
+    let mut r = Q8Row { d: Vec::with_capacity(n), q: vec![0; n * QK], ds: Vec::with_capacity(n) };
     for (xs, qs) in x.chunks_exact(QK).zip(r.q.chunks_exact_mut(QK)) {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
@@ -56,16 +65,30 @@ pub fn quantize_row(x: &[f32]) -> Q8Row {
             s += *q as i32;
         }
         r.d.push(d);
-        r.sum.push(s);
+        r.ds.push(d * s as f32);
     }
     r
 }
 
 /// The integer dot of one weight block's 32 values (as `dtype` stores them, offsets excluded) with
-/// the activation block `qx`: Σ w_i·q_i, with w_i the int8 (Q8_0) or the 4-bit value (Q4_0, Q4_1).
+/// the activation block `qx`: Σ w_i·q_i, with w_i the int8 (Q8_0), the 4-bit value (Q4_0, Q4_1) or
+/// the 5-bit value (Q5_1; Q5_0's less 16).
 fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
     match dtype {
         DType::Q8_0 => b[2..34].iter().zip(qx).map(|(&w, &q)| (w as i8) as i32 * q as i32).sum(),
+        DType::Q5_0 | DType::Q5_1 => {
+            let hb = if dtype == DType::Q5_1 { 4 } else { 2 };
+            let qh = u32::from_le_bytes([b[hb], b[hb + 1], b[hb + 2], b[hb + 3]]);
+            let bias = if dtype == DType::Q5_0 { 16 } else { 0 };
+            (0..16)
+                .map(|j| {
+                    let w = b[hb + 4 + j] as i32;
+                    let lo = (w & 0xF | (((qh >> j) & 1) << 4) as i32) - bias;
+                    let hi = (w >> 4 | (((qh >> (j + 16)) & 1) << 4) as i32) - bias;
+                    lo * qx[j] as i32 + hi * qx[j + 16] as i32
+                })
+                .sum()
+        }
         _ => {
             let qs = if dtype == DType::Q4_1 { &b[4..20] } else { &b[2..18] };
             qs.iter()
@@ -78,98 +101,133 @@ fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
     }
 }
 
+/// The block's offset coefficient `c` (its offset term is `c · d·Σq` of the activation block):
+/// Q4_1's and Q5_1's minimum, Q4_0's −8·d, none for Q8_0 and Q5_0 (its −16 is in the sums).
+fn block_offset(dtype: DType, b: &[u8]) -> f32 {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 => f16_at(b, 2),
+        DType::Q4_0 => -8.0 * f16_at(b, 0),
+        _ => 0.0,
+    }
+}
+
 /// Scalar reference: Σ over blocks of the weight row `w` (whole blocks of `dtype`) · `x`.
 pub fn dot_scalar(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
+    if dtype == DType::Q4K {
+        return w.chunks_exact(144).enumerate().map(|(s, b)| q4k_scalar(b, x, 8 * s)).sum();
+    }
+    if dtype == DType::Q6K {
+        return w.chunks_exact(210).enumerate().map(|(s, b)| q6k_scalar(b, x, 8 * s)).sum();
+    }
     let bb = dtype.block_bytes();
     let mut acc = 0f32;
     for (i, b) in w.chunks_exact(bb).enumerate() {
         let (dx, qx) = (x.d[i], &x.q[i * QK..(i + 1) * QK]);
         let s = block_isum(dtype, b, qx) as f32;
-        acc += match dtype {
-            DType::Q8_0 => f16_at(b, 0) * dx * s,
-            DType::Q4_0 => f16_at(b, 0) * dx * (s - 8.0 * x.sum[i] as f32),
-            _ => f16_at(b, 0) * dx * s + f16_at(b, 2) * dx * x.sum[i] as f32,
-        };
+        acc += f16_at(b, 0) * dx * s + block_offset(dtype, b) * x.ds[i];
     }
     acc
 }
 
-/// `dot_scalar`, with AVX2 where the CPU has it (the integer sums are the same; the f32 sums of
-/// the blocks are added in another order).
-pub fn dot(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if super::rows::avx2() && std::is_x86_feature_detected!("f16c") {
-        // SAFETY: the CPU supports AVX2 and F16C (checked at run time); `dot_avx2` reads whole
-        // blocks of `w` and the matching blocks of `x`, which the caller sized for the same row.
-        return unsafe { avx2::dot(dtype, w, x) };
+/// One Q4_K super-block (256 values in 8 sub-blocks of 32, value = d·scale·q − dmin·min) against
+/// activation blocks `first..first + 8`: per sub-block d·scale·dx·Σq·qx − dmin·min·(dx·Σqx).
+fn q4k_scalar(b: &[u8], x: &Q8Row, first: usize) -> f32 {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let mut acc = 0f32;
+    for j in 0..8 {
+        let (sc, m) = crate::quant_ext::scale_min_k4(j, &b[4..16]);
+        let qs = &b[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+        let (dx, qx, ds) = x.block(first + j);
+        let shift = 4 * (j % 2);
+        let isum: i32 =
+            qs.iter().zip(qx).map(|(&w, &q)| ((w >> shift) & 0xF) as i32 * q as i32).sum();
+        acc += d * sc * dx * isum as f32 - dmin * m * ds;
     }
-    dot_scalar(dtype, w, x)
+    acc
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Q8Row, QK};
-    use layerstream_types::DType;
-    use std::arch::x86_64::*;
+/// The 6-bit value `l` (0..128) of half `n` of a Q6_K super-block, offset removed (−32..31), and
+/// the index of its 16-value scale — the layout `quant::dequant_block` reads.
+pub(super) fn q6k_value(b: &[u8], n: usize, l: usize) -> (i32, usize) {
+    let (ql, qh) = (&b[64 * n..64 * n + 64], &b[128 + 32 * n..128 + 32 * n + 32]);
+    let (quarter, i) = (l / 32, l % 32);
+    let low = if quarter % 2 == 0 { ql[i] } else { ql[i + 32] };
+    let low = if quarter < 2 { low & 0xF } else { low >> 4 };
+    let high = (qh[i] >> (2 * quarter)) & 3;
+    ((low | (high << 4)) as i32 - 32, 8 * n + 2 * quarter + i / 16)
+}
 
-    /// Σ of u8 × i8 products of 32 pairs, as 8 i32 lanes.
-    #[inline(always)]
-    unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+/// One Q6_K super-block (256 values: value = d·scale·q, a signed 8-bit scale per 16) against
+/// activation blocks `first..first + 8`.
+fn q6k_scalar(b: &[u8], x: &Q8Row, first: usize) -> f32 {
+    let d = f16_at(b, 208);
+    let mut acc = 0f32;
+    for c in 0..8 {
+        let (dx, qx, _) = x.block(first + c);
+        let isum: i32 = (0..32)
+            .map(|i| {
+                let (q, is) = q6k_value(b, c / 4, 32 * (c % 4) + i);
+                (b[192 + is] as i8) as i32 * q * qx[i] as i32
+            })
+            .sum();
+        acc += d * dx * isum as f32;
     }
+    acc
+}
 
-    /// The little-endian f16 at `b[i..i + 2]`, converted by the CPU (F16C).
-    #[inline(always)]
-    unsafe fn h2f(b: &[u8], i: usize) -> f32 {
-        let bits = u16::from_le_bytes([b[i], b[i + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+/// `out[j·m + a]` = the dot of weight row `j` of `w` (rows of `row_bytes`, whole blocks of
+/// `dtype`) with activation row `a` of `xs` (`m` rows): `dot_scalar` per pair, with AVX2 + FMA where
+/// the CPU has them — one activation row: four weight rows at a time sharing each activation block;
+/// several: each weight block unpacked once for four activation rows. The integer sums are the
+/// same, the f32 sums of the blocks are added in another order.
+pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
+    let m = xs.len().max(1);
+    assert!(supports(dtype) && out.len().is_multiple_of(m));
+    assert!(w.len() >= out.len() / m * row_bytes);
+    let (bb, values) = (dtype.block_bytes(), dtype.block_elems());
+    assert!(row_bytes.is_multiple_of(bb));
+    assert!(xs.iter().all(|x| x.d.len() * QK >= row_bytes / bb * values));
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time); the asserts above
+        // bound every weight row and activation block the kernels read.
+        return unsafe {
+            match xs {
+                [x] => super::int8_avx2::dot_rows(dtype, w, row_bytes, x, out),
+                _ => super::int8_batch::dot_batch(dtype, w, row_bytes, xs, out),
+            }
+        };
     }
-
-    /// `super::dot_scalar` with AVX2 (and F16C for the block scales).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `x` must hold at least as many blocks as `w`.
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
-        let bb = dtype.block_bytes();
-        let nb = w.len() / bb;
-        assert!(x.d.len() >= nb && x.q.len() >= nb * QK);
-        let mut acc = _mm256_setzero_ps();
-        let mut offset = 0f32;
-        let low = _mm_set1_epi8(0x0F);
-        for i in 0..nb {
-            let b = &w[i * bb..(i + 1) * bb];
-            let qx = _mm256_loadu_si256(x.q.as_ptr().add(i * QK) as *const __m256i);
-            let dx = x.d[i];
-            let (isum, scale) = match dtype {
-                DType::Q8_0 => {
-                    let qw = _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i);
-                    // |w| · (x with w's sign): u8 × i8 for maddubs.
-                    let s = dot_u8_i8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-                    (s, h2f(b, 0) * dx)
-                }
-                _ => {
-                    let q1 = dtype == DType::Q4_1;
-                    let raw =
-                        _mm_loadu_si128(b.as_ptr().add(if q1 { 4 } else { 2 }) as *const __m128i);
-                    let lo = _mm_and_si128(raw, low);
-                    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-                    let s = dot_u8_i8(_mm256_set_m128i(hi, lo), qx);
-                    let d = h2f(b, 0);
-                    offset += if q1 {
-                        h2f(b, 2) * dx * x.sum[i] as f32
-                    } else {
-                        -8.0 * d * dx * x.sum[i] as f32
-                    };
-                    (s, d * dx)
-                }
-            };
-            acc =
-                _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(isum)));
+    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        for (v, x) in o.iter_mut().zip(xs) {
+            *v = dot_scalar(dtype, &w[j * row_bytes..(j + 1) * row_bytes], x);
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        lanes.iter().sum::<f32>() + offset
+    }
+}
+
+/// Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C; detected once).
+#[cfg(target_arch = "x86_64")]
+fn simd() -> bool {
+    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        super::rows::avx2()
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    })
+}
+
+/// What the SIMD kernels read of a row: its blocks' scales, values and offset sums.
+impl Q8Row {
+    /// Scales and d·Σq of blocks `first..first + 8` (a K-quant super-block's span).
+    #[inline(always)]
+    pub(super) fn scales8(&self, first: usize) -> (&[f32], &[f32]) {
+        (&self.d[first..first + 8], &self.ds[first..first + 8])
+    }
+
+    /// Scale, 32 values and d·Σq of block `i`.
+    #[inline(always)]
+    pub(super) fn block(&self, i: usize) -> (f32, &[i8], f32) {
+        (self.d[i], &self.q[i * QK..(i + 1) * QK], self.ds[i])
     }
 }
 
@@ -178,29 +236,82 @@ mod tests {
     use super::*;
     use crate::quant::{dequant_row, dot as f32_dot};
 
+    /// Every format with an 8-bit dot.
+    const TYPES: [DType; 7] =
+        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q6K];
+
     #[test]
     fn the_8_bit_dot_matches_its_reference_and_the_f32_dot_closely() {
+        assert!(TYPES.iter().all(|&t| supports(t)));
         let k = 576;
         let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.021).collect();
-        let xq = quantize_row(&x);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in TYPES {
+            let k = if dtype.block_elems() == 256 { 512 } else { k };
+            let x = &x[..k];
+            let xq = quantize_row(x);
             let w = layerstream_types::random::Rng::new(3).tensor(dtype, &[1, k]).unwrap();
-            let (fast, reference) = (dot(dtype, &w, &xq), dot_scalar(dtype, &w, &xq));
+            let reference = dot_scalar(dtype, &w, &xq);
+            let mut fast = [0f32];
+            dot_rows(dtype, &w, w.len(), std::slice::from_ref(&xq), &mut fast);
+            let fast = fast[0];
             assert!(
                 (fast - reference).abs() <= 1e-5 * reference.abs().max(1.0),
                 "{dtype}: {fast} vs {reference}"
             );
             let mut wf = vec![0f32; k];
             dequant_row(dtype, &w, &mut wf);
-            let exact = f32_dot(&wf, &x);
-            let scale: f32 = wf.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+            let exact = f32_dot(&wf, x);
+            let scale: f32 = wf.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
             assert!(
                 (fast - exact).abs() <= 0.01 * scale,
                 "{dtype}: {fast} vs f32 {exact} (Σ|w·x| {scale})"
             );
         }
+        // Many rows at once (groups of four and a remainder) equal the reference row by row.
+        for dtype in TYPES {
+            let (k, rows) = (if dtype.block_elems() == 256 { 512 } else { k }, 7);
+            let xq = quantize_row(&x[..k]);
+            let w = layerstream_types::random::Rng::new(5).tensor(dtype, &[rows, k]).unwrap();
+            let rb = w.len() / rows;
+            let mut got = vec![0f32; rows];
+            dot_rows(dtype, &w, rb, std::slice::from_ref(&xq), &mut got);
+            for (j, g) in got.iter().enumerate() {
+                let want = dot_scalar(dtype, &w[j * rb..(j + 1) * rb], &xq);
+                assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "{dtype} row {j}");
+            }
+        }
+        // Several activation rows at once (four at a time and a remainder) equal the reference
+        // pair by pair.
+        for dtype in TYPES {
+            let (k, rows, m) = (if dtype.block_elems() == 256 { 512 } else { k }, 3, 7);
+            let xs: Vec<Q8Row> = (0..m)
+                .map(|a| {
+                    quantize_row(&x[..k].iter().map(|v| v * (a as f32 - 2.5)).collect::<Vec<_>>())
+                })
+                .collect();
+            let w = layerstream_types::random::Rng::new(11).tensor(dtype, &[rows, k]).unwrap();
+            let rb = w.len() / rows;
+            let mut got = vec![0f32; rows * m];
+            dot_rows(dtype, &w, rb, &xs, &mut got);
+            for j in 0..rows {
+                for (a, xa) in xs.iter().enumerate() {
+                    let want = dot_scalar(dtype, &w[j * rb..(j + 1) * rb], xa);
+                    let g = got[j * m + a];
+                    assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "{dtype} {j},{a}");
+                }
+            }
+        }
+        // Q6_K's value unpacking is the dequantizer's, value for value.
+        let b = layerstream_types::random::Rng::new(7).tensor(DType::Q6K, &[1, 256]).unwrap();
+        let mut deq = vec![0f32; 256];
+        dequant_row(DType::Q6K, &b, &mut deq);
+        for (l, want) in deq.iter().enumerate() {
+            let (q, is) = q6k_value(&b, l / 128, l % 128);
+            let got = f16_at(&b, 208) * (b[192 + is] as i8) as f32 * q as f32;
+            assert_eq!(got.to_bits(), want.to_bits(), "value {l}");
+        }
         // A zero block quantizes to zeros, not NaN.
         let z = quantize_row(&[0.0; 32]);
-        assert_eq!((z.d[0], z.sum[0]), (0.0, 0));
+        assert_eq!((z.d[0], z.ds[0]), (0.0, 0.0));
     }
 }

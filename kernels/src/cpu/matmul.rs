@@ -1,6 +1,6 @@
 //! CPU matmul: dequantize each weight row and dot it with every activation row (`rows`, two weight
 //! rows at a time) below `GEMM_MIN_ROWS` rows (decode, batched decode, short prefills), dequantize
-//! the whole weight then GEMM from there.
+//! tiles of weight rows and GEMM each from there.
 
 use crate::cpu::rows::{dot_rows, dot_rows2};
 use crate::quant::dequant_row;
@@ -9,7 +9,9 @@ use rayon::prelude::*;
 
 /// Weight rows handed to one rayon task.
 const ROWS_PER_TASK: usize = 32;
-/// From this many activation rows on, dequantize the whole weight once and use GEMM.
+/// Bytes of f32 weight rows dequantized at a time for the GEMM path (a tile of rows: within L2/L3).
+const TILE_BYTES: usize = 4 << 20;
+/// From this many activation rows on, dequantize the weight tile by tile and use GEMM.
 ///
 /// Below it every output is `dot(dequantized weight row, x row)` computed the same way whatever the
 /// batch holds, so a sequence gets bit-identical results alone or batched with others.
@@ -27,20 +29,24 @@ pub fn matmul(
 ) -> Vec<f32> {
     let row_bytes = w.len() / n.max(1);
     if m >= GEMM_MIN_ROWS {
-        let owned;
-        let wf = match wf32 {
-            Some(f) => f,
-            None => {
-                let mut buf = vec![0f32; n * k];
-                buf.par_chunks_mut(k)
-                    .zip(w.par_chunks(row_bytes))
-                    .for_each(|(o, r)| dequant_row(dtype, r, o));
-                owned = buf;
-                &owned
-            }
-        };
         let mut out = vec![0f32; m * n];
-        gemm_f32(x, wf, &mut out, m, n, k);
+        if let Some(f) = wf32 {
+            gemm_f32(x, f, &mut out, m, n, k);
+            return out;
+        }
+        // Dequantize a tile of weight rows at a time into a buffer that stays in cache, and
+        // multiply it into its columns of `out`: the whole weight in f32 would be n·k·4 bytes
+        // (940 MB for a 70B model's MLP projection).
+        let tile = (TILE_BYTES / (k.max(1) * 4)).clamp(16, n.max(16)) / 16 * 16;
+        let mut buf = vec![0f32; tile.min(n) * k];
+        for r0 in (0..n).step_by(tile) {
+            let rows = tile.min(n - r0);
+            let b = &mut buf[..rows * k];
+            b.par_chunks_mut(k)
+                .zip(w[r0 * row_bytes..(r0 + rows) * row_bytes].par_chunks(row_bytes))
+                .for_each(|(o, r)| dequant_row(dtype, r, o));
+            gemm_f32_strided(x, b, &mut out[r0..], m, rows, k, n);
+        }
         return out;
     }
     // Transposed result [n, m]: each task owns whole weight rows, two at a time (each activation
@@ -55,13 +61,9 @@ pub fn matmul(
         // Opt-in: activations quantized to 8 bits once, integer dots per weight block.
         let xq: Vec<_> = x.chunks_exact(k).take(m).map(crate::cpu::int8::quantize_row).collect();
         t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
-            for (j, outs) in block.chunks_exact_mut(m).enumerate() {
-                let r = c * ROWS_PER_TASK + j;
-                let wr = &w[r * row_bytes..(r + 1) * row_bytes];
-                for (o, xr) in outs.iter_mut().zip(&xq) {
-                    *o = crate::cpu::int8::dot(dtype, wr, xr);
-                }
-            }
+            let r0 = c * ROWS_PER_TASK;
+            let wr = &w[r0 * row_bytes..(r0 + block.len() / m) * row_bytes];
+            crate::cpu::int8::dot_rows(dtype, wr, row_bytes, &xq, block);
         });
         return transpose(t, m, n);
     }
@@ -113,9 +115,24 @@ fn transpose(t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
 
 /// `out[m, n] = a[m, k] · b[n, k]ᵀ` through the `gemm` crate.
 pub fn gemm_f32(a: &[f32], b: &[f32], out: &mut [f32], m: usize, n: usize, k: usize) {
-    assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
-    // SAFETY: the asserts above bound every access: dst is m×n row-major (rs = n, cs = 1), lhs is
-    // m×k row-major, rhs is bᵀ viewed as k×n (row stride 1, column stride k) over n×k storage.
+    gemm_f32_strided(a, b, out, m, n, k, n)
+}
+
+/// `gemm_f32` into the first `n` columns of `out` viewed as rows of `ld` (≥ n) values.
+fn gemm_f32_strided(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    ld: usize,
+) {
+    assert!(ld >= n && a.len() >= m * k && b.len() >= n * k);
+    assert!(m == 0 || out.len() >= (m - 1) * ld + n);
+    // SAFETY: the asserts above bound every access: dst is m×n with row stride ld (rs = ld,
+    // cs = 1), lhs is m×k row-major, rhs is bᵀ viewed as k×n (row stride 1, column stride k)
+    // over n×k storage.
     unsafe {
         gemm::gemm(
             m,
@@ -123,7 +140,7 @@ pub fn gemm_f32(a: &[f32], b: &[f32], out: &mut [f32], m: usize, n: usize, k: us
             k,
             out.as_mut_ptr(),
             1,
-            n as isize,
+            ld as isize,
             false,
             a.as_ptr(),
             1,
@@ -163,7 +180,7 @@ mod tests {
     #[test]
     fn rows_are_independent_of_the_batch_and_match_a_naive_reference() {
         let (n, k) = (70, 512);
-        for dtype in [DType::Q8_0, DType::Q4_1, DType::Q4K, DType::Q6K, DType::Bf16] {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K, DType::Bf16] {
             let mut seed = 3u64;
             let mut rnd = || {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -3,6 +3,10 @@
 
 mod attention;
 pub mod int8;
+#[cfg(target_arch = "x86_64")]
+mod int8_avx2;
+#[cfg(target_arch = "x86_64")]
+mod int8_batch;
 mod matmul;
 mod pool;
 pub mod rows;
@@ -113,6 +117,10 @@ impl Backend for CpuBackend {
         "cpu".into()
     }
 
+    fn run_step<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        threads::in_pool(f)
+    }
+
     fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Arc<CpuBlob>, Option<f64>)> {
         let blob = if streamed { self.pool.lend(bytes) } else { CpuBlob::owned(bytes) };
         Ok((Arc::new(blob), None))
@@ -174,6 +182,25 @@ impl Backend for CpuBackend {
             rows: n,
             cols: t.cols,
         })
+    }
+
+    fn gather_rows(&self, t: &CpuTensor, idx: &[usize]) -> Result<CpuTensor> {
+        crate::host::check_gather(t.rows, idx)?;
+        let c = t.cols;
+        let data = idx.iter().flat_map(|&r| t.data[r * c..(r + 1) * c].iter().copied()).collect();
+        Ok(CpuTensor { data, rows: idx.len(), cols: c })
+    }
+
+    fn add_rows_scaled(
+        &self,
+        acc: &mut CpuTensor,
+        y: &CpuTensor,
+        idx: &[usize],
+        scale: &[f32],
+    ) -> Result<()> {
+        crate::host::check_add_rows((acc.rows, acc.cols), (y.rows, y.cols), idx, scale)?;
+        crate::host::add_rows_scaled(&mut acc.data, &y.data, acc.cols, idx, scale);
+        Ok(())
     }
 
     fn concat_rows(&self, parts: &[CpuTensor]) -> Result<CpuTensor> {
@@ -254,6 +281,20 @@ impl Backend for CpuBackend {
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
+    fn gelu_tanh_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        ensure(gate.data.len() == up.data.len(), "gelu_tanh_mul", || {
+            "gate and up differ in size".into()
+        })?;
+        let data =
+            gate.data.iter().zip(&up.data).map(|(&g, u)| crate::host::gelu_tanh(g) * u).collect();
+        Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) -> Result<()> {
+        x.data.iter_mut().for_each(|a| *a *= s);
+        Ok(())
+    }
+
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         ensure(x.data.len() == y.data.len(), "add", || "sizes differ".into())?;
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
@@ -262,7 +303,7 @@ impl Backend for CpuBackend {
 
     fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CpuKv> {
         let n = capacity * shape.n_kv_heads * shape.head_dim;
-        Ok(CpuKv { k: Vec::with_capacity(n), v: Vec::with_capacity(n), len: 0 })
+        Ok(CpuKv { k: Vec::with_capacity(n), v: Vec::with_capacity(n), len: 0, dropped: 0 })
     }
 
     fn kv_len(&self, cache: &CpuKv) -> usize {
@@ -325,6 +366,10 @@ mod tests {
         let o = b.silu_mul(&g, &u).unwrap();
         assert_eq!(o.data[0], 0.0);
         assert!((o.data[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        // GELU (tanh form): 0 at 0, ≈ x for large x, 0.841192 at 1 (PyTorch's value).
+        let o = b.gelu_tanh_mul(&g, &u).unwrap();
+        assert_eq!(o.data[0], 0.0);
+        assert!((o.data[1] - 2.0 * 0.841_192).abs() < 1e-5, "{}", o.data[1]);
         let bytes: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
         let table = b.weight("e", DType::F32, &[3, 2], &bytes).unwrap();
         assert_eq!(b.embedding(&table, &[2, 0]).unwrap().data, vec![4.0, 5.0, 0.0, 1.0]);

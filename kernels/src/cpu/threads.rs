@@ -38,6 +38,13 @@ impl ComputePool {
     }
 }
 
+/// Runs `f` on a thread of the current compute pool (on the caller when it is one already), so the
+/// kernels inside split their work from a pool thread: each split is then a push onto that thread's
+/// own queue, where from outside the pool every split is a cross-thread hand-off and a sleep.
+pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
+
 /// Threads the CPU kernels use now (inside `ComputePool::run`: that pool's).
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()

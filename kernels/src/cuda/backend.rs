@@ -399,6 +399,38 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn gather_rows(&self, t: &CudaTensor, idx: &[usize]) -> Result<CudaTensor> {
+        crate::host::check_gather(t.rows, idx)?;
+        self.gpu.bind()?;
+        let out = self.tensor(idx.len(), t.cols)?;
+        if idx.is_empty() {
+            return Ok(out);
+        }
+        let didx = self.upload_small(&idx.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let args = [t.buf.ptr, didx.ptr, out.buf.ptr, i(idx.len() as i32), i(t.cols as i32)];
+        self.gpu.launch("gather_rows", (idx.len() as u32, 1, 1), 256, 0, &args)?;
+        Ok(out)
+    }
+
+    fn add_rows_scaled(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        idx: &[usize],
+        scale: &[f32],
+    ) -> Result<()> {
+        crate::host::check_add_rows((acc.rows, acc.cols), (y.rows, y.cols), idx, scale)?;
+        if idx.is_empty() {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        let didx = self.upload_small(&idx.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let dscale = self.upload_small(scale)?;
+        let n = i(idx.len() as i32);
+        let args = [acc.buf.ptr, y.buf.ptr, didx.ptr, dscale.ptr, n, i(acc.cols as i32)];
+        self.gpu.launch("add_rows_scaled", (idx.len() as u32, 1, 1), 256, 0, &args)
+    }
+
     fn concat_rows(&self, parts: &[CudaTensor]) -> Result<CudaTensor> {
         let cols = parts.first().map_or(0, |p| p.cols);
         ensure(parts.iter().all(|p| p.cols == cols), "concat_rows", || "widths differ".into())?;
@@ -484,7 +516,7 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, eps: f32) -> Result<CudaTensor> {
         let g = weight.cols;
-        ensure(weight.rows == 1 && g > 0 && x.cols % g == 0, "rms_norm", || {
+        ensure(weight.rows == 1 && g > 0 && x.cols.is_multiple_of(g), "rms_norm", || {
             format!("weight {g} vs width {}", x.cols)
         })?;
         self.gpu.bind()?;
@@ -512,7 +544,7 @@ impl Backend for CudaBackend {
 
     fn rope(&self, x: &mut CudaTensor, positions: &[usize], table: &RopeTable) -> Result<()> {
         let hd = table.head_dim;
-        ensure(positions.len() == x.rows && x.cols % hd == 0, "rope", || {
+        ensure(positions.len() == x.rows && x.cols.is_multiple_of(hd), "rope", || {
             format!("{} positions for {} rows", positions.len(), x.rows)
         })?;
         self.gpu.bind()?;
@@ -528,20 +560,11 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
-        ensure(gate.rows == up.rows && gate.cols == up.cols, "silu_mul", || {
-            "gate and up differ in size".into()
-        })?;
-        self.gpu.bind()?;
-        let out = self.tensor(gate.rows, gate.cols)?;
-        let n = gate.rows * gate.cols;
-        self.gpu.launch(
-            "silu_mul",
-            (blocks(n, 256), 1, 1),
-            256,
-            0,
-            &[gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64],
-        )?;
-        Ok(out)
+        self.gated("silu_mul", gate, up)
+    }
+
+    fn gelu_tanh_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        self.gated("gelu_tanh_mul", gate, up)
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -603,7 +626,8 @@ impl Backend for CudaBackend {
         if m == 0 {
             return Ok(out);
         }
-        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        // A sliding window masks the older positions; the cache keeps them (no trimming on the GPU
+        // yet: the memory saving is the CPU backend's).
         let args = [
             q.buf.ptr,
             kc,
@@ -613,7 +637,8 @@ impl Backend for CudaBackend {
             i(s.n_heads as i32),
             i(s.n_kv_heads as i32),
             i(s.head_dim as i32),
-            f(scale),
+            f(s.scale),
+            i(s.window as i32),
         ];
         self.gpu.launch(
             "attention",
@@ -627,6 +652,24 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// `kernel(gate) * up`, element-wise (`silu_mul`, `gelu_tanh_mul`).
+    fn gated(
+        &self,
+        kernel: &'static str,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+    ) -> Result<CudaTensor> {
+        ensure(gate.rows == up.rows && gate.cols == up.cols, kernel, || {
+            "gate and up differ in size".into()
+        })?;
+        self.gpu.bind()?;
+        let out = self.tensor(gate.rows, gate.cols)?;
+        let n = gate.rows * gate.cols;
+        let args = [gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64];
+        self.gpu.launch(kernel, (blocks(n, 256), 1, 1), 256, 0, &args)?;
+        Ok(out)
+    }
+
     /// Copies device memory at `src` into `dst` and waits for it (and all earlier compute work).
     fn read<T: Copy>(&self, src: u64, dst: &mut [T]) -> Result<()> {
         if !dst.is_empty() {

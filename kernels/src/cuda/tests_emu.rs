@@ -2,7 +2,8 @@
 //! shuffles and block barriers, the launch shapes of `backend.rs` — and are compared with the CPU
 //! backend, so their arithmetic, indexing and reductions are checked on machines without a GPU (CI):
 //! every kernel — the quantized matvec and dequantize kernels of every dtype, attention, RMSNorm,
-//! argmax, the embedding gather, RoPE (default and llama3-scaled), SiLU·mul, the adds and f32→f16.
+//! argmax, the embedding gather, RoPE (default and llama3-scaled), SiLU·mul, the adds, the
+//! mixture-of-experts row gather and scaled scatter-add, and f32→f16.
 //! Skipped, saying why, where no C++20 compiler is installed.
 
 use super::source::dtype_code;
@@ -139,10 +140,20 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     // Attention: prefill after a cached prefix, decode, and contexts over several 128-position tiles
     // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle), 320
     // (three per thread, the last partly) and 512 (the most the backend accepts: four per thread).
-    for (start, m, hd) in
-        [(0, 5, 64), (5, 3, 64), (17, 1, 64), (300, 2, 64), (130, 2, 320), (40, 1, 512)]
-    {
-        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd };
+    // Then sliding windows (Gemma: some rows see the whole context, some only its end) with a
+    // score scale other than 1/√head_dim.
+    for (start, m, hd, window, scalar) in [
+        (0, 5, 64, 0, 64),
+        (5, 3, 64, 0, 64),
+        (17, 1, 64, 0, 64),
+        (300, 2, 64, 0, 64),
+        (130, 2, 320, 0, 320),
+        (40, 1, 512, 0, 512),
+        (0, 9, 64, 4, 48),
+        (150, 3, 64, 140, 48),
+    ] {
+        let s =
+            AttnShape { window, scale: 1.0 / (scalar as f32).sqrt(), ..AttnShape::new(4, 2, hd) };
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let mut cache = c.kv_cache(s, start + m).unwrap();
         let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
@@ -157,7 +168,16 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let got = f32s(&emu.run(
             &args(
                 "attention",
-                [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize],
+                [
+                    start,
+                    m,
+                    s.n_heads,
+                    s.n_kv_heads,
+                    s.head_dim,
+                    super::ATTENTION_THREADS as usize,
+                    window,
+                    scalar,
+                ],
             ),
             &bytes_of(&[&q, &pk, &k, &pv, &v]),
         ));
@@ -241,6 +261,24 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want = c.silu_mul(&t(&x), &t(&y)).unwrap().data;
     let e = rel(&f32s(&emu.run(&args("silu_mul", [n]), &bytes_of(&[&x, &y]))), &want);
     assert!(e < 1e-6, "silu_mul: relative error {e:e}");
+    let want = c.gelu_tanh_mul(&t(&x), &t(&y)).unwrap().data;
+    let e = rel(&f32s(&emu.run(&args("gelu_tanh_mul", [n]), &bytes_of(&[&x, &y]))), &want);
+    assert!(e < 1e-6, "gelu_tanh_mul: relative error {e:e}");
+    // Mixture-of-experts rows: an expert's tokens gathered, its output added back scaled.
+    let idx = [2usize, 0];
+    let ids: Vec<u8> = idx.iter().flat_map(|&r| (r as i32).to_le_bytes()).collect();
+    let want = c.gather_rows(&t(&x), &idx).unwrap().data;
+    let mut input = bytes_of(&[&x]);
+    input.extend(&ids);
+    assert_eq!(f32s(&emu.run(&args("gather_rows", [rows, cols, 2]), &input)), want, "gather_rows");
+    let (yy, sc) = (rng.vec(2 * cols), [0.25f32, 0.75]);
+    let mut want = t(&x);
+    c.add_rows_scaled(&mut want, &c.from_host(&yy, 2, cols).unwrap(), &idx, &sc).unwrap();
+    let mut input = bytes_of(&[&x, &yy]);
+    input.extend(&ids);
+    input.extend(bytes_of(&[&sc]));
+    let got = f32s(&emu.run(&args("add_rows_scaled", [rows, cols, 2]), &input));
+    assert_eq!(got, want.data, "add_rows_scaled");
     let mut want = t(&x);
     c.add(&mut want, &t(&y)).unwrap();
     assert_eq!(f32s(&emu.run(&args("add", [n]), &bytes_of(&[&x, &y]))), want.data, "add");

@@ -154,6 +154,20 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
         .to_host(&g.concat_rows(&[g.rows(&xg, 5, 2).unwrap(), g.rows(&xg, 0, 1).unwrap()]).unwrap())
         .unwrap();
     assert_eq!(got_rows, [&x[5 * cols..7 * cols], &x[..cols]].concat(), "rows/concat_rows");
+    // Mixture-of-experts rows: gathered, then added back scaled.
+    let idx = [6usize, 1, 3];
+    assert_eq!(
+        g.to_host(&g.gather_rows(&xg, &idx).unwrap()).unwrap(),
+        c.gather_rows(&xc, &idx).unwrap().data,
+        "gather_rows"
+    );
+    let (e3c, e3g) = (c.rows(&yc, 0, 3).unwrap(), g.rows(&yg, 0, 3).unwrap());
+    let (mut ac, mut ag) =
+        (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
+    c.add_rows_scaled(&mut ac, &e3c, &idx, &[0.5, 0.25, 2.0]).unwrap();
+    g.add_rows_scaled(&mut ag, &e3g, &idx, &[0.5, 0.25, 2.0]).unwrap();
+    // (The GPU may fuse the multiply-add: equal to rounding.)
+    assert!(rel(&g.to_host(&ag).unwrap(), &ac.data) < 1e-6, "add_rows_scaled");
     for dtype in [DType::Q8_0, DType::Q4K, DType::F16] {
         let table = weight_bytes(dtype, 50, cols, &mut rng);
         let (tc, tg) = (
@@ -191,7 +205,7 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
 fn attention_prefill_then_decode_past_cache_growth_matches_cpu() {
     let Some(g) = gpu(GemmPrecision::F32) else { return };
     let c = CpuBackend::default();
-    let s = AttnShape { n_heads: 8, n_kv_heads: 2, head_dim: 64 };
+    let s = AttnShape::new(8, 2, 64);
     let (qd, kvd) = (512, 128);
     let mut rng = Rng(9);
     let (mut kc, mut kg) = (c.kv_cache(s, 0).unwrap(), g.kv_cache(s, 0).unwrap());

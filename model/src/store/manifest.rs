@@ -147,6 +147,7 @@ impl Manifest {
                     None => return Err(format!("{name}: unknown tensor {}", t.name)),
                 }
             }
+            self.check_moe_layer(i, f)?;
         }
         if let Some(f) = self.files.iter().find(|f| {
             f.name
@@ -160,11 +161,62 @@ impl Manifest {
         Ok(())
     }
 
-    /// Size of the largest layer file (the default streaming slot size).
-    pub fn max_layer_bytes(&self) -> u64 {
+    /// A mixture-of-experts layer's file holds its router and no dense MLP, and each of its experts
+    /// has a file with gate, up and down shaped as the config says; a dense layer has no router.
+    fn check_moe_layer(&self, i: usize, f: &FileEntry) -> Result<(), String> {
+        use crate::layout::{expert_file, expert_shape, EXPERT_TENSORS, ROUTER};
+        let Some(m) = self.config.moe_at(i) else {
+            if f.tensor(ROUTER).is_some() {
+                return Err(format!("{}: a dense layer has a router", f.name));
+            }
+            return Ok(());
+        };
+        if f.tensor(ROUTER).is_none() {
+            return Err(format!("{}: the mixture-of-experts layer has no router", f.name));
+        }
+        if let Some(t) = f.tensors.iter().find(|t| EXPERT_TENSORS.contains(&t.name.as_str())) {
+            return Err(format!("{}: a mixture-of-experts layer holds a dense {}", f.name, t.name));
+        }
+        for e in 0..m.experts {
+            let name = expert_file(i, e);
+            let ef = self.file(&name).ok_or_else(|| {
+                format!("{name} is missing (layer {i} has {} experts)", m.experts)
+            })?;
+            if ef.tensors.len() != EXPERT_TENSORS.len() {
+                return Err(format!(
+                    "{name}: holds {} tensors, an expert has gate, up and down",
+                    ef.tensors.len()
+                ));
+            }
+            for which in EXPERT_TENSORS {
+                let want = expert_shape(&self.config, which).expect("moe config");
+                match ef.tensor(which) {
+                    Some(t) if t.shape == want => {}
+                    Some(t) => {
+                        return Err(format!(
+                            "{name}: tensor {which} has shape {:?}, the config needs {want:?}",
+                            t.shape
+                        ))
+                    }
+                    None => return Err(format!("{name} has no tensor {which}")),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Size of the largest expert file (0 for a dense model).
+    pub fn max_expert_bytes(&self) -> u64 {
+        self.files.iter().filter(|f| f.name.contains("_expert_")).map(|f| f.size).max().unwrap_or(0)
+    }
+
+    /// Size of the largest streamable unit: a layer file or an expert file (the default loader slot
+    /// size).
+    pub fn max_unit_bytes(&self) -> u64 {
         (0..self.config.num_layers)
             .filter_map(|i| self.file(&crate::layout::layer_file(i)))
             .map(|f| f.size)
+            .chain([self.max_expert_bytes()])
             .max()
             .unwrap_or(0)
     }

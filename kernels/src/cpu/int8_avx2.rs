@@ -1,0 +1,116 @@
+//! AVX2 + FMA kernels of the 8-bit-activation dot (`int8::dot_rows`) for one activation row: four
+//! weight rows at a time against it, so each activation block is loaded once for four rows and
+//! the four rows' memory streams and accumulators overlap; one integer dot per block (u8 × i8 pairs
+//! through `maddubs`), one fused scale-multiply-add per block, the offset term in a scalar sum.
+
+use super::int8::Q8Row;
+use super::int8_batch::{hsum, q4_0, q4_1, q8_0, Unpacked};
+use layerstream_types::DType;
+use std::arch::x86_64::*;
+
+/// Q8_0 rows go one at a time: two or four interleaved 612-byte rows ran at a third of the speed
+/// from memory (benches/decode_dot.rs; in cache they were faster), the prefetcher losing them.
+const Q8G: usize = 1;
+
+/// Σ of u8 × i8 products of 32 pairs, as 8 i32 lanes.
+#[inline(always)]
+pub(super) unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// The little-endian f16 at `p`, converted by the CPU (F16C).
+#[inline(always)]
+pub(super) unsafe fn h2f(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// The sums of the eight lanes of each of four vectors.
+#[inline(always)]
+unsafe fn hsum4(a: [__m256; 4]) -> [f32; 4] {
+    let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), s);
+    out
+}
+
+/// Rows `0..R` at `w` (rows of `rb` bytes) against `x`, each the sum over `nb` blocks of `bb` bytes;
+/// `blk` unpacks a block as `int8_batch::Unpacked` (signs applied to the activations when `SIGNED`).
+#[inline(always)]
+unsafe fn group<const R: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked>(
+    w: *const u8,
+    rb: usize,
+    bb: usize,
+    nb: usize,
+    x: &Q8Row,
+    blk: &F,
+) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut off = [0f32; R];
+    for i in 0..nb {
+        let (dx, q, ds) = x.block(i);
+        let qx = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
+        for r in 0..R {
+            let (u, sign, d, c) = blk(w.add(r * rb + i * bb));
+            let s = dot_u8_i8(u, if SIGNED { _mm256_sign_epi8(qx, sign) } else { qx });
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
+            off[r] = c.mul_add(ds, off[r]);
+        }
+    }
+    let mut out = [0f32; R];
+    if R == 4 {
+        let s = hsum4([acc[0], acc[1 % R], acc[2 % R], acc[3 % R]]);
+        for r in 0..R {
+            out[r] = s[r] + off[r];
+        }
+    } else {
+        for r in 0..R {
+            out[r] = hsum(acc[r]) + off[r];
+        }
+    }
+    out
+}
+
+/// Every row of `w` (rows of `rb` bytes) against `x` into `out`, `G` (1, 2 or 4) at a time.
+#[inline(always)]
+unsafe fn rows<const G: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked>(
+    w: &[u8],
+    rb: usize,
+    bb: usize,
+    x: &Q8Row,
+    out: &mut [f32],
+    blk: F,
+) {
+    let nb = rb / bb;
+    let p = w.as_ptr();
+    let mut j = 0;
+    let mut groups = out.chunks_exact_mut(G);
+    for o in groups.by_ref() {
+        o.copy_from_slice(&group::<G, SIGNED, F>(p.add(j * rb), rb, bb, nb, x, &blk));
+        j += G;
+    }
+    for o in groups.into_remainder() {
+        *o = group::<1, SIGNED, F>(p.add(j * rb), rb, bb, nb, x, &blk)[0];
+        j += 1;
+    }
+}
+
+/// `super::int8::dot_rows` with AVX2, FMA and F16C.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must hold `out.len()` rows of `rb` bytes (whole
+/// blocks of `dtype`, one `int8::supports`) and `x` at least as many values as a row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_rows(dtype: DType, w: &[u8], rb: usize, x: &Q8Row, out: &mut [f32]) {
+    match dtype {
+        DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q6K => {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = super::int8_batch::row::<1>(dtype, w.as_ptr().add(j * rb), rb, [x])[0];
+            }
+        }
+        DType::Q8_0 => rows::<Q8G, true, _>(w, rb, 34, x, out, |b| q8_0(b)),
+        DType::Q4_0 => rows::<4, false, _>(w, rb, 18, x, out, |b| q4_0(b)),
+        _ => rows::<4, false, _>(w, rb, 20, x, out, |b| q4_1(b)),
+    }
+}

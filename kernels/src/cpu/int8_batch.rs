@@ -1,0 +1,249 @@
+//! AVX2 + FMA kernels of the 8-bit path for steps of several activation rows (`int8::dot_rows`:
+//! batched decode, short prefills): each weight block is unpacked once and dotted with the blocks
+//! of four activation rows at a time, where the one-row kernels (`int8_avx2`) would unpack it once
+//! per activation row. Same integer sums and scale products as `int8::dot_scalar`. Measured
+//! (llama-3-8b shape, Q4_K, 2 threads): a 4-token step 1.5× the f32 kernels, 8 tokens even, 64
+//! tokens 0.6× — so `int8::MAX_ROWS` stays 8.
+
+use super::int8::Q8Row;
+use super::int8_avx2::{dot_u8_i8, h2f};
+use layerstream_types::DType;
+use std::arch::x86_64::*;
+
+/// Activation rows per pass over a weight row.
+const A: usize = 4;
+
+/// Activation block `i` of row `x`: (scale, 32 values, scale·Σ values).
+#[inline(always)]
+unsafe fn xblock(x: &Q8Row, i: usize) -> (f32, __m256i, f32) {
+    let (d, q, ds) = x.block(i);
+    (d, _mm256_loadu_si256(q.as_ptr() as *const __m256i), ds)
+}
+
+/// The eight lanes of `v` summed.
+#[inline(always)]
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// A 32-value weight block unpacked for `maddubs`: (unsigned magnitudes, the signs to move onto the
+/// activations — signed formats only —, scale d, offset coefficient c as `int8::block_offset`).
+pub(super) type Unpacked = (__m256i, __m256i, f32, f32);
+
+#[inline(always)]
+pub(super) unsafe fn q8_0(b: *const u8) -> Unpacked {
+    let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
+    (_mm256_sign_epi8(q, q), q, h2f(b), 0.0)
+}
+
+#[inline(always)]
+pub(super) unsafe fn q4_0(b: *const u8) -> Unpacked {
+    let d = h2f(b);
+    (nibbles(b.add(2)), _mm256_setzero_si256(), d, -8.0 * d)
+}
+
+#[inline(always)]
+pub(super) unsafe fn q4_1(b: *const u8) -> Unpacked {
+    (nibbles(b.add(4)), _mm256_setzero_si256(), h2f(b), h2f(b.add(2)))
+}
+
+#[inline(always)]
+unsafe fn q5_0(b: *const u8) -> Unpacked {
+    let q = _mm256_sub_epi8(five_bits(b.add(2)), _mm256_set1_epi8(16));
+    (_mm256_sign_epi8(q, q), q, h2f(b), 0.0)
+}
+
+#[inline(always)]
+unsafe fn q5_1(b: *const u8) -> Unpacked {
+    (five_bits(b.add(4)), _mm256_setzero_si256(), h2f(b), h2f(b.add(2)))
+}
+
+/// One weight row of 32-value blocks (`bb` bytes each, `nb` of them) against activation rows `xs`;
+/// `blk` unpacks a block (signs moved onto the activations when `SIGNED`).
+#[inline(always)]
+unsafe fn row32<const N: usize, const SIGNED: bool, F>(
+    w: *const u8,
+    bb: usize,
+    nb: usize,
+    xs: [&Q8Row; N],
+    blk: &F,
+) -> [f32; N]
+where
+    F: Fn(*const u8) -> Unpacked,
+{
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut off = [0f32; N];
+    for i in 0..nb {
+        let (u, sign, d, c) = blk(w.add(i * bb));
+        for a in 0..N {
+            let (dx, mut qx, ds) = xblock(xs[a], i);
+            if SIGNED {
+                qx = _mm256_sign_epi8(qx, sign);
+            }
+            let isum = _mm256_cvtepi32_ps(dot_u8_i8(u, qx));
+            acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), isum, acc[a]);
+            off[a] = c.mul_add(ds, off[a]);
+        }
+    }
+    std::array::from_fn(|a| hsum(acc[a]) + off[a])
+}
+
+/// The 32 nibbles of a Q4_0/Q4_1 block's 16 bytes at `p`, low nibbles first.
+#[inline(always)]
+pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let low = _mm_set1_epi8(0x0F);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low))
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block whose 4 bytes of fifth bits start at `p` (the 16
+/// bytes of nibbles follow): value i = nibble i | bit i of the fifth bits << 4.
+#[inline(always)]
+unsafe fn five_bits(p: *const u8) -> __m256i {
+    let qh = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+    // Byte i holds byte i / 8 of the fifth bits; `select` keeps bit i % 8 of it.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh as i32),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+    );
+    let select = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    _mm256_or_si256(nibbles(p.add(4)), _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+}
+
+/// One Q4_K row (`nsb` super-blocks) against `xs`: per 32-value sub-block d·scale·dx·Σq·qx −
+/// dmin·min·dx·Σqx.
+#[inline(always)]
+unsafe fn q4k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut off = [_mm256_setzero_ps(); N];
+    let low = _mm256_set1_epi8(0x0F);
+    for s in 0..nsb {
+        let b = std::slice::from_raw_parts(w.add(s * 144), 144);
+        let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
+        // The eight sub-blocks' d·scale and −dmin·min as vectors, times each activation row's
+        // eight block scales (and d·Σq for the offsets) at once: one lane per sub-block.
+        let (mut sc, mut mn) = ([0f32; 8], [0f32; 8]);
+        for j in 0..8 {
+            (sc[j], mn[j]) = crate::quant_ext::scale_min_k4(j, &b[4..16]);
+        }
+        let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc.as_ptr()));
+        let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_loadu_ps(mn.as_ptr()));
+        let scale: [__m256; N] = std::array::from_fn(|a| {
+            let (dx, ds) = xs[a].scales8(8 * s);
+            off[a] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(ds.as_ptr()), off[a]);
+            _mm256_mul_ps(dsc, _mm256_loadu_ps(dx.as_ptr()))
+        });
+        for j in 0..4 {
+            let raw = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * j) as *const __m256i);
+            let halves =
+                [_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)];
+            for (h, u) in halves.into_iter().enumerate() {
+                let sub = 2 * j + h;
+                let lane = _mm256_set1_epi32(sub as i32);
+                for a in 0..N {
+                    let (_, qx, _) = xblock(xs[a], 8 * s + sub);
+                    let isum = _mm256_cvtepi32_ps(dot_u8_i8(u, qx));
+                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
+                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|a| hsum(_mm256_add_ps(acc[a], off[a])))
+}
+
+/// One Q6_K row (`nsb` super-blocks) against `xs`: signed 6-bit values, a scale per 16 values.
+#[inline(always)]
+unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let (m4, m2, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03), _mm256_set1_epi8(32));
+    for s in 0..nsb {
+        let b = w.add(s * 210);
+        let d = _mm256_set1_ps(h2f(b.add(208)));
+        // d times each activation row's eight block scales: one lane per 32-value block.
+        let scale: [__m256; N] = std::array::from_fn(|a| {
+            _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()))
+        });
+        for n in 0..2 {
+            let ql0 = _mm256_loadu_si256(b.add(64 * n) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(b.add(64 * n + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.add(128 + 32 * n) as *const __m256i);
+            let high = |shift: i32| {
+                let h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2);
+                _mm256_slli_epi16(h, 4)
+            };
+            let quarters = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+            ];
+            for (quarter, q) in quarters.into_iter().enumerate() {
+                let q = _mm256_sub_epi8(q, m32);
+                let u = _mm256_sign_epi8(q, q);
+                let is = 192 + 8 * n + 2 * quarter;
+                let (sa, sb) = (*b.add(is) as i8 as i16, *b.add(is + 1) as i8 as i16);
+                let scales = _mm256_set_m128i(_mm_set1_epi16(sb), _mm_set1_epi16(sa));
+                let lane = _mm256_set1_epi32((4 * n + quarter) as i32);
+                for a in 0..N {
+                    let (_, qx, _) = xblock(xs[a], 8 * s + 4 * n + quarter);
+                    let pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(qx, q));
+                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
+                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|a| hsum(acc[a]))
+}
+
+/// One weight row of `dtype` (`rb` bytes) against activation rows `xs` (the one-row kernels take
+/// the K-quants from here with `N` = 1).
+#[inline(always)]
+pub(super) unsafe fn row<const N: usize>(
+    dtype: DType,
+    w: *const u8,
+    rb: usize,
+    xs: [&Q8Row; N],
+) -> [f32; N] {
+    match dtype {
+        DType::Q8_0 => row32::<N, true, _>(w, 34, rb / 34, xs, &|b| q8_0(b)),
+        DType::Q4_0 => row32::<N, false, _>(w, 18, rb / 18, xs, &|b| q4_0(b)),
+        DType::Q4_1 => row32::<N, false, _>(w, 20, rb / 20, xs, &|b| q4_1(b)),
+        DType::Q5_0 => row32::<N, true, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
+        DType::Q5_1 => row32::<N, false, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
+        DType::Q4K => q4k::<N>(w, rb / 144, xs),
+        _ => q6k::<N>(w, rb / 210, xs),
+    }
+}
+
+/// `super::int8::dot_rows` for several activation rows, with AVX2, FMA and F16C.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` must hold `out.len() / xs.len()` rows of `rb`
+/// bytes (whole blocks of `dtype`, one `int8::supports`) and every row of `xs`
+/// at least as many values as a weight row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_batch(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    let m = xs.len();
+    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        let p = w.as_ptr().add(j * rb);
+        let mut a0 = 0;
+        while a0 + A <= m {
+            o[a0..a0 + A].copy_from_slice(&row::<A>(
+                dtype,
+                p,
+                rb,
+                std::array::from_fn(|i| &xs[a0 + i]),
+            ));
+            a0 += A;
+        }
+        for a in a0..m {
+            o[a] = row::<1>(dtype, p, rb, [&xs[a]])[0];
+        }
+    }
+}

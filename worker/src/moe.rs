@@ -1,0 +1,269 @@
+//! Mixture-of-experts feed-forward: the router picks each token's experts, tokens are grouped per
+//! expert so every expert's weights are read once per step, and the experts' outputs are added back
+//! into each token's row weighted by the router. Where the experts come from (resident, or fetched
+//! into a device cache) is the `ExpertSource`'s business.
+
+use crate::error::{Error, Result};
+use layerstream_kernels::Backend;
+use layerstream_model::layout::{expert_shape, EXPERT_TENSORS};
+use layerstream_model::{FileEntry, ModelConfig, MoeConfig};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// One expert's matrices on a device (views of its file's blob).
+pub struct ExpertWeights<B: Backend> {
+    pub gate: B::Weight,
+    pub up: B::Weight,
+    pub down: B::Weight,
+    /// Bytes of its store file.
+    pub bytes: u64,
+}
+
+impl<B: Backend> ExpertWeights<B> {
+    /// The expert in `blob` (its whole file on the device), shapes checked against `cfg`.
+    pub fn from_blob(b: &B, cfg: &ModelConfig, entry: &FileEntry, blob: &B::Blob) -> Result<Self> {
+        let get = |name: &str| -> Result<B::Weight> {
+            let t = entry
+                .tensor(name)
+                .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)))?;
+            let want = expert_shape(cfg, name)
+                .ok_or_else(|| Error::Shape(format!("{}: the model has no experts", entry.name)))?;
+            if t.shape != want {
+                return Err(Error::Shape(format!(
+                    "{}: tensor {name} has shape {:?}, the config needs {want:?}",
+                    entry.name, t.shape
+                )));
+            }
+            let range = t.offset as usize..(t.offset + t.size) as usize;
+            Ok(b.weight_in(blob, &format!("{}:{name}", entry.name), t.dtype, &t.shape, range)?)
+        };
+        if entry.tensors.len() != EXPERT_TENSORS.len() {
+            return Err(Error::Shape(format!(
+                "{}: {} tensors, an expert has gate, up and down",
+                entry.name,
+                entry.tensors.len()
+            )));
+        }
+        Ok(ExpertWeights {
+            gate: get("gate")?,
+            up: get("up")?,
+            down: get("down")?,
+            bytes: entry.size,
+        })
+    }
+
+    /// Loads an expert file's bytes onto the device (one transfer).
+    pub fn load(b: &B, cfg: &ModelConfig, entry: &FileEntry, bytes: &[u8]) -> Result<Self> {
+        let (blob, _) = b.upload_blob(bytes, false)?;
+        Self::from_blob(b, cfg, entry, &blob)
+    }
+}
+
+/// What a layer's experts cost one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertCounts {
+    /// Distinct experts the step's tokens chose.
+    pub needed: u32,
+    /// Of those, already on the device.
+    pub hit: u32,
+    /// Of those, not on the device but read ahead on a prediction.
+    pub prefetched: u32,
+    /// Of those, fetched on demand without a prediction.
+    pub missed: u32,
+    /// Bytes copied onto the device for them.
+    pub bytes: u64,
+    /// Milliseconds spent bringing them onto the device.
+    pub transfer_ms: f64,
+}
+
+impl std::ops::AddAssign for ExpertCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.needed += o.needed;
+        self.hit += o.hit;
+        self.prefetched += o.prefetched;
+        self.missed += o.missed;
+        self.bytes += o.bytes;
+        self.transfer_ms += o.transfer_ms;
+    }
+}
+
+/// Where a step gets the experts its tokens chose.
+pub trait ExpertSource<B: Backend> {
+    /// Experts `ids` (ascending, distinct) of layer `layer`, on the device, in `ids` order, and what
+    /// getting them cost.
+    fn experts(
+        &mut self,
+        layer: u32,
+        ids: &[u32],
+    ) -> Result<(Vec<Arc<ExpertWeights<B>>>, ExpertCounts)>;
+}
+
+/// A dense model's source: asking it for experts is a store inconsistency.
+pub struct NoExperts;
+
+impl<B: Backend> ExpertSource<B> for NoExperts {
+    fn experts(
+        &mut self,
+        layer: u32,
+        _: &[u32],
+    ) -> Result<(Vec<Arc<ExpertWeights<B>>>, ExpertCounts)> {
+        Err(Error::Shape(format!("layer {layer} has a router but the model has no experts")))
+    }
+}
+
+/// Every expert of every layer on the device (`run`, or a stage whose experts all fit).
+pub struct ResidentExperts<B: Backend> {
+    pub layers: std::collections::HashMap<u32, Vec<Arc<ExpertWeights<B>>>>,
+}
+
+impl<B: Backend> ResidentExperts<B> {
+    /// Loads every expert of `layers` from `store`.
+    pub fn load(
+        b: &B,
+        store: &layerstream_model::Store,
+        layers: impl Iterator<Item = u32>,
+    ) -> Result<Self> {
+        let cfg = &store.manifest.config;
+        let mut out = std::collections::HashMap::new();
+        for l in layers {
+            let Some(m) = cfg.moe_at(l as usize) else { continue };
+            let experts = (0..m.experts)
+                .map(|e| {
+                    let f = store.load(&layerstream_model::layout::expert_file(l as usize, e))?;
+                    Ok(Arc::new(ExpertWeights::load(b, cfg, &f.entry, &f.bytes)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.insert(l, experts);
+        }
+        Ok(ResidentExperts { layers: out })
+    }
+}
+
+impl<B: Backend> ExpertSource<B> for &ResidentExperts<B> {
+    fn experts(
+        &mut self,
+        layer: u32,
+        ids: &[u32],
+    ) -> Result<(Vec<Arc<ExpertWeights<B>>>, ExpertCounts)> {
+        let all = self
+            .layers
+            .get(&layer)
+            .ok_or_else(|| Error::Stage(format!("layer {layer}'s experts are not loaded")))?;
+        let got = ids
+            .iter()
+            .map(|&e| {
+                all.get(e as usize)
+                    .cloned()
+                    .ok_or_else(|| Error::Stage(format!("layer {layer} has no expert {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let n = ids.len() as u32;
+        Ok((got, ExpertCounts { needed: n, hit: n, ..Default::default() }))
+    }
+}
+
+/// Each row's chosen experts and weights: softmax over every expert's logit, the `top_k` largest
+/// (ties to the lower index), renormalised to sum to 1 when `norm_topk_prob`.
+pub fn route(logits: &[f32], m: &MoeConfig) -> Vec<Vec<(u32, f32)>> {
+    logits
+        .chunks_exact(m.experts)
+        .map(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exp: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
+            let sum: f32 = exp.iter().sum();
+            let mut order: Vec<u32> = (0..m.experts as u32).collect();
+            order.sort_by(|&a, &b| exp[b as usize].total_cmp(&exp[a as usize]).then(a.cmp(&b)));
+            let mut top: Vec<(u32, f32)> =
+                order[..m.top_k].iter().map(|&e| (e, exp[e as usize] / sum)).collect();
+            if m.norm_topk_prob {
+                let s: f32 = top.iter().map(|t| t.1).sum();
+                for t in &mut top {
+                    t.1 /= s;
+                }
+            }
+            top
+        })
+        .collect()
+}
+
+/// The routing grouped by expert (ascending): the rows that chose it and their weights.
+pub fn by_expert(routes: &[Vec<(u32, f32)>]) -> BTreeMap<u32, (Vec<usize>, Vec<f32>)> {
+    let mut g: BTreeMap<u32, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    for (row, r) in routes.iter().enumerate() {
+        for &(e, w) in r {
+            let slot = g.entry(e).or_default();
+            slot.0.push(row);
+            slot.1.push(w);
+        }
+    }
+    g
+}
+
+/// The experts layer `layer`'s router picks for the rows of `h` (its input, already normed).
+pub fn choose<B: Backend>(
+    b: &B,
+    h: &B::Tensor,
+    router: &B::Weight,
+    m: &MoeConfig,
+) -> Result<Vec<Vec<(u32, f32)>>> {
+    let logits = b.to_host(&b.matmul(h, router)?)?;
+    if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
+        return Err(Error::Stage(format!("router logit {i} is {}", logits[i])));
+    }
+    Ok(route(&logits, m))
+}
+
+/// The mixture-of-experts MLP on `h` (the post-attention-normed rows): each expert computes once
+/// over the rows that chose it, its output added into theirs scaled by their router weight.
+pub fn moe_mlp<B: Backend>(
+    b: &B,
+    layer: u32,
+    h: &B::Tensor,
+    router: &B::Weight,
+    m: &MoeConfig,
+    source: &mut dyn ExpertSource<B>,
+) -> Result<(B::Tensor, ExpertCounts)> {
+    let groups = by_expert(&choose(b, h, router, m)?);
+    let ids: Vec<u32> = groups.keys().copied().collect();
+    let (weights, counts) = source.experts(layer, &ids)?;
+    let (rows, cols) = b.dims(h);
+    let mut acc = b.from_host(&vec![0.0; rows * cols], rows, cols)?;
+    for ((rows, scale), w) in groups.values().zip(&weights) {
+        let x = b.gather_rows(h, rows)?;
+        let a = b.silu_mul(&b.matmul(&x, &w.gate)?, &b.matmul(&x, &w.up)?)?;
+        b.add_rows_scaled(&mut acc, &b.matmul(&a, &w.down)?, rows, scale)?;
+    }
+    Ok((acc, counts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(experts: usize, top_k: usize, norm: bool) -> MoeConfig {
+        MoeConfig {
+            experts,
+            top_k,
+            expert_intermediate: 4,
+            norm_topk_prob: norm,
+            dense_layers: vec![],
+        }
+    }
+
+    /// Top-k of the softmax, renormalised or not; Mixtral's softmax over the top-k logits equals
+    /// the renormalised form.
+    #[test]
+    fn routing_follows_the_definition() {
+        let logits = [0.1f32, 2.0, -1.0, 1.5];
+        let r = route(&logits, &cfg(4, 2, false));
+        let z: f32 = logits.iter().map(|v| v.exp()).sum();
+        assert_eq!(r[0].iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((r[0][0].1 - 2f32.exp() / z).abs() < 1e-6);
+        let n = route(&logits, &cfg(4, 2, true));
+        let (a, b) = (2f32.exp(), 1.5f32.exp());
+        assert!((n[0][0].1 - a / (a + b)).abs() < 1e-6 && (n[0][1].1 - b / (a + b)).abs() < 1e-6);
+        let g = by_expert(&[n[0].clone(), vec![(3, 1.0)]]);
+        assert_eq!(g.keys().copied().collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(g[&3].0, vec![0, 1]);
+    }
+}
