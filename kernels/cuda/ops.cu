@@ -89,9 +89,9 @@ extern "C" __global__ void to_bf16(const float* x, u16* out, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) out[i] = f2bf(x[i]);
 }
 
-// One block per row: index of the largest value (the lowest index among equal maxima).
-extern "C" __global__ void argmax(const float* x, unsigned* out, int cols) {
-    const float* row = x + (long long)blockIdx.x * cols;
+// The index of the largest value of row (the lowest among equal maxima; 0x7fffffff where no value
+// compares larger than -3e38, e.g. all NaN); every thread of the block gets it.
+__device__ int block_argmax(const float* row, int cols) {
     float best = -3.0e38f;
     int bi = 0x7fffffff;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -102,11 +102,16 @@ extern "C" __global__ void argmax(const float* x, unsigned* out, int cols) {
     int cand = best == m ? bi : 0x7fffffff;
     __shared__ int idx[32];
     for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, o));
+    __syncthreads();
     if ((threadIdx.x & 31) == 0) idx[threadIdx.x >> 5] = cand;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int r = 0x7fffffff;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) r = min(r, idx[w]);
-        out[blockIdx.x] = (unsigned)r;
-    }
+    int r = 0x7fffffff;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) r = min(r, idx[w]);
+    return r;
+}
+
+// One block per row: index of the largest value (the lowest index among equal maxima).
+extern "C" __global__ void argmax(const float* x, unsigned* out, int cols) {
+    const int r = block_argmax(x + (long long)blockIdx.x * cols, cols);
+    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)r;
 }

@@ -169,11 +169,173 @@ __device__ float deq_rt(const u8* row, int t, int c) {
     }
 }
 
+// ---- 32-weight units read with wide loads, for the decode matvec.
+// A unit is 32 weights of a row that one lane decodes from one stretch of bytes: two runs of 16
+// columns, [ca, ca+16) and [cb, cb+16). Formats whose blocks are 16-byte multiples (Q4_K, Q5_K and
+// the float formats) load 16 bytes at a time; Q4_1/Q5_1 rows are 4-byte aligned, Q4_0/Q5_0/Q8_0/Q6_K
+// 2-byte aligned (their blocks are 18, 22, 34, 210 bytes), so those load words or halves. The
+// backend picks matvec32_* when the row width is a multiple of 32 and the rows meet the format's
+// alignment (matvec32_align in source.rs), matvec_* otherwise.
+
+struct alignas(16) V16 {
+    unsigned a, b, c, d;
+};
+
+// 16 bytes at p as four little-endian words; `align` is what p is known to be aligned to.
+template <int align>
+__device__ __forceinline__ void ld16(const u8* p, unsigned* o) {
+    if (align == 16) {
+        const V16 v = *(const V16*)p;
+        o[0] = v.a, o[1] = v.b, o[2] = v.c, o[3] = v.d;
+    } else if (align == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = ((const unsigned*)p)[i];
+    } else {
+        const u16* h = (const u16*)p;
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
+    }
+}
+
+// Byte e (0..15) of four loaded words.
+__device__ __forceinline__ int byte_of(const unsigned* o, int e) {
+    return (int)((o[e >> 2] >> (8 * (e & 3))) & 0xFFu);
+}
+
+// Unit u of a row of type T: wv[0..16] are columns ca.., wv[16..32] columns cb...
+template <int T>
+__device__ __forceinline__ void unit32(const u8* row, int u, float* wv, int* ca, int* cb) {
+    if (T == DT_Q4_0 || T == DT_Q4_1 || T == DT_Q5_0 || T == DT_Q5_1 || T == DT_Q8_0) {
+        *ca = 32 * u, *cb = 32 * u + 16;
+        if (T == DT_Q8_0) {
+            const u8* b = row + 34 * u;
+            const float d = ld_h(b);
+            unsigned lo[4], hi[4];
+            ld16<2>(b + 2, lo);
+            ld16<2>(b + 18, hi);
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                wv[e] = d * (float)(signed char)byte_of(lo, e);
+                wv[16 + e] = d * (float)(signed char)byte_of(hi, e);
+            }
+            return;
+        }
+        const int bytes = T == DT_Q4_0 ? 18 : T == DT_Q4_1 ? 20 : T == DT_Q5_0 ? 22 : 24;
+        const bool has_min = T == DT_Q4_1 || T == DT_Q5_1, five = T == DT_Q5_0 || T == DT_Q5_1;
+        const u8* b = row + bytes * u;
+        const float d = ld_h(b), m = has_min ? ld_h(b + 2) : 0.0f;
+        const u8* hb = b + (has_min ? 4 : 2);
+        unsigned qh = 0;
+        if (five) qh = (unsigned)((const u16*)hb)[0] | ((unsigned)((const u16*)hb)[1] << 16);
+        unsigned q[4];
+        if (has_min) {
+            ld16<4>(hb + (five ? 4 : 0), q);
+        } else {
+            ld16<2>(hb + (five ? 4 : 0), q);
+        }
+        const int off = five ? 16 : 8;
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const int x = byte_of(q, e);
+            const int lo = (x & 0xF) | (five ? (int)((qh >> e) & 1) << 4 : 0);
+            const int hi = (x >> 4) | (five ? (int)((qh >> (16 + e)) & 1) << 4 : 0);
+            wv[e] = has_min ? d * (float)lo + m : d * (float)(lo - off);
+            wv[16 + e] = has_min ? d * (float)hi + m : d * (float)(hi - off);
+        }
+    } else if (T == DT_Q4_K || T == DT_Q5_K) {
+        // Unit i of super-block s: bytes 16·(i&1).. of the 32 holding sub-blocks 2j (low nibbles)
+        // and 2j+1 (high), j = i/2; Q5_K's fifth bits are bits 2j and 2j+1 of the same qh bytes.
+        const int s = u >> 3, i = u & 7, j = i >> 1, h = i & 1;
+        const u8* b = row + s * (T == DT_Q5_K ? 176 : 144);
+        unsigned head[4], q[4], qh[4];
+        ld16<16>(b, head);
+        ld16<16>(b + (T == DT_Q5_K ? 48 : 16) + 32 * j + 16 * h, q);
+        if (T == DT_Q5_K) ld16<16>(b + 16 + 16 * h, qh);
+        u8 sc[12];
+#pragma unroll
+        for (int e = 0; e < 12; e++) sc[e] = (u8)byte_of(head + 1, e);
+        float s_lo, m_lo, s_hi, m_hi;
+        scale_min_k4(2 * j, sc, &s_lo, &m_lo);
+        scale_min_k4(2 * j + 1, sc, &s_hi, &m_hi);
+        const float d = h2f((u16)(head[0] & 0xFFFF)), dmin = h2f((u16)(head[0] >> 16));
+        const float d_lo = d * s_lo, d_hi = d * s_hi, min_lo = dmin * m_lo, min_hi = dmin * m_hi;
+        *ca = 256 * s + 64 * j + 16 * h, *cb = *ca + 32;
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const int x = byte_of(q, e);
+            const int f = T == DT_Q5_K ? byte_of(qh, e) : 0;
+            const int lo = (x & 0xF) | (T == DT_Q5_K ? ((f >> (2 * j)) & 1) << 4 : 0);
+            const int hi = (x >> 4) | (T == DT_Q5_K ? ((f >> (2 * j + 1)) & 1) << 4 : 0);
+            wv[e] = d_lo * (float)lo - min_lo;
+            wv[16 + e] = d_hi * (float)hi - min_hi;
+        }
+    } else if (T == DT_Q6_K) {
+        // Unit i of super-block s: half n = i/4, ql bytes l0.. (l0 = 0 or 16) of the low 32
+        // (quarters 0 and 2, i&2 clear) or the high 32 (quarters 1 and 3), with their qh bytes.
+        const int s = u >> 3, i = u & 7, n = i >> 2, up = (i >> 1) & 1, l0 = 16 * (i & 1);
+        const u8* b = row + 210 * s;
+        unsigned ql[4], qh[4];
+        ld16<2>(b + 64 * n + 32 * up + l0, ql);
+        ld16<2>(b + 128 + 32 * n + l0, qh);
+        const signed char* sc = (const signed char*)(b + 192 + 8 * n);
+        const float d = ld_h(b + 208);
+        const float d_lo = d * (float)sc[l0 / 16 + 2 * up], d_hi = d * (float)sc[l0 / 16 + 2 * (up + 2)];
+        *ca = 256 * s + 128 * n + 32 * up + l0, *cb = *ca + 64;
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const int x = byte_of(ql, e), f = byte_of(qh, e);
+            wv[e] = d_lo * (float)(((x & 0xF) | (((f >> (2 * up)) & 3) << 4)) - 32);
+            wv[16 + e] = d_hi * (float)(((x >> 4) | (((f >> (2 * up + 4)) & 3) << 4)) - 32);
+        }
+    } else if (T == DT_F32 || T == DT_F16 || T == DT_BF16) {
+        *ca = 32 * u, *cb = 32 * u + 16;
+        const int esz = T == DT_F32 ? 4 : 2;
+        const u8* p = row + (long long)32 * u * esz;
+#pragma unroll
+        for (int c = 0; c < 32 * esz / 16; c++) {
+            unsigned o[4];
+            ld16<16>(p + 16 * c, o);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (T == DT_F32) {
+                    wv[4 * c + e] = __uint_as_float(o[e]);
+                } else {
+                    const u16 a = (u16)(o[e] & 0xFFFF), z = (u16)(o[e] >> 16);
+                    wv[8 * c + 2 * e] = T == DT_F16 ? h2f(a) : __uint_as_float((unsigned)a << 16);
+                    wv[8 * c + 2 * e + 1] = T == DT_F16 ? h2f(z) : __uint_as_float((unsigned)z << 16);
+                }
+            }
+        }
+    } else {
+        // Q2_K, Q3_K, IQ4_NL, IQ4_XS: four runs of 8 through the element decoder.
+        *ca = 32 * u, *cb = 32 * u + 16;
+#pragma unroll
+        for (int r = 0; r < 4; r++) deq8<T>(row, 32 * u + 8 * r, wv + 8 * r);
+    }
+}
+
+struct alignas(16) F4 {
+    float a, b, c, d;
+};
+
+// Σ w[e]·x[e] over 16 values, x 16-byte aligned.
+__device__ __forceinline__ float dot16(const float* w, const float* x) {
+    float s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        const F4 v = ((const F4*)x)[c];
+        s += w[4 * c] * v.a + w[4 * c + 1] * v.b + w[4 * c + 2] * v.c + w[4 * c + 3] * v.d;
+    }
+    return s;
+}
+
 #define MATVEC_ROWS 8
 
-// y[m, n] = x[m, k] · w[n, k]ᵀ for m <= MATVEC_ROWS: one warp per output column; each lane
-// dequantizes runs of 8 elements (one scale decode per run) and uses them for every activation row.
-template <int T>
+// y[m, n] = x[m, k] · w[n, k]ᵀ for m <= MATVEC_ROWS: one warp per output column, the weights read
+// once per step for every activation row. WIDE (k a multiple of 32, x rows 16-byte aligned, the
+// rows meeting unit32's alignment): each lane decodes whole 32-weight units with wide loads;
+// otherwise runs of 8 elements (one scale decode per run) and single elements for a ragged tail.
+template <int T, bool WIDE>
 __device__ void matvec_impl(const u8* w, long long row_bytes, const float* x, float* y, int m, int n, int k) {
     int col = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
@@ -182,25 +344,40 @@ __device__ void matvec_impl(const u8* w, long long row_bytes, const float* x, fl
     float acc[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
-    const int k8 = k & ~7;
-    for (int c0 = lane * 8; c0 < k8; c0 += 256) {
-        float wv[8];
-        deq8_any<T>(row, c0, wv);
+    if (WIDE) {
+        for (int u = lane; u < (k >> 5); u += 32) {
+            float wv[32];
+            int ca, cb;
+            unit32<T>(row, u, wv, &ca, &cb);
 #pragma unroll
-        for (int r = 0; r < MATVEC_ROWS; r++) {
-            if (r < m) {
-                const float* xr = x + (long long)r * k + c0;
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[r] += wv[e] * xr[e];
+            for (int r = 0; r < MATVEC_ROWS; r++) {
+                if (r < m) {
+                    const float* xr = x + (long long)r * k;
+                    acc[r] += dot16(wv, xr + ca) + dot16(wv + 16, xr + cb);
+                }
             }
         }
-    }
-    // Float weights whose width is not a multiple of 8 (block formats always are).
-    for (int c = k8 + lane; c < k; c += 32) {
-        float wv = deq<T>(row, c);
+    } else {
+        const int k8 = k & ~7;
+        for (int c0 = lane * 8; c0 < k8; c0 += 256) {
+            float wv[8];
+            deq8_any<T>(row, c0, wv);
 #pragma unroll
-        for (int r = 0; r < MATVEC_ROWS; r++)
-            if (r < m) acc[r] += wv * x[(long long)r * k + c];
+            for (int r = 0; r < MATVEC_ROWS; r++) {
+                if (r < m) {
+                    const float* xr = x + (long long)r * k + c0;
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[r] += wv[e] * xr[e];
+                }
+            }
+        }
+        // Float weights whose width is not a multiple of 8 (block formats always are).
+        for (int c = k8 + lane; c < k; c += 32) {
+            float wv = deq<T>(row, c);
+#pragma unroll
+            for (int r = 0; r < MATVEC_ROWS; r++)
+                if (r < m) acc[r] += wv * x[(long long)r * k + c];
+        }
     }
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) {
@@ -244,7 +421,10 @@ struct AsBf16 {
 
 #define QUANT_KERNELS(NAME, T)                                                                                   \
     extern "C" __global__ void matvec_##NAME(const u8* w, long long rb, const float* x, float* y, int m, int n, int k) { \
-        matvec_impl<T>(w, rb, x, y, m, n, k);                                                                    \
+        matvec_impl<T, false>(w, rb, x, y, m, n, k);                                                                    \
+    }                                                                                                            \
+    extern "C" __global__ void matvec32_##NAME(const u8* w, long long rb, const float* x, float* y, int m, int n, int k) { \
+        matvec_impl<T, true>(w, rb, x, y, m, n, k);                                                                   \
     }                                                                                                            \
     extern "C" __global__ void dequant_f32_##NAME(const u8* w, long long rb, float* out, long long rows, int k) {  \
         dequant_impl<T>(w, rb, out, rows, k, AsF32());                                                           \

@@ -16,6 +16,9 @@
 //                                                N f32 scales                    OUT: acc
 //   ops-emu add_bias T ROWS COLS IN OUT          IN: x (ROWS×COLS), bias (a row of T)  OUT: x + bias
 //   ops-emu to_f16 N IN OUT                      IN: x (N)                       OUT: N f16 bit patterns
+//   ops-emu sample ROWS COLS NSEEN IN OUT        IN: x (ROWS×COLS), ROWS×4 f32 (temperature, top-p,
+//                                                penalty, draw), ROWS×3 i32 (top-k, seen start, end),
+//                                                NSEEN i32 ids  OUT: i32 per row, then penalised x
 //   ops-emu to_bf16 N IN OUT                     IN: x (N)                       OUT: N bf16 bit patterns
 #define LAYERSTREAM_HOST_EMU
 #include "emu.h"
@@ -23,6 +26,7 @@
 #include "../cuda/quant.cu"
 #include "../cuda/ops.cu"
 #include "../cuda/attention.cu"
+#include "../cuda/sample.cu"
 #include <cstdlib>
 #include <string>
 
@@ -67,6 +71,16 @@ int main(int argc, char** argv) {
         if (!read_into(in, x)) return 3;
         launch(rows, 256, [&] { argmax(x.data(), idx.data(), cols); });
         return write_out(out, idx);
+    }
+    if (op == "sample" && a.size() == 3) {
+        const int rows = a[0], cols = a[1], nseen = a[2];
+        std::vector<float> x((size_t)rows * cols), fp((size_t)rows * 4);
+        std::vector<int> ip((size_t)rows * 3), seen(nseen), tok(rows, -3);
+        if (!read_into(in, x) || !read_into(in, fp) || !read_into(in, ip) || !read_into(in, seen)) return 3;
+        launch(rows, 256, [&] { sample_rows(x.data(), cols, fp.data(), ip.data(), seen.data(), tok.data()); });
+        FILE* o = fopen(out, "wb");
+        if (!o || !write_from(o, tok) || !write_from(o, x)) return 3;
+        return fclose(o) == 0 ? 0 : 3;
     }
     if (op == "embedding" && a.size() == 4) {
         const int t = a[0], vocab = a[1], cols = a[2], n = a[3];

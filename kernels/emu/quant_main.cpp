@@ -1,6 +1,7 @@
 // Runs the quantized matvec and dequantize kernels of kernels/cuda/quant.cu under the host emulator.
 // Usage: quant-emu DTYPE M N K IN OUT, DTYPE a DT_* code of common.cuh. IN holds the weight rows
-// (N × row bytes) then x (M × K f32); OUT gets y = x·wᵀ (M × N f32), then w as f32 (N × K), then w
+// (N × row bytes) then x (M × K f32); OUT gets y = x·wᵀ (M × N f32) by matvec_*, the same by
+// matvec32_* (NaN where K is not a multiple of 32), then w as f32 (N × K), then w
 // as f16 (N × K), then w as bf16 (N × K).
 #define LAYERSTREAM_HOST_EMU
 #include "emu.h"
@@ -30,6 +31,15 @@ int main(int argc, char** argv) {
         MATVEC(q5_0, DT_Q5_0) MATVEC(q5_1, DT_Q5_1) MATVEC(q2_k, DT_Q2_K) MATVEC(q3_k, DT_Q3_K)
         MATVEC(q5_k, DT_Q5_K) MATVEC(iq4_nl, DT_IQ4_NL) MATVEC(iq4_xs, DT_IQ4_XS)
     });
+    // The wide-load kernel where the backend would use it (k a multiple of 32); NaN otherwise.
+    std::vector<float> y32((size_t)m * n, NAN);
+    if (k % 32 == 0) launch((n * 32 + 255) / 256, 256, [&] {
+#define MATVEC32(NAME, T) if (t == T) matvec32_##NAME(w.data(), rb, x.data(), y32.data(), m, n, k);
+        MATVEC32(f32, DT_F32) MATVEC32(f16, DT_F16) MATVEC32(bf16, DT_BF16) MATVEC32(q8_0, DT_Q8_0)
+        MATVEC32(q4_0, DT_Q4_0) MATVEC32(q4_1, DT_Q4_1) MATVEC32(q4_k, DT_Q4_K) MATVEC32(q6_k, DT_Q6_K)
+        MATVEC32(q5_0, DT_Q5_0) MATVEC32(q5_1, DT_Q5_1) MATVEC32(q2_k, DT_Q2_K) MATVEC32(q3_k, DT_Q3_K)
+        MATVEC32(q5_k, DT_Q5_K) MATVEC32(iq4_nl, DT_IQ4_NL) MATVEC32(iq4_xs, DT_IQ4_XS)
+    });
     launch(((long long)n * k / 8 + 255) / 256 + 1, 256, [&] {
 #define DEQUANT(NAME, T) if (t == T) { dequant_f32_##NAME(w.data(), rb, d32.data(), n, k); dequant_f16_##NAME(w.data(), rb, d16.data(), n, k); \
                                  dequant_bf16_##NAME(w.data(), rb, dbf.data(), n, k); }
@@ -39,6 +49,6 @@ int main(int argc, char** argv) {
         DEQUANT(q5_k, DT_Q5_K) DEQUANT(iq4_nl, DT_IQ4_NL) DEQUANT(iq4_xs, DT_IQ4_XS)
     });
     FILE* out = fopen(argv[6], "wb");
-    if (!out || !write_from(out, y) || !write_from(out, d32) || !write_from(out, d16) || !write_from(out, dbf)) return 3;
+    if (!out || !write_from(out, y) || !write_from(out, y32) || !write_from(out, d32) || !write_from(out, d16) || !write_from(out, dbf)) return 3;
     return fclose(out) == 0 ? 0 : 3;
 }

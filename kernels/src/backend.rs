@@ -53,6 +53,14 @@ impl AttnShape {
     }
 }
 
+/// One row's job for `Backend::sample_rows`: how it picks, its uniform draw (`Sampler::draw`), and
+/// the ids its repetition penalty applies to, each once.
+pub struct RowPick<'a> {
+    pub pick: crate::sampling::Pick,
+    pub r: f32,
+    pub seen: &'a [u32],
+}
+
 /// A compute device.
 pub trait Backend: Send + Sync + Clone {
     /// Row-major f32 activations `[rows, cols]` on the device.
@@ -121,6 +129,24 @@ pub trait Backend: Send + Sync + Clone {
                 crate::host::check_logits(row, r).map(|()| crate::host::argmax(row) as u32)
             })
             .collect()
+    }
+
+    /// Whether `sample_rows` samples on this device (else the caller copies the logits back and
+    /// samples on the host).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// Samples each row of `logits` on the device, without copying them back: per row its token, or
+    /// `None` where the row must be sampled on the host (from the row as left here: penalised
+    /// already, so with no further penalty and the same draw). A row with no job gives token 0.
+    /// Only called where `samples_on_device`.
+    fn sample_rows(
+        &self,
+        _logits: &mut Self::Tensor,
+        _jobs: &[Option<RowPick<'_>>],
+    ) -> Result<Vec<Option<u32>>> {
+        Err(crate::Error::Device(format!("{} samples on the host", self.name())))
     }
 
     /// Copies host activations to the device.

@@ -9,11 +9,13 @@ pub mod cuda;
 pub mod cuda_h2d;
 pub mod error;
 pub mod host;
+pub mod nucleus;
 pub mod quant;
 pub mod quant_ext;
 pub mod rope;
+pub mod sampling;
 
-pub use backend::{AttnShape, Backend};
+pub use backend::{AttnShape, Backend, RowPick};
 pub use cpu::{CpuBackend, CpuTensor, CpuWeight};
 pub use error::{Error, Result};
 pub use rope::RopeTable;

@@ -48,15 +48,20 @@ fn main() {
             let rows: Vec<Vec<f32>> = (0..64).map(|j| logits(vocab, sd, lead, j)).collect();
             for (temperature, top_k, top_p) in cases {
                 let p = SamplingParams { temperature, top_k, top_p, seed: 1, ..Default::default() };
-                let size =
-                    if top_k == 0 && top_p >= 1.0 { vocab } else { nucleus(&rows[0], &p).0.len() };
-                let full = ms(9, || drop(black_box(full_sort_nucleus(&rows[0], &p))));
+                let pick = Sampler::new(p.clone()).pick();
+                let size = if top_k == 0 && top_p >= 1.0 {
+                    vocab
+                } else {
+                    nucleus(&rows[0], &pick).0.len()
+                };
+                let full = ms(9, || drop(black_box(full_sort_nucleus(&rows[0], &pick))));
                 let mut one = Sampler::new(p.clone());
                 let sel = ms(9, || {
                     black_box(one.sample(&mut rows[0].clone(), &[]));
                 });
-                let old_batch =
-                    ms(3, || rows.iter().for_each(|r| drop(black_box(full_sort_nucleus(r, &p)))));
+                let old_batch = ms(3, || {
+                    rows.iter().for_each(|r| drop(black_box(full_sort_nucleus(r, &pick))))
+                });
                 let mut samplers: Vec<Sampler> = (0..64).map(|_| Sampler::new(p.clone())).collect();
                 let new_batch = ms(5, || {
                     // The step's logits arrive as one host buffer (copied here, as from the device).

@@ -10,7 +10,7 @@ pub mod generate;
 pub mod handoff;
 pub mod model;
 pub mod moe;
-pub mod nucleus;
+pub use layerstream_kernels::nucleus;
 pub mod prefetch;
 pub mod sampling;
 pub mod server;

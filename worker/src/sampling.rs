@@ -2,8 +2,8 @@
 //! temperature 0. Same seed and logits → same tokens. Candidates are selected (`nucleus`), not
 //! sorted out of the whole vocabulary; a step's sequences are sampled on several threads.
 
-use crate::nucleus::{draw_unordered, nucleus};
-use layerstream_kernels::host::{argmax, check_logits};
+use layerstream_kernels::host::check_logits;
+pub use layerstream_kernels::sampling::{choose, Pick};
 pub use layerstream_model::SamplingParams;
 use layerstream_proto::v1::TokenLogprobs;
 
@@ -46,40 +46,43 @@ impl Sampler {
         self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
     }
 
+    /// The truncation and penalty this sampler applies.
+    pub fn pick(&self) -> Pick {
+        let p = &self.params;
+        Pick {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            repetition_penalty: p.repetition_penalty,
+        }
+    }
+
+    /// This step's uniform draw (0 without drawing when greedy): one per sampled token, whether the
+    /// host or the device then picks with it.
+    pub fn draw(&mut self) -> f32 {
+        if self.pick().draws() {
+            self.uniform() as f32
+        } else {
+            0.0
+        }
+    }
+
     /// Picks the next token from `logits` given the tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
-        let p = self.params.clone();
-        if p.repetition_penalty != 1.0 {
-            let mut seen = history.to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for &t in &seen {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
-                }
-            }
-        }
-        if p.temperature == 0.0 {
-            return argmax(logits) as u32;
-        }
-        let r = self.uniform() as f32;
-        if p.top_k == 0 && p.top_p >= 1.0 {
-            return draw_unordered(logits, p.temperature, r);
-        }
-        let (idx, probs) = nucleus(logits, &p);
-        let mut cum = 0.0;
-        for (i, &pr) in probs.iter().enumerate() {
-            cum += pr;
-            if r < cum {
-                return idx[i];
-            }
-        }
-        *idx.last().expect("at least one candidate")
+        let r = self.draw();
+        choose(logits, &seen(&self.params, history), &self.pick(), r)
     }
+}
+
+/// The ids a repetition penalty applies to (each once; none when there is no penalty).
+pub fn seen(p: &SamplingParams, history: &[u32]) -> Vec<u32> {
+    if p.repetition_penalty == 1.0 {
+        return Vec::new();
+    }
+    let mut seen = history.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    seen
 }
 
 /// Log-probabilities of `chosen` and of the `k` most likely tokens under `logits` (raw: before
@@ -161,6 +164,7 @@ pub fn sample_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use layerstream_kernels::host::argmax;
 
     fn logits() -> Vec<f32> {
         (0..50).map(|i| ((i * 37) % 23) as f32 * 0.3).collect()

@@ -7,11 +7,11 @@ use crate::experts::ExpertCache;
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
 use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
-use crate::sampling::{sample_batch, Sampler, SamplingParams};
+use crate::sampling::{sample_batch, seen, Sampler, SamplingParams};
 use crate::stream::LoaderLink;
 use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
-use layerstream_kernels::Backend;
+use layerstream_kernels::{Backend, RowPick};
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
 use layerstream_proto::telemetry::TraceParent;
@@ -367,10 +367,45 @@ impl<B: Backend + 'static> Stage<B> {
             // Final norm, lm_head and the token choice: the step's time outside the layers, in the trace.
             let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
             let _in_head = head_span.enter();
-            let logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
+            let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
+            let wants_logprobs = batch.iter().any(|s| {
+                self.seqs[&s.seq_id].sampler.as_ref().is_some_and(|x| x.params.logprobs.is_some())
+            });
             if greedy {
                 // Argmax on the device: one token id per sequence comes back, not the logits.
                 out.tokens = b.argmax_rows(&logits)?;
+            } else if b.samples_on_device() && !wants_logprobs {
+                // Penalty, temperature, top-k/top-p and the draw on the device: token ids come back.
+                let _in_sample =
+                    info_span!("sample", rows = batch.len() as i64, device = true).entered();
+                let mut rows = Vec::with_capacity(batch.len());
+                for (s, seq) in batch.iter().zip(in_batch_order(&mut self.seqs, batch)) {
+                    let sampler = seq.sampler.as_mut().expect("head stage samples");
+                    // A prompt chunk samples nothing: that would advance a seeded generator.
+                    rows.push((!s.prompt_continues).then(|| {
+                        (sampler.pick(), sampler.draw(), seen(&sampler.params, &seq.history))
+                    }));
+                }
+                let jobs: Vec<_> = rows
+                    .iter()
+                    .map(|r| r.as_ref().map(|(pick, r, seen)| RowPick { pick: *pick, r: *r, seen }))
+                    .collect();
+                let picked = b.sample_rows(&mut logits, &jobs)?;
+                out.tokens = Vec::with_capacity(picked.len());
+                for (i, (t, row)) in picked.into_iter().zip(&rows).enumerate() {
+                    out.tokens.push(match (t, row) {
+                        (Some(t), _) => t,
+                        (None, None) => 0,
+                        // More candidates than the device sorts: this row on the host, penalised
+                        // already, with the same draw.
+                        (None, Some((pick, r, _))) => {
+                            let mut host = b.to_host(&b.rows(&logits, i, 1)?)?;
+                            layerstream_kernels::host::check_logits(&host, i)?;
+                            crate::sampling::choose(&mut host, &[], pick, *r)
+                        }
+                    });
+                }
+                out.logprobs = vec![None; out.tokens.len()];
             } else {
                 // One copy of the step's logits; each sequence samples from its own row of it.
                 let mut host = b.to_host(&logits)?;

@@ -5,7 +5,7 @@
 
 use super::driver::{derr, f, i, DevBuf, Event, Gpu};
 use super::stream_pool::{Lease, StreamPool};
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, RowPick};
 use crate::error::{ensure, Error, Result};
 use crate::rope::RopeTable;
 use cudarc::cublas;
@@ -113,7 +113,7 @@ pub struct CudaKv {
     len: usize,
 }
 
-use super::source::dtype_code;
+use super::source::{dtype_code, matvec32_align};
 
 fn suffix(d: DType) -> &'static str {
     super::source::DTYPE_SUFFIXES[dtype_code(d) as usize]
@@ -359,6 +359,58 @@ impl Backend for CudaBackend {
         Ok(host)
     }
 
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &mut CudaTensor,
+        jobs: &[Option<RowPick<'_>>],
+    ) -> Result<Vec<Option<u32>>> {
+        ensure(jobs.len() == logits.rows, "sample_rows", || {
+            format!("{} jobs for {} rows", jobs.len(), logits.rows)
+        })?;
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Per row (kernels/cuda/sample.cu): temperature, top-p, penalty, draw; top-k (-1: no job),
+        // the row's span of `seen`.
+        let (mut fp, mut ip, mut seen) = (Vec::new(), Vec::new(), Vec::<i32>::new());
+        for job in jobs {
+            match job {
+                None => {
+                    fp.extend([0.0f32, 1.0, 1.0, 0.0]);
+                    ip.extend([-1i32, 0, 0]);
+                }
+                Some(j) => {
+                    let p = &j.pick;
+                    fp.extend([p.temperature, p.top_p, p.repetition_penalty, j.r]);
+                    let top_k = i32::try_from(p.top_k).unwrap_or(i32::MAX);
+                    let start = seen.len() as i32;
+                    seen.extend(j.seen.iter().map(|&t| t as i32));
+                    ip.extend([top_k, start, seen.len() as i32]);
+                }
+            }
+        }
+        self.gpu.bind()?;
+        let (dfp, dip) = (self.upload_small(&fp)?, self.upload_small(&ip)?);
+        let dseen = self.upload_small(if seen.is_empty() { &[0i32][..] } else { &seen })?;
+        let out = DevBuf::ordered(&self.gpu, jobs.len() * 4)?;
+        let args = [logits.buf.ptr, i(logits.cols as i32), dfp.ptr, dip.ptr, dseen.ptr, out.ptr];
+        self.gpu.launch("sample_rows", (jobs.len() as u32, 1, 1), 256, 0, &args)?;
+        let mut host = vec![0i32; jobs.len()];
+        self.read(out.ptr, &mut host)?;
+        host.iter()
+            .enumerate()
+            .map(|(r, &t)| match t {
+                -2 => Err(Error::NonFinite(format!("row {r}: a logit is not finite"))),
+                -1 => Ok(None),
+                t => Ok(Some(t as u32)),
+            })
+            .collect()
+    }
+
     fn weight(
         &self,
         name: &str,
@@ -477,6 +529,12 @@ impl Backend for CudaBackend {
             return Ok(y);
         }
         if x.rows <= MATVEC_ROWS {
+            // The wide-load kernel where the width is whole units and the addresses allow its loads.
+            let align = matvec32_align(w.dtype) as u64;
+            let wide = w.cols.is_multiple_of(32)
+                && (w.ptr | w.row_bytes as u64).is_multiple_of(align)
+                && x.buf.ptr.is_multiple_of(16);
+            let kernel = if wide { "matvec32_" } else { "matvec_" };
             let args = [
                 w.ptr,
                 w.row_bytes as u64,
@@ -487,7 +545,7 @@ impl Backend for CudaBackend {
                 i(w.cols as i32),
             ];
             self.gpu.launch(
-                &format!("matvec_{}", suffix(w.dtype)),
+                &format!("{kernel}{}", suffix(w.dtype)),
                 (blocks(w.rows * 32, 256), 1, 1),
                 256,
                 0,

@@ -2,11 +2,12 @@
 //! cached on disk per source and GPU architecture so a worker compiles once per machine.
 
 /// The kernel files, in the order they are concatenated.
-pub const FILES: [(&str, &str); 4] = [
+pub const FILES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("quant.cu", include_str!("../../cuda/quant.cu")),
     ("ops.cu", include_str!("../../cuda/ops.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
+    ("sample.cu", include_str!("../../cuda/sample.cu")),
 ];
 
 /// The whole translation unit NVRTC compiles.
@@ -42,6 +43,19 @@ pub const DTYPE_SUFFIXES: [&str; 15] = [
     "q5_k", "iq4_nl", "iq4_xs",
 ];
 
+/// The byte alignment `matvec32_*` needs of a weight's rows (its start and row length) for each
+/// dtype, as its loads assume (quant.cu `unit32`): 16-byte blocks load 16 bytes at a time, Q4_1/Q5_1
+/// words, the formats with 18-, 22-, 34- and 210-byte blocks halves; the rest byte by byte.
+pub fn matvec32_align(d: layerstream_types::DType) -> usize {
+    use layerstream_types::DType;
+    match d {
+        DType::F32 | DType::F16 | DType::Bf16 | DType::Q4K | DType::Q5K => 16,
+        DType::Q4_1 | DType::Q5_1 => 4,
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::Q6K => 2,
+        DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs => 2,
+    }
+}
+
 /// Every kernel entry point the backend loads.
 pub fn kernel_names() -> Vec<String> {
     let mut v: Vec<String> = [
@@ -58,6 +72,7 @@ pub fn kernel_names() -> Vec<String> {
         "to_bf16",
         "argmax",
         "attention",
+        "sample_rows",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -65,6 +80,7 @@ pub fn kernel_names() -> Vec<String> {
     for s in DTYPE_SUFFIXES {
         v.extend([
             format!("matvec_{s}"),
+            format!("matvec32_{s}"),
             format!("dequant_f32_{s}"),
             format!("dequant_f16_{s}"),
             format!("dequant_bf16_{s}"),

@@ -2,7 +2,7 @@
 //! shuffles and block barriers, the launch shapes of `backend.rs` — and are compared with the CPU
 //! backend, so their arithmetic, indexing and reductions are checked on machines without a GPU (CI):
 //! every kernel — the quantized matvec and dequantize kernels of every dtype, attention, RMSNorm,
-//! argmax, the embedding gather, RoPE (default and llama3-scaled), SiLU·mul, the adds, the
+//! argmax, device sampling, the embedding gather, RoPE (default and llama3-scaled), SiLU·mul, the adds, the
 //! mixture-of-experts row gather and scaled scatter-add, and f32→f16.
 //! Skipped, saying why, where no C++20 compiler is installed.
 
@@ -81,7 +81,9 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
     let n = 12;
     for dtype in DTYPES {
         // Float formats also at a width that is not a multiple of 8 (the per-element tail paths).
-        let widths: &[usize] = if dtype.block_elems() == 1 { &[512, 516] } else { &[512] };
+        // 2048: several 32-weight units per lane in matvec32_*.
+        let widths: &[usize] =
+            if dtype.block_elems() == 1 { &[512, 516, 2048] } else { &[512, 2048] };
         for &k in widths {
             for m in [1, 3, 8] {
                 let w = weight_bytes(dtype, n, k, &mut rng);
@@ -89,8 +91,9 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 let mut input = w.clone();
                 input.extend(bytes_of(&[&x]));
                 let out = emu.run(&args(&dtype_code(dtype).to_string(), [m, n, k]), &input);
-                assert_eq!(out.len(), (m * n + n * k) * 4 + n * k * 4, "emulator output size");
+                assert_eq!(out.len(), (2 * m * n + n * k) * 4 + n * k * 4, "emulator output size");
                 let (y, rest) = out.split_at(m * n * 4);
+                let (y32, rest) = rest.split_at(m * n * 4);
                 let (d32, rest) = rest.split_at(n * k * 4);
                 let (d16, dbf) = rest.split_at(n * k * 2);
                 let d16: Vec<f32> = d16
@@ -124,6 +127,10 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                     rel(&dbf, &want_dbf),
                 );
                 assert!(ey < 1e-5, "matvec {dtype} m={m} k={k}: relative error {ey:e}");
+                if k % 32 == 0 {
+                    let e = rel(&f32s(y32), &want_y);
+                    assert!(e < 1e-5, "matvec32 {dtype} m={m} k={k}: relative error {e:e}");
+                }
                 assert!(e32 < 1e-6, "dequant_f32 {dtype} k={k}: relative error {e32:e}");
                 assert!(e16 < 1e-6, "dequant_f16 {dtype} k={k}: relative error {e16:e}");
                 assert!(ebf < 1e-6, "dequant_bf16 {dtype} k={k}: relative error {ebf:e}");
@@ -319,4 +326,87 @@ fn emulated_elementwise_kernels_match_cpu() {
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
         .collect();
     assert_eq!(got, want, "to_bf16 rounds to nearest even (ties included) as half does");
+}
+
+/// Device sampling (`sample_rows`) picks what the host's `sampling::choose` picks from the same
+/// logits, penalties and uniform draw — greedy, untruncated, top-k, top-p and both, over peaked
+/// and flat distributions with ties — leaves the same penalised logits, skips a row with no job,
+/// hands rows whose candidates exceed the kernel's cap back to the host (-1) and flags a NaN (-2).
+#[test]
+fn emulated_sampling_picks_what_the_host_picks() {
+    use crate::sampling::{choose, Pick};
+    let Some(emu) = Emu::build("ops_main.cpp") else { return };
+    let mut rng = Rng(41);
+    let cols = 3000;
+    let pick = |temperature, top_k, top_p, repetition_penalty| Pick {
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+    };
+    // (sharpness of the logits, pick, the kernel's answer when it is not the host's token).
+    let cases: Vec<(f32, Option<Pick>, Option<i32>)> = vec![
+        (6.0, Some(pick(0.0, 0, 1.0, 1.3)), None),
+        (6.0, Some(pick(0.8, 0, 1.0, 1.0)), None),
+        (1.0, Some(pick(1.2, 0, 1.0, 1.1)), None),
+        (6.0, Some(pick(0.7, 40, 1.0, 1.0)), None),
+        (6.0, Some(pick(0.7, 40, 0.9, 1.2)), None),
+        (3.0, Some(pick(1.0, 0, 0.9, 1.0)), None),
+        (12.0, Some(pick(0.6, 0, 0.5, 1.0)), None),
+        (3.0, Some(pick(1.0, 1, 1.0, 1.0)), None),
+        (3.0, Some(pick(1.0, 200, 0.3, 1.0)), None),
+        (0.5, Some(pick(1.0, 0, 0.95, 1.0)), Some(-1)),
+        (3.0, Some(pick(1.0, 2500, 1.0, 1.0)), Some(-1)),
+        (3.0, None, Some(0)),
+        (f32::NAN, Some(pick(1.0, 0, 0.9, 1.0)), Some(-2)),
+    ];
+    for round in 0..3 {
+        let rows = cases.len();
+        let mut x = Vec::with_capacity(rows * cols);
+        let (mut fp, mut ip, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+        let mut want = Vec::new();
+        for (sharp, p, special) in &cases {
+            // Logits on 200 levels (many ties), scaled by `sharp`.
+            let mut row: Vec<f32> =
+                (0..cols).map(|_| (rng.u32() % 200) as f32 / 200.0 * sharp).collect();
+            if sharp.is_nan() {
+                row[7] = f32::NAN;
+            }
+            let ids: Vec<u32> = (0..20).map(|_| rng.u32() % cols as u32).collect::<Vec<_>>();
+            let mut ids = ids;
+            ids.sort_unstable();
+            ids.dedup();
+            let r = (rng.u32() as f64 / (u32::MAX as f64 + 1.0)) as f32;
+            let p0 = p.unwrap_or(pick(0.0, 0, 1.0, 1.0));
+            fp.extend([p0.temperature, p0.top_p, p0.repetition_penalty, r]);
+            ip.extend([
+                if p.is_some() { p0.top_k as i32 } else { -1 },
+                seen.len() as i32,
+                (seen.len() + ids.len()) as i32,
+            ]);
+            seen.extend(ids.iter().map(|&i| i as i32));
+            let mut host = row.clone();
+            let tok = match (p, special) {
+                (Some(p), None) => choose(&mut host, &ids, p, r) as i32,
+                (_, Some(s)) => *s,
+                (None, None) => unreachable!(),
+            };
+            want.push((tok, host, special.is_none() || *special == Some(-1)));
+            x.extend(row);
+        }
+        let mut input = bytes_of(&[&x, &fp]);
+        input.extend(ip.iter().chain(&seen).flat_map(|v| v.to_le_bytes()));
+        let out = emu.run(&args("sample", [rows, cols, seen.len()]), &input);
+        let (tok, px) = out.split_at(rows * 4);
+        let tok: Vec<i32> =
+            tok.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let px = f32s(px);
+        for (i, ((t, host, penalised), got)) in want.iter().zip(&tok).enumerate() {
+            assert_eq!(got, t, "round {round}, case {i} {:?}", cases[i]);
+            if *penalised {
+                // The same penalised logits the host sampled from (a handed-back row is sampled there).
+                assert_eq!(&px[i * cols..(i + 1) * cols], &host[..], "round {round}, case {i}");
+            }
+        }
+    }
 }

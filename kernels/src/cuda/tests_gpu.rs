@@ -273,3 +273,60 @@ fn streamed_layers_reuse_buffers_and_equal_resident_weights() {
     );
     assert_eq!(g.registered_bytes(), 0);
 }
+
+/// `sample_rows` on the GPU picks the host's token (`sampling::choose`) from the same draw: exactly,
+/// or — the GPU's `expf` and sums in another order moving a cumulative boundary by rounding — the
+/// host's token for a draw within 1e-4; a row with more candidates than the kernel sorts comes back
+/// `None`, and the host then samples it from the penalised row.
+#[test]
+fn device_sampling_picks_the_host_token() {
+    use crate::backend::RowPick;
+    use crate::sampling::{choose, Pick};
+    let Some(g) = gpu(GemmPrecision::F32) else { return };
+    let mut rng = Rng(57);
+    let cols = 32_000;
+    let picks = [
+        Pick { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.3 },
+        Pick { temperature: 0.8, top_k: 0, top_p: 1.0, repetition_penalty: 1.0 },
+        Pick { temperature: 0.7, top_k: 40, top_p: 1.0, repetition_penalty: 1.1 },
+        Pick { temperature: 0.7, top_k: 40, top_p: 0.9, repetition_penalty: 1.0 },
+        Pick { temperature: 1.0, top_k: 0, top_p: 0.9, repetition_penalty: 1.0 },
+        Pick { temperature: 1.0, top_k: 0, top_p: 0.999, repetition_penalty: 1.0 },
+    ];
+    for round in 0..8 {
+        let rows = picks.len();
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.f() * 4.0).collect();
+        let seen: Vec<Vec<u32>> = (0..rows)
+            .map(|_| {
+                let mut v: Vec<u32> = (0..30).map(|_| rng.u32() % cols as u32).collect();
+                v.sort_unstable();
+                v.dedup();
+                v
+            })
+            .collect();
+        let draws: Vec<f32> = (0..rows).map(|_| (rng.f() + 1.0) / 2.0 * 0.999).collect();
+        let jobs: Vec<Option<RowPick>> = (0..rows)
+            .map(|i| Some(RowPick { pick: picks[i], r: draws[i], seen: &seen[i] }))
+            .collect();
+        let mut t = g.from_host(&x, rows, cols).unwrap();
+        let got = g.sample_rows(&mut t, &jobs).unwrap();
+        let penalised = g.to_host(&t).unwrap();
+        for i in 0..rows {
+            let row = &x[i * cols..(i + 1) * cols];
+            let host = |r: f32| choose(&mut row.to_vec(), &seen[i], &picks[i], r);
+            match got[i] {
+                Some(tok) => assert!(
+                    [0.0, 1e-4, -1e-4].iter().any(|d| host(draws[i] + d) == tok),
+                    "round {round}, {:?}: device {tok}, host {}",
+                    picks[i],
+                    host(draws[i])
+                ),
+                None => {
+                    let mut p = penalised[i * cols..(i + 1) * cols].to_vec();
+                    let tok = choose(&mut p, &[], &picks[i], draws[i]);
+                    assert_eq!(tok, host(draws[i]), "round {round}: a handed-back row");
+                }
+            }
+        }
+    }
+}

@@ -2,8 +2,8 @@
 //! probability histogram for top-p alone, and for untruncated sampling a draw in id order. The full
 //! sort they must equal is here too, as their test's reference and the benchmark's baseline.
 
-use crate::sampling::SamplingParams;
-use layerstream_kernels::host::softmax;
+use crate::host::softmax;
+use crate::sampling::Pick;
 
 /// Token order for truncation: higher logit first, the lower id first among equal logits.
 fn descending(logits: &[f32]) -> impl Fn(&u32, &u32) -> std::cmp::Ordering + '_ {
@@ -75,7 +75,7 @@ fn softmax_of(logits: &[f32], idx: &[u32], t: f32) -> Vec<f32> {
 }
 
 /// Samples from the whole tempered distribution, walking ids in order (no sort).
-pub(crate) fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
+pub fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
     let d = Tempered::new(logits, t);
     let (mut cum, mut last) = (0.0, 0);
     for (i, &l) in logits.iter().enumerate() {
@@ -92,10 +92,10 @@ pub(crate) fn draw_unordered(logits: &[f32], t: f32, r: f32) -> u32 {
 }
 
 /// The candidates top-k and top-p keep, most likely first, with their renormalised probabilities
-/// (`pub` for `benches/sampling.rs`). Only as many ids are sorted as the cut needs: top-k's k, or for
+/// (`pub` for the worker's `benches/sampling.rs`). Only as many ids are sorted as the cut needs: top-k's k, or for
 /// top-p alone the prefix that a histogram of the probabilities (1/8-nat buckets) says holds the
 /// nucleus (for a chat model's 128k-token distribution usually tens to hundreds of ids).
-pub fn nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
+pub fn nucleus(logits: &[f32], p: &Pick) -> (Vec<u32>, Vec<f32>) {
     let t = p.temperature;
     let (mut idx, mut probs);
     if p.top_k > 0 {
@@ -143,7 +143,7 @@ fn cut_top_p(idx: &mut Vec<u32>, probs: &mut Vec<f32>, top_p: f32) {
 /// What `nucleus` must equal, by definition: sort every id (same order), then cut. The reference of
 /// its test and the baseline of `benches/sampling.rs`; not used to sample.
 #[doc(hidden)]
-pub fn full_sort_nucleus(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
+pub fn full_sort_nucleus(logits: &[f32], p: &Pick) -> (Vec<u32>, Vec<f32>) {
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     idx.sort_by(descending(logits));
     let mut probs: Vec<f32> = if p.top_k > 0 {
@@ -183,7 +183,7 @@ mod tests {
                 (1.0, 6000, 0.95),
                 (0.2, 1, 1.0),
             ] {
-                let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
+                let p = Pick { temperature, top_k, top_p, repetition_penalty: 1.0 };
                 let (got, want) = (nucleus(&logits, &p), full_sort_nucleus(&logits, &p));
                 assert_eq!(got, want, "peak {peak}, {p:?}");
                 assert!(
