@@ -28,8 +28,9 @@ pub struct RunArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights in decode and short steps, as llama.cpp
-    /// computes (faster; tokens no longer match transformers exactly).
+    /// 8-bit activations in decode and short steps, as llama.cpp computes (faster; tokens no longer
+    /// match transformers exactly): CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights, CUDA for
+    /// Q8_0/Q4_0/Q4_1/Q4_K/Q6_K.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.

@@ -34,6 +34,11 @@ inline int __shfl_xor_sync(unsigned, int v, int o) {
     auto& w = *(*g_warps)[threadIdx.x >> 5]; int l = threadIdx.x & 31;
     w.i[l] = v; w.bar.arrive_and_wait(); int r = w.i[l ^ o]; w.bar.arrive_and_wait(); return r;
 }
+// Four signed byte products added to c.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 // Runs `kernel` on a grid of gx × gy blocks of `block` threads (blocks in order, x fastest).

@@ -30,8 +30,9 @@ pub struct DeviceFlags {
     /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
     #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
     pub concurrent_threads: Option<usize>,
-    /// CPU: 8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights in decode and short steps, as llama.cpp
-    /// computes (faster; tokens no longer match transformers exactly).
+    /// 8-bit activations in decode and short steps, as llama.cpp computes (faster; tokens no longer
+    /// match transformers exactly): CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights, CUDA for
+    /// Q8_0/Q4_0/Q4_1/Q4_K/Q6_K.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
 }

@@ -1,5 +1,6 @@
-//! Opt-in 8-bit activations for the CPU matvec path (`--int8-activations`; steps of up to `MAX_ROWS`
-//! activation rows), as llama.cpp computes:
+//! Opt-in 8-bit activations for the CPU matvec path (`--int8-activations`, a process-wide switch the
+//! CUDA backend's matvec also follows: kernels/cuda/int8.cu; steps of up to `MAX_ROWS` activation
+//! rows), as llama.cpp computes:
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
 //! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity

@@ -113,7 +113,7 @@ pub struct CudaKv {
     len: usize,
 }
 
-use super::source::{dtype_code, matvec32_align};
+use super::source::{dtype_code, matvec32_align, matvec_q8_supports};
 
 fn suffix(d: DType) -> &'static str {
     super::source::DTYPE_SUFFIXES[dtype_code(d) as usize]
@@ -163,6 +163,36 @@ impl CudaBackend {
                 .map_err(derr("copying to the device"))?;
         }
         Ok(buf)
+    }
+
+    /// `y = x · wᵀ` from 8-bit activations (`--int8-activations`): `x` quantized once to blocks of
+    /// 32 bytes with their scales, then `matvec_q8_*` (kernels/cuda/int8.cu).
+    fn matvec_q8(&self, x: &CudaTensor, w: &CudaWeight, y: &CudaTensor) -> Result<()> {
+        let values = x.rows * x.cols;
+        let nblocks = values / 32;
+        let q = DevBuf::ordered(&self.gpu, values)?;
+        let d = DevBuf::ordered(&self.gpu, nblocks * 4)?;
+        let ds = DevBuf::ordered(&self.gpu, nblocks * 4)?;
+        self.gpu.launch(
+            "quantize_q8",
+            (blocks(values, 256), 1, 1),
+            256,
+            0,
+            &[x.buf.ptr, q.ptr, d.ptr, ds.ptr, nblocks as u64],
+        )?;
+        let args = [
+            w.ptr,
+            w.row_bytes as u64,
+            q.ptr,
+            d.ptr,
+            ds.ptr,
+            y.buf.ptr,
+            i(x.rows as i32),
+            i(w.rows as i32),
+            i(w.cols as i32),
+        ];
+        let name = format!("matvec_q8_{}", suffix(w.dtype));
+        self.gpu.launch(&name, (blocks(w.rows * 32, 256), 1, 1), 256, 0, &args)
     }
 
     fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
@@ -534,6 +564,10 @@ impl Backend for CudaBackend {
             let wide = w.cols.is_multiple_of(32)
                 && (w.ptr | w.row_bytes as u64).is_multiple_of(align)
                 && x.buf.ptr.is_multiple_of(16);
+            if wide && matvec_q8_supports(w.dtype) && crate::cpu::int8::int8_activations() {
+                self.matvec_q8(x, w, &y)?;
+                return Ok(y);
+            }
             let kernel = if wide { "matvec32_" } else { "matvec_" };
             let args = [
                 w.ptr,

@@ -2,12 +2,13 @@
 //! cached on disk per source and GPU architecture so a worker compiles once per machine.
 
 /// The kernel files, in the order they are concatenated.
-pub const FILES: [(&str, &str); 5] = [
+pub const FILES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("quant.cu", include_str!("../../cuda/quant.cu")),
     ("ops.cu", include_str!("../../cuda/ops.cu")),
     ("attention.cu", include_str!("../../cuda/attention.cu")),
     ("sample.cu", include_str!("../../cuda/sample.cu")),
+    ("int8.cu", include_str!("../../cuda/int8.cu")),
 ];
 
 /// The whole translation unit NVRTC compiles.
@@ -56,6 +57,12 @@ pub fn matvec32_align(d: layerstream_types::DType) -> usize {
     }
 }
 
+/// Weight formats with an 8-bit-activation matvec (`matvec_q8_*`, kernels/cuda/int8.cu).
+pub fn matvec_q8_supports(d: layerstream_types::DType) -> bool {
+    use layerstream_types::DType;
+    matches!(d, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Q6K)
+}
+
 /// Every kernel entry point the backend loads.
 pub fn kernel_names() -> Vec<String> {
     let mut v: Vec<String> = [
@@ -73,10 +80,14 @@ pub fn kernel_names() -> Vec<String> {
         "argmax",
         "attention",
         "sample_rows",
+        "quantize_q8",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    for d in layerstream_types::DType::ALL.into_iter().filter(|&d| matvec_q8_supports(d)) {
+        v.push(format!("matvec_q8_{}", DTYPE_SUFFIXES[dtype_code(d) as usize]));
+    }
     for s in DTYPE_SUFFIXES {
         v.extend([
             format!("matvec_{s}"),

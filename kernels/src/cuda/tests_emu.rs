@@ -6,9 +6,10 @@
 //! mixture-of-experts row gather and scaled scatter-add, and f32→f16.
 //! Skipped, saying why, where no C++20 compiler is installed.
 
-use super::source::dtype_code;
+use super::source::{dtype_code, matvec_q8_supports};
 use super::test_data::{rel, weight_bytes, Rng, DTYPES};
 use crate::backend::{AttnShape, Backend};
+use crate::cpu::int8;
 use crate::cpu::CpuBackend;
 use crate::quant::dequant_row;
 use crate::RopeTable;
@@ -91,9 +92,10 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 let mut input = w.clone();
                 input.extend(bytes_of(&[&x]));
                 let out = emu.run(&args(&dtype_code(dtype).to_string(), [m, n, k]), &input);
-                assert_eq!(out.len(), (2 * m * n + n * k) * 4 + n * k * 4, "emulator output size");
+                assert_eq!(out.len(), (3 * m * n + n * k) * 4 + n * k * 4, "emulator output size");
                 let (y, rest) = out.split_at(m * n * 4);
                 let (y32, rest) = rest.split_at(m * n * 4);
+                let (y8, rest) = rest.split_at(m * n * 4);
                 let (d32, rest) = rest.split_at(n * k * 4);
                 let (d16, dbf) = rest.split_at(n * k * 2);
                 let d16: Vec<f32> = d16
@@ -130,6 +132,21 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
                 if k % 32 == 0 {
                     let e = rel(&f32s(y32), &want_y);
                     assert!(e < 1e-5, "matvec32 {dtype} m={m} k={k}: relative error {e:e}");
+                }
+                if matvec_q8_supports(dtype) {
+                    // The CPU's 8-bit reference: the same quantized activations, the same integers.
+                    let rb = dtype.row_bytes(k).unwrap();
+                    let xq: Vec<_> = x.chunks_exact(k).map(int8::quantize_row).collect();
+                    let want8: Vec<f32> = xq
+                        .iter()
+                        .flat_map(|xr| {
+                            w.chunks_exact(rb).map(|row| int8::dot_scalar(dtype, row, xr))
+                        })
+                        .collect();
+                    let e = rel(&f32s(y8), &want8);
+                    assert!(e < 1e-5, "matvec_q8 {dtype} m={m} k={k}: relative error {e:e}");
+                } else {
+                    assert!(f32s(y8).iter().all(|v| v.is_nan()), "{dtype}: no 8-bit kernel");
                 }
                 assert!(e32 < 1e-6, "dequant_f32 {dtype} k={k}: relative error {e32:e}");
                 assert!(e16 < 1e-6, "dequant_f16 {dtype} k={k}: relative error {e16:e}");
