@@ -7,6 +7,7 @@
 # Usage: benchmarks/gpu-run.sh OUT_DIR [SECTION…]
 # Sections (default: all but llama, in this order):
 #   kernels   kernel-vs-CPU tests          cuda      worker-on-CUDA tests (CUDA_TESTS: test-binary args)
+#   matvec    decode matvec GB/s vs HBM peak per dtype, batch 1-8: wide loads vs element runs vs 8-bit
 #   h2d       link microbenchmark          run       resident `run` on SmolLM2 (real, when all its parts
 #   sampling  host sampling bench                    are here), SmolLM2 shapes and llama-3-70b shapes
 #   stream    streamed vs resident vs prefetch off (BATCHES)
@@ -24,7 +25,7 @@
 # LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES, KEEP.
 set -uo pipefail
 OUT=$1; shift; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
-SECTIONS=" ${*:-kernels cuda h2d run sampling stream prefill sampled} "
+SECTIONS=" ${*:-kernels cuda matvec h2d run sampling stream prefill sampled} "
 on() { [[ "$SECTIONS" == *" $1 "* ]]; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KEEP=${KEEP:-/tmp/ls-keep}; mkdir -p "$KEEP"
@@ -64,6 +65,7 @@ sec_cuda() {
   # shellcheck disable=SC2086
   "$BIN/cuda-test" --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | head -30
 }
+sec_matvec() { "$LS" matvec-bench --device $DEV 2>&1 | tee "$OUT/matvec.md"; }
 sec_h2d() { "$LS" h2d-bench --device $DEV --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"; }
 sec_run() {
   local ids; ids=$(seq 1 ${PROMPT_TOKENS:-512} | paste -sd, -)
@@ -130,6 +132,6 @@ PY
     done
   done
 }
-for s in kernels cuda h2d run sampling stream prefill sampled llama; do
+for s in kernels cuda matvec h2d run sampling stream prefill sampled llama; do
   on $s && { echo "== $s"; timed sec_$s; }
 done

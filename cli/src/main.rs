@@ -4,6 +4,7 @@
 mod bench;
 mod bench_api;
 mod bench_experts;
+mod bench_matvec;
 mod bench_pipeline;
 mod health;
 mod hf_export;
@@ -83,6 +84,9 @@ enum Cmd {
         #[arg(long, env = "LAYERSTREAM_H2D_ITERS", default_value_t = 10)]
         iters: usize,
     },
+    /// Decode matvec bandwidth per weight type, shape and activation rows vs the device's peak,
+    /// kernels side by side.
+    MatvecBench(bench_matvec::MatvecBenchArgs),
     /// Fetch and import the embedded default model (SmolLM2-135M-Instruct) and print its store path.
     Fetch,
     /// Generate text on the CPU from a store, fully resident.
@@ -105,6 +109,14 @@ enum Cmd {
     OtlpSink(otlp_sink::SinkArgs),
     /// Print a text's token ids (JSON) under a store's or a GGUF file's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
+}
+
+/// A stored weight type by name (any case): f32, f16, q4_k, ….
+pub(crate) fn parse_dtype(name: &str) -> Result<layerstream_model::DType> {
+    serde_json::from_value(serde_json::Value::String(name.to_lowercase())).map_err(|_| {
+        let all: Vec<&str> = layerstream_model::DType::ALL.iter().map(|d| d.name()).collect();
+        anyhow::anyhow!("unknown --dtype {name:?}; use one of {}", all.join(", "))
+    })
 }
 
 fn block_on<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
@@ -131,14 +143,7 @@ fn main() -> Result<()> {
             println!("ok: {} files verified in {}", s.manifest.files.len(), store.display());
         }
         Cmd::Synth { shape, dtype, layers, seed, gguf, hf, dst } => {
-            let dt: layerstream_model::DType = serde_json::from_value(serde_json::Value::String(
-                dtype.to_lowercase(),
-            ))
-            .map_err(|_| {
-                let all: Vec<&str> =
-                    layerstream_model::DType::ALL.iter().map(|d| d.name()).collect();
-                anyhow::anyhow!("unknown --dtype {dtype:?}; use one of {}", all.join(", "))
-            })?;
+            let dt = parse_dtype(&dtype)?;
             let m = layerstream_model::synth::synth(&shape, dt, layers, seed, &dst)?;
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();
             println!(
@@ -176,6 +181,7 @@ fn main() -> Result<()> {
                 );
             }
         }
+        Cmd::MatvecBench(args) => bench_matvec::run(args)?,
         Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,
         Cmd::Up(args) => up::run(args)?,

@@ -242,8 +242,18 @@ pub unsafe fn dot_batch(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &m
             ));
             a0 += A;
         }
-        for a in a0..m {
-            o[a] = row::<1>(dtype, p, rb, [&xs[a]])[0];
+        // The last 1-3 rows in one pass too: one at a time, m = 2 read each weight row twice and
+        // ran slower than m = 4 (benchmarks/matvec-cpu-2core.md).
+        match m - a0 {
+            3 => o[a0..].copy_from_slice(&row::<3>(
+                dtype,
+                p,
+                rb,
+                [&xs[a0], &xs[a0 + 1], &xs[a0 + 2]],
+            )),
+            2 => o[a0..].copy_from_slice(&row::<2>(dtype, p, rb, [&xs[a0], &xs[a0 + 1]])),
+            1 => o[a0] = row::<1>(dtype, p, rb, [&xs[a0]])[0],
+            _ => {}
         }
     }
 }

@@ -561,7 +561,8 @@ impl Backend for CudaBackend {
         if x.rows <= MATVEC_ROWS {
             // The wide-load kernel where the width is whole units and the addresses allow its loads.
             let align = matvec32_align(w.dtype) as u64;
-            let wide = w.cols.is_multiple_of(32)
+            let wide = super::WIDE_MATVEC.load(std::sync::atomic::Ordering::Relaxed)
+                && w.cols.is_multiple_of(32)
                 && (w.ptr | w.row_bytes as u64).is_multiple_of(align)
                 && x.buf.ptr.is_multiple_of(16);
             if wide && matvec_q8_supports(w.dtype) && crate::cpu::int8::int8_activations() {

@@ -30,6 +30,10 @@ pub use backend::{CudaBackend, CudaBlob, CudaKv, CudaTensor, CudaWeight, GemmPre
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaBackend;
 
+/// Whether `matmul` may use the wide-load matvec (`matvec32_*`); off only to measure it against the
+/// element-run kernel (`layerstream matvec-bench`).
+pub static WIDE_MATVEC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
 /// Threads per attention block: the context tile (ATT_MAX_THREADS in attention.cu is the most). Here,
 /// not in backend.rs, so the host emulator's test launches the kernel with the same block.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -57,6 +61,8 @@ pub struct CudaDeviceInfo {
     pub compute_capability: (i32, i32),
     pub free_bytes: usize,
     pub total_bytes: usize,
+    /// Peak memory bandwidth in GB/s: 2 transfers per memory clock × the bus width.
+    pub peak_gbps: f64,
 }
 
 /// Parses "cuda:N" (or "cuda" = 0) into an ordinal; `None` for other device names.
@@ -85,7 +91,11 @@ pub fn open_device(ordinal: usize) -> Result<CudaDeviceInfo> {
     }
     let ctx = CudaContext::new(ordinal).map_err(err)?;
     let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(err)?;
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let clock_khz = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).map_err(err)?;
+    let bus_bits = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).map_err(err)?;
     Ok(CudaDeviceInfo {
+        peak_gbps: 2.0 * clock_khz as f64 * 1e3 * (bus_bits as f64 / 8.0) / 1e9,
         ordinal,
         name: ctx.name().map_err(err)?,
         compute_capability: ctx.compute_capability().map_err(err)?,
