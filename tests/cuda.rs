@@ -209,10 +209,11 @@ fn gpu_worker_stays_within_its_memory_budget() {
     assert!(out.contains("budget"), "{out}");
 }
 
-/// Sampled decoding on the GPU — logits copied back, seeded top-k / top-p / repetition penalty on the
-/// host, rows spread over threads — gives the CPU's tokens, in `run` and through two streaming
-/// workers (f32 GEMMs: the logits then differ from the CPU's by rounding only, far below the gaps
-/// between a draw and the cumulative probabilities it falls between).
+/// Sampled decoding on the GPU — seeded top-k / top-p / repetition penalty — gives the CPU's tokens,
+/// in `run` (logits copied back, sampled on the host) and through two streaming workers (sampled on
+/// the device by `sample_rows` with the host's draws; only token ids come back) (f32 GEMMs: the
+/// logits then differ from the CPU's by rounding only, far below the gaps between a draw and the
+/// cumulative probabilities it falls between).
 #[test]
 #[cfg_attr(
     not(feature = "cuda"),
