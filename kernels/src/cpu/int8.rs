@@ -37,6 +37,12 @@ pub fn supports(dtype: DType) -> bool {
     )
 }
 
+/// How far ahead of the bytes being computed on the weights are prefetched: on the 2-vCPU Intel VM
+/// the kernels waited on their weight loads (perf: the instructions using them), and prefetching
+/// 512 / 2048 / 8192 / 16384 bytes ahead took one-thread 8-bit decode of SmolLM2 from 55 to 67 /
+/// 81 / 84-100 / 87-93 tok/s (benchmarks/vs-llama-cpp-cpu-2core.md).
+pub const PREFETCH: usize = 8192;
+
 /// Most activation rows a step may have for the 8-bit path (decode of a few sequences): with more,
 /// the f32 path's blocked kernels (`rows`, GEMM) are faster.
 pub const MAX_ROWS: usize = 8;

@@ -4,7 +4,7 @@
 //! through `maddubs`), one fused scale-multiply-add per block, the offset term in a scalar sum.
 
 use super::int8::Q8Row;
-use super::int8_batch::{hsum, q4_0, q4_1, q8_0, Unpacked};
+use super::int8_batch::{hsum, prefetch, q4_0, q4_1, q8_0, Unpacked};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
@@ -52,7 +52,9 @@ unsafe fn group<const R: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked
         let (dx, q, ds) = x.block(i);
         let qx = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
         for r in 0..R {
-            let (u, sign, d, c) = blk(w.add(r * rb + i * bb));
+            let b = w.add(r * rb + i * bb);
+            prefetch(b);
+            let (u, sign, d, c) = blk(b);
             let s = dot_u8_i8(u, if SIGNED { _mm256_sign_epi8(qx, sign) } else { qx });
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
             off[r] = c.mul_add(ds, off[r]);

@@ -13,6 +13,12 @@ use std::arch::x86_64::*;
 /// Activation rows per pass over a weight row.
 const A: usize = 4;
 
+/// Asks for the weight bytes `int8::PREFETCH` past `p` (a hint: never faults, also past the end).
+#[inline(always)]
+pub(super) unsafe fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::int8::PREFETCH) as *const i8);
+}
+
 /// Activation block `i` of row `x`: (scale, 32 values, scale·Σ values).
 #[inline(always)]
 unsafe fn xblock(x: &Q8Row, i: usize) -> (f32, __m256i, f32) {
@@ -76,6 +82,7 @@ where
     let mut acc = [_mm256_setzero_ps(); N];
     let mut off = [0f32; N];
     for i in 0..nb {
+        prefetch(w.add(i * bb));
         let (u, sign, d, c) = blk(w.add(i * bb));
         for a in 0..N {
             let (dx, mut qx, ds) = xblock(xs[a], i);
@@ -121,6 +128,9 @@ unsafe fn q4k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32
     let mut off = [_mm256_setzero_ps(); N];
     let low = _mm256_set1_epi8(0x0F);
     for s in 0..nsb {
+        prefetch(w.add(s * 144));
+        prefetch(w.add(s * 144 + 64));
+        prefetch(w.add(s * 144 + 128));
         let b = std::slice::from_raw_parts(w.add(s * 144), 144);
         let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
         // The eight sub-blocks' d·scale and −dmin·min as vectors, times each activation row's
@@ -162,6 +172,9 @@ unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32
     let (m4, m2, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03), _mm256_set1_epi8(32));
     for s in 0..nsb {
         let b = w.add(s * 210);
+        for line in 0..4 {
+            prefetch(b.add(64 * line));
+        }
         let d = _mm256_set1_ps(h2f(b.add(208)));
         // d times each activation row's eight block scales: one lane per 32-value block.
         let scale: [__m256; N] = std::array::from_fn(|a| {
