@@ -56,11 +56,8 @@ __device__ __forceinline__ void unit_q8(const u8* row, int u, int* wq, float* a0
         ld16<16>(b, head);
         ld16<16>(b + 16 + 32 * (j >> 1), o);
         ld16<16>(b + 32 + 32 * (j >> 1), o + 4);
-        u8 sc[12];
-#pragma unroll
-        for (int e = 0; e < 12; e++) sc[e] = (u8)byte_of(head + 1, e);
         float scale, mn;
-        scale_min_k4(j, sc, &scale, &mn);
+        k4_scale_min(head, j, &scale, &mn);
         *a0 = *a1 = h2f((u16)(head[0] & 0xFFFF)) * scale;
         *off = -h2f((u16)(head[0] >> 16)) * mn;
 #pragma unroll
@@ -138,8 +135,7 @@ __device__ void matvec_q8_impl(const u8* w, long long row_bytes, const signed ch
         matvec_q8_impl<T>(w, rb, q, d, ds, y, m, n, k);                                                        \
     }
 
-Q8_KERNEL(q8_0, DT_Q8_0)
-Q8_KERNEL(q4_0, DT_Q4_0)
-Q8_KERNEL(q4_1, DT_Q4_1)
-Q8_KERNEL(q4_k, DT_Q4_K)
-Q8_KERNEL(q6_k, DT_Q6_K)
+// The dtypes with an 8-bit kernel, as X(suffix, DT_* code) (source.rs matvec_q8_supports says the same).
+#define Q8_DTYPES(X) X(q8_0, DT_Q8_0) X(q4_0, DT_Q4_0) X(q4_1, DT_Q4_1) X(q4_k, DT_Q4_K) X(q6_k, DT_Q6_K)
+
+Q8_DTYPES(Q8_KERNEL)

@@ -202,6 +202,15 @@ __device__ __forceinline__ int byte_of(const unsigned* o, int e) {
     return (int)((o[e >> 2] >> (8 * (e & 3))) & 0xFFu);
 }
 
+// Sub-block j's scale and min of a Q4_K/Q5_K super-block whose first 16 bytes (d, dmin, 12 bytes of
+// packed scales) were loaded as `head`.
+__device__ __forceinline__ void k4_scale_min(const unsigned* head, int j, float* sc, float* mn) {
+    u8 s[12];
+#pragma unroll
+    for (int e = 0; e < 12; e++) s[e] = (u8)byte_of(head + 1, e);
+    scale_min_k4(j, s, sc, mn);
+}
+
 // Unit u of a row of type T: wv[0..16] are columns ca.., wv[16..32] columns cb...
 template <int T>
 __device__ __forceinline__ void unit32(const u8* row, int u, float* wv, int* ca, int* cb) {
@@ -251,12 +260,9 @@ __device__ __forceinline__ void unit32(const u8* row, int u, float* wv, int* ca,
         ld16<16>(b, head);
         ld16<16>(b + (T == DT_Q5_K ? 48 : 16) + 32 * j + 16 * h, q);
         if (T == DT_Q5_K) ld16<16>(b + 16 + 16 * h, qh);
-        u8 sc[12];
-#pragma unroll
-        for (int e = 0; e < 12; e++) sc[e] = (u8)byte_of(head + 1, e);
         float s_lo, m_lo, s_hi, m_hi;
-        scale_min_k4(2 * j, sc, &s_lo, &m_lo);
-        scale_min_k4(2 * j + 1, sc, &s_hi, &m_hi);
+        k4_scale_min(head, 2 * j, &s_lo, &m_lo);
+        k4_scale_min(head, 2 * j + 1, &s_hi, &m_hi);
         const float d = h2f((u16)(head[0] & 0xFFFF)), dmin = h2f((u16)(head[0] >> 16));
         const float d_lo = d * s_lo, d_hi = d * s_hi, min_lo = dmin * m_lo, min_hi = dmin * m_hi;
         *ca = 256 * s + 64 * j + 16 * h, *cb = *ca + 32;
@@ -436,18 +442,11 @@ struct AsBf16 {
         dequant_impl<T>(w, rb, out, rows, k, AsBf16());                                                          \
     }
 
-QUANT_KERNELS(f32, DT_F32)
-QUANT_KERNELS(f16, DT_F16)
-QUANT_KERNELS(bf16, DT_BF16)
-QUANT_KERNELS(q8_0, DT_Q8_0)
-QUANT_KERNELS(q4_0, DT_Q4_0)
-QUANT_KERNELS(q4_1, DT_Q4_1)
-QUANT_KERNELS(q4_k, DT_Q4_K)
-QUANT_KERNELS(q6_k, DT_Q6_K)
-QUANT_KERNELS(q5_0, DT_Q5_0)
-QUANT_KERNELS(q5_1, DT_Q5_1)
-QUANT_KERNELS(q2_k, DT_Q2_K)
-QUANT_KERNELS(q3_k, DT_Q3_K)
-QUANT_KERNELS(q5_k, DT_Q5_K)
-QUANT_KERNELS(iq4_nl, DT_IQ4_NL)
-QUANT_KERNELS(iq4_xs, DT_IQ4_XS)
+// Every stored dtype as X(kernel suffix, DT_* code) — the kernels below and the host emulator's
+// dispatch (kernels/emu/quant_main.cpp) expand this one list.
+#define EVERY_DTYPE(X)                                                                                 \
+    X(f32, DT_F32) X(f16, DT_F16) X(bf16, DT_BF16) X(q8_0, DT_Q8_0) X(q4_0, DT_Q4_0) X(q4_1, DT_Q4_1)   \
+    X(q4_k, DT_Q4_K) X(q6_k, DT_Q6_K) X(q5_0, DT_Q5_0) X(q5_1, DT_Q5_1) X(q2_k, DT_Q2_K)                \
+    X(q3_k, DT_Q3_K) X(q5_k, DT_Q5_K) X(iq4_nl, DT_IQ4_NL) X(iq4_xs, DT_IQ4_XS)
+
+EVERY_DTYPE(QUANT_KERNELS)

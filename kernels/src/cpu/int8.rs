@@ -43,6 +43,20 @@ pub fn supports(dtype: DType) -> bool {
 /// 81 / 84-100 / 87-93 tok/s (benchmarks/vs-llama-cpp-cpu-2core.md).
 pub const PREFETCH: usize = 8192;
 
+/// Asks the CPU for the weight bytes `PREFETCH` past `p`, into L1 (a hint: it never faults, also
+/// past the end of the weights); nothing off x86-64. The one prefetch of the CPU kernels.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is baseline x86-64.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Most activation rows a step may have for the 8-bit path (decode of a few sequences): with more,
 /// the f32 path's blocked kernels (`rows`, GEMM) are faster.
 pub const MAX_ROWS: usize = 8;

@@ -3,8 +3,8 @@
 //! the four rows' memory streams and accumulators overlap; one integer dot per block (u8 × i8 pairs
 //! through `maddubs`), one fused scale-multiply-add per block, the offset term in a scalar sum.
 
-use super::int8::Q8Row;
-use super::int8_batch::{hsum, prefetch, q4_0, q4_1, q8_0, Unpacked};
+use super::int8::{prefetch, Q8Row};
+use super::int8_batch::{hsum, q4_0, q4_1, q8_0, Unpacked};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 

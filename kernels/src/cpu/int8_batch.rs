@@ -5,19 +5,13 @@
 //! (llama-3-8b shape, Q4_K, 2 threads): a 4-token step 1.5× the f32 kernels, 8 tokens even, 64
 //! tokens 0.6× — so `int8::MAX_ROWS` stays 8.
 
-use super::int8::Q8Row;
+use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::{dot_u8_i8, h2f};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
 /// Activation rows per pass over a weight row.
 const A: usize = 4;
-
-/// Asks for the weight bytes `int8::PREFETCH` past `p` (a hint: never faults, also past the end).
-#[inline(always)]
-pub(super) unsafe fn prefetch(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::int8::PREFETCH) as *const i8);
-}
 
 /// Activation block `i` of row `x`: (scale, 32 values, scale·Σ values).
 #[inline(always)]

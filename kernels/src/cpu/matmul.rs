@@ -2,6 +2,7 @@
 //! rows at a time) below `GEMM_MIN_ROWS` rows (decode, batched decode, short prefills), dequantize
 //! tiles of weight rows and GEMM each from there.
 
+use crate::cpu::int8::prefetch;
 use crate::cpu::rows::{dot_rows, dot_rows2};
 use crate::quant::dequant_row;
 use layerstream_types::DType;
@@ -76,7 +77,9 @@ pub fn matmul(
             let (w0, w1): (&[f32], &[f32]) = match wf32 {
                 Some(f) => (&f[r * k..(r + 1) * k], &f[(r + 1) * k..(r + 2) * k]),
                 None => {
-                    prefetch_ahead(&w[r * row_bytes..(r + 2) * row_bytes]);
+                    // Each cache line of the two rows, `int8::PREFETCH` ahead.
+                    let rows = &w[r * row_bytes..(r + 2) * row_bytes];
+                    (0..rows.len()).step_by(64).for_each(|o| prefetch(rows[o..].as_ptr()));
                     dequant_row(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut d0);
                     dequant_row(dtype, &w[(r + 1) * row_bytes..(r + 2) * row_bytes], &mut d1);
                     (&d0, &d1)
@@ -101,20 +104,6 @@ pub fn matmul(
 }
 
 /// `[n, m]` → `[m, n]` (nothing to move for one row).
-/// Asks the CPU for the bytes `int8_batch::PREFETCH` past each cache line of `rows` (the weight rows
-/// about to be dequantized): a hint, never a fault; nothing off x86-64.
-#[inline(always)]
-fn prefetch_ahead(rows: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..rows.len()).step_by(64) {
-        let p = rows.as_ptr().wrapping_add(off + crate::cpu::int8::PREFETCH);
-        // SAFETY: a prefetch is a hint that never faults, whatever the address.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-        };
-    }
-}
-
 fn transpose(t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return t;
