@@ -129,7 +129,7 @@ fn smollm2_on_cuda_equals_cpu() {
     }
     let store = match std::env::var_os("LAYERSTREAM_SMOLLM2_STORE") {
         Some(p) => p.into(),
-        None => match layerstream_model::fetch::default_store() {
+        None => match default_store() {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("skipping SmolLM2 on CUDA: {e}");
@@ -172,12 +172,12 @@ fn gpu_worker_stays_within_its_memory_budget() {
     submit(stack.addr(), &a.iter().map(String::as_str).collect::<Vec<_>>());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let workers = rt.block_on(async {
-        let mut c = layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(
+        let mut c = layerstream_rpc::v1::coordinator_client::CoordinatorClient::connect(
             stack.addr().to_owned(),
         )
         .await
         .unwrap();
-        c.list_workers(layerstream_proto::v1::ListWorkersRequest {})
+        c.list_workers(layerstream_rpc::v1::ListWorkersRequest {})
             .await
             .unwrap()
             .into_inner()

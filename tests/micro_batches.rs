@@ -4,8 +4,8 @@
 //! overlap (the coordinator's counter, and the workers' spans in the trace); a job cancelled in the
 //! middle leaves the others unchanged and frees its caches.
 
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::*;
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::*;
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
 

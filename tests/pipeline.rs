@@ -193,7 +193,7 @@ fn tiny_qwen3_pipeline_configs_equal_run() {
 
 #[test]
 fn smollm2_streamed_with_partial_residency_equals_run_and_transformers() {
-    let store = layerstream_model::fetch::default_store().unwrap();
+    let store = default_store().unwrap();
     let n = 12;
     let expected = run_outputs(&store, "smollm2", n);
     check_config(&store, "smollm2", &expected, n, &["--workers", "2", "--resident-layers", "4"]);
@@ -258,7 +258,7 @@ fn a_workers_step_token_limit_splits_prompts() {
     );
     let v = submit(stack.addr(), &args);
     let refused = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        use layerstream_proto::v1::{
+        use layerstream_rpc::v1::{
             coordinator_client::CoordinatorClient, ListWorkersRequest, StepRequest, StepSeq,
         };
         let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();

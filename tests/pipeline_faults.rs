@@ -3,8 +3,8 @@
 //! correct parents; malformed internal calls and a full queue are refused; no shm remains after
 //! shutdown. (Killed and stopped processes: `recovery.rs`.)
 
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::*;
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::*;
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
 use std::io::Read;

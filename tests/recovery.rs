@@ -6,9 +6,9 @@
 //! key and the internal token are required when set; the loader's socket is private; a SIGKILLed
 //! `up` takes its children with it and the next `up` removes what it left.
 
-use layerstream_proto::auth::Bearer;
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::*;
+use layerstream_rpc::auth::Bearer;
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::*;
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
 use std::path::{Path, PathBuf};
@@ -303,7 +303,7 @@ fn the_api_key_and_the_internal_token_are_required() {
             .connect()
             .await
             .unwrap();
-        let mut raw = layerstream_proto::v1::worker_client::WorkerClient::new(ch);
+        let mut raw = layerstream_rpc::v1::worker_client::WorkerClient::new(ch);
         let e = raw.info(InfoRequest {}).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{}", e.message());
         assert!(worker_client(w[0].address.clone()).await.info(InfoRequest {}).await.is_ok());
@@ -336,7 +336,7 @@ fn children_die_with_a_killed_up_and_the_next_up_cleans_up() {
     }
     // What a loader that could not clean up would leave: a region of the dead stack's namespace.
     let orphan = format!("{prefix}deadbeef-slot-000");
-    let region = layerstream_proto::shm::ShmRegion::create(&orphan, 4096).unwrap();
+    let region = layerstream_shm::ShmRegion::create(&orphan, 4096).unwrap();
     std::mem::forget(region);
     assert_eq!(shm_left(&prefix).len(), 1);
     let next = Stack::up(&store, &["--workers", "1"]);

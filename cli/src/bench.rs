@@ -8,8 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_coordinator::PlanFlags;
 use layerstream_loader::SlotFlags;
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::{
     generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds,
 };
 use layerstream_worker::server::DeviceFlags;
@@ -250,7 +250,7 @@ pub(crate) fn run_config(
     let m = rt.block_on(workload(&addr, a, vocab))?;
     let micro_batches = rt.block_on(async {
         let mut c = CoordinatorClient::connect(addr.clone()).await?;
-        let plan = c.get_plan(layerstream_proto::v1::GetPlanRequest {}).await?.into_inner();
+        let plan = c.get_plan(layerstream_rpc::v1::GetPlanRequest {}).await?.into_inner();
         Ok::<_, anyhow::Error>(plan.micro_batches)
     })?;
     let up_pid = children.0[0].1.id();
@@ -297,12 +297,12 @@ pub(crate) fn run_config(
 /// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is `up<pid>.sock`
 /// in the runtime dir, its internal token the one `run` put in the environment.
 async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
-    use layerstream_proto::v1::{loader_client::LoaderClient, DescribeRequest};
-    let sock = layerstream_proto::transport::runtime_dir()?.join(format!("up{up_pid}.sock"));
-    let token = std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV).ok();
+    use layerstream_rpc::v1::{loader_client::LoaderClient, DescribeRequest};
+    let sock = layerstream_rpc::transport::runtime_dir()?.join(format!("up{up_pid}.sock"));
+    let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV).ok();
     let bearer =
-        layerstream_proto::auth::Bearer::new(token.as_deref()).map_err(anyhow::Error::msg)?;
-    let ch = layerstream_proto::transport::connect_uds(&sock).await?;
+        layerstream_rpc::auth::Bearer::new(token.as_deref()).map_err(anyhow::Error::msg)?;
+    let ch = layerstream_rpc::transport::connect_uds(&sock).await?;
     let d = LoaderClient::new(bearer.wrap(ch)).describe(DescribeRequest {}).await?.into_inner();
     Ok((d.hits, d.misses))
 }
@@ -376,10 +376,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let model = model_dir.display().to_string();
     // One internal token for the stacks this bench starts (they inherit it), so it can ask their
     // loaders for cache hits and misses. Set before any thread exists.
-    if std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV).is_err() {
+    if std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV).is_err() {
         std::env::set_var(
-            layerstream_proto::auth::INTERNAL_TOKEN_ENV,
-            layerstream_proto::auth::random_hex(),
+            layerstream_rpc::auth::INTERNAL_TOKEN_ENV,
+            layerstream_rpc::auth::random_hex(),
         );
     }
     if let Some(rounds) = a.api_compare {

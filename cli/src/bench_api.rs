@@ -5,8 +5,8 @@
 use crate::bench::{request, BenchArgs};
 use crate::up::{listening_parts, spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{generate_event, generate_request, GenerateRequest};
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::{generate_event, generate_request, GenerateRequest};
 use std::time::Instant;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 

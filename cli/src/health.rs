@@ -24,11 +24,11 @@ pub struct HealthArgs {
 /// Runs the check.
 pub async fn run(a: HealthArgs) -> Result<()> {
     let channel = match a.addr.strip_prefix("unix:") {
-        Some(p) => layerstream_proto::transport::connect_uds(Path::new(p)).await?,
+        Some(p) => layerstream_rpc::transport::connect_uds(Path::new(p)).await?,
         None => {
-            let tls = layerstream_proto::transport::client_tls(a.tls_ca.as_deref())
+            let tls = layerstream_rpc::transport::client_tls(a.tls_ca.as_deref())
                 .map_err(|m| anyhow::anyhow!("--tls-ca: {m}"))?;
-            layerstream_proto::transport::endpoint(&a.addr, tls.as_ref())?.connect().await?
+            layerstream_rpc::transport::endpoint(&a.addr, tls.as_ref())?.connect().await?
         }
     };
     let r = HealthClient::new(channel)

@@ -6,6 +6,7 @@ mod bench_api;
 mod bench_experts;
 mod bench_matvec;
 mod bench_pipeline;
+mod fetch;
 mod health;
 mod hf_export;
 mod otlp_sink;
@@ -182,7 +183,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::MatvecBench(args) => bench_matvec::run(args)?,
-        Cmd::Fetch => println!("{}", layerstream_model::fetch::default_store()?.display()),
+        Cmd::Fetch => println!("{}", crate::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,
         Cmd::Up(args) => up::run(args)?,
         Cmd::Submit(args) => block_on(submit::run(args))?,

@@ -87,8 +87,8 @@ pub async fn run(a: SinkArgs) -> Result<()> {
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(Sink(Mutex::new(file))))
         .serve_with_incoming_shutdown(
-            layerstream_proto::transport::tcp_incoming(listener),
-            layerstream_proto::transport::shutdown_signal(),
+            layerstream_rpc::transport::tcp_incoming(listener),
+            layerstream_rpc::transport::shutdown_signal(),
         )
         .await?;
     Ok(())

@@ -45,7 +45,7 @@ pub struct RunArgs {
 pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
     Ok(match model {
         Some(p) => p.clone(),
-        None => layerstream_model::fetch::default_store()?,
+        None => crate::fetch::default_store()?,
     })
 }
 

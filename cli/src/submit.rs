@@ -4,9 +4,9 @@
 use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use layerstream_proto::auth::Bearer;
-use layerstream_proto::v1::coordinator_client::CoordinatorClient;
-use layerstream_proto::v1::{
+use layerstream_rpc::auth::Bearer;
+use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
+use layerstream_rpc::v1::{
     generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds,
 };
 use std::io::Write;
@@ -86,9 +86,9 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
     let req = request(&a)?;
     let bearer =
         Bearer::new(a.api_key.as_deref()).map_err(|m| anyhow::anyhow!("--api-key: {m}"))?;
-    let tls = layerstream_proto::transport::client_tls(a.tls_ca.as_deref())
+    let tls = layerstream_rpc::transport::client_tls(a.tls_ca.as_deref())
         .map_err(|m| anyhow::anyhow!("--tls-ca: {m}"))?;
-    let channel = layerstream_proto::transport::endpoint(&a.addr, tls.as_ref())?
+    let channel = layerstream_rpc::transport::endpoint(&a.addr, tls.as_ref())?
         .connect()
         .await
         .map_err(|e| no_server(&a.addr, &e))?;

@@ -248,18 +248,18 @@ pub fn run(a: UpArgs) -> Result<()> {
     let model_s = model.display().to_string();
     remove_orphans();
     let ns = format!("up{}", std::process::id());
-    let socket = layerstream_proto::transport::runtime_dir()
+    let socket = layerstream_rpc::transport::runtime_dir()
         .context("the private runtime directory for the loader's socket")?
         .join(format!("{ns}.sock"))
         .display()
         .to_string();
     // The internal APIs' secret: given, or generated for this stack. Children inherit it from the
     // environment (a command line would show it in `ps`). The API key travels the same way.
-    let token = std::env::var(layerstream_proto::auth::INTERNAL_TOKEN_ENV)
+    let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV)
         .ok()
         .filter(|t| !t.trim().is_empty())
-        .unwrap_or_else(layerstream_proto::auth::random_hex);
-    std::env::set_var(layerstream_proto::auth::INTERNAL_TOKEN_ENV, &token);
+        .unwrap_or_else(layerstream_rpc::auth::random_hex);
+    std::env::set_var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV, &token);
     if let Some(k) = &a.api_key {
         std::env::set_var("LAYERSTREAM_API_KEY", k);
     }
@@ -425,15 +425,13 @@ fn remove_orphans() {
                 .map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
     };
     let mut removed = 0;
-    for name in layerstream_proto::shm::list(&format!("{}up", layerstream_proto::shm::PREFIX)) {
-        let rest = &name[layerstream_proto::shm::PREFIX.len() + 2..];
-        if dead(rest.split('-').next().unwrap_or(""))
-            && layerstream_proto::shm::unlink(&name).is_ok()
-        {
+    for name in layerstream_shm::list(&format!("{}up", layerstream_shm::PREFIX)) {
+        let rest = &name[layerstream_shm::PREFIX.len() + 2..];
+        if dead(rest.split('-').next().unwrap_or("")) && layerstream_shm::unlink(&name).is_ok() {
             removed += 1;
         }
     }
-    if let Ok(dir) = layerstream_proto::transport::runtime_dir() {
+    if let Ok(dir) = layerstream_rpc::transport::runtime_dir() {
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             if let Some(pid) = n.strip_prefix("up").and_then(|r| r.strip_suffix(".sock")) {
@@ -450,7 +448,7 @@ fn remove_orphans() {
 
 /// Removes what a loader that died without cleaning up left in /dev/shm.
 fn clean_shm(ns: &str) {
-    let n = layerstream_proto::shm::remove_stale(ns);
+    let n = layerstream_shm::remove_stale(ns);
     if n > 0 {
         eprintln!("layerstream up: removed {n} shared-memory regions left by a stopped loader");
     }

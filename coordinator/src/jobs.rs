@@ -1,7 +1,7 @@
 //! Jobs: groups of requests with an id, their event history (for WatchJob replay), results and state,
 //! and the cancel flags of their sequences.
 
-use layerstream_proto::v1::{generate_event, FinishReason, GenerateEvent, Job, JobState};
+use layerstream_rpc::v1::{generate_event, FinishReason, GenerateEvent, Job, JobState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -22,7 +22,7 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
-    fn finals(&self) -> Vec<layerstream_proto::v1::FinalEvent> {
+    fn finals(&self) -> Vec<layerstream_rpc::v1::FinalEvent> {
         self.history
             .iter()
             .filter_map(|e| match &e.event {
@@ -159,7 +159,7 @@ fn sweep(m: &mut HashMap<String, JobRecord>, retention: Duration, cap: usize, no
 #[cfg(test)]
 mod tests {
     use super::*;
-    use layerstream_proto::v1::FinalEvent;
+    use layerstream_rpc::v1::FinalEvent;
 
     fn record() -> JobRecord {
         let (live, _) = watch::channel(0);

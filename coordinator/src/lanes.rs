@@ -3,7 +3,7 @@
 //! no worker waits for the whole batch. This module holds the pure parts: the `--micro-batches`
 //! setting, how many lanes a plan allows, and which lane each sequence rides next.
 
-use layerstream_proto::v1::Assignment;
+use layerstream_rpc::v1::Assignment;
 use std::fmt;
 use std::str::FromStr;
 

@@ -17,10 +17,10 @@ use clap::Args;
 pub use error::{Error, Result};
 pub use flags::{HttpFlags, PlanFlags, SchedulerFlags};
 use layerstream_model::Store;
-use layerstream_proto::auth::{Bearer, RequireBearer};
-use layerstream_proto::v1::coordinator_server::CoordinatorServer;
-use layerstream_proto::v1::worker_client::WorkerClient;
-use layerstream_proto::v1::{InfoRequest, Plan};
+use layerstream_rpc::auth::{Bearer, RequireBearer};
+use layerstream_rpc::v1::coordinator_server::CoordinatorServer;
+use layerstream_rpc::v1::worker_client::WorkerClient;
+use layerstream_rpc::v1::{InfoRequest, Plan};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -77,7 +77,7 @@ async fn info_with_retry(
     c: &mut pipeline::WorkerConn,
     addr: &str,
     wait: Duration,
-) -> Result<layerstream_proto::v1::InfoResponse> {
+) -> Result<layerstream_rpc::v1::InfoResponse> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         match c.info(InfoRequest {}).await {
@@ -137,7 +137,7 @@ fn store_name(dir: &std::path::Path) -> String {
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
 pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let tracing_guard =
-        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
+        layerstream_telemetry::init_tracing(args.otlp_endpoint.as_deref(), "coordinator");
     let store = Store::open(&args.model)?;
     let tokenizer = Arc::new(store.tokenizer()?);
     let addrs = resolve_workers(
@@ -151,14 +151,14 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let api_guard = RequireBearer::new(args.api_key.as_deref(), "API key")
         .map_err(|m| Error::Setup(format!("--api-key: {m}")))?;
     let tls =
-        layerstream_proto::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
+        layerstream_rpc::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
             .map_err(Error::Setup)?;
-    let worker_tls = layerstream_proto::transport::client_tls(args.tls_ca.as_deref())
+    let worker_tls = layerstream_rpc::transport::client_tls(args.tls_ca.as_deref())
         .map_err(|m| Error::Setup(format!("--tls-ca: {m}")))?;
     let mut workers = Vec::new();
     for addr in &addrs {
         let channel =
-            bearer.clone().wrap(layerstream_proto::transport::channel(addr, worker_tls.as_ref())?);
+            bearer.clone().wrap(layerstream_rpc::transport::channel(addr, worker_tls.as_ref())?);
         let mut c = WorkerClient::new(channel)
             .max_decoding_message_size(1 << 30)
             .max_encoding_message_size(1 << 30);
@@ -295,14 +295,13 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
         });
         tracing::info!(addr = %l.local_addr()?, "OpenAI API, /metrics and the live page served over HTTP");
         tokio::spawn(async move {
-            if let Err(e) = http::serve(l, h, layerstream_proto::transport::shutdown_signal()).await
-            {
+            if let Err(e) = http::serve(l, h, layerstream_rpc::transport::shutdown_signal()).await {
                 tracing::error!(error = %e, "the HTTP server stopped");
             }
         });
     }
     let (_health, health_svc) =
-        layerstream_proto::transport::health::<CoordinatorServer<service::CoordinatorService>>()
+        layerstream_rpc::transport::health::<CoordinatorServer<service::CoordinatorService>>()
             .await;
     let mut server = tonic::transport::Server::builder();
     if let Some(t) = tls {
@@ -310,12 +309,12 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     }
     server
         .add_service(health_svc)
-        .add_service(layerstream_proto::transport::reflection())
-        .add_service(layerstream_proto::transport::reflection_v1alpha())
+        .add_service(layerstream_rpc::transport::reflection())
+        .add_service(layerstream_rpc::transport::reflection_v1alpha())
         .add_service(InterceptedService::new(CoordinatorServer::from_arc(svc), api_guard))
         .serve_with_incoming_shutdown(
-            layerstream_proto::transport::tcp_incoming(listener),
-            layerstream_proto::transport::shutdown_signal(),
+            layerstream_rpc::transport::tcp_incoming(listener),
+            layerstream_rpc::transport::shutdown_signal(),
         )
         .await?;
     tracing_guard.flush();

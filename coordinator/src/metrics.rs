@@ -3,7 +3,7 @@
 //! the loader's cache counters and worker liveness (from the workers' Info, read at scrape time), so
 //! one scrape of the coordinator sees every process. Also keeps the last steps for the live page.
 
-use layerstream_proto::v1::{FinishReason, InfoResponse, LayerTiming};
+use layerstream_rpc::v1::{FinishReason, InfoResponse, LayerTiming};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -404,7 +404,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 #[cfg(test)]
 mod tests {
     use super::*;
-    use layerstream_proto::v1::LoaderStats;
+    use layerstream_rpc::v1::LoaderStats;
 
     #[test]
     fn exposition_names_are_prefixed_and_counts_add_up() {

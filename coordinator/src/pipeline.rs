@@ -9,13 +9,13 @@
 use crate::error::{Error, Result};
 use crate::planner::{PlanOptions, WorkerSpec};
 use layerstream_model::Manifest;
-use layerstream_proto::auth::Authed;
-use layerstream_proto::telemetry::traced_request;
-use layerstream_proto::v1::worker_client::WorkerClient;
-use layerstream_proto::v1::{
+use layerstream_rpc::auth::Authed;
+use layerstream_rpc::v1::worker_client::WorkerClient;
+use layerstream_rpc::v1::{
     AssignResponse, Assignment, InfoRequest, InfoResponse, LayerTiming, Plan, ReleaseRequest,
     StepRequest, StepSeq,
 };
+use layerstream_telemetry::traced_request;
 use std::collections::VecDeque;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -118,7 +118,7 @@ pub struct Runner {
 pub struct StepResult {
     pub tokens: Vec<u32>,
     /// Log-probabilities per sequence (empty when no sequence asked for them).
-    pub logprobs: Vec<layerstream_proto::v1::TokenLogprobs>,
+    pub logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
     pub layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
     pub layers_ms: f64,
@@ -240,7 +240,7 @@ impl Pipeline {
         let specs: Vec<WorkerSpec> = members.iter().map(|&i| r.workers[i].0.clone()).collect();
         let mut plans = crate::planner::plan(&r.manifest, &specs, &r.opts)?;
         // One id for this plan: a worker that reports another (or none) lost it.
-        let id = layerstream_proto::auth::random_hex();
+        let id = layerstream_rpc::auth::random_hex();
         let (micro_batches, why) = crate::lanes::choose(r.micro_batches, &plans);
         tracing::info!(micro_batches, reason = %why, "micro-batches");
         // One trace per plan: every worker's `assign` (and the loads under it) inside it.

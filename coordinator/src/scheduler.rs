@@ -11,7 +11,7 @@
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
-use layerstream_proto::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
+use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -149,7 +149,7 @@ fn final_event(
     req: &SeqRequest,
     output: &[u32],
     text: &str,
-    stats: layerstream_proto::v1::Stats,
+    stats: layerstream_rpc::v1::Stats,
     reason: FinishReason,
     error: String,
 ) -> GenerateEvent {
@@ -484,7 +484,7 @@ impl Scheduler {
             // rode; the first carries the workers' spans, the others link to it.
             let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64, micro_batch = lane as i64)).collect();
             for s in &spans[1..] {
-                layerstream_proto::telemetry::link(s, &spans[0]);
+                layerstream_telemetry::link(s, &spans[0]);
             }
             let runner = self.pipeline.runner();
             let release = std::mem::take(&mut fl.release);

@@ -5,8 +5,8 @@
 use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
 use layerstream_model::{check_request, GenerateParams, Message, SamplingParams, Tokenizer};
-use layerstream_proto::v1::coordinator_server::Coordinator;
-use layerstream_proto::v1::*;
+use layerstream_rpc::v1::coordinator_server::Coordinator;
+use layerstream_rpc::v1::*;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use tracing::{info, info_span, instrument};
 /// A job id no other client can guess (128 random bits from the kernel), so nobody watches or
 /// cancels a job they were not given.
 pub fn random_job_id() -> String {
-    format!("job-{}", layerstream_proto::auth::random_hex())
+    format!("job-{}", layerstream_rpc::auth::random_hex())
 }
 
 /// Bytes of prompt text allowed per token of context before tokenizing: a BPE token rarely spans more
@@ -59,7 +59,7 @@ pub struct CoordinatorService {
 /// context the client sent (W3C traceparent), never of whatever context the thread last held.
 fn rpc_span(name: &'static str, meta: &tonic::metadata::MetadataMap) -> tracing::Span {
     let span = info_span!(parent: None, "rpc", otel.name = name);
-    layerstream_proto::telemetry::adopt_parent(&span, meta);
+    layerstream_telemetry::adopt_parent(&span, meta);
     span
 }
 
@@ -167,7 +167,7 @@ impl CoordinatorService {
         let job_id = random_job_id();
         // Under the API call's span (gRPC handler or HTTP request): one request, one trace.
         let span = info_span!(parent: tracing::Span::current(), "job", job_id = %job_id, requests = requests.len() as i64);
-        let trace_id = layerstream_proto::telemetry::trace_id(&span);
+        let trace_id = layerstream_telemetry::trace_id(&span);
         let cancels: Vec<Arc<AtomicBool>> =
             prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
         let (live, _) = watch::channel(0usize);

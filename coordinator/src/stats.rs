@@ -1,7 +1,7 @@
 //! Per-request accounting of where time went: bytes streamed, transfer, compute and stall time over
 //! the steps a request rode, turned into the `Stats` message (tokens/s, overlap %).
 
-use layerstream_proto::v1::{LayerTiming, Stats};
+use layerstream_rpc::v1::{LayerTiming, Stats};
 use std::time::Duration;
 
 /// Sums over the steps of one request.

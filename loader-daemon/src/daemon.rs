@@ -5,10 +5,10 @@ use crate::pool::{Acquire, Pool};
 use crate::read::read_into;
 use layerstream_model::layout::{layer_file, unit_file, unit_label};
 use layerstream_model::Store;
-use layerstream_proto::shm::{slot_name, ShmRegion};
-use layerstream_proto::telemetry::adopt_parent;
-use layerstream_proto::v1::loader_server::Loader;
-use layerstream_proto::v1::*;
+use layerstream_rpc::v1::loader_server::Loader;
+use layerstream_rpc::v1::*;
+use layerstream_shm::{slot_name, ShmRegion};
+use layerstream_telemetry::adopt_parent;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -51,12 +51,12 @@ impl Daemon {
         slot_size: usize,
         depth: usize,
     ) -> crate::Result<Daemon> {
-        let removed = layerstream_proto::shm::remove_stale(ns);
+        let removed = layerstream_shm::remove_stale(ns);
         if removed > 0 {
             warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
         }
         let slot_size = slot_size.div_ceil(4096) * 4096;
-        let instance = &layerstream_proto::auth::random_hex()[..8];
+        let instance = &layerstream_rpc::auth::random_hex()[..8];
         let mut slots = Vec::with_capacity(n);
         for i in 0..n {
             let name = slot_name(ns, instance, i);
@@ -290,7 +290,7 @@ impl Daemon {
 /// The gRPC face of the daemon.
 pub struct LoaderService {
     pub daemon: Arc<Daemon>,
-    pub health: layerstream_proto::transport::Health,
+    pub health: layerstream_rpc::transport::Health,
 }
 
 impl LoaderService {

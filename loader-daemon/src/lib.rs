@@ -11,7 +11,7 @@ pub mod read;
 use clap::Args;
 pub use error::{Error, Result};
 use layerstream_model::Store;
-use layerstream_proto::v1::loader_server::LoaderServer;
+use layerstream_rpc::v1::loader_server::LoaderServer;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -102,7 +102,7 @@ pub struct LoaderArgs {
 /// Runs the daemon until SIGINT/SIGTERM; prints `LISTENING unix:<socket>` when ready.
 pub async fn run(args: LoaderArgs) -> Result<()> {
     let _tracing =
-        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
+        layerstream_telemetry::init_tracing(args.otlp_endpoint.as_deref(), "loader-daemon");
     let mut store = Store::open(&args.model)?;
     store.verify = !args.pool.no_verify;
     let slot_size = args.slot_size.unwrap_or(store.manifest.max_unit_bytes() as usize);
@@ -123,14 +123,12 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
     tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
     let socket = match &args.socket {
         Some(p) => p.clone(),
-        None => layerstream_proto::transport::default_loader_socket()
+        None => layerstream_rpc::transport::default_loader_socket()
             .map_err(|source| Error::Bind { path: "the runtime directory".into(), source })?,
     };
-    let guard = layerstream_proto::auth::RequireBearer::new(
-        args.internal_token.as_deref(),
-        "internal token",
-    )
-    .map_err(|m| Error::Config(format!("--internal-token: {m}")))?;
+    let guard =
+        layerstream_rpc::auth::RequireBearer::new(args.internal_token.as_deref(), "internal token")
+            .map_err(|m| Error::Config(format!("--internal-token: {m}")))?;
     let _ = std::fs::remove_file(&socket);
     // SAFETY: umask has no preconditions; the socket is created 0600 whatever the caller's umask
     // (the mode is set again below, for filesystems that ignore it at bind).
@@ -146,18 +144,18 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
     }
     println!("LISTENING unix:{}", socket.display());
     let (health, health_svc) =
-        layerstream_proto::transport::health::<LoaderServer<daemon::LoaderService>>().await;
+        layerstream_rpc::transport::health::<LoaderServer<daemon::LoaderService>>().await;
     let server = tonic::transport::Server::builder()
         .add_service(health_svc)
-        .add_service(layerstream_proto::transport::reflection())
-        .add_service(layerstream_proto::transport::reflection_v1alpha())
+        .add_service(layerstream_rpc::transport::reflection())
+        .add_service(layerstream_rpc::transport::reflection_v1alpha())
         .add_service(tonic::service::interceptor::InterceptedService::new(
             LoaderServer::new(daemon::LoaderService { daemon: daemon.clone(), health }),
             guard,
         ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::UnixListenerStream::new(listener),
-            layerstream_proto::transport::shutdown_signal(),
+            layerstream_rpc::transport::shutdown_signal(),
         );
     let res = server.await;
     let _ = std::fs::remove_file(&socket);

@@ -5,7 +5,6 @@
 
 pub mod config;
 pub mod error;
-pub mod fetch;
 pub mod generation;
 pub mod gguf;
 pub mod gguf_export;

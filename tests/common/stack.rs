@@ -1,9 +1,9 @@
 //! Starting the real stack (`layerstream up`) and the OTLP sink as child processes in tests; they
 //! are stopped with SIGTERM when the guard drops, and /dev/shm is checked clean afterwards.
 
-use layerstream_proto::auth::{Authed, Bearer};
-use layerstream_proto::v1::loader_client::LoaderClient;
-use layerstream_proto::v1::worker_client::WorkerClient;
+use layerstream_rpc::auth::{Authed, Bearer};
+use layerstream_rpc::v1::loader_client::LoaderClient;
+use layerstream_rpc::v1::worker_client::WorkerClient;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -93,7 +93,7 @@ impl Stack {
         args.extend_from_slice(&["--http-listen", "127.0.0.1:0"]);
         args.extend_from_slice(extra);
         let mut envs = envs.to_vec();
-        envs.push((layerstream_proto::auth::INTERNAL_TOKEN_ENV, INTERNAL_TOKEN));
+        envs.push((layerstream_rpc::auth::INTERNAL_TOKEN_ENV, INTERNAL_TOKEN));
         Stack { proc: Proc::start(&args, &envs) }
     }
 
@@ -113,14 +113,14 @@ impl Stack {
 
     /// The loader's control socket (in the user's private runtime directory).
     pub fn loader_socket(&self) -> std::path::PathBuf {
-        layerstream_proto::transport::runtime_dir()
+        layerstream_rpc::transport::runtime_dir()
             .unwrap()
             .join(format!("up{}.sock", self.proc.child.id()))
     }
 
     /// A client of this stack's loader daemon, with the internal token.
     pub async fn loader_client(&self) -> LoaderClient<Authed> {
-        let ch = layerstream_proto::transport::connect_uds(&self.loader_socket()).await.unwrap();
+        let ch = layerstream_rpc::transport::connect_uds(&self.loader_socket()).await.unwrap();
         LoaderClient::new(Bearer::new(Some(INTERNAL_TOKEN)).unwrap().wrap(ch))
     }
 
@@ -253,20 +253,19 @@ pub fn traced_stack_of(
 /// Sequences holding KV caches on the workers of the stack at `addr`, summed.
 pub async fn live_sequences(addr: &str) -> u32 {
     let mut c =
-        layerstream_proto::v1::coordinator_client::CoordinatorClient::connect(addr.to_owned())
+        layerstream_rpc::v1::coordinator_client::CoordinatorClient::connect(addr.to_owned())
             .await
             .unwrap();
     let mut total = 0;
     for w in c
-        .list_workers(layerstream_proto::v1::ListWorkersRequest {})
+        .list_workers(layerstream_rpc::v1::ListWorkersRequest {})
         .await
         .unwrap()
         .into_inner()
         .workers
     {
         let mut wc = worker_client(w.address).await;
-        total +=
-            wc.info(layerstream_proto::v1::InfoRequest {}).await.unwrap().into_inner().sequences;
+        total += wc.info(layerstream_rpc::v1::InfoRequest {}).await.unwrap().into_inner().sequences;
     }
     total
 }

@@ -14,7 +14,7 @@ use crate::stream::LoaderLink;
 use layerstream_kernels::Backend;
 use layerstream_model::layout::{expert_file, expert_unit};
 use layerstream_model::{ModelConfig, Store};
-use layerstream_proto::telemetry::TraceParent;
+use layerstream_telemetry::TraceParent;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;

@@ -7,8 +7,8 @@
 //! when a step outgrows them, unlinked when the worker stops, and removed by the next worker to start
 //! on the host when their process died without doing so.
 
-use layerstream_proto::shm::{self, ShmRegion};
-use layerstream_proto::v1::HiddenRef;
+use layerstream_rpc::v1::HiddenRef;
+use layerstream_shm::{self as shm, ShmRegion};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;

@@ -13,7 +13,7 @@ use crate::weights::LayerWeights;
 use layerstream_kernels::Backend;
 use layerstream_model::layout::layer_file;
 use layerstream_model::{ModelConfig, Store};
-use layerstream_proto::telemetry::TraceParent;
+use layerstream_telemetry::TraceParent;
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -255,7 +255,7 @@ mod tests {
     use super::*;
     use layerstream_kernels::CpuBackend;
     use layerstream_loader::daemon::{Daemon, LoaderService};
-    use layerstream_proto::v1::loader_server::LoaderServer;
+    use layerstream_rpc::v1::loader_server::LoaderServer;
 
     /// A loader daemon serving `store` on a Unix socket in `rt`, and a link to it.
     fn loader(rt: &tokio::runtime::Runtime, store: &Store, dir: &std::path::Path) -> LoaderLink {
@@ -268,14 +268,14 @@ mod tests {
         let listener = rt.block_on(async { tokio::net::UnixListener::bind(&sock) }).unwrap();
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let (health, _) =
-            rt.block_on(layerstream_proto::transport::health::<LoaderServer<LoaderService>>());
+            rt.block_on(layerstream_rpc::transport::health::<LoaderServer<LoaderService>>());
         rt.spawn(
             tonic::transport::Server::builder()
                 .add_service(LoaderServer::new(LoaderService { daemon, health }))
                 .serve_with_incoming(incoming),
         );
-        let channel = rt.block_on(layerstream_proto::transport::connect_uds(&sock)).unwrap();
-        let channel = layerstream_proto::auth::Bearer::default().wrap(channel);
+        let channel = rt.block_on(layerstream_rpc::transport::connect_uds(&sock)).unwrap();
+        let channel = layerstream_rpc::auth::Bearer::default().wrap(channel);
         LoaderLink::new(channel, "w0".into(), rt.handle().clone())
     }
 

@@ -5,7 +5,7 @@
 use layerstream_kernels::host::check_logits;
 pub use layerstream_kernels::sampling::{choose, Pick};
 pub use layerstream_model::SamplingParams;
-use layerstream_proto::v1::TokenLogprobs;
+use layerstream_rpc::v1::TokenLogprobs;
 
 /// A sampler with its own random stream.
 #[derive(Debug, Clone)]

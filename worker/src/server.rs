@@ -4,8 +4,8 @@ use crate::device::Device;
 use crate::service::{WorkerService, WorkerState};
 use clap::Args;
 use layerstream_model::Store;
-use layerstream_proto::auth::{Bearer, RequireBearer};
-use layerstream_proto::v1::worker_server::WorkerServer;
+use layerstream_rpc::auth::{Bearer, RequireBearer};
+use layerstream_rpc::v1::worker_server::WorkerServer;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use tonic::service::interceptor::InterceptedService;
@@ -126,8 +126,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// Runs a worker until SIGINT/SIGTERM.
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {
-    let _tracing =
-        layerstream_proto::telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
+    let _tracing = layerstream_telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
     args.device.apply_threads()?;
     let backend = Device::open(&args.device.device)?;
     let budget = backend.budget(args.device.memory_budget)?;
@@ -151,13 +150,13 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         _ => addr.ip().to_string(),
     };
     let tls =
-        layerstream_proto::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
+        layerstream_rpc::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
             .map_err(|m| crate::Error::Request(format!("TLS: {m}")))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let id = args.advertise.clone().unwrap_or_else(|| format!("{scheme}://{host}:{}", addr.port()));
     let loader_socket = match &args.loader_socket {
         Some(p) => p.clone(),
-        None => layerstream_proto::transport::default_loader_socket()?,
+        None => layerstream_rpc::transport::default_loader_socket()?,
     };
     let token = args.internal_token.as_deref();
     let guard = RequireBearer::new(token, "internal token")
@@ -169,7 +168,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         eprintln!("warning: worker listening on {addr} without an internal token (LAYERSTREAM_INTERNAL_TOKEN)");
     }
     let (health, health_svc) =
-        layerstream_proto::transport::health::<WorkerServer<WorkerService>>().await;
+        layerstream_rpc::transport::health::<WorkerServer<WorkerService>>().await;
     let concurrent = match args.device.concurrent_threads {
         Some(n) if n != layerstream_kernels::cpu::threads::cpu_threads() => {
             Some(layerstream_kernels::cpu::threads::ComputePool::new(n)?)
@@ -204,8 +203,8 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     }
     server
         .add_service(health_svc)
-        .add_service(layerstream_proto::transport::reflection())
-        .add_service(layerstream_proto::transport::reflection_v1alpha())
+        .add_service(layerstream_rpc::transport::reflection())
+        .add_service(layerstream_rpc::transport::reflection_v1alpha())
         .add_service(InterceptedService::new(
             WorkerServer::new(WorkerService(state.clone()))
                 .max_decoding_message_size(1 << 30)
@@ -213,8 +212,8 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
             guard,
         ))
         .serve_with_incoming_shutdown(
-            layerstream_proto::transport::tcp_incoming(listener),
-            layerstream_proto::transport::shutdown_signal(),
+            layerstream_rpc::transport::tcp_incoming(listener),
+            layerstream_rpc::transport::shutdown_signal(),
         )
         .await?;
     // Whatever still holds the state, the hand-off regions go now.

@@ -6,9 +6,9 @@ use crate::stage::StepSeq;
 use crate::stream::LoaderLink;
 use layerstream_model::plan::{usage, AssignmentExt};
 use layerstream_model::Store;
-use layerstream_proto::telemetry::adopt_parent;
-use layerstream_proto::v1::worker_server::Worker;
-use layerstream_proto::v1::*;
+use layerstream_rpc::v1::worker_server::Worker;
+use layerstream_rpc::v1::*;
+use layerstream_telemetry::adopt_parent;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,10 +31,10 @@ pub struct WorkerState {
     pub store: Store,
     pub loader_socket: PathBuf,
     /// The internal token sent to the loader.
-    pub loader_bearer: layerstream_proto::auth::Bearer,
+    pub loader_bearer: layerstream_rpc::auth::Bearer,
     /// gRPC health, reported NOT_SERVING when the worker can no longer be trusted (a step panicked,
     /// the device failed) so an orchestrator restarts it.
-    pub health: layerstream_proto::transport::Health,
+    pub health: layerstream_rpc::transport::Health,
     /// Locked only on blocking threads: a runtime thread waiting on it could starve the gRPC
     /// connections a step's copy thread needs.
     pub stage: Arc<Mutex<Option<AnyStage>>>,
@@ -55,10 +55,9 @@ pub struct WorkerState {
 /// second: Info must stay quick for the coordinator's health checks).
 async fn loader_stats(s: &WorkerState) -> Option<LoaderStats> {
     let ask = async {
-        let ch = layerstream_proto::transport::connect_uds(&s.loader_socket).await.ok()?;
-        let mut c = layerstream_proto::v1::loader_client::LoaderClient::new(
-            s.loader_bearer.clone().wrap(ch),
-        );
+        let ch = layerstream_rpc::transport::connect_uds(&s.loader_socket).await.ok()?;
+        let mut c =
+            layerstream_rpc::v1::loader_client::LoaderClient::new(s.loader_bearer.clone().wrap(ch));
         let d = c.describe(DescribeRequest {}).await.ok()?.into_inner();
         // Slot names are `<namespace>-slot-NNN`: the namespace names the daemon.
         let namespace =
@@ -186,7 +185,7 @@ impl Worker for WorkerService {
             )));
         }
         let channel =
-            layerstream_proto::transport::connect_uds(&s.loader_socket).await.map_err(|e| {
+            layerstream_rpc::transport::connect_uds(&s.loader_socket).await.map_err(|e| {
                 Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display()))
             })?;
         let rt = tokio::runtime::Handle::current();

@@ -14,7 +14,7 @@ use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::{Backend, RowPick};
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
-use layerstream_proto::telemetry::TraceParent;
+use layerstream_telemetry::TraceParent;
 use std::collections::HashMap;
 use std::time::Instant;
 use tracing::{info_span, Span};
@@ -51,7 +51,7 @@ pub struct StepOut {
     pub hidden: Vec<f32>,
     pub tokens: Vec<u32>,
     /// Log-probabilities per sequence (last worker; None where not asked for), in `tokens` order.
-    pub logprobs: Vec<Option<layerstream_proto::v1::TokenLogprobs>>,
+    pub logprobs: Vec<Option<layerstream_rpc::v1::TokenLogprobs>>,
     pub layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
     pub layers_ms: f64,

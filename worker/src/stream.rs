@@ -2,11 +2,11 @@
 //! the slot. Slot mappings are opened once and reused (and registered with the device once).
 
 use crate::error::{Error, Result};
-use layerstream_proto::auth::Authed;
-use layerstream_proto::shm::ShmRegion;
-use layerstream_proto::telemetry::traced_request;
-use layerstream_proto::v1::loader_client::LoaderClient;
-use layerstream_proto::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
+use layerstream_rpc::auth::Authed;
+use layerstream_rpc::v1::loader_client::LoaderClient;
+use layerstream_rpc::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
+use layerstream_shm::ShmRegion;
+use layerstream_telemetry::traced_request;
 use std::collections::HashMap;
 
 /// A connection to the loader daemon plus the slot regions mapped so far.

@@ -9,7 +9,7 @@ use super::Http;
 use axum::http::HeaderValue;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use layerstream_proto::v1::{
+use layerstream_rpc::v1::{
     generate_event, generate_request, FinalEvent, FinishReason, GenerateEvent, GenerateRequest,
     TokenIds, TokenLogprobs,
 };

