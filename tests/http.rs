@@ -198,6 +198,21 @@ fn curl_sees_raw_sse_and_a_client_that_hangs_up_cancels_its_job() {
     ]);
     assert_eq!(code, 400, "{b}");
     assert_eq!(json_of(&b)["error"]["param"], "temperature", "{b}");
+    // A refusal of the shared request path (past the model's context) names its parameter too.
+    let completions = format!("{}/v1/completions", stack.http());
+    let (code, b) = status(&[
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        r#"{"prompt": "x", "max_tokens": 100000}"#,
+        &completions,
+    ]);
+    assert_eq!(code, 400, "{b}");
+    assert_eq!(json_of(&b)["error"]["param"], "max_tokens", "{b}");
+    assert!(
+        json_of(&b)["error"]["message"].as_str().unwrap().starts_with("max_new_tokens: "),
+        "{b}"
+    );
     let (code, b) = status(&["-H", "Content-Type: application/json", "-d", "{not json", &url]);
     assert_eq!(code, 400, "{b}");
     assert_eq!(json_of(&b)["error"]["type"], "invalid_request_error");

@@ -10,6 +10,7 @@ use layerstream_tests::*;
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use tonic_types::StatusExt;
 
 /// A `layerstream submit` process generating a long answer, returned once its first text arrived.
 fn long_submit(addr: &str) -> std::process::Child {
@@ -357,7 +358,10 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
                 .step(StepRequest { seqs, hidden, ..Default::default() })
                 .await
                 .unwrap_err();
-            out.push((st.code(), st.message().to_owned(), field));
+            // The field travels as a google.rpc.BadRequest violation too, not only in the text.
+            let violation =
+                st.get_details_bad_request().map(|b| b.field_violations[0].field.clone());
+            out.push((st.code(), st.message().to_owned(), field, violation));
         }
         let h = ws[1].address.clone();
         let mut second = worker_client(h).await;
@@ -365,9 +369,10 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
         (out, info.sequences)
     });
     let (out, live) = refusals;
-    for (code, msg, field) in &out {
+    for (code, msg, field, violation) in &out {
         assert_eq!(*code, tonic::Code::InvalidArgument, "{msg}");
         assert!(msg.starts_with(field), "{msg} should name {field}");
+        assert_eq!(violation.as_deref(), Some(*field), "{msg}");
     }
     assert_eq!(live, 0, "a refused step leaves no sequence behind");
     let v = submit(stack.addr(), &args);
@@ -434,6 +439,20 @@ fn a_full_queue_refuses_at_once_and_frees_on_cancel() {
         let err = c.submit_job(SubmitJobRequest { requests: vec![huge] }).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert!(err.message().contains("bytes exceed"), "{}", err.message());
+        let field = |s: &tonic::Status| {
+            s.get_details_bad_request().unwrap().field_violations[0].field.clone()
+        };
+        assert_eq!(field(&err), "requests[0].prompt");
+        // Generate takes one request: its fields are named without a job index.
+        let bad = GenerateRequest {
+            input: Some(generate_request::Input::Prompt("hi".into())),
+            sampling: Some(Sampling { top_p: -1.0, ..Default::default() }),
+            ..Default::default()
+        };
+        let err = c.generate(bad).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert_eq!(field(&err), "sampling.top_p", "{}", err.message());
+        assert!(err.message().starts_with("top_p: "), "{}", err.message());
     });
     stack.shutdown();
 }

@@ -192,18 +192,18 @@ async fn workload(addr: &str, a: &BenchArgs, vocab: usize) -> Result<Measured> {
             let mut s = c.generate(req).await?.into_inner();
             while let Some(ev) = s.message().await? {
                 if let Some(generate_event::Event::Done(d)) = ev.event {
-                    return Ok::<_, tonic::Status>((
+                    return Ok::<_, anyhow::Error>((
                         d.output_ids.len() as u64,
                         d.stats.unwrap_or_default(),
                     ));
                 }
             }
-            Err(tonic::Status::aborted("stream ended early"))
+            Err(anyhow::anyhow!("stream ended early"))
         }));
     }
     let mut m = Measured { tokens: 0, wall_s: 0.0, stats: Vec::new() };
     for t in tasks {
-        let (n, st) = t.await?.map_err(|s| anyhow::anyhow!("request failed: {}", s.message()))?;
+        let (n, st) = t.await?.map_err(|e| anyhow::anyhow!("request failed: {e}"))?;
         m.tokens += n;
         m.stats.push(st);
     }

@@ -70,11 +70,12 @@ impl TraceService for Sink {
                         "parent_span_id": hex(&s.parent_span_id), "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
                         "attributes": attrs, "links": links,
                     });
-                    writeln!(f, "{line}").map_err(|e| Status::internal(e.to_string()))?;
+                    writeln!(f, "{line}")
+                        .map_err(|e| layerstream_rpc::Error::Internal(e.to_string()))?;
                 }
             }
         }
-        f.flush().map_err(|e| Status::internal(e.to_string()))?;
+        f.flush().map_err(|e| layerstream_rpc::Error::Internal(e.to_string()))?;
         Ok(Response::new(ExportTraceServiceResponse { partial_success: None }))
     }
 }

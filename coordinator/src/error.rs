@@ -1,4 +1,8 @@
-//! The coordinator's error type, mapped once to gRPC status codes at the service edge.
+//! The coordinator's error type, mapped once to gRPC statuses here (a refused request carries its
+//! field as a `google.rpc.BadRequest` violation) and once to OpenAI errors in `http::error`.
+
+use layerstream_model::RequestError;
+use tonic_types::{ErrorDetails, StatusExt};
 
 /// What can stop the coordinator starting or fail a step.
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +20,18 @@ pub enum Error {
     Setup(String),
     #[error("binding {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
+    /// A request a client must fix.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// The queue is full: retry later.
+    #[error("{0}")]
+    Busy(String),
+    /// No job by that id (never made, or forgotten).
+    #[error("no job {0}")]
+    NoJob(String),
+    /// A job's request ended in error after it was queued.
+    #[error("{0}")]
+    Aborted(String),
     #[error(transparent)]
     Model(#[from] layerstream_model::Error),
     #[error(transparent)]
@@ -29,6 +45,23 @@ impl Error {
     pub fn is_permanent(&self) -> bool {
         matches!(self, Error::Corrupt { .. })
     }
+
+    /// The same error about a job's only request (a door that takes one request per call).
+    pub fn single(self) -> Self {
+        match self {
+            Error::Request(r) => Error::Request(r.single()),
+            other => other,
+        }
+    }
+
+    /// The `reason` label of `layerstream_requests_rejected_total` for a refused request.
+    pub fn reject_reason(&self) -> &'static str {
+        match self {
+            Error::Busy(_) => "resource_exhausted",
+            Error::Request(_) => "invalid_argument",
+            _ => "unavailable",
+        }
+    }
 }
 
 /// Result alias for the coordinator crate.
@@ -37,12 +70,14 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
         match &e {
-            Error::Model(layerstream_model::Error::Request { .. }) => {
-                tonic::Status::invalid_argument(e.to_string())
-            }
-            Error::Model(
-                layerstream_model::Error::Tokenizer(_) | layerstream_model::Error::Template(_),
-            ) => tonic::Status::invalid_argument(e.to_string()),
+            Error::Request(r) => tonic::Status::with_error_details(
+                tonic::Code::InvalidArgument,
+                r.to_string(),
+                ErrorDetails::with_bad_request_violation(r.field_path(), r.describe()),
+            ),
+            Error::Busy(_) => tonic::Status::resource_exhausted(e.to_string()),
+            Error::NoJob(_) => tonic::Status::not_found(e.to_string()),
+            Error::Aborted(_) => tonic::Status::aborted(e.to_string()),
             Error::StepTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
             Error::Worker { .. } | Error::Transport(_) => tonic::Status::unavailable(e.to_string()),
             Error::Corrupt { .. } => tonic::Status::data_loss(e.to_string()),
@@ -60,15 +95,16 @@ mod tests {
     #[test]
     fn errors_map_to_the_status_a_client_can_act_on() {
         let code = |e: Error| tonic::Status::from(e).code();
-        let bad = layerstream_model::Error::Request {
-            field: "top_p".into(),
-            msg: "must be in (0, 1]".into(),
-        };
-        assert_eq!(code(bad.into()), Code::InvalidArgument);
-        assert_eq!(
-            code(layerstream_model::Error::Template("no template".into()).into()),
-            Code::InvalidArgument
-        );
+        let bad = RequestError::new(layerstream_model::Field::TopP, "must be in (0, 1]");
+        let status = tonic::Status::from(Error::from(bad.in_request(1)));
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(status.message(), "request 1: top_p: must be in (0, 1]");
+        let v = &status.get_details_bad_request().expect("a BadRequest detail").field_violations;
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].field, "requests[1].sampling.top_p");
+        assert_eq!(v[0].description, "top_p: must be in (0, 1]");
+        assert_eq!(code(Error::Busy("full".into())), Code::ResourceExhausted);
+        assert_eq!(code(Error::NoJob("job-1".into())), Code::NotFound);
         let timeout =
             Error::StepTimeout { worker: "w".into(), timeout: std::time::Duration::from_secs(1) };
         assert_eq!(code(timeout), Code::DeadlineExceeded);

@@ -4,7 +4,9 @@
 
 use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
-use layerstream_model::{check_request, GenerateParams, Message, SamplingParams, Tokenizer};
+use layerstream_model::{
+    check_request, Field, GenerateParams, Message, RequestError, SamplingParams, Tokenizer,
+};
 use layerstream_rpc::v1::coordinator_server::Coordinator;
 use layerstream_rpc::v1::*;
 use std::pin::Pin;
@@ -67,8 +69,7 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 impl CoordinatorService {
     /// The request's prompt as token ids (chat rendered through the template), bounded first.
-    pub(crate) fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
-        let bad = |e: layerstream_model::Error| Status::from(crate::Error::from(e));
+    pub(crate) fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, RequestError> {
         // Bounded before tokenizing: a multi-megabyte prompt cannot fit the context anyway, and
         // tokenizing it would cost seconds of CPU and hundreds of MB.
         let bytes = match &r.input {
@@ -80,13 +81,17 @@ impl CoordinatorService {
         };
         let most = prompt_byte_limit(self.context);
         if bytes > most {
-            return Err(Status::invalid_argument(format!(
-                "prompt: {bytes} bytes exceed the {most}-byte bound ({PROMPT_BYTES_PER_TOKEN} bytes a token of the model's {}-token context)",
+            return Err(RequestError::new(Field::Prompt, format!(
+                "{bytes} bytes exceed the {most}-byte bound ({PROMPT_BYTES_PER_TOKEN} bytes a token of the model's {}-token context)",
                 self.context
             )));
         }
+        let bad =
+            |field| move |e: layerstream_model::Error| RequestError::new(field, e.to_string());
         match &r.input {
-            Some(generate_request::Input::Prompt(p)) => self.tokenizer.encode(p).map_err(bad),
+            Some(generate_request::Input::Prompt(p)) => {
+                self.tokenizer.encode(p).map_err(bad(Field::Prompt))
+            }
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
             Some(generate_request::Input::Chat(c)) => {
                 let msgs: Vec<Message> = c
@@ -95,13 +100,13 @@ impl CoordinatorService {
                     .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
                     .collect();
                 if msgs.is_empty() {
-                    return Err(Status::invalid_argument("chat has no messages"));
+                    return Err(RequestError::new(Field::Chat, "has no messages"));
                 }
-                let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad)?;
-                self.tokenizer.encode_chat(&text).map_err(bad)
+                let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad(Field::Chat))?;
+                self.tokenizer.encode_chat(&text).map_err(bad(Field::Chat))
             }
             None => {
-                Err(Status::invalid_argument("request has no input: set prompt, chat or token_ids"))
+                Err(RequestError::new(Field::Input, "none given: set prompt, chat or token_ids"))
             }
         }
     }
@@ -122,44 +127,42 @@ impl CoordinatorService {
 
     /// Validates, registers and queues a job; returns (job id, trace id). A refusal is counted in the
     /// metrics by its code.
-    pub(crate) fn submit(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
-        self.submit_checked(requests).inspect_err(|s| {
-            let reason = match s.code() {
-                tonic::Code::ResourceExhausted => "resource_exhausted",
-                tonic::Code::Unavailable => "unavailable",
-                _ => "invalid_argument",
-            };
-            self.metrics.rejected(reason);
-        })
+    pub(crate) fn submit(&self, requests: &[GenerateRequest]) -> crate::Result<(String, String)> {
+        self.submit_checked(requests).inspect_err(|e| self.metrics.rejected(e.reject_reason()))
     }
 
-    fn submit_checked(&self, requests: &[GenerateRequest]) -> Result<(String, String), Status> {
-        if requests.is_empty() {
-            return Err(Status::invalid_argument("a job needs at least one request"));
-        }
-        let mut prepared = Vec::with_capacity(requests.len());
-        for (i, r) in requests.iter().enumerate() {
-            let ids = self
-                .input_ids(r)
-                .map_err(|s| Status::invalid_argument(format!("request {i}: {}", s.message())))?;
-            let p = Self::params(r);
-            check_request(&ids, &p, self.vocab, self.context)
-                .map_err(|e| Status::invalid_argument(format!("request {i}: {e}")))?;
-            if ids.len() + p.max_new_tokens > self.kv_capacity {
-                return Err(Status::invalid_argument(format!(
-                    "request {i}: {} prompt + {} new tokens exceed the KV capacity of {} positions",
+    /// One request checked against the model: its token ids and parameters.
+    fn prepare(&self, r: &GenerateRequest) -> Result<(Vec<u32>, GenerateParams), RequestError> {
+        let ids = self.input_ids(r)?;
+        let p = Self::params(r);
+        check_request(&ids, &p, self.vocab, self.context)?;
+        if ids.len() + p.max_new_tokens > self.kv_capacity {
+            return Err(RequestError::new(
+                Field::MaxNewTokens,
+                format!(
+                    "{} prompt + {} new tokens exceed the KV capacity of {} positions",
                     ids.len(),
                     p.max_new_tokens,
                     self.kv_capacity
-                )));
-            }
-            prepared.push((ids, p));
+                ),
+            ));
+        }
+        Ok((ids, p))
+    }
+
+    fn submit_checked(&self, requests: &[GenerateRequest]) -> crate::Result<(String, String)> {
+        if requests.is_empty() {
+            return Err(RequestError::new(Field::Requests, "a job needs at least one").into());
+        }
+        let mut prepared = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            prepared.push(self.prepare(r).map_err(|e| e.in_request(i))?);
         }
         let n = prepared.len();
         let before = self.waiting.fetch_add(n, Ordering::SeqCst);
         if before + n > self.queue_size {
             self.waiting.fetch_sub(n, Ordering::SeqCst);
-            return Err(Status::resource_exhausted(format!(
+            return Err(crate::Error::Busy(format!(
                 "the queue holds {before} waiting sequences and takes at most {} (--queue-size); retry later",
                 self.queue_size
             )));
@@ -200,7 +203,7 @@ impl CoordinatorService {
                 // The ones already sent are cancelled and leave the count in the scheduler.
                 self.waiting.fetch_sub(n - i, Ordering::SeqCst);
                 self.jobs.cancel(&job_id);
-                return Err(Status::resource_exhausted("the job queue is full; retry later"));
+                return Err(crate::Error::Busy("the job queue is full; retry later".into()));
             }
             let jobs = self.jobs.clone();
             let id = job_id.clone();
@@ -244,11 +247,11 @@ impl CoordinatorService {
         &self,
         job_id: &str,
         cancel_on_drop: bool,
-    ) -> Result<mpsc::Receiver<Result<GenerateEvent, Status>>, Status> {
+    ) -> crate::Result<mpsc::Receiver<Result<GenerateEvent, Status>>> {
         let mut live = self
             .jobs
             .with(job_id, |j| j.live.subscribe())
-            .ok_or_else(|| Status::not_found(format!("no job {job_id}")))?;
+            .ok_or_else(|| crate::Error::NoJob(job_id.to_owned()))?;
         let (tx, rx) = mpsc::channel(256);
         let jobs = self.jobs.clone();
         let id = job_id.to_owned();
@@ -275,7 +278,7 @@ impl CoordinatorService {
                         return;
                     }
                     if let Some(e) = err {
-                        let _ = tx.send(Err(Status::aborted(e))).await;
+                        let _ = tx.send(Err(crate::Error::Aborted(e).into())).await;
                     }
                 }
                 if finished {
@@ -306,8 +309,10 @@ impl Coordinator for CoordinatorService {
         r: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let span = rpc_span("generate", r.metadata());
-        let (job_id, trace_id) =
-            span.in_scope(|| self.submit(std::slice::from_ref(r.get_ref())))?;
+        // One request per call: its errors name fields of that request, not of a job.
+        let (job_id, trace_id) = span
+            .in_scope(|| self.submit(std::slice::from_ref(r.get_ref())))
+            .map_err(crate::Error::single)?;
         let rx = self.watch(&job_id, true)?;
         let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
         if let Ok(v) = trace_id.parse() {
@@ -349,16 +354,13 @@ impl Coordinator for CoordinatorService {
         self.jobs
             .with(&id, |j| j.view(&id))
             .map(Response::new)
-            .ok_or_else(|| Status::not_found(format!("no job {id}")))
+            .ok_or_else(|| crate::Error::NoJob(id).into())
     }
 
     async fn cancel_job(&self, r: Request<JobRef>) -> Result<Response<Job>, Status> {
         let id = r.into_inner().job_id;
         info!(job_id = %id, "cancel requested");
-        self.jobs
-            .cancel(&id)
-            .map(Response::new)
-            .ok_or_else(|| Status::not_found(format!("no job {id}")))
+        self.jobs.cancel(&id).map(Response::new).ok_or_else(|| crate::Error::NoJob(id).into())
     }
 
     async fn list_workers(

@@ -3,6 +3,7 @@
 
 use crate::pool::{Acquire, Pool};
 use crate::read::read_into;
+use crate::{Error, Result};
 use layerstream_model::layout::{layer_file, unit_file, unit_label};
 use layerstream_model::Store;
 use layerstream_rpc::v1::loader_server::Loader;
@@ -130,20 +131,20 @@ impl Daemon {
     }
 
     /// The store file of unit `unit` (a layer, or an expert: `layout::unit_file`).
-    fn unit_name(&self, unit: u32) -> Result<String, Status> {
+    fn unit_name(&self, unit: u32) -> Result<String> {
         unit_file(&self.store.manifest.config, unit)
-            .ok_or_else(|| Status::not_found(format!("no layer or expert {unit} in the store")))
+            .ok_or_else(|| Error::NoUnit(format!("layer or expert {unit}")))
     }
 
-    fn layer_len(&self, layer: u32) -> Result<u64, Status> {
+    fn layer_len(&self, layer: u32) -> Result<u64> {
         let name = self.unit_name(layer)?;
         let f = self
             .store
             .manifest
             .file(&name)
-            .ok_or_else(|| Status::not_found(format!("no layer {layer} in the store")))?;
+            .ok_or_else(|| Error::NoUnit(format!("layer {layer}")))?;
         if f.size as usize > self.slot_size {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::Precondition(format!(
                 "{name} is {} bytes, slots hold {}",
                 f.size, self.slot_size
             )));
@@ -152,7 +153,7 @@ impl Daemon {
     }
 
     /// Reads `layer` into `slot` on a blocking thread, traced as `read layer N`.
-    async fn load(self: &Arc<Self>, slot: usize, layer: u32) -> Result<f64, Status> {
+    async fn load(self: &Arc<Self>, slot: usize, layer: u32) -> Result<f64> {
         let me = self.clone();
         let span = info_span!(
             "read",
@@ -178,26 +179,27 @@ impl Daemon {
                 }
             });
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            let n = r.map_err(|e| Status::internal(format!("reading {}: {e}", path.display())))?;
+            let n = r.map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
             s2.record("bytes", n as i64);
             s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
             if me.store.verify {
                 // Checked where the bytes enter memory: a slot that fails is never handed out.
-                let entry =
-                    me.store.manifest.file(&name).ok_or_else(|| {
-                        Status::not_found(format!("no layer {layer} in the store"))
-                    })?;
+                let entry = me
+                    .store
+                    .manifest
+                    .file(&name)
+                    .ok_or_else(|| Error::NoUnit(format!("layer {layer}")))?;
                 let _v = info_span!("verify", bytes = n as i64).entered();
                 layerstream_model::store::check_bytes(&path, entry, &dst[..n]).map_err(|e| {
                     warn!(layer, error = %e, "corrupt layer file: refusing to serve it");
-                    Status::data_loss(e.to_string())
+                    Error::Corrupt(e.to_string())
                 })?;
             }
             Ok(ms)
         })
         .instrument(span)
         .await
-        .map_err(|e| Status::internal(format!("read task: {e}")))?;
+        .map_err(|e| Error::Internal(format!("read task: {e}")))?;
         let ok = res.is_ok();
         if ok {
             self.misses.fetch_add(1, Ordering::Relaxed);
@@ -236,11 +238,7 @@ impl Daemon {
     }
 
     /// Pins `layer` in a slot, reading it first if needed.
-    pub async fn acquire(
-        self: &Arc<Self>,
-        worker: &str,
-        layer: u32,
-    ) -> Result<AcquireResponse, Status> {
+    pub async fn acquire(self: &Arc<Self>, worker: &str, layer: u32) -> Result<AcquireResponse> {
         let len = self.layer_len(layer)?;
         self.advance(worker, layer);
         let mut read_ms = 0.0;
@@ -295,7 +293,7 @@ pub struct LoaderService {
 
 impl LoaderService {
     /// Refuses calls once the pool is broken, and reports NOT_SERVING the first time.
-    async fn check(&self) -> Result<(), Status> {
+    async fn check(&self) -> Result<()> {
         if !self.daemon.is_broken() {
             return Ok(());
         }
@@ -303,7 +301,7 @@ impl LoaderService {
         if !self.daemon.broken_reported.swap(true, Ordering::SeqCst) {
             self.health.not_serving(why).await;
         }
-        Err(Status::unavailable(format!("loader daemon: {why}; restart it")))
+        Err(Error::Broken(why.into()))
     }
 }
 
@@ -312,7 +310,7 @@ impl Loader for LoaderService {
     async fn describe(
         &self,
         _r: Request<DescribeRequest>,
-    ) -> Result<Response<DescribeResponse>, Status> {
+    ) -> std::result::Result<Response<DescribeResponse>, Status> {
         self.check().await?;
         let d = &self.daemon;
         Ok(Response::new(DescribeResponse {
@@ -333,7 +331,7 @@ impl Loader for LoaderService {
     async fn set_order(
         &self,
         r: Request<SetOrderRequest>,
-    ) -> Result<Response<SetOrderResponse>, Status> {
+    ) -> std::result::Result<Response<SetOrderResponse>, Status> {
         self.check().await?;
         let r = r.into_inner();
         info!(worker = %r.worker, layers = r.layers.len(), "worker layer order set");
@@ -344,22 +342,22 @@ impl Loader for LoaderService {
     async fn acquire(
         &self,
         r: Request<AcquireRequest>,
-    ) -> Result<Response<AcquireResponse>, Status> {
+    ) -> std::result::Result<Response<AcquireResponse>, Status> {
         self.check().await?;
         let span = info_span!("acquire", layer = r.get_ref().layer as i64);
         adopt_parent(&span, r.metadata());
         let r = r.into_inner();
-        self.daemon.acquire(&r.worker, r.layer).instrument(span).await.map(Response::new)
+        Ok(Response::new(self.daemon.acquire(&r.worker, r.layer).instrument(span).await?))
     }
 
     async fn release(
         &self,
         r: Request<SlotRelease>,
-    ) -> Result<Response<SlotReleaseResponse>, Status> {
+    ) -> std::result::Result<Response<SlotReleaseResponse>, Status> {
         self.check().await?;
         let r = r.into_inner();
         if !self.daemon.pool().release(r.layer) {
-            return Err(Status::failed_precondition(format!("layer {} is not pinned", r.layer)));
+            return Err(Error::Precondition(format!("layer {} is not pinned", r.layer)).into());
         }
         self.daemon.changed.notify_waiters();
         Ok(Response::new(SlotReleaseResponse {}))

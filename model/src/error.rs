@@ -25,8 +25,6 @@ pub enum Error {
     Template(String),
     #[error("default model: {0}")]
     Fetch(String),
-    #[error("{field}: {msg}")]
-    Request { field: String, msg: String },
 }
 
 /// Result alias for the model crate.

@@ -2,7 +2,7 @@
 //! (`run`, gRPC) applies before any work is done. Both the coordinator and the worker read these;
 //! neither owns them.
 
-use crate::error::{Error, Result};
+use crate::{Field, RequestError};
 use layerstream_proto::v1::Sampling;
 use serde::{Deserialize, Serialize};
 
@@ -75,22 +75,22 @@ impl SamplingParams {
     }
 
     /// Rejects out-of-range values with a message naming the field.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(Error::Request { field: field.into(), msg });
+    pub fn validate(&self) -> std::result::Result<(), RequestError> {
+        let bad = |field: Field, msg: String| Err(RequestError::new(field, msg));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+            return bad(Field::Temperature, format!("must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+            return bad(Field::TopP, format!("must be in (0, 1], got {}", self.top_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return bad(
-                "repetition_penalty",
+                Field::RepetitionPenalty,
                 format!("must be > 0, got {}", self.repetition_penalty),
             );
         }
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
-            return bad("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"));
+            return bad(Field::TopLogprobs, format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"));
         }
         Ok(())
     }
@@ -111,17 +111,17 @@ pub fn check_request(
     p: &GenerateParams,
     vocab: usize,
     context: usize,
-) -> Result<()> {
-    let bad = |field: &str, msg: String| Err(Error::Request { field: field.into(), msg });
+) -> std::result::Result<(), RequestError> {
+    let bad = |field: Field, msg: String| Err(RequestError::new(field, msg));
     if input.is_empty() {
-        return bad("prompt", "encodes to zero tokens".into());
+        return bad(Field::Prompt, "encodes to zero tokens".into());
     }
     if let Some(t) = input.iter().find(|&&t| t as usize >= vocab) {
-        return bad("token_ids", format!("token id {t} is outside the vocabulary of {vocab}"));
+        return bad(Field::TokenIds, format!("token id {t} is outside the vocabulary of {vocab}"));
     }
     if input.len() + p.max_new_tokens > context {
         return bad(
-            "max_new_tokens",
+            Field::MaxNewTokens,
             format!(
                 "prompt of {} tokens + max_new_tokens {} exceeds the model's context of {context}",
                 input.len(),
@@ -130,7 +130,7 @@ pub fn check_request(
         );
     }
     if p.stop.iter().any(String::is_empty) {
-        return bad("stop", "an empty stop string would end every request at once".into());
+        return bad(Field::Stop, "an empty stop string would end every request at once".into());
     }
     p.sampling.validate()
 }
@@ -157,12 +157,12 @@ mod tests {
     fn bad_requests_name_the_field() {
         let ok = GenerateParams { max_new_tokens: 4, ..Default::default() };
         assert!(check_request(&[1, 2], &ok, 10, 100).is_ok());
-        let field = |r: Result<()>| match r {
-            Err(Error::Request { field, .. }) => field,
+        let field = |r: std::result::Result<(), RequestError>| match r {
+            Err(e) => e.field(),
             other => panic!("{other:?}"),
         };
-        assert_eq!(field(check_request(&[], &ok, 10, 100)), "prompt");
-        assert_eq!(field(check_request(&[10], &ok, 10, 100)), "token_ids");
+        assert_eq!(field(check_request(&[], &ok, 10, 100)), Field::Prompt);
+        assert_eq!(field(check_request(&[10], &ok, 10, 100)), Field::TokenIds);
         assert_eq!(
             field(check_request(
                 &[1],
@@ -170,7 +170,7 @@ mod tests {
                 10,
                 100
             )),
-            "max_new_tokens"
+            Field::MaxNewTokens
         );
         assert_eq!(
             field(check_request(
@@ -179,7 +179,7 @@ mod tests {
                 10,
                 100
             )),
-            "stop"
+            Field::Stop
         );
         let neg = GenerateParams {
             sampling: SamplingParams::from_wire(&Sampling { top_p: -1.0, ..Default::default() }),
@@ -187,7 +187,7 @@ mod tests {
         };
         assert_eq!(
             field(check_request(&[1], &neg, 10, 100)),
-            "top_p",
+            Field::TopP,
             "a negative top_p is not 'unset'"
         );
         let rp = GenerateParams {
@@ -197,6 +197,6 @@ mod tests {
             }),
             ..ok
         };
-        assert_eq!(field(check_request(&[1], &rp, 10, 100)), "repetition_penalty");
+        assert_eq!(field(check_request(&[1], &rp, 10, 100)), Field::RepetitionPenalty);
     }
 }

@@ -103,12 +103,10 @@ impl Interceptor for RequireBearer {
         if self.accepts(header) {
             Ok(r)
         } else if header.is_none() {
-            Err(Status::unauthenticated(format!(
-                "missing {}: send `authorization: Bearer <token>`",
-                self.what
-            )))
+            let msg = format!("missing {}: send `authorization: Bearer <token>`", self.what);
+            Err(crate::Error::Unauthenticated(msg).into())
         } else {
-            Err(Status::unauthenticated(format!("wrong {}", self.what)))
+            Err(crate::Error::Unauthenticated(format!("wrong {}", self.what)).into())
         }
     }
 }

@@ -3,7 +3,10 @@
 //! reflection. The messages themselves are `layerstream-proto`'s, re-exported in `v1`.
 
 pub mod auth;
+mod error;
 pub mod transport;
+
+pub use error::Error;
 
 /// The messages (from `layerstream-proto`) and the generated clients and servers.
 pub mod v1 {

@@ -1,20 +1,32 @@
-//! The worker crate's error type.
+//! The worker crate's error type, and its one mapping to gRPC statuses (a bad argument carries its
+//! field as a `google.rpc.BadRequest` violation).
 
-/// Errors of the forward pass and generation.
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// Errors of the forward pass, generation and the worker service.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
     Model(#[from] layerstream_model::Error),
     #[error(transparent)]
     Kernel(#[from] layerstream_kernels::Error),
-    #[error("store: {0}")]
-    Shape(String),
-    #[error("request: {0}")]
-    Request(String),
+    /// The store's weights do not fit the model (a missing, unknown or misshapen tensor).
+    #[error("weights: {0}")]
+    Weights(String),
+    /// An assignment this worker cannot take (a layer range outside the model, none loaded yet).
+    #[error("assignment: {0}")]
+    Assignment(String),
+    /// An assignment larger than this worker's memory budget.
+    #[error("{0}")]
+    OverBudget(String),
+    /// A flag or setting the worker cannot start with.
+    #[error("{0}")]
+    Config(String),
     /// The loaded stage can no longer be trusted (its copy thread died, a group never arrived, a
     /// slot could not be mapped): the worker drops it and waits to be assigned again.
     #[error("stage: {0}")]
     Stage(String),
+    /// A request argument the caller must fix: the field (its protobuf path) and why.
     #[error("{field}: {msg}")]
     Invalid { field: &'static str, msg: String },
     #[error("KV cache full: {used} + {asked} positions exceed capacity {capacity}")]
@@ -32,21 +44,82 @@ pub enum Error {
     /// Weights whose checksum does not match the manifest (the loader's or our own check).
     #[error("corrupt weights: {0}")]
     Corrupt(String),
+    /// A bug: a step panicked, a blocking task could not be joined, a hand-off failed.
+    #[error("{0}")]
+    Internal(String),
 }
 
 impl Error {
     /// Whether the error is the request's fault (refused before anything changed), so the loaded
     /// stage stays usable; anything else leaves a stage the worker drops.
     pub fn is_request_error(&self) -> bool {
-        matches!(
-            self,
-            Error::Invalid { .. }
-                | Error::KvFull { .. }
-                | Error::Request(_)
-                | Error::Model(layerstream_model::Error::Request { .. })
-        )
+        matches!(self, Error::Invalid { .. } | Error::KvFull { .. } | Error::Assignment(_))
+    }
+
+    /// A bad argument: `field` (its protobuf path) is wrong because `msg`.
+    pub fn invalid(field: &'static str, msg: impl Into<String>) -> Self {
+        Error::Invalid { field, msg: msg.into() }
+    }
+}
+
+impl From<layerstream_model::RequestError> for Error {
+    fn from(e: layerstream_model::RequestError) -> Self {
+        Error::Invalid { field: e.field().wire_path(), msg: e.reason().to_owned() }
     }
 }
 
 /// Result alias for the worker crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The one mapping of the worker's errors to gRPC statuses.
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Status;
+        match &e {
+            Error::Invalid { field, msg } => Status::with_error_details(
+                tonic::Code::InvalidArgument,
+                e.to_string(),
+                ErrorDetails::with_bad_request_violation(*field, msg.clone()),
+            ),
+            Error::KvFull { .. } | Error::OverBudget(_) => {
+                Status::resource_exhausted(e.to_string())
+            }
+            Error::Assignment(_) => Status::failed_precondition(e.to_string()),
+            Error::Loader { .. } | Error::Stage(_) => Status::unavailable(e.to_string()),
+            Error::Corrupt(_) | Error::Model(layerstream_model::Error::Corrupt { .. }) => {
+                Status::data_loss(e.to_string())
+            }
+            _ => Status::internal(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    /// Each kind of failure reaches the coordinator as the status it acts on; a bad argument
+    /// names its field in the status details, not only in the text.
+    #[test]
+    fn errors_map_to_statuses_with_their_field() {
+        let s = tonic::Status::from(Error::invalid("seqs.start_pos", "unknown sequence 3"));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        let v = s.get_details_bad_request().expect("BadRequest").field_violations;
+        assert_eq!(
+            (v[0].field.as_str(), v[0].description.as_str()),
+            ("seqs.start_pos", "unknown sequence 3")
+        );
+        let from_model = Error::from(layerstream_model::RequestError::new(
+            layerstream_model::Field::TopP,
+            "must be in (0, 1]",
+        ));
+        assert_eq!(from_model.to_string(), "sampling.top_p: must be in (0, 1]");
+        let code = |e: Error| tonic::Status::from(e).code();
+        assert_eq!(code(Error::KvFull { used: 1, asked: 2, capacity: 2 }), Code::ResourceExhausted);
+        assert_eq!(code(Error::Assignment("none yet".into())), Code::FailedPrecondition);
+        assert_eq!(code(Error::Stage("gone".into())), Code::Unavailable);
+        assert_eq!(code(Error::Corrupt("xxh3".into())), Code::DataLoss);
+        assert_eq!(code(Error::Internal("panic".into())), Code::Internal);
+    }
+}

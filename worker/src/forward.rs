@@ -153,7 +153,7 @@ pub fn layer_forward<B: Backend>(
         }
         Mlp::Experts { router } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {
-                Error::Shape(format!("layer {layer} has a router but the model has no experts"))
+                Error::Weights(format!("layer {layer} has a router but the model has no experts"))
             })?;
             moe_mlp(b, layer, &h2, router, m, experts)?
         }

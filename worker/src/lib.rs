@@ -18,6 +18,7 @@ pub mod service;
 pub mod stage;
 pub mod stream;
 pub mod weights;
+mod wire;
 
 pub use error::{Error, Result};
 pub use generate::{generate, Generation, Timings};

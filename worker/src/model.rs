@@ -35,8 +35,9 @@ impl<B: Backend> Model<B> {
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let need =
             |f: &layerstream_model::LoadedFile, name: &str, shape: &[usize]| -> Result<B::Weight> {
-                upload(&backend, f, name, Some(shape))?
-                    .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
+                upload(&backend, f, name, Some(shape))?.ok_or_else(|| {
+                    Error::Weights(format!("{}: missing tensor {name}", f.entry.name))
+                })
             };
         let embed = need(&store.load("embed.bin")?, "embed", &[vocab, h])?;
         let norm = need(&store.load("final_norm.bin")?, "final_norm", &[h])?;
@@ -71,7 +72,10 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
         if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
-            return Err(Error::Request("every sequence in a step needs at least one token".into()));
+            return Err(Error::invalid(
+                "seqs.token_ids",
+                "every sequence in a step needs at least one token",
+            ));
         }
         let seqs: Vec<SeqRows> =
             batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();

@@ -25,11 +25,12 @@ impl<B: Backend> ExpertWeights<B> {
         let get = |name: &str| -> Result<B::Weight> {
             let t = entry
                 .tensor(name)
-                .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)))?;
-            let want = expert_shape(cfg, name)
-                .ok_or_else(|| Error::Shape(format!("{}: the model has no experts", entry.name)))?;
+                .ok_or_else(|| Error::Weights(format!("{}: missing tensor {name}", entry.name)))?;
+            let want = expert_shape(cfg, name).ok_or_else(|| {
+                Error::Weights(format!("{}: the model has no experts", entry.name))
+            })?;
             if t.shape != want {
-                return Err(Error::Shape(format!(
+                return Err(Error::Weights(format!(
                     "{}: tensor {name} has shape {:?}, the config needs {want:?}",
                     entry.name, t.shape
                 )));
@@ -38,7 +39,7 @@ impl<B: Backend> ExpertWeights<B> {
             Ok(b.weight_in(blob, &format!("{}:{name}", entry.name), t.dtype, &t.shape, range)?)
         };
         if entry.tensors.len() != EXPERT_TENSORS.len() {
-            return Err(Error::Shape(format!(
+            return Err(Error::Weights(format!(
                 "{}: {} tensors, an expert has gate, up and down",
                 entry.name,
                 entry.tensors.len()
@@ -107,7 +108,7 @@ impl<B: Backend> ExpertSource<B> for NoExperts {
         layer: u32,
         _: &[u32],
     ) -> Result<(Vec<Arc<ExpertWeights<B>>>, ExpertCounts)> {
-        Err(Error::Shape(format!("layer {layer} has a router but the model has no experts")))
+        Err(Error::Weights(format!("layer {layer} has a router but the model has no experts")))
     }
 }
 

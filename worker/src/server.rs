@@ -151,7 +151,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     };
     let tls =
         layerstream_rpc::transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
-            .map_err(|m| crate::Error::Request(format!("TLS: {m}")))?;
+            .map_err(|m| crate::Error::Config(format!("TLS: {m}")))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let id = args.advertise.clone().unwrap_or_else(|| format!("{scheme}://{host}:{}", addr.port()));
     let loader_socket = match &args.loader_socket {
@@ -160,9 +160,9 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     };
     let token = args.internal_token.as_deref();
     let guard = RequireBearer::new(token, "internal token")
-        .map_err(|m| crate::Error::Request(format!("--internal-token: {m}")))?;
+        .map_err(|m| crate::Error::Config(format!("--internal-token: {m}")))?;
     let bearer =
-        Bearer::new(token).map_err(|m| crate::Error::Request(format!("--internal-token: {m}")))?;
+        Bearer::new(token).map_err(|m| crate::Error::Config(format!("--internal-token: {m}")))?;
     if !guard.enabled() && !addr.ip().is_loopback() {
         tracing::warn!(%addr, "serving the worker API on a non-loopback address without --internal-token: anyone who reaches it can run steps");
         eprintln!("warning: worker listening on {addr} without an internal token (LAYERSTREAM_INTERNAL_TOKEN)");

@@ -4,6 +4,7 @@
 use crate::device::{AnyStage, Device};
 use crate::stage::StepSeq;
 use crate::stream::LoaderLink;
+use crate::Error;
 use layerstream_model::plan::{usage, AssignmentExt};
 use layerstream_model::Store;
 use layerstream_rpc::v1::worker_server::Worker;
@@ -101,6 +102,41 @@ impl WorkerState {
         self.forget_stage();
     }
 
+    /// One step through the loaded stage, on a blocking thread: frees `release` first, then runs
+    /// `batch`; returns the output and its wall time in ms. A request error leaves the stage as it
+    /// was; any other failure drops it (so Info shows no assignment and the coordinator assigns
+    /// again). The error's flag says whether the device itself failed.
+    fn step(
+        &self,
+        batch: &[StepSeq],
+        hidden: &[f32],
+        release: &[u64],
+        span: &tracing::Span,
+    ) -> Result<(crate::stage::StepOut, f64), (Error, bool)> {
+        let t = Instant::now();
+        let mut guard = self.stage();
+        let st = guard
+            .as_mut()
+            .ok_or_else(|| (Error::Assignment("worker has no assignment yet".into()), false))?;
+        st.release(release);
+        let out = match &self.concurrent {
+            Some(pool) if st.plan().micro_batches > 1 => pool.run(|| st.step(batch, hidden, span)),
+            _ => st.step(batch, hidden, span),
+        };
+        self.live.store(st.kv_used().0 as u32, Ordering::Relaxed);
+        match out {
+            Ok(o) => Ok((o, t.elapsed().as_secs_f64() * 1e3)),
+            Err(e) if e.is_request_error() => Err((e, false)),
+            Err(e) => {
+                // The stage may be half-way through a step (copy thread gone, a group lost).
+                tracing::error!(worker = %self.id, error = %e, "step failed inside the stage; dropping the assignment");
+                self.drop_stage(&mut guard);
+                let device_failed = matches!(e, Error::Device { .. });
+                Err((e, device_failed))
+            }
+        }
+    }
+
     /// What Info reads without the lock, reset for "no stage".
     fn forget_stage(&self) {
         set_assignment(&self.assignment_id, "");
@@ -127,23 +163,6 @@ fn lock_stage(
         forget();
         g
     })
-}
-
-/// The one mapping of the worker's errors to gRPC status codes.
-fn err(e: crate::Error) -> Status {
-    use crate::Error;
-    match e {
-        Error::KvFull { .. } => Status::resource_exhausted(e.to_string()),
-        Error::Invalid { .. } => Status::invalid_argument(e.to_string()),
-        Error::Request(_) | Error::Model(layerstream_model::Error::Request { .. }) => {
-            Status::failed_precondition(e.to_string())
-        }
-        Error::Loader { .. } | Error::Stage(_) => Status::unavailable(e.to_string()),
-        Error::Corrupt(_) | Error::Model(layerstream_model::Error::Corrupt { .. }) => {
-            Status::data_loss(e.to_string())
-        }
-        other => Status::internal(other.to_string()),
-    }
 }
 
 #[tonic::async_trait]
@@ -179,14 +198,18 @@ impl Worker for WorkerService {
         let s = self.0.clone();
         let u = usage(&s.store.manifest, &a);
         if u.total() > s.budget {
-            return Err(Status::resource_exhausted(format!(
+            return Err(Error::OverBudget(format!(
                 "worker {}: assignment of layers {}..{} needs {u}, more than its memory budget of {} bytes",
                 s.id, a.layer_start, a.layer_end, s.budget
-            )));
+            ))
+            .into());
         }
         let channel =
             layerstream_rpc::transport::connect_uds(&s.loader_socket).await.map_err(|e| {
-                Status::unavailable(format!("loader daemon at {}: {e}", s.loader_socket.display()))
+                Error::Loader {
+                    what: format!("at {}", s.loader_socket.display()),
+                    msg: e.to_string(),
+                }
             })?;
         let rt = tokio::runtime::Handle::current();
         let bytes = u.total();
@@ -197,14 +220,14 @@ impl Worker for WorkerService {
             // Free the previous assignment's device memory before loading the new one.
             s.drop_stage(&mut s.stage());
             let id = a.assignment_id.clone();
-            let stage = s.backend.load(s.store.clone(), a, link).map_err(err)?;
+            let stage = s.backend.load(s.store.clone(), a, link)?;
             info!(worker = %s.id, layers = ?stage.plan().layers(), resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
             *s.stage() = Some(stage);
             set_assignment(&s.assignment_id, &id);
-            Ok::<_, Status>(())
+            Ok::<_, Error>(())
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))??;
+        .map_err(|e| Error::Internal(e.to_string()))??;
         Ok(Response::new(AssignResponse {
             bytes_used: bytes,
             max_step_tokens: self.0.max_step_tokens.map_or(0, |n| n as u32),
@@ -214,71 +237,24 @@ impl Worker for WorkerService {
     async fn step(&self, r: Request<StepRequest>) -> Result<Response<StepResponse>, Status> {
         let span = info_span!("worker_step", otel.name = "worker step", worker = %self.0.id, seqs = r.get_ref().seqs.len() as i64);
         adopt_parent(&span, r.metadata());
-        let req = r.into_inner();
+        let mut req = r.into_inner();
         let rows: usize = req.seqs.iter().map(|s| s.token_ids.len()).sum();
         if let Some(max) = self.0.max_step_tokens.filter(|&m| rows > m) {
-            return Err(Status::invalid_argument(format!("a step of {rows} tokens exceeds this worker's limit of {max} tokens per step (its activation memory)")));
+            let msg = format!("a step of {rows} tokens exceeds this worker's limit of {max} tokens per step (its activation memory)");
+            return Err(Error::invalid("seqs", msg).into());
         }
-        let s = self.0.clone();
-        let batch: Vec<StepSeq> = req
-            .seqs
-            .into_iter()
-            .map(|s| StepSeq {
-                seq_id: s.seq_id,
-                start_pos: s.start_pos as usize,
-                tokens: s.token_ids,
-                sampling: s.sampling.as_ref().map(crate::SamplingParams::from_wire),
-                prompt_continues: s.prompt_continues,
-                draws_before: s.draws_before as u64,
-            })
-            .collect();
-        let hidden: Vec<f32> = match &req.hidden_ref {
-            Some(r) => crate::handoff::read(r).map_err(Status::invalid_argument)?,
-            None if !req.hidden.len().is_multiple_of(4) => {
-                return Err(Status::invalid_argument(format!(
-                    "hidden: {} bytes is not a whole number of little-endian f32 values",
-                    req.hidden.len()
-                )))
-            }
-            None => crate::handoff::le_f32s(&req.hidden),
-        };
+        let hidden = crate::wire::step_hidden(&req)?;
+        let batch: Vec<StepSeq> =
+            std::mem::take(&mut req.seqs).into_iter().map(Into::into).collect();
         let (lane, to_shm) = (req.micro_batch, req.hidden_out_shm);
-        let s2 = span.clone();
-        let release = req.release;
-        let out = tokio::task::spawn_blocking(move || {
-            let t = Instant::now();
-            let mut guard = s.stage();
-            // Err carries whether the device itself failed (the worker then reports NOT_SERVING).
-            let st = guard.as_mut().ok_or_else(|| {
-                (Status::failed_precondition("worker has no assignment yet"), false)
-            })?;
-            st.release(&release);
-            let out = match &s.concurrent {
-                Some(pool) if st.plan().micro_batches > 1 => {
-                    pool.run(|| st.step(&batch, &hidden, &s2))
-                }
-                _ => st.step(&batch, &hidden, &s2),
-            };
-            s.live.store(st.kv_used().0 as u32, Ordering::Relaxed);
-            let out = match out {
-                Ok(o) => o,
-                Err(e) if e.is_request_error() => return Err((err(e), false)),
-                Err(e) => {
-                    // The stage may be half-way through a step (copy thread gone, a group lost):
-                    // drop it, so Info shows no assignment and the coordinator assigns again.
-                    tracing::error!(worker = %s.id, error = %e, "step failed inside the stage; dropping the assignment");
-                    s.drop_stage(&mut guard);
-                    let device_failed = matches!(e, crate::Error::Device { .. });
-                    return Err((err(e), device_failed));
-                }
-            };
-            Ok((out, t.elapsed().as_secs_f64() * 1e3))
-        })
-        .instrument(span)
-        .await;
+        let (s, s2) = (self.0.clone(), span.clone());
+        let out = tokio::task::spawn_blocking(move || s.step(&batch, &hidden, &req.release, &s2))
+            .instrument(span)
+            .await;
         let (out, wall_ms) = match out {
             Ok(Ok(o)) => o,
-            Ok(Err((status, device_failed))) => {
+            Ok(Err((e, device_failed))) => {
+                let status = Status::from(e);
                 if device_failed {
                     self.0.health.not_serving(status.message()).await;
                 }
@@ -289,43 +265,16 @@ impl Worker for WorkerService {
                 // this process holds can be trusted any more; an orchestrator should restart it.
                 let msg = format!("a step panicked: {join}");
                 self.0.health.not_serving(&msg).await;
-                return Err(Status::internal(msg));
+                return Err(Error::Internal(msg).into());
             }
         };
         let (hidden, hidden_ref) = if to_shm && !out.hidden.is_empty() {
-            let r = self.0.handoff.write(lane, &out.hidden).map_err(Status::internal)?;
+            let r = self.0.handoff.write(lane, &out.hidden).map_err(Error::Internal)?;
             (Vec::new(), Some(r))
         } else {
             (out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(), None)
         };
-        Ok(Response::new(StepResponse {
-            hidden,
-            hidden_ref,
-            tokens: out.tokens,
-            layers: out
-                .layers
-                .into_iter()
-                .map(|t| LayerTiming {
-                    layer: t.layer,
-                    resident: t.resident,
-                    bytes: t.bytes + t.experts.bytes,
-                    transfer_ms: t.transfer_ms + t.experts.transfer_ms,
-                    compute_ms: t.compute_ms,
-                    stall_ms: t.stall_ms,
-                    experts_needed: t.experts.needed,
-                    experts_hit: t.experts.hit,
-                    experts_prefetched: t.experts.prefetched,
-                    experts_missed: t.experts.missed,
-                })
-                .collect(),
-            wall_ms,
-            layers_ms: out.layers_ms,
-            logprobs: if out.logprobs.iter().any(Option::is_some) {
-                out.logprobs.into_iter().map(Option::unwrap_or_default).collect()
-            } else {
-                Vec::new()
-            },
-        }))
+        Ok(Response::new(crate::wire::step_response(out, hidden, hidden_ref, wall_ms)))
     }
 
     async fn release(
@@ -349,7 +298,7 @@ impl Worker for WorkerService {
             n
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
         Ok(Response::new(ReleaseResponse { sequences: n }))
     }
 }

@@ -181,7 +181,7 @@ pub struct Stage<B: Backend> {
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
     upload(b, f, name, Some(shape))?
-        .ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", f.entry.name)))
+        .ok_or_else(|| Error::Weights(format!("{}: missing tensor {name}", f.entry.name)))
 }
 
 impl<B: Backend + 'static> Stage<B> {
@@ -191,7 +191,7 @@ impl<B: Backend + 'static> Stage<B> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         if plan.layer_end as usize > cfg.num_layers || plan.layer_start >= plan.layer_end {
-            return Err(Error::Request(format!(
+            return Err(Error::Assignment(format!(
                 "layer range {:?} is invalid for {} layers",
                 plan.layers(),
                 cfg.num_layers

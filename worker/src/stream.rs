@@ -111,10 +111,10 @@ impl LoaderLink {
     ) -> Result<R> {
         let entry = manifest
             .file(name)
-            .ok_or_else(|| Error::Shape(format!("no {name} in the manifest")))?;
+            .ok_or_else(|| Error::Weights(format!("no {name} in the manifest")))?;
         self.with_slot(unit, span, |region, len| {
             if len as u64 != entry.size {
-                return Err(Error::Shape(format!(
+                return Err(Error::Weights(format!(
                     "{name}: loader delivered {len} bytes, manifest says {}",
                     entry.size
                 )));

@@ -42,7 +42,7 @@ pub fn upload<B: Backend>(
     let Some((t, bytes)) = file.tensor(name) else { return Ok(None) };
     if let Some(w) = want {
         if t.shape != w {
-            return Err(Error::Shape(format!(
+            return Err(Error::Weights(format!(
                 "{}: tensor {name} has shape {:?}, the config needs {:?}",
                 file.entry.name, t.shape, w
             )));
@@ -65,13 +65,13 @@ impl<B: Backend> LayerWeights<B> {
             .iter()
             .find(|t| t.name != ROUTER && !LAYER_TENSORS.iter().any(|k| k.name == t.name))
         {
-            return Err(Error::Shape(format!("{}: unknown tensor {}", entry.name, t.name)));
+            return Err(Error::Weights(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
         let opt = |name: &str| -> Result<Option<B::Weight>> {
             let Some(t) = entry.tensor(name) else { return Ok(None) };
             if let Some(want) = layer_shape(cfg, name) {
                 if t.shape != want {
-                    return Err(Error::Shape(format!(
+                    return Err(Error::Weights(format!(
                         "{}: tensor {name} has shape {:?}, the config needs {:?}",
                         entry.name, t.shape, want
                     )));
@@ -87,7 +87,8 @@ impl<B: Backend> LayerWeights<B> {
             )?))
         };
         let req = |name: &str| {
-            opt(name)?.ok_or_else(|| Error::Shape(format!("{}: missing tensor {name}", entry.name)))
+            opt(name)?
+                .ok_or_else(|| Error::Weights(format!("{}: missing tensor {name}", entry.name)))
         };
         let w = LayerWeights {
             attn_norm: req("attn_norm")?,
@@ -112,7 +113,7 @@ impl<B: Backend> LayerWeights<B> {
         let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
         let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));
         if moe_layer.is_some() != matches!(w.mlp, Mlp::Experts { .. }) {
-            return Err(Error::Shape(format!(
+            return Err(Error::Weights(format!(
                 "{}: the config says {}, the file holds {}",
                 entry.name,
                 if moe_layer.is_some() { "experts" } else { "a dense MLP" },
@@ -120,13 +121,13 @@ impl<B: Backend> LayerWeights<B> {
             )));
         }
         if cfg.gemma.is_some() && (w.attn_post_norm.is_none() || w.ffn_post_norm.is_none()) {
-            return Err(Error::Shape(format!(
+            return Err(Error::Weights(format!(
                 "{}: attn_post_norm/ffn_post_norm required by {:?}",
                 entry.name, cfg.arch
             )));
         }
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
-            return Err(Error::Shape(format!(
+            return Err(Error::Weights(format!(
                 "{}: q_norm/k_norm required by {:?}",
                 entry.name, cfg.arch
             )));

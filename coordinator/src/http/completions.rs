@@ -201,9 +201,11 @@ pub async fn run(
     if shape.max_tokens == Some(0) {
         return Err(ApiError::bad("max_tokens", "max_tokens: must be at least 1"));
     }
-    let ids = h.svc.input_ids(&g).map_err(|s| {
-        h.svc.metrics.rejected("invalid_argument");
-        ApiError::from_status(&s)
+    let chat = kind == Kind::Chat;
+    let ids = h.svc.input_ids(&g).map_err(|r| {
+        let e = crate::Error::from(r);
+        h.svc.metrics.rejected(e.reject_reason());
+        ApiError::from_error(&e, chat)
     })?;
     // No limit given: whatever the context (and the KV cache) leaves after the prompt, as vLLM does.
     let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
@@ -214,8 +216,8 @@ pub async fn run(
         tracing::info_span!(parent: None, "http request", method = "POST", path = kind.path());
     let (job_id, trace_id) = span
         .in_scope(|| h.svc.submit(std::slice::from_ref(&g)))
-        .map_err(|s| ApiError::from_status(&s))?;
-    let rx = h.svc.watch(&job_id, true).map_err(|s| ApiError::from_status(&s))?;
+        .map_err(|e| ApiError::from_error(&e, chat))?;
+    let rx = h.svc.watch(&job_id, true).map_err(|e| ApiError::from_error(&e, chat))?;
     let a = Answer {
         id: format!("{}{}", kind.id_prefix(), job_id.trim_start_matches("job-")),
         h,

@@ -1,5 +1,6 @@
 //! Errors in OpenAI's shape — `{"error": {"message", "type", "param", "code"}}` — with the status
-//! OpenAI (and vLLM) give them, made from the gRPC statuses the shared request path returns.
+//! OpenAI (and vLLM) give them, made from the coordinator's typed errors (`crate::Error`): the field of a refused request is
+//! read from the error value, never from its message.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -60,20 +61,25 @@ impl ApiError {
         }
     }
 
-    /// From the shared request path's status: INVALID_ARGUMENT → 400 (the field it names becomes
-    /// `param`), RESOURCE_EXHAUSTED → 429, UNAVAILABLE → 503, NOT_FOUND → 404, anything else → 500.
-    pub fn from_status(s: &tonic::Status) -> Self {
-        // "request 0: " prefixes a job's request index: one request per HTTP call.
-        let msg = s.message().strip_prefix("request 0: ").unwrap_or(s.message()).to_owned();
-        let (status, kind) = match s.code() {
-            tonic::Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error"),
-            tonic::Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
-            tonic::Code::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable"),
-            tonic::Code::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+    /// From the shared request path's error: a refused request → 400 with the field it names as
+    /// `param` (`chat`: the prompt is the chat endpoint's `messages`), a full queue → 429, no such
+    /// job → 404, anything else → 503 (the stack cannot serve it now).
+    pub fn from_error(e: &crate::Error, chat: bool) -> Self {
+        let (status, kind, param) = match e {
+            crate::Error::Request(r) => {
+                let param = r.field().openai_param(chat).map(str::to_owned);
+                (StatusCode::BAD_REQUEST, "invalid_request_error", param)
+            }
+            crate::Error::Busy(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None),
+            crate::Error::NoJob(_) => (StatusCode::NOT_FOUND, "invalid_request_error", None),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
         };
-        let param = (status == StatusCode::BAD_REQUEST).then(|| param_of(&msg)).flatten();
-        ApiError { status, message: msg, kind, param, code: None }
+        // One request per HTTP call: its message names no request index.
+        let message = match e {
+            crate::Error::Request(r) => r.describe(),
+            other => other.to_string(),
+        };
+        ApiError { status, message, kind, param, code: None }
     }
 
     /// From a request that ended in error after it was queued (a worker fault the coordinator
@@ -93,24 +99,6 @@ impl ApiError {
     }
 }
 
-/// The OpenAI parameter a validation message names (`max_new_tokens: …` → `max_tokens`).
-fn param_of(msg: &str) -> Option<String> {
-    let field = msg.split(':').next()?.trim();
-    let known = [
-        ("max_new_tokens", "max_tokens"),
-        ("prompt", "messages"),
-        ("token_ids", "prompt"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("stop", "stop"),
-        ("top_logprobs", "top_logprobs"),
-        ("chat has no messages", "messages"),
-    ];
-    known.iter().find(|(k, _)| *k == field).map(|(_, p)| (*p).to_owned())
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
@@ -122,16 +110,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn grpc_statuses_map_to_openai_errors() {
-        let e = ApiError::from_status(&tonic::Status::invalid_argument(
-            "request 0: max_new_tokens: prompt of 3 tokens + max_new_tokens 9000 exceeds the model's context of 8192",
-        ));
+    fn errors_map_to_openai_errors() {
+        use layerstream_model::{Field, RequestError};
+        let r = RequestError::new(
+            Field::MaxNewTokens,
+            "prompt of 3 tokens + max_new_tokens 9000 exceeds the model's context of 8192",
+        );
+        let e = ApiError::from_error(&crate::Error::from(r.in_request(0)), true);
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        assert!(e.message.starts_with("max_new_tokens:"));
+        assert!(e.message.starts_with("max_new_tokens:"), "{}", e.message);
         let body = e.body();
         assert_eq!(body["error"]["type"], "invalid_request_error");
-        let e = ApiError::from_status(&tonic::Status::resource_exhausted("queue full"));
+        let prompt = crate::Error::from(RequestError::new(Field::Prompt, "too long"));
+        assert_eq!(ApiError::from_error(&prompt, true).param.as_deref(), Some("messages"));
+        assert_eq!(ApiError::from_error(&prompt, false).param.as_deref(), Some("prompt"));
+        let e = ApiError::from_error(&crate::Error::Busy("queue full".into()), true);
         assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(e.param, None);
         assert_eq!(ApiError::unauthorized().status, StatusCode::UNAUTHORIZED);

@@ -1,0 +1,72 @@
+//! Conversions between the wire's step messages (`layerstream.v1`) and the stage's own types, so
+//! the service only moves values across the boundary.
+
+use crate::stage::{LayerTiming, StepOut, StepSeq};
+use layerstream_rpc::v1;
+
+impl From<v1::StepSeq> for StepSeq {
+    fn from(s: v1::StepSeq) -> Self {
+        StepSeq {
+            seq_id: s.seq_id,
+            start_pos: s.start_pos as usize,
+            sampling: s.sampling.as_ref().map(crate::SamplingParams::from_wire),
+            tokens: s.token_ids,
+            prompt_continues: s.prompt_continues,
+            draws_before: s.draws_before as u64,
+        }
+    }
+}
+
+/// A layer's timing on the wire: its experts' bytes and copy time counted with the layer's.
+impl From<LayerTiming> for v1::LayerTiming {
+    fn from(t: LayerTiming) -> Self {
+        v1::LayerTiming {
+            layer: t.layer,
+            resident: t.resident,
+            bytes: t.bytes + t.experts.bytes,
+            transfer_ms: t.transfer_ms + t.experts.transfer_ms,
+            compute_ms: t.compute_ms,
+            stall_ms: t.stall_ms,
+            experts_needed: t.experts.needed,
+            experts_hit: t.experts.hit,
+            experts_prefetched: t.experts.prefetched,
+            experts_missed: t.experts.missed,
+        }
+    }
+}
+
+/// A step's answer (hidden states already placed: inline bytes or a shared-memory reference).
+pub fn step_response(
+    out: StepOut,
+    hidden: Vec<u8>,
+    hidden_ref: Option<v1::HiddenRef>,
+    wall_ms: f64,
+) -> v1::StepResponse {
+    let logprobs = if out.logprobs.iter().any(Option::is_some) {
+        out.logprobs.into_iter().map(Option::unwrap_or_default).collect()
+    } else {
+        Vec::new()
+    };
+    v1::StepResponse {
+        hidden,
+        hidden_ref,
+        tokens: out.tokens,
+        layers: out.layers.into_iter().map(Into::into).collect(),
+        wall_ms,
+        layers_ms: out.layers_ms,
+        logprobs,
+    }
+}
+
+/// The hidden states a step request carries: from the sending worker's shared memory, or inline
+/// little-endian f32 bytes.
+pub fn step_hidden(req: &v1::StepRequest) -> crate::Result<Vec<f32>> {
+    match &req.hidden_ref {
+        Some(r) => crate::handoff::read(r).map_err(|m| crate::Error::invalid("hidden_ref", m)),
+        None if !req.hidden.len().is_multiple_of(4) => Err(crate::Error::invalid(
+            "hidden",
+            format!("{} bytes is not a whole number of little-endian f32 values", req.hidden.len()),
+        )),
+        None => Ok(crate::handoff::le_f32s(&req.hidden)),
+    }
+}
