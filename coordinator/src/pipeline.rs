@@ -30,7 +30,7 @@ pub struct Stage {
     pub addr: String,
     pub client: WorkerConn,
     pub assignment: Assignment,
-    /// Its host id (see `Roster::hosts`).
+    /// Its host id (see `RegisteredWorker::host_id`).
     pub host: String,
 }
 
@@ -76,16 +76,26 @@ impl Deadline {
 
 /// Every registered worker, and what the planner needs to plan over any subset of them.
 pub struct Roster {
-    pub workers: Vec<(WorkerSpec, WorkerConn)>,
-    /// Each worker's host id (`InfoResponse.host_id`): neighbours with the same one hand hidden
-    /// states over in shared memory.
-    pub hosts: Vec<String>,
+    pub workers: Vec<RegisteredWorker>,
     pub manifest: Manifest,
     pub opts: PlanOptions,
     /// The plan in force, shared with GetPlan and ListWorkers.
     pub current: Arc<RwLock<Plan>>,
     /// `--micro-batches`.
     pub micro_batches: crate::lanes::MicroBatches,
+}
+
+/// A worker the coordinator registered at start: where it is, what it said about itself, a client.
+#[derive(Clone)]
+pub struct RegisteredWorker {
+    /// Address and memory budget, as the planner sees them.
+    pub spec: WorkerSpec,
+    /// Its device, as it describes it (`cpu`, `cuda:0`).
+    pub device: String,
+    /// Its host id (`InfoResponse.host_id`): neighbours with the same one hand hidden states over
+    /// in shared memory.
+    pub host_id: String,
+    pub conn: WorkerConn,
 }
 
 /// The workers in layer order.
@@ -237,7 +247,7 @@ impl Pipeline {
     /// (0 = none).
     pub async fn plan_over(&mut self, members: &[usize]) -> Result<usize> {
         let r = &self.roster;
-        let specs: Vec<WorkerSpec> = members.iter().map(|&i| r.workers[i].0.clone()).collect();
+        let specs: Vec<WorkerSpec> = members.iter().map(|&i| r.workers[i].spec.clone()).collect();
         let mut plans = crate::planner::plan(&r.manifest, &specs, &r.opts)?;
         // One id for this plan: a worker that reports another (or none) lost it.
         let id = layerstream_rpc::auth::random_hex();
@@ -251,11 +261,12 @@ impl Pipeline {
             p.assignment_id = id.clone();
             p.micro_batches = micro_batches as u32;
             tracing::info!(worker = %p.worker, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = p.bytes_needed, prefetch = p.prefetch, "plan");
+            let w = &r.workers[i];
             let stage = Stage {
-                addr: r.workers[i].0.address.clone(),
-                client: r.workers[i].1.clone(),
+                addr: w.spec.address.clone(),
+                client: w.conn.clone(),
                 assignment: p.clone(),
-                host: r.hosts.get(i).cloned().unwrap_or_default(),
+                host: w.host_id.clone(),
             };
             let n = assign(&stage, &span).await?.max_step_tokens as usize;
             if n > 0 && (limit == 0 || n < limit) {
@@ -279,8 +290,8 @@ impl Pipeline {
     /// Indices of the registered workers that answer a probe now.
     async fn answering(&self) -> Vec<usize> {
         let mut out = Vec::new();
-        for (i, (_, client)) in self.roster.workers.iter().enumerate() {
-            if probe(client).await.is_ok() {
+        for (i, w) in self.roster.workers.iter().enumerate() {
+            if probe(&w.conn).await.is_ok() {
                 out.push(i);
             }
         }
@@ -327,7 +338,7 @@ impl Pipeline {
                     return Err(gone);
                 }
                 let names: Vec<&str> =
-                    alive.iter().map(|&i| self.roster.workers[i].0.address.as_str()).collect();
+                    alive.iter().map(|&i| self.roster.workers[i].spec.address.as_str()).collect();
                 let msg =
                     format!("re-planned over {} worker(s) ({})", alive.len(), names.join(", "));
                 match self.plan_over(&alive).await {

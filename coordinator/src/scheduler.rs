@@ -94,7 +94,29 @@ pub struct Limits {
 
 /// The actor.
 pub struct Scheduler {
+    rx: mpsc::Receiver<SeqRequest>,
+    pipeline: Pipeline,
+    tokenizer: Arc<Tokenizer>,
+    /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
+    waiting_count: Arc<std::sync::atomic::AtomicUsize>,
+    /// The model's end-of-sequence ids.
+    eos: Vec<u32>,
+    limits: Limits,
+    /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
+    max_recoveries: u32,
+    /// Failed steps since the last good one.
+    failures: u32,
+    /// A fault left the workers in an unknown state: recover before the next step.
+    resync: bool,
+    /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
+pub struct SchedulerParts {
+    /// Sequences the service admitted.
     pub rx: mpsc::Receiver<SeqRequest>,
+    /// The workers, planned and assigned.
     pub pipeline: Pipeline,
     pub tokenizer: Arc<Tokenizer>,
     /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
@@ -104,11 +126,6 @@ pub struct Scheduler {
     pub limits: Limits,
     /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
     pub max_recoveries: u32,
-    /// Failed steps since the last good one.
-    pub failures: u32,
-    /// A fault left the workers in an unknown state: recover before the next step.
-    pub resync: bool,
-    /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -212,6 +229,22 @@ struct Flight {
 }
 
 impl Scheduler {
+    /// A scheduler over `p`, with no failures behind it.
+    pub fn new(p: SchedulerParts) -> Self {
+        Scheduler {
+            rx: p.rx,
+            pipeline: p.pipeline,
+            tokenizer: p.tokenizer,
+            waiting_count: p.waiting_count,
+            eos: p.eos,
+            limits: p.limits,
+            max_recoveries: p.max_recoveries,
+            failures: 0,
+            resync: false,
+            metrics: p.metrics,
+        }
+    }
+
     /// Runs until every request sender is gone.
     pub async fn run(mut self) {
         let mut active: Vec<Active> = Vec::new();

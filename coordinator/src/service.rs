@@ -51,7 +51,7 @@ pub struct CoordinatorService {
     pub kv_capacity: usize,
     /// The plan in force (the scheduler replaces it when it plans around a worker that is gone).
     pub plan: Arc<std::sync::RwLock<Plan>>,
-    pub workers: Vec<(String, String, u64, crate::pipeline::WorkerConn)>,
+    pub workers: Vec<crate::pipeline::RegisteredWorker>,
     pub next_seq: AtomicU64,
     /// Shared with the scheduler and served at the HTTP port's `/metrics`.
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -223,16 +223,17 @@ impl CoordinatorService {
     pub(crate) async fn probe_workers(&self) -> Vec<(WorkerInfo, Option<InfoResponse>)> {
         let plan = self.plan.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let mut out = Vec::new();
-        for (addr, device, budget, client) in &self.workers {
+        for reg in &self.workers {
+            let addr = &reg.spec.address;
             let a = plan.assignments.iter().find(|a| &a.worker == addr);
-            let info = crate::pipeline::probe(client).await.ok();
+            let info = crate::pipeline::probe(&reg.conn).await.ok();
             let healthy =
                 info.as_ref().zip(a).is_some_and(|(i, a)| i.assignment_id == a.assignment_id);
             self.metrics.worker_info(addr, info.as_ref(), healthy);
             let w = WorkerInfo {
                 address: addr.clone(),
-                device: device.clone(),
-                memory_budget: *budget,
+                device: reg.device.clone(),
+                memory_budget: reg.spec.budget,
                 healthy,
                 device_bytes_used: info.as_ref().map_or(0, |i| i.device_bytes_used),
             };
