@@ -243,7 +243,7 @@ pub(crate) fn run_config(
     args.extend(a.pool.to_args());
     // Never the default port, which a stack the user runs may hold.
     args.extend(["--http-listen".into(), "127.0.0.1:0".into()]);
-    let (addr, _http) = crate::up::listening_parts(&spawn_quiet(&mut children, name, &args)?);
+    let addr = spawn_quiet(&mut children, name, &args)?.addr;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
     let warm = BenchArgs { batch: 1, max_new_tokens: 2, ..a.clone() };
     rt.block_on(workload(&addr, &warm, vocab))?;
@@ -294,11 +294,12 @@ pub(crate) fn run_config(
     })
 }
 
-/// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is `up<pid>.sock`
-/// in the runtime dir, its internal token the one `run` put in the environment.
+/// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is its namespace's
+/// (`transport::namespace_socket`), its internal token the one `run` put in the environment.
 async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
     use layerstream_rpc::v1::{loader_client::LoaderClient, DescribeRequest};
-    let sock = layerstream_rpc::transport::runtime_dir()?.join(format!("up{up_pid}.sock"));
+    let sock =
+        layerstream_rpc::transport::namespace_socket(&layerstream_shm::up_namespace(up_pid))?;
     let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV).ok();
     let bearer =
         layerstream_rpc::auth::Bearer::new(token.as_deref()).map_err(anyhow::Error::msg)?;

@@ -3,7 +3,7 @@
 //! and client-side time to the first visible text side by side: what HTTP costs over gRPC.
 
 use crate::bench::{request, BenchArgs};
-use crate::up::{listening_parts, spawn_quiet, Children};
+use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{generate_event, generate_request, GenerateRequest};
@@ -160,7 +160,8 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, rounds: usize) -> Resul
         "--memory-budget".into(),
         (1u64 << 40).to_string(),
     ]);
-    let (grpc, http) = listening_parts(&spawn_quiet(&mut children, "api-compare", &args)?);
+    let l = spawn_quiet(&mut children, "api-compare", &args)?;
+    let (grpc, http) = (l.addr, l.http);
     let http = http.context("the stack serves no HTTP")?;
     let grpc_url = grpc.clone();
     rt.block_on(async {

@@ -84,7 +84,8 @@ impl TraceService for Sink {
 pub async fn run(a: SinkArgs) -> Result<()> {
     let file = std::fs::OpenOptions::new().create(true).append(true).open(&a.out)?;
     let listener = tokio::net::TcpListener::bind(&a.listen).await?;
-    println!("LISTENING http://{}", listener.local_addr()?);
+    layerstream_rpc::handshake::Listening::new(format!("http://{}", listener.local_addr()?))
+        .announce();
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(Sink(Mutex::new(file))))
         .serve_with_incoming_shutdown(

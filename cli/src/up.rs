@@ -5,6 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_coordinator::{HttpFlags, PlanFlags, SchedulerFlags};
 use layerstream_loader::SlotFlags;
+use layerstream_rpc::handshake::Listening;
 use layerstream_worker::server::DeviceFlags;
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -93,32 +94,19 @@ impl Drop for Children {
     }
 }
 
-/// Splits what follows `LISTENING ` into the gRPC address and the HTTP one (`http=<url>`, printed by
-/// a coordinator that serves HTTP).
-pub(crate) fn listening_parts(rest: &str) -> (String, Option<String>) {
-    let mut words = rest.split_whitespace();
-    let addr = words.next().unwrap_or_default().to_owned();
-    let http = words.find_map(|w| w.strip_prefix("http=")).map(str::to_owned);
-    (addr, http)
-}
-
-/// The `LISTENING` line for `addr` and an optional HTTP address.
-pub(crate) fn listening_line(addr: &str, http: Option<&str>) -> String {
-    match http {
-        Some(h) => format!("LISTENING {addr} http={h}"),
-        None => format!("LISTENING {addr}"),
-    }
-}
-
-/// Spawns `layerstream <args>` and waits for its `LISTENING <addr>` line (its rest is returned);
-/// its log goes to stderr.
-pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+/// Spawns `layerstream <args>` and waits for its handshake line (`handshake::Listening`); its log
+/// goes to stderr.
+pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<Listening> {
     spawn_logged(children, name, args, Stdio::inherit(), None)
 }
 
 /// As `spawn`, with the child's log in a file under the temp dir instead of on stderr (`bench`, whose
 /// output is a table); a child that fails to start is reported with the file's last lines.
-pub(crate) fn spawn_quiet(children: &mut Children, name: &str, args: &[String]) -> Result<String> {
+pub(crate) fn spawn_quiet(
+    children: &mut Children,
+    name: &str,
+    args: &[String],
+) -> Result<Listening> {
     let path = std::env::temp_dir().join(format!(
         "layerstream-{}-{}.log",
         std::process::id(),
@@ -139,7 +127,7 @@ fn spawn_logged(
     args: &[String],
     stderr: Stdio,
     log: Option<&std::path::Path>,
-) -> Result<String> {
+) -> Result<Listening> {
     let exe = std::env::current_exe().context("locating the layerstream binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
@@ -172,24 +160,26 @@ fn spawn_logged(
     let stdout = child.stdout.take().expect("piped");
     children.0.push((name.to_owned(), child));
     let mut lines = BufReader::new(stdout).lines();
-    let addr = match lines.next() {
-        Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
-        other => match log {
+    let first = lines.next();
+    let listening = match first.as_ref().and_then(|l| l.as_deref().ok()).and_then(Listening::parse)
+    {
+        Some(l) => l,
+        None => match log {
             Some(p) => {
                 let text = std::fs::read_to_string(p).unwrap_or_default();
                 let tail: Vec<&str> =
                     text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
                 bail!(
-                    "{name} exited before it was ready ({other:?}); its log ({}) ends:\n{}",
+                    "{name} exited before it was ready ({first:?}); its log ({}) ends:\n{}",
                     p.display(),
                     tail.join("\n")
                 )
             }
-            None => bail!("{name} exited before it was ready ({other:?}); see its log above"),
+            None => bail!("{name} exited before it was ready ({first:?}); see its log above"),
         },
     };
     std::thread::spawn(move || for _ in lines {});
-    Ok(addr)
+    Ok(listening)
 }
 
 fn opt(flag: &str, v: &Option<impl ToString>) -> Vec<String> {
@@ -245,130 +235,36 @@ pub fn run(a: UpArgs) -> Result<()> {
     crate::run::check_device(&a.device.device)?;
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
-    let model_s = model.display().to_string();
     remove_orphans();
-    let ns = format!("up{}", std::process::id());
-    let socket = layerstream_rpc::transport::runtime_dir()
+    let ns = layerstream_shm::up_namespace(std::process::id());
+    let socket = layerstream_rpc::transport::namespace_socket(&ns)
         .context("the private runtime directory for the loader's socket")?
-        .join(format!("{ns}.sock"))
         .display()
         .to_string();
-    // The internal APIs' secret: given, or generated for this stack. Children inherit it from the
-    // environment (a command line would show it in `ps`). The API key travels the same way.
-    let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV)
-        .ok()
-        .filter(|t| !t.trim().is_empty())
-        .unwrap_or_else(layerstream_rpc::auth::random_hex);
-    std::env::set_var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV, &token);
-    if let Some(k) = &a.api_key {
-        std::env::set_var("LAYERSTREAM_API_KEY", k);
-    }
-    let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
-    // The RAM tier holds what RAM can hold (`default_slots`), never less than the workers'
-    // streaming buffers and read-ahead need.
-    let slots = a.pool.slots.unwrap_or_else(|| {
-        let floor = (a.workers * per_worker).max(4).min(store.manifest.config.num_layers.max(4));
-        layerstream_loader::default_slots(
-            store.manifest.config.num_layers,
-            store.manifest.max_unit_bytes(),
-            floor,
-        )
-    });
+    share_secrets(&a);
+    let slots = slot_count(&a, &store);
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
-    let mut specs = Vec::new();
-    let otlp = opt("--otlp-endpoint", &a.otlp_endpoint);
-    let pool = SlotFlags { slots: Some(slots), ..a.pool.clone() };
-    let mut largs = vec![
-        "loader-daemon".into(),
-        "--model".into(),
-        model_s.clone(),
-        "--socket".into(),
-        socket.clone(),
-        "--namespace".into(),
-        ns.clone(),
-    ];
-    largs.extend(pool.to_args());
-    largs.extend(otlp.clone());
-    spawn(&mut children, "loader-daemon", &largs)?;
-    specs.push(Supervised { args: largs, restarts: 0 });
+    let stack =
+        StackSpec { a: &a, model: model.display().to_string(), socket, ns: ns.clone(), slots };
+    let mut specs = vec![stack.start_loader(&mut children)?];
     let mut addrs = Vec::new();
     for i in 0..a.workers {
-        let mut wargs = vec![
-            "worker".into(),
-            "--model".into(),
-            model_s.clone(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--loader-socket".into(),
-            socket.clone(),
-        ];
-        wargs.extend(worker_device(&a).to_args());
-        if a.pool.no_verify {
-            wargs.push("--no-verify".into());
-        }
-        wargs.extend(otlp.clone());
-        let addr = spawn(&mut children, &format!("worker {i}"), &wargs)?;
-        // A restarted worker comes back on the same address, where the coordinator looks for it.
-        let bound = addr.trim_start_matches("http://").to_owned();
-        specs.push(Supervised { args: with_flag(wargs, "--listen", &bound), restarts: 0 });
+        let (spec, addr) = stack.start_worker(&mut children, i)?;
+        specs.push(spec);
         addrs.push(addr);
     }
-    let mut cargs = vec![
-        "coordinator".into(),
-        "--model".into(),
-        model_s,
-        "--listen".into(),
-        a.listen.clone(),
-        "--worker".into(),
-        addrs.join(","),
-    ];
-    cargs.extend(a.plan.to_args());
-    cargs.extend(a.sched.to_args());
-    // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
-    let mut http_flags = a.http.clone();
-    if a.prompt.is_given() && http_flags.http_listen.is_none() {
-        http_flags.http_listen = Some("off".into());
-    }
-    cargs.extend(http_flags.to_args());
-    if let (Some(c), Some(k)) = (&a.tls_cert, &a.tls_key) {
-        cargs.extend(["--tls-cert".into(), c.display().to_string()]);
-        cargs.extend(["--tls-key".into(), k.display().to_string()]);
-    }
-    cargs.extend(otlp);
-    let line = spawn(&mut children, "coordinator", &cargs)?;
-    let (addr, http) = listening_parts(&line);
-    // A restarted coordinator comes back on the same addresses, where clients look for it.
-    let mut cargs = with_flag(cargs, "--listen", addr.split("://").last().unwrap_or(&addr));
-    if let Some(h) = &http {
-        cargs = with_flag(cargs, "--http-listen", h.split("://").last().unwrap_or(h));
-    }
-    specs.push(Supervised { args: cargs, restarts: 0 });
+    let (spec, listening) = stack.start_coordinator(&mut children, &addrs)?;
+    specs.push(spec);
     // With an input: the request runs on its own thread while this one supervises the children.
-    let job = a.prompt.is_given().then(|| {
-        let sub = crate::submit::SubmitArgs {
-            addr: addr.clone(),
-            prompt: a.prompt.clone(),
-            sampling: a.sampling.clone(),
-            json: a.json,
-            api_key: a.api_key.clone(),
-            // A self-signed certificate is its own CA.
-            tls_ca: a.tls_cert.clone(),
-        };
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?
-                .block_on(crate::submit::run(sub))
-        })
-    });
+    let job = a.prompt.is_given().then(|| submit_in_thread(&a, &listening.addr));
     if job.is_none() {
-        println!("{}", listening_line(&addr, http.as_deref()));
-        let web = http.as_ref().map_or(String::new(), |h| {
+        listening.announce();
+        let web = listening.http.as_ref().map_or(String::new(), |h| {
             format!("; OpenAI API at {h}/v1 (OPENAI_BASE_URL), live page at {h}/, metrics at {h}/metrics")
         });
-        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {addr}{web}; Ctrl-C stops everything", a.workers);
+        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {}{web}; Ctrl-C stops everything", a.workers, listening.addr);
     }
     let outcome = supervise(&mut children, &mut specs, &mut set, a.max_restarts, job.as_ref());
     drop(children);
@@ -377,6 +273,133 @@ pub fn run(a: UpArgs) -> Result<()> {
     match job {
         Some(j) => j.join().map_err(|_| anyhow::anyhow!("the request thread panicked"))?,
         None => Ok(()),
+    }
+}
+
+/// The internal APIs' secret: given, or generated for this stack. Children inherit it from the
+/// environment (a command line would show it in `ps`). The API key travels the same way.
+fn share_secrets(a: &UpArgs) {
+    let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV)
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+        .unwrap_or_else(layerstream_rpc::auth::random_hex);
+    std::env::set_var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV, &token);
+    if let Some(k) = &a.api_key {
+        std::env::set_var("LAYERSTREAM_API_KEY", k);
+    }
+}
+
+/// The loader's slots: what RAM can hold (`default_slots`), never less than the workers'
+/// streaming buffers and read-ahead need; `--slots` when given.
+fn slot_count(a: &UpArgs, store: &layerstream_model::Store) -> usize {
+    let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
+    a.pool.slots.unwrap_or_else(|| {
+        let layers = store.manifest.config.num_layers;
+        let floor = (a.workers * per_worker).max(4).min(layers.max(4));
+        layerstream_loader::default_slots(layers, store.manifest.max_unit_bytes(), floor)
+    })
+}
+
+/// Submits `up`'s input to the coordinator at `addr` on its own thread.
+fn submit_in_thread(a: &UpArgs, addr: &str) -> std::thread::JoinHandle<Result<()>> {
+    let sub = crate::submit::SubmitArgs {
+        addr: addr.to_owned(),
+        prompt: a.prompt.clone(),
+        sampling: a.sampling.clone(),
+        json: a.json,
+        api_key: a.api_key.clone(),
+        // A self-signed certificate is its own CA.
+        tls_ca: a.tls_cert.clone(),
+    };
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(crate::submit::run(sub))
+    })
+}
+
+/// What every child of one stack shares.
+struct StackSpec<'a> {
+    a: &'a UpArgs,
+    model: String,
+    socket: String,
+    ns: String,
+    slots: usize,
+}
+
+impl StackSpec<'_> {
+    fn otlp(&self) -> Vec<String> {
+        opt("--otlp-endpoint", &self.a.otlp_endpoint)
+    }
+
+    /// Starts the loader daemon on the stack's socket and namespace.
+    fn start_loader(&self, children: &mut Children) -> Result<Supervised> {
+        let pool = SlotFlags { slots: Some(self.slots), ..self.a.pool.clone() };
+        let mut args: Vec<String> =
+            vec!["loader-daemon".into(), "--model".into(), self.model.clone()];
+        args.extend([
+            "--socket".into(),
+            self.socket.clone(),
+            "--namespace".into(),
+            self.ns.clone(),
+        ]);
+        args.extend(pool.to_args());
+        args.extend(self.otlp());
+        spawn(children, "loader-daemon", &args)?;
+        Ok(Supervised { args, restarts: 0 })
+    }
+
+    /// Starts worker `i` on a free port; returns how to restart it (on the same address, where the
+    /// coordinator looks for it) and its address.
+    fn start_worker(&self, children: &mut Children, i: usize) -> Result<(Supervised, String)> {
+        let mut args: Vec<String> = vec!["worker".into(), "--model".into(), self.model.clone()];
+        args.extend([
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--loader-socket".into(),
+            self.socket.clone(),
+        ]);
+        args.extend(worker_device(self.a).to_args());
+        if self.a.pool.no_verify {
+            args.push("--no-verify".into());
+        }
+        args.extend(self.otlp());
+        let addr = spawn(children, &format!("worker {i}"), &args)?.addr;
+        let bound = addr.trim_start_matches("http://").to_owned();
+        Ok((Supervised { args: with_flag(args, "--listen", &bound), restarts: 0 }, addr))
+    }
+
+    /// Starts the coordinator over `workers`; returns how to restart it (on the same addresses,
+    /// where clients look for it) and where it listens.
+    fn start_coordinator(
+        &self,
+        children: &mut Children,
+        workers: &[String],
+    ) -> Result<(Supervised, Listening)> {
+        let a = self.a;
+        let mut args: Vec<String> =
+            vec!["coordinator".into(), "--model".into(), self.model.clone()];
+        args.extend(["--listen".into(), a.listen.clone(), "--worker".into(), workers.join(",")]);
+        args.extend(a.plan.to_args());
+        args.extend(a.sched.to_args());
+        // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
+        let mut http_flags = a.http.clone();
+        if a.prompt.is_given() && http_flags.http_listen.is_none() {
+            http_flags.http_listen = Some("off".into());
+        }
+        args.extend(http_flags.to_args());
+        if let (Some(c), Some(k)) = (&a.tls_cert, &a.tls_key) {
+            args.extend(["--tls-cert".into(), c.display().to_string()]);
+            args.extend(["--tls-key".into(), k.display().to_string()]);
+        }
+        args.extend(self.otlp());
+        let l = spawn(children, "coordinator", &args)?;
+        let mut args = with_flag(args, "--listen", l.addr.split("://").last().unwrap_or(&l.addr));
+        if let Some(h) = &l.http {
+            args = with_flag(args, "--http-listen", h.split("://").last().unwrap_or(h));
+        }
+        Ok((Supervised { args, restarts: 0 }, l))
     }
 }
 
@@ -418,26 +441,22 @@ fn supervise(
 /// Removes what stacks whose `up` died (SIGKILL, a crash) left behind: their shm regions and
 /// loader sockets (named after the dead `up`'s pid).
 fn remove_orphans() {
-    // Gone, or a zombie nobody reaped yet.
-    let dead = |pid: &str| {
-        pid.parse::<u32>().is_ok()
-            && std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
-    };
+    use layerstream_shm::{process_alive, up_namespace_owner, up_region_owner};
     let mut removed = 0;
-    for name in layerstream_shm::list(&format!("{}up", layerstream_shm::PREFIX)) {
-        let rest = &name[layerstream_shm::PREFIX.len() + 2..];
-        if dead(rest.split('-').next().unwrap_or("")) && layerstream_shm::unlink(&name).is_ok() {
+    for name in layerstream_shm::list(layerstream_shm::PREFIX) {
+        let dead = up_region_owner(&name).is_some_and(|pid| !process_alive(pid));
+        if dead && layerstream_shm::unlink(&name).is_ok() {
             removed += 1;
         }
     }
     if let Ok(dir) = layerstream_rpc::transport::runtime_dir() {
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if let Some(pid) = n.strip_prefix("up").and_then(|r| r.strip_suffix(".sock")) {
-                if dead(pid) && std::fs::remove_file(e.path()).is_ok() {
-                    removed += 1;
-                }
+            let ns = layerstream_rpc::transport::socket_namespace(&n);
+            let pid = ns.and_then(up_namespace_owner);
+            if pid.is_some_and(|pid| !process_alive(pid)) && std::fs::remove_file(e.path()).is_ok()
+            {
+                removed += 1;
             }
         }
     }

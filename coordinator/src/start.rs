@@ -7,6 +7,7 @@ use crate::{http, jobs, metrics, planner, scheduler, service};
 use crate::{CoordinatorArgs, Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::auth::{Bearer, RequireBearer};
+use layerstream_rpc::handshake::Listening;
 use layerstream_rpc::transport;
 use layerstream_rpc::v1::coordinator_server::CoordinatorServer;
 use layerstream_rpc::v1::worker_client::WorkerClient;
@@ -212,11 +213,9 @@ async fn serve(
             eprintln!("warning: the job API listens on {addr} without an API key: anyone who reaches it can submit, watch and cancel jobs (set --api-key or LAYERSTREAM_API_KEY)");
         }
     }
-    let http_note = http_local.map_or(String::new(), |a| format!(" http=http://{a}"));
-    println!(
-        "LISTENING {}://{local}{http_note}",
-        if security.tls.is_some() { "https" } else { "http" }
-    );
+    let scheme = if security.tls.is_some() { "https" } else { "http" };
+    let http_url = http_local.map(|a| format!("http://{a}"));
+    Listening { addr: format!("{scheme}://{local}"), http: http_url }.announce();
     if let Some(l) = http {
         let model = args.http.served_model_name.clone().unwrap_or_else(|| store_name(&args.model));
         let h = Arc::new(http::Http {

@@ -142,7 +142,7 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
             .map_err(|source| Error::Bind { path: socket.clone(), source })?;
     }
-    println!("LISTENING unix:{}", socket.display());
+    layerstream_rpc::handshake::Listening::new(format!("unix:{}", socket.display())).announce();
     let (health, health_svc) =
         layerstream_rpc::transport::health::<LoaderServer<daemon::LoaderService>>().await;
     let server = tonic::transport::Server::builder()

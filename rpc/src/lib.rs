@@ -4,6 +4,7 @@
 
 pub mod auth;
 mod error;
+pub mod handshake;
 pub mod transport;
 
 pub use error::Error;

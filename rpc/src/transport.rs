@@ -38,6 +38,19 @@ pub fn runtime_dir() -> std::io::Result<PathBuf> {
     Ok(dir)
 }
 
+/// The control socket of the loader daemon of namespace `ns` (`up` starts one per stack):
+/// `<ns>.sock` in `runtime_dir()`.
+pub fn namespace_socket(ns: &str) -> std::io::Result<PathBuf> {
+    Ok(runtime_dir()?.join(format!("{ns}{SOCKET_EXT}")))
+}
+
+/// The namespace a socket file of `runtime_dir()` belongs to (None: not a namespace's socket).
+pub fn socket_namespace(file_name: &str) -> Option<&str> {
+    file_name.strip_suffix(SOCKET_EXT)
+}
+
+const SOCKET_EXT: &str = ".sock";
+
 /// Where a loader daemon listens by default: `loader.sock` in `runtime_dir()`.
 pub fn default_loader_socket() -> std::io::Result<PathBuf> {
     Ok(runtime_dir()?.join("loader.sock"))

@@ -1,20 +1,13 @@
 //! POSIX shared-memory regions, the data half of the loader contract: the loader creates them (mode
 //! 0600, pre-faulted once), workers map them read-only, the loader unlinks them at exit. Names live in a
-//! per-instance namespace `layerstream-<ns>-…` that both sides derive with `slot_name`.
+//! per-instance namespace `layerstream-<ns>-…` that both sides derive with `slot_name`
+//! (`names`: every kind of name, built and read back in one place).
 
 use std::ffi::CString;
 use std::io;
 
-/// Prefix of every region layerstream creates.
-pub const PREFIX: &str = "layerstream-";
-
-/// The shm name of slot `i` of loader instance `instance` in namespace `ns` (no leading slash;
-/// `/dev/shm/<name>`). Each daemon start picks a new instance id, so a worker that still maps a
-/// slot of a daemon that died can never mistake it for a slot of its successor (same namespace,
-/// different names).
-pub fn slot_name(ns: &str, instance: &str, i: usize) -> String {
-    format!("{PREFIX}{ns}-{instance}-slot-{i:03}")
-}
+mod names;
+pub use names::*;
 
 /// A mapped shared-memory region.
 pub struct ShmRegion {

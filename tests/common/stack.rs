@@ -2,6 +2,7 @@
 //! are stopped with SIGTERM when the guard drops, and /dev/shm is checked clean afterwards.
 
 use layerstream_rpc::auth::{Authed, Bearer};
+use layerstream_rpc::handshake::Listening;
 use layerstream_rpc::v1::loader_client::LoaderClient;
 use layerstream_rpc::v1::worker_client::WorkerClient;
 use std::io::{BufRead, BufReader};
@@ -39,18 +40,14 @@ impl Proc {
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = match lines.next() {
-            Some(Ok(l)) if l.starts_with("LISTENING ") => l["LISTENING ".len()..].to_owned(),
-            other => {
-                let _ = child.kill();
-                panic!("layerstream {args:?} did not start: {other:?}");
-            }
+        let first = lines.next();
+        let Some(l) = first.as_ref().and_then(|l| l.as_deref().ok()).and_then(Listening::parse)
+        else {
+            let _ = child.kill();
+            panic!("layerstream {args:?} did not start: {first:?}");
         };
         std::thread::spawn(move || for _ in lines {});
-        let mut words = line.split_whitespace();
-        let addr = words.next().unwrap_or_default().to_owned();
-        let http = words.find_map(|w| w.strip_prefix("http=")).map(str::to_owned);
-        Proc { child, addr, http }
+        Proc { child, addr: l.addr, http: l.http }
     }
 
     /// Sends SIGTERM and waits (10 s at most) for the exit.
@@ -108,14 +105,17 @@ impl Stack {
 
     /// The shm namespace prefix of this stack.
     pub fn shm_prefix(&self) -> String {
-        format!("layerstream-up{}-", self.proc.child.id())
+        format!(
+            "{}{}-",
+            layerstream_shm::PREFIX,
+            layerstream_shm::up_namespace(self.proc.child.id())
+        )
     }
 
     /// The loader's control socket (in the user's private runtime directory).
     pub fn loader_socket(&self) -> std::path::PathBuf {
-        layerstream_rpc::transport::runtime_dir()
-            .unwrap()
-            .join(format!("up{}.sock", self.proc.child.id()))
+        let ns = layerstream_shm::up_namespace(self.proc.child.id());
+        layerstream_rpc::transport::namespace_socket(&ns).unwrap()
     }
 
     /// A client of this stack's loader daemon, with the internal token.

@@ -13,8 +13,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-/// Prefix of every hand-off region.
-const PREFIX: &str = "layerstream-hidden-";
 /// Smallest region created (grown to the next power of two above what a step needs).
 const MIN_BYTES: usize = 1 << 20;
 
@@ -46,9 +44,8 @@ impl Default for Handoff {
 impl Handoff {
     /// No regions yet; regions that workers which died left behind on this host are removed.
     pub fn new() -> Self {
-        for name in shm::list(PREFIX) {
-            let pid = name[PREFIX.len()..].split('-').next().and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()) {
+        for name in shm::list(shm::HIDDEN_PREFIX) {
+            if shm::hidden_owner(&name).is_some_and(|p| !shm::process_alive(p)) {
                 let _ = shm::unlink(&name);
             }
         }
@@ -63,7 +60,7 @@ impl Handoff {
             // The old region (if any) is unlinked as it drops; its reader finished with it.
             regions.remove(&lane);
             let n = self.created.fetch_add(1, Ordering::Relaxed);
-            let name = format!("{PREFIX}{}-{n}", std::process::id());
+            let name = shm::hidden_name(std::process::id(), n);
             let size = len.next_power_of_two().max(MIN_BYTES);
             let r = ShmRegion::create(&name, size)
                 .map_err(|e| format!("creating shared-memory region {name} ({size} bytes): {e}"))?;
@@ -87,7 +84,7 @@ impl Handoff {
 
 /// Reads the hidden states the previous worker left in `r`.
 pub fn read(r: &HiddenRef) -> Result<Vec<f32>, String> {
-    if !r.name.starts_with(PREFIX) || r.name.contains('/') {
+    if shm::hidden_owner(&r.name).is_none() || r.name.contains('/') {
         return Err(format!("hidden_ref: {:?} is not a hand-off region", r.name));
     }
     let region = ShmRegion::open_readonly(&r.name)
@@ -137,14 +134,15 @@ mod tests {
         assert!(e.contains("inside it"), "{e}");
         assert!(read(&HiddenRef { name: "layerstream-x-slot-000".into(), len: 4 }).is_err());
         h.clear();
-        assert!(shm::list(&format!("{PREFIX}{}-", std::process::id())).is_empty());
+        let mine = |n: &String| shm::hidden_owner(n) == Some(std::process::id());
+        assert!(!shm::list(shm::HIDDEN_PREFIX).iter().any(mine));
         assert!(!host_id().is_empty(), "Linux has a boot id and an IPC namespace");
     }
 
     #[test]
     fn regions_of_dead_workers_are_removed_at_start() {
         // A pid that cannot be alive (above the kernel's maximum).
-        let name = format!("{PREFIX}99999999-0");
+        let name = shm::hidden_name(99999999, 0);
         // Left behind as a killed worker leaves it: never unlinked by this value.
         std::mem::forget(ShmRegion::create(&name, 4096).unwrap());
         let _h = Handoff::new();

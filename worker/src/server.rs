@@ -193,7 +193,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
         handoff: crate::handoff::Handoff::new(),
         host_id: crate::handoff::host_id(),
     });
-    println!("LISTENING {id}");
+    layerstream_rpc::handshake::Listening::new(id.clone()).announce();
     let threads = layerstream_kernels::cpu::threads::cpu_threads();
     let concurrent_threads = args.device.concurrent_threads.unwrap_or(threads);
     tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, concurrent_threads, "worker ready");

@@ -60,9 +60,9 @@ async fn loader_stats(s: &WorkerState) -> Option<LoaderStats> {
         let mut c =
             layerstream_rpc::v1::loader_client::LoaderClient::new(s.loader_bearer.clone().wrap(ch));
         let d = c.describe(DescribeRequest {}).await.ok()?.into_inner();
-        // Slot names are `<namespace>-slot-NNN`: the namespace names the daemon.
+        // A slot's pool name names the daemon.
         let namespace =
-            d.slots.first().and_then(|n| n.rsplit_once("-slot-")).map(|(ns, _)| ns.to_owned());
+            d.slots.first().and_then(|n| layerstream_shm::slot_pool(n)).map(str::to_owned);
         Some(LoaderStats {
             namespace: namespace.unwrap_or(d.store),
             hits: d.hits,
