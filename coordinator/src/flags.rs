@@ -203,6 +203,22 @@ mod tests {
             "--hidden-over-grpc",
             "--http-listen",
             "off",
+            "--served-model-name",
+            "m",
+            "--streaming-buffers",
+            "3",
+            "--kv-capacity",
+            "77",
+            "--max-step-tokens",
+            "11",
+            "--queue-size",
+            "12",
+            "--max-recoveries",
+            "2",
+            "--job-retention",
+            "13",
+            "--max-job-records",
+            "14",
             "--cors-allow-origin",
             "http://a,http://b",
         ]);
@@ -210,6 +226,12 @@ mod tests {
         argv.extend(given.plan.to_args());
         argv.extend(given.sched.to_args());
         argv.extend(given.http.to_args());
+        // Every flag of the three groups is passed on when set.
+        for a in <Cli as clap::CommandFactory>::command().get_arguments() {
+            if let Some(long) = a.get_long() {
+                assert!(argv.contains(&format!("--{long}")), "--{long} is not passed on");
+            }
+        }
         let back = Cli::parse_from(argv);
         assert_eq!(back.http.listen(), None);
         assert_eq!((back.plan, back.sched, back.http), (given.plan, given.sched, given.http));

@@ -163,3 +163,30 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
     tracing::info!("loader stopped; shared memory unlinked");
     res.map_err(Into::into)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        pool: SlotFlags,
+    }
+
+    /// What `up` and `bench` pass on to a child loader parses back to the same settings, and every
+    /// flag of the group is passed on when set.
+    #[test]
+    fn slot_flags_round_trip() {
+        let given = Cli::parse_from(["x", "--slots", "9", "--prefetch-depth", "4", "--no-verify"]);
+        let args = given.pool.to_args();
+        for a in Cli::command().get_arguments() {
+            if let Some(long) = a.get_long() {
+                assert!(args.contains(&format!("--{long}")), "--{long} is not passed on");
+            }
+        }
+        let back = Cli::parse_from(std::iter::once("x".to_owned()).chain(args));
+        assert_eq!(back.pool, given.pool);
+    }
+}

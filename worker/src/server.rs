@@ -220,3 +220,42 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     state.handoff.clear();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        device: DeviceFlags,
+    }
+
+    /// What `up` and `bench` pass on to a child worker parses back to the same settings, and every
+    /// flag of the group is passed on when set.
+    #[test]
+    fn device_flags_round_trip() {
+        let given = Cli::parse_from([
+            "x",
+            "--device",
+            "cuda:1",
+            "--memory-budget",
+            "5G",
+            "--threads",
+            "3",
+            "--concurrent-threads",
+            "2",
+            "--int8-activations",
+        ]);
+        let args = given.device.to_args();
+        for a in Cli::command().get_arguments() {
+            if let Some(long) = a.get_long() {
+                assert!(args.contains(&format!("--{long}")), "--{long} is not passed on");
+            }
+        }
+        let back = Cli::parse_from(std::iter::once("x".to_owned()).chain(args));
+        assert_eq!(back.device, given.device);
+        assert_eq!(Cli::parse_from(["x"]).device.to_args(), ["--device", "cpu"]);
+    }
+}
