@@ -17,6 +17,7 @@ pub mod server;
 pub mod service;
 pub mod stage;
 pub mod stream;
+mod token_choice;
 pub mod weights;
 mod wire;
 

@@ -7,11 +7,12 @@ use crate::experts::ExpertCache;
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
 use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
-use crate::sampling::{sample_batch, seen, Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
+use crate::token_choice::{HeadRow, TokenChoice};
 use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
-use layerstream_kernels::{Backend, RowPick};
+use layerstream_kernels::Backend;
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
 use layerstream_telemetry::TraceParent;
@@ -354,88 +355,35 @@ impl<B: Backend + 'static> Stage<B> {
             }
         }
         let mut out = StepOut { layers: timings, layers_ms, ..Default::default() };
-        let b = &self.backend;
-        if let Some((norm, lm)) = &self.head {
-            let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
-            // Log-probs need the logits on the host, so a sequence asking for them samples there.
-            let greedy = batch.iter().all(|s| {
-                self.seqs[&s.seq_id]
-                    .sampler
-                    .as_ref()
-                    .is_some_and(|x| x.is_greedy() && x.params.logprobs.is_none())
-            });
-            // Final norm, lm_head and the token choice: the step's time outside the layers, in the trace.
-            let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
-            let _in_head = head_span.enter();
-            let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
-            let wants_logprobs = batch.iter().any(|s| {
-                self.seqs[&s.seq_id].sampler.as_ref().is_some_and(|x| x.params.logprobs.is_some())
-            });
-            if greedy {
-                // Argmax on the device: one token id per sequence comes back, not the logits.
-                out.tokens = b.argmax_rows(&logits)?;
-            } else if b.samples_on_device() && !wants_logprobs {
-                // Penalty, temperature, top-k/top-p and the draw on the device: token ids come back.
-                let _in_sample =
-                    info_span!("sample", rows = batch.len() as i64, device = true).entered();
-                let mut rows = Vec::with_capacity(batch.len());
-                for (s, seq) in batch.iter().zip(in_batch_order(&mut self.seqs, batch)) {
-                    let sampler = seq.sampler.as_mut().expect("head stage samples");
-                    // A prompt chunk samples nothing: that would advance a seeded generator.
-                    rows.push((!s.prompt_continues).then(|| {
-                        (sampler.pick(), sampler.draw(), seen(&sampler.params, &seq.history))
-                    }));
-                }
-                let jobs: Vec<_> = rows
-                    .iter()
-                    .map(|r| r.as_ref().map(|(pick, r, seen)| RowPick { pick: *pick, r: *r, seen }))
-                    .collect();
-                let picked = b.sample_rows(&mut logits, &jobs)?;
-                out.tokens = Vec::with_capacity(picked.len());
-                for (i, (t, row)) in picked.into_iter().zip(&rows).enumerate() {
-                    out.tokens.push(match (t, row) {
-                        (Some(t), _) => t,
-                        (None, None) => 0,
-                        // More candidates than the device sorts: this row on the host, penalised
-                        // already, with the same draw.
-                        (None, Some((pick, r, _))) => {
-                            let mut host = b.to_host(&b.rows(&logits, i, 1)?)?;
-                            layerstream_kernels::host::check_logits(&host, i)?;
-                            crate::sampling::choose(&mut host, &[], pick, *r)
-                        }
-                    });
-                }
-                out.logprobs = vec![None; out.tokens.len()];
-            } else {
-                // One copy of the step's logits; each sequence samples from its own row of it.
-                let mut host = b.to_host(&logits)?;
-                let vocab = b.dims(&logits).1;
-                let rows = batch
+        match &self.head {
+            Some((norm, lm)) => {
+                let lm =
+                    lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
+                let b = &self.backend;
+                let rows: Vec<HeadRow<'_>> = batch
                     .iter()
                     .zip(in_batch_order(&mut self.seqs, batch))
-                    .zip(host.chunks_exact_mut(vocab));
-                let jobs: Vec<_> = rows
-                    .map(|((s, seq), l)| {
-                        // A prompt chunk samples nothing: that would advance a seeded generator.
-                        (!s.prompt_continues).then(|| {
-                            (
-                                seq.sampler.as_mut().expect("head stage samples"),
-                                seq.history.as_slice(),
-                                l,
-                            )
-                        })
+                    .map(|(s, seq)| HeadRow {
+                        sampler: seq.sampler.as_mut().expect("head stage samples"),
+                        history: &seq.history,
+                        prompt_continues: s.prompt_continues,
                     })
                     .collect();
-                let _in_sample =
-                    info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
-                (out.tokens, out.logprobs) = sample_batch(jobs)?.into_iter().unzip();
+                let choice = TokenChoice::for_rows(b, &rows);
+                // Final norm, lm_head and the token choice: the step's time outside the layers.
+                let greedy = choice == TokenChoice::DeviceArgmax;
+                let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
+                let _in_head = head_span.enter();
+                let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
+                (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
             }
-        } else {
-            out.hidden = b.to_host(&x)?;
+            None => out.hidden = self.backend.to_host(&x)?,
         }
         Ok(out)
     }
 
+    /// Runs `x` through every layer of the range: resident layers from memory, streamed ones as
+    /// their groups arrive from the copy thread (each group evicted after its last layer).
     fn run_layers(
         &mut self,
         x: &mut B::Tensor,
@@ -444,58 +392,17 @@ impl<B: Backend + 'static> Stage<B> {
         step_span: &Span,
     ) -> Result<Vec<LayerTiming>> {
         let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, experts, .. } = self;
-        let mut experts = experts.as_mut();
         let range = plan.layers();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
-        // Looked up once per step (not once per layer).
-        let mut ordered = in_batch_order(seqs, batch);
-        let mut compute = |layer: u32,
-                           w: &LayerWeights<B>,
-                           next: Option<&LayerWeights<B>>,
-                           span: &Span,
-                           mut t: LayerTiming,
-                           x: &mut B::Tensor|
-         -> Result<LayerTiming> {
-            let li = (layer - range.start) as usize;
-            let mut caches: Vec<&mut B::KvCache> =
-                ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
-            let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
-            // Timed on the device (CUDA events around the layer's kernels; host clock on the CPU), and
-            // waited for, so the span covers the compute itself.
-            let (ms, counts) = cs.in_scope(|| -> Result<(f64, ExpertCounts)> {
-                let m0 = b.mark()?;
-                let counts = match experts.as_mut() {
-                    Some(c) => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut **c)?,
-                    None => {
-                        layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut NoExperts)?
-                    }
-                };
-                let m1 = b.mark()?;
-                Ok((b.elapsed_ms(&m0, &m1)?, counts))
-            })?;
-            (t.compute_ms, t.experts) = (ms, counts);
-            cs.record("device_ms", t.compute_ms);
-            if counts.needed > 0 {
-                info_span!(parent: span, "experts", layer = layer as i64, needed = counts.needed as i64, hit = counts.hit as i64, prefetched = counts.prefetched as i64, missed = counts.missed as i64, bytes = counts.bytes as i64).in_scope(|| {});
-            }
-            // The next layer's router on this layer's output guesses its experts: the copy thread
-            // brings them in while that layer's attention computes.
-            if let (Some(c), Some(nw), Some(m)) = (experts.as_ref(), next, ctx.moe.as_ref()) {
-                if let (true, Mlp::Experts { router }) = (c.predicts(), &nw.mlp) {
-                    let _p = info_span!(parent: span, "predict experts", layer = layer as i64 + 1)
-                        .entered();
-                    let h = b.rms_norm(x, &nw.ffn_norm, ctx.eps)?;
-                    let ids: std::collections::BTreeSet<u32> =
-                        choose(b, &h, router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
-                    c.predict(
-                        layer + 1,
-                        &ids.into_iter().collect::<Vec<_>>(),
-                        TraceParent::of(span),
-                    );
-                }
-            }
-            Ok(t)
+        let mut pass = LayerPass {
+            b,
+            ctx,
+            first: range.start,
+            seq_rows,
+            // Looked up once per step (not once per layer).
+            ordered: in_batch_order(seqs, batch),
+            experts: experts.as_mut(),
         };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident);
         let first_of_group: HashMap<u32, usize> =
@@ -509,12 +416,13 @@ impl<B: Backend + 'static> Stage<B> {
                     let g = pending.as_ref()?;
                     g.layers.iter().find(|a| a.layer == l + 1).map(|a| &a.weights)
                 });
-                timings.push(compute(
+                let t = LayerTiming { layer: l, resident: true, ..Default::default() };
+                timings.push(pass.compute(
                     l,
                     w,
                     next.filter(|_| l + 1 < range.end),
                     &span,
-                    LayerTiming { layer: l, resident: true, ..Default::default() },
+                    t,
                     x,
                 )?);
                 continue;
@@ -546,12 +454,85 @@ impl<B: Backend + 'static> Stage<B> {
                 .get(idx + 1)
                 .map(|n| &n.weights)
                 .or_else(|| resident.get(&(l + 1)).filter(|_| l + 1 < range.end));
-            timings.push(compute(l, &a.weights, next, &a.span, a.timing.clone(), x)?);
+            timings.push(pass.compute(l, &a.weights, next, &a.span, a.timing.clone(), x)?);
             if idx + 1 == g.layers.len() {
                 pending = None; // evict the group as a unit after its compute
             }
         }
         Ok(timings)
+    }
+}
+
+/// What computing the layers of one step needs, borrowed from the stage for that step.
+struct LayerPass<'s, B: Backend> {
+    b: &'s B,
+    ctx: &'s LayerCtx,
+    /// The range's first layer (caches are indexed from it).
+    first: u32,
+    seq_rows: &'s [SeqRows],
+    /// The step's sequences, in batch order.
+    ordered: Vec<&'s mut Seq<B>>,
+    experts: Option<&'s mut ExpertCache<B>>,
+}
+
+impl<B: Backend + 'static> LayerPass<'_, B> {
+    /// Computes `layer` (weights `w`) on `x`, timed on the device (CUDA events around the layer's
+    /// kernels; host clock on the CPU) and waited for, so its `compute` span covers the compute
+    /// itself; then guesses the next layer's experts from this layer's output.
+    fn compute(
+        &mut self,
+        layer: u32,
+        w: &LayerWeights<B>,
+        next: Option<&LayerWeights<B>>,
+        span: &Span,
+        mut t: LayerTiming,
+        x: &mut B::Tensor,
+    ) -> Result<LayerTiming> {
+        let (b, ctx, seq_rows) = (self.b, self.ctx, self.seq_rows);
+        let li = (layer - self.first) as usize;
+        let mut caches: Vec<&mut B::KvCache> =
+            self.ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
+        let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
+        let experts = &mut self.experts;
+        let (ms, counts) = cs.in_scope(|| -> Result<(f64, ExpertCounts)> {
+            let m0 = b.mark()?;
+            let counts = match experts.as_mut() {
+                Some(c) => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut **c)?,
+                None => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut NoExperts)?,
+            };
+            let m1 = b.mark()?;
+            Ok((b.elapsed_ms(&m0, &m1)?, counts))
+        })?;
+        (t.compute_ms, t.experts) = (ms, counts);
+        cs.record("device_ms", t.compute_ms);
+        if counts.needed > 0 {
+            info_span!(parent: span, "experts", layer = layer as i64, needed = counts.needed as i64, hit = counts.hit as i64, prefetched = counts.prefetched as i64, missed = counts.missed as i64, bytes = counts.bytes as i64).in_scope(|| {});
+        }
+        if let Some(nw) = next {
+            self.predict_experts(layer + 1, nw, span, x)?;
+        }
+        Ok(t)
+    }
+
+    /// The next layer's router on this layer's output guesses its experts: the copy thread brings
+    /// them in while that layer's attention computes.
+    fn predict_experts(
+        &self,
+        layer: u32,
+        w: &LayerWeights<B>,
+        span: &Span,
+        x: &B::Tensor,
+    ) -> Result<()> {
+        let (Some(c), Some(m)) = (self.experts.as_ref(), self.ctx.moe.as_ref()) else {
+            return Ok(());
+        };
+        let (true, Mlp::Experts { router }) = (c.predicts(), &w.mlp) else { return Ok(()) };
+        let _p = info_span!(parent: span, "predict experts", layer = layer as i64).entered();
+        let h = self.b.rms_norm(x, &w.ffn_norm, self.ctx.eps)?;
+        let ids: std::collections::BTreeSet<u32> =
+            choose(self.b, &h, router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
+        c.predict(layer, &ids.into_iter().collect::<Vec<_>>(), TraceParent::of(span));
+        Ok(())
     }
 }
 
