@@ -151,105 +151,128 @@ impl Metrics {
             recent: Mutex::default(),
             registry: Registry::default(),
         };
+        m.register_requests(&mut r);
+        m.register_steps(&mut r);
+        m.register_workers(&mut r);
+        Metrics { registry: r, ..m }
+    }
+
+    /// Requests: finished, refused, HTTP responses, tokens and latencies.
+    fn register_requests(&self, r: &mut Registry) {
         r.register(
             "requests",
             "Requests that finished, by finish reason (stop, length, cancelled, error)",
-            m.finished.clone(),
+            self.finished.clone(),
         );
-        r.register("requests_rejected", "Requests refused before they were queued, by reason (invalid_argument, resource_exhausted, unavailable)", m.rejected.clone());
-        r.register("http_responses", "HTTP responses, by path and status code", m.http.clone());
-        r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
-        r.register("generation_tokens", "Tokens generated", m.generation_tokens.clone());
+        r.register("requests_rejected", "Requests refused before they were queued, by reason (invalid_argument, resource_exhausted, unavailable)", self.rejected.clone());
+        r.register("http_responses", "HTTP responses, by path and status code", self.http.clone());
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of finished requests",
+            self.prompt_tokens.clone(),
+        );
+        r.register("generation_tokens", "Tokens generated", self.generation_tokens.clone());
         r.register(
             "time_to_first_token_seconds",
             "From a request's arrival to its first token",
-            m.ttft.clone(),
+            self.ttft.clone(),
         );
         r.register(
             "time_per_output_token_seconds",
             "Time per output token after the first, per request",
-            m.tpot.clone(),
+            self.tpot.clone(),
         );
         r.register(
             "e2e_request_latency_seconds",
             "From a request's arrival to its end",
-            m.e2e.clone(),
+            self.e2e.clone(),
         );
-        r.register("num_requests_waiting", "Sequences queued, not yet running", m.waiting.clone());
-        r.register("num_requests_running", "Sequences in the running batch", m.running.clone());
+    }
+
+    /// The scheduler: queue, batch, steps and micro-batches.
+    fn register_steps(&self, r: &mut Registry) {
+        r.register(
+            "num_requests_waiting",
+            "Sequences queued, not yet running",
+            self.waiting.clone(),
+        );
+        r.register("num_requests_running", "Sequences in the running batch", self.running.clone());
         r.register(
             "step_batch_size",
             "Sequences per forward step (one weight pass)",
-            m.batch.clone(),
+            self.batch.clone(),
         );
-        r.register("steps", "Forward steps (weight passes) run", m.steps.clone());
+        r.register("steps", "Forward steps (weight passes) run", self.steps.clone());
         r.register(
             "overlapped_steps",
             "Steps started while another micro-batch's step was in flight",
-            m.overlapped.clone(),
+            self.overlapped.clone(),
         );
         r.register(
             "micro_batches",
             "Micro-batches in flight under the plan in force",
-            m.micro_batches.clone(),
+            self.micro_batches.clone(),
         );
+    }
+
+    /// Per worker and per loader: time, bytes, experts, health.
+    fn register_workers(&self, r: &mut Registry) {
         r.register(
             "worker_busy_seconds",
             "Wall time a worker spent in steps (its rate is the worker's busy share)",
-            m.busy.clone(),
+            self.busy.clone(),
         );
         r.register(
             "worker_bytes_streamed",
             "Weight bytes a worker copied from the loader's shared memory",
-            m.bytes.clone(),
+            self.bytes.clone(),
         );
         r.register(
             "worker_transfer_seconds",
             "Time a worker spent copying streamed weights",
-            m.transfer.clone(),
+            self.transfer.clone(),
         );
         r.register(
             "worker_compute_seconds",
             "Time a worker spent computing layers",
-            m.compute.clone(),
+            self.compute.clone(),
         );
         r.register(
             "worker_stall_seconds",
             "Compute time a worker waited for weights",
-            m.stall.clone(),
+            self.stall.clone(),
         );
         r.register(
             "worker_experts",
             "Experts a worker's steps needed (mixture-of-experts models), by where they were: on \
              the device (hit), copied ahead on a prediction (prefetched), fetched on demand (missed)",
-            m.experts.clone(),
+            self.experts.clone(),
         );
         r.register(
             "worker_hidden_transfer_ratio",
             "Share of a worker's transfer time hidden behind compute (1 = fully overlapped)",
-            m.hidden.clone(),
+            self.hidden.clone(),
         );
         r.register(
             "worker_up",
             "1 when the worker answers and holds its assignment",
-            m.worker_up.clone(),
+            self.worker_up.clone(),
         );
         r.register(
             "worker_device_bytes_used",
             "Device memory a worker has taken since it started",
-            m.device_bytes.clone(),
+            self.device_bytes.clone(),
         );
         r.register(
             "loader_cache_hits",
             "Acquires the loader served from a slot that held the layer",
-            m.loader_hits.clone(),
+            self.loader_hits.clone(),
         );
         r.register(
             "loader_cache_misses",
             "Layer files the loader read from disk",
-            m.loader_misses.clone(),
+            self.loader_misses.clone(),
         );
-        Metrics { registry: r, ..m }
     }
 
     /// A request refused before it was queued.

@@ -344,7 +344,6 @@ impl ModelConfig {
     /// Checks the config is usable: every size > 0 and far from overflowing the byte counts it
     /// multiplies into, heads divide, floats finite and positive, special tokens in the vocabulary.
     pub fn validate(&self) -> Result<()> {
-        const MAX_DIM: usize = 1 << 24;
         for (field, val) in [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -377,44 +376,8 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             return Err(Error::config("head_dim", "must be even for RoPE"));
         }
-        let positive = |field: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(Error::config(field, format!("must be a finite number > 0, got {v}")))
-            }
-        };
         if let Some(m) = &self.moe {
-            if m.experts == 0 || m.experts > 4096 {
-                return Err(Error::config(
-                    "num_experts",
-                    format!("{} is not in 1..=4096", m.experts),
-                ));
-            }
-            if m.top_k == 0 || m.top_k > m.experts {
-                return Err(Error::config(
-                    "num_experts_per_tok",
-                    format!("{} is not in 1..={} (the number of experts)", m.top_k, m.experts),
-                ));
-            }
-            // The loader numbers layers, then every layer's experts, in a u32 (`layout::unit_file`).
-            let units =
-                m.experts.checked_mul(self.num_layers).and_then(|x| x.checked_add(self.num_layers));
-            if units.is_none_or(|u| u > u32::MAX as usize) {
-                return Err(Error::config(
-                    "num_experts",
-                    format!(
-                        "{} experts × {} layers are too many files to number",
-                        m.experts, self.num_layers
-                    ),
-                ));
-            }
-            if m.expert_intermediate == 0 || m.expert_intermediate > MAX_DIM {
-                return Err(Error::config(
-                    "moe_intermediate_size",
-                    format!("{} is not in 1..={MAX_DIM}", m.expert_intermediate),
-                ));
-            }
+            self.validate_moe(m)?;
         }
         if self.sliding_window == Some(0) {
             return Err(Error::config("sliding_window", "must be > 0 (or null)"));
@@ -464,6 +427,38 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The expert counts and sizes of a mixture-of-experts config.
+    fn validate_moe(&self, m: &MoeConfig) -> Result<()> {
+        if m.experts == 0 || m.experts > 4096 {
+            return Err(Error::config("num_experts", format!("{} is not in 1..=4096", m.experts)));
+        }
+        if m.top_k == 0 || m.top_k > m.experts {
+            return Err(Error::config(
+                "num_experts_per_tok",
+                format!("{} is not in 1..={} (the number of experts)", m.top_k, m.experts),
+            ));
+        }
+        // The loader numbers layers, then every layer's experts, in a u32 (`layout::unit_file`).
+        let units =
+            m.experts.checked_mul(self.num_layers).and_then(|x| x.checked_add(self.num_layers));
+        if units.is_none_or(|u| u > u32::MAX as usize) {
+            return Err(Error::config(
+                "num_experts",
+                format!(
+                    "{} experts × {} layers are too many files to number",
+                    m.experts, self.num_layers
+                ),
+            ));
+        }
+        if m.expert_intermediate == 0 || m.expert_intermediate > MAX_DIM {
+            return Err(Error::config(
+                "moe_intermediate_size",
+                format!("{} is not in 1..={MAX_DIM}", m.expert_intermediate),
+            ));
+        }
+        Ok(())
+    }
+
     /// Width of the q projection output.
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
@@ -472,6 +467,18 @@ impl ModelConfig {
     /// Width of the k and v projection outputs.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+}
+
+/// The largest size a config may give (far from overflowing the byte counts it multiplies into).
+const MAX_DIM: usize = 1 << 24;
+
+/// A float field that must be finite and positive.
+fn positive(field: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::config(field, format!("must be a finite number > 0, got {v}")))
     }
 }
 

@@ -310,21 +310,7 @@ impl GgufFile {
             Arch::Gemma3 => "gemma3",
         };
         let key = |k: &str| format!("{p}.{k}");
-        let scaling = match self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
-            None | Some("none") => None,
-            Some("linear") => Some(crate::config::RopeScaling::Linear {
-                factor: self
-                    .meta(&key("rope.scaling.factor"))?
-                    .as_f64()
-                    .ok_or_else(|| Error::config(key("rope.scaling.factor"), "not a number"))?,
-            }),
-            Some(kind) => {
-                return Err(Error::config(
-                    key("rope.scaling.type"),
-                    format!("unsupported {kind:?}; supported: none, linear"),
-                ))
-            }
-        };
+        let scaling = self.rope_scaling(p)?;
         if self.tensor("rope_freqs.weight").is_some() {
             return Err(Error::tensor(
                 "rope_freqs.weight",
@@ -388,7 +374,32 @@ impl GgufFile {
         // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.
         let cfg = ModelConfig { rms_norm_eps: (cfg.rms_norm_eps as f32) as f64, ..cfg };
         cfg.validate()?;
-        // Every block's tensors must belong to a block the config counts.
+        self.check_block_count(&cfg, p)?;
+        Ok(cfg)
+    }
+
+    /// The `<p>.rope.scaling.*` keys (none or linear).
+    fn rope_scaling(&self, p: &str) -> Result<Option<crate::config::RopeScaling>> {
+        let key = |k: &str| format!("{p}.{k}");
+        Ok(match self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => None,
+            Some("linear") => Some(crate::config::RopeScaling::Linear {
+                factor: self
+                    .meta(&key("rope.scaling.factor"))?
+                    .as_f64()
+                    .ok_or_else(|| Error::config(key("rope.scaling.factor"), "not a number"))?,
+            }),
+            Some(kind) => {
+                return Err(Error::config(
+                    key("rope.scaling.type"),
+                    format!("unsupported {kind:?}; supported: none, linear"),
+                ))
+            }
+        })
+    }
+
+    /// Every block's tensors must belong to a block the config counts.
+    fn check_block_count(&self, cfg: &ModelConfig, p: &str) -> Result<()> {
         if let Some(t) = self.tensors.iter().find(|t| {
             t.name
                 .strip_prefix("blk.")
@@ -397,11 +408,11 @@ impl GgufFile {
                 .is_some_and(|n| n >= cfg.num_layers)
         }) {
             return Err(Error::config(
-                key("block_count"),
+                format!("{p}.block_count"),
                 format!("{} blocks, but the file has tensor {}", cfg.num_layers, t.name),
             ));
         }
-        Ok(cfg)
+        Ok(())
     }
 
     /// Gemma 3's section as llama.cpp reads it: the window (`attention.sliding_window`), every 6th
