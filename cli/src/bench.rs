@@ -12,7 +12,7 @@ use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{
     generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds,
 };
-use layerstream_worker::server::DeviceFlags;
+use layerstream_worker::DeviceFlags;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -79,7 +79,7 @@ pub struct BenchArgs {
     /// streamed as the plan flags say, and pipelined with `--hidden-over-grpc`; prints `pipelined /
     /// sequential tokens/s` and the workers' busy share. Use with `--workers 2` or more.
     #[arg(long, env = "LAYERSTREAM_BENCH_MICRO_BATCHES")]
-    pub micro_batches: Option<layerstream_coordinator::lanes::MicroBatches>,
+    pub micro_batches: Option<layerstream_coordinator::MicroBatches>,
     /// Instead of the configurations (mixture-of-experts stores): expert caches of these sizes per
     /// worker (`all` = every expert kept) with the attention resident, at each `--expert-batches`
     /// batch, on fresh stacks; prints bytes streamed per token against streaming whole layers

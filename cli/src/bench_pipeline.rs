@@ -6,7 +6,7 @@
 
 use crate::bench::{resident_args, run_config, streamed_args, tables, BenchArgs, Row};
 use anyhow::{bail, Context, Result};
-use layerstream_coordinator::lanes::MicroBatches;
+use layerstream_coordinator::MicroBatches;
 
 /// Runs the five configurations (resident and streamed, each pipelined and sequential; resident
 /// pipelined with gRPC hand-off) and prints the comparison.

@@ -99,7 +99,7 @@ enum Cmd {
     /// Run the loader daemon (as the `loader-daemon` binary does).
     LoaderDaemon(layerstream_loader::LoaderArgs),
     /// Run a worker (as the `worker` binary does).
-    Worker(layerstream_worker::server::WorkerArgs),
+    Worker(layerstream_worker::WorkerArgs),
     /// Run the coordinator (as the `coordinator` binary does).
     Coordinator(layerstream_coordinator::CoordinatorArgs),
     /// Benchmark one workload streamed vs fully resident vs prefetch off.
@@ -188,7 +188,7 @@ fn main() -> Result<()> {
         Cmd::Up(args) => up::run(args)?,
         Cmd::Submit(args) => block_on(submit::run(args))?,
         Cmd::LoaderDaemon(args) => block_on(async { Ok(layerstream_loader::run(args).await?) })?,
-        Cmd::Worker(args) => block_on(async { Ok(layerstream_worker::server::run(args).await?) })?,
+        Cmd::Worker(args) => block_on(async { Ok(layerstream_worker::run(args).await?) })?,
         Cmd::Coordinator(args) => {
             block_on(async { Ok(layerstream_coordinator::run(args).await?) })?
         }

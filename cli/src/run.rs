@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use layerstream_kernels::Backend;
 use layerstream_model::Store;
-use layerstream_worker::device::Device;
+use layerstream_worker::Device;
 use layerstream_worker::{generate, Model};
 use std::io::Write;
 use std::path::PathBuf;

@@ -6,7 +6,7 @@ use clap::Args;
 use layerstream_coordinator::{HttpFlags, PlanFlags, SchedulerFlags};
 use layerstream_loader::SlotFlags;
 use layerstream_rpc::handshake::Listening;
-use layerstream_worker::server::DeviceFlags;
+use layerstream_worker::DeviceFlags;
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -209,7 +209,7 @@ fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
 /// (or `--threads`) for the first, and its share, cores ÷ workers (at least one), as
 /// `--concurrent-threads` for the second (sharing the cores out while workers run one after
 /// another only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
-fn worker_device(a: &UpArgs) -> layerstream_worker::server::DeviceFlags {
+fn worker_device(a: &UpArgs) -> layerstream_worker::DeviceFlags {
     let mut d = a.device.clone();
     if d.concurrent_threads.is_none() && d.device == "cpu" && a.workers > 1 {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -118,13 +118,9 @@ impl Jobs {
     }
 
     /// Number of records held.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.lock().len()
-    }
-
-    /// Whether no record is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Drops expired records now (also done on every insert).

@@ -1,22 +1,23 @@
 //! The coordinator: registers workers, plans layer ranges and residency, runs continuous batching
 //! over the worker pipeline, and serves the public job API with per-job stats and traces.
 
-pub mod error;
-pub mod flags;
-pub mod http;
-pub mod jobs;
-pub mod lanes;
-pub mod metrics;
-pub mod pipeline;
-pub mod planner;
-pub mod scheduler;
-pub mod service;
+mod error;
+mod flags;
+mod http;
+mod jobs;
+mod lanes;
+mod metrics;
+mod pipeline;
+mod planner;
+mod scheduler;
+mod service;
 mod start;
-pub mod stats;
+mod stats;
 
 use clap::Args;
 pub use error::{Error, Result};
 pub use flags::{HttpFlags, PlanFlags, SchedulerFlags};
+pub use lanes::MicroBatches;
 pub use start::run;
 use std::path::PathBuf;
 

@@ -3,16 +3,16 @@
 //! `cpu` is always built; quantized GGML blocks are dequantized on the fly (`quant`), RoPE tables are
 //! computed as transformers does (`rope`), and small host helpers serve sampling (`host`).
 
-pub mod backend;
+mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_h2d;
-pub mod error;
+mod error;
 pub mod host;
 pub mod nucleus;
 pub mod quant;
-pub mod quant_ext;
-pub mod rope;
+mod quant_ext;
+mod rope;
 pub mod sampling;
 
 pub use backend::{AttnShape, Backend, RowPick};

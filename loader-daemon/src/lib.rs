@@ -3,12 +3,13 @@
 //! slots allow, pinned while a worker copies, and unlinked at exit. Control is gRPC over a Unix socket;
 //! data never goes over gRPC.
 
-pub mod daemon;
-pub mod error;
-pub mod pool;
-pub mod read;
+mod daemon;
+mod error;
+mod pool;
+mod read;
 
 use clap::Args;
+pub use daemon::{Daemon, LoaderService};
 pub use error::{Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::v1::loader_server::LoaderServer;

@@ -148,11 +148,6 @@ impl Pool {
     pub fn len(&self) -> usize {
         self.slots.len()
     }
-
-    /// Whether the pool has no slots.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
 }
 
 #[cfg(test)]

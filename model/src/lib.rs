@@ -3,19 +3,19 @@
 //! Readers for HF directories (safetensors, config, tokenizer, chat template) and GGUF files feed one
 //! importer that writes the per-layer store every other layerstream process reads.
 
-pub mod config;
-pub mod error;
+mod config;
+mod error;
 pub mod generation;
 pub mod gguf;
 pub mod gguf_export;
-pub mod gguf_spm;
-pub mod gguf_tokenizer;
-pub mod hf;
+mod gguf_spm;
+mod gguf_tokenizer;
+mod hf;
 pub mod import;
 pub mod layout;
 pub mod plan;
 mod request_error;
-pub mod source;
+mod source;
 pub mod stop;
 pub mod store;
 pub mod synth;

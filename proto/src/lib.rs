@@ -2,7 +2,8 @@
 //! gRPC services built on them live in `layerstream-rpc`, so libraries that share wire types (the
 //! model crate's plan and sampling parameters) compile no RPC stack.
 
-/// Generated messages.
+/// Generated messages (prost's output, so clippy's style lints do not apply).
+#[allow(clippy::large_enum_variant, clippy::doc_lazy_continuation)]
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/layerstream.v1.rs"));
 }

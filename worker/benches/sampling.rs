@@ -5,7 +5,7 @@
 //! Run: `cargo bench -p layerstream-worker --bench sampling`.
 
 use layerstream_worker::nucleus::{full_sort_nucleus, nucleus};
-use layerstream_worker::sampling::{sample_batch, Sampler, SamplingParams};
+use layerstream_worker::{sample_batch, Sampler, SamplingParams};
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -10,10 +10,10 @@ use clap::Parser;
 )]
 struct Cli {
     #[command(flatten)]
-    args: layerstream_worker::server::WorkerArgs,
+    args: layerstream_worker::WorkerArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    Ok(layerstream_worker::server::run(Cli::parse().args).await?)
+    Ok(layerstream_worker::run(Cli::parse().args).await?)
 }

@@ -77,7 +77,6 @@ pub struct Arrived<B: Backend> {
 
 /// A streamed group after its transfer; `step` is the step that was running when its copy began.
 pub struct Group<B: Backend> {
-    pub index: usize,
     pub step: u64,
     pub layers: Vec<Arrived<B>>,
 }
@@ -118,7 +117,7 @@ fn fetch_group<B: Backend>(
             timing: LayerTiming { layer: l, bytes, transfer_ms, ..Default::default() },
         });
     }
-    Ok(Group { index, step: m.number, layers })
+    Ok(Group { step: m.number, layers })
 }
 
 fn copy_thread_lost() -> Error {
@@ -254,7 +253,7 @@ impl<B: Backend> Fetcher<B> {
 mod tests {
     use super::*;
     use layerstream_kernels::CpuBackend;
-    use layerstream_loader::daemon::{Daemon, LoaderService};
+    use layerstream_loader::{Daemon, LoaderService};
     use layerstream_rpc::v1::loader_server::LoaderServer;
 
     /// A loader daemon serving `store` on a Unix socket in `rt`, and a link to it.
@@ -310,7 +309,7 @@ mod tests {
         let mut f = Fetcher::new(src, groups, link, Some(0), StepMark::default());
         for i in 0..2 {
             let g = f.next(i).unwrap();
-            assert_eq!((g.index, g.layers.len(), g.layers[0].layer), (i, 1, i as u32));
+            assert_eq!((g.layers.len(), g.layers[0].layer), (1, i as u32));
             assert_eq!(g.layers[0].timing.bytes, store.manifest.file(&layer_file(i)).unwrap().size);
         }
         let err = f.next(2).err().expect("layer 2's file is missing").to_string();
