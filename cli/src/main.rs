@@ -7,6 +7,7 @@ mod bench_experts;
 mod bench_matvec;
 mod bench_pipeline;
 mod fetch;
+mod flags_doc;
 mod health;
 mod hf_export;
 mod otlp_sink;
@@ -110,6 +111,9 @@ enum Cmd {
     OtlpSink(otlp_sink::SinkArgs),
     /// Print a text's token ids (JSON) under a store's or a GGUF file's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
+    /// Print the flag reference of every command as Markdown (docs/flags.md).
+    #[command(hide = true)]
+    FlagsDoc,
 }
 
 /// A stored weight type by name (any case): f32, f16, q4_k, ….
@@ -196,6 +200,10 @@ fn main() -> Result<()> {
         Cmd::Health(args) => block_on(health::run(args))?,
         Cmd::OtlpSink(args) => block_on(otlp_sink::run(args))?,
         Cmd::Tokenize(args) => tokenize::run(args)?,
+        Cmd::FlagsDoc => {
+            use clap::CommandFactory;
+            print!("{}", flags_doc::markdown(&Cli::command()))
+        }
     }
     Ok(())
 }
@@ -241,6 +249,23 @@ mod tests {
         assert_eq!(
             (up.sched.max_batch, up.pool.slots, up.device.device.as_str()),
             (3, Some(7), "cpu")
+        );
+    }
+
+    /// docs/flags.md is what the commands' definitions give (regenerate it with
+    /// `layerstream flags-doc > docs/flags.md`).
+    #[test]
+    fn the_flag_reference_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/flags.md");
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        let generated = flags_doc::markdown(&Cli::command());
+        assert!(
+            committed == generated,
+            "{} is out of date: run `cargo run -p layerstream -- flags-doc > docs/flags.md`",
+            path.display()
+        );
+        assert!(
+            generated.contains("| `--max-batch <MAX_BATCH>` | `LAYERSTREAM_MAX_BATCH` | `32` |")
         );
     }
 
