@@ -355,7 +355,16 @@ fn readme_grpcurl_examples_work() {
     ]);
     assert!(gen.contains("\"done\"") && gen.contains("FINISH_REASON_LENGTH"), "{gen}");
     let plan = grpcurl(&["-plaintext", &hostport, "layerstream.v1.Coordinator/GetPlan"]);
+    // A refusal names its field in the status details, which grpcurl decodes through reflection.
+    let out = std::process::Command::new("grpcurl")
+        .args(["-plaintext", "-d", r#"{"prompt": "x", "sampling": {"top_p": -1}}"#, &hostport])
+        .arg("layerstream.v1.Coordinator/Generate")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
     stack.shutdown();
+    assert!(!out.status.success() && err.contains("InvalidArgument"), "{err}");
+    assert!(err.contains(r#""fieldViolations":[{"field":"sampling.top_p""#), "{err}");
     assert!(plan.contains("\"assignments\"") && plan.contains("\"bytesNeeded\""), "{plan}");
 }
 

@@ -123,13 +123,15 @@ pub fn client_tls(ca: Option<&Path>) -> Result<Option<ClientTlsConfig>, String> 
     Ok(Some(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem))))
 }
 
-/// The gRPC reflection service over layerstream.v1 (and health).
+/// The gRPC reflection service over layerstream.v1, health, and `google.rpc`'s error details (so
+/// grpcurl can print a refusal's `BadRequest`).
 pub fn reflection() -> tonic_reflection::server::v1::ServerReflectionServer<
     impl tonic_reflection::server::v1::ServerReflection,
 > {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("embedded descriptor sets are valid")
 }
@@ -142,6 +144,7 @@ pub fn reflection_v1alpha() -> tonic_reflection::server::v1alpha::ServerReflecti
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .expect("embedded descriptor sets are valid")
 }
