@@ -10,15 +10,15 @@ use tokio::sync::watch;
 
 /// One job's record.
 pub struct JobRecord {
-    pub trace_id: String,
-    pub requests: usize,
-    pub history: Vec<GenerateEvent>,
-    pub cancel: Vec<Arc<AtomicBool>>,
+    pub(crate) trace_id: String,
+    pub(crate) requests: usize,
+    pub(crate) history: Vec<GenerateEvent>,
+    pub(crate) cancel: Vec<Arc<AtomicBool>>,
     /// Bumped on every recorded event; watchers wait on it.
-    pub live: watch::Sender<usize>,
-    pub cancelled: bool,
+    pub(crate) live: watch::Sender<usize>,
+    pub(crate) cancelled: bool,
     /// When the last request finished (set once); finished records expire after the retention.
-    pub finished_at: Option<Instant>,
+    pub(crate) finished_at: Option<Instant>,
 }
 
 impl JobRecord {

@@ -26,33 +26,33 @@ pub const RECENT_STEPS: usize = 32;
 #[derive(Debug, Clone, Serialize)]
 pub struct StepView {
     /// Milliseconds since the Unix epoch when the step ended.
-    pub at_ms: u64,
+    pub(crate) at_ms: u64,
     /// Sequences and token rows in the step.
-    pub batch: usize,
-    pub rows: usize,
+    pub(crate) batch: usize,
+    pub(crate) rows: usize,
     /// Wall time of the whole step through every worker.
-    pub wall_ms: f64,
+    pub(crate) wall_ms: f64,
     /// Per worker, in pipeline order.
-    pub workers: Vec<WorkerStepView>,
+    pub(crate) workers: Vec<WorkerStepView>,
 }
 
 /// One worker's part of a step.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerStepView {
-    pub worker: String,
-    pub wall_ms: f64,
-    pub layers: Vec<LayerView>,
+    pub(crate) worker: String,
+    pub(crate) wall_ms: f64,
+    pub(crate) layers: Vec<LayerView>,
 }
 
 /// One layer of a step: streamed or resident, and where its time went.
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerView {
-    pub layer: u32,
-    pub resident: bool,
-    pub bytes: u64,
-    pub transfer_ms: f64,
-    pub compute_ms: f64,
-    pub stall_ms: f64,
+    pub(crate) layer: u32,
+    pub(crate) resident: bool,
+    pub(crate) bytes: u64,
+    pub(crate) transfer_ms: f64,
+    pub(crate) compute_ms: f64,
+    pub(crate) stall_ms: f64,
 }
 
 impl From<&LayerTiming> for LayerView {
@@ -79,12 +79,12 @@ pub struct Metrics {
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
-    pub waiting: Gauge,
-    pub running: Gauge,
+    pub(crate) waiting: Gauge,
+    pub(crate) running: Gauge,
     batch: Histogram,
     steps: Counter,
     overlapped: Counter,
-    pub micro_batches: Gauge,
+    pub(crate) micro_batches: Gauge,
     busy: Family<Labels, FCounter>,
     bytes: Family<Labels, Counter>,
     transfer: Family<Labels, FCounter>,
@@ -330,11 +330,12 @@ impl Metrics {
         batch: usize,
         rows: usize,
         wall_ms: f64,
-        workers: &[(String, Vec<LayerTiming>, f64)],
+        workers: &[crate::pipeline::WorkerStep],
     ) {
         self.steps.inc();
         self.batch.observe(batch as f64);
-        for (addr, layers, wall) in workers {
+        for w in workers {
+            let (addr, layers, wall) = (&w.address, &w.layers, w.wall_ms);
             let l = worker(addr);
             self.busy.get_or_create(&l).inc_by(wall / 1e3);
             let (mut t, mut c, mut st, mut b) = (0.0, 0.0, 0.0, 0u64);
@@ -375,10 +376,10 @@ impl Metrics {
             wall_ms,
             workers: workers
                 .iter()
-                .map(|(w, layers, wall)| WorkerStepView {
-                    worker: w.clone(),
-                    wall_ms: *wall,
-                    layers: layers.iter().map(LayerView::from).collect(),
+                .map(|w| WorkerStepView {
+                    worker: w.address.clone(),
+                    wall_ms: w.wall_ms,
+                    layers: w.layers.iter().map(LayerView::from).collect(),
                 })
                 .collect(),
         };
@@ -446,7 +447,12 @@ mod tests {
             experts_prefetched: 2,
             experts_missed: 1,
         };
-        m.step(2, 5, 10.0, &[("w0".into(), vec![t(4.0, 1.0), t(4.0, 0.0)], 9.0)]);
+        let w0 = crate::pipeline::WorkerStep {
+            address: "w0".into(),
+            layers: vec![t(4.0, 1.0), t(4.0, 0.0)],
+            wall_ms: 9.0,
+        };
+        m.step(2, 5, 10.0, &[w0]);
         let mut info = InfoResponse {
             loader: Some(LoaderStats { namespace: "ns".into(), hits: 5, misses: 2, pinned: 0 }),
             ..Default::default()

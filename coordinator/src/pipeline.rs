@@ -27,11 +27,11 @@ pub type WorkerConn = WorkerClient<Authed>;
 /// One worker of the pipeline: its address, client and the assignment it should hold.
 #[derive(Clone)]
 pub struct Stage {
-    pub addr: String,
-    pub client: WorkerConn,
-    pub assignment: Assignment,
+    pub(crate) addr: String,
+    pub(crate) client: WorkerConn,
+    pub(crate) assignment: Assignment,
     /// Its host id (see `RegisteredWorker::host_id`).
-    pub host: String,
+    pub(crate) host: String,
 }
 
 /// The step deadline: fixed by `--step-timeout`, or derived from measured steps.
@@ -76,39 +76,39 @@ impl Deadline {
 
 /// Every registered worker, and what the planner needs to plan over any subset of them.
 pub struct Roster {
-    pub workers: Vec<RegisteredWorker>,
-    pub manifest: Manifest,
-    pub opts: PlanOptions,
+    pub(crate) workers: Vec<RegisteredWorker>,
+    pub(crate) manifest: Manifest,
+    pub(crate) opts: PlanOptions,
     /// The plan in force, shared with GetPlan and ListWorkers.
-    pub current: Arc<RwLock<Plan>>,
+    pub(crate) current: Arc<RwLock<Plan>>,
     /// `--micro-batches`.
-    pub micro_batches: crate::lanes::MicroBatches,
+    pub(crate) micro_batches: crate::lanes::MicroBatches,
 }
 
 /// A worker the coordinator registered at start: where it is, what it said about itself, a client.
 #[derive(Clone)]
 pub struct RegisteredWorker {
     /// Address and memory budget, as the planner sees them.
-    pub spec: WorkerSpec,
+    pub(crate) spec: WorkerSpec,
     /// Its device, as it describes it (`cpu`, `cuda:0`).
-    pub device: String,
+    pub(crate) device: String,
     /// Its host id (`InfoResponse.host_id`): neighbours with the same one hand hidden states over
     /// in shared memory.
-    pub host_id: String,
-    pub conn: WorkerConn,
+    pub(crate) host_id: String,
+    pub(crate) conn: WorkerConn,
 }
 
 /// The workers in layer order.
 pub struct Pipeline {
-    pub stages: Vec<Stage>,
-    pub deadline: Deadline,
-    pub roster: Roster,
+    pub(crate) stages: Vec<Stage>,
+    pub(crate) deadline: Deadline,
+    pub(crate) roster: Roster,
     /// One lock per stage: a worker runs one step at a time, micro-batches in the order they came.
-    pub locks: Arc<[tokio::sync::Mutex<()>]>,
+    pub(crate) locks: Arc<[tokio::sync::Mutex<()>]>,
     /// Micro-batches in flight under the plan in force (see `lanes::choose`).
-    pub micro_batches: usize,
+    pub(crate) micro_batches: usize,
     /// Hand hidden states between neighbours on one host through shared memory (else gRPC bytes).
-    pub shm_handoff: bool,
+    pub(crate) shm_handoff: bool,
 }
 
 /// One step's way through the workers, detached from the pipeline so that several micro-batches
@@ -126,14 +126,24 @@ pub struct Runner {
 /// The result of a step.
 #[derive(Debug, Default)]
 pub struct StepResult {
-    pub tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
     /// Log-probabilities per sequence (empty when no sequence asked for them).
-    pub logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
-    pub layers: Vec<LayerTiming>,
+    pub(crate) logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
+    pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
-    pub layers_ms: f64,
-    /// Each worker's share, in pipeline order: (address, its layers' timings, its wall time in ms).
-    pub workers: Vec<(String, Vec<LayerTiming>, f64)>,
+    pub(crate) layers_ms: f64,
+    /// Each worker's share, in pipeline order.
+    pub(crate) workers: Vec<WorkerStep>,
+}
+
+/// One worker's share of a step.
+#[derive(Debug, Clone)]
+pub struct WorkerStep {
+    pub(crate) address: String,
+    /// Its layers' timings.
+    pub(crate) layers: Vec<LayerTiming>,
+    /// Its wall time for the step, in ms.
+    pub(crate) wall_ms: f64,
 }
 
 /// How long one probe of a worker (Info, Release) may take.
@@ -218,7 +228,11 @@ impl Runner {
             drop(call);
             out.layers.extend(resp.layers.iter().cloned());
             out.layers_ms += resp.layers_ms;
-            out.workers.push((st.addr.clone(), resp.layers, resp.wall_ms));
+            out.workers.push(WorkerStep {
+                address: st.addr.clone(),
+                layers: resp.layers,
+                wall_ms: resp.wall_ms,
+            });
             if i == last {
                 if resp.tokens.len() != seqs.len() {
                     return Err(Error::Worker {

@@ -10,22 +10,22 @@ use layerstream_model::Manifest;
 /// A worker as the planner sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerSpec {
-    pub address: String,
-    pub budget: u64,
+    pub(crate) address: String,
+    pub(crate) budget: u64,
 }
 
 /// Planner options (from the coordinator's flags).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanOptions {
     /// Resident layers per worker; `None` = as many as each budget allows.
-    pub resident_layers: Option<usize>,
-    pub group_size: usize,
-    pub buffers: usize,
-    pub kv_capacity: usize,
-    pub prefetch: bool,
+    pub(crate) resident_layers: Option<usize>,
+    pub(crate) group_size: usize,
+    pub(crate) buffers: usize,
+    pub(crate) kv_capacity: usize,
+    pub(crate) prefetch: bool,
     /// Experts kept per worker (mixture-of-experts models); `None` = every expert if the budget
     /// holds them, else what the budget leaves after the resident layers (see `plan`).
-    pub expert_cache: Option<usize>,
+    pub(crate) expert_cache: Option<usize>,
 }
 
 /// The head's compute (final norm and lm_head, run for every sampled row) in layers' worth: its

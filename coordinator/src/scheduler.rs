@@ -25,17 +25,17 @@ const IDLE_CHECK: Duration = Duration::from_secs(2);
 
 /// One sequence to generate.
 pub struct SeqRequest {
-    pub seq_id: u64,
-    pub index: u32,
-    pub input_ids: Vec<u32>,
-    pub params: GenerateParams,
-    pub events: mpsc::Sender<GenerateEvent>,
+    pub(crate) seq_id: u64,
+    pub(crate) index: u32,
+    pub(crate) input_ids: Vec<u32>,
+    pub(crate) params: GenerateParams,
+    pub(crate) events: mpsc::Sender<GenerateEvent>,
     /// The request's `job` span: the root of its trace.
-    pub span: Span,
-    pub trace_id: String,
-    pub cancel: Arc<AtomicBool>,
+    pub(crate) span: Span,
+    pub(crate) trace_id: String,
+    pub(crate) cancel: Arc<AtomicBool>,
     /// When the coordinator accepted it (time to first token counts from here).
-    pub queued: Instant,
+    pub(crate) queued: Instant,
 }
 
 impl SeqRequest {
@@ -87,9 +87,9 @@ impl Active {
 /// Admission limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    pub max_batch: usize,
-    pub kv_capacity: usize,
-    pub max_step_tokens: usize,
+    pub(crate) max_batch: usize,
+    pub(crate) kv_capacity: usize,
+    pub(crate) max_step_tokens: usize,
 }
 
 /// The actor.
@@ -115,18 +115,18 @@ pub struct Scheduler {
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
 pub struct SchedulerParts {
     /// Sequences the service admitted.
-    pub rx: mpsc::Receiver<SeqRequest>,
+    pub(crate) rx: mpsc::Receiver<SeqRequest>,
     /// The workers, planned and assigned.
-    pub pipeline: Pipeline,
-    pub tokenizer: Arc<Tokenizer>,
+    pub(crate) pipeline: Pipeline,
+    pub(crate) tokenizer: Arc<Tokenizer>,
     /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
-    pub waiting_count: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) waiting_count: Arc<std::sync::atomic::AtomicUsize>,
     /// The model's end-of-sequence ids.
-    pub eos: Vec<u32>,
-    pub limits: Limits,
+    pub(crate) eos: Vec<u32>,
+    pub(crate) limits: Limits,
     /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
-    pub max_recoveries: u32,
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub(crate) max_recoveries: u32,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
@@ -572,7 +572,7 @@ impl Scheduler {
         );
         // Each worker's wall time in this step counts as busy time for every running request: with
         // micro-batches, the workers are busy with the others' steps too.
-        let walls: Vec<f64> = out.workers.iter().map(|w| w.2).collect();
+        let walls: Vec<f64> = out.workers.iter().map(|w| w.wall_ms).collect();
         for a in active.iter_mut() {
             a.acc.add_busy(&walls);
         }

@@ -38,23 +38,23 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
 
 /// State behind the API.
 pub struct CoordinatorService {
-    pub jobs: Jobs,
-    pub queue: mpsc::Sender<SeqRequest>,
+    pub(crate) jobs: Jobs,
+    pub(crate) queue: mpsc::Sender<SeqRequest>,
     /// Sequences accepted and not yet running (the scheduler decrements it as they start or are
     /// cancelled while waiting).
-    pub waiting: Arc<AtomicUsize>,
+    pub(crate) waiting: Arc<AtomicUsize>,
     /// Most waiting sequences (`--queue-size`); beyond it requests get RESOURCE_EXHAUSTED.
-    pub queue_size: usize,
-    pub tokenizer: Arc<Tokenizer>,
-    pub vocab: usize,
-    pub context: usize,
-    pub kv_capacity: usize,
+    pub(crate) queue_size: usize,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) vocab: usize,
+    pub(crate) context: usize,
+    pub(crate) kv_capacity: usize,
     /// The plan in force (the scheduler replaces it when it plans around a worker that is gone).
-    pub plan: Arc<std::sync::RwLock<Plan>>,
-    pub workers: Vec<crate::pipeline::RegisteredWorker>,
-    pub next_seq: AtomicU64,
+    pub(crate) plan: Arc<std::sync::RwLock<Plan>>,
+    pub(crate) workers: Vec<crate::pipeline::RegisteredWorker>,
+    pub(crate) next_seq: AtomicU64,
     /// Shared with the scheduler and served at the HTTP port's `/metrics`.
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// The span of a job-creating call: the root of the request's trace, or a child of the trace

@@ -7,23 +7,23 @@ use std::time::Duration;
 /// Sums over the steps of one request.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Acc {
-    pub bytes: u64,
-    pub transfer_ms: f64,
-    pub compute_ms: f64,
-    pub stall_ms: f64,
-    pub steps: u64,
-    pub max_batch: u32,
-    pub layers_ms: f64,
-    pub ideal_ms: f64,
+    pub(crate) bytes: u64,
+    pub(crate) transfer_ms: f64,
+    pub(crate) compute_ms: f64,
+    pub(crate) stall_ms: f64,
+    pub(crate) steps: u64,
+    pub(crate) max_batch: u32,
+    pub(crate) layers_ms: f64,
+    pub(crate) ideal_ms: f64,
     /// Time from arrival to the first generated token.
-    pub first_token: Option<Duration>,
+    pub(crate) first_token: Option<Duration>,
     /// Replays after worker faults.
-    pub replays: u32,
+    pub(crate) replays: u32,
     /// Σ of the workers' wall times in the steps, and the most workers a step had.
-    pub busy_ms: f64,
-    pub workers: u32,
+    pub(crate) busy_ms: f64,
+    pub(crate) workers: u32,
     /// Experts needed, hit, prefetched and missed (mixture-of-experts layers).
-    pub experts: [u64; 4],
+    pub(crate) experts: [u64; 4],
 }
 
 impl Acc {

@@ -25,11 +25,11 @@ struct Cycle {
 
 /// Everything the daemon owns. Dropping it unmaps and unlinks every slot.
 pub struct Daemon {
-    pub store: Store,
-    pub slots: Vec<ShmRegion>,
-    pub slot_size: usize,
-    pub depth: usize,
-    pub direct: bool,
+    pub(crate) store: Store,
+    pub(crate) slots: Vec<ShmRegion>,
+    pub(crate) slot_size: usize,
+    pub(crate) depth: usize,
+    pub(crate) direct: bool,
     pool: Mutex<Pool>,
     changed: tokio::sync::Notify,
     orders: Mutex<HashMap<String, Cycle>>,
@@ -287,11 +287,16 @@ impl Daemon {
 
 /// The gRPC face of the daemon.
 pub struct LoaderService {
-    pub daemon: Arc<Daemon>,
-    pub health: layerstream_rpc::transport::Health,
+    pub(crate) daemon: Arc<Daemon>,
+    pub(crate) health: layerstream_rpc::transport::Health,
 }
 
 impl LoaderService {
+    /// The gRPC face of `daemon`, reporting NOT_SERVING on `health` once the pool is broken.
+    pub fn new(daemon: Arc<Daemon>, health: layerstream_rpc::transport::Health) -> Self {
+        LoaderService { daemon, health }
+    }
+
     /// Refuses calls once the pool is broken, and reports NOT_SERVING the first time.
     async fn check(&self) -> Result<()> {
         if !self.daemon.is_broken() {

@@ -12,22 +12,22 @@ use layerstream_model::ModelConfig;
 /// One sequence's share of a batch: how many rows it contributes and the position of the first.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SeqRows {
-    pub rows: usize,
-    pub start_pos: usize,
+    pub(crate) rows: usize,
+    pub(crate) start_pos: usize,
 }
 
 /// Per-model constants the layers need.
 pub struct LayerCtx {
     /// The attention of full-context layers (every layer but Gemma's sliding-window ones).
-    pub shape: AttnShape,
-    pub rope: RopeTable,
+    pub(crate) shape: AttnShape,
+    pub(crate) rope: RopeTable,
     /// Gemma 3's sliding-window layers: their attention, RoPE and which layers they are.
-    pub local: Option<(AttnShape, RopeTable, Vec<usize>)>,
-    pub eps: f32,
-    pub moe: Option<layerstream_model::MoeConfig>,
+    pub(crate) local: Option<(AttnShape, RopeTable, Vec<usize>)>,
+    pub(crate) eps: f32,
+    pub(crate) moe: Option<layerstream_model::MoeConfig>,
     /// Gemma: GELU (tanh) gating and embeddings scaled by √hidden.
-    pub gelu: bool,
-    pub embed_scale: Option<f32>,
+    pub(crate) gelu: bool,
+    pub(crate) embed_scale: Option<f32>,
 }
 
 impl LayerCtx {

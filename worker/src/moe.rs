@@ -12,11 +12,11 @@ use std::sync::Arc;
 
 /// One expert's matrices on a device (views of its file's blob).
 pub struct ExpertWeights<B: Backend> {
-    pub gate: B::Weight,
-    pub up: B::Weight,
-    pub down: B::Weight,
+    pub(crate) gate: B::Weight,
+    pub(crate) up: B::Weight,
+    pub(crate) down: B::Weight,
     /// Bytes of its store file.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
 }
 
 impl<B: Backend> ExpertWeights<B> {
@@ -64,17 +64,17 @@ impl<B: Backend> ExpertWeights<B> {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ExpertCounts {
     /// Distinct experts the step's tokens chose.
-    pub needed: u32,
+    pub(crate) needed: u32,
     /// Of those, already on the device.
-    pub hit: u32,
+    pub(crate) hit: u32,
     /// Of those, not on the device but read ahead on a prediction.
-    pub prefetched: u32,
+    pub(crate) prefetched: u32,
     /// Of those, fetched on demand without a prediction.
-    pub missed: u32,
+    pub(crate) missed: u32,
     /// Bytes copied onto the device for them.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// Milliseconds spent bringing them onto the device.
-    pub transfer_ms: f64,
+    pub(crate) transfer_ms: f64,
 }
 
 impl std::ops::AddAssign for ExpertCounts {
@@ -114,7 +114,7 @@ impl<B: Backend> ExpertSource<B> for NoExperts {
 
 /// Every expert of every layer on the device (`run`, or a stage whose experts all fit).
 pub struct ResidentExperts<B: Backend> {
-    pub layers: std::collections::HashMap<u32, Vec<Arc<ExpertWeights<B>>>>,
+    pub(crate) layers: std::collections::HashMap<u32, Vec<Arc<ExpertWeights<B>>>>,
 }
 
 impl<B: Backend> ResidentExperts<B> {

@@ -23,9 +23,9 @@ use tracing::{info_span, Span};
 /// What loading a layer file onto a device needs.
 #[derive(Clone)]
 pub struct LayerSource<B: Backend> {
-    pub backend: B,
-    pub cfg: ModelConfig,
-    pub store: Store,
+    pub(crate) backend: B,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) store: Store,
 }
 
 impl<B: Backend> LayerSource<B> {
@@ -63,22 +63,22 @@ impl<B: Backend> LayerSource<B> {
 /// The step now running (or the last one to run): spans the copy thread makes join its trace.
 #[derive(Clone, Default)]
 pub struct StepMark {
-    pub number: u64,
-    pub parent: TraceParent,
+    pub(crate) number: u64,
+    pub(crate) parent: TraceParent,
 }
 
 /// One streamed layer on the device. `span` is its `layer` span, opened when its copy began.
 pub struct Arrived<B: Backend> {
-    pub layer: u32,
-    pub weights: LayerWeights<B>,
-    pub span: Span,
-    pub timing: LayerTiming,
+    pub(crate) layer: u32,
+    pub(crate) weights: LayerWeights<B>,
+    pub(crate) span: Span,
+    pub(crate) timing: LayerTiming,
 }
 
 /// A streamed group after its transfer; `step` is the step that was running when its copy began.
 pub struct Group<B: Backend> {
-    pub step: u64,
-    pub layers: Vec<Arrived<B>>,
+    pub(crate) step: u64,
+    pub(crate) layers: Vec<Arrived<B>>,
 }
 
 /// Copies group `index` of `groups`; its spans join the trace of the step in `mark`.
@@ -270,7 +270,7 @@ mod tests {
             rt.block_on(layerstream_rpc::transport::health::<LoaderServer<LoaderService>>());
         rt.spawn(
             tonic::transport::Server::builder()
-                .add_service(LoaderServer::new(LoaderService { daemon, health }))
+                .add_service(LoaderServer::new(LoaderService::new(daemon, health)))
                 .serve_with_incoming(incoming),
         );
         let channel = rt.block_on(layerstream_rpc::transport::connect_uds(&sock)).unwrap();

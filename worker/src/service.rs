@@ -19,37 +19,37 @@ use tracing::{info, info_span, Instrument};
 
 /// Shared state of a worker process.
 pub struct WorkerState {
-    pub id: String,
-    pub device: String,
+    pub(crate) id: String,
+    pub(crate) device: String,
     /// The opened device (the CPU, or a GPU with its context and kernels).
-    pub backend: Device,
+    pub(crate) backend: Device,
     /// Bytes assignments may use (for a GPU: already capped by free device memory).
-    pub budget: u64,
+    pub(crate) budget: u64,
     /// Most tokens one step may carry (None: no limit).
-    pub max_step_tokens: Option<usize>,
+    pub(crate) max_step_tokens: Option<usize>,
     /// Free device memory when the worker started (GPU workers), to report what it has taken since.
-    pub free_at_start: Option<u64>,
-    pub store: Store,
-    pub loader_socket: PathBuf,
+    pub(crate) free_at_start: Option<u64>,
+    pub(crate) store: Store,
+    pub(crate) loader_socket: PathBuf,
     /// The internal token sent to the loader.
-    pub loader_bearer: layerstream_rpc::auth::Bearer,
+    pub(crate) loader_bearer: layerstream_rpc::auth::Bearer,
     /// gRPC health, reported NOT_SERVING when the worker can no longer be trusted (a step panicked,
     /// the device failed) so an orchestrator restarts it.
-    pub health: layerstream_rpc::transport::Health,
+    pub(crate) health: layerstream_rpc::transport::Health,
     /// Locked only on blocking threads: a runtime thread waiting on it could starve the gRPC
     /// connections a step's copy thread needs.
-    pub stage: Arc<Mutex<Option<AnyStage>>>,
+    pub(crate) stage: Arc<Mutex<Option<AnyStage>>>,
     /// Live sequences, updated after every step and release (read by Info without the lock).
-    pub live: Arc<AtomicU32>,
+    pub(crate) live: Arc<AtomicU32>,
     /// `assignment_id` of the loaded stage (empty: none), read by Info without the stage lock.
-    pub assignment_id: Arc<Mutex<String>>,
+    pub(crate) assignment_id: Arc<Mutex<String>>,
     /// `--concurrent-threads`' pool (when it differs from the main one): steps of a plan with
     /// micro-batches in flight run on it.
-    pub concurrent: Option<layerstream_kernels::cpu::threads::ComputePool>,
+    pub(crate) concurrent: Option<layerstream_kernels::cpu::threads::ComputePool>,
     /// Hidden states for the next worker on this host, in shared memory.
-    pub handoff: crate::handoff::Handoff,
+    pub(crate) handoff: crate::handoff::Handoff,
     /// `handoff::host_id()`, reported by Info.
-    pub host_id: String,
+    pub(crate) host_id: String,
 }
 
 /// The loader daemon's counters, as it describes itself (None when it does not answer within a

@@ -23,39 +23,39 @@ use tracing::{info_span, Span};
 /// One sequence in a step.
 #[derive(Debug, Clone)]
 pub struct StepSeq {
-    pub seq_id: u64,
-    pub start_pos: usize,
-    pub tokens: Vec<u32>,
-    pub sampling: Option<SamplingParams>,
+    pub(crate) seq_id: u64,
+    pub(crate) start_pos: usize,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) sampling: Option<SamplingParams>,
     /// More of the prompt follows (chunked prefill): nothing is sampled for it (0 is returned).
-    pub prompt_continues: bool,
+    pub(crate) prompt_continues: bool,
     /// Draws its sampler made before it was resumed (skipped by the new sampler).
-    pub draws_before: u64,
+    pub(crate) draws_before: u64,
 }
 
 /// Timing of one layer in one step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerTiming {
-    pub layer: u32,
-    pub resident: bool,
-    pub bytes: u64,
-    pub transfer_ms: f64,
-    pub compute_ms: f64,
-    pub stall_ms: f64,
+    pub(crate) layer: u32,
+    pub(crate) resident: bool,
+    pub(crate) bytes: u64,
+    pub(crate) transfer_ms: f64,
+    pub(crate) compute_ms: f64,
+    pub(crate) stall_ms: f64,
     /// What the layer's experts cost (mixture-of-experts layers).
-    pub experts: crate::moe::ExpertCounts,
+    pub(crate) experts: crate::moe::ExpertCounts,
 }
 
 /// What a step produced.
 #[derive(Debug, Default)]
 pub struct StepOut {
-    pub hidden: Vec<f32>,
-    pub tokens: Vec<u32>,
+    pub(crate) hidden: Vec<f32>,
+    pub(crate) tokens: Vec<u32>,
     /// Log-probabilities per sequence (last worker; None where not asked for), in `tokens` order.
-    pub logprobs: Vec<Option<layerstream_rpc::v1::TokenLogprobs>>,
-    pub layers: Vec<LayerTiming>,
+    pub(crate) logprobs: Vec<Option<layerstream_rpc::v1::TokenLogprobs>>,
+    pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
-    pub layers_ms: f64,
+    pub(crate) layers_ms: f64,
 }
 
 struct Seq<B: Backend> {
@@ -77,9 +77,9 @@ fn in_batch_order<'a, B: Backend>(
 /// What a step is checked against.
 #[derive(Debug, Clone, Copy)]
 pub struct StepLimits {
-    pub vocab: usize,
-    pub context: usize,
-    pub hidden_size: usize,
+    pub(crate) vocab: usize,
+    pub(crate) context: usize,
+    pub(crate) hidden_size: usize,
 }
 
 /// Checks a step's request before any state changes, naming the field at fault: every sequence once,
@@ -165,8 +165,8 @@ pub fn check_step(
 
 /// The worker's loaded assignment.
 pub struct Stage<B: Backend> {
-    pub cfg: ModelConfig,
-    pub plan: Assignment,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) plan: Assignment,
     backend: B,
     ctx: LayerCtx,
     embed: Option<B::Weight>,

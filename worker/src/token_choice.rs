@@ -11,11 +11,11 @@ use tracing::info_span;
 
 /// One sequence's row of the step's logits, as the head sees it.
 pub struct HeadRow<'a> {
-    pub sampler: &'a mut Sampler,
+    pub(crate) sampler: &'a mut Sampler,
     /// Tokens it has seen (prompt and output), for the repetition penalty.
-    pub history: &'a [u32],
+    pub(crate) history: &'a [u32],
     /// A prompt chunk samples nothing: that would advance a seeded generator.
-    pub prompt_continues: bool,
+    pub(crate) prompt_continues: bool,
 }
 
 /// Where a step's tokens are chosen.

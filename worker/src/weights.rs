@@ -8,22 +8,22 @@ use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
 
 /// One decoder layer's weights on a device.
 pub struct LayerWeights<B: Backend> {
-    pub attn_norm: B::Weight,
-    pub q: B::Weight,
-    pub k: B::Weight,
-    pub v: B::Weight,
-    pub o: B::Weight,
-    pub q_bias: Option<B::Weight>,
-    pub k_bias: Option<B::Weight>,
-    pub v_bias: Option<B::Weight>,
-    pub o_bias: Option<B::Weight>,
-    pub q_norm: Option<B::Weight>,
-    pub k_norm: Option<B::Weight>,
-    pub ffn_norm: B::Weight,
+    pub(crate) attn_norm: B::Weight,
+    pub(crate) q: B::Weight,
+    pub(crate) k: B::Weight,
+    pub(crate) v: B::Weight,
+    pub(crate) o: B::Weight,
+    pub(crate) q_bias: Option<B::Weight>,
+    pub(crate) k_bias: Option<B::Weight>,
+    pub(crate) v_bias: Option<B::Weight>,
+    pub(crate) o_bias: Option<B::Weight>,
+    pub(crate) q_norm: Option<B::Weight>,
+    pub(crate) k_norm: Option<B::Weight>,
+    pub(crate) ffn_norm: B::Weight,
     /// Gemma's sandwich norms, after attention and after the MLP.
-    pub attn_post_norm: Option<B::Weight>,
-    pub ffn_post_norm: Option<B::Weight>,
-    pub mlp: Mlp<B>,
+    pub(crate) attn_post_norm: Option<B::Weight>,
+    pub(crate) ffn_post_norm: Option<B::Weight>,
+    pub(crate) mlp: Mlp<B>,
 }
 
 /// A layer's feed-forward: one dense MLP, or a router over experts kept in their own files.

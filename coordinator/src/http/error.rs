@@ -9,11 +9,11 @@ use serde_json::json;
 /// An API error.
 #[derive(Debug, Clone)]
 pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+    pub(crate) kind: &'static str,
+    pub(crate) param: Option<String>,
+    pub(crate) code: Option<&'static str>,
 }
 
 impl ApiError {

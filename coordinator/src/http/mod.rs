@@ -24,12 +24,12 @@ use std::sync::Arc;
 
 /// What the handlers share.
 pub struct Http {
-    pub svc: Arc<CoordinatorService>,
+    pub(crate) svc: Arc<CoordinatorService>,
     /// The id `/v1/models` lists and requests must name (`--served-model-name`, default the store's).
-    pub model: String,
-    pub api_key: RequireBearer,
+    pub(crate) model: String,
+    pub(crate) api_key: RequireBearer,
     /// Origins allowed to call from a browser (`*`: any); empty: no CORS headers.
-    pub cors: Vec<String>,
+    pub(crate) cors: Vec<String>,
 }
 
 /// The router.

@@ -28,59 +28,59 @@ pub enum Content {
 #[derive(Debug, Deserialize, Clone)]
 pub struct Part {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub(crate) kind: String,
     #[serde(default)]
-    pub text: Option<String>,
+    pub(crate) text: Option<String>,
 }
 
 /// A chat message.
 #[derive(Debug, Deserialize, Clone)]
 pub struct Msg {
-    pub role: String,
+    pub(crate) role: String,
     #[serde(default)]
-    pub content: Option<Content>,
+    pub(crate) content: Option<Content>,
 }
 
 /// `stream_options`.
 #[derive(Debug, Deserialize, Clone, Default)]
 pub struct StreamOptions {
     #[serde(default)]
-    pub include_usage: bool,
+    pub(crate) include_usage: bool,
 }
 
 /// The sampling and length fields both endpoints share (vLLM's extensions included).
 #[derive(Debug, Deserialize, Clone, Default)]
 pub struct Common {
-    pub model: Option<String>,
-    pub max_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<OneOrMany>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub top_k: Option<i64>,
-    pub repetition_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
+    pub(crate) model: Option<String>,
+    pub(crate) max_tokens: Option<i64>,
+    pub(crate) temperature: Option<f32>,
+    pub(crate) top_p: Option<f32>,
+    pub(crate) seed: Option<i64>,
+    pub(crate) stop: Option<OneOrMany>,
+    pub(crate) frequency_penalty: Option<f32>,
+    pub(crate) presence_penalty: Option<f32>,
+    pub(crate) top_k: Option<i64>,
+    pub(crate) repetition_penalty: Option<f32>,
+    pub(crate) ignore_eos: Option<bool>,
     #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-    pub n: Option<i64>,
-    pub best_of: Option<i64>,
-    pub logit_bias: Option<serde_json::Value>,
+    pub(crate) stream: bool,
+    pub(crate) stream_options: Option<StreamOptions>,
+    pub(crate) n: Option<i64>,
+    pub(crate) best_of: Option<i64>,
+    pub(crate) logit_bias: Option<serde_json::Value>,
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize, Clone)]
 pub struct ChatRequest {
-    pub messages: Vec<Msg>,
-    pub max_completion_tokens: Option<i64>,
+    pub(crate) messages: Vec<Msg>,
+    pub(crate) max_completion_tokens: Option<i64>,
     #[serde(default)]
-    pub logprobs: bool,
-    pub top_logprobs: Option<i64>,
-    pub tools: Option<serde_json::Value>,
+    pub(crate) logprobs: bool,
+    pub(crate) top_logprobs: Option<i64>,
+    pub(crate) tools: Option<serde_json::Value>,
     #[serde(flatten)]
-    pub common: Common,
+    pub(crate) common: Common,
 }
 
 /// `prompt` of `/v1/completions`: text, token ids, or a list holding one of either.
@@ -96,24 +96,24 @@ pub enum Prompt {
 /// `POST /v1/completions`.
 #[derive(Debug, Deserialize, Clone)]
 pub struct CompletionRequest {
-    pub prompt: Prompt,
+    pub(crate) prompt: Prompt,
     /// Legacy: the number of most likely tokens to return with each token (0-5 at OpenAI; ≤ 20 here).
-    pub logprobs: Option<i64>,
+    pub(crate) logprobs: Option<i64>,
     #[serde(default)]
-    pub echo: bool,
-    pub suffix: Option<String>,
+    pub(crate) echo: bool,
+    pub(crate) suffix: Option<String>,
     #[serde(flatten)]
-    pub common: Common,
+    pub(crate) common: Common,
 }
 
 /// What a request asks for beyond the GenerateRequest: streaming and how to answer.
 #[derive(Debug, Clone)]
 pub struct Shape {
-    pub stream: bool,
-    pub include_usage: bool,
-    pub logprobs: Option<usize>,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) logprobs: Option<usize>,
     /// `max_tokens` was given (else the context that remains after the prompt is the limit).
-    pub max_tokens: Option<u32>,
+    pub(crate) max_tokens: Option<u32>,
 }
 
 fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
