@@ -206,3 +206,68 @@ fn hostile_checkpoints_are_refused_at_import_and_leave_nothing() {
     let err = import_fails(dir.path(), &hf);
     assert!(err.contains("chat template") && err.contains("no chats here"), "{err}");
 }
+
+/// Two tensors whose data overlap would read each other's bytes: refused at import, naming both.
+#[test]
+fn gguf_tensors_with_overlapping_data_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("overlap.gguf");
+    let t = |name: &str| (name.to_owned(), vec![8usize], vec![1.0f32; 8]);
+    gguf_writer::write_gguf(&gguf, &[], &[t("tensor_one"), t("tensor_two")]);
+    // Point the second tensor's offset (after its name, n_dims, one dim and the type) at the first.
+    let mut bytes = std::fs::read(&gguf).unwrap();
+    let at = bytes.windows(10).position(|w| w == b"tensor_two").unwrap() + 10 + 4 + 8 + 4;
+    assert_eq!(bytes[at..at + 8], 32u64.to_le_bytes(), "the writer put it after the first");
+    bytes[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&gguf, bytes).unwrap();
+    let dst = dir.path().join("store");
+    let err = layerstream_fails(&["import", gguf.to_str().unwrap(), dst.to_str().unwrap()]);
+    assert!(err.contains("tensor_two") && err.contains("overlaps tensor tensor_one"), "{err}");
+    assert!(!dst.exists(), "nothing is written");
+}
+
+/// A manifest checksum that is not one is a malformed manifest, not corrupt data at offset 0.
+#[test]
+fn malformed_manifest_checksums_are_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    let mpath = store.dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["files"][1]["checksum"] = "xxh3:zz".into();
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let err = layerstream_fails(&["verify", store.dir.to_str().unwrap()]);
+    assert!(err.contains("checksum \"xxh3:zz\" is not xxh3:<16 hex digits>"), "{err}");
+    assert!(!err.contains("corrupt"), "{err}");
+}
+
+/// A store directory the user may not read says so (not "not a layer store"). Root reads any
+/// directory, so as root the command runs as `nobody` (setpriv); without setpriv it says SKIPPED.
+#[test]
+fn an_unreadable_store_says_permission_denied() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir("tiny-llama"), dir.path());
+    std::fs::set_permissions(&store.dir, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let root = std::fs::metadata(store.dir.join("manifest.json")).is_ok();
+    let mut cmd = if root {
+        let mut c = std::process::Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(bin());
+        c
+    } else {
+        std::process::Command::new(bin())
+    };
+    let out = cmd.args(["verify", store.dir.to_str().unwrap()]).output();
+    std::fs::set_permissions(&store.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let Ok(out) = out else {
+        eprintln!("SKIPPED an_unreadable_store_says_permission_denied: root, and no setpriv");
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    if err.starts_with("setpriv:") {
+        // `nobody` cannot reach the binary (a checkout under a private home directory).
+        eprintln!("SKIPPED an_unreadable_store_says_permission_denied: {}", err.trim());
+        return;
+    }
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("ermission denied") && err.contains("manifest.json"), "{err}");
+}

@@ -5,7 +5,8 @@
 use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
 use layerstream_model::{
-    check_request, Field, GenerateParams, Message, RequestError, SamplingParams, Tokenizer,
+    check_chat, check_request, Field, GenerateParams, Message, RequestError, SamplingParams,
+    Tokenizer,
 };
 use layerstream_rpc::v1::coordinator_server::Coordinator;
 use layerstream_rpc::v1::*;
@@ -94,14 +95,12 @@ impl CoordinatorService {
             }
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
             Some(generate_request::Input::Chat(c)) => {
+                check_chat(c.messages.iter().map(|m| m.role.as_str()))?;
                 let msgs: Vec<Message> = c
                     .messages
                     .iter()
                     .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
                     .collect();
-                if msgs.is_empty() {
-                    return Err(RequestError::new(Field::Chat, "has no messages"));
-                }
                 let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad(Field::Chat))?;
                 self.tokenizer.encode_chat(&text).map_err(bad(Field::Chat))
             }

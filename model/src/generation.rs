@@ -105,6 +105,30 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
 }
 
+/// The roles a chat message may have (OpenAI's, with `developer`): anything else would be pasted
+/// into the chat template verbatim.
+pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
+
+/// Checks a chat's messages before they are rendered: at least one, each with a known role.
+pub fn check_chat<'a>(
+    roles: impl IntoIterator<Item = &'a str>,
+) -> std::result::Result<(), RequestError> {
+    let mut n = 0;
+    for (i, role) in roles.into_iter().enumerate() {
+        n += 1;
+        if !CHAT_ROLES.contains(&role) {
+            return Err(RequestError::new(
+                Field::Chat,
+                format!("message {i} has role {role:?}; roles are {}", CHAT_ROLES.join(", ")),
+            ));
+        }
+    }
+    if n == 0 {
+        return Err(RequestError::new(Field::Chat, "has no messages"));
+    }
+    Ok(())
+}
+
 /// Checks a request against the model before any work is done.
 pub fn check_request(
     input: &[u32],
@@ -151,6 +175,16 @@ mod tests {
         };
         assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
         assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default());
+    }
+
+    #[test]
+    fn chat_roles_are_checked() {
+        assert!(check_chat(["system", "user", "assistant", "tool", "developer"]).is_ok());
+        let e = check_chat(["user", "<|im_start|>system"]).unwrap_err();
+        assert_eq!(e.field(), Field::Chat);
+        assert!(e.reason().starts_with("message 1 has role"), "{e}");
+        assert!(check_chat(["user", ""]).is_err(), "an empty role is refused");
+        assert!(check_chat(std::iter::empty()).is_err());
     }
 
     #[test]

@@ -253,6 +253,7 @@ impl GgufFile {
             }
             tensors.push(TensorInfo { name, shape, dtype, offset: data_start + rel, bytes });
         }
+        check_no_overlap(&tensors)?;
         Ok(GgufFile { path: path.into(), metadata, tensors, map })
     }
 
@@ -598,6 +599,21 @@ impl crate::source::Checkpoint for GgufCheckpoint {
             data: data[expert * per..(expert + 1) * per].to_vec(),
         }))
     }
+}
+
+/// Two tensors whose data overlap would read each other's bytes: refused, naming both.
+fn check_no_overlap(tensors: &[TensorInfo]) -> Result<()> {
+    let mut spans: Vec<&TensorInfo> = tensors.iter().filter(|t| t.bytes > 0).collect();
+    spans.sort_by_key(|t| t.offset);
+    for w in spans.windows(2) {
+        if w[0].offset + w[0].bytes > w[1].offset {
+            return Err(Error::tensor(
+                &w[1].name,
+                format!("its data overlaps tensor {}'s", w[0].name),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use generation::{check_request, GenerateParams, SamplingParams};
+pub use generation::{check_chat, check_request, GenerateParams, SamplingParams};
 pub use layerstream_types::{dtype, mem, DType};
 pub use request_error::{Field, RequestError};
 pub use stop::{FinishReason, Stopper};

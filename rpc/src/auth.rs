@@ -84,10 +84,11 @@ impl RequireBearer {
         self.token.is_some()
     }
 
-    /// Whether `header` (an `authorization` value) carries the token.
+    /// Whether `header` (an `authorization` value) carries the token. The scheme is
+    /// case-insensitive (RFC 7235: `bearer`, `BEARER`), the token is not.
     pub fn accepts(&self, header: Option<&[u8]>) -> bool {
         let Some(want) = &self.token else { return true };
-        let Some(got) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else { return false };
+        let Some(got) = header.and_then(bearer_token) else { return false };
         // Constant time over the expected token's length: no early exit on the first difference.
         let mut diff = (got.len() != want.len()) as u8;
         for (i, &w) in want.iter().enumerate() {
@@ -95,6 +96,16 @@ impl RequireBearer {
         }
         diff == 0
     }
+}
+
+/// The token of a `Bearer <token>` credential (scheme in any case, one or more spaces after it).
+fn bearer_token(header: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer";
+    let (scheme, rest) = header.split_at_checked(SCHEME.len())?;
+    if !scheme.eq_ignore_ascii_case(SCHEME) || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii_start())
 }
 
 impl Interceptor for RequireBearer {
@@ -131,10 +142,19 @@ mod tests {
         assert!(open.accepts(None) && !open.enabled());
         assert!(!RequireBearer::new(Some("  "), "x").unwrap().enabled(), "empty means unset");
         let g = RequireBearer::new(Some("s3cret"), "API key").unwrap();
-        assert!(g.accepts(Some(b"Bearer s3cret")));
-        for bad in
-            [&b"Bearer s3cre"[..], b"Bearer s3cret2", b"s3cret", b"Bearer ", b"bearer s3cret"]
-        {
+        // RFC 7235: the scheme is case-insensitive.
+        for ok in [&b"Bearer s3cret"[..], b"bearer s3cret", b"BEARER s3cret", b"Bearer  s3cret"] {
+            assert!(g.accepts(Some(ok)), "{:?}", String::from_utf8_lossy(ok));
+        }
+        for bad in [
+            &b"Bearer s3cre"[..],
+            b"Bearer s3cret2",
+            b"s3cret",
+            b"Bearer ",
+            b"Bearers3cret",
+            b"Basic s3cret",
+            b"Bearer S3CRET",
+        ] {
             assert!(!g.accepts(Some(bad)), "{:?}", String::from_utf8_lossy(bad));
         }
         assert!(!g.accepts(None));

@@ -120,9 +120,10 @@ fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
     match v {
         None => Ok(None),
         Some(x) if (0..=u32::MAX as i64).contains(&x) => Ok(Some(x as u32)),
-        Some(x) => {
-            Err(ApiError::bad(name, format!("{name}: must be a non-negative integer, got {x}")))
-        }
+        Some(x) => Err(ApiError::bad(
+            name,
+            format!("{name}: must be an integer in 0..={}, got {x}", u32::MAX),
+        )),
     }
 }
 
@@ -156,12 +157,22 @@ impl Common {
             Some(k) => {
                 return Err(ApiError::bad(
                     "top_k",
-                    format!("top_k: must be -1, 0 or positive, got {k}"),
+                    format!(
+                        "top_k: must be -1 or 0 (off) or an integer in 1..={}, got {k}",
+                        u32::MAX
+                    ),
                 ))
             }
         };
         if self.top_p.is_some_and(|p| p == 0.0) {
             return Err(ApiError::bad("top_p", "top_p: must be in (0, 1], got 0"));
+        }
+        // Explicit here, unlike gRPC's proto3 field (where 0 is "unset"): 0 is refused as vLLM does.
+        if let Some(r) = self.repetition_penalty.filter(|r| !(*r > 0.0 && r.is_finite())) {
+            return Err(ApiError::bad(
+                "repetition_penalty",
+                format!("repetition_penalty: must be > 0 (1 = off), got {r}"),
+            ));
         }
         // OpenAI's defaults: temperature 1, a fresh random seed per request.
         let seed = match self.seed {
@@ -212,15 +223,23 @@ impl Common {
     }
 }
 
-fn text_of(m: &Msg) -> Result<String, ApiError> {
+/// Message `i`'s text: its content string, or its text parts joined.
+fn text_of(i: usize, m: &Msg) -> Result<String, ApiError> {
     match &m.content {
-        None => Ok(String::new()),
+        // Required unless the message carries tool calls, which are not supported.
+        None => Err(ApiError::bad("messages", format!("messages[{i}].content is required"))),
         Some(Content::Text(t)) => Ok(t.clone()),
         Some(Content::Parts(parts)) => {
             let mut out = String::new();
             for p in parts {
                 match (p.kind.as_str(), &p.text) {
                     ("text", Some(t)) => out.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::bad(
+                            "messages",
+                            format!("messages[{i}]: a content part of type `text` needs `text`"),
+                        ))
+                    }
                     (kind, _) => {
                         return Err(ApiError::bad(
                             "messages",
@@ -257,7 +276,8 @@ impl ChatRequest {
         let messages = self
             .messages
             .iter()
-            .map(|m| Ok(ChatMessage { role: m.role.clone(), content: text_of(m)? }))
+            .enumerate()
+            .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: text_of(i, m)? }))
             .collect::<Result<Vec<_>, ApiError>>()?;
         let input = generate_request::Input::Chat(ChatMessages { messages });
         Ok((self.common.request(input, sampling, shape.max_tokens), shape))
@@ -339,5 +359,36 @@ mod tests {
         }
         let e = chat(serde_json::json!({"messages": m, "max_tokens": -1})).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    }
+
+    /// What an outside probe found accepted or misreported: each is refused naming its field, and
+    /// range errors say the range.
+    #[test]
+    fn probe_holes_are_refused_with_the_range() {
+        let m = serde_json::json!([{"role": "user", "content": "a"}]);
+        let e = chat(serde_json::json!({"messages": m, "max_tokens": 1_000_000_000_000i64}))
+            .unwrap_err();
+        assert!(e.message.contains("0..=4294967295"), "{}", e.message);
+        let e =
+            chat(serde_json::json!({"messages": m, "top_k": 1_000_000_000_000i64})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_k"));
+        assert!(e.message.contains("1..=4294967295"), "{}", e.message);
+        for r in [0.0, -1.0] {
+            let e = chat(serde_json::json!({"messages": m, "repetition_penalty": r})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("repetition_penalty"), "{r}");
+        }
+        let e =
+            chat(serde_json::json!({"messages": [{"role": "user", "content": null}]})).unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (Some("messages"), "messages[0].content is required")
+        );
+        let e = chat(serde_json::json!({"messages": [{"role": "user"}]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = chat(
+            serde_json::json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("needs `text`"), "{}", e.message);
     }
 }

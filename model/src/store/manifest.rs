@@ -57,12 +57,37 @@ impl Manifest {
         self.files.iter().find(|f| f.name == name)
     }
 
+    /// Every checksum is one `checksum` could have written (`xxh3:` and 16 hex digits): a malformed
+    /// one is a malformed manifest, not corrupt data.
+    fn check_checksums(&self) -> Result<(), String> {
+        let well_formed = |c: &str| {
+            c.strip_prefix("xxh3:")
+                .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        };
+        for f in &self.files {
+            if !well_formed(&f.checksum) {
+                return Err(format!(
+                    "file {}: checksum {:?} is not xxh3:<16 hex digits>",
+                    f.name, f.checksum
+                ));
+            }
+            if let Some(t) = f.tensors.iter().find(|t| !well_formed(&t.checksum)) {
+                return Err(format!(
+                    "{}: tensor {}: checksum {:?} is not xxh3:<16 hex digits>",
+                    f.name, t.name, t.checksum
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that the manifest describes a whole, consistent store of its config (without reading
     /// the files): every name a plain file name listed once; every tensor inside its file, aligned,
     /// sized for its dtype and shape, not overlapping another; a layer file for each of the config's
     /// layers and none beyond; the embedding, final norm and (untied) lm_head with the config's
     /// shapes; layer tensors known and shaped as the config says. The message names what is wrong.
     pub fn check(&self) -> Result<(), String> {
+        self.check_checksums()?;
         let cfg = &self.config;
         let plain = |n: &str| crate::error::is_plain_file_name(n) && n != MANIFEST;
         let mut names = std::collections::HashSet::new();

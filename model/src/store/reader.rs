@@ -60,11 +60,16 @@ impl Store {
     /// every file exists as a regular file with its recorded size.
     pub fn open(dir: &Path) -> Result<Store> {
         let mpath = dir.join(MANIFEST);
-        if !mpath.exists() {
-            return Err(Error::format(
-                dir,
-                "not a layer store (no manifest.json); create one with `layerstream import`",
-            ));
+        match std::fs::metadata(&mpath) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::format(
+                    dir,
+                    "not a layer store (no manifest.json); create one with `layerstream import`",
+                ))
+            }
+            // Permission denied (and the like) is said as it is, naming the path.
+            Err(e) => return Err(Error::io(&mpath, e)),
         }
         let manifest: Manifest = read_json(&mpath)?;
         if manifest.format_version != FORMAT_VERSION {
