@@ -598,3 +598,47 @@ fn sixty_four_clients_get_their_solo_tokens_or_resource_exhausted() {
     );
     stack.shutdown();
 }
+
+/// A template that passes the import check but amplifies what a request sends (each message
+/// written 100 times) costs that request a 400 at once: the rendering stops at the prompt bound
+/// the context implies, and the coordinator's peak memory barely moves.
+#[test]
+fn an_amplifying_chat_template_costs_a_400_not_the_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |_| {});
+    let amplifier = "{% for m in messages %}{% for i in range(100) %}{{ m['content'] }}{% endfor %}{% endfor %}";
+    std::fs::write(hf.join("chat_template.jinja"), amplifier).unwrap();
+    let store = dir.path().join("store");
+    layerstream(&["import", hf.to_str().unwrap(), store.to_str().unwrap()]);
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let coordinator = stack.children("coordinator")[0];
+    let peak_kb = || {
+        let status = std::fs::read_to_string(format!("/proc/{coordinator}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap().to_owned();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap()
+    };
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
+        let chat = |content: String| GenerateRequest {
+            input: Some(generate_request::Input::Chat(ChatMessages {
+                messages: vec![ChatMessage { role: "user".into(), content }],
+            })),
+            max_new_tokens: 2,
+            ..Default::default()
+        };
+        // Warm-up: a small chat renders (100 copies of a word) and runs.
+        c.generate(chat("Hi".into())).await.unwrap().into_inner().message().await.unwrap();
+        let before = peak_kb();
+        // 100 KB of text, under the 128 KB prompt bound of a 2,048-token context: 10 MB rendered.
+        let started = std::time::Instant::now();
+        let err = c.generate(chat("word ".repeat(20_000))).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{}", err.message());
+        assert!(err.message().contains("exceeds 131072 bytes"), "{}", err.message());
+        let grew = peak_kb().saturating_sub(before);
+        eprintln!("refused in {:?}; coordinator peak memory +{grew} KB", started.elapsed());
+        assert!(grew < 16 * 1024, "the coordinator's peak grew by {grew} KB");
+        // The service still answers.
+        c.generate(chat("Hi".into())).await.unwrap().into_inner().message().await.unwrap();
+    });
+    stack.shutdown();
+}

@@ -204,7 +204,13 @@ fn hostile_checkpoints_are_refused_at_import_and_leave_nothing() {
     std::fs::write(hf.join("chat_template.jinja"), "{{ raise_exception('no chats here') }}")
         .unwrap();
     let err = import_fails(dir.path(), &hf);
-    assert!(err.contains("chat template") && err.contains("no chats here"), "{err}");
+    assert!(err.contains("chat template") && err.contains("no chats here"), "{err}"); // A template that turns a short chat into gigabytes (the probe's bomb): refused at import.
+    let dir = tempfile::tempdir().unwrap();
+    let hf = copy_hf_with_config(dir.path(), |_| {});
+    let bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{{ messages[0]['content'] }}{% endfor %}{% endfor %}";
+    std::fs::write(hf.join("chat_template.jinja"), bomb).unwrap();
+    let err = import_fails(dir.path(), &hf);
+    assert!(err.contains("chat template") && err.contains("exceeds 1048576 bytes"), "{err}");
 }
 
 /// Two tensors whose data overlap would read each other's bytes: refused at import, naming both.

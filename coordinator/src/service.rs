@@ -5,8 +5,8 @@
 use crate::jobs::{JobRecord, Jobs};
 use crate::scheduler::SeqRequest;
 use layerstream_model::{
-    check_chat, check_request, Field, GenerateParams, Message, RequestError, SamplingParams,
-    Tokenizer,
+    check_chat, check_request, tokenizer::RenderBudget, Field, GenerateParams, Message,
+    RequestError, SamplingParams, Tokenizer,
 };
 use layerstream_rpc::v1::coordinator_server::Coordinator;
 use layerstream_rpc::v1::*;
@@ -101,7 +101,12 @@ impl CoordinatorService {
                     .iter()
                     .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
                     .collect();
-                let text = self.tokenizer.apply_chat_template(&msgs).map_err(bad(Field::Chat))?;
+                // The rendering is bounded like the prompt: a template cannot amplify a request.
+                let budget = RenderBudget::bytes(most);
+                let text = self
+                    .tokenizer
+                    .apply_chat_template_within(&msgs, budget)
+                    .map_err(bad(Field::Chat))?;
                 self.tokenizer.encode_chat(&text).map_err(bad(Field::Chat))
             }
             None => {

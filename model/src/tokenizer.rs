@@ -81,34 +81,123 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// Renders messages through the chat template, with the generation prompt appended.
+    /// Renders messages through the chat template, with the generation prompt appended, within the
+    /// default budget (`RenderBudget::default`).
     pub fn apply_chat_template(&self, messages: &[Message]) -> Result<String> {
+        self.apply_chat_template_within(messages, RenderBudget::default())
+    }
+
+    /// As `apply_chat_template`, stopping with an error as soon as the rendering exceeds `budget`.
+    pub fn apply_chat_template_within(
+        &self,
+        messages: &[Message],
+        budget: RenderBudget,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             Error::Template("this model has no chat template; use --prompt".into())
         })?;
-        render_chat(template, messages, self.bos_token.as_deref(), self.eos_token.as_deref())
+        let (bos, eos) = (self.bos_token.as_deref(), self.eos_token.as_deref());
+        render_chat_within(template, messages, bos, eos, budget)
     }
 }
 
 impl Tokenizer {
-    /// Checks the chat template (if any) by rendering one user turn, so a template that cannot be
-    /// parsed or rendered fails at import rather than at the first chat request.
+    /// Checks the chat template (if any) by rendering a short conversation within a small budget,
+    /// so a template that cannot be parsed or rendered — or that amplifies a few words into
+    /// megabytes — fails at import rather than at the first chat request.
     pub fn check_template(&self) -> Result<()> {
         if self.chat_template.is_some() {
-            self.apply_chat_template(&[Message { role: "user".into(), content: "Hi".into() }])?;
+            let m =
+                |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+            let chat = [
+                m("system", "Be brief."),
+                m("user", "Hi"),
+                m("assistant", "Hello."),
+                m("user", "Bye"),
+            ];
+            self.apply_chat_template_within(&chat, RenderBudget::IMPORT_CHECK).map_err(
+                |e| match e {
+                    Error::Template(m) => {
+                        Error::Template(format!("rendering a four-message chat: {m}"))
+                    }
+                    other => other,
+                },
+            )?;
         }
         Ok(())
     }
 }
 
-/// Renders a Jinja chat template the way transformers' `apply_chat_template` does.
+/// What one rendering of a chat template may cost: output bytes (checked as they are written) and
+/// minijinja fuel (about one unit per template instruction: CPU time), so a template from a model
+/// file cannot turn a request into gigabytes or minutes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderBudget {
+    pub max_bytes: usize,
+    pub fuel: u64,
+}
+
+impl RenderBudget {
+    /// The import check's budget for a four-message chat: far above what real templates write
+    /// (the largest of the 71 llama.cpp ships renders a few KB).
+    pub const IMPORT_CHECK: RenderBudget = RenderBudget { max_bytes: 1 << 20, fuel: 5_000_000 };
+
+    /// A budget of `max_bytes` output with the default fuel.
+    pub fn bytes(max_bytes: usize) -> Self {
+        RenderBudget { max_bytes, ..Self::default() }
+    }
+}
+
+impl Default for RenderBudget {
+    /// 16 MiB of output and 50M units of fuel (well under a second of rendering).
+    fn default() -> Self {
+        RenderBudget { max_bytes: 16 << 20, fuel: 50_000_000 }
+    }
+}
+
+/// Output that refuses to grow past a bound: the rendering stops at the first write beyond it.
+struct Capped {
+    out: Vec<u8>,
+    max: usize,
+    /// A write was refused.
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.max {
+            self.over = true;
+            return Err(std::io::Error::other("over budget"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Renders a Jinja chat template the way transformers' `apply_chat_template` does, within the
+/// default budget.
 pub fn render_chat(
     template: &str,
     messages: &[Message],
     bos: Option<&str>,
     eos: Option<&str>,
 ) -> Result<String> {
+    render_chat_within(template, messages, bos, eos, RenderBudget::default())
+}
+
+/// As `render_chat`, stopping with an error as soon as the rendering exceeds `budget`.
+pub fn render_chat_within(
+    template: &str,
+    messages: &[Message],
+    bos: Option<&str>,
+    eos: Option<&str>,
+    budget: RenderBudget,
+) -> Result<String> {
     let mut env = minijinja::Environment::new();
+    env.set_fuel(Some(budget.fuel));
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_trim_blocks(true);
@@ -138,18 +227,58 @@ pub fn render_chat(
     let template = crate::template_ext::generation_blocks(template);
     env.add_template_owned("chat", template).map_err(|e| Error::Template(e.to_string()))?;
     let tmpl = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
-    tmpl.render(minijinja::context! {
+    let mut out = Capped { out: Vec::new(), max: budget.max_bytes, over: false };
+    let ctx = minijinja::context! {
         messages => messages,
         add_generation_prompt => true,
         bos_token => bos.unwrap_or(""),
         eos_token => eos.unwrap_or(""),
-    })
-    .map_err(|e| Error::Template(e.to_string()))
+    };
+    let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
+    match rendered {
+        Ok(_) => String::from_utf8(out.out).map_err(|e| Error::Template(e.to_string())),
+        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(Error::Template(format!(
+            "rendering needs more than {} steps (the template loops far more than a chat needs)",
+            budget.fuel
+        ))),
+        Err(_) if out.over => {
+            Err(Error::Template(format!("rendering exceeds {} bytes", budget.max_bytes)))
+        }
+        Err(e) => Err(Error::Template(e.to_string())),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A template that loops far beyond its input stops at the output bound or the fuel, while
+    /// rendering (the probe's bomb rendered hundreds of MB before any check); the import check
+    /// refuses it, naming the template.
+    #[test]
+    fn templates_cannot_amplify() {
+        let m = vec![Message { role: "user".into(), content: "Q?".into() }];
+        let bomb = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxxxxxxxx{% endfor %}{% endfor %}";
+        let e = render_chat_within(bomb, &m, None, None, RenderBudget::bytes(1 << 20)).unwrap_err();
+        assert!(e.to_string().contains("exceeds 1048576 bytes"), "{e}");
+        let spin =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let e = render_chat(spin, &m, None, None).unwrap_err();
+        assert!(e.to_string().contains("more than 50000000 steps"), "{e}");
+        let tok = |t: &str| {
+            let json = std::fs::read(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../tests/fixtures/models/tiny-llama/tokenizer.json"
+            ));
+            Tokenizer::from_json(&json.unwrap(), Some(t.into()), None, None).unwrap()
+        };
+        let e = tok(bomb).check_template().unwrap_err().to_string();
+        assert!(
+            e.starts_with("chat template: rendering a four-message chat: rendering exceeds"),
+            "{e}"
+        );
+        assert!(tok("{{ messages[0]['content'] }}").check_template().is_ok());
+    }
 
     #[test]
     fn renders_smollm_style_template() {
