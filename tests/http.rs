@@ -411,3 +411,66 @@ fn a_one_shot_up_leaves_port_8000_alone_and_a_taken_port_is_named() {
     let err = layerstream_fails(&base);
     assert!(err.contains("127.0.0.1:8000 (--http-listen)"), "{err}");
 }
+
+/// A flood of connections that never send a request: the server closes them after
+/// `--http-idle-timeout`, and while they are open a real client's chat and the health check are
+/// answered at once. Past `--http-max-connections` a new connection is closed as it is accepted,
+/// and once the idle ones are gone the server accepts again.
+#[test]
+fn idle_connections_are_closed_and_never_block_a_request() {
+    use std::io::Read;
+    use std::net::TcpStream;
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "1", "--http-idle-timeout", "2"]);
+    let hostport = stack.http().trim_start_matches("http://").to_owned();
+    let flood: Vec<TcpStream> = (0..400).map(|_| TcpStream::connect(&hostport).unwrap()).collect();
+    let started = Instant::now();
+    let body =
+        r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}"#;
+    let url = format!("{}/v1/chat/completions", stack.http());
+    let (code, b) = status(&["-H", "Content-Type: application/json", "-d", body, &url]);
+    assert_eq!(code, 200, "{b}");
+    let (code, _) = status(&[&format!("{}/health", stack.http())]);
+    assert_eq!(code, 200);
+    eprintln!("chat and health answered in {:?} beside 400 idle connections", started.elapsed());
+    // Every idle one is closed by the server (EOF) within the timeout and a margin.
+    for mut s in flood {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 1];
+        assert!(closed(s.read(&mut buf)), "an idle connection stayed open");
+    }
+    let closed_after = started.elapsed();
+    eprintln!("400 idle connections closed by the server after {closed_after:?}");
+    assert!(closed_after < Duration::from_secs(10), "{closed_after:?}");
+    stack.shutdown();
+
+    // The cap: 8 connections held, the 9th closed at once; when they time out, a request passes.
+    let stack = Stack::up(
+        &store,
+        &["--workers", "1", "--http-idle-timeout", "2", "--http-max-connections", "8"],
+    );
+    let hostport = stack.http().trim_start_matches("http://").to_owned();
+    let held: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(&hostport).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut ninth = TcpStream::connect(&hostport).unwrap();
+    ninth.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut buf = [0u8; 1];
+    assert!(closed(ninth.read(&mut buf)), "the 9th connection was kept");
+    std::thread::sleep(Duration::from_secs(3));
+    let url = format!("{}/v1/chat/completions", stack.http());
+    let (code, b) = status(&["-H", "Content-Type: application/json", "-d", body, &url]);
+    drop(held);
+    assert_eq!(code, 200, "{b}");
+    stack.shutdown();
+}
+
+/// Whether a read shows the peer closed the connection (EOF or reset), not a read timeout.
+fn closed(r: std::io::Result<usize>) -> bool {
+    match r {
+        Ok(n) => n == 0,
+        Err(e) => {
+            !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+        }
+    }
+}

@@ -86,7 +86,7 @@ pub async fn run(a: SinkArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&a.listen).await?;
     layerstream_rpc::handshake::Listening::new(format!("http://{}", listener.local_addr()?))
         .announce();
-    tonic::transport::Server::builder()
+    layerstream_rpc::transport::server()
         .add_service(TraceServiceServer::new(Sink(Mutex::new(file))))
         .serve_with_incoming_shutdown(
             layerstream_rpc::transport::tcp_incoming(listener),

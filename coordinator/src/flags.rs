@@ -49,6 +49,14 @@ pub struct HttpFlags {
         value_delimiter = ','
     )]
     pub cors_allow_origin: Vec<String>,
+    /// Most HTTP connections open at once; one more is closed as it is accepted (held below the
+    /// process's open-file limit, which is raised to the system's at start).
+    #[arg(long, env = "LAYERSTREAM_HTTP_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub http_max_connections: usize,
+    /// Seconds an HTTP connection may go without sending a whole request header — a fresh one, or
+    /// a kept-alive one between requests — before it is closed.
+    #[arg(long = "http-idle-timeout", env = "LAYERSTREAM_HTTP_IDLE_TIMEOUT", default_value_t = 30)]
+    pub http_idle_timeout_s: u64,
 }
 
 /// Where the HTTP server listens when no address is given.
@@ -73,6 +81,8 @@ impl HttpFlags {
         if !self.cors_allow_origin.is_empty() {
             a.extend(flag("cors-allow-origin", self.cors_allow_origin.join(",")));
         }
+        a.extend(flag("http-max-connections", self.http_max_connections));
+        a.extend(flag("http-idle-timeout", self.http_idle_timeout_s));
         a
     }
 }
@@ -221,6 +231,10 @@ mod tests {
             "14",
             "--cors-allow-origin",
             "http://a,http://b",
+            "--http-max-connections",
+            "7",
+            "--http-idle-timeout",
+            "8",
         ]);
         let mut argv = vec!["x".to_owned()];
         argv.extend(given.plan.to_args());

@@ -43,6 +43,10 @@ pub struct CoordinatorArgs {
     pub sched: SchedulerFlags,
     #[command(flatten)]
     pub http: HttpFlags,
+    /// Most gRPC connections open at once on `--listen`; one more is closed as it is accepted. A
+    /// connection that sends nothing for 30 s is closed.
+    #[arg(long, env = "LAYERSTREAM_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub grpc_max_connections: usize,
     /// Seconds to wait for workers to come up.
     #[arg(long, env = "LAYERSTREAM_WORKER_WAIT", default_value_t = 60)]
     pub worker_wait_s: u64,

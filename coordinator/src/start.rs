@@ -8,6 +8,7 @@ use crate::{CoordinatorArgs, Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::auth::{Bearer, RequireBearer};
 use layerstream_rpc::handshake::Listening;
+use layerstream_rpc::limits::Gate;
 use layerstream_rpc::transport;
 use layerstream_rpc::v1::coordinator_server::CoordinatorServer;
 use layerstream_rpc::v1::worker_client::WorkerClient;
@@ -17,6 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{ClientTlsConfig, ServerTlsConfig};
+
+/// A gRPC connection that sends nothing for this long is closed.
+const GRPC_FIRST_BYTE: Duration = Duration::from_secs(30);
 
 /// Registers the workers, plans, assigns, and serves until SIGINT/SIGTERM.
 pub async fn run(args: CoordinatorArgs) -> Result<()> {
@@ -225,15 +229,17 @@ async fn serve(
             cors: args.http.cors_allow_origin.clone(),
         });
         tracing::info!(addr = %l.local_addr()?, "OpenAI API, /metrics and the live page served over HTTP");
+        let idle = Duration::from_secs(args.http.http_idle_timeout_s.max(1));
+        let gate = Gate::new("HTTP", args.http.http_max_connections, idle);
         tokio::spawn(async move {
-            if let Err(e) = http::serve(l, h, transport::shutdown_signal()).await {
+            if let Err(e) = http::serve(l, h, gate, idle, transport::shutdown_signal()).await {
                 tracing::error!(error = %e, "the HTTP server stopped");
             }
         });
     }
     let (_health, health_svc) =
         transport::health::<CoordinatorServer<service::CoordinatorService>>().await;
-    let mut server = tonic::transport::Server::builder();
+    let mut server = transport::server();
     if let Some(t) = security.tls {
         server = server.tls_config(t)?;
     }
@@ -243,7 +249,7 @@ async fn serve(
         .add_service(transport::reflection_v1alpha())
         .add_service(InterceptedService::new(CoordinatorServer::from_arc(svc), security.api_guard))
         .serve_with_incoming_shutdown(
-            transport::tcp_incoming(listener),
+            Gate::new("gRPC", args.grpc_max_connections, GRPC_FIRST_BYTE).incoming(listener),
             transport::shutdown_signal(),
         )
         .await?;

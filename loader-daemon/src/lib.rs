@@ -146,12 +146,12 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
     layerstream_rpc::handshake::Listening::new(format!("unix:{}", socket.display())).announce();
     let (health, health_svc) =
         layerstream_rpc::transport::health::<LoaderServer<daemon::LoaderService>>().await;
-    let server = tonic::transport::Server::builder()
+    let server = layerstream_rpc::transport::server()
         .add_service(health_svc)
         .add_service(layerstream_rpc::transport::reflection())
         .add_service(layerstream_rpc::transport::reflection_v1alpha())
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            LoaderServer::new(daemon::LoaderService { daemon: daemon.clone(), health }),
+            LoaderServer::new(daemon::LoaderService::new(daemon.clone(), health)),
             guard,
         ))
         .serve_with_incoming_shutdown(

@@ -5,6 +5,7 @@
 pub mod auth;
 mod error;
 pub mod handshake;
+pub mod limits;
 pub mod transport;
 
 pub use error::Error;

@@ -78,6 +78,19 @@ pub fn tcp_incoming(listener: tokio::net::TcpListener) -> tonic::transport::serv
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
+/// A gRPC server with the settings every layerstream server uses: HTTP/2 keep-alive pings (a peer
+/// that stops answering is dropped), TCP keep-alive, and bounds on the calls one connection may
+/// have in flight. Connections themselves are bounded by `limits::Gate`.
+pub fn server() -> tonic::transport::Server {
+    use std::time::Duration;
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .concurrency_limit_per_connection(1024)
+        .max_concurrent_streams(Some(1024))
+}
+
 /// A lazily-connecting channel to `addr` ("http://host:port", or "https://…" with `tls`).
 pub fn channel(
     addr: &str,

@@ -5,10 +5,16 @@ use crate::service::{WorkerService, WorkerState};
 use clap::Args;
 use layerstream_model::Store;
 use layerstream_rpc::auth::{Bearer, RequireBearer};
+use layerstream_rpc::limits::Gate;
 use layerstream_rpc::v1::worker_server::WorkerServer;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use tonic::service::interceptor::InterceptedService;
+
+/// Connections a worker serves at once (its clients are coordinators and probes).
+const MAX_CONNECTIONS: usize = 1024;
+/// A connection that sends nothing for this long is closed.
+const FIRST_BYTE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where a worker computes and how much memory it may use (shared by `worker`, `run`'s device, `up`
 /// and `bench`, which pass it on with `to_args`).
@@ -197,7 +203,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let threads = layerstream_kernels::cpu::threads::cpu_threads();
     let concurrent_threads = args.device.concurrent_threads.unwrap_or(threads);
     tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, concurrent_threads, "worker ready");
-    let mut server = tonic::transport::Server::builder();
+    let mut server = layerstream_rpc::transport::server();
     if let Some(t) = tls {
         server = server.tls_config(t)?;
     }
@@ -212,7 +218,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
             guard,
         ))
         .serve_with_incoming_shutdown(
-            layerstream_rpc::transport::tcp_incoming(listener),
+            Gate::new("gRPC", MAX_CONNECTIONS, FIRST_BYTE).incoming(listener),
             layerstream_rpc::transport::shutdown_signal(),
         )
         .await?;

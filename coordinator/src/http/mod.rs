@@ -51,19 +51,54 @@ pub fn router(h: Arc<Http>) -> Router {
         .with_state(h)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` until `shutdown` resolves, through `gate` (a cap on open
+/// connections; one past it is closed as it is accepted). A connection that does not send a whole
+/// request header within `idle` — a fresh one, or a kept-alive one between requests — is closed.
+/// On shutdown, requests in flight finish; idle connections close.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     h: Arc<Http>,
+    gate: layerstream_rpc::limits::Gate,
+    idle: std::time::Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Token chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each one back
-    // until the client's delayed ACK (tens of milliseconds per token).
-    let listener = listener.tap_io(|tcp| {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    let app = router(h);
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(idle).keep_alive(true);
+    builder.http2().timer(TokioTimer::new()).keep_alive_interval(idle);
+    let builder = Arc::new(builder);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                // Out of file descriptors and the like: wait a little rather than spin.
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting an HTTP connection");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Token chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
+        // back until the client's delayed ACK (tens of milliseconds per token).
         let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router(h)).with_graceful_shutdown(shutdown).await
+        let Some(io) = gate.admit(tcp) else { continue };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP connection ended");
+            }
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
 }
 
 async fn not_found() -> ApiError {
