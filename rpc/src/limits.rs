@@ -29,7 +29,7 @@ pub fn raise_fd_limit() -> u64 {
             }
         }
     }
-    lim.rlim_cur as u64
+    lim.rlim_cur
 }
 
 /// The connection gate of one listener.
