@@ -226,6 +226,22 @@ fn curl_sees_raw_sse_and_a_client_that_hangs_up_cancels_its_job() {
     let (code, b) =
         status(&["-H", "Content-Type: application/json", "-d", r#"{"prompt": ""}"#, &completions]);
     assert_eq!((code, json_of(&b)["error"]["param"].as_str()), (400, Some("prompt")), "{b}");
+    // Sent again with the same Idempotency-Key, a request gets the same job (and answer).
+    let key_body = r#"{"prompt": "Once upon", "max_tokens": 4, "temperature": 0}"#;
+    let with_key = || {
+        json_of(&curl(&[
+            "-H",
+            "Content-Type: application/json",
+            "-H",
+            "Idempotency-Key: retry-7",
+            "-d",
+            key_body,
+            &completions,
+        ]))
+    };
+    let (first, second) = (with_key(), with_key());
+    assert_eq!(first["id"], second["id"], "{first} {second}");
+    assert_eq!(first["choices"][0]["text"], second["choices"][0]["text"]);
     let (code, b) = status(&["-H", "Content-Type: application/json", "-d", "{not json", &url]);
     assert_eq!(code, 400, "{b}");
     assert_eq!(json_of(&b)["error"]["type"], "invalid_request_error");

@@ -53,7 +53,11 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
         .await
         .unwrap()
         .into_inner();
-    let mut watch = c.watch_job(JobRef { job_id: job.job_id.clone() }).await.unwrap().into_inner();
+    let mut watch = c
+        .watch_job(JobRef { job_id: job.job_id.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let mut tokens = 0;
     while tokens < 6 {
         let ev = watch.message().await.unwrap().expect("job still running");
@@ -62,7 +66,7 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
         }
     }
     assert!(live_sequences(stack.addr()).await > 0);
-    c.cancel_job(JobRef { job_id: job.job_id.clone() }).await.unwrap();
+    c.cancel_job(JobRef { job_id: job.job_id.clone(), ..Default::default() }).await.unwrap();
     let mut reasons = Vec::new();
     while let Some(ev) = watch.message().await.unwrap() {
         if let Some(generate_event::Event::Done(d)) = ev.event.and_then(|e| e.event) {
@@ -72,7 +76,11 @@ async fn cancel_mid_job_frees_kv_caches_and_slots() {
     }
     assert_eq!(reasons, vec![FinishReason::Cancelled, FinishReason::Cancelled]);
     assert_eq!(
-        c.get_job(JobRef { job_id: job.job_id }).await.unwrap().into_inner().state(),
+        c.get_job(JobRef { job_id: job.job_id, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner()
+            .state(),
         JobState::Cancelled
     );
     wait_until_zero_sequences(stack.addr()).await;
@@ -400,7 +408,12 @@ fn a_full_queue_refuses_at_once_and_frees_on_cancel() {
         let job = |n| SubmitJobRequest { requests: vec![req(n)] };
         let running = c.submit_job(job(1900)).await.unwrap().into_inner().job_id;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while c.get_job(JobRef { job_id: running.clone() }).await.unwrap().into_inner().state()
+        while c
+            .get_job(JobRef { job_id: running.clone(), ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner()
+            .state()
             != JobState::Running
         {
             assert!(Instant::now() < deadline, "the first job never started");
@@ -415,7 +428,7 @@ fn a_full_queue_refuses_at_once_and_frees_on_cancel() {
         let two = SubmitJobRequest { requests: vec![req(4), req(4)] };
         assert_eq!(c.submit_job(two).await.unwrap_err().code(), tonic::Code::ResourceExhausted);
         for id in [&b, &d] {
-            c.cancel_job(JobRef { job_id: id.clone() }).await.unwrap();
+            c.cancel_job(JobRef { job_id: id.clone(), ..Default::default() }).await.unwrap();
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         let e = loop {
@@ -429,8 +442,8 @@ fn a_full_queue_refuses_at_once_and_frees_on_cancel() {
                 Err(s) => panic!("the queue never emptied after cancelling: {}", s.message()),
             }
         };
-        c.cancel_job(JobRef { job_id: e }).await.unwrap();
-        c.cancel_job(JobRef { job_id: running }).await.unwrap();
+        c.cancel_job(JobRef { job_id: e, ..Default::default() }).await.unwrap();
+        c.cancel_job(JobRef { job_id: running, ..Default::default() }).await.unwrap();
         // Far more text than any context holds: refused naming the bound, without tokenizing it.
         let huge = GenerateRequest {
             input: Some(generate_request::Input::Prompt("word ".repeat(40_000))),

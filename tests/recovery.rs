@@ -555,3 +555,94 @@ fn http_answers_503_when_no_worker_can_run_the_request() {
     }
     assert!(shm_left("layerstream-http-503-test-").is_empty());
 }
+
+/// The coordinator SIGKILLed mid-job under `up` (which restarts it, with the stack's journal): the
+/// job submitted with an idempotency key is resumed under its id, a client that reconnects with
+/// WatchJob continues after the events it saw, both requests (greedy and seeded sampling) end with
+/// the tokens of an uninterrupted `run`, and resubmitting with the key gives the same job.
+#[test]
+fn a_killed_coordinators_job_is_resumed_from_the_journal_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    const N: u32 = 200;
+    let base = ["--prompt", "Once upon a time", "--max-new-tokens", "200", "--ignore-eos"];
+    let greedy_ref = run_ids(&store, &base);
+    let sampled_ref = run_ids(
+        &store,
+        &[&base[..], &["--temperature", "0.8", "--top-p", "0.9", "--seed", "7"]].concat(),
+    );
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let before = stack.children("coordinator");
+    let addr = stack.addr().to_owned();
+    let job = || {
+        let mut r = tonic::Request::new(SubmitJobRequest {
+            requests: vec![request(0, 0.0, N), request(7, 0.8, N)],
+        });
+        r.metadata_mut().insert("idempotency-key", "job-key-1".parse().unwrap());
+        r
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (events, job_id, again) = rt.block_on(async {
+        let mut c = CoordinatorClient::connect(addr.clone()).await.unwrap();
+        let job_id = c.submit_job(job()).await.unwrap().into_inner().job_id;
+        let from = |n: usize| JobRef { job_id: job_id.clone(), from_event: n as u32 };
+        let mut s = c.watch_job(from(0)).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while events.len() < 6 {
+            events.push(s.message().await.unwrap().unwrap().event.unwrap());
+        }
+        Stack::kill9(before[0]);
+        // The first stream ends with the process; the rest comes from the restarted coordinator.
+        while let Ok(Some(ev)) = s.message().await {
+            events.push(ev.event.unwrap());
+        }
+        let cut = events.len();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut s = loop {
+            assert!(Instant::now() < deadline, "the coordinator did not come back with the job");
+            let attempt = async {
+                let mut c = CoordinatorClient::connect(addr.clone()).await.ok()?;
+                c.watch_job(from(events.len())).await.ok()
+            };
+            match attempt.await {
+                Some(s) => break s.into_inner(),
+                None => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        while let Some(ev) = s.message().await.unwrap() {
+            events.push(ev.event.unwrap());
+        }
+        assert!(events.len() > cut, "nothing came after the restart");
+        let mut c = CoordinatorClient::connect(addr.clone()).await.unwrap();
+        let again = c.submit_job(job()).await.unwrap().into_inner().job_id;
+        (events, job_id, again)
+    });
+    assert_ne!(stack.children("coordinator"), before, "the coordinator was not restarted");
+    assert_eq!(again, job_id, "the idempotency key gives the same job after the restart");
+    for (index, want) in [(0u32, &greedy_ref), (1, &sampled_ref)] {
+        let mine = events.iter().filter(|e| e.index == index);
+        let streamed: Vec<u64> = mine
+            .clone()
+            .filter_map(|e| match &e.event {
+                Some(generate_event::Event::Token(t)) => Some(t.ids.iter().map(|&x| x as u64)),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        let done = mine
+            .filter_map(|e| match &e.event {
+                Some(generate_event::Event::Done(d)) => Some(d.clone()),
+                _ => None,
+            })
+            .next_back()
+            .expect("a final event");
+        let got: Vec<u64> = done.output_ids.iter().map(|&x| x as u64).collect();
+        assert!(done.error.is_empty(), "{}", done.error);
+        assert_eq!(&got, want, "request {index}: tokens differ from the uninterrupted run");
+        assert_eq!(
+            &streamed, want,
+            "request {index}: the reconnected stream skipped or repeated tokens"
+        );
+    }
+    stack.shutdown();
+}

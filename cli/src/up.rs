@@ -246,8 +246,15 @@ pub fn run(a: UpArgs) -> Result<()> {
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
-    let stack =
-        StackSpec { a: &a, model: model.display().to_string(), socket, ns: ns.clone(), slots };
+    let journal = layerstream_rpc::transport::namespace_journal(&ns)?;
+    let stack = StackSpec {
+        a: &a,
+        model: model.display().to_string(),
+        socket,
+        journal: journal.clone(),
+        ns: ns.clone(),
+        slots,
+    };
     let mut specs = vec![stack.start_loader(&mut children)?];
     let mut addrs = Vec::new();
     for i in 0..a.workers {
@@ -269,6 +276,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     let outcome = supervise(&mut children, &mut specs, &mut set, a.max_restarts, job.as_ref());
     drop(children);
     clean_shm(&ns);
+    let _ = std::fs::remove_file(&journal);
     outcome?;
     match job {
         Some(j) => j.join().map_err(|_| anyhow::anyhow!("the request thread panicked"))?,
@@ -324,6 +332,7 @@ struct StackSpec<'a> {
     a: &'a UpArgs,
     model: String,
     socket: String,
+    journal: std::path::PathBuf,
     ns: String,
     slots: usize,
 }
@@ -381,6 +390,8 @@ impl StackSpec<'_> {
         let mut args: Vec<String> =
             vec!["coordinator".into(), "--model".into(), self.model.clone()];
         args.extend(["--listen".into(), a.listen.clone(), "--worker".into(), workers.join(",")]);
+        // Jobs survive a restarted coordinator: `up` keeps a journal per stack (removed at exit).
+        args.extend(["--journal".into(), self.journal.display().to_string()]);
         args.extend(a.plan.to_args());
         args.extend(a.sched.to_args());
         // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
@@ -439,7 +450,7 @@ fn supervise(
 }
 
 /// Removes what stacks whose `up` died (SIGKILL, a crash) left behind: their shm regions and
-/// loader sockets (named after the dead `up`'s pid).
+/// loader sockets and job journals (named after the dead `up`'s pid).
 fn remove_orphans() {
     use layerstream_shm::{process_alive, up_namespace_owner, up_region_owner};
     let mut removed = 0;
@@ -452,7 +463,7 @@ fn remove_orphans() {
     if let Ok(dir) = layerstream_rpc::transport::runtime_dir() {
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            let ns = layerstream_rpc::transport::socket_namespace(&n);
+            let ns = layerstream_rpc::transport::file_namespace(&n);
             let pid = ns.and_then(up_namespace_owner);
             if pid.is_some_and(|pid| !process_alive(pid)) && std::fs::remove_file(e.path()).is_ok()
             {
@@ -461,7 +472,7 @@ fn remove_orphans() {
         }
     }
     if removed > 0 {
-        eprintln!("layerstream up: removed {removed} shared-memory regions and sockets left by stacks that were killed");
+        eprintln!("layerstream up: removed {removed} shared-memory regions, sockets and journals left by stacks that were killed");
     }
 }
 

@@ -19,6 +19,8 @@ pub struct JobRecord {
     pub(crate) cancelled: bool,
     /// When the last request finished (set once); finished records expire after the retention.
     pub(crate) finished_at: Option<Instant>,
+    /// The idempotency key it was submitted with.
+    pub(crate) key: Option<String>,
 }
 
 impl JobRecord {
@@ -112,6 +114,14 @@ impl Jobs {
         }
     }
 
+    /// The (job id, trace id) of the job submitted with idempotency key `key`, while it is held.
+    pub fn by_key(&self, key: &str) -> Option<(String, String)> {
+        let m = self.lock();
+        m.iter()
+            .find(|(_, r)| r.key.as_deref() == Some(key))
+            .map(|(id, r)| (id.clone(), r.trace_id.clone()))
+    }
+
     /// Runs `f` on a job.
     pub fn with<T>(&self, id: &str, f: impl FnOnce(&mut JobRecord) -> T) -> Option<T> {
         self.lock().get_mut(id).map(f)
@@ -167,6 +177,7 @@ mod tests {
             live,
             cancelled: false,
             finished_at: None,
+            key: None,
         }
     }
 

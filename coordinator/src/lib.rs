@@ -1,10 +1,12 @@
 //! The coordinator: registers workers, plans layer ranges and residency, runs continuous batching
 //! over the worker pipeline, and serves the public job API with per-job stats and traces.
 
+mod admit;
 mod error;
 mod flags;
 mod http;
 mod jobs;
+mod journal;
 mod lanes;
 mod metrics;
 mod pipeline;
@@ -47,6 +49,11 @@ pub struct CoordinatorArgs {
     /// connection that sends nothing for 30 s is closed.
     #[arg(long, env = "LAYERSTREAM_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
     pub grpc_max_connections: usize,
+    /// Journal every accepted job in this file (a redb database, created if absent): after a crash
+    /// the coordinator resumes the jobs that did not finish, under their ids, and a client that
+    /// resubmits with the same `idempotency-key` gets the same job. `up` keeps one per stack.
+    #[arg(long, env = "LAYERSTREAM_JOURNAL")]
+    pub journal: Option<PathBuf>,
     /// Seconds to wait for workers to come up.
     #[arg(long, env = "LAYERSTREAM_WORKER_WAIT", default_value_t = 60)]
     pub worker_wait_s: u64,

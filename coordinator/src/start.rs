@@ -30,6 +30,9 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let security = Security::from_args(&args)?;
     let workers = register(&args, &store, &security).await?;
     let svc = plan_and_schedule(&args, &store, workers).await?;
+    if let Some(j) = &svc.journal {
+        svc.resume(j.unfinished()?);
+    }
     serve(&args, svc, security).await?;
     tracing_guard.flush();
     Ok(())
@@ -160,6 +163,8 @@ async fn plan_and_schedule(
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let metrics = Arc::new(metrics::Metrics::new());
     let tokenizer = Arc::new(store.tokenizer()?);
+    let journal =
+        args.journal.as_deref().map(crate::journal::Journal::open).transpose()?.map(Arc::new);
     let limits = scheduler::Limits {
         max_batch: args.sched.max_batch.max(1),
         kv_capacity: args.plan.kv_capacity,
@@ -189,6 +194,7 @@ async fn plan_and_schedule(
         workers,
         next_seq: AtomicU64::new(1),
         metrics,
+        journal,
     }))
 }
 

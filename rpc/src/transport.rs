@@ -44,12 +44,18 @@ pub fn namespace_socket(ns: &str) -> std::io::Result<PathBuf> {
     Ok(runtime_dir()?.join(format!("{ns}{SOCKET_EXT}")))
 }
 
-/// The namespace a socket file of `runtime_dir()` belongs to (None: not a namespace's socket).
-pub fn socket_namespace(file_name: &str) -> Option<&str> {
-    file_name.strip_suffix(SOCKET_EXT)
+/// The coordinator's job journal of the stack of namespace `ns`: `<ns>.journal` in `runtime_dir()`.
+pub fn namespace_journal(ns: &str) -> std::io::Result<PathBuf> {
+    Ok(runtime_dir()?.join(format!("{ns}{JOURNAL_EXT}")))
+}
+
+/// The namespace a socket or journal of `runtime_dir()` belongs to (None: neither).
+pub fn file_namespace(file_name: &str) -> Option<&str> {
+    file_name.strip_suffix(SOCKET_EXT).or_else(|| file_name.strip_suffix(JOURNAL_EXT))
 }
 
 const SOCKET_EXT: &str = ".sock";
+const JOURNAL_EXT: &str = ".journal";
 
 /// Where a loader daemon listens by default: `loader.sock` in `runtime_dir()`.
 pub fn default_loader_socket() -> std::io::Result<PathBuf> {

@@ -202,7 +202,8 @@ async fn chat(
 ) -> Result<Response, ApiError> {
     let r: openai::ChatRequest = parse(&headers, &body)?;
     h.check_model(r.common.model.as_deref())?;
-    let (g, shape) = r.to_generate()?;
+    let (g, mut shape) = r.to_generate()?;
+    shape.idempotency_key = idempotency_key(&headers);
     completions::run(h, Kind::Chat, g, shape).await
 }
 
@@ -213,8 +214,15 @@ async fn complete(
 ) -> Result<Response, ApiError> {
     let r: openai::CompletionRequest = parse(&headers, &body)?;
     h.check_model(r.common.model.as_deref())?;
-    let (g, shape) = r.to_generate()?;
+    let (g, mut shape) = r.to_generate()?;
+    shape.idempotency_key = idempotency_key(&headers);
     completions::run(h, Kind::Completion, g, shape).await
+}
+
+/// The `Idempotency-Key` header (as Stripe and OpenAI's clients send it), when it is text.
+fn idempotency_key(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("idempotency-key")?.to_str().ok()?.trim();
+    (!v.is_empty()).then(|| v.to_owned())
 }
 
 async fn models(State(h): State<Arc<Http>>) -> Response {

@@ -114,6 +114,8 @@ pub struct Shape {
     pub(crate) logprobs: Option<usize>,
     /// `max_tokens` was given (else the context that remains after the prompt is the limit).
     pub(crate) max_tokens: Option<u32>,
+    /// The `Idempotency-Key` header: a request sent again with it gets the same job.
+    pub(crate) idempotency_key: Option<String>,
 }
 
 fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
@@ -195,6 +197,7 @@ impl Common {
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             logprobs,
             max_tokens: non_negative("max_tokens", self.max_tokens)?,
+            idempotency_key: None,
         };
         Ok((sampling, shape))
     }

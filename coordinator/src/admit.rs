@@ -1,0 +1,277 @@
+//! How requests enter: validated and tokenized (the prompt bounded before it is tokenized, a chat
+//! rendered within that bound), then queued for the scheduler as one job (bounded: a full queue is
+//! RESOURCE_EXHAUSTED), journaled when the coordinator keeps a journal, and found again by their
+//! idempotency key.
+
+use crate::jobs::JobRecord;
+use crate::journal::Unfinished;
+use crate::scheduler::SeqRequest;
+use crate::service::CoordinatorService;
+use layerstream_model::{
+    check_chat, check_request, tokenizer::RenderBudget, Field, GenerateParams, Message,
+    RequestError, SamplingParams,
+};
+use layerstream_rpc::v1::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, info_span};
+
+/// A job id no other client can guess (128 random bits from the kernel), so nobody watches or
+/// cancels a job they were not given.
+pub fn random_job_id() -> String {
+    format!("job-{}", layerstream_rpc::auth::random_hex())
+}
+
+/// Bytes of prompt text allowed per token of context before tokenizing: a BPE token rarely spans more
+/// than a few dozen bytes, so anything longer cannot fit.
+pub const PROMPT_BYTES_PER_TOKEN: usize = 64;
+
+/// The most prompt bytes a request may carry for a model with `context` positions.
+pub fn prompt_byte_limit(context: usize) -> usize {
+    context.saturating_mul(PROMPT_BYTES_PER_TOKEN)
+}
+
+/// Default `max_new_tokens` when a request leaves it 0.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
+
+impl CoordinatorService {
+    /// The request's prompt as token ids (chat rendered through the template), bounded first.
+    pub(crate) fn input_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, RequestError> {
+        // Bounded before tokenizing: a multi-megabyte prompt cannot fit the context anyway, and
+        // tokenizing it would cost seconds of CPU and hundreds of MB.
+        let bytes = match &r.input {
+            Some(generate_request::Input::Prompt(p)) => p.len(),
+            Some(generate_request::Input::Chat(c)) => {
+                c.messages.iter().map(|m| m.content.len() + m.role.len()).sum()
+            }
+            _ => 0,
+        };
+        let most = prompt_byte_limit(self.context);
+        if bytes > most {
+            return Err(RequestError::new(Field::Prompt, format!(
+                "{bytes} bytes exceed the {most}-byte bound ({PROMPT_BYTES_PER_TOKEN} bytes a token of the model's {}-token context)",
+                self.context
+            )));
+        }
+        let bad =
+            |field| move |e: layerstream_model::Error| RequestError::new(field, e.to_string());
+        match &r.input {
+            Some(generate_request::Input::Prompt(p)) => {
+                self.tokenizer.encode(p).map_err(bad(Field::Prompt))
+            }
+            Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
+            Some(generate_request::Input::Chat(c)) => {
+                check_chat(c.messages.iter().map(|m| m.role.as_str()))?;
+                let msgs: Vec<Message> = c
+                    .messages
+                    .iter()
+                    .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
+                    .collect();
+                // The rendering is bounded like the prompt: a template cannot amplify a request.
+                let budget = RenderBudget::bytes(most);
+                let text = self
+                    .tokenizer
+                    .apply_chat_template_within(&msgs, budget)
+                    .map_err(bad(Field::Chat))?;
+                self.tokenizer.encode_chat(&text).map_err(bad(Field::Chat))
+            }
+            None => {
+                Err(RequestError::new(Field::Input, "none given: set prompt, chat or token_ids"))
+            }
+        }
+    }
+
+    fn params(r: &GenerateRequest) -> GenerateParams {
+        let s = r.sampling.unwrap_or_default();
+        GenerateParams {
+            max_new_tokens: if r.max_new_tokens == 0 {
+                DEFAULT_MAX_NEW_TOKENS
+            } else {
+                r.max_new_tokens as usize
+            },
+            stop: r.stop.clone(),
+            ignore_eos: r.ignore_eos,
+            sampling: SamplingParams::from_wire(&s),
+        }
+    }
+
+    /// Validates, registers and queues a job; returns (job id, trace id). A job submitted with an
+    /// idempotency key the coordinator already holds is that job (nothing new is queued). A refusal
+    /// is counted in the metrics by its code.
+    pub(crate) fn submit(
+        &self,
+        requests: &[GenerateRequest],
+        key: Option<&str>,
+    ) -> crate::Result<(String, String)> {
+        if let Some(found) = key.and_then(|k| self.jobs.by_key(k)) {
+            info!(job_id = %found.0, "idempotency key of a job already held: the same job");
+            return Ok(found);
+        }
+        let entry = Entry { requests, key, resumed: None };
+        self.submit_checked(entry).inspect_err(|e| self.metrics.rejected(e.reject_reason()))
+    }
+
+    /// Queues again, under their ids, the jobs a journal held when the coordinator stopped; their
+    /// requests run from the start (greedy and seeded sampling give the same tokens again, which
+    /// the journal's tokens check).
+    pub(crate) fn resume(&self, jobs: Vec<Unfinished>) {
+        for u in jobs {
+            let entry = Entry { requests: &u.requests, key: u.key.as_deref(), resumed: Some(&u) };
+            match self.submit_checked(entry) {
+                Ok((id, _)) => tracing::warn!(job_id = %id, "job resumed from the journal"),
+                Err(e) => {
+                    tracing::error!(job_id = %u.job_id, error = %e, "a journaled job could not be resumed; dropped");
+                    if let Some(j) = &self.journal {
+                        j.finish(&u.job_id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One request checked against the model: its token ids and parameters.
+    fn prepare(&self, r: &GenerateRequest) -> Result<(Vec<u32>, GenerateParams), RequestError> {
+        let ids = self.input_ids(r)?;
+        let p = Self::params(r);
+        check_request(&ids, &p, self.vocab, self.context)?;
+        if ids.len() + p.max_new_tokens > self.kv_capacity {
+            return Err(RequestError::new(
+                Field::MaxNewTokens,
+                format!(
+                    "{} prompt + {} new tokens exceed the KV capacity of {} positions",
+                    ids.len(),
+                    p.max_new_tokens,
+                    self.kv_capacity
+                ),
+            ));
+        }
+        Ok((ids, p))
+    }
+
+    fn submit_checked(&self, entry: Entry<'_>) -> crate::Result<(String, String)> {
+        let requests = entry.requests;
+        if requests.is_empty() {
+            return Err(RequestError::new(Field::Requests, "a job needs at least one").into());
+        }
+        let mut prepared = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            prepared.push(self.prepare(r).map_err(|e| e.in_request(i))?);
+        }
+        let n = prepared.len();
+        let before = self.waiting.fetch_add(n, Ordering::SeqCst);
+        if before + n > self.queue_size {
+            self.waiting.fetch_sub(n, Ordering::SeqCst);
+            return Err(crate::Error::Busy(format!(
+                "the queue holds {before} waiting sequences and takes at most {} (--queue-size); retry later",
+                self.queue_size
+            )));
+        }
+        let job_id = entry.resumed.map_or_else(random_job_id, |u| u.job_id.clone());
+        // Under the API call's span (gRPC handler or HTTP request): one request, one trace.
+        let span = info_span!(parent: tracing::Span::current(), "job", job_id = %job_id, requests = requests.len() as i64);
+        let trace_id = match entry.resumed {
+            Some(u) => u.trace_id.clone(),
+            None => layerstream_telemetry::trace_id(&span),
+        };
+        // Journaled (durably) before the client learns the id: a crash from here on resumes it.
+        if let (Some(j), None) = (&self.journal, entry.resumed) {
+            if let Err(e) = j.record_job(&job_id, &trace_id, entry.key, requests) {
+                self.waiting.fetch_sub(n, Ordering::SeqCst);
+                return Err(crate::Error::Aborted(e.to_string()));
+            }
+        }
+        let cancels: Vec<Arc<AtomicBool>> =
+            prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+        let (live, _) = watch::channel(0usize);
+        self.jobs.insert(
+            job_id.clone(),
+            JobRecord {
+                trace_id: trace_id.clone(),
+                requests: prepared.len(),
+                history: Vec::new(),
+                cancel: cancels.clone(),
+                live,
+                cancelled: false,
+                finished_at: None,
+                key: entry.key.map(str::to_owned),
+            },
+        );
+        for (i, ((ids, p), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
+            let (tx, mut rx) = mpsc::channel(256);
+            let seq = SeqRequest {
+                seq_id: self.next_seq.fetch_add(1, Ordering::Relaxed),
+                index: i as u32,
+                input_ids: ids,
+                params: p,
+                events: tx,
+                span: span.clone(),
+                trace_id: trace_id.clone(),
+                cancel,
+                queued: std::time::Instant::now(),
+            };
+            if self.queue.try_send(seq).is_err() {
+                // The ones already sent are cancelled and leave the count in the scheduler.
+                self.waiting.fetch_sub(n - i, Ordering::SeqCst);
+                self.jobs.cancel(&job_id);
+                return Err(crate::Error::Busy("the job queue is full; retry later".into()));
+            }
+            let recorder = Recorder {
+                jobs: self.jobs.clone(),
+                journal: self.journal.clone(),
+                job: job_id.clone(),
+                index: i as u32,
+                journaled: entry.resumed.and_then(|u| u.tokens.get(i).cloned()).unwrap_or_default(),
+            };
+            tokio::spawn(async move {
+                let mut recorder = recorder;
+                while let Some(ev) = rx.recv().await {
+                    recorder.record(ev);
+                }
+            });
+        }
+        info!(%job_id, %trace_id, "job queued");
+        Ok((job_id, trace_id))
+    }
+}
+
+/// A job as it enters.
+struct Entry<'a> {
+    requests: &'a [GenerateRequest],
+    key: Option<&'a str>,
+    /// Set when the job comes back from the journal (same id, trace id and key).
+    resumed: Option<&'a Unfinished>,
+}
+
+/// Records one request's events: into the job (for watchers) and the journal (its tokens, and the
+/// job's end); a resumed request's tokens are checked against the ones the journal kept.
+struct Recorder {
+    jobs: crate::jobs::Jobs,
+    journal: Option<Arc<crate::journal::Journal>>,
+    job: String,
+    index: u32,
+    /// What the journal held for this request when it was resumed; checked, then emptied.
+    journaled: Vec<u32>,
+}
+
+impl Recorder {
+    fn record(&mut self, ev: GenerateEvent) {
+        if let (Some(j), Some(generate_event::Event::Token(t))) = (&self.journal, &ev.event) {
+            j.tokens(&self.job, self.index, &t.ids);
+            if !self.journaled.is_empty() {
+                let n = t.ids.len().min(self.journaled.len());
+                if t.ids[..n] != self.journaled[..n] {
+                    tracing::warn!(job_id = %self.job, request = self.index, "a resumed request produced other tokens than before the restart");
+                    self.journaled.clear();
+                } else {
+                    self.journaled.drain(..n);
+                }
+            }
+        }
+        self.jobs.record(&self.job, ev);
+        let finished = self.jobs.with(&self.job, |r| r.finished()).unwrap_or(false);
+        if let (Some(j), true) = (&self.journal, finished) {
+            j.finish(&self.job);
+        }
+    }
+}
