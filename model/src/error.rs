@@ -23,6 +23,9 @@ pub enum Error {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    /// A rendering that went past its `RenderBudget` (output bytes or steps).
+    #[error("chat template: {0}")]
+    TemplateBudget(String),
     #[error("default model: {0}")]
     Fetch(String),
 }

@@ -102,29 +102,30 @@ impl Tokenizer {
 }
 
 impl Tokenizer {
-    /// Checks the chat template (if any) by rendering a short conversation within a small budget,
-    /// so a template that cannot be parsed or rendered — or that amplifies a few words into
-    /// megabytes — fails at import rather than at the first chat request.
+    /// Checks the chat template (if any) within a small budget, so a template that cannot be
+    /// parsed or rendered — or that amplifies a few words into megabytes — fails at import rather
+    /// than at the first chat request: one user turn must render; a three-turn chat must stay
+    /// within the budget (a template may refuse its shape: some allow no second turn).
     pub fn check_template(&self) -> Result<()> {
-        if self.chat_template.is_some() {
-            let m =
-                |role: &str, content: &str| Message { role: role.into(), content: content.into() };
-            let chat = [
-                m("system", "Be brief."),
-                m("user", "Hi"),
-                m("assistant", "Hello."),
-                m("user", "Bye"),
-            ];
-            self.apply_chat_template_within(&chat, RenderBudget::IMPORT_CHECK).map_err(
-                |e| match e {
-                    Error::Template(m) => {
-                        Error::Template(format!("rendering a four-message chat: {m}"))
-                    }
-                    other => other,
-                },
-            )?;
+        if self.chat_template.is_none() {
+            return Ok(());
         }
-        Ok(())
+        let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let context = |n: &'static str| {
+            move |e| match e {
+                Error::Template(m) => Error::Template(format!("rendering {n}: {m}")),
+                Error::TemplateBudget(m) => Error::TemplateBudget(format!("rendering {n}: {m}")),
+                other => other,
+            }
+        };
+        let budget = RenderBudget::IMPORT_CHECK;
+        self.apply_chat_template_within(&[m("user", "Hi")], budget)
+            .map_err(context("one user turn"))?;
+        let chat = [m("user", "Hi"), m("assistant", "Hello."), m("user", "Bye")];
+        match self.apply_chat_template_within(&chat, budget).map_err(context("a three-turn chat")) {
+            Err(e @ Error::TemplateBudget(_)) => Err(e),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -138,7 +139,7 @@ pub struct RenderBudget {
 }
 
 impl RenderBudget {
-    /// The import check's budget for a four-message chat: far above what real templates write
+    /// The import check's budget for a chat of a few words: far above what real templates write
     /// (the largest of the 71 llama.cpp ships renders a few KB).
     pub const IMPORT_CHECK: RenderBudget = RenderBudget { max_bytes: 1 << 20, fuel: 5_000_000 };
 
@@ -237,12 +238,14 @@ pub fn render_chat_within(
     let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
     match rendered {
         Ok(_) => String::from_utf8(out.out).map_err(|e| Error::Template(e.to_string())),
-        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(Error::Template(format!(
+        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+            Err(Error::TemplateBudget(format!(
             "rendering needs more than {} steps (the template loops far more than a chat needs)",
             budget.fuel
-        ))),
+        )))
+        }
         Err(_) if out.over => {
-            Err(Error::Template(format!("rendering exceeds {} bytes", budget.max_bytes)))
+            Err(Error::TemplateBudget(format!("rendering exceeds {} bytes", budget.max_bytes)))
         }
         Err(e) => Err(Error::Template(e.to_string())),
     }
@@ -273,10 +276,14 @@ mod tests {
             Tokenizer::from_json(&json.unwrap(), Some(t.into()), None, None).unwrap()
         };
         let e = tok(bomb).check_template().unwrap_err().to_string();
-        assert!(
-            e.starts_with("chat template: rendering a four-message chat: rendering exceeds"),
-            "{e}"
-        );
+        assert!(e.starts_with("chat template: rendering one user turn: rendering exceeds"), "{e}");
+        // Refusing a shape is the template's right (Gemma refuses a system turn, Mistral turns
+        // that do not alternate); amplifying is not, whatever the shape.
+        let one_turn_only = "{% if messages|length > 1 %}{{ raise_exception('one turn') }}{% endif %}{{ messages[0]['content'] }}";
+        assert!(tok(one_turn_only).check_template().is_ok());
+        let per_turn = "{% for m in messages %}{% if loop.index > 1 %}{% for i in range(100000) %}{{ m['content'] }}xxxxxxxxxxxx{% endfor %}{% endif %}{% endfor %}";
+        let e = tok(per_turn).check_template().unwrap_err().to_string();
+        assert!(e.contains("rendering a three-turn chat: rendering exceeds"), "{e}");
         assert!(tok("{{ messages[0]['content'] }}").check_template().is_ok());
     }
 
