@@ -11,6 +11,7 @@ mod flags_doc;
 mod health;
 mod hf_export;
 mod otlp_sink;
+mod perplexity;
 mod prompt;
 mod run;
 mod submit;
@@ -93,6 +94,8 @@ enum Cmd {
     Fetch,
     /// Generate text on the CPU from a store, fully resident.
     Run(run::RunArgs),
+    /// A model's perplexity on a text, by llama.cpp's llama-perplexity method.
+    Perplexity(perplexity::PerplexityArgs),
     /// Start the loader daemon, N workers and the coordinator; stop them all on Ctrl-C.
     Up(up::UpArgs),
     /// Send one request to a running coordinator and stream the answer.
@@ -189,6 +192,7 @@ fn main() -> Result<()> {
         Cmd::MatvecBench(args) => bench_matvec::run(args)?,
         Cmd::Fetch => println!("{}", crate::fetch::default_store()?.display()),
         Cmd::Run(args) => run::run(args)?,
+        Cmd::Perplexity(args) => perplexity::run(args)?,
         Cmd::Up(args) => up::run(args)?,
         Cmd::Submit(args) => block_on(submit::run(args))?,
         Cmd::LoaderDaemon(args) => block_on(async { Ok(layerstream_loader::run(args).await?) })?,

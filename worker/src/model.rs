@@ -67,8 +67,51 @@ impl<B: Backend> Model<B> {
         self.backend.run_step(|| self.forward_here(batch))
     }
 
+    /// Feeds `tokens` to `seq` and scores them as llama.cpp's perplexity does: for every new
+    /// position `i` from `from` to the second-to-last, the negative log-likelihood the model gives
+    /// `tokens[i + 1]` (natural log, f64).
+    pub fn score(&self, tokens: &[u32], seq: &mut SeqState<B>, from: usize) -> Result<Vec<f64>> {
+        self.backend.run_step(|| {
+            let b = &self.backend;
+            let (x, _) = self.layers_here(&mut [(tokens, seq)])?;
+            let n = tokens.len().saturating_sub(1).saturating_sub(from);
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            let h = b.rms_norm(&b.rows(&x, from, n)?, &self.norm, self.ctx.eps)?;
+            let logits = b.to_host(&b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?)?;
+            let vocab = logits.len() / n;
+            Ok(logits
+                .chunks_exact(vocab)
+                .zip(&tokens[from + 1..])
+                .map(|(row, &next)| {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+                    let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+                    lse - row[next as usize] as f64
+                })
+                .collect())
+        })
+    }
+
     /// `forward` on the calling thread.
     fn forward_here(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
+        let (x, seqs) = self.layers_here(batch)?;
+        head_logits(
+            &self.backend,
+            &self.ctx,
+            &x,
+            &seqs,
+            &self.norm,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+        )
+    }
+
+    /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens);
+    /// returns the last layer's output and the rows of each sequence.
+    fn layers_here(
+        &self,
+        batch: &mut [(&[u32], &mut SeqState<B>)],
+    ) -> Result<(B::Tensor, Vec<SeqRows>)> {
         let b = &self.backend;
         let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
         if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
@@ -89,13 +132,6 @@ impl<B: Backend> Model<B> {
         for ((t, s), _) in batch.iter_mut().zip(&seqs) {
             s.len += t.len();
         }
-        head_logits(
-            b,
-            &self.ctx,
-            &x,
-            &seqs,
-            &self.norm,
-            self.lm_head.as_ref().unwrap_or(&self.embed),
-        )
+        Ok((x, seqs))
     }
 }

