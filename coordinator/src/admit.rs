@@ -104,6 +104,8 @@ impl CoordinatorService {
         requests: &[GenerateRequest],
         key: Option<&str>,
     ) -> crate::Result<(String, String)> {
+        let _one_at_a_time =
+            key.map(|_| self.keyed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         if let Some(found) = key.and_then(|k| self.jobs.by_key(k)) {
             info!(job_id = %found.0, "idempotency key of a job already held: the same job");
             return Ok(found);
@@ -214,6 +216,10 @@ impl CoordinatorService {
                 // The ones already sent are cancelled and leave the count in the scheduler.
                 self.waiting.fetch_sub(n - i, Ordering::SeqCst);
                 self.jobs.cancel(&job_id);
+                // Refused: nothing of it may come back after a restart.
+                if let Some(j) = &self.journal {
+                    j.finish(&job_id);
+                }
                 return Err(crate::Error::Busy("the job queue is full; retry later".into()));
             }
             let recorder = Recorder {

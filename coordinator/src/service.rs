@@ -37,6 +37,9 @@ pub struct CoordinatorService {
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// `--journal`: every accepted job, resumed after a restart.
     pub(crate) journal: Option<Arc<crate::journal::Journal>>,
+    /// Held while a job with an idempotency key is looked up and admitted, so two calls with one
+    /// key never make two jobs.
+    pub(crate) keyed: std::sync::Mutex<()>,
 }
 
 /// The span of a job-creating call: the root of the request's trace, or a child of the trace

@@ -195,6 +195,7 @@ async fn plan_and_schedule(
         next_seq: AtomicU64::new(1),
         metrics,
         journal,
+        keyed: std::sync::Mutex::new(()),
     }))
 }
 
