@@ -558,7 +558,8 @@ fn http_answers_503_when_no_worker_can_run_the_request() {
 
 /// The coordinator SIGKILLed mid-job under `up` (which restarts it, with the stack's journal): the
 /// job submitted with an idempotency key is resumed under its id, a client that reconnects with
-/// WatchJob continues after the events it saw, both requests (greedy and seeded sampling) end with
+/// WatchJob continues after the events it saw of each request (the two requests' events may
+/// interleave differently in the resumed run), both requests (greedy and seeded sampling) end with
 /// the tokens of an uninterrupted `run`, and resubmitting with the key gives the same job.
 #[test]
 fn a_killed_coordinators_job_is_resumed_from_the_journal_unchanged() {
@@ -585,8 +586,15 @@ fn a_killed_coordinators_job_is_resumed_from_the_journal_unchanged() {
     let (events, job_id, again) = rt.block_on(async {
         let mut c = CoordinatorClient::connect(addr.clone()).await.unwrap();
         let job_id = c.submit_job(job()).await.unwrap().into_inner().job_id;
-        let from = |n: usize| JobRef { job_id: job_id.clone(), from_event: n as u32 };
-        let mut s = c.watch_job(from(0)).await.unwrap().into_inner();
+        // What a reconnecting client says it saw: per request, its events so far.
+        let from = |events: &[GenerateEvent]| {
+            let mut seen = vec![0u32; 2];
+            for e in events {
+                seen[e.index as usize] += 1;
+            }
+            JobRef { job_id: job_id.clone(), seen }
+        };
+        let mut s = c.watch_job(from(&[])).await.unwrap().into_inner();
         let mut events = Vec::new();
         while events.len() < 6 {
             events.push(s.message().await.unwrap().unwrap().event.unwrap());
@@ -602,7 +610,7 @@ fn a_killed_coordinators_job_is_resumed_from_the_journal_unchanged() {
             assert!(Instant::now() < deadline, "the coordinator did not come back with the job");
             let attempt = async {
                 let mut c = CoordinatorClient::connect(addr.clone()).await.ok()?;
-                c.watch_job(from(events.len())).await.ok()
+                c.watch_job(from(&events)).await.ok()
             };
             match attempt.await {
                 Some(s) => break s.into_inner(),

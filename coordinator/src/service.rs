@@ -85,13 +85,16 @@ impl CoordinatorService {
         out
     }
 
-    /// Streams a job's events in order, from event `from_event` on, until it finishes;
-    /// `cancel_on_drop` cancels the job if the client goes away first. A request that ends in error is followed by an ABORTED status.
+    /// Streams a job's events in order until it finishes, skipping the first `seen[i]` events of
+    /// request `i` (a client that reconnects continues after what it saw: each request's events
+    /// come again in the same order when a job is resumed after a restart, though the requests'
+    /// events may interleave differently); `cancel_on_drop` cancels the job if the client goes away
+    /// first. A request that ends in error is followed by an ABORTED status.
     pub(crate) fn watch(
         &self,
         job_id: &str,
         cancel_on_drop: bool,
-        from_event: usize,
+        seen: &[u32],
     ) -> crate::Result<mpsc::Receiver<Result<GenerateEvent, Status>>> {
         let mut live = self
             .jobs
@@ -100,10 +103,9 @@ impl CoordinatorService {
         let (tx, rx) = mpsc::channel(256);
         let jobs = self.jobs.clone();
         let id = job_id.to_owned();
+        let mut skip: Vec<u32> = seen.to_vec();
         tokio::spawn(async move {
-            // A client that reconnects continues after the events it saw (history only grows, and
-            // a job resumed after a restart produces the same events again).
-            let mut seen = from_event;
+            let mut seen = 0usize;
             loop {
                 let (new, finished) = jobs
                     .with(&id, |j| {
@@ -112,6 +114,10 @@ impl CoordinatorService {
                     .unwrap_or_default();
                 for ev in new {
                     seen += 1;
+                    if let Some(n) = skip.get_mut(ev.index as usize).filter(|n| **n > 0) {
+                        *n -= 1;
+                        continue;
+                    }
                     let err = match &ev.event {
                         Some(generate_event::Event::Done(d))
                             if d.finish_reason() == FinishReason::Error =>
@@ -163,7 +169,7 @@ impl Coordinator for CoordinatorService {
         let (job_id, trace_id) = span
             .in_scope(|| self.submit(std::slice::from_ref(r.get_ref()), key.as_deref()))
             .map_err(crate::Error::single)?;
-        let rx = self.watch(&job_id, true, 0)?;
+        let rx = self.watch(&job_id, true, &[])?;
         let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
         for (name, value) in [("x-trace-id", &trace_id), ("x-job-id", &job_id)] {
             if let Ok(v) = value.parse() {
@@ -189,8 +195,8 @@ impl Coordinator for CoordinatorService {
         &self,
         r: Request<JobRef>,
     ) -> Result<Response<Self::WatchJobStream>, Status> {
-        let JobRef { job_id: id, from_event } = r.into_inner();
-        let mut rx = self.watch(&id, false, from_event as usize)?;
+        let JobRef { job_id: id, seen } = r.into_inner();
+        let mut rx = self.watch(&id, false, &seen)?;
         let (tx, out) = mpsc::channel(256);
         tokio::spawn(async move {
             while let Some(ev) = rx.recv().await {

@@ -217,7 +217,7 @@ pub async fn run(
     let (job_id, trace_id) = span
         .in_scope(|| h.svc.submit(std::slice::from_ref(&g), shape.idempotency_key.as_deref()))
         .map_err(|e| ApiError::from_error(&e, chat))?;
-    let rx = h.svc.watch(&job_id, true, 0).map_err(|e| ApiError::from_error(&e, chat))?;
+    let rx = h.svc.watch(&job_id, true, &[]).map_err(|e| ApiError::from_error(&e, chat))?;
     let a = Answer {
         id: format!("{}{}", kind.id_prefix(), job_id.trim_start_matches("job-")),
         h,
