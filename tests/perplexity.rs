@@ -8,7 +8,7 @@ use layerstream_model::Store;
 use layerstream_tests::*;
 use layerstream_worker::Model;
 
-/// Negative log-likelihood of `next` under `logits` (natural log).
+/// Negative log-likelihood of `next` under `logits` (natural log), computed here on its own.
 fn nll(logits: &[f32], next: u32) -> f64 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
     let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
@@ -56,6 +56,21 @@ fn perplexity_equals_a_token_by_token_computation() {
     assert_eq!(v["windows"].as_u64().unwrap() as usize, tokens.len() / ctx);
     assert!((got - want).abs() / want < 1e-4, "perplexity {got}, token by token {want}");
     assert!(v["stderr"].as_f64().unwrap() > 0.0);
+    // --decode scores the same tokens through one-row steps: the same number.
+    let d = last_json(&layerstream(&[
+        "perplexity",
+        "--model",
+        store.to_str().unwrap(),
+        "--file",
+        text_path.to_str().unwrap(),
+        "--ctx",
+        "16",
+        "--json",
+        "--decode",
+    ]));
+    assert_eq!(d["scored"], v["scored"]);
+    let dp = d["ppl"].as_f64().unwrap();
+    assert!((dp - want).abs() / want < 1e-4, "decode-path perplexity {dp}, token by token {want}");
     // A text shorter than one window, and a window larger than the context, are refused.
     let err = layerstream_fails(&[
         "perplexity",

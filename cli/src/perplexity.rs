@@ -35,9 +35,14 @@ pub struct PerplexityArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// 8-bit activations, as llama.cpp computes (to measure what they cost in quality).
+    /// 8-bit activations, as llama.cpp computes (to measure what they cost in quality; they apply
+    /// to steps of up to 8 rows, so together with `--decode`).
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
+    /// Score the second half of each window token by token, as generation decodes (one-row steps)
+    /// instead of in one pass over its rows: the same number up to rounding, through the decode path.
+    #[arg(long, env = "LAYERSTREAM_PPL_DECODE")]
+    pub decode: bool,
     /// Print one JSON object (ppl, stderr, tokens, windows, tokens_per_s) as the last line.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
@@ -127,7 +132,11 @@ fn score_on<B: Backend>(
     let mut err = std::io::stderr().lock();
     for (i, w) in windows.iter().enumerate() {
         let mut seq = model.new_sequence(args.ctx)?;
-        nlls.extend(model.score(w, &mut seq, first)?);
+        if args.decode {
+            nlls.extend(decode_scores(&model, w, &mut seq, first)?);
+        } else {
+            nlls.extend(model.score(w, &mut seq, first)?);
+        }
         // The running estimate, as llama-perplexity prints it.
         let _ = write!(err, "[{}]{:.4},", i + 1, from_nlls(&nlls).ppl);
         let _ = err.flush();
@@ -156,6 +165,26 @@ fn score_on<B: Backend>(
         );
     }
     Ok(())
+}
+
+/// `Model::score` through the decode path: the first half as one prefill, then one token a step,
+/// each next token's NLL from that step's logits.
+fn decode_scores<B: Backend>(
+    model: &Model<B>,
+    w: &[u32],
+    seq: &mut layerstream_worker::SeqState<B>,
+    first: usize,
+) -> Result<Vec<f64>> {
+    use layerstream_kernels::host::nll;
+    let mut logits = model.forward(&mut [(&w[..=first], &mut *seq)])?.remove(0);
+    let mut out = Vec::with_capacity(w.len() - first);
+    for i in first..w.len() - 1 {
+        out.push(nll(&logits, w[i + 1]));
+        if i + 2 < w.len() {
+            logits = model.forward(&mut [(&w[i + 1..i + 2], &mut *seq)])?.remove(0);
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

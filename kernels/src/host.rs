@@ -21,6 +21,14 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
+/// The negative log-likelihood (natural log, f64) the logits `row` give token `next`:
+/// log-sum-exp of the row minus its logit.
+pub fn nll(row: &[f32], next: u32) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    lse - row[next as usize] as f64
+}
+
 /// In-place softmax (max-subtracted).
 pub fn softmax(x: &mut [f32]) {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -84,11 +84,7 @@ impl<B: Backend> Model<B> {
             Ok(logits
                 .chunks_exact(vocab)
                 .zip(&tokens[from + 1..])
-                .map(|(row, &next)| {
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-                    let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
-                    lse - row[next as usize] as f64
-                })
+                .map(|(row, &next)| layerstream_kernels::host::nll(row, next))
                 .collect())
         })
     }
