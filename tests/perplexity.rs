@@ -23,17 +23,18 @@ fn perplexity_equals_a_token_by_token_computation() {
     let text = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. ".repeat(4);
     std::fs::write(&text_path, &text).unwrap();
     let ctx = 16;
-    let out = layerstream(&[
-        "perplexity",
-        "--model",
-        store.to_str().unwrap(),
-        "--file",
-        text_path.to_str().unwrap(),
-        "--ctx",
-        "16",
-        "--json",
-    ]);
-    let v = last_json(&out);
+    // `layerstream perplexity` on the store, with `file` and these arguments.
+    let args = |file: &std::path::Path, extra: &[&str]| {
+        let mut a = vec!["perplexity", "--model", store.to_str().unwrap()];
+        a.extend(["--file", file.to_str().unwrap()]);
+        a.extend_from_slice(extra);
+        a.iter().map(|x| x.to_string()).collect::<Vec<String>>()
+    };
+    let run = |extra: &[&str]| {
+        let a = args(&text_path, extra);
+        last_json(&layerstream(&a.iter().map(String::as_str).collect::<Vec<_>>()))
+    };
+    let v = run(&["--ctx", "16", "--json"]);
     // Independently: whole windows of the tokenized text, scored token by token from ctx/2 on.
     let s = Store::open(&store).unwrap();
     let tokens = s.tokenizer().unwrap().encode(&text).unwrap();
@@ -57,29 +58,19 @@ fn perplexity_equals_a_token_by_token_computation() {
     assert!((got - want).abs() / want < 1e-4, "perplexity {got}, token by token {want}");
     assert!(v["stderr"].as_f64().unwrap() > 0.0);
     // --decode scores the same tokens through one-row steps: the same number.
-    let d = last_json(&layerstream(&[
-        "perplexity",
-        "--model",
-        store.to_str().unwrap(),
-        "--file",
-        text_path.to_str().unwrap(),
-        "--ctx",
-        "16",
-        "--json",
-        "--decode",
-    ]));
+    let d = run(&["--ctx", "16", "--json", "--decode"]);
     assert_eq!(d["scored"], v["scored"]);
     let dp = d["ppl"].as_f64().unwrap();
     assert!((dp - want).abs() / want < 1e-4, "decode-path perplexity {dp}, token by token {want}");
     // A text shorter than one window, and a window larger than the context, are refused.
-    let err = layerstream_fails(&[
-        "perplexity",
-        "--model",
-        store.to_str().unwrap(),
-        "--file",
-        text_path.to_str().unwrap(),
-        "--ctx",
-        "100000",
-    ]);
+    let fails = |file: &std::path::Path, extra: &[&str]| {
+        let a = args(file, extra);
+        layerstream_fails(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "Hi.").unwrap();
+    let err = fails(&short, &["--ctx", "16"]);
+    assert!(err.contains("fewer than one window of --ctx 16"), "{err}");
+    let err = fails(&text_path, &["--ctx", "100000"]);
     assert!(err.contains("exceeds the model's context"), "{err}");
 }

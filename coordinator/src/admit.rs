@@ -274,8 +274,7 @@ impl Recorder {
                 }
             }
         }
-        self.jobs.record(&self.job, ev);
-        let finished = self.jobs.with(&self.job, |r| r.finished()).unwrap_or(false);
+        let finished = self.jobs.record(&self.job, ev);
         if let (Some(j), true) = (&self.journal, finished) {
             j.finish(&self.job);
         }

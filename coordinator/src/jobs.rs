@@ -103,15 +103,17 @@ impl Jobs {
         m.insert(id, rec);
     }
 
-    /// Records an event of a job and forwards it to watchers.
-    pub fn record(&self, id: &str, ev: GenerateEvent) {
-        if let Some(j) = self.lock().get_mut(id) {
-            j.history.push(ev);
-            if j.finished_at.is_none() && j.finished() {
-                j.finished_at = Some(Instant::now());
-            }
-            j.live.send_replace(j.history.len());
+    /// Records an event of a job and forwards it to watchers; returns whether the job has now
+    /// finished (every request ended).
+    pub fn record(&self, id: &str, ev: GenerateEvent) -> bool {
+        let mut m = self.lock();
+        let Some(j) = m.get_mut(id) else { return false };
+        j.history.push(ev);
+        if j.finished_at.is_none() && j.finished() {
+            j.finished_at = Some(Instant::now());
         }
+        j.live.send_replace(j.history.len());
+        j.finished_at.is_some()
     }
 
     /// The (job id, trace id) of the job submitted with idempotency key `key`, while it is held.
