@@ -62,6 +62,13 @@ pub struct SamplingArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long, env = "LAYERSTREAM_IGNORE_EOS")]
     pub ignore_eos: bool,
+    /// This request's most drafted tokens per weight pass (speculative decoding; 0 = none for it;
+    /// default: the server's `--spec-max`).
+    #[arg(long, env = "LAYERSTREAM_DRAFT_MAX")]
+    pub draft_max: Option<u32>,
+    /// This request's shortest draft worth verifying (shorter proposals are dropped).
+    #[arg(long, env = "LAYERSTREAM_DRAFT_MIN", default_value_t = 0)]
+    pub draft_min: u32,
 }
 
 impl SamplingArgs {
@@ -78,6 +85,10 @@ impl SamplingArgs {
                 repetition_penalty: self.repetition_penalty,
                 seed: self.seed,
                 logprobs: None,
+            },
+            speculative: layerstream_model::spec::SpecLimits {
+                n_max: self.draft_max.map(|n| n as usize),
+                n_min: self.draft_min as usize,
             },
         }
     }

@@ -5,9 +5,10 @@ use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use layerstream_kernels::Backend;
+use layerstream_model::spec::SpecMode;
 use layerstream_model::Store;
 use layerstream_worker::Device;
-use layerstream_worker::{generate, Model};
+use layerstream_worker::{generate, Model, Speculation};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -22,6 +23,8 @@ pub struct RunArgs {
     pub prompt: PromptArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: layerstream_coordinator::SpecFlags,
     /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -57,27 +60,44 @@ pub fn run(args: RunArgs) -> Result<()> {
     layerstream_kernels::cpu::int8::set_int8_activations(args.int8_activations);
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
+    let draft = match &args.spec.draft_model {
+        Some(d) => {
+            let mut draft = Store::open(d)?;
+            draft.verify = !args.no_verify;
+            layerstream_model::spec::check_draft(&store, &draft)?;
+            Some(draft)
+        }
+        None => None,
+    };
+    let mode = args.spec.spec.resolve(draft.is_some()).map_err(anyhow::Error::msg)?;
     let tok = store.tokenizer()?;
     let input = args.prompt.input_ids(&tok)?;
     check_device(&args.device)?;
     match Device::open(&args.device)? {
-        Device::Cpu(b) => generate_on(b, &store, &tok, &input, &args),
-        Device::Cuda(b) => generate_on(b, &store, &tok, &input, &args),
+        Device::Cpu(b) => generate_on(b, &store, draft.as_ref(), mode, &tok, &input, &args),
+        Device::Cuda(b) => generate_on(b, &store, draft.as_ref(), mode, &tok, &input, &args),
     }
 }
 
 fn generate_on<B: Backend>(
     backend: B,
     store: &Store,
+    draft: Option<&Store>,
+    mode: SpecMode,
     tok: &layerstream_model::Tokenizer,
     input: &[u32],
     args: &RunArgs,
 ) -> Result<()> {
     let params = args.sampling.params();
+    let draft = match (mode, draft) {
+        (SpecMode::Draft, Some(d)) => Some(Model::load(backend.clone(), d)?),
+        _ => None,
+    };
     let model = Model::load(backend, store)?;
+    let spec = Speculation { mode, max: args.spec.spec_max as usize, draft: draft.as_ref() };
     let mut out = std::io::stdout().lock();
     let json = args.json;
-    let g = generate(&model, tok, input, &params, |t| {
+    let g = generate(&model, tok, input, &params, &spec, |t| {
         if !json {
             let _ = out.write_all(t.as_bytes());
             let _ = out.flush();
@@ -92,8 +112,16 @@ fn generate_on<B: Backend>(
     } else {
         let t = &g.timings;
         writeln!(out)?;
+        let spec = if t.spec_drafted > 0 {
+            format!(
+                " | drafted {}, accepted {}, {:.2} tokens/pass",
+                t.spec_drafted, t.spec_accepted, t.tokens_per_pass
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "[prefill {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | finish: {}]",
+            "[prefill {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s{spec} | finish: {}]",
             t.prefill_tokens,
             t.prefill_tok_s,
             t.decode_tokens,

@@ -67,6 +67,9 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
         sampling: Some(s.params().sampling.to_wire()),
         stop: s.stop.clone(),
         ignore_eos: s.ignore_eos,
+        speculative: (s.draft_max.is_some() || s.draft_min > 0).then_some(
+            layerstream_rpc::v1::Speculative { max_tokens: s.draft_max, min_tokens: s.draft_min },
+        ),
     })
 }
 

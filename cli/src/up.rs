@@ -33,6 +33,8 @@ pub struct UpArgs {
     #[command(flatten)]
     pub http: HttpFlags,
     #[command(flatten)]
+    pub spec: layerstream_coordinator::SpecFlags,
+    #[command(flatten)]
     pub pool: SlotFlags,
     /// Coordinator address.
     #[arg(long, env = "LAYERSTREAM_LISTEN", default_value = "127.0.0.1:50051")]
@@ -394,6 +396,7 @@ impl StackSpec<'_> {
         args.extend(["--journal".into(), self.journal.display().to_string()]);
         args.extend(a.plan.to_args());
         args.extend(a.sched.to_args());
+        args.extend(a.spec.to_args());
         // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
         let mut http_flags = a.http.clone();
         if a.prompt.is_given() && http_flags.http_listen.is_none() {

@@ -7,6 +7,7 @@ use crate::jobs::JobRecord;
 use crate::journal::Unfinished;
 use crate::scheduler::SeqRequest;
 use crate::service::CoordinatorService;
+use layerstream_model::spec::SpecLimits;
 use layerstream_model::{
     check_chat, check_request, tokenizer::RenderBudget, Field, GenerateParams, Message,
     RequestError, SamplingParams,
@@ -93,6 +94,10 @@ impl CoordinatorService {
             stop: r.stop.clone(),
             ignore_eos: r.ignore_eos,
             sampling: SamplingParams::from_wire(&s),
+            speculative: r.speculative.map_or_else(Default::default, |s| SpecLimits {
+                n_max: s.max_tokens.map(|n| n as usize),
+                n_min: s.min_tokens as usize,
+            }),
         }
     }
 

@@ -128,6 +128,37 @@ pub struct SchedulerFlags {
     pub hidden_over_grpc: bool,
 }
 
+/// Speculative decoding (`coordinator`, `up`, `run`).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct SpecFlags {
+    /// Speculative decoding: `ngram` drafts tokens by prompt lookup (what followed the last earlier
+    /// occurrence of the newest tokens in the prompt and output), `draft` by `--draft-model`, `auto`
+    /// by the draft model when one is given, else by prompt lookup; one weight pass verifies every
+    /// drafted token. Draft sizes follow each sequence's acceptance and the measured cost of a pass.
+    /// Greedy and seeded outputs are the same as with `off`.
+    #[arg(long, env = "LAYERSTREAM_SPEC", default_value = "off")]
+    pub spec: layerstream_model::spec::SpecMode,
+    /// Most tokens drafted per sequence per weight pass (at most 64; a request's
+    /// `speculative.max_tokens` overrides it).
+    #[arg(long, env = "LAYERSTREAM_SPEC_MAX", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=layerstream_model::spec::MAX_DRAFT as i64))]
+    pub spec_max: u32,
+    /// A smaller store with the target's vocabulary that drafts tokens (`--spec draft` or `auto`).
+    #[arg(long, env = "LAYERSTREAM_DRAFT_MODEL")]
+    pub draft_model: Option<std::path::PathBuf>,
+}
+
+impl SpecFlags {
+    /// The same settings as command-line arguments (for a child coordinator).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = [flag("spec", self.spec.name()), flag("spec-max", self.spec_max)].concat();
+        if let Some(d) = &self.draft_model {
+            a.extend(flag("draft-model", d.display()));
+        }
+        a
+    }
+}
+
 fn flag(name: &str, v: impl ToString) -> [String; 2] {
     [format!("--{name}"), v.to_string()]
 }
@@ -190,6 +221,8 @@ mod tests {
         sched: SchedulerFlags,
         #[command(flatten)]
         http: HttpFlags,
+        #[command(flatten)]
+        spec: SpecFlags,
     }
 
     /// What `up` passes on parses back to the same settings in the child.
@@ -235,11 +268,18 @@ mod tests {
             "7",
             "--http-idle-timeout",
             "8",
+            "--spec",
+            "ngram",
+            "--spec-max",
+            "5",
+            "--draft-model",
+            "/d",
         ]);
         let mut argv = vec!["x".to_owned()];
         argv.extend(given.plan.to_args());
         argv.extend(given.sched.to_args());
         argv.extend(given.http.to_args());
+        argv.extend(given.spec.to_args());
         // Every flag of the three groups is passed on when set.
         for a in <Cli as clap::CommandFactory>::command().get_arguments() {
             if let Some(long) = a.get_long() {
@@ -248,7 +288,10 @@ mod tests {
         }
         let back = Cli::parse_from(argv);
         assert_eq!(back.http.listen(), None);
-        assert_eq!((back.plan, back.sched, back.http), (given.plan, given.sched, given.http));
+        assert_eq!(
+            (back.plan, back.sched, back.http, back.spec),
+            (given.plan, given.sched, given.http, given.spec)
+        );
         assert_eq!(Cli::parse_from(["x"]).http.listen(), Some(DEFAULT_HTTP_LISTEN));
     }
 }

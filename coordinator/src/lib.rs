@@ -18,7 +18,7 @@ mod stats;
 
 use clap::Args;
 pub use error::{Error, Result};
-pub use flags::{HttpFlags, PlanFlags, SchedulerFlags};
+pub use flags::{HttpFlags, PlanFlags, SchedulerFlags, SpecFlags};
 pub use lanes::MicroBatches;
 pub use start::run;
 use std::path::PathBuf;
@@ -45,6 +45,8 @@ pub struct CoordinatorArgs {
     pub sched: SchedulerFlags,
     #[command(flatten)]
     pub http: HttpFlags,
+    #[command(flatten)]
+    pub spec: SpecFlags,
     /// Most gRPC connections open at once on `--listen`; one more is closed as it is accepted. A
     /// connection that sends nothing for 30 s is closed.
     #[arg(long, env = "LAYERSTREAM_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]

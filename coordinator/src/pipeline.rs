@@ -126,9 +126,10 @@ pub struct Runner {
 /// The result of a step.
 #[derive(Debug, Default)]
 pub struct StepResult {
-    pub(crate) tokens: Vec<u32>,
-    /// Log-probabilities per sequence (empty when no sequence asked for them).
-    pub(crate) logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
+    /// Tokens per sequence: one, or after a draft the accepted drafts and the token after them.
+    pub(crate) tokens: Vec<Vec<u32>>,
+    /// Log-probabilities per sequence, one per token (empty when no sequence asked for them).
+    pub(crate) logprobs: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
     pub(crate) layers_ms: f64,
@@ -234,18 +235,9 @@ impl Runner {
                 wall_ms: resp.wall_ms,
             });
             if i == last {
-                if resp.tokens.len() != seqs.len() {
-                    return Err(Error::Worker {
-                        worker: st.addr.clone(),
-                        msg: format!(
-                            "returned {} tokens for {} sequences",
-                            resp.tokens.len(),
-                            seqs.len()
-                        ),
-                    });
-                }
-                out.tokens = resp.tokens;
-                out.logprobs = resp.logprobs;
+                (out.tokens, out.logprobs) =
+                    split_tokens(&seqs, resp.tokens, resp.token_counts, resp.logprobs)
+                        .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
             } else {
                 hidden = resp.hidden;
                 hidden_ref = resp.hidden_ref;
@@ -253,6 +245,41 @@ impl Runner {
         }
         Ok(out)
     }
+}
+
+/// The last worker's tokens split per sequence (`counts` empty: one each), each count checked
+/// against the sequence's draft (1 ..= draft + 1), log-probabilities split alike when present.
+#[allow(clippy::type_complexity)]
+fn split_tokens(
+    seqs: &[StepSeq],
+    tokens: Vec<u32>,
+    counts: Vec<u32>,
+    logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
+) -> std::result::Result<(Vec<Vec<u32>>, Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>), String> {
+    let counts: Vec<usize> = if counts.is_empty() {
+        vec![1; seqs.len()]
+    } else {
+        counts.into_iter().map(|c| c as usize).collect()
+    };
+    let bad = counts.len() != seqs.len()
+        || counts.iter().sum::<usize>() != tokens.len()
+        || (!logprobs.is_empty() && logprobs.len() != tokens.len())
+        || seqs.iter().zip(&counts).any(|(s, &c)| c == 0 || c > s.draft_len as usize + 1);
+    if bad {
+        return Err(format!(
+            "returned {} tokens in counts {counts:?} for {} sequences",
+            tokens.len(),
+            seqs.len()
+        ));
+    }
+    let (mut toks, mut lps) = (tokens.into_iter(), logprobs.into_iter());
+    let per: Vec<Vec<u32>> = counts.iter().map(|&c| toks.by_ref().take(c).collect()).collect();
+    let lp: Vec<Vec<_>> = if lps.len() == 0 {
+        Vec::new()
+    } else {
+        counts.iter().map(|&c| lps.by_ref().take(c).collect()).collect()
+    };
+    Ok((per, lp))
 }
 
 impl Pipeline {

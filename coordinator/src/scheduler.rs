@@ -10,6 +10,7 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
+use layerstream_model::spec::{choose_draft, ngram_propose, Acceptance, PassCost, SpecMode};
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use std::collections::VecDeque;
@@ -55,6 +56,8 @@ struct Active {
     started: Instant,
     /// The micro-batch it rides (None: not placed yet, or waiting for a lane to come back).
     lane: Option<usize>,
+    /// How often its drafted tokens were accepted (speculative decoding).
+    acceptance: Acceptance,
 }
 
 impl Active {
@@ -71,6 +74,11 @@ impl Active {
         } else {
             self.known() - 1
         }
+    }
+
+    /// Every known token: the prompt, then the output.
+    fn history(&self) -> Vec<u32> {
+        [self.req.input_ids.as_slice(), self.stopper.output()].concat()
     }
 
     /// The `n` known tokens from `pos` on.
@@ -110,6 +118,10 @@ pub struct Scheduler {
     resync: bool,
     /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
     metrics: Arc<crate::metrics::Metrics>,
+    /// The drafter (`Off` or `Ngram`) and the most it drafts per sequence per step.
+    spec: (SpecMode, usize),
+    /// Measured step time by positions (what a longer draft costs).
+    cost: PassCost,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -127,6 +139,8 @@ pub struct SchedulerParts {
     /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
     pub(crate) max_recoveries: u32,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
+    /// The drafter (`Off` or `Ngram`) and `--spec-max`.
+    pub(crate) spec: (SpecMode, usize),
 }
 
 /// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
@@ -242,6 +256,8 @@ impl Scheduler {
             failures: 0,
             resync: false,
             metrics: p.metrics,
+            spec: p.spec,
+            cost: PassCost::default(),
         }
     }
 
@@ -306,6 +322,7 @@ impl Scheduler {
                     acc: Acc::default(),
                     started: Instant::now(),
                     lane: None,
+                    acceptance: Acceptance::default(),
                 });
             }
             self.drop_cancelled(&mut active, &mut waiting, &mut fl);
@@ -495,7 +512,7 @@ impl Scheduler {
             // (sequence, tokens it brings) for the sequences that ride this step.
             let members: Vec<(usize, usize)> =
                 idx.into_iter().zip(shares).filter(|&(_, n)| n > 0).collect();
-            let seqs: Vec<StepSeq> = members
+            let mut seqs: Vec<StepSeq> = members
                 .iter()
                 .map(|&(i, n)| {
                     let a = &active[i];
@@ -509,9 +526,11 @@ impl Scheduler {
                         prompt_continues: a.pos + n < a.known(),
                         // Each output token drew once from a sampling sequence's generator.
                         draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
+                        draft_len: 0,
                     }
                 })
                 .collect();
+            self.draft(active, &members, &mut seqs);
             let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
             // One `step` span per request in the step, so each request's trace shows every step it
             // rode; the first carries the workers' spans, the others link to it.
@@ -529,6 +548,42 @@ impl Scheduler {
                 drop(spans);
                 Landed { lane, seqs, started, res }
             });
+        }
+    }
+
+    /// Speculative decoding: appends a prompt-lookup draft to each decoding sequence of a step, each
+    /// as long as maximises its expected tokens per millisecond (its acceptance so far, the measured
+    /// step time by positions), within its request's limits, its remaining tokens and what is left
+    /// of the step's token budget.
+    fn draft(&self, active: &[Active], members: &[(usize, usize)], seqs: &mut [StepSeq]) {
+        if self.spec.0 == SpecMode::Off {
+            return;
+        }
+        let mut rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
+        let others = seqs.len().saturating_sub(1) as f64;
+        for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
+            let a = &active[i];
+            // Only a decode: its one token is the last known one.
+            if s.prompt_continues || s.token_ids.len() != 1 || a.pos + 1 != a.known() {
+                continue;
+            }
+            let p = &a.req.params;
+            let remaining = p.max_new_tokens.saturating_sub(a.stopper.output().len() + 1);
+            let budget = self.limits.max_step_tokens.saturating_sub(rows);
+            let max = p.speculative.max(self.spec.1).min(remaining).min(budget);
+            let min = p.speculative.n_min;
+            if max == 0 || min > max {
+                continue;
+            }
+            let k =
+                choose_draft(a.acceptance.rate(), &self.cost, rows - 1, others, 0.0, (min, max));
+            let draft = if k > 0 { ngram_propose(&a.history(), k) } else { Vec::new() };
+            if draft.is_empty() || draft.len() < min {
+                continue;
+            }
+            rows += draft.len();
+            s.draft_len = draft.len() as u32;
+            s.token_ids.extend(draft);
         }
     }
 
@@ -576,33 +631,57 @@ impl Scheduler {
         for a in active.iter_mut() {
             a.acc.add_busy(&walls);
         }
+        let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
+        if seqs.iter().all(|s| !s.prompt_continues) {
+            // Decode steps only: a prefill's time says little about a draft's.
+            self.cost.record(rows, took.as_secs_f64() * 1e3);
+        }
         let mut done_ids = Vec::new();
-        for (k, (s, &tok)) in seqs.iter().zip(&out.tokens).enumerate() {
+        for (k, (s, toks)) in seqs.iter().zip(&out.tokens).enumerate() {
             let id = s.seq_id;
             let Some(a) = active.iter_mut().find(|a| a.req.seq_id == id) else { continue };
-            a.pos += s.token_ids.len();
+            let drafted = s.draft_len as usize;
+            let accepted = toks.len() - 1;
+            // Rejected drafts are not in the caches any more (cut by the next step).
+            a.pos += s.token_ids.len() - (drafted - accepted.min(drafted));
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
             if s.prompt_continues {
                 continue;
             }
+            if drafted > 0 {
+                a.acceptance.record(drafted, accepted);
+                self.metrics.speculated(drafted, accepted);
+            }
+            a.acc.spec(drafted, accepted);
             if a.stopper.output().is_empty() {
                 a.acc.first_token = Some(a.req.queued.elapsed());
             }
-            self.metrics.generated(1);
-            let logprobs = out.logprobs.get(k).filter(|_| a.req.params.sampling.logprobs.is_some());
-            let (delta, reason) = match a.stopper.push(&self.tokenizer, tok) {
-                Ok(p) => (p.delta, p.finish.map(|r| (r, String::new()))),
-                Err(e) => {
-                    (String::new(), Some((FinishReason::Error, format!("decoding output: {e}"))))
+            let wanted = a.req.params.sampling.logprobs.is_some();
+            let mut ids = Vec::with_capacity(toks.len());
+            let (mut text, mut reason) = (String::new(), None);
+            for &tok in toks {
+                ids.push(tok);
+                match a.stopper.push(&self.tokenizer, tok) {
+                    Ok(p) => {
+                        text.push_str(&p.delta);
+                        reason = p.finish.map(|r| (r, String::new()));
+                    }
+                    Err(e) => {
+                        reason = Some((FinishReason::Error, format!("decoding output: {e}")));
+                    }
                 }
+                if reason.is_some() {
+                    break;
+                }
+            }
+            self.metrics.generated(ids.len());
+            let logprobs = match out.logprobs.get(k) {
+                Some(lp) if wanted => lp[..ids.len().min(lp.len())].to_vec(),
+                _ => Vec::new(),
             };
             let ev = GenerateEvent {
                 index: a.req.index,
-                event: Some(generate_event::Event::Token(TokenEvent {
-                    ids: vec![tok],
-                    text: delta,
-                    logprobs: logprobs.cloned().into_iter().collect(),
-                })),
+                event: Some(generate_event::Event::Token(TokenEvent { ids, text, logprobs })),
             };
             let _ = a.req.events.send(ev).await;
             if let Some((r, err)) = reason {

@@ -38,6 +38,22 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     Ok(())
 }
 
+/// The drafter `--spec` names and the most it drafts: prompt lookup; a draft model is not yet
+/// placed on the workers of a pipeline (`run --draft-model` has one), so asking for one is refused
+/// before anything starts.
+fn spec_mode(args: &CoordinatorArgs) -> Result<(layerstream_model::spec::SpecMode, usize)> {
+    use layerstream_model::spec::SpecMode;
+    if let Some(d) = &args.spec.draft_model {
+        return Err(Error::Setup(format!(
+            "--draft-model {}: a draft model runs with `layerstream run`; a pipeline drafts with --spec ngram",
+            d.display()
+        )));
+    }
+    let mode = args.spec.spec.resolve(false).map_err(Error::Setup)?;
+    debug_assert!(matches!(mode, SpecMode::Off | SpecMode::Ngram));
+    Ok((mode, args.spec.spec_max as usize))
+}
+
 /// Tokens and TLS, checked before anything connects.
 struct Security {
     /// The internal token sent to workers.
@@ -179,6 +195,7 @@ async fn plan_and_schedule(
         limits,
         max_recoveries: args.sched.max_recoveries,
         metrics: metrics.clone(),
+        spec: spec_mode(args)?,
     });
     tokio::spawn(sched.run());
     Ok(Arc::new(service::CoordinatorService {

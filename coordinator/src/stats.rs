@@ -24,9 +24,21 @@ pub struct Acc {
     pub(crate) workers: u32,
     /// Experts needed, hit, prefetched and missed (mixture-of-experts layers).
     pub(crate) experts: [u64; 4],
+    /// Speculative decoding: tokens drafted and accepted; steps that emitted tokens.
+    pub(crate) spec_drafted: u64,
+    pub(crate) spec_accepted: u64,
+    pub(crate) passes: u64,
 }
 
 impl Acc {
+    /// A step that emitted tokens for this request, after drafting `drafted` and accepting
+    /// `accepted` of them.
+    pub fn spec(&mut self, drafted: usize, accepted: usize) {
+        self.spec_drafted += drafted as u64;
+        self.spec_accepted += accepted as u64;
+        self.passes += 1;
+    }
+
     /// Adds one step's layer timings and the wall time of its layer passes.
     pub fn add(&mut self, layers: &[LayerTiming], layers_ms: f64, batch: usize) {
         self.steps += 1;
@@ -105,6 +117,14 @@ impl Acc {
             experts_hit: self.experts[1],
             experts_prefetched: self.experts[2],
             experts_missed: self.experts[3],
+            spec_drafted: self.spec_drafted,
+            spec_accepted: self.spec_accepted,
+            weight_passes: self.passes,
+            tokens_per_pass: if self.passes > 0 {
+                completion as f64 / self.passes as f64
+            } else {
+                0.0
+            },
         }
     }
 }

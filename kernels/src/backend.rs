@@ -5,6 +5,10 @@ use crate::error::Result;
 use crate::rope::RopeTable;
 use layerstream_types::DType;
 
+/// Positions a cache can be rolled back by (`Backend::kv_truncate`): the most a speculative step
+/// drafts, which a sliding-window cache keeps beyond its window.
+pub const KV_ROLLBACK: usize = 256;
+
 /// Attention geometry of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnShape {
@@ -227,6 +231,10 @@ pub trait Backend: Send + Sync + Clone {
     fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<Self::KvCache>;
     /// Positions stored in a cache.
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Forgets positions `len..` of a cache (a rejected speculative draft), so the next append lands
+    /// at `len`. A sliding-window cache keeps `KV_ROLLBACK` positions past its window for this; a
+    /// cut below what it still holds is an error.
+    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize) -> Result<()>;
     /// Appends `k`, `v` (`[m, kv_dim]`) to the cache at its current length, then computes causal
     /// attention for `q` (`[m, q_dim]`) over everything cached: one sequence's rows.
     fn attention(

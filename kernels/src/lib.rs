@@ -15,7 +15,7 @@ mod quant_ext;
 mod rope;
 pub mod sampling;
 
-pub use backend::{AttnShape, Backend, RowPick};
+pub use backend::{AttnShape, Backend, RowPick, KV_ROLLBACK};
 pub use cpu::{CpuBackend, CpuTensor, CpuWeight};
 pub use error::{Error, Result};
 pub use rope::RopeTable;

@@ -28,6 +28,9 @@ pub enum Error {
     TemplateBudget(String),
     #[error("default model: {0}")]
     Fetch(String),
+    /// A draft model that cannot draft for the target (another vocabulary, not smaller).
+    #[error("draft model: {0}")]
+    Draft(String),
 }
 
 /// Result alias for the model crate.

@@ -103,6 +103,8 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
+    /// Draft limits for speculative decoding (the server's when unset).
+    pub speculative: crate::spec::SpecLimits,
 }
 
 /// The roles a chat message may have (OpenAI's, with `developer`): anything else would be pasted
@@ -156,7 +158,8 @@ pub fn check_request(
     if p.stop.iter().any(String::is_empty) {
         return bad(Field::Stop, "an empty stop string would end every request at once".into());
     }
-    p.sampling.validate()
+    p.sampling.validate()?;
+    p.speculative.validate()
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ pub mod layout;
 pub mod plan;
 mod request_error;
 mod source;
+pub mod spec;
 pub mod stop;
 pub mod store;
 pub mod synth;

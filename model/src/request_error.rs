@@ -19,6 +19,10 @@ pub enum Field {
     TopP,
     RepetitionPenalty,
     TopLogprobs,
+    /// `speculative.max_tokens` (OpenAI `speculative.n_max`).
+    SpecMax,
+    /// `speculative.min_tokens` (OpenAI `speculative.n_min`).
+    SpecMin,
 }
 
 impl Field {
@@ -37,6 +41,8 @@ impl Field {
             Field::TopP => "top_p",
             Field::RepetitionPenalty => "repetition_penalty",
             Field::TopLogprobs => "top_logprobs",
+            Field::SpecMax => "speculative.max_tokens",
+            Field::SpecMin => "speculative.min_tokens",
         }
     }
 
@@ -61,6 +67,8 @@ impl Field {
             Field::Input | Field::Prompt | Field::TokenIds if !chat => "prompt",
             Field::Input | Field::Prompt | Field::TokenIds | Field::Chat => "messages",
             Field::MaxNewTokens => "max_tokens",
+            Field::SpecMax => "speculative.n_max",
+            Field::SpecMin => "speculative.n_min",
             other => other.name(),
         })
     }

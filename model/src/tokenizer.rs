@@ -76,6 +76,19 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// The first id whose token differs between this vocabulary and `other` (a token only one of
+    /// them has included), with both tokens; None when the vocabularies are equal.
+    pub fn first_difference(
+        &self,
+        other: &Tokenizer,
+    ) -> Option<(u32, Option<String>, Option<String>)> {
+        let n = self.vocab_size().max(other.vocab_size()) as u32;
+        (0..n).find_map(|id| {
+            let (a, b) = (self.inner.id_to_token(id), other.inner.id_to_token(id));
+            (a != b).then_some((id, a, b))
+        })
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

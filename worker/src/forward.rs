@@ -165,37 +165,40 @@ pub fn layer_forward<B: Backend>(
     Ok(counts)
 }
 
-/// Final norm and lm_head on the last row of each sequence: logits `[sequences, vocab]` on the device.
+/// Final norm and lm_head on the last `tails[i]` rows of each sequence `i` (1 each when `tails` is
+/// empty; more where a step verifies a draft): logits `[Σ tails, vocab]` on the device.
 pub fn head_tensor<B: Backend>(
     b: &B,
     ctx: &LayerCtx,
     x: &B::Tensor,
     seqs: &[SeqRows],
+    tails: &[usize],
     norm: &B::Weight,
     lm_head: &B::Weight,
 ) -> Result<B::Tensor> {
     let mut last = Vec::with_capacity(seqs.len());
     let mut off = 0;
-    for s in seqs {
+    for (i, s) in seqs.iter().enumerate() {
         off += s.rows;
-        last.push(b.rows(x, off - 1, 1)?);
+        let n = tails.get(i).copied().unwrap_or(1).clamp(1, s.rows);
+        last.push(b.rows(x, off - n, n)?);
     }
-    let last = b.concat_rows(&last)?;
+    let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
     let h = b.rms_norm(&last, norm, ctx.eps)?;
     Ok(b.matmul(&h, lm_head)?)
 }
 
-/// `head_tensor` copied to the host: one logits vector per sequence.
+/// `head_tensor` copied to the host: one logits vector per row (per sequence without tails).
 pub fn head_logits<B: Backend>(
     b: &B,
     ctx: &LayerCtx,
     x: &B::Tensor,
     seqs: &[SeqRows],
+    tails: &[usize],
     norm: &B::Weight,
     lm_head: &B::Weight,
 ) -> Result<Vec<Vec<f32>>> {
-    let logits = logits_to_host(b, &head_tensor(b, ctx, x, seqs, norm, lm_head)?)?;
-    debug_assert_eq!(logits.len(), seqs.len());
+    let logits = logits_to_host(b, &head_tensor(b, ctx, x, seqs, tails, norm, lm_head)?)?;
     Ok(logits)
 }
 

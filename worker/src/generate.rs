@@ -1,15 +1,18 @@
-//! Generation: prefill, then decode token by token with sampling, stop strings, EOS and a token
-//! budget, streaming text as it becomes final.
+//! Generation: prefill, then decode with sampling, stop strings, EOS and a token budget, streaming
+//! text as it becomes final; optionally speculative (a drafter proposes tokens, one pass verifies
+//! them all, the KV cache rolls back past the first rejected one).
 
+use crate::draft::Drafter;
 use crate::error::Result;
 use crate::model::Model;
 use crate::sampling::Sampler;
 use layerstream_kernels::Backend;
+use layerstream_model::spec::{choose_draft, Acceptance, PassCost, SpecMode};
 use layerstream_model::{check_request, FinishReason, GenerateParams, Stopper, Tokenizer};
 use serde::Serialize;
 use std::time::Instant;
 
-/// Wall-clock figures of one generation.
+/// Wall-clock figures of one generation, and what speculation did.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Timings {
     pub prefill_tokens: usize,
@@ -18,6 +21,12 @@ pub struct Timings {
     pub decode_ms: f64,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Tokens drafted, and of those accepted.
+    pub spec_drafted: usize,
+    pub spec_accepted: usize,
+    /// Weight passes that emitted tokens, and generated tokens per pass.
+    pub weight_passes: usize,
+    pub tokens_per_pass: f64,
 }
 
 /// The result of one generation.
@@ -31,48 +40,118 @@ pub struct Generation {
     pub timings: Timings,
 }
 
+/// How `generate` speculates: the drafter (`Off`, `Ngram` or `Draft`, resolved), the most tokens it
+/// drafts per pass, and the draft model for `Draft`.
+pub struct Speculation<'m, B: Backend> {
+    pub mode: SpecMode,
+    pub max: usize,
+    pub draft: Option<&'m Model<B>>,
+}
+
+impl<B: Backend> Speculation<'_, B> {
+    /// No speculation.
+    pub fn off() -> Self {
+        Speculation { mode: SpecMode::Off, max: 0, draft: None }
+    }
+}
+
 /// Generates from `input`, calling `on_text` with each piece of final text.
 pub fn generate<B: Backend>(
     model: &Model<B>,
     tok: &Tokenizer,
     input: &[u32],
     p: &GenerateParams,
+    spec: &Speculation<'_, B>,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     let cfg = &model.cfg;
     check_request(input, p, cfg.vocab_size, cfg.max_position_embeddings)?;
+    let capacity = input.len() + p.max_new_tokens;
     let mut sampler = Sampler::new(p.sampling.clone());
-    let mut seq = model.new_sequence(input.len() + p.max_new_tokens)?;
+    let mut seq = model.new_sequence(capacity)?;
+    let limit = p.speculative.max(spec.max);
+    let mut drafter = match spec.mode {
+        SpecMode::Off => None,
+        _ if limit == 0 => None,
+        mode => Some(Drafter::new(mode, spec.draft, capacity)?),
+    };
+    let (mut acceptance, mut cost) = (Acceptance::default(), PassCost::default());
     let mut history = input.to_vec();
     let mut stopper = Stopper::new(p, &cfg.eos_token_ids);
     let mut t = Timings { prefill_tokens: input.len(), ..Default::default() };
     let mut next: Vec<u32> = input.to_vec();
     let start = Instant::now();
     let mut decode_start = start;
-    let finish = loop {
+    let finish = 'gen: loop {
         if p.max_new_tokens == 0 {
             break FinishReason::Length;
         }
-        let mut logits = model.forward(&mut [(&next, &mut seq)])?.remove(0);
+        let remaining = p.max_new_tokens - (history.len() - input.len());
+        let draft = match drafter.as_mut() {
+            Some(d) => {
+                let max = limit.min(remaining - 1);
+                let min = p.speculative.n_min;
+                let k =
+                    choose_draft(acceptance.rate(), &cost, 0, 0.0, d.ms_per_token(), (min, max));
+                let draft = if k > 0 { d.propose(&history, k)? } else { Vec::new() };
+                if draft.len() < min {
+                    Vec::new()
+                } else {
+                    draft
+                }
+            }
+            None => Vec::new(),
+        };
+        let feed = [next.as_slice(), &draft].concat();
+        let t0 = Instant::now();
+        let rows = model.forward_tails(&mut [(&feed, &mut seq)], &[draft.len() + 1])?;
         if history.len() == input.len() {
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();
+        } else {
+            cost.record(feed.len(), t0.elapsed().as_secs_f64() * 1e3);
         }
-        layerstream_kernels::host::check_logits(&logits, 0)?;
-        let id = sampler.sample(&mut logits, &history);
-        history.push(id);
-        let step = stopper.push(tok, id)?;
-        on_text(&step.delta);
-        if let Some(reason) = step.finish {
-            break reason;
+        t.weight_passes += 1;
+        t.spec_drafted += draft.len();
+        let mut accepted = 0;
+        for (i, mut logits) in rows.into_iter().enumerate() {
+            layerstream_kernels::host::check_logits(&logits, i)?;
+            let id = sampler.sample(&mut logits, &history);
+            history.push(id);
+            let step = stopper.push(tok, id)?;
+            on_text(&step.delta);
+            let agreed = draft.get(i) == Some(&id);
+            accepted += usize::from(agreed);
+            if let Some(reason) = step.finish {
+                t.spec_accepted += accepted;
+                break 'gen reason;
+            }
+            if !agreed {
+                break;
+            }
         }
-        next = vec![id];
+        t.spec_accepted += accepted;
+        acceptance.record(draft.len(), accepted);
+        // Everything but the newest token is final in the cache; rejected drafts leave it.
+        let valid = history.len() - 1;
+        if seq.len > valid {
+            model.truncate(&mut seq, valid)?;
+        }
+        if let Some(d) = drafter.as_mut() {
+            d.rollback(valid)?;
+        }
+        next = vec![*history.last().expect("a token was sampled")];
     };
     let output = stopper.output().to_vec();
     t.decode_tokens = output.len().saturating_sub(1);
     t.decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
     t.prefill_tok_s = rate(t.prefill_tokens, t.prefill_ms);
     t.decode_tok_s = rate(t.decode_tokens, t.decode_ms);
+    t.tokens_per_pass = if t.weight_passes > 0 {
+        (history.len() - input.len()) as f64 / t.weight_passes as f64
+    } else {
+        0.0
+    };
     Ok(Generation {
         input_ids: input.to_vec(),
         output_ids: output,

@@ -3,6 +3,7 @@
 //! that streams layer groups from the loader daemon while it computes.
 
 mod device;
+mod draft;
 mod error;
 mod experts;
 mod forward;
@@ -18,12 +19,13 @@ mod service;
 mod stage;
 mod stream;
 mod token_choice;
+mod verify;
 mod weights;
 mod wire;
 
 pub use device::Device;
 pub use error::{Error, Result};
-pub use generate::{generate, Generation, Timings};
+pub use generate::{generate, Generation, Speculation, Timings};
 pub use layerstream_model::GenerateParams;
 pub use model::{Model, SeqState};
 pub use sampling::{sample_batch, Sampler, SamplingParams};

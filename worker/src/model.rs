@@ -64,7 +64,26 @@ impl<B: Backend> Model<B> {
     /// Feeds `tokens[i]` to sequence `i` (prefill or decode alike) and returns each sequence's
     /// logits at its last new position.
     pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
-        self.backend.run_step(|| self.forward_here(batch))
+        self.backend.run_step(|| self.forward_here(batch, &[]))
+    }
+
+    /// `forward`, returning the logits of the last `tails[i]` positions of sequence `i` (a draft
+    /// being verified), sequence after sequence.
+    pub fn forward_tails(
+        &self,
+        batch: &mut [(&[u32], &mut SeqState<B>)],
+        tails: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.backend.run_step(|| self.forward_here(batch, tails))
+    }
+
+    /// Forgets positions `len..` of a sequence (rejected drafts).
+    pub fn truncate(&self, seq: &mut SeqState<B>, len: usize) -> Result<()> {
+        for c in &mut seq.caches {
+            self.backend.kv_truncate(c, len)?;
+        }
+        seq.len = len;
+        Ok(())
     }
 
     /// Feeds `tokens` to `seq` and scores them as llama.cpp's perplexity does: for every new
@@ -90,13 +109,18 @@ impl<B: Backend> Model<B> {
     }
 
     /// `forward` on the calling thread.
-    fn forward_here(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
+    fn forward_here(
+        &self,
+        batch: &mut [(&[u32], &mut SeqState<B>)],
+        tails: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
         let (x, seqs) = self.layers_here(batch)?;
         head_logits(
             &self.backend,
             &self.ctx,
             &x,
             &seqs,
+            tails,
             &self.norm,
             self.lm_head.as_ref().unwrap_or(&self.embed),
         )

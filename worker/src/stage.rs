@@ -10,6 +10,7 @@ use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
 use crate::token_choice::{HeadRow, TokenChoice};
+use crate::verify::{verify, DraftRows};
 use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::Backend;
@@ -31,6 +32,8 @@ pub struct StepSeq {
     pub(crate) prompt_continues: bool,
     /// Draws its sampler made before it was resumed (skipped by the new sampler).
     pub(crate) draws_before: u64,
+    /// The last `draft_len` tokens are a speculative draft, verified by the head stage.
+    pub(crate) draft_len: usize,
 }
 
 /// Timing of one layer in one step.
@@ -51,7 +54,9 @@ pub struct LayerTiming {
 pub struct StepOut {
     pub(crate) hidden: Vec<f32>,
     pub(crate) tokens: Vec<u32>,
-    /// Log-probabilities per sequence (last worker; None where not asked for), in `tokens` order.
+    /// Tokens per sequence in `tokens` when a step verified drafts (empty: one each).
+    pub(crate) token_counts: Vec<u32>,
+    /// Log-probabilities per token (last worker; None where not asked for), in `tokens` order.
     pub(crate) logprobs: Vec<Option<layerstream_rpc::v1::TokenLogprobs>>,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
@@ -63,6 +68,8 @@ struct Seq<B: Backend> {
     len: usize,
     sampler: Option<Sampler>,
     history: Vec<u32>,
+    /// Drafted positions of its last step, which the next step may cut (a rejected draft).
+    rollback: usize,
 }
 
 /// The batch's sequences, in batch order (each prepared, each once in a step).
@@ -84,14 +91,15 @@ pub struct StepLimits {
 
 /// Checks a step's request before any state changes, naming the field at fault: every sequence once,
 /// with tokens inside the vocabulary, at the position its cache holds (`known`: a live sequence's
-/// length; a new one starts at 0) and within the context; `hidden` (stages after the first) of the
-/// step's rows × hidden size, every value finite. Pure, so a malformed call cannot leave a
-/// half-prepared stage behind.
+/// length, or up to its last step's draft before it: `known` gives both; a new one starts at 0) and
+/// within the context, a draft shorter than its tokens and within `MAX_DRAFT`; `hidden` (stages after
+/// the first) of the step's rows × hidden size, every value finite. Pure, so a malformed call cannot
+/// leave a half-prepared stage behind.
 pub fn check_step(
     batch: &[StepSeq],
     hidden: Option<&[f32]>,
     l: StepLimits,
-    known: impl Fn(u64) -> Option<usize>,
+    known: impl Fn(u64) -> Option<(usize, usize)>,
 ) -> Result<()> {
     let bad = |field: &'static str, msg: String| Err(Error::Invalid { field, msg });
     let mut seen = std::collections::HashSet::with_capacity(batch.len());
@@ -114,6 +122,18 @@ pub fn check_step(
                 ),
             );
         }
+        if s.draft_len >= s.tokens.len() || s.draft_len > layerstream_model::spec::MAX_DRAFT {
+            return bad(
+                "seqs.draft_len",
+                format!(
+                    "sequence {} drafts {} of its {} tokens (at most {}, and one must not be drafted)",
+                    s.seq_id,
+                    s.draft_len,
+                    s.tokens.len(),
+                    layerstream_model::spec::MAX_DRAFT
+                ),
+            );
+        }
         match known(s.seq_id) {
             None if s.start_pos != 0 => {
                 return bad(
@@ -121,11 +141,11 @@ pub fn check_step(
                     format!("unknown sequence {} at position {}", s.seq_id, s.start_pos),
                 );
             }
-            Some(len) if len != s.start_pos => {
+            Some((len, rollback)) if s.start_pos > len || s.start_pos + rollback < len => {
                 return bad(
                     "seqs.start_pos",
                     format!(
-                        "sequence {} is at position {len}, step says {}",
+                        "sequence {} is at position {len} (rejected drafts: {rollback}), step says {}",
                         s.seq_id, s.start_pos
                     ),
                 );
@@ -287,14 +307,31 @@ impl<B: Backend + 'static> Stage<B> {
             context: self.cfg.max_position_embeddings,
             hidden_size: self.cfg.hidden_size,
         };
-        check_step(batch, hidden, limits, |id| self.seqs.get(&id).map(|s| s.len))?;
+        check_step(batch, hidden, limits, |id| self.seqs.get(&id).map(|s| (s.len, s.rollback)))?;
         let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        if self.kv_used().1 + new_tokens > self.plan.kv_positions() {
+        let cut: usize = batch
+            .iter()
+            .filter_map(|s| self.seqs.get(&s.seq_id).map(|q| q.len.saturating_sub(s.start_pos)))
+            .sum();
+        if self.kv_used().1 - cut + new_tokens > self.plan.kv_positions() {
             return Err(Error::KvFull {
-                used: self.kv_used().1,
+                used: self.kv_used().1 - cut,
                 asked: new_tokens,
                 capacity: self.plan.kv_positions(),
             });
+        }
+        // Rejected drafts of live sequences leave their caches (and the head's history).
+        for s in batch {
+            if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
+                if s.start_pos < seq.len {
+                    for c in &mut seq.caches {
+                        self.backend.kv_truncate(c, s.start_pos)?;
+                    }
+                    seq.len = s.start_pos;
+                    seq.history.truncate(seq.history.len().min(s.start_pos));
+                }
+                seq.rollback = s.draft_len;
+            }
         }
         let n_layers = self.plan.layers().len();
         for s in batch.iter().filter(|s| s.start_pos == 0) {
@@ -308,7 +345,8 @@ impl<B: Backend + 'static> Stage<B> {
             } else {
                 None
             };
-            self.seqs.insert(s.seq_id, Seq { caches, len: 0, sampler, history: Vec::new() });
+            let seq = Seq { caches, len: 0, sampler, history: Vec::new(), rollback: s.draft_len };
+            self.seqs.insert(s.seq_id, seq);
         }
         Ok(())
     }
@@ -360,9 +398,35 @@ impl<B: Backend + 'static> Stage<B> {
                 let lm =
                     lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
                 let b = &self.backend;
+                let tails: Vec<usize> = batch.iter().map(|s| s.draft_len + 1).collect();
+                let drafted: usize = batch.iter().map(|s| s.draft_len).sum();
+                let ordered = in_batch_order(&mut self.seqs, batch);
+                if drafted > 0 {
+                    let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, spec = drafted as i64);
+                    let _in_head = head_span.enter();
+                    let logits = head_tensor(b, &self.ctx, &x, &seq_rows, &tails, norm, lm)?;
+                    let mut first_row = 0;
+                    let rows: Vec<DraftRows<'_>> = batch
+                        .iter()
+                        .zip(ordered)
+                        .map(|(s, seq)| {
+                            let r = DraftRows {
+                                sampler: seq.sampler.as_mut().expect("head stage samples"),
+                                history: &seq.history,
+                                draft: &s.tokens[s.tokens.len() - s.draft_len..],
+                                prompt_continues: s.prompt_continues,
+                                first_row,
+                            };
+                            first_row += s.draft_len + 1;
+                            r
+                        })
+                        .collect();
+                    (out.tokens, out.token_counts, out.logprobs) = verify(b, &logits, rows)?;
+                    return Ok(out);
+                }
                 let rows: Vec<HeadRow<'_>> = batch
                     .iter()
-                    .zip(in_batch_order(&mut self.seqs, batch))
+                    .zip(ordered)
                     .map(|(s, seq)| HeadRow {
                         sampler: seq.sampler.as_mut().expect("head stage samples"),
                         history: &seq.history,
@@ -374,7 +438,7 @@ impl<B: Backend + 'static> Stage<B> {
                 let greedy = choice == TokenChoice::DeviceArgmax;
                 let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
                 let _in_head = head_span.enter();
-                let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, norm, lm)?;
+                let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, &[], norm, lm)?;
                 (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
             }
             None => out.hidden = self.backend.to_host(&x)?,
@@ -559,6 +623,7 @@ mod tests {
             sampling: None,
             prompt_continues: false,
             draws_before: 0,
+            draft_len: 0,
         }
     }
 
@@ -574,7 +639,7 @@ mod tests {
     /// Each malformed step is refused naming its field; a well-formed one passes.
     #[test]
     fn malformed_steps_name_the_field() {
-        let live = |id: u64| (id == 7).then_some(3);
+        let live = |id: u64| (id == 7).then_some((3, 0));
         assert!(
             check_step(&[seq(1, 0, &[1, 2]), seq(7, 3, &[4])], Some(&[0.5; 6]), L, live).is_ok()
         );

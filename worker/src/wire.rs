@@ -13,6 +13,7 @@ impl From<v1::StepSeq> for StepSeq {
             tokens: s.token_ids,
             prompt_continues: s.prompt_continues,
             draws_before: s.draws_before as u64,
+            draft_len: s.draft_len as usize,
         }
     }
 }
@@ -51,6 +52,7 @@ pub fn step_response(
         hidden,
         hidden_ref,
         tokens: out.tokens,
+        token_counts: out.token_counts,
         layers: out.layers.into_iter().map(Into::into).collect(),
         wall_ms,
         layers_ms: out.layers_ms,

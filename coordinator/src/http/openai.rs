@@ -4,7 +4,7 @@
 
 use super::error::ApiError;
 use layerstream_rpc::v1::{
-    generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, TokenIds,
+    generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, Speculative, TokenIds,
 };
 use serde::Deserialize;
 
@@ -62,6 +62,9 @@ pub struct Common {
     pub(crate) top_k: Option<i64>,
     pub(crate) repetition_penalty: Option<f32>,
     pub(crate) ignore_eos: Option<bool>,
+    /// Speculative decoding limits, as llama-server names them: `{"n_max": 16, "n_min": 0}`
+    /// (`n_max` 0 = no speculation for this request).
+    pub(crate) speculative: Option<SpecBody>,
     #[serde(default)]
     pub(crate) stream: bool,
     pub(crate) stream_options: Option<StreamOptions>,
@@ -222,8 +225,20 @@ impl Common {
             sampling: Some(sampling),
             stop: self.stop(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            speculative: self
+                .speculative
+                .as_ref()
+                .map(|s| Speculative { max_tokens: s.n_max, min_tokens: s.n_min }),
         }
     }
+}
+
+/// The body's `speculative` object.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SpecBody {
+    pub(crate) n_max: Option<u32>,
+    #[serde(default)]
+    pub(crate) n_min: u32,
 }
 
 /// Message `i`'s text: its content string, or its text parts joined.

@@ -1,6 +1,6 @@
 //! CPU grouped-query attention over a per-sequence KV cache: causal prefill and one-token decode.
 
-use crate::backend::AttnShape;
+use crate::backend::{AttnShape, KV_ROLLBACK};
 use crate::host::softmax;
 use crate::quant::dot;
 use rayon::prelude::*;
@@ -17,8 +17,9 @@ pub struct CpuKv {
 
 /// Appends `m` new rows to the cache and attends `q` (`[m, q_dim]`) causally over the cache (over
 /// the last `s.window` positions of each row's context when a window is set), scores scaled by
-/// `s.scale`. A windowed cache then drops the positions no later row can see, once they are as many
-/// as the window (so it holds under two windows, and the drop costs one copy per window of rows).
+/// `s.scale`. A windowed cache then drops the positions no later row can see (beyond the
+/// `KV_ROLLBACK` it keeps for rejected drafts), once they are as many as the window (so it holds
+/// under two windows plus that margin, and the drop costs one copy per window of rows).
 pub fn attention(
     q: &[f32],
     k: &[f32],
@@ -52,14 +53,29 @@ pub fn attention(
             }
         }
     });
-    if s.window > 0 && cache.len - cache.dropped >= 2 * s.window {
-        // Keep the window - 1 positions the next row can still see.
-        let drop = cache.len - (s.window - 1) - cache.dropped;
+    if s.window > 0 && cache.len - cache.dropped >= 2 * s.window + KV_ROLLBACK {
+        // Keep the window - 1 positions the next row can still see, and the rollback margin.
+        let drop = cache.len - (s.window - 1) - KV_ROLLBACK - cache.dropped;
         cache.k.drain(..drop * kvd);
         cache.v.drain(..drop * kvd);
         cache.dropped += drop;
     }
     out
+}
+
+/// Forgets positions `len..` (a rejected draft); an error names the cut when the cache no longer
+/// holds position `len` (a sliding window dropped it, or `len` is past the end).
+pub fn truncate(cache: &mut CpuKv, len: usize, kv_dim: usize) -> Result<(), String> {
+    if len > cache.len || len < cache.dropped {
+        return Err(format!(
+            "cannot roll a cache of positions {}..{} back to {len}",
+            cache.dropped, cache.len
+        ));
+    }
+    cache.k.truncate((len - cache.dropped) * kv_dim);
+    cache.v.truncate((len - cache.dropped) * kv_dim);
+    cache.len = len;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -109,7 +125,7 @@ mod tests {
         let gen = |n: usize, mul: usize| -> Vec<f32> {
             (0..n).map(|i| ((i * mul) % 13) as f32 * 0.2 - 1.1).collect()
         };
-        let n = 20;
+        let n = 20 + 2 * KV_ROLLBACK;
         let (q, k, v) = (gen(n * 8, 7), gen(n * 4, 5), gen(n * 4, 3));
         let mut c = CpuKv::default();
         for r in 0..n {
@@ -131,8 +147,46 @@ mod tests {
             for (a, b) in got.iter().zip(&want[(m - 1) * 8..]) {
                 assert!((a - b).abs() < 1e-5, "row {r}");
             }
-            assert!(c.len - c.dropped < 2 * w, "row {r}: {} cached", c.len - c.dropped);
+            assert!(
+                c.len - c.dropped < 2 * w + KV_ROLLBACK,
+                "row {r}: {} cached",
+                c.len - c.dropped
+            );
         }
         assert_eq!(c.len, n);
+        assert!(c.dropped > 0, "the window dropped positions");
+    }
+
+    /// Rolling a cache back and appending again equals never having appended the rejected rows;
+    /// a windowed cache can roll back `KV_ROLLBACK` positions, and a cut below what it holds fails.
+    #[test]
+    fn truncate_forgets_rejected_rows() {
+        let s = AttnShape::new(2, 1, 4);
+        let gen = |n: usize, mul: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * mul) % 11) as f32 * 0.3 - 1.0).collect()
+        };
+        let (q, k, v) = (gen(6 * 8, 7), gen(6 * 4, 5), gen(6 * 4, 3));
+        let mut plain = CpuKv::default();
+        let want = attention(&q, &k, &v, 6, &mut plain, s);
+        let mut c = CpuKv::default();
+        attention(&q[..3 * 8], &k[..3 * 4], &v[..3 * 4], 3, &mut c, s);
+        // Two rejected rows (other keys), then rolled back.
+        attention(&q[..2 * 8], &v[..2 * 4], &k[..2 * 4], 2, &mut c, s);
+        truncate(&mut c, 3, 4).unwrap();
+        let got = attention(&q[3 * 8..], &k[3 * 4..], &v[3 * 4..], 3, &mut c, s);
+        for (a, b) in got.iter().zip(&want[3 * 8..]) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        assert!(truncate(&mut c, 7, 4).unwrap_err().contains("back to 7"));
+        let w = AttnShape { window: 2, ..s };
+        let n = 3 * KV_ROLLBACK;
+        let mut c = CpuKv::default();
+        for _ in 0..n {
+            attention(&q[..8], &k[..4], &v[..4], 1, &mut c, w);
+        }
+        assert!(c.dropped > 0);
+        truncate(&mut c, n - KV_ROLLBACK, 4).unwrap();
+        let below = c.dropped - 1;
+        assert!(truncate(&mut c, below, 4).is_err());
     }
 }

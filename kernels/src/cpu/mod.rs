@@ -310,6 +310,13 @@ impl Backend for CpuBackend {
         cache.len
     }
 
+    fn kv_truncate(&self, cache: &mut CpuKv, len: usize) -> Result<()> {
+        let kv_dim =
+            if cache.len > cache.dropped { cache.k.len() / (cache.len - cache.dropped) } else { 0 };
+        attention::truncate(cache, len, kv_dim)
+            .map_err(|e| Error::Shape { op: "kv_truncate", msg: e })
+    }
+
     fn attention(
         &self,
         q: &CpuTensor,

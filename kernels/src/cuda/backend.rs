@@ -682,6 +682,15 @@ impl Backend for CudaBackend {
         cache.len
     }
 
+    fn kv_truncate(&self, cache: &mut CudaKv, len: usize) -> Result<()> {
+        // The GPU cache keeps every position (a window only masks), so any earlier length is held.
+        ensure(len <= cache.len, "kv_truncate", || {
+            format!("cannot roll a cache of {} positions back to {len}", cache.len)
+        })?;
+        cache.len = len;
+        Ok(())
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,

@@ -106,6 +106,9 @@ impl Backend for CudaBackend {
     fn kv_len(&self, _: &Never) -> usize {
         match self.0 {}
     }
+    fn kv_truncate(&self, _: &mut Never, _: usize) -> Result<()> {
+        match self.0 {}
+    }
     fn attention(
         &self,
         _: &Never,

@@ -1,0 +1,182 @@
+//! Verifying speculative drafts at the head: every drafted position is sampled from the target
+//! exactly as it would be without a draft (same sampler, same draw, the repetition penalty over the
+//! tokens before it), in rounds — round r samples row r of every sequence whose drafts so far were
+//! all accepted — and a draft token is accepted while it equals the sample. A sequence emits its
+//! accepted drafts and the sample after them; each emitted token draws once, as without a draft.
+
+use crate::error::Result;
+use crate::sampling::Sampler;
+use crate::token_choice::{HeadRow, TokenChoice};
+use layerstream_kernels::Backend;
+use layerstream_rpc::v1::TokenLogprobs;
+
+/// One sequence's rows of the head's logits.
+pub struct DraftRows<'a> {
+    pub(crate) sampler: &'a mut Sampler,
+    /// Every token fed so far, this step's draft included.
+    pub(crate) history: &'a [u32],
+    /// This step's drafted tokens (the last of `history`).
+    pub(crate) draft: &'a [u32],
+    pub(crate) prompt_continues: bool,
+    /// Index of its first row in the logits (it has `draft.len() + 1`).
+    pub(crate) first_row: usize,
+}
+
+/// What verification emitted, sequence by sequence: the tokens, how many per sequence, and each
+/// token's log-probabilities where asked for.
+pub type Verified = (Vec<u32>, Vec<u32>, Vec<Option<TokenLogprobs>>);
+
+/// Verifies every sequence's draft against `logits` (`[Σ (draft + 1), vocab]`).
+pub fn verify<B: Backend>(
+    b: &B,
+    logits: &B::Tensor,
+    mut seqs: Vec<DraftRows<'_>>,
+) -> Result<Verified> {
+    let n = seqs.len();
+    let mut out: Vec<Vec<(u32, Option<TokenLogprobs>)>> = vec![Vec::new(); n];
+    // Sequences still accepting, by index into `seqs`.
+    let mut alive: Vec<usize> = (0..n).collect();
+    let mut round = 0;
+    while !alive.is_empty() {
+        let idx: Vec<usize> = alive.iter().map(|&i| seqs[i].first_row + round).collect();
+        let mut rows_logits = b.gather_rows(logits, &idx)?;
+        let rows: Vec<HeadRow<'_>> = seqs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| alive.contains(i))
+            .map(|(_, s)| {
+                let base = s.history.len() - s.draft.len();
+                HeadRow {
+                    sampler: &mut *s.sampler,
+                    history: &s.history[..base + round],
+                    prompt_continues: s.prompt_continues,
+                }
+            })
+            .collect();
+        let choice = TokenChoice::for_rows(b, &rows);
+        let (tokens, logprobs) = choice.choose(b, &mut rows_logits, rows)?;
+        let mut next = Vec::with_capacity(alive.len());
+        for (j, &i) in alive.iter().enumerate() {
+            let t = tokens[j];
+            out[i].push((t, logprobs.get(j).cloned().flatten()));
+            let s = &seqs[i];
+            if !s.prompt_continues && round < s.draft.len() && s.draft[round] == t {
+                next.push(i);
+            }
+        }
+        alive = next;
+        round += 1;
+    }
+    let counts = out.iter().map(|o| o.len() as u32).collect();
+    let (tokens, logprobs) = out.into_iter().flatten().unzip();
+    Ok((tokens, counts, logprobs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_kernels::CpuBackend;
+    use layerstream_model::SamplingParams;
+
+    /// Logits whose argmax is `t`, and that sample `t` most of the time at temperature 1.
+    fn peaked(vocab: usize, t: u32) -> Vec<f32> {
+        (0..vocab).map(|i| if i as u32 == t { 6.0 } else { 0.0 }).collect()
+    }
+
+    /// Greedy: the drafts the target agrees with are accepted, the first disagreement is replaced
+    /// by the target's token and ends the sequence's tokens; a sequence without a draft gets one.
+    #[test]
+    fn greedy_accepts_the_agreeing_prefix() {
+        let b = CpuBackend::default();
+        let vocab = 8;
+        // Sequence 0 drafts [3, 4, 5]; the target says 3, 4, 6, (7): accepts 3, 4, emits 6.
+        // Sequence 1 drafts nothing; the target says 2.
+        let rows = [
+            peaked(vocab, 3),
+            peaked(vocab, 4),
+            peaked(vocab, 6),
+            peaked(vocab, 7),
+            peaked(vocab, 2),
+        ];
+        let logits = b.from_host(&rows.concat(), 5, vocab).unwrap();
+        let (mut s0, mut s1) =
+            (Sampler::new(SamplingParams::default()), Sampler::new(SamplingParams::default()));
+        let h0 = [1, 2, 3, 4, 5];
+        let h1 = [1];
+        let seqs = vec![
+            DraftRows {
+                sampler: &mut s0,
+                history: &h0,
+                draft: &h0[2..],
+                prompt_continues: false,
+                first_row: 0,
+            },
+            DraftRows {
+                sampler: &mut s1,
+                history: &h1,
+                draft: &[],
+                prompt_continues: false,
+                first_row: 4,
+            },
+        ];
+        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
+        assert_eq!(tokens, vec![3, 4, 6, 2]);
+        assert_eq!(counts, vec![3, 1]);
+        // Every draft accepted: the bonus token from the last row follows.
+        let mut s0 = Sampler::new(SamplingParams::default());
+        let h0 = [1, 2, 3, 4, 6];
+        let seqs = vec![DraftRows {
+            sampler: &mut s0,
+            history: &h0,
+            draft: &h0[2..],
+            prompt_continues: false,
+            first_row: 0,
+        }];
+        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
+        assert_eq!((tokens, counts), (vec![3, 4, 6, 7], vec![4]));
+    }
+
+    /// Sampled: the tokens equal sampling the rows one by one with the same seed, stopping at the
+    /// first sample that differs from the draft (draw for draw the output without speculation).
+    #[test]
+    fn sampling_equals_the_plain_sampler_draw_for_draw() {
+        let b = CpuBackend::default();
+        let vocab = 6;
+        let rows: Vec<Vec<f32>> = (0..5)
+            .map(|r| (0..vocab).map(|i| ((i * 7 + r * 3) % 5) as f32 * 0.4).collect())
+            .collect();
+        let logits = b.from_host(&rows.concat(), 5, vocab).unwrap();
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            repetition_penalty: 1.3,
+            ..Default::default()
+        };
+        for draft in [vec![0u32, 1, 2, 3], vec![5, 5, 5, 5], vec![]] {
+            // The plain sampler's tokens at rows 0.., history growing with each accepted token.
+            let mut plain = Sampler::new(params.clone());
+            let mut hist = vec![9u32 % vocab as u32];
+            let mut want = Vec::new();
+            for r in 0..=draft.len() {
+                let t = plain.sample(&mut rows[r].clone(), &hist);
+                want.push(t);
+                hist.push(t);
+                if r == draft.len() || draft[r] != t {
+                    break;
+                }
+            }
+            let mut s = Sampler::new(params.clone());
+            let history: Vec<u32> = [vec![9 % vocab as u32], draft.clone()].concat();
+            let seqs = vec![DraftRows {
+                sampler: &mut s,
+                history: &history,
+                draft: &draft,
+                prompt_continues: false,
+                first_row: 0,
+            }];
+            let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
+            assert_eq!(tokens, want, "draft {draft:?}");
+            assert_eq!(counts, vec![want.len() as u32]);
+        }
+    }
+}
