@@ -133,6 +133,8 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "replays": st.replays, "workers_busy_pct": st.workers_busy_pct,
                             "experts_needed": st.experts_needed, "experts_hit": st.experts_hit,
                             "experts_prefetched": st.experts_prefetched, "experts_missed": st.experts_missed,
+                            "spec_drafted": st.spec_drafted, "spec_accepted": st.spec_accepted,
+                            "weight_passes": st.weight_passes, "tokens_per_pass": st.tokens_per_pass,
                         },
                     });
                     writeln!(out, "{v}")?;
@@ -146,6 +148,12 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                         eprintln!(
                             "[experts: {} needed, {} on the device, {} prefetched, {} fetched on demand]",
                             st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed
+                        );
+                    }
+                    if st.spec_drafted > 0 {
+                        eprintln!(
+                            "[speculative: {} drafted, {} accepted, {:.2} tokens per weight pass]",
+                            st.spec_drafted, st.spec_accepted, st.tokens_per_pass
                         );
                     }
                     eprintln!("trace id: {}", d.trace_id);

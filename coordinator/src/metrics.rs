@@ -337,6 +337,16 @@ impl Metrics {
         self.spec_accepted.inc_by(accepted as u64);
     }
 
+    /// Since start: tokens drafted, drafted tokens accepted, tokens generated, steps run.
+    pub fn spec_totals(&self) -> (u64, u64, u64, u64) {
+        (
+            self.spec_drafted.get(),
+            self.spec_accepted.get(),
+            self.generation_tokens.get(),
+            self.steps.get(),
+        )
+    }
+
     /// A step started with `others` micro-batches' steps in flight.
     pub fn launched(&self, others: usize) {
         if others > 0 {

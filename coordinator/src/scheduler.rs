@@ -534,7 +534,8 @@ impl Scheduler {
             let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
             // One `step` span per request in the step, so each request's trace shows every step it
             // rode; the first carries the workers' spans, the others link to it.
-            let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64, micro_batch = lane as i64)).collect();
+            let drafted: u32 = seqs.iter().map(|s| s.draft_len).sum();
+            let spans: Vec<Span> = members.iter().map(|&(i, _)| info_span!(parent: &active[i].req.span, "step", batch = seqs.len() as i64, rows = rows as i64, micro_batch = lane as i64, spec = drafted as i64)).collect();
             for s in &spans[1..] {
                 layerstream_telemetry::link(s, &spans[0]);
             }

@@ -64,7 +64,9 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
         })
         .collect();
     let m = &h.svc.metrics;
+    let (drafted, accepted, generated, steps) = m.spec_totals();
     axum::Json(json!({
+        "spec": {"drafted": drafted, "accepted": accepted, "generated": generated, "steps": steps},
         "model": h.model,
         "num_layers": plan.num_layers,
         "micro_batches": plan.micro_batches,
