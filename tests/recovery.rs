@@ -96,6 +96,10 @@ fn killed_mid_job_completes(victim: &str, flags: &[&str]) {
         assert_eq!(&got, want, "{name}: tokens differ from the uninterrupted run");
     }
     let replays = greedy.stats.as_ref().unwrap().replays;
+    if flags.contains(&"ngram") {
+        let st = greedy.stats.as_ref().unwrap();
+        assert!(st.spec_accepted > 0, "nothing was accepted: {st:?}");
+    }
     assert!(replays >= 1, "the job was never replayed: was the {victim} really killed mid-job?");
     assert!(stack.children(victim).len() == pids.len(), "the {victim} was not restarted");
     stack.shutdown();
@@ -111,6 +115,16 @@ fn a_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged() {
 #[test]
 fn a_worker_killed_with_two_micro_batches_in_flight_leaves_both_jobs_unchanged() {
     killed_mid_job_completes("worker", &["--workers", "2", "--micro-batches", "2"]);
+}
+
+/// The same while speculating (prompt lookup): steps verifying drafts fail, the sequences are
+/// replayed from their accepted tokens, and both requests end as the uninterrupted `run` does.
+#[test]
+fn a_worker_killed_while_drafts_are_verified_leaves_the_jobs_unchanged() {
+    killed_mid_job_completes(
+        "worker",
+        &["--workers", "2", "--resident-layers", "0", "--spec", "ngram", "--spec-max", "4"],
+    );
 }
 
 #[test]

@@ -89,6 +89,19 @@ pub struct BenchArgs {
     /// Batches of the `--expert-caches` runs.
     #[arg(long, env = "LAYERSTREAM_BENCH_EXPERT_BATCHES", value_delimiter = ',', default_values_t = [1usize, 8, 32])]
     pub expert_batches: Vec<usize>,
+    /// Instead of the configurations: speculative decoding — no speculation, prompt lookup and (with
+    /// `--draft-model`) a draft model, each on a fresh stack with the plan flags given, over three
+    /// chat workloads (an answer, a code edit, a summary) at `--batch` concurrent copies; prints
+    /// acceptance, tokens per weight pass, tok/s and speculative ÷ plain, checks every output equals
+    /// the plain one, then the time of a weight pass of 1, 4, 16 and 64 positions.
+    #[arg(long, env = "LAYERSTREAM_BENCH_SPECULATIVE")]
+    pub speculative: bool,
+    /// The draft model of `--speculative`.
+    #[arg(long, env = "LAYERSTREAM_DRAFT_MODEL")]
+    pub draft_model: Option<PathBuf>,
+    /// Most drafted tokens per pass in `--speculative`.
+    #[arg(long, env = "LAYERSTREAM_SPEC_MAX", default_value_t = 16)]
+    pub spec_max: u32,
 }
 
 /// One configuration's result.
@@ -220,29 +233,7 @@ pub(crate) fn run_config(
     rt: &tokio::runtime::Runtime,
 ) -> Result<Row> {
     let mut children = Children(Vec::new());
-    let mut args = vec![
-        "up".to_owned(),
-        "--model".into(),
-        model.into(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--workers".into(),
-        a.workers.to_string(),
-        "--max-batch".into(),
-        a.batch.max(1).to_string(),
-        "--device".into(),
-        a.device.device.clone(),
-    ];
-    if let Some(t) = a.device.threads {
-        args.extend(["--threads".into(), t.to_string()]);
-    }
-    if a.device.int8_activations {
-        args.push("--int8-activations".into());
-    }
-    args.extend_from_slice(extra);
-    args.extend(a.pool.to_args());
-    // Never the default port, which a stack the user runs may hold.
-    args.extend(["--http-listen".into(), "127.0.0.1:0".into()]);
+    let args = stack_args(model, a, extra);
     let addr = spawn_quiet(&mut children, name, &args)?.addr;
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
     let warm = BenchArgs { batch: 1, max_new_tokens: 2, ..a.clone() };
@@ -292,6 +283,38 @@ pub(crate) fn run_config(
         loader_misses,
         experts: [st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed],
     })
+}
+
+/// The `up` command line of a bench stack: the bench's workers, batch, device flags and slot pool,
+/// then `extra` (the configuration), on free ports.
+pub(crate) fn stack_args(model: &str, a: &BenchArgs, extra: &[String]) -> Vec<String> {
+    let mut args = vec![
+        "up".to_owned(),
+        "--model".into(),
+        model.into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--workers".into(),
+        a.workers.to_string(),
+        "--max-batch".into(),
+        a.batch.max(1).to_string(),
+        "--device".into(),
+        a.device.device.clone(),
+    ];
+    if let Some(t) = a.device.threads {
+        args.extend(["--threads".into(), t.to_string()]);
+    }
+    if a.device.int8_activations {
+        args.push("--int8-activations".into());
+    }
+    if let Some(g) = a.device.link_gbps {
+        args.extend(["--link-gbps".into(), g.to_string()]);
+    }
+    args.extend_from_slice(extra);
+    args.extend(a.pool.to_args());
+    // Never the default port, which a stack the user runs may hold.
+    args.extend(["--http-listen".into(), "127.0.0.1:0".into()]);
+    args
 }
 
 /// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is its namespace's
@@ -391,6 +414,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if !a.expert_caches.is_empty() {
         return crate::bench_experts::compare(&a, &model_dir, vocab);
+    }
+    if a.speculative {
+        return crate::bench_spec::compare(&a, &model);
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {

@@ -6,6 +6,7 @@ mod bench_api;
 mod bench_experts;
 mod bench_matvec;
 mod bench_pipeline;
+mod bench_spec;
 mod fetch;
 mod flags_doc;
 mod health;

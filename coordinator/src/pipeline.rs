@@ -130,6 +130,10 @@ pub struct StepResult {
     pub(crate) tokens: Vec<Vec<u32>>,
     /// Log-probabilities per sequence, one per token (empty when no sequence asked for them).
     pub(crate) logprobs: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
+    /// The head's draft model's proposals per sequence for its next step (empty: none), and the
+    /// time the head spent drafting them.
+    pub(crate) drafts: Vec<Vec<u32>>,
+    pub(crate) draft_ms: f64,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
     pub(crate) layers_ms: f64,
@@ -238,6 +242,9 @@ impl Runner {
                 (out.tokens, out.logprobs) =
                     split_tokens(&seqs, resp.tokens, resp.token_counts, resp.logprobs)
                         .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
+                out.drafts = split_drafts(&seqs, resp.drafts, resp.draft_counts)
+                    .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
+                out.draft_ms = resp.draft_ms;
             } else {
                 hidden = resp.hidden;
                 hidden_ref = resp.hidden_ref;
@@ -280,6 +287,25 @@ fn split_tokens(
         counts.iter().map(|&c| lps.by_ref().take(c).collect()).collect()
     };
     Ok((per, lp))
+}
+
+/// The head's draft proposals split per sequence, each count within what the step asked for.
+fn split_drafts(
+    seqs: &[StepSeq],
+    drafts: Vec<u32>,
+    counts: Vec<u32>,
+) -> std::result::Result<Vec<Vec<u32>>, String> {
+    if counts.is_empty() && drafts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let bad = counts.len() != seqs.len()
+        || counts.iter().map(|&c| c as usize).sum::<usize>() != drafts.len()
+        || seqs.iter().zip(&counts).any(|(s, &c)| c > s.draft_next);
+    if bad {
+        return Err(format!("returned {} drafted tokens in counts {counts:?}", drafts.len()));
+    }
+    let mut it = drafts.into_iter();
+    Ok(counts.iter().map(|&c| it.by_ref().take(c as usize).collect()).collect())
 }
 
 impl Pipeline {

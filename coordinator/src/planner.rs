@@ -26,6 +26,17 @@ pub struct PlanOptions {
     /// Experts kept per worker (mixture-of-experts models); `None` = every expert if the budget
     /// holds them, else what the budget leaves after the resident layers (see `plan`).
     pub(crate) expert_cache: Option<usize>,
+    /// Speculative decoding's draft model, placed whole on the head worker: its store directory and
+    /// the bytes its weights and KV cache take there (`draft_bytes`).
+    pub(crate) draft: Option<(String, u64)>,
+}
+
+/// The bytes a draft model takes on its worker: every store file, and f32 keys and values for
+/// `kv_capacity` positions on every layer.
+pub fn draft_bytes(draft: &Manifest, kv_capacity: usize) -> u64 {
+    let c = &draft.config;
+    let kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * kv_capacity;
+    draft.files.iter().map(|f| f.size).sum::<u64>() + kv as u64
 }
 
 /// The head's compute (final norm and lm_head, run for every sampled row) in layers' worth: its
@@ -81,6 +92,20 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
     let last = ranges.len() - 1;
     let mut plans = Vec::with_capacity(ranges.len());
     for (i, (range, w)) in ranges.into_iter().zip(workers).enumerate() {
+        // The head worker holds the draft model beside its layers.
+        let draft = o.draft.as_ref().filter(|_| i == last);
+        let spec = WorkerSpec {
+            budget: w.budget.checked_sub(draft.map_or(0, |d| d.1)).ok_or_else(|| {
+                Error::Plan(format!(
+                    "worker {}: the draft model needs {} bytes, more than its memory budget of {} bytes",
+                    w.address,
+                    draft.map_or(0, |d| d.1),
+                    w.budget
+                ))
+            })?,
+            ..w.clone()
+        };
+        let w = &spec;
         let mut p = Assignment {
             worker: w.address.clone(),
             layer_start: range.start,
@@ -96,6 +121,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             assignment_id: String::new(),
             micro_batches: 1,
             expert_cache: o.expert_cache.unwrap_or(0) as u32,
+            draft_model: draft.map_or(String::new(), |d| d.0.clone()),
         };
         let (n_experts, _, largest_expert) = range_experts(m, &p);
         let whole = Assignment { resident: range.clone().collect(), ..p.clone() };
@@ -139,7 +165,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
                 range.start, range.end
             )));
         }
-        p.bytes_needed = u.total();
+        p.bytes_needed = u.total() + draft.map_or(0, |d| d.1);
         plans.push(p);
     }
     Ok(plans)

@@ -58,6 +58,8 @@ struct Active {
     lane: Option<usize>,
     /// How often its drafted tokens were accepted (speculative decoding).
     acceptance: Acceptance,
+    /// The head's draft model's proposal to follow its known tokens (for its next step).
+    next_draft: Vec<u32>,
 }
 
 impl Active {
@@ -120,8 +122,10 @@ pub struct Scheduler {
     metrics: Arc<crate::metrics::Metrics>,
     /// The drafter (`Off` or `Ngram`) and the most it drafts per sequence per step.
     spec: (SpecMode, usize),
-    /// Measured step time by positions (what a longer draft costs).
+    /// Measured step time by positions (what a longer draft costs), drafting excluded.
     cost: PassCost,
+    /// The head's draft model's milliseconds per drafted token (a running average).
+    draft_ms: f64,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -258,6 +262,7 @@ impl Scheduler {
             metrics: p.metrics,
             spec: p.spec,
             cost: PassCost::default(),
+            draft_ms: 0.0,
         }
     }
 
@@ -323,6 +328,7 @@ impl Scheduler {
                     started: Instant::now(),
                     lane: None,
                     acceptance: Acceptance::default(),
+                    next_draft: Vec::new(),
                 });
             }
             self.drop_cancelled(&mut active, &mut waiting, &mut fl);
@@ -473,6 +479,7 @@ impl Scheduler {
                 for a in active.iter_mut() {
                     a.pos = 0;
                     a.acc.replays += 1;
+                    a.next_draft.clear();
                 }
             }
             Err(e2) => {
@@ -527,6 +534,7 @@ impl Scheduler {
                         // Each output token drew once from a sampling sequence's generator.
                         draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
                         draft_len: 0,
+                        draft_next: 0,
                     }
                 })
                 .collect();
@@ -552,33 +560,47 @@ impl Scheduler {
         }
     }
 
-    /// Speculative decoding: appends a prompt-lookup draft to each decoding sequence of a step, each
-    /// as long as maximises its expected tokens per millisecond (its acceptance so far, the measured
-    /// step time by positions), within its request's limits, its remaining tokens and what is left
-    /// of the step's token budget.
-    fn draft(&self, active: &[Active], members: &[(usize, usize)], seqs: &mut [StepSeq]) {
-        if self.spec.0 == SpecMode::Off {
+    /// Speculative decoding: appends a draft to each decoding sequence of a step — prompt lookup,
+    /// or what the head's draft model proposed after its last step — each as long as maximises its
+    /// expected tokens per millisecond (its acceptance so far, the measured step time by positions,
+    /// the draft model's time per token), within its request's limits, its remaining tokens and what
+    /// is left of the step's token budget; with a draft model, asks the head for that many more.
+    fn draft(&self, active: &mut [Active], members: &[(usize, usize)], seqs: &mut [StepSeq]) {
+        let mode = self.spec.0;
+        if mode == SpecMode::Off {
             return;
         }
         let mut rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         let others = seqs.len().saturating_sub(1) as f64;
         for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
-            let a = &active[i];
-            // Only a decode: its one token is the last known one.
-            if s.prompt_continues || s.token_ids.len() != 1 || a.pos + 1 != a.known() {
+            let a = &mut active[i];
+            let proposed = std::mem::take(&mut a.next_draft);
+            if s.prompt_continues {
                 continue;
             }
             let p = &a.req.params;
+            // Tokens still to come after this step's first.
             let remaining = p.max_new_tokens.saturating_sub(a.stopper.output().len() + 1);
             let budget = self.limits.max_step_tokens.saturating_sub(rows);
-            let max = p.speculative.max(self.spec.1).min(remaining).min(budget);
+            let max = p.speculative.max(self.spec.1).min(remaining);
             let min = p.speculative.n_min;
             if max == 0 || min > max {
                 continue;
             }
-            let k =
-                choose_draft(a.acceptance.rate(), &self.cost, rows - 1, others, 0.0, (min, max));
-            let draft = if k > 0 { ngram_propose(&a.history(), k) } else { Vec::new() };
+            let ms = if mode == SpecMode::Draft { self.draft_ms } else { 0.0 };
+            let k = choose_draft(a.acceptance.rate(), &self.cost, rows - 1, others, ms, (min, max));
+            if mode == SpecMode::Draft {
+                s.draft_next = k as u32;
+            }
+            // Only a decode carries a draft: its one token is the last known one.
+            if s.token_ids.len() != 1 || a.pos + 1 != a.known() || k == 0 {
+                continue;
+            }
+            let mut draft = match mode {
+                SpecMode::Draft => proposed,
+                _ => ngram_propose(&a.history(), k),
+            };
+            draft.truncate(k.min(budget));
             if draft.is_empty() || draft.len() < min {
                 continue;
             }
@@ -633,9 +655,14 @@ impl Scheduler {
             a.acc.add_busy(&walls);
         }
         let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        if seqs.iter().all(|s| !s.prompt_continues) {
-            // Decode steps only: a prefill's time says little about a draft's.
-            self.cost.record(rows, took.as_secs_f64() * 1e3);
+        if seqs.iter().all(|s| s.token_ids.len() == 1 + s.draft_len as usize) {
+            // Decode steps only (a prefill's time says little about a draft's), drafting excluded.
+            self.cost.record(rows, (took.as_secs_f64() * 1e3 - out.draft_ms).max(0.0));
+        }
+        let proposed: usize = out.drafts.iter().map(Vec::len).sum();
+        if proposed > 0 {
+            let ms = out.draft_ms / proposed as f64;
+            self.draft_ms = if self.draft_ms == 0.0 { ms } else { 0.8 * self.draft_ms + 0.2 * ms };
         }
         let mut done_ids = Vec::new();
         for (k, (s, toks)) in seqs.iter().zip(&out.tokens).enumerate() {
@@ -649,6 +676,7 @@ impl Scheduler {
             if s.prompt_continues {
                 continue;
             }
+            a.next_draft = out.drafts.get(k).cloned().unwrap_or_default();
             if drafted > 0 {
                 a.acceptance.record(drafted, accepted);
                 self.metrics.speculated(drafted, accepted);

@@ -38,20 +38,20 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     Ok(())
 }
 
-/// The drafter `--spec` names and the most it drafts: prompt lookup; a draft model is not yet
-/// placed on the workers of a pipeline (`run --draft-model` has one), so asking for one is refused
-/// before anything starts.
-fn spec_mode(args: &CoordinatorArgs) -> Result<(layerstream_model::spec::SpecMode, usize)> {
-    use layerstream_model::spec::SpecMode;
-    if let Some(d) = &args.spec.draft_model {
-        return Err(Error::Setup(format!(
-            "--draft-model {}: a draft model runs with `layerstream run`; a pipeline drafts with --spec ngram",
-            d.display()
-        )));
+/// `--draft-model` checked against the target (vocabulary, size) and sized for the planner, when
+/// `--spec` drafts with it (the head worker loads it beside its layers).
+fn draft_model(args: &CoordinatorArgs, store: &Store) -> Result<Option<(String, u64)>> {
+    let mode = args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?;
+    match (&args.spec.draft_model, mode) {
+        (Some(d), layerstream_model::spec::SpecMode::Draft) => {
+            let draft = Store::open(d)?;
+            layerstream_model::spec::check_draft(store, &draft)?;
+            let bytes = planner::draft_bytes(&draft.manifest, args.plan.kv_capacity);
+            let dir = std::fs::canonicalize(d).unwrap_or_else(|_| d.clone());
+            Ok(Some((dir.display().to_string(), bytes)))
+        }
+        _ => Ok(None),
     }
-    let mode = args.spec.spec.resolve(false).map_err(Error::Setup)?;
-    debug_assert!(matches!(mode, SpecMode::Off | SpecMode::Ngram));
-    Ok((mode, args.spec.spec_max as usize))
 }
 
 /// Tokens and TLS, checked before anything connects.
@@ -130,6 +130,7 @@ async fn plan_and_schedule(
         kv_capacity: args.plan.kv_capacity,
         prefetch: !args.plan.no_prefetch,
         expert_cache: args.plan.expert_cache,
+        draft: draft_model(args, store)?,
     };
     let num_layers = store.manifest.config.num_layers as u32;
     let current = Arc::new(std::sync::RwLock::new(Plan {
@@ -195,7 +196,10 @@ async fn plan_and_schedule(
         limits,
         max_recoveries: args.sched.max_recoveries,
         metrics: metrics.clone(),
-        spec: spec_mode(args)?,
+        spec: (
+            args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?,
+            args.spec.spec_max as usize,
+        ),
     });
     tokio::spawn(sched.run());
     Ok(Arc::new(service::CoordinatorService {

@@ -93,7 +93,8 @@ pub fn generate<B: Backend>(
                 let min = p.speculative.n_min;
                 let k =
                     choose_draft(acceptance.rate(), &cost, 0, 0.0, d.ms_per_token(), (min, max));
-                let draft = if k > 0 { d.propose(&history, k)? } else { Vec::new() };
+                let valid = history.len() - 1;
+                let draft = if k > 0 { d.propose(&history, valid, k)? } else { Vec::new() };
                 if draft.len() < min {
                     Vec::new()
                 } else {
@@ -136,9 +137,6 @@ pub fn generate<B: Backend>(
         let valid = history.len() - 1;
         if seq.len > valid {
             model.truncate(&mut seq, valid)?;
-        }
-        if let Some(d) = drafter.as_mut() {
-            d.rollback(valid)?;
         }
         next = vec![*history.last().expect("a token was sampled")];
     };

@@ -103,7 +103,8 @@ fn fetch_group<B: Backend>(
             h2d.in_scope(|| src.load_layer(link, l, &h2d, true)).inspect_err(|e| {
                 h2d.record("error", tracing::field::display(e));
             })?;
-        let transfer_ms = dev_ms.unwrap_or(t0.elapsed().as_secs_f64() * 1e3);
+        let paced = pace(bytes, t0);
+        let transfer_ms = dev_ms.map_or(t0.elapsed().as_secs_f64() * 1e3, |ms| ms.max(paced));
         h2d.record("bytes", bytes as i64);
         h2d.record("gbps", bytes as f64 / (transfer_ms / 1e3).max(1e-9) / 1e9);
         if let Some(ms) = dev_ms {
@@ -118,6 +119,32 @@ fn fetch_group<B: Backend>(
         });
     }
     Ok(Group { step: m.number, layers })
+}
+
+/// `--link-gbps` as f64 bits (0: off).
+static LINK_GBPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Paces every streamed copy of this process to `gbps` GB/s (a simulated slower link).
+pub fn set_link_gbps(gbps: f64) -> std::result::Result<(), String> {
+    if !(gbps > 0.0 && gbps.is_finite()) {
+        return Err(format!("must be a positive number of GB/s, got {gbps}"));
+    }
+    LINK_GBPS.store(gbps.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// Under `--link-gbps`, waits until a copy of `bytes` begun at `t0` has taken as long as that link
+/// would take; returns the copy's milliseconds so paced (0 when off).
+fn pace(bytes: u64, t0: Instant) -> f64 {
+    let gbps = f64::from_bits(LINK_GBPS.load(std::sync::atomic::Ordering::Relaxed));
+    if gbps <= 0.0 {
+        return 0.0;
+    }
+    let want = std::time::Duration::from_secs_f64(bytes as f64 / (gbps * 1e9));
+    if let Some(rest) = want.checked_sub(t0.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    t0.elapsed().as_secs_f64() * 1e3
 }
 
 fn copy_thread_lost() -> Error {

@@ -41,6 +41,11 @@ pub struct DeviceFlags {
     /// Q8_0/Q4_0/Q4_1/Q4_K/Q6_K.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
+    /// Simulates a slower link: every streamed layer copy takes at least its bytes ÷ this many GB/s
+    /// (the copy thread waits out the rest). For measuring the link-bound regime on a machine whose
+    /// own copies are faster (speculative decoding's benchmark); off by default.
+    #[arg(long, env = "LAYERSTREAM_LINK_GBPS")]
+    pub link_gbps: Option<f64>,
 }
 
 impl DeviceFlags {
@@ -59,6 +64,9 @@ impl DeviceFlags {
         if self.int8_activations {
             a.push("--int8-activations".into());
         }
+        if let Some(g) = self.link_gbps {
+            a.extend(["--link-gbps".to_owned(), g.to_string()]);
+        }
         a
     }
 
@@ -66,6 +74,9 @@ impl DeviceFlags {
     /// (before any kernel runs).
     pub fn apply_threads(&self) -> crate::Result<()> {
         layerstream_kernels::cpu::int8::set_int8_activations(self.int8_activations);
+        if let Some(g) = self.link_gbps {
+            crate::prefetch::set_link_gbps(g).map_err(|m| crate::Error::invalid("link_gbps", m))?;
+        }
         match self.threads {
             Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
             None => Ok(()),
@@ -253,6 +264,8 @@ mod tests {
             "--concurrent-threads",
             "2",
             "--int8-activations",
+            "--link-gbps",
+            "1.5",
         ]);
         let args = given.device.to_args();
         for a in Cli::command().get_arguments() {

@@ -2,9 +2,11 @@
 //! embedding and head, per-sequence KV caches and samplers, and the step that runs a batch through it
 //! while the copy side (`prefetch`) streams the next layer groups from the loader.
 
+use crate::draft::DraftState;
 use crate::error::{Error, Result};
 use crate::experts::ExpertCache;
 use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
+use crate::model::Model;
 use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{Sampler, SamplingParams};
@@ -34,6 +36,8 @@ pub struct StepSeq {
     pub(crate) draws_before: u64,
     /// The last `draft_len` tokens are a speculative draft, verified by the head stage.
     pub(crate) draft_len: usize,
+    /// Tokens the head's draft model proposes after this step, for the next.
+    pub(crate) draft_next: usize,
 }
 
 /// Timing of one layer in one step.
@@ -61,6 +65,10 @@ pub struct StepOut {
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
     pub(crate) layers_ms: f64,
+    /// The draft model's proposals per sequence (`draft_next`), their counts, and the time taken.
+    pub(crate) drafts: Vec<u32>,
+    pub(crate) draft_counts: Vec<u32>,
+    pub(crate) draft_ms: f64,
 }
 
 struct Seq<B: Backend> {
@@ -70,6 +78,8 @@ struct Seq<B: Backend> {
     history: Vec<u32>,
     /// Drafted positions of its last step, which the next step may cut (a rejected draft).
     rollback: usize,
+    /// Its cache in the head's draft model.
+    draft: Option<DraftState<B>>,
 }
 
 /// The batch's sequences, in batch order (each prepared, each once in a step).
@@ -198,6 +208,8 @@ pub struct Stage<B: Backend> {
     /// The experts of a mixture-of-experts model's layers (None for a dense model).
     experts: Option<ExpertCache<B>>,
     seqs: HashMap<u64, Seq<B>>,
+    /// The head's draft model (an assignment with `draft_model`), fully resident.
+    draft: Option<Model<B>>,
 }
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
@@ -251,6 +263,15 @@ impl<B: Backend + 'static> Stage<B> {
             )?),
             None => None,
         };
+        let draft = if plan.head && !plan.draft_model.is_empty() {
+            let d = Store::open(std::path::Path::new(&plan.draft_model))?;
+            layerstream_model::spec::check_draft(&store, &d)?;
+            let m = Model::load(backend.clone(), &d)?;
+            tracing::info!(draft = %plan.draft_model, layers = m.cfg.num_layers, "draft model loaded");
+            Some(m)
+        } else {
+            None
+        };
         let src = LayerSource { backend: backend.clone(), cfg: cfg.clone(), store };
         let mut resident = HashMap::new();
         for &l in &plan.resident {
@@ -278,6 +299,7 @@ impl<B: Backend + 'static> Stage<B> {
             fetcher,
             experts,
             seqs: HashMap::new(),
+            draft,
         })
     }
 
@@ -345,7 +367,12 @@ impl<B: Backend + 'static> Stage<B> {
             } else {
                 None
             };
-            let seq = Seq { caches, len: 0, sampler, history: Vec::new(), rollback: s.draft_len };
+            let draft = match &self.draft {
+                Some(m) => Some(DraftState::new(m, 0)?),
+                None => None,
+            };
+            let seq =
+                Seq { caches, len: 0, sampler, history: Vec::new(), rollback: s.draft_len, draft };
             self.seqs.insert(s.seq_id, seq);
         }
         Ok(())
@@ -422,6 +449,7 @@ impl<B: Backend + 'static> Stage<B> {
                         })
                         .collect();
                     (out.tokens, out.token_counts, out.logprobs) = verify(b, &logits, rows)?;
+                    self.draft_next(batch, &mut out)?;
                     return Ok(out);
                 }
                 let rows: Vec<HeadRow<'_>> = batch
@@ -440,10 +468,47 @@ impl<B: Backend + 'static> Stage<B> {
                 let _in_head = head_span.enter();
                 let mut logits = head_tensor(b, &self.ctx, &x, &seq_rows, &[], norm, lm)?;
                 (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
+                drop(_in_head);
+                self.draft_next(batch, &mut out)?;
             }
             None => out.hidden = self.backend.to_host(&x)?,
         }
         Ok(out)
+    }
+
+    /// The head's draft model proposes each sequence's next tokens (`draft_next`), from its history
+    /// as this step's tokens left it (the accepted drafts and the new token).
+    fn draft_next(&mut self, batch: &[StepSeq], out: &mut StepOut) -> Result<()> {
+        let Some(model) = &self.draft else { return Ok(()) };
+        if batch.iter().all(|s| s.draft_next == 0) {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let _span = info_span!("draft", sequences = batch.len() as i64).entered();
+        let (mut drafts, mut counts, mut at) = (Vec::new(), Vec::with_capacity(batch.len()), 0);
+        for (i, s) in batch.iter().enumerate() {
+            let n = out.token_counts.get(i).map_or(1, |&c| c as usize);
+            let emitted = &out.tokens[at..at + n];
+            at += n;
+            let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
+            let (Some(d), false, true) = (seq.draft.as_mut(), s.prompt_continues, s.draft_next > 0)
+            else {
+                counts.push(0);
+                continue;
+            };
+            // The history the next step starts from: everything before this step's draft, the
+            // drafts it accepted (the first emitted tokens), and the new token.
+            let base = seq.history.len() - s.draft_len;
+            let mut history = seq.history[..base].to_vec();
+            history.extend_from_slice(emitted);
+            let valid = history.len() - 1;
+            let next = d.propose(model, &history, valid, s.draft_next)?;
+            counts.push(next.len() as u32);
+            drafts.extend(next);
+        }
+        (out.drafts, out.draft_counts) = (drafts, counts);
+        out.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
     }
 
     /// Runs `x` through every layer of the range: resident layers from memory, streamed ones as
@@ -624,6 +689,7 @@ mod tests {
             prompt_continues: false,
             draws_before: 0,
             draft_len: 0,
+            draft_next: 0,
         }
     }
 

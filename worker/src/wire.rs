@@ -14,6 +14,7 @@ impl From<v1::StepSeq> for StepSeq {
             prompt_continues: s.prompt_continues,
             draws_before: s.draws_before as u64,
             draft_len: s.draft_len as usize,
+            draft_next: (s.draft_next as usize).min(layerstream_model::spec::MAX_DRAFT),
         }
     }
 }
@@ -53,6 +54,9 @@ pub fn step_response(
         hidden_ref,
         tokens: out.tokens,
         token_counts: out.token_counts,
+        drafts: out.drafts,
+        draft_counts: out.draft_counts,
+        draft_ms: out.draft_ms,
         layers: out.layers.into_iter().map(Into::into).collect(),
         wall_ms,
         layers_ms: out.layers_ms,
