@@ -92,6 +92,25 @@ fn bad_drafts_and_limits_are_refused() {
         s,
     ]);
     assert!(e.contains("is not smaller than the target"), "{e}");
+    // A draft that does not fit beside the head's layers: refused by the planner, before loading.
+    let e = layerstream_fails(&[
+        "up",
+        "--model",
+        s,
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "off",
+        "--memory-budget",
+        "8M",
+        "--spec",
+        "draft",
+        "--draft-model",
+        tiny.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+    ]);
+    assert!(e.contains("the draft model needs") && e.contains("memory budget"), "{e}");
     let e = with(&["--spec", "draft"]);
     assert!(e.contains("--spec draft needs --draft-model"), "{e}");
     let e = with(&["--spec", "ngram", "--draft-max", "65"]);
