@@ -8,13 +8,17 @@
 #define ATT_DIMS_PER_THREAD 4
 
 // window > 0: a row attends only to the last `window` positions of its context (itself included).
+// anc != 0: the new rows are a token tree (at most 64: gridDim.y of them): row r attends
+// to the cached positions before `start` and to the new rows whose bit is set in anc[r].
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out,
-                                     int start, int n_heads, int n_kv_heads, int hd, float scale, int window) {
+                                     int start, int n_heads, int n_kv_heads, int hd, float scale, int window,
+                                     const unsigned long long* anc) {
     __shared__ float p[ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int kvh = h / (n_heads / n_kv_heads);
     const int qd = n_heads * hd, kvd = n_kv_heads * hd;
-    const int n_ctx = start + row + 1;
+    const int n_ctx = anc ? start + (int)gridDim.y : start + row + 1;
+    const unsigned long long mask = anc ? anc[row] : 0ULL;
     const int first = window > 0 && n_ctx > window ? n_ctx - window : 0;
     const float* qv = q + (long long)row * qd + (long long)h * hd;
     float acc[ATT_DIMS_PER_THREAD];
@@ -24,14 +28,15 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     for (int t0 = first; t0 < n_ctx; t0 += nt) {
         const int t = t0 + tid;
         float s = -3.0e38f;
-        if (t < n_ctx) {
+        const bool seen = t < n_ctx && (!anc || t < start || ((mask >> (t - start)) & 1ULL));
+        if (seen) {
             const float* kv = kc + (long long)t * kvd + (long long)kvh * hd;
             float d = 0.0f;
             for (int j = 0; j < hd; j++) d += qv[j] * kv[j];
             s = d * scale;
         }
         const float mx_new = fmaxf(mx, block_max(s));
-        const float e = t < n_ctx ? expf(s - mx_new) : 0.0f;
+        const float e = seen ? expf(s - mx_new) : 0.0f;
         const float tile_sum = block_sum(e);
         p[tid] = e;
         __syncthreads();

@@ -3,6 +3,7 @@
 //   ops-emu attention START M NH NKV HD THREADS [WINDOW SCALAR] IN OUT   (scale 1/√SCALAR, default HD)
 //                                                IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
 //                                                OUT: attention output (M×NH·HD)
+//   ops-emu attention_tree START M NH NKV HD THREADS IN OUT   as attention, then M u64 ancestor masks
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
 //   ops-emu argmax ROWS COLS IN OUT              IN: x (ROWS×COLS)               OUT: u32 per row
 //   ops-emu embedding T VOCAB COLS N IN OUT      IN: table (VOCAB rows of T), N u32 ids   OUT: N×COLS
@@ -54,7 +55,17 @@ int main(int argc, char** argv) {
         std::vector<float> o(q.size(), NAN);
         const int window = a.size() == 8 ? a[6] : 0;
         const float scale = 1.0f / sqrtf((float)(a.size() == 8 ? a[7] : hd));
-        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, window); });
+        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, window, nullptr); });
+        return write_out(out, o);
+    }
+    if (op == "attention_tree" && a.size() == 6) {
+        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], ctx = start + m;
+        std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
+        std::vector<unsigned long long> anc(m);
+        if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc) || !read_into(in, anc)) return 3;
+        std::vector<float> o(q.size(), NAN);
+        const float scale = 1.0f / sqrtf((float)hd);
+        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, 0, anc.data()); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

@@ -245,6 +245,19 @@ pub trait Backend: Send + Sync + Clone {
         cache: &mut Self::KvCache,
         shape: AttnShape,
     ) -> Result<Self::Tensor>;
+    /// `attention` for a token tree (speculative decoding): new row i attends to the positions
+    /// cached before this call and to the new rows whose bit is set in `anc[i]` — its ancestors
+    /// and itself — so every root-to-leaf path computes as if fed alone. At most 64 new rows;
+    /// full-context layers only.
+    fn attention_tree(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvCache,
+        shape: AttnShape,
+        anc: &[u64],
+    ) -> Result<Self::Tensor>;
     /// Bytes a cache of `capacity` positions occupies.
     fn kv_bytes(&self, shape: AttnShape, capacity: usize) -> usize {
         2 * capacity * shape.n_kv_heads * shape.head_dim * 4

@@ -28,6 +28,33 @@ pub fn attention(
     cache: &mut CpuKv,
     s: AttnShape,
 ) -> Vec<f32> {
+    attend(q, k, v, m, cache, s, None)
+}
+
+/// `attention` for a token tree of `m` new rows (`m` ≤ 64): row i attends to the positions cached
+/// before this call and to the new rows whose bit is set in `anc[i]` (its ancestors and itself),
+/// instead of every earlier new row. Full-context layers only (no window).
+pub fn attention_tree(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    m: usize,
+    cache: &mut CpuKv,
+    s: AttnShape,
+    anc: &[u64],
+) -> Vec<f32> {
+    attend(q, k, v, m, cache, s, Some(anc))
+}
+
+fn attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    m: usize,
+    cache: &mut CpuKv,
+    s: AttnShape,
+    anc: Option<&[u64]>,
+) -> Vec<f32> {
     let (hd, kvd, qd) = (s.head_dim, s.n_kv_heads * s.head_dim, s.n_heads * s.head_dim);
     let start = cache.len;
     cache.k.extend_from_slice(&k[..m * kvd]);
@@ -44,10 +71,17 @@ pub fn attention(
         let first = if s.window > 0 { n_ctx.saturating_sub(s.window) } else { 0 };
         // Cache row of position t.
         let at = |t: usize| (t - base) * kvd + kvh * hd;
+        // The positions this row sees: causal, or the cached ones and its ancestors in a tree.
+        let seen: Vec<usize> = match anc {
+            None => (first..n_ctx).collect(),
+            Some(a) => (first..start)
+                .chain((0..m).filter(|&j| a[row] >> j & 1 == 1).map(|j| start + j))
+                .collect(),
+        };
         let mut scores: Vec<f32> =
-            (first..n_ctx).map(|t| dot(qv, &ck[at(t)..at(t) + hd]) * s.scale).collect();
+            seen.iter().map(|&t| dot(qv, &ck[at(t)..at(t) + hd]) * s.scale).collect();
         softmax(&mut scores);
-        for (t, p) in (first..n_ctx).zip(&scores) {
+        for (&t, p) in seen.iter().zip(&scores) {
             for (oi, vi) in o.iter_mut().zip(&cv[at(t)..at(t) + hd]) {
                 *oi += p * vi;
             }
@@ -155,6 +189,47 @@ mod tests {
         }
         assert_eq!(c.len, n);
         assert!(c.dropped > 0, "the window dropped positions");
+    }
+
+    /// A tree's row attends to the cache and its ancestors only: each root-to-leaf path of a tree
+    /// equals that path fed alone (causal), row for row.
+    #[test]
+    fn tree_rows_see_their_ancestors_only() {
+        let s = AttnShape::new(2, 1, 4);
+        let gen = |n: usize, mul: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * mul) % 13) as f32 * 0.2 - 1.1).collect()
+        };
+        let (q, k, v) = (gen(8 * 8, 7), gen(8 * 4, 5), gen(8 * 4, 3));
+        // Two cached positions, then a tree of 5 rows: 0 → {1, 2}, 1 → 3, 2 → 4.
+        let parents = [usize::MAX, 0, 0, 1, 2];
+        let anc: Vec<u64> = (0..5)
+            .map(|i| {
+                let (mut a, mut n) = (0u64, i);
+                loop {
+                    a |= 1 << n;
+                    if parents[n] == usize::MAX {
+                        break a;
+                    }
+                    n = parents[n];
+                }
+            })
+            .collect();
+        let mut c = CpuKv::default();
+        attention(&q[..16], &k[..8], &v[..8], 2, &mut c, s);
+        let got = attention_tree(&q[16..56], &k[8..28], &v[8..28], 5, &mut c, s, &anc);
+        for path in [[0usize, 1, 3], [0, 2, 4]] {
+            let mut p = CpuKv::default();
+            attention(&q[..16], &k[..8], &v[..8], 2, &mut p, s);
+            let rows = |x: &[f32], w: usize| -> Vec<f32> {
+                path.iter().flat_map(|&r| x[(2 + r) * w..(3 + r) * w].to_vec()).collect()
+            };
+            let want = attention(&rows(&q, 8), &rows(&k, 4), &rows(&v, 4), 3, &mut p, s);
+            for (i, &r) in path.iter().enumerate() {
+                for (a, b) in got[r * 8..(r + 1) * 8].iter().zip(&want[i * 8..(i + 1) * 8]) {
+                    assert!((a - b).abs() < 1e-5, "path {path:?} row {r}");
+                }
+            }
+        }
     }
 
     /// Rolling a cache back and appending again equals never having appended the rejected rows;

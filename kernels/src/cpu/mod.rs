@@ -329,6 +329,21 @@ impl Backend for CpuBackend {
         let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s);
         Ok(CpuTensor { data, rows: q.rows, cols: qd })
     }
+
+    fn attention_tree(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut CpuKv,
+        s: AttnShape,
+        anc: &[u64],
+    ) -> Result<CpuTensor> {
+        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
+        crate::host::check_tree(q.rows, anc, s)?;
+        let data = attention::attention_tree(&q.data, &k.data, &v.data, q.rows, cache, s, anc);
+        Ok(CpuTensor { data, rows: q.rows, cols: qd })
+    }
 }
 
 #[cfg(test)]

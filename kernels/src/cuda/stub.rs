@@ -119,4 +119,15 @@ impl Backend for CudaBackend {
     ) -> Result<Never> {
         match self.0 {}
     }
+    fn attention_tree(
+        &self,
+        _: &Never,
+        _: &Never,
+        _: &Never,
+        _: &mut Never,
+        _: AttnShape,
+        _: &[u64],
+    ) -> Result<Never> {
+        match self.0 {}
+    }
 }

@@ -208,6 +208,46 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let e = rel(&got, &want);
         assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
     }
+    // A token tree after a cached prefix: 0 → {1, 2}, 1 → {3, 5}, 2 → 4 (ancestor masks).
+    let parents = [None, Some(0), Some(0), Some(1), Some(2), Some(1)];
+    let anc: Vec<u64> = (0..parents.len())
+        .map(|i| {
+            let (mut a, mut n) = (0u64, Some(i));
+            while let Some(x) = n {
+                a |= 1 << x;
+                n = parents[x];
+            }
+            a
+        })
+        .collect();
+    for (start, hd) in [(0, 64), (37, 64), (140, 320)] {
+        let s = AttnShape::new(4, 2, hd);
+        let (qd, kvd, m) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, anc.len());
+        let mut cache = c.kv_cache(s, start + m).unwrap();
+        let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
+        if start > 0 {
+            let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
+            c.attention(&t(&rng.vec(start * qd), qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s)
+                .unwrap();
+        }
+        let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
+        let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
+        let want = c
+            .attention_tree(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, &anc)
+            .unwrap()
+            .data;
+        let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);
+        input.extend(anc.iter().flat_map(|a| a.to_le_bytes()));
+        let got = f32s(&emu.run(
+            &args(
+                "attention_tree",
+                [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize],
+            ),
+            &input,
+        ));
+        let e = rel(&got, &want);
+        assert!(e < 1e-5, "tree attention start={start}: relative error {e:e}");
+    }
     // RMSNorm over whole rows (256 threads) and per head (64 threads).
     let (rows, cols) = (3, 512);
     let x = rng.vec(rows * cols);
