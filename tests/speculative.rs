@@ -1,5 +1,6 @@
 //! Speculative decoding as users run it: `layerstream run` and a 2-worker `up` with prompt lookup
-//! (`--spec ngram`) and a draft model give the same greedy and seeded tokens as without speculation
+//! (`--spec ngram`) and a draft model (chains and token trees) give the same greedy and seeded tokens
+//! as without speculation
 //! on the real SmolLM2, while drafting and accepting tokens (stats, Prometheus); bad drafts and bad
 //! limits are refused naming what is wrong; and over 2,000 seeded draws the sampled tokens follow
 //! the plain sampler's distribution (chi-square).
@@ -42,11 +43,12 @@ fn run_speculates_without_changing_the_tokens() {
     // tiny-llama carries SmolLM2's tokenizer: a (poor) draft with the same vocabulary.
     let draft = tiny_store(dir.path());
     let draft_flag = ["--spec", "draft", "--draft-model", draft.to_str().unwrap()];
+    let tree_flag = [&draft_flag[..], &["--spec-width", "3"]].concat();
     let (mut drafted, mut accepted) = (0, 0);
     for prompt in PROMPTS {
         for sampling in [&[][..], &SAMPLED[..]] {
             let plain = run_json(&store, prompt, sampling);
-            for spec in [&["--spec", "ngram", "--spec-max", "6"][..], &draft_flag[..]] {
+            for spec in [&["--spec", "ngram", "--spec-max", "6"][..], &draft_flag[..], &tree_flag] {
                 let got = run_json(&store, prompt, &[sampling, spec].concat());
                 assert_eq!(ids(&got), ids(&plain), "{prompt:?} {sampling:?} {spec:?}");
                 let t = &got["timings"];
@@ -142,36 +144,47 @@ fn a_pipeline_speculates_alone_and_batched_with_the_same_tokens() {
         .iter()
         .flat_map(|p| [ids(&run_json(&store, p, &[])), ids(&run_json(&store, p, &SAMPLED))])
         .collect();
-    let stack = Stack::up(
-        &store,
-        &["--workers", "2", "--resident-layers", "13", "--spec", "ngram", "--spec-max", "8"],
-    );
-    let addr = stack.addr().to_owned();
-    let job = |i: usize| {
-        let mut a = vec!["--chat", PROMPTS[i / 2], "--max-new-tokens", "48"];
-        if i % 2 == 1 {
-            a.extend_from_slice(&SAMPLED);
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = tiny_store(dir.path());
+    let base = ["--workers", "2", "--resident-layers", "13", "--spec-max", "8"];
+    let tree = ["--spec", "draft", "--draft-model", tiny.to_str().unwrap(), "--spec-width", "2"];
+    // The draft model's tree last: its stack stays up for the checks after.
+    let mut stack = None;
+    for spec in [&["--spec", "ngram"][..], &tree[..]] {
+        if let Some(s) = stack.take() {
+            Stack::shutdown(s);
         }
-        submit(&addr, &a)
-    };
-    // Alone, one after another.
-    let mut drafted = 0;
-    for (i, w) in want.iter().enumerate() {
-        let v = job(i);
-        assert_eq!(&ids(&v), w, "request {i} alone");
-        drafted += v["stats"]["spec_drafted"].as_u64().unwrap();
-        let passes = v["stats"]["weight_passes"].as_u64().unwrap();
-        assert!(passes <= w.len() as u64, "{passes} passes for {} tokens", w.len());
+        let st = Stack::up(&store, &[&base[..], spec].concat());
+        let addr = st.addr().to_owned();
+        let job = |i: usize| {
+            let mut a = vec!["--chat", PROMPTS[i / 2], "--max-new-tokens", "48"];
+            if i % 2 == 1 {
+                a.extend_from_slice(&SAMPLED);
+            }
+            submit(&addr, &a)
+        };
+        // Alone, one after another.
+        let mut drafted = 0;
+        for (i, w) in want.iter().enumerate() {
+            let v = job(i);
+            assert_eq!(&ids(&v), w, "request {i} alone ({spec:?})");
+            drafted += v["stats"]["spec_drafted"].as_u64().unwrap();
+            let passes = v["stats"]["weight_passes"].as_u64().unwrap();
+            assert!(passes <= w.len() as u64, "{passes} passes for {} tokens", w.len());
+        }
+        assert!(drafted > 0, "nothing was drafted ({spec:?})");
+        // All at once: plain and speculating sequences share steps.
+        let got: Vec<serde_json::Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..want.len()).map(|i| s.spawn(move || job(i))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (v, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(&ids(v), w, "request {i} batched ({spec:?})");
+        }
+        stack = Some(st);
     }
-    assert!(drafted > 0, "nothing was drafted");
-    // All at once: plain and speculating sequences share steps.
-    let got: Vec<serde_json::Value> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..want.len()).map(|i| s.spawn(move || job(i))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (i, (v, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(&ids(v), w, "request {i} batched");
-    }
+    let stack = stack.expect("a stack ran");
+    let addr = stack.addr().to_owned();
     let (d, a) = (
         metric(&stack, "layerstream_spec_drafted_tokens_total"),
         metric(&stack, "layerstream_spec_accepted_tokens_total"),
@@ -287,9 +300,10 @@ fn sampled_tokens_follow_the_plain_distribution() {
     };
     let (plain, _, _) = counts(&Speculation::off());
     for (name, spec) in [
-        ("ngram", Speculation { mode: SpecMode::Ngram, max: 4, draft: None }),
+        ("ngram", Speculation { mode: SpecMode::Ngram, max: 4, draft: None, width: 1 }),
         // The target drafting for itself: its greedy tokens, accepted where sampling agrees.
-        ("draft", Speculation { mode: SpecMode::Draft, max: 4, draft: Some(&model) }),
+        ("draft", Speculation { mode: SpecMode::Draft, max: 4, draft: Some(&model), width: 1 }),
+        ("tree", Speculation { mode: SpecMode::Draft, max: 6, draft: Some(&model), width: 3 }),
     ] {
         let (got, drafted, accepted) = counts(&spec);
         let keys: std::collections::BTreeSet<u32> =

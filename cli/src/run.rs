@@ -94,7 +94,12 @@ fn generate_on<B: Backend>(
         _ => None,
     };
     let model = Model::load(backend, store)?;
-    let spec = Speculation { mode, max: args.spec.spec_max as usize, draft: draft.as_ref() };
+    let spec = Speculation {
+        mode,
+        max: args.spec.spec_max as usize,
+        draft: draft.as_ref(),
+        width: args.spec.spec_width as usize,
+    };
     let mut out = std::io::stdout().lock();
     let json = args.json;
     let g = generate(&model, tok, input, &params, &spec, |t| {

@@ -146,12 +146,23 @@ pub struct SpecFlags {
     /// A smaller store with the target's vocabulary that drafts tokens (`--spec draft` or `auto`).
     #[arg(long, env = "LAYERSTREAM_DRAFT_MODEL")]
     pub draft_model: Option<std::path::PathBuf>,
+    /// Token trees: at each step of its greedy chain the draft model also proposes its next
+    /// `N - 1` most likely tokens, and one pass verifies every branch with a tree attention mask
+    /// (1 = a chain; at most 4; full-context models).
+    #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=layerstream_model::spec::MAX_WIDTH as i64))]
+    pub spec_width: u32,
 }
 
 impl SpecFlags {
     /// The same settings as command-line arguments (for a child coordinator).
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = [flag("spec", self.spec.name()), flag("spec-max", self.spec_max)].concat();
+        let mut a = [
+            flag("spec", self.spec.name()),
+            flag("spec-max", self.spec_max),
+            flag("spec-width", self.spec_width),
+        ]
+        .concat();
         if let Some(d) = &self.draft_model {
             a.extend(flag("draft-model", d.display()));
         }
@@ -274,6 +285,8 @@ mod tests {
             "5",
             "--draft-model",
             "/d",
+            "--spec-width",
+            "3",
         ]);
         let mut argv = vec!["x".to_owned()];
         argv.extend(given.plan.to_args());

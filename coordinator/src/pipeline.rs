@@ -132,7 +132,7 @@ pub struct StepResult {
     pub(crate) logprobs: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
     /// The head's draft model's proposals per sequence for its next step (empty: none), and the
     /// time the head spent drafting them.
-    pub(crate) drafts: Vec<Vec<u32>>,
+    pub(crate) drafts: Vec<(Vec<u32>, Vec<u32>)>,
     pub(crate) draft_ms: f64,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
@@ -242,8 +242,9 @@ impl Runner {
                 (out.tokens, out.logprobs) =
                     split_tokens(&seqs, resp.tokens, resp.token_counts, resp.logprobs)
                         .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
-                out.drafts = split_drafts(&seqs, resp.drafts, resp.draft_counts)
-                    .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
+                out.drafts =
+                    split_drafts(&seqs, resp.drafts, resp.draft_counts, resp.draft_parents)
+                        .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
                 out.draft_ms = resp.draft_ms;
             } else {
                 hidden = resp.hidden;
@@ -289,23 +290,34 @@ fn split_tokens(
     Ok((per, lp))
 }
 
-/// The head's draft proposals split per sequence, each count within what the step asked for.
+/// The head's draft proposals split per sequence with their tree parents, each count within what
+/// the step asked for, each parent before its child.
+#[allow(clippy::type_complexity)]
 fn split_drafts(
     seqs: &[StepSeq],
     drafts: Vec<u32>,
     counts: Vec<u32>,
-) -> std::result::Result<Vec<Vec<u32>>, String> {
+    parents: Vec<u32>,
+) -> std::result::Result<Vec<(Vec<u32>, Vec<u32>)>, String> {
     if counts.is_empty() && drafts.is_empty() {
         return Ok(Vec::new());
     }
     let bad = counts.len() != seqs.len()
         || counts.iter().map(|&c| c as usize).sum::<usize>() != drafts.len()
+        || parents.len() != drafts.len()
         || seqs.iter().zip(&counts).any(|(s, &c)| c > s.draft_next);
     if bad {
         return Err(format!("returned {} drafted tokens in counts {counts:?}", drafts.len()));
     }
-    let mut it = drafts.into_iter();
-    Ok(counts.iter().map(|&c| it.by_ref().take(c as usize).collect()).collect())
+    let (mut it, mut pt) = (drafts.into_iter(), parents.into_iter());
+    let out: Vec<(Vec<u32>, Vec<u32>)> = counts
+        .iter()
+        .map(|&c| (it.by_ref().take(c as usize).collect(), pt.by_ref().take(c as usize).collect()))
+        .collect();
+    if out.iter().any(|(_, p)| p.iter().enumerate().any(|(i, &x)| x as usize > i)) {
+        return Err("returned a draft tree whose parent follows its child".into());
+    }
+    Ok(out)
 }
 
 impl Pipeline {

@@ -10,7 +10,9 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
-use layerstream_model::spec::{choose_draft, ngram_propose, Acceptance, PassCost, SpecMode};
+use layerstream_model::spec::{
+    choose_draft, depths, ngram_propose, tree_or_chain, Acceptance, PassCost, SpecMode,
+};
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use std::collections::VecDeque;
@@ -58,8 +60,12 @@ struct Active {
     lane: Option<usize>,
     /// How often its drafted tokens were accepted (speculative decoding).
     acceptance: Acceptance,
-    /// The head's draft model's proposal to follow its known tokens (for its next step).
-    next_draft: Vec<u32>,
+    /// The head's draft model's proposal to follow its known tokens (for its next step), with its
+    /// tree parents.
+    next_draft: (Vec<u32>, Vec<u32>),
+    /// Its last step verified a token tree: the caches hold its tokens up to the one before the
+    /// tree, and the accepted branch goes in again with the next token.
+    refeed: bool,
 }
 
 impl Active {
@@ -73,6 +79,9 @@ impl Active {
     fn prefill_end(&self) -> usize {
         if self.stopper.output().is_empty() {
             self.req.input_ids.len()
+        } else if self.refeed {
+            // After a tree: the accepted branch and the new token go in as one chunk that samples.
+            self.known()
         } else {
             self.known() - 1
         }
@@ -120,8 +129,9 @@ pub struct Scheduler {
     resync: bool,
     /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
     metrics: Arc<crate::metrics::Metrics>,
-    /// The drafter (`Off` or `Ngram`) and the most it drafts per sequence per step.
-    spec: (SpecMode, usize),
+    /// The drafter (`Off`, `Ngram` or `Draft`), the most it drafts per sequence per step, and the
+    /// draft model's tree width.
+    spec: (SpecMode, usize, usize),
     /// Measured step time by positions (what a longer draft costs), drafting excluded.
     cost: PassCost,
     /// The head's draft model's milliseconds per drafted token (a running average).
@@ -143,8 +153,8 @@ pub struct SchedulerParts {
     /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
     pub(crate) max_recoveries: u32,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
-    /// The drafter (`Off` or `Ngram`) and `--spec-max`.
-    pub(crate) spec: (SpecMode, usize),
+    /// The drafter (`Off`, `Ngram` or `Draft`), `--spec-max` and `--spec-width`.
+    pub(crate) spec: (SpecMode, usize, usize),
 }
 
 /// Tokens each active sequence brings to the next step, given (position, prompt length) per sequence
@@ -328,7 +338,8 @@ impl Scheduler {
                     started: Instant::now(),
                     lane: None,
                     acceptance: Acceptance::default(),
-                    next_draft: Vec::new(),
+                    next_draft: Default::default(),
+                    refeed: false,
                 });
             }
             self.drop_cancelled(&mut active, &mut waiting, &mut fl);
@@ -479,7 +490,8 @@ impl Scheduler {
                 for a in active.iter_mut() {
                     a.pos = 0;
                     a.acc.replays += 1;
-                    a.next_draft.clear();
+                    a.next_draft = Default::default();
+                    a.refeed = false;
                 }
             }
             Err(e2) => {
@@ -535,6 +547,8 @@ impl Scheduler {
                         draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
                         draft_len: 0,
                         draft_next: 0,
+                        tree_parents: Vec::new(),
+                        draft_width: 0,
                     }
                 })
                 .collect();
@@ -589,23 +603,30 @@ impl Scheduler {
             }
             let ms = if mode == SpecMode::Draft { self.draft_ms } else { 0.0 };
             let k = choose_draft(a.acceptance.rate(), &self.cost, rows - 1, others, ms, (min, max));
+            // A token tree's rows fit a 64-bit ancestor mask.
+            let width = self.spec.2;
+            let k = if width > 1 { k.min(64usize.saturating_sub(s.token_ids.len())) } else { k };
             if mode == SpecMode::Draft {
                 s.draft_next = k as u32;
+                s.draft_width = width as u32;
             }
-            // Only a decode carries a draft: its one token is the last known one.
-            if s.token_ids.len() != 1 || a.pos + 1 != a.known() || k == 0 {
+            // A draft follows the step's last token when that is the last known one.
+            if a.pos + s.token_ids.len() != a.known() || k == 0 {
                 continue;
             }
-            let mut draft = match mode {
+            let (mut draft, mut parents) = match mode {
                 SpecMode::Draft => proposed,
-                _ => ngram_propose(&a.history(), k),
+                _ => (ngram_propose(&a.history(), k), Vec::new()),
             };
-            draft.truncate(k.min(budget));
+            let n = k.min(budget).min(draft.len());
+            draft.truncate(n);
+            parents.truncate(n);
             if draft.is_empty() || draft.len() < min {
                 continue;
             }
             rows += draft.len();
             s.draft_len = draft.len() as u32;
+            s.tree_parents = tree_or_chain(parents);
             s.token_ids.extend(draft);
         }
     }
@@ -659,7 +680,7 @@ impl Scheduler {
             // Decode steps only (a prefill's time says little about a draft's), drafting excluded.
             self.cost.record(rows, (took.as_secs_f64() * 1e3 - out.draft_ms).max(0.0));
         }
-        let proposed: usize = out.drafts.iter().map(Vec::len).sum();
+        let proposed: usize = out.drafts.iter().map(|d| d.0.len()).sum();
         if proposed > 0 {
             let ms = out.draft_ms / proposed as f64;
             self.draft_ms = if self.draft_ms == 0.0 { ms } else { 0.8 * self.draft_ms + 0.2 * ms };
@@ -670,15 +691,22 @@ impl Scheduler {
             let Some(a) = active.iter_mut().find(|a| a.req.seq_id == id) else { continue };
             let drafted = s.draft_len as usize;
             let accepted = toks.len() - 1;
-            // Rejected drafts are not in the caches any more (cut by the next step).
-            a.pos += s.token_ids.len() - (drafted - accepted.min(drafted));
+            // Rejected drafts are not in the caches any more (cut by the next step); after a tree,
+            // neither is the accepted branch (it goes in again, in order, with the next token).
+            a.refeed = !s.tree_parents.is_empty();
+            a.pos += if a.refeed {
+                s.token_ids.len() - drafted
+            } else {
+                s.token_ids.len() - (drafted - accepted.min(drafted))
+            };
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
             if s.prompt_continues {
                 continue;
             }
             a.next_draft = out.drafts.get(k).cloned().unwrap_or_default();
             if drafted > 0 {
-                a.acceptance.record(drafted, accepted);
+                let levels = depths(&s.tree_parents).into_iter().max().unwrap_or(drafted);
+                a.acceptance.record(levels, accepted);
                 self.metrics.speculated(drafted, accepted);
             }
             a.acc.spec(drafted, accepted);

@@ -199,6 +199,7 @@ async fn plan_and_schedule(
         spec: (
             args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?,
             args.spec.spec_max as usize,
+            args.spec.spec_width as usize,
         ),
     });
     tokio::spawn(sched.run());

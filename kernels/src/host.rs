@@ -135,3 +135,16 @@ pub fn check_tree(rows: usize, anc: &[u64], s: crate::AttnShape) -> crate::Resul
         },
     )
 }
+
+/// The indices of the `k` largest values, largest first (ties: the lower index first, as `argmax`).
+pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
+    let by = |a: &u32, b: &u32| x[*b as usize].total_cmp(&x[*a as usize]).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by);
+    idx
+}

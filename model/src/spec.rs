@@ -16,6 +16,9 @@ use serde::{Deserialize, Serialize};
 /// KV cache can roll back (`KV_ROLLBACK` in the kernels, 256).
 pub const MAX_DRAFT: usize = 64;
 
+/// Most candidates a draft tree branches on at each step of its chain (`--spec-width`).
+pub const MAX_WIDTH: usize = 4;
+
 /// Longest and shortest n-grams prompt lookup matches (longest first).
 pub const NGRAM_MAX: usize = 4;
 pub const NGRAM_MIN: usize = 2;
@@ -244,6 +247,25 @@ pub fn choose_draft(
     best.0
 }
 
+/// Each drafted token's depth in its tree (1: a child of the token before the draft).
+pub fn depths(parents: &[u32]) -> Vec<usize> {
+    let mut d = Vec::with_capacity(parents.len());
+    for &p in parents {
+        let depth = if p == 0 { 1 } else { d[p as usize - 1] + 1 };
+        d.push(depth);
+    }
+    d
+}
+
+/// `parents` as the wire and the forward pass take them: empty when they are a chain.
+pub fn tree_or_chain(parents: Vec<u32>) -> Vec<u32> {
+    if parents.iter().enumerate().all(|(i, &p)| p as usize == i) {
+        Vec::new()
+    } else {
+        parents
+    }
+}
+
 /// Checks that `draft` can draft for `target` before either loads: the same vocabulary, token for
 /// token (else the first id that differs is named), and fewer weight bytes than the target.
 pub fn check_draft(target: &crate::Store, draft: &crate::Store) -> crate::Result<()> {
@@ -307,6 +329,13 @@ mod tests {
         assert!("tree".parse::<SpecMode>().unwrap_err().contains("off, auto"));
         assert_eq!(SpecMode::Auto.resolve(false).unwrap(), SpecMode::Ngram);
         assert!(SpecMode::Draft.resolve(false).is_err());
+    }
+
+    #[test]
+    fn tree_depths_and_chains() {
+        assert_eq!(depths(&[0, 0, 1, 2, 3]), vec![1, 1, 2, 3, 4]);
+        assert!(tree_or_chain(vec![0, 1, 2]).is_empty());
+        assert_eq!(tree_or_chain(vec![0, 0, 1]), vec![0, 0, 1]);
     }
 
     #[test]

@@ -8,9 +8,10 @@ use layerstream_kernels::Backend;
 use layerstream_model::spec::{ngram_propose, SpecMode};
 use std::time::Instant;
 
-/// One sequence's state in a draft model: its cache holds the first `seq.len` tokens of the history.
+/// One sequence's state in a draft model: its cache holds the tokens `fed`.
 pub struct DraftState<B: Backend> {
     seq: SeqState<B>,
+    fed: Vec<u32>,
     /// Milliseconds per drafted token (a running average; 0 before the first).
     ms_per_token: f64,
 }
@@ -18,7 +19,7 @@ pub struct DraftState<B: Backend> {
 impl<B: Backend> DraftState<B> {
     /// An empty draft cache for a sequence of up to `capacity` positions.
     pub fn new(model: &Model<B>, capacity: usize) -> Result<Self> {
-        Ok(DraftState { seq: model.new_sequence(capacity)?, ms_per_token: 0.0 })
+        Ok(DraftState { seq: model.new_sequence(capacity)?, fed: Vec::new(), ms_per_token: 0.0 })
     }
 
     /// Milliseconds each drafted token costs.
@@ -26,35 +27,57 @@ impl<B: Backend> DraftState<B> {
         self.ms_per_token
     }
 
-    /// Forgets what the cache holds past the first `valid` tokens (rejected drafts), then catches
-    /// it up with `history` and takes the draft model's argmax `max` times.
-    pub fn propose(
+    /// Forgets what the cache holds past its common prefix with `history` (rejected drafts), keeping
+    /// at least the last token to feed, and feeds `tokens` after it; returns the last logits.
+    fn feed(&mut self, model: &Model<B>, history: &[u32]) -> Result<Vec<f32>> {
+        let keep = self.fed.iter().zip(history).take_while(|(a, b)| a == b).count();
+        let keep = keep.min(history.len().saturating_sub(1));
+        if self.seq.len > keep {
+            model.truncate(&mut self.seq, keep)?;
+            self.fed.truncate(keep);
+        }
+        let new = &history[keep..];
+        let logits = model.forward(&mut [(new, &mut self.seq)])?.remove(0);
+        self.fed.extend_from_slice(new);
+        layerstream_kernels::host::check_logits(&logits, 0)?;
+        Ok(logits)
+    }
+
+    /// A token tree of at most `max` tokens after `history`: the draft model's greedy chain, and at
+    /// each of its steps the next `width - 1` most likely tokens as leaves beside it (width 1: the
+    /// chain alone). Returns the tokens and their parents (0: the last token of `history`; i: token
+    /// i - 1), each parent before its child.
+    pub fn propose_tree(
         &mut self,
         model: &Model<B>,
         history: &[u32],
-        valid: usize,
         max: usize,
-    ) -> Result<Vec<u32>> {
-        if self.seq.len > valid {
-            model.truncate(&mut self.seq, valid)?;
-        }
-        let mut feed = history[self.seq.len.min(history.len())..].to_vec();
-        if max == 0 || feed.is_empty() {
-            return Ok(Vec::new());
+        width: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
+        let width = width.max(1);
+        let levels = max / width;
+        if levels == 0 || history.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
         }
         let t0 = Instant::now();
-        let mut out = Vec::with_capacity(max);
-        while out.len() < max {
-            let logits = model.forward(&mut [(&feed, &mut self.seq)])?.remove(0);
-            layerstream_kernels::host::check_logits(&logits, 0)?;
-            let d = layerstream_kernels::host::argmax(&logits) as u32;
-            out.push(d);
-            feed = vec![d];
+        let (mut tokens, mut parents) = (Vec::with_capacity(max), Vec::with_capacity(max));
+        let mut path = history.to_vec();
+        let mut parent = 0u32;
+        for _ in 0..levels {
+            let logits = self.feed(model, &path)?;
+            let top = layerstream_kernels::host::top_k(&logits, width);
+            let chain = tokens.len() as u32 + 1;
+            for &t in &top {
+                tokens.push(t);
+                parents.push(parent);
+            }
+            path.push(top[0]);
+            parent = chain;
         }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / max as f64;
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / levels as f64;
         self.ms_per_token =
             if self.ms_per_token == 0.0 { ms } else { 0.8 * self.ms_per_token + 0.2 * ms };
-        Ok(out)
+        Ok((tokens, parents))
     }
 }
 
@@ -84,12 +107,21 @@ impl<'m, B: Backend> Drafter<'m, B> {
         }
     }
 
-    /// Up to `max` tokens to follow `history`, of which the first `valid` tokens are final (the
-    /// last token was just sampled).
-    pub fn propose(&mut self, history: &[u32], valid: usize, max: usize) -> Result<Vec<u32>> {
+    /// Up to `max` tokens to follow `history` and their parents (a tree of `width` candidates per
+    /// step with a draft model; prompt lookup drafts a chain).
+    pub fn propose(
+        &mut self,
+        history: &[u32],
+        max: usize,
+        width: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
         match self {
-            Drafter::Ngram => Ok(ngram_propose(history, max)),
-            Drafter::Model(m, d) => d.propose(m, history, valid, max),
+            Drafter::Ngram => {
+                let t = ngram_propose(history, max);
+                let chain = (0..t.len() as u32).collect();
+                Ok((t, chain))
+            }
+            Drafter::Model(m, d) => d.propose_tree(m, history, max, width),
         }
     }
 }

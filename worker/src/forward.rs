@@ -9,11 +9,30 @@ use crate::weights::{LayerWeights, Mlp};
 use layerstream_kernels::{AttnShape, Backend, RopeTable};
 use layerstream_model::ModelConfig;
 
-/// One sequence's share of a batch: how many rows it contributes and the position of the first.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// One sequence's share of a batch: how many rows it contributes and the position of the first;
+/// for a token tree (speculative decoding), every row's ancestor mask among its rows (row i at
+/// position `start_pos` + its depth, attending to the cache and its ancestors).
+#[derive(Debug, Clone, PartialEq)]
 pub struct SeqRows {
     pub(crate) rows: usize,
     pub(crate) start_pos: usize,
+    pub(crate) tree: Option<Vec<u64>>,
+}
+
+/// The ancestor masks of a sequence's rows when its last `parents.len()` rows are a token tree
+/// hanging from the row before them (`parents[i]`: the parent of tree node i as an offset from that
+/// row, 0 = the row itself, i = node i - 1); every earlier row is causal. None without a tree.
+pub fn tree_masks(rows: usize, parents: &[u32]) -> Option<Vec<u64>> {
+    if parents.is_empty() {
+        return None;
+    }
+    let root = rows - parents.len() - 1;
+    let mut anc: Vec<u64> = (0..=root).map(|r| (u64::MAX >> (63 - r)) & u64::MAX).collect();
+    for (i, &p) in parents.iter().enumerate() {
+        let me = root + 1 + i;
+        anc.push(anc[root + p as usize] | 1 << me);
+    }
+    Some(anc)
 }
 
 /// Per-model constants the layers need.
@@ -59,6 +78,11 @@ impl LayerCtx {
         }
     }
 
+    /// Whether any layer has a sliding window (token trees are refused there).
+    pub fn windowed(&self) -> bool {
+        self.shape.window > 0 || self.local.is_some()
+    }
+
     /// Layer `layer`'s attention and RoPE.
     pub fn attn(&self, layer: u32) -> (AttnShape, &RopeTable) {
         match &self.local {
@@ -95,9 +119,14 @@ fn proj<B: Backend>(
     Ok(y)
 }
 
-/// Positions of every row of a batch, in order.
+/// Positions of every row of a batch, in order (a tree row's: the first row's plus its depth).
 pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
-    seqs.iter().flat_map(|s| s.start_pos..s.start_pos + s.rows).collect()
+    seqs.iter()
+        .flat_map(|s| match &s.tree {
+            None => (s.start_pos..s.start_pos + s.rows).collect::<Vec<_>>(),
+            Some(anc) => anc.iter().map(|a| s.start_pos + a.count_ones() as usize - 1).collect(),
+        })
+        .collect()
 }
 
 /// Runs decoder layer `layer` in place on `x` (rows of all sequences, stacked in `seqs` order).
@@ -126,7 +155,7 @@ pub fn layer_forward<B: Backend>(
     }
     b.rope(&mut q, &pos, rope)?;
     b.rope(&mut k, &pos, rope)?;
-    let attn = if seqs.len() == 1 {
+    let attn = if seqs.len() == 1 && seqs[0].tree.is_none() {
         b.attention(&q, &k, &v, caches[0], shape)?
     } else {
         let mut parts = Vec::with_capacity(seqs.len());
@@ -134,10 +163,17 @@ pub fn layer_forward<B: Backend>(
         for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
             let (qs, ks, vs) =
                 (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            parts.push(b.attention(&qs, &ks, &vs, cache, shape)?);
+            parts.push(match &s.tree {
+                None => b.attention(&qs, &ks, &vs, cache, shape)?,
+                Some(anc) => b.attention_tree(&qs, &ks, &vs, cache, shape, anc)?,
+            });
             off += s.rows;
         }
-        b.concat_rows(&parts)?
+        if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            b.concat_rows(&parts)?
+        }
     };
     let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref())?;
     if let Some(n) = &w.attn_post_norm {
@@ -206,4 +242,23 @@ pub fn head_logits<B: Backend>(
 pub fn logits_to_host<B: Backend>(b: &B, logits: &B::Tensor) -> Result<Vec<Vec<f32>>> {
     let (_, vocab) = b.dims(logits);
     Ok(b.to_host(logits)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows before the tree are causal; each tree node sees the root's context and its ancestors;
+    /// its position is the root's plus its depth.
+    #[test]
+    fn tree_masks_and_positions() {
+        // Two refed rows, the root (row 2), then nodes 3 (child of root), 4 (child of root),
+        // 5 (child of node 3).
+        let anc = tree_masks(6, &[0, 0, 1]).unwrap();
+        assert_eq!(anc, vec![0b1, 0b11, 0b111, 0b1111, 0b10111, 0b101111]);
+        let s = SeqRows { rows: 6, start_pos: 10, tree: Some(anc) };
+        let chain = SeqRows { rows: 2, start_pos: 3, tree: None };
+        assert_eq!(positions(&[s, chain]), vec![10, 11, 12, 13, 13, 14, 3, 4]);
+        assert!(tree_masks(3, &[]).is_none());
+    }
 }

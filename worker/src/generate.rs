@@ -7,7 +7,9 @@ use crate::error::Result;
 use crate::model::Model;
 use crate::sampling::Sampler;
 use layerstream_kernels::Backend;
-use layerstream_model::spec::{choose_draft, Acceptance, PassCost, SpecMode};
+use layerstream_model::spec::{
+    choose_draft, depths, tree_or_chain, Acceptance, PassCost, SpecMode,
+};
 use layerstream_model::{check_request, FinishReason, GenerateParams, Stopper, Tokenizer};
 use serde::Serialize;
 use std::time::Instant;
@@ -41,17 +43,19 @@ pub struct Generation {
 }
 
 /// How `generate` speculates: the drafter (`Off`, `Ngram` or `Draft`, resolved), the most tokens it
-/// drafts per pass, and the draft model for `Draft`.
+/// drafts per pass, the draft model for `Draft`, and the candidates a draft model's tree branches
+/// on per step (1: a chain).
 pub struct Speculation<'m, B: Backend> {
     pub mode: SpecMode,
     pub max: usize,
     pub draft: Option<&'m Model<B>>,
+    pub width: usize,
 }
 
 impl<B: Backend> Speculation<'_, B> {
     /// No speculation.
     pub fn off() -> Self {
-        Speculation { mode: SpecMode::Off, max: 0, draft: None }
+        Speculation { mode: SpecMode::Off, max: 0, draft: None, width: 1 }
     }
 }
 
@@ -87,25 +91,28 @@ pub fn generate<B: Backend>(
             break FinishReason::Length;
         }
         let remaining = p.max_new_tokens - (history.len() - input.len());
-        let draft = match drafter.as_mut() {
+        let (draft, parents) = match drafter.as_mut() {
             Some(d) => {
                 let max = limit.min(remaining - 1);
                 let min = p.speculative.n_min;
+                let rows = next.len() - 1;
                 let k =
-                    choose_draft(acceptance.rate(), &cost, 0, 0.0, d.ms_per_token(), (min, max));
-                let valid = history.len() - 1;
-                let draft = if k > 0 { d.propose(&history, valid, k)? } else { Vec::new() };
-                if draft.len() < min {
-                    Vec::new()
+                    choose_draft(acceptance.rate(), &cost, rows, 0.0, d.ms_per_token(), (min, max));
+                // A tree's rows (the tokens fed again after the last one and the draft) fit a mask.
+                let k = if spec.width > 1 { k.min(63usize.saturating_sub(rows)) } else { k };
+                let (t, p) =
+                    if k > 0 { d.propose(&history, k, spec.width)? } else { Default::default() };
+                if t.len() < min || t.is_empty() {
+                    Default::default()
                 } else {
-                    draft
+                    (t, tree_or_chain(p))
                 }
             }
-            None => Vec::new(),
+            None => (Vec::new(), Vec::new()),
         };
         let feed = [next.as_slice(), &draft].concat();
         let t0 = Instant::now();
-        let rows = model.forward_tails(&mut [(&feed, &mut seq)], &[draft.len() + 1])?;
+        let rows = model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)?;
         if history.len() == input.len() {
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();
@@ -114,31 +121,43 @@ pub fn generate<B: Backend>(
         }
         t.weight_passes += 1;
         t.spec_drafted += draft.len();
-        let mut accepted = 0;
-        for (i, mut logits) in rows.into_iter().enumerate() {
-            layerstream_kernels::host::check_logits(&logits, i)?;
+        // Walk the draft from the row of the last token fed before it: sample each row as without a
+        // draft and follow the drafted child that agrees.
+        let (mut at, mut accepted) = (0usize, 0);
+        let before = history.len();
+        loop {
+            let mut logits = rows[at].clone();
+            layerstream_kernels::host::check_logits(&logits, at)?;
             let id = sampler.sample(&mut logits, &history);
             history.push(id);
             let step = stopper.push(tok, id)?;
             on_text(&step.delta);
-            let agreed = draft.get(i) == Some(&id);
-            accepted += usize::from(agreed);
+            let child = (0..draft.len()).find(|&c| {
+                let parent = if parents.is_empty() { c } else { parents[c] as usize };
+                parent == at && draft[c] == id
+            });
             if let Some(reason) = step.finish {
-                t.spec_accepted += accepted;
+                t.spec_accepted += accepted + usize::from(child.is_some());
                 break 'gen reason;
             }
-            if !agreed {
-                break;
+            match child {
+                Some(c) => {
+                    at = c + 1;
+                    accepted += 1;
+                }
+                None => break,
             }
         }
         t.spec_accepted += accepted;
-        acceptance.record(draft.len(), accepted);
-        // Everything but the newest token is final in the cache; rejected drafts leave it.
-        let valid = history.len() - 1;
-        if seq.len > valid {
-            model.truncate(&mut seq, valid)?;
+        let levels = depths(&parents).into_iter().max().unwrap_or(draft.len());
+        acceptance.record(levels, accepted);
+        // The cache keeps what is final: a chain's accepted prefix; a tree's rows up to the token
+        // before it (the accepted branch is fed again, in order, with the next token).
+        let keep = if parents.is_empty() { history.len() - 1 } else { before };
+        if seq.len > keep {
+            model.truncate(&mut seq, keep)?;
         }
-        next = vec![*history.last().expect("a token was sampled")];
+        next = history[keep..].to_vec();
     };
     let output = stopper.output().to_vec();
     t.decode_tokens = output.len().saturating_sub(1);

@@ -77,6 +77,30 @@ impl<B: Backend> Model<B> {
         self.backend.run_step(|| self.forward_here(batch, tails))
     }
 
+    /// Feeds `tokens` to `seq`, the last `parents.len()` of them a token tree (`parents` as
+    /// `StepSeq.tree_parents`; empty: a chain), and returns the logits of the last `tail` positions.
+    pub fn forward_tree(
+        &self,
+        tokens: &[u32],
+        seq: &mut SeqState<B>,
+        parents: &[u32],
+        tail: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.backend.run_step(|| {
+            let tree = crate::forward::tree_masks(tokens.len(), parents);
+            let (x, seqs) = self.layers_with(&mut [(tokens, seq)], vec![tree])?;
+            head_logits(
+                &self.backend,
+                &self.ctx,
+                &x,
+                &seqs,
+                &[tail],
+                &self.norm,
+                self.lm_head.as_ref().unwrap_or(&self.embed),
+            )
+        })
+    }
+
     /// Forgets positions `len..` of a sequence (rejected drafts).
     pub fn truncate(&self, seq: &mut SeqState<B>, len: usize) -> Result<()> {
         for c in &mut seq.caches {
@@ -132,6 +156,16 @@ impl<B: Backend> Model<B> {
         &self,
         batch: &mut [(&[u32], &mut SeqState<B>)],
     ) -> Result<(B::Tensor, Vec<SeqRows>)> {
+        let trees = vec![None; batch.len()];
+        self.layers_with(batch, trees)
+    }
+
+    /// `layers_here` with each sequence's tree masks (`forward::tree_masks`; None: causal).
+    fn layers_with(
+        &self,
+        batch: &mut [(&[u32], &mut SeqState<B>)],
+        trees: Vec<Option<Vec<u64>>>,
+    ) -> Result<(B::Tensor, Vec<SeqRows>)> {
         let b = &self.backend;
         let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
         if ids.is_empty() || batch.iter().any(|(t, _)| t.is_empty()) {
@@ -140,8 +174,11 @@ impl<B: Backend> Model<B> {
                 "every sequence in a step needs at least one token",
             ));
         }
-        let seqs: Vec<SeqRows> =
-            batch.iter().map(|(t, s)| SeqRows { rows: t.len(), start_pos: s.len }).collect();
+        let seqs: Vec<SeqRows> = batch
+            .iter()
+            .zip(trees)
+            .map(|((t, s), tree)| SeqRows { rows: t.len(), start_pos: s.len, tree })
+            .collect();
         let mut x = crate::forward::embed(b, &self.ctx, &self.embed, &ids)?;
         for (li, lw) in self.layers.iter().enumerate() {
             let mut caches: Vec<&mut B::KvCache> =
@@ -149,7 +186,7 @@ impl<B: Backend> Model<B> {
             let mut experts = &self.experts;
             layer_forward(b, &self.ctx, li as u32, lw, &mut x, &seqs, &mut caches, &mut experts)?;
         }
-        for ((t, s), _) in batch.iter_mut().zip(&seqs) {
+        for (t, s) in batch.iter_mut() {
             s.len += t.len();
         }
         Ok((x, seqs))

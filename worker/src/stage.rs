@@ -38,6 +38,10 @@ pub struct StepSeq {
     pub(crate) draft_len: usize,
     /// Tokens the head's draft model proposes after this step, for the next.
     pub(crate) draft_next: usize,
+    /// The draft is a token tree with these parents (empty: a chain).
+    pub(crate) tree_parents: Vec<u32>,
+    /// Candidates the head's draft branches on per step of its chain (1: a chain).
+    pub(crate) draft_width: usize,
 }
 
 /// Timing of one layer in one step.
@@ -68,6 +72,7 @@ pub struct StepOut {
     /// The draft model's proposals per sequence (`draft_next`), their counts, and the time taken.
     pub(crate) drafts: Vec<u32>,
     pub(crate) draft_counts: Vec<u32>,
+    pub(crate) draft_parents: Vec<u32>,
     pub(crate) draft_ms: f64,
 }
 
@@ -97,6 +102,8 @@ pub struct StepLimits {
     pub(crate) vocab: usize,
     pub(crate) context: usize,
     pub(crate) hidden_size: usize,
+    /// The model has sliding-window layers (no token trees).
+    pub(crate) windowed: bool,
 }
 
 /// Checks a step's request before any state changes, naming the field at fault: every sequence once,
@@ -141,6 +148,23 @@ pub fn check_step(
                     s.draft_len,
                     s.tokens.len(),
                     layerstream_model::spec::MAX_DRAFT
+                ),
+            );
+        }
+        let tree_ok = s.tree_parents.is_empty()
+            || (s.tree_parents.len() == s.draft_len
+                && s.tokens.len() <= 64
+                && !l.windowed
+                && s.tree_parents.iter().enumerate().all(|(i, &p)| p as usize <= i));
+        if !tree_ok {
+            return bad(
+                "seqs.tree_parents",
+                format!(
+                    "sequence {}: {} parents for a draft of {} in {} tokens (one per drafted token, each an earlier one, at most 64 tokens; not on a sliding-window model)",
+                    s.seq_id,
+                    s.tree_parents.len(),
+                    s.draft_len,
+                    s.tokens.len()
                 ),
             );
         }
@@ -328,6 +352,7 @@ impl<B: Backend + 'static> Stage<B> {
             vocab: self.cfg.vocab_size,
             context: self.cfg.max_position_embeddings,
             hidden_size: self.cfg.hidden_size,
+            windowed: self.ctx.windowed(),
         };
         check_step(batch, hidden, limits, |id| self.seqs.get(&id).map(|s| (s.len, s.rollback)))?;
         let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -407,7 +432,11 @@ impl<B: Backend + 'static> Stage<B> {
         };
         let seq_rows: Vec<SeqRows> = batch
             .iter()
-            .map(|s| SeqRows { rows: s.tokens.len(), start_pos: s.start_pos })
+            .map(|s| SeqRows {
+                rows: s.tokens.len(),
+                start_pos: s.start_pos,
+                tree: crate::forward::tree_masks(s.tokens.len(), &s.tree_parents),
+            })
             .collect();
         let t_layers = Instant::now();
         let timings = self.run_layers(&mut x, batch, &seq_rows, step_span)?;
@@ -441,6 +470,7 @@ impl<B: Backend + 'static> Stage<B> {
                                 sampler: seq.sampler.as_mut().expect("head stage samples"),
                                 history: &seq.history,
                                 draft: &s.tokens[s.tokens.len() - s.draft_len..],
+                                parents: &s.tree_parents,
                                 prompt_continues: s.prompt_continues,
                                 first_row,
                             };
@@ -486,6 +516,7 @@ impl<B: Backend + 'static> Stage<B> {
         let t0 = Instant::now();
         let _span = info_span!("draft", sequences = batch.len() as i64).entered();
         let (mut drafts, mut counts, mut at) = (Vec::new(), Vec::with_capacity(batch.len()), 0);
+        let mut parents = Vec::new();
         for (i, s) in batch.iter().enumerate() {
             let n = out.token_counts.get(i).map_or(1, |&c| c as usize);
             let emitted = &out.tokens[at..at + n];
@@ -501,12 +532,12 @@ impl<B: Backend + 'static> Stage<B> {
             let base = seq.history.len() - s.draft_len;
             let mut history = seq.history[..base].to_vec();
             history.extend_from_slice(emitted);
-            let valid = history.len() - 1;
-            let next = d.propose(model, &history, valid, s.draft_next)?;
+            let (next, tree) = d.propose_tree(model, &history, s.draft_next, s.draft_width)?;
             counts.push(next.len() as u32);
             drafts.extend(next);
+            parents.extend(tree);
         }
-        (out.drafts, out.draft_counts) = (drafts, counts);
+        (out.drafts, out.draft_counts, out.draft_parents) = (drafts, counts, parents);
         out.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok(())
     }
@@ -690,10 +721,12 @@ mod tests {
             draws_before: 0,
             draft_len: 0,
             draft_next: 0,
+            tree_parents: Vec::new(),
+            draft_width: 1,
         }
     }
 
-    const L: StepLimits = StepLimits { vocab: 10, context: 8, hidden_size: 2 };
+    const L: StepLimits = StepLimits { vocab: 10, context: 8, hidden_size: 2, windowed: false };
 
     fn field(r: Result<()>) -> &'static str {
         match r {

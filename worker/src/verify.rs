@@ -1,7 +1,8 @@
 //! Verifying speculative drafts at the head: every drafted position is sampled from the target
 //! exactly as it would be without a draft (same sampler, same draw, the repetition penalty over the
-//! tokens before it), in rounds — round r samples row r of every sequence whose drafts so far were
-//! all accepted — and a draft token is accepted while it equals the sample. A sequence emits its
+//! tokens before it), in rounds — round r samples, for every sequence whose drafts so far were all
+//! accepted, the row its accepted path has reached — and a draft token is accepted while it equals
+//! the sample (in a token tree: while one of the current node's children does). A sequence emits its
 //! accepted drafts and the sample after them; each emitted token draws once, as without a draft.
 
 use crate::error::Result;
@@ -17,6 +18,9 @@ pub struct DraftRows<'a> {
     pub(crate) history: &'a [u32],
     /// This step's drafted tokens (the last of `history`).
     pub(crate) draft: &'a [u32],
+    /// A token tree's parents (node i's parent: 0 = the row before the draft, j = node j - 1);
+    /// empty for a chain.
+    pub(crate) parents: &'a [u32],
     pub(crate) prompt_continues: bool,
     /// Index of its first row in the logits (it has `draft.len() + 1`).
     pub(crate) first_row: usize,
@@ -34,23 +38,32 @@ pub fn verify<B: Backend>(
 ) -> Result<Verified> {
     let n = seqs.len();
     let mut out: Vec<Vec<(u32, Option<TokenLogprobs>)>> = vec![Vec::new(); n];
-    // Sequences still accepting, by index into `seqs`.
+    // Sequences still accepting, by index into `seqs`, and the node each has reached (0: the row
+    // before the draft; i: draft node i - 1).
     let mut alive: Vec<usize> = (0..n).collect();
-    let mut round = 0;
+    let mut at = vec![0usize; n];
     while !alive.is_empty() {
-        let idx: Vec<usize> = alive.iter().map(|&i| seqs[i].first_row + round).collect();
+        let idx: Vec<usize> = alive.iter().map(|&i| seqs[i].first_row + at[i]).collect();
         let mut rows_logits = b.gather_rows(logits, &idx)?;
+        // What each row's repetition penalty sees: the tokens before the draft, then the path.
+        let seen: Vec<Vec<u32>> = alive
+            .iter()
+            .map(|&i| {
+                let s = &seqs[i];
+                let base = s.history.len() - s.draft.len();
+                let path = out[i].iter().map(|t| t.0);
+                s.history[..base].iter().copied().chain(path).collect()
+            })
+            .collect();
         let rows: Vec<HeadRow<'_>> = seqs
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| alive.contains(i))
-            .map(|(_, s)| {
-                let base = s.history.len() - s.draft.len();
-                HeadRow {
-                    sampler: &mut *s.sampler,
-                    history: &s.history[..base + round],
-                    prompt_continues: s.prompt_continues,
-                }
+            .zip(&seen)
+            .map(|((_, s), seen)| HeadRow {
+                sampler: &mut *s.sampler,
+                history: seen,
+                prompt_continues: s.prompt_continues,
             })
             .collect();
         let choice = TokenChoice::for_rows(b, &rows);
@@ -60,12 +73,20 @@ pub fn verify<B: Backend>(
             let t = tokens[j];
             out[i].push((t, logprobs.get(j).cloned().flatten()));
             let s = &seqs[i];
-            if !s.prompt_continues && round < s.draft.len() && s.draft[round] == t {
+            if s.prompt_continues {
+                continue;
+            }
+            // The child of the current node that drafted `t`, if any.
+            let child = (0..s.draft.len()).find(|&c| {
+                let parent = if s.parents.is_empty() { c } else { s.parents[c] as usize };
+                parent == at[i] && s.draft[c] == t
+            });
+            if let Some(c) = child {
+                at[i] = c + 1;
                 next.push(i);
             }
         }
         alive = next;
-        round += 1;
     }
     let counts = out.iter().map(|o| o.len() as u32).collect();
     let (tokens, logprobs) = out.into_iter().flatten().unzip();
@@ -134,6 +155,39 @@ mod tests {
         }];
         let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
         assert_eq!((tokens, counts), (vec![3, 4, 6, 7], vec![4]));
+    }
+
+    /// A tree: the target's tokens follow the branch that agrees, whichever child it is; a leaf
+    /// accepted ends the draft with the token after it.
+    #[test]
+    fn a_tree_follows_the_agreeing_branch() {
+        let b = CpuBackend::default();
+        let vocab = 8;
+        // Root row, then nodes: 0 = 3 (root), 1 = 5 (root), 2 = 4 (node 0), 3 = 6 (node 1).
+        // The target says: at root 5, at node 1 → 6, at node 3 → 7.
+        let rows = [
+            peaked(vocab, 5),
+            peaked(vocab, 0),
+            peaked(vocab, 6),
+            peaked(vocab, 0),
+            peaked(vocab, 7),
+        ];
+        let logits = b.from_host(&rows.concat(), 5, vocab).unwrap();
+        let mut s = Sampler::new(SamplingParams::default());
+        let h = [1, 2, 3, 5, 4, 6];
+        let parents = [0, 0, 1, 2];
+        let seqs = vec![DraftRows {
+            sampler: &mut s,
+            history: &h,
+            draft: &h[2..],
+            parents: &parents,
+            prompt_continues: false,
+            first_row: 0,
+        }];
+        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
+        // Root row says 5: node 1 (row 2), whose row says 6: node 3 (row 4), whose row says 7,
+        // which no child drafted.
+        assert_eq!((tokens, counts), (vec![5, 6, 7], vec![3]));
     }
 
     /// Sampled: the tokens equal sampling the rows one by one with the same seed, stopping at the

@@ -15,6 +15,8 @@ impl From<v1::StepSeq> for StepSeq {
             draws_before: s.draws_before as u64,
             draft_len: s.draft_len as usize,
             draft_next: (s.draft_next as usize).min(layerstream_model::spec::MAX_DRAFT),
+            tree_parents: s.tree_parents,
+            draft_width: (s.draft_width as usize).clamp(1, layerstream_model::spec::MAX_WIDTH),
         }
     }
 }
@@ -56,6 +58,7 @@ pub fn step_response(
         token_counts: out.token_counts,
         drafts: out.drafts,
         draft_counts: out.draft_counts,
+        draft_parents: out.draft_parents,
         draft_ms: out.draft_ms,
         layers: out.layers.into_iter().map(Into::into).collect(),
         wall_ms,
