@@ -91,7 +91,8 @@ pub struct BenchArgs {
     pub expert_batches: Vec<usize>,
     /// Instead of the configurations: speculative decoding — no speculation, prompt lookup and (with
     /// `--draft-model`) a draft model, each on a fresh stack with the plan flags given, over three
-    /// chat workloads (an answer, a code edit, a summary) at `--batch` concurrent copies; prints
+    /// chat workloads (an answer, a code edit, a summary) at `--batch` concurrent copies (the draft
+    /// model as a chain and as trees of `--spec-width`); prints
     /// acceptance, tokens per weight pass, tok/s and speculative ÷ plain, checks every output equals
     /// the plain one, then the time of a weight pass of 1, 4, 16 and 64 positions.
     #[arg(long, env = "LAYERSTREAM_BENCH_SPECULATIVE")]
@@ -102,6 +103,9 @@ pub struct BenchArgs {
     /// Most drafted tokens per pass in `--speculative`.
     #[arg(long, env = "LAYERSTREAM_SPEC_MAX", default_value_t = 16)]
     pub spec_max: u32,
+    /// The width of the draft model's token trees in `--speculative` (its tree configuration).
+    #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 3)]
+    pub spec_width: u32,
 }
 
 /// One configuration's result.

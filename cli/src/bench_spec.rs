@@ -1,4 +1,5 @@
-//! `layerstream bench --speculative`: plain decoding, prompt lookup and a draft model side by side,
+//! `layerstream bench --speculative`: plain decoding, prompt lookup and a draft model (chains and
+//! trees) side by side,
 //! each on a fresh `layerstream up` stack with the same plan, over three chat workloads; then the
 //! cost of verifying — the time of a weight pass as it carries 1, 4, 16 and 64 positions.
 
@@ -178,7 +179,9 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
     if let Some(d) = &a.draft_model {
         let mut v = spec("draft");
         v.extend(["--draft-model".to_owned(), d.display().to_string()]);
-        configs.push(("draft model", v));
+        configs.push(("draft chain", v.clone()));
+        v.extend(["--spec-width".to_owned(), a.spec_width.to_string()]);
+        configs.push(("draft tree", v));
     }
     let mut rows: Vec<SpecRow> = Vec::new();
     for (name, extra) in &configs {

@@ -226,7 +226,32 @@ mod tests {
             buffers: 2,
             kv_capacity: 64,
             prefetch: true,
+            draft: None,
         }
+    }
+
+    /// A draft model goes whole to the head worker: its bytes count there (fewer layers stay
+    /// resident), and one that does not fit is refused naming the worker.
+    #[test]
+    fn a_draft_model_is_placed_on_the_head_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let ws = |b: u64| {
+            vec![
+                WorkerSpec { address: "a".into(), budget: b },
+                WorkerSpec { address: "b".into(), budget: b },
+            ]
+        };
+        let big = 1 << 40;
+        let plain = plan(&m, &ws(big), &opts(None)).unwrap();
+        let with = PlanOptions { draft: Some(("/d".into(), 12345)), ..opts(None) };
+        let p = plan(&m, &ws(big), &with).unwrap();
+        assert_eq!((p[0].draft_model.as_str(), p[1].draft_model.as_str()), ("", "/d"));
+        assert_eq!(p[1].bytes_needed, plain[1].bytes_needed + 12345);
+        assert_eq!(p[0].bytes_needed, plain[0].bytes_needed);
+        let huge = PlanOptions { draft: Some(("/d".into(), big + 1)), ..opts(None) };
+        let e = plan(&m, &ws(big), &huge).unwrap_err().to_string();
+        assert!(e.contains("worker b: the draft model needs"), "{e}");
     }
 
     #[test]

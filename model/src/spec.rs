@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn tree_depths_and_chains() {
-        assert_eq!(depths(&[0, 0, 1, 2, 3]), vec![1, 1, 2, 3, 4]);
+        assert_eq!(depths(&[0, 0, 1, 2, 3]), vec![1, 1, 2, 2, 3]);
         assert!(tree_or_chain(vec![0, 1, 2]).is_empty());
         assert_eq!(tree_or_chain(vec![0, 0, 1]), vec![0, 0, 1]);
     }

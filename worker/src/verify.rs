@@ -129,6 +129,7 @@ mod tests {
                 sampler: &mut s0,
                 history: &h0,
                 draft: &h0[2..],
+                parents: &[],
                 prompt_continues: false,
                 first_row: 0,
             },
@@ -136,6 +137,7 @@ mod tests {
                 sampler: &mut s1,
                 history: &h1,
                 draft: &[],
+                parents: &[],
                 prompt_continues: false,
                 first_row: 4,
             },
@@ -150,6 +152,7 @@ mod tests {
             sampler: &mut s0,
             history: &h0,
             draft: &h0[2..],
+            parents: &[],
             prompt_continues: false,
             first_row: 0,
         }];
@@ -225,6 +228,7 @@ mod tests {
                 sampler: &mut s,
                 history: &history,
                 draft: &draft,
+                parents: &[],
                 prompt_continues: false,
                 first_row: 0,
             }];
