@@ -134,6 +134,8 @@ pub struct StepResult {
     /// time the head spent drafting them.
     pub(crate) drafts: Vec<(Vec<u32>, Vec<u32>)>,
     pub(crate) draft_ms: f64,
+    /// The head's estimate of one level of drafting (0: not measured yet).
+    pub(crate) draft_level_ms: f64,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the workers' layer passes, summed over workers.
     pub(crate) layers_ms: f64,
@@ -246,6 +248,7 @@ impl Runner {
                     split_drafts(&seqs, resp.drafts, resp.draft_counts, resp.draft_parents)
                         .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
                 out.draft_ms = resp.draft_ms;
+                out.draft_level_ms = resp.draft_level_ms;
             } else {
                 hidden = resp.hidden;
                 hidden_ref = resp.hidden_ref;

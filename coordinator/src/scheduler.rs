@@ -134,7 +134,7 @@ pub struct Scheduler {
     spec: (SpecMode, usize, usize),
     /// Measured step time by positions (what a longer draft costs), drafting excluded.
     cost: PassCost,
-    /// The head's draft model's milliseconds per drafted token (a running average).
+    /// The head's draft model's milliseconds per level of drafting (its own running estimate).
     draft_ms: f64,
 }
 
@@ -601,11 +601,17 @@ impl Scheduler {
             if max == 0 || min > max {
                 continue;
             }
-            let ms = if mode == SpecMode::Draft { self.draft_ms } else { 0.0 };
-            let k = choose_draft(a.acceptance.rate(), &self.cost, rows - 1, others, ms, (min, max));
+            let (ms, width) =
+                if mode == SpecMode::Draft { (self.draft_ms, self.spec.2) } else { (0.0, 1) };
             // A token tree's rows fit a 64-bit ancestor mask.
-            let width = self.spec.2;
-            let k = if width > 1 { k.min(64usize.saturating_sub(s.token_ids.len())) } else { k };
+            let max =
+                if width > 1 { max.min(64usize.saturating_sub(s.token_ids.len())) } else { max };
+            let rate = a.acceptance.rate();
+            let mut k = choose_draft(rate, &self.cost, (rows - 1, others), ms, (min, max), width);
+            if mode == SpecMode::Draft && ms == 0.0 {
+                // The draft model's cost is not known yet: a first draft of two levels measures it.
+                k = k.min((2 * width).max(min));
+            }
             if mode == SpecMode::Draft {
                 s.draft_next = k as u32;
                 s.draft_width = width as u32;
@@ -680,10 +686,8 @@ impl Scheduler {
             // Decode steps only (a prefill's time says little about a draft's), drafting excluded.
             self.cost.record(rows, (took.as_secs_f64() * 1e3 - out.draft_ms).max(0.0));
         }
-        let proposed: usize = out.drafts.iter().map(|d| d.0.len()).sum();
-        if proposed > 0 {
-            let ms = out.draft_ms / proposed as f64;
-            self.draft_ms = if self.draft_ms == 0.0 { ms } else { 0.8 * self.draft_ms + 0.2 * ms };
+        if out.draft_level_ms > 0.0 {
+            self.draft_ms = out.draft_level_ms;
         }
         let mut done_ids = Vec::new();
         for (k, (s, toks)) in seqs.iter().zip(&out.tokens).enumerate() {

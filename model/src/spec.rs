@@ -224,24 +224,27 @@ impl PassCost {
     }
 }
 
-/// The draft size in `min..=max` that maximises tokens per millisecond for one sequence riding a
-/// step with `rows` other positions that emit `others` tokens: `(others + E(k)) / (pass(rows + 1 +
-/// k) + k × draft_ms)`. 0 (no draft) when no size beats it or the pass was never measured.
+/// The draft size in `min..=max` tokens that maximises tokens per millisecond for one sequence
+/// riding a step with `rows` other positions that emit `others` tokens, for a draft of `width`
+/// candidates per level (1: a chain): with `l` levels of `l × width` tokens,
+/// `(others + E(l)) / (pass(rows + 1 + l × width) + l × draft_ms)`, `a` and `draft_ms` per level.
+/// 0 (no draft) when no size beats it or the pass was never measured.
 pub fn choose_draft(
     a: f64,
     cost: &PassCost,
-    rows: usize,
-    others: f64,
+    (rows, others): (usize, f64),
     draft_ms: f64,
     (min, max): (usize, usize),
+    width: usize,
 ) -> usize {
+    let w = width.max(1);
     let Some(plain) = cost.predict(rows + 1) else { return 0 };
     let mut best = (0, (others + 1.0) / plain.max(1e-9));
-    for k in min.max(1)..=max {
-        let t = cost.predict(rows + 1 + k).unwrap_or(plain) + k as f64 * draft_ms;
-        let rate = (others + expected_tokens(a, k)) / t.max(1e-9);
+    for l in min.div_ceil(w).max(1)..=max / w {
+        let t = cost.predict(rows + 1 + l * w).unwrap_or(plain) + l as f64 * draft_ms;
+        let rate = (others + expected_tokens(a, l)) / t.max(1e-9);
         if rate > best.1 {
-            best = (k, rate);
+            best = (l * w, rate);
         }
     }
     best.0
@@ -360,16 +363,20 @@ mod tests {
         };
         let flat = fit(&|_| 100.0);
         assert!((flat.predict(40).unwrap() - 100.0).abs() < 1e-6);
-        assert_eq!(choose_draft(0.8, &flat, 0, 0.0, 0.0, (0, 16)), 16);
+        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), 0.0, (0, 16), 1), 16);
         let linear = fit(&|p| 10.0 * p as f64);
-        assert_eq!(choose_draft(0.8, &linear, 0, 0.0, 0.0, (0, 16)), 0);
+        assert_eq!(choose_draft(0.8, &linear, (0, 0.0), 0.0, (0, 16), 1), 0);
         let mid = fit(&|p| 100.0 + 5.0 * p as f64);
-        let k = choose_draft(0.7, &mid, 0, 0.0, 0.0, (0, 16));
+        let k = choose_draft(0.7, &mid, (0, 0.0), 0.0, (0, 16), 1);
         assert!(k > 0 && k < 16, "{k}");
         // A draft model's own time per token shortens drafts.
-        assert!(choose_draft(0.7, &mid, 0, 0.0, 20.0, (0, 16)) < k);
+        assert!(choose_draft(0.7, &mid, (0, 0.0), 20.0, (0, 16), 1) < k);
         // Never measured: no draft; a minimum is respected when drafting pays at all.
-        assert_eq!(choose_draft(0.9, &PassCost::default(), 0, 0.0, 0.0, (0, 8)), 0);
-        assert!(choose_draft(0.8, &flat, 0, 0.0, 0.0, (4, 8)) >= 4);
+        assert_eq!(choose_draft(0.9, &PassCost::default(), (0, 0.0), 0.0, (0, 8), 1), 0);
+        assert!(choose_draft(0.8, &flat, (0, 0.0), 0.0, (4, 8), 1) >= 4);
+        // Trees: whole levels of `width` tokens; the draft's time counts once per level.
+        let k = choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 16), 3);
+        assert!(k > 0 && k % 3 == 0 && k <= 15, "{k}");
+        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 2), 3), 0, "no whole level fits");
     }
 }

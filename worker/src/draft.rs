@@ -12,7 +12,8 @@ use std::time::Instant;
 pub struct DraftState<B: Backend> {
     seq: SeqState<B>,
     fed: Vec<u32>,
-    /// Milliseconds per drafted token (a running average; 0 before the first).
+    /// Milliseconds per level of drafting — one forward pass of the draft model (a running
+    /// average; 0 before the first measurement).
     ms_per_token: f64,
 }
 
@@ -22,7 +23,7 @@ impl<B: Backend> DraftState<B> {
         Ok(DraftState { seq: model.new_sequence(capacity)?, fed: Vec::new(), ms_per_token: 0.0 })
     }
 
-    /// Milliseconds each drafted token costs.
+    /// Milliseconds each level of drafting costs (0: not measured yet).
     pub fn ms_per_token(&self) -> f64 {
         self.ms_per_token
     }
@@ -59,12 +60,18 @@ impl<B: Backend> DraftState<B> {
         if levels == 0 || history.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let t0 = Instant::now();
         let (mut tokens, mut parents) = (Vec::with_capacity(max), Vec::with_capacity(max));
         let mut path = history.to_vec();
         let mut parent = 0u32;
+        // Each level's milliseconds; the first also catches the draft up with the history (a
+        // prefill the first time), so it measures a level only when it fed few tokens.
+        let mut level_ms = Vec::with_capacity(levels);
+        let common = self.fed.iter().zip(history).take_while(|(a, b)| a == b).count();
+        let caught_up = history.len() - common <= 4;
         for _ in 0..levels {
+            let t0 = Instant::now();
             let logits = self.feed(model, &path)?;
+            level_ms.push(t0.elapsed().as_secs_f64() * 1e3);
             let top = layerstream_kernels::host::top_k(&logits, width);
             let chain = tokens.len() as u32 + 1;
             for &t in &top {
@@ -74,9 +81,12 @@ impl<B: Backend> DraftState<B> {
             path.push(top[0]);
             parent = chain;
         }
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / levels as f64;
-        self.ms_per_token =
-            if self.ms_per_token == 0.0 { ms } else { 0.8 * self.ms_per_token + 0.2 * ms };
+        let measured = if caught_up { &level_ms[..] } else { &level_ms[1..] };
+        if !measured.is_empty() {
+            let ms = measured.iter().sum::<f64>() / measured.len() as f64;
+            self.ms_per_token =
+                if self.ms_per_token == 0.0 { ms } else { 0.8 * self.ms_per_token + 0.2 * ms };
+        }
         Ok((tokens, parents))
     }
 }

@@ -96,10 +96,14 @@ pub fn generate<B: Backend>(
                 let max = limit.min(remaining - 1);
                 let min = p.speculative.n_min;
                 let rows = next.len() - 1;
-                let k =
-                    choose_draft(acceptance.rate(), &cost, rows, 0.0, d.ms_per_token(), (min, max));
-                // A tree's rows (the tokens fed again after the last one and the draft) fit a mask.
-                let k = if spec.width > 1 { k.min(63usize.saturating_sub(rows)) } else { k };
+                // A tree's rows (the tokens fed again before the draft, and the draft) fit a mask.
+                let max = if spec.width > 1 { max.min(63usize.saturating_sub(rows)) } else { max };
+                let (rate, ms) = (acceptance.rate(), d.ms_per_token());
+                let mut k = choose_draft(rate, &cost, (rows, 0.0), ms, (min, max), spec.width);
+                if spec.mode == SpecMode::Draft && ms == 0.0 {
+                    // The draft model's cost is not known yet: a first draft of two levels measures it.
+                    k = k.min((2 * spec.width).max(min));
+                }
                 let (t, p) =
                     if k > 0 { d.propose(&history, k, spec.width)? } else { Default::default() };
                 if t.len() < min || t.is_empty() {

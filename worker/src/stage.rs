@@ -74,6 +74,8 @@ pub struct StepOut {
     pub(crate) draft_counts: Vec<u32>,
     pub(crate) draft_parents: Vec<u32>,
     pub(crate) draft_ms: f64,
+    /// The head's estimate of one level of drafting (0: not measured yet).
+    pub(crate) draft_level_ms: f64,
 }
 
 struct Seq<B: Backend> {
@@ -533,6 +535,9 @@ impl<B: Backend + 'static> Stage<B> {
             let mut history = seq.history[..base].to_vec();
             history.extend_from_slice(emitted);
             let (next, tree) = d.propose_tree(model, &history, s.draft_next, s.draft_width)?;
+            if d.ms_per_token() > 0.0 {
+                out.draft_level_ms = d.ms_per_token();
+            }
             counts.push(next.len() as u32);
             drafts.extend(next);
             parents.extend(tree);

@@ -60,6 +60,7 @@ pub fn step_response(
         draft_counts: out.draft_counts,
         draft_parents: out.draft_parents,
         draft_ms: out.draft_ms,
+        draft_level_ms: out.draft_level_ms,
         layers: out.layers.into_iter().map(Into::into).collect(),
         wall_ms,
         layers_ms: out.layers_ms,
