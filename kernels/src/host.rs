@@ -78,6 +78,37 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
 }
 
+/// Checks a token tree's ancestor masks for `attention_tree`: one per new row (at most 64), each
+/// row its own ancestor and none after it; a full-context layer.
+pub fn check_tree(rows: usize, anc: &[u64], s: crate::AttnShape) -> crate::Result<()> {
+    crate::error::ensure(
+        rows <= 64
+            && anc.len() == rows
+            && s.window == 0
+            && anc
+                .iter()
+                .enumerate()
+                .all(|(i, &a)| a >> i & 1 == 1 && (i == 63 || a >> (i + 1) == 0)),
+        "attention_tree",
+        || {
+            format!("{rows} rows with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", s.window)
+        },
+    )
+}
+
+/// The indices of the `k` largest values, largest first (ties: the lower index first, as `argmax`).
+pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
+    let by = |a: &u32, b: &u32| x[*b as usize].total_cmp(&x[*a as usize]).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by);
+    idx
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,38 +144,15 @@ mod tests {
     }
 
     #[test]
+    fn top_k_is_largest_first_with_ties_as_argmax() {
+        let x = [1.0, 5.0, 3.0, 5.0, -1.0];
+        assert_eq!(top_k(&x, 3), vec![1, 3, 2]);
+        assert_eq!(top_k(&x, 1)[0] as usize, argmax(&x));
+        assert_eq!(top_k(&x, 9).len(), 5);
+    }
+
+    #[test]
     fn argmax_first_of_ties() {
         assert_eq!(argmax(&[1.0, 5.0, 5.0, -1.0]), 1);
     }
-}
-
-/// Checks a token tree's ancestor masks for `attention_tree`: one per new row (at most 64), each
-/// row its own ancestor and none after it; a full-context layer.
-pub fn check_tree(rows: usize, anc: &[u64], s: crate::AttnShape) -> crate::Result<()> {
-    crate::error::ensure(
-        rows <= 64
-            && anc.len() == rows
-            && s.window == 0
-            && anc
-                .iter()
-                .enumerate()
-                .all(|(i, &a)| a >> i & 1 == 1 && (i == 63 || a >> (i + 1) == 0)),
-        "attention_tree",
-        || {
-            format!("{rows} rows with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", s.window)
-        },
-    )
-}
-
-/// The indices of the `k` largest values, largest first (ties: the lower index first, as `argmax`).
-pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
-    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
-    let by = |a: &u32, b: &u32| x[*b as usize].total_cmp(&x[*a as usize]).then(a.cmp(b));
-    let k = k.min(idx.len());
-    if k > 0 && k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, by);
-    }
-    idx.truncate(k);
-    idx.sort_unstable_by(by);
-    idx
 }

@@ -376,7 +376,7 @@ mod tests {
         assert!(choose_draft(0.8, &flat, (0, 0.0), 0.0, (4, 8), 1) >= 4);
         // Trees: whole levels of `width` tokens; the draft's time counts once per level.
         let k = choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 16), 3);
-        assert!(k > 0 && k % 3 == 0 && k <= 15, "{k}");
+        assert!(k > 0 && k.is_multiple_of(3) && k <= 15, "{k}");
         assert_eq!(choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 2), 3), 0, "no whole level fits");
     }
 }

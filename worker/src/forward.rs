@@ -27,7 +27,7 @@ pub fn tree_masks(rows: usize, parents: &[u32]) -> Option<Vec<u64>> {
         return None;
     }
     let root = rows - parents.len() - 1;
-    let mut anc: Vec<u64> = (0..=root).map(|r| (u64::MAX >> (63 - r)) & u64::MAX).collect();
+    let mut anc: Vec<u64> = (0..=root).map(|r| u64::MAX >> (63 - r)).collect();
     for (i, &p) in parents.iter().enumerate() {
         let me = root + 1 + i;
         anc.push(anc[root + p as usize] | 1 << me);
