@@ -10,9 +10,7 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
-use layerstream_model::spec::{
-    choose_draft, depths, ngram_propose, tree_or_chain, Acceptance, PassCost, SpecMode,
-};
+use layerstream_model::spec::{depths, Acceptance, PassCost, SpecMode};
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use std::collections::VecDeque;
@@ -22,6 +20,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{info_span, Span};
+
+mod speculate;
 
 /// How often an idle scheduler checks that the workers still hold their assignments.
 const IDLE_CHECK: Duration = Duration::from_secs(2);
@@ -571,69 +571,6 @@ impl Scheduler {
                 drop(spans);
                 Landed { lane, seqs, started, res }
             });
-        }
-    }
-
-    /// Speculative decoding: appends a draft to each decoding sequence of a step — prompt lookup,
-    /// or what the head's draft model proposed after its last step — each as long as maximises its
-    /// expected tokens per millisecond (its acceptance so far, the measured step time by positions,
-    /// the draft model's time per token), within its request's limits, its remaining tokens and what
-    /// is left of the step's token budget; with a draft model, asks the head for that many more.
-    fn draft(&self, active: &mut [Active], members: &[(usize, usize)], seqs: &mut [StepSeq]) {
-        let mode = self.spec.0;
-        if mode == SpecMode::Off {
-            return;
-        }
-        let mut rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        let others = seqs.len().saturating_sub(1) as f64;
-        for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
-            let a = &mut active[i];
-            let proposed = std::mem::take(&mut a.next_draft);
-            if s.prompt_continues {
-                continue;
-            }
-            let p = &a.req.params;
-            // Tokens still to come after this step's first.
-            let remaining = p.max_new_tokens.saturating_sub(a.stopper.output().len() + 1);
-            let budget = self.limits.max_step_tokens.saturating_sub(rows);
-            let max = p.speculative.max(self.spec.1).min(remaining);
-            let min = p.speculative.n_min;
-            if max == 0 || min > max {
-                continue;
-            }
-            let (ms, width) =
-                if mode == SpecMode::Draft { (self.draft_ms, self.spec.2) } else { (0.0, 1) };
-            // A token tree's rows fit a 64-bit ancestor mask.
-            let max =
-                if width > 1 { max.min(64usize.saturating_sub(s.token_ids.len())) } else { max };
-            let rate = a.acceptance.rate();
-            let mut k = choose_draft(rate, &self.cost, (rows - 1, others), ms, (min, max), width);
-            if mode == SpecMode::Draft && ms == 0.0 {
-                // The draft model's cost is not known yet: a first draft of two levels measures it.
-                k = k.min((2 * width).max(min));
-            }
-            if mode == SpecMode::Draft {
-                s.draft_next = k as u32;
-                s.draft_width = width as u32;
-            }
-            // A draft follows the step's last token when that is the last known one.
-            if a.pos + s.token_ids.len() != a.known() || k == 0 {
-                continue;
-            }
-            let (mut draft, mut parents) = match mode {
-                SpecMode::Draft => proposed,
-                _ => (ngram_propose(&a.history(), k), Vec::new()),
-            };
-            let n = k.min(budget).min(draft.len());
-            draft.truncate(n);
-            parents.truncate(n);
-            if draft.is_empty() || draft.len() < min {
-                continue;
-            }
-            rows += draft.len();
-            s.draft_len = draft.len() as u32;
-            s.tree_parents = tree_or_chain(parents);
-            s.token_ids.extend(draft);
         }
     }
 

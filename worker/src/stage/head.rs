@@ -1,0 +1,115 @@
+//! The head stage's share of a step: final norm and lm_head on each sequence's last rows, the
+//! token choice (or the verification of a speculative draft), and the draft model's proposals for
+//! the next step.
+
+use super::{in_batch_order, StepOut, StepSeq};
+use crate::error::Result;
+use crate::forward::{head_tensor, SeqRows};
+use crate::token_choice::{HeadRow, TokenChoice};
+use crate::verify::{verify, DraftRows};
+use layerstream_kernels::Backend;
+use std::time::Instant;
+use tracing::{info_span, Span};
+
+impl<B: Backend + 'static> super::Stage<B> {
+    /// Chooses every sequence's tokens from the layers' output `x` (verifying drafts where a
+    /// sequence carries one), then drafts the next ones where asked.
+    pub(super) fn head_tokens(
+        &mut self,
+        batch: &[StepSeq],
+        x: &B::Tensor,
+        seq_rows: &[SeqRows],
+        step_span: &Span,
+        out: &mut StepOut,
+    ) -> Result<()> {
+        let Some((norm, lm)) = &self.head else { return Ok(()) };
+        let lm = lm.as_ref().or(self.embed.as_ref()).expect("tied head keeps the embedding");
+        let b = &self.backend;
+        let tails: Vec<usize> = batch.iter().map(|s| s.draft_len + 1).collect();
+        let drafted: usize = batch.iter().map(|s| s.draft_len).sum();
+        let ordered = in_batch_order(&mut self.seqs, batch);
+        if drafted > 0 {
+            let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, spec = drafted as i64);
+            let _in_head = head_span.enter();
+            let logits = head_tensor(b, &self.ctx, x, seq_rows, &tails, norm, lm)?;
+            let mut first_row = 0;
+            let rows: Vec<DraftRows<'_>> = batch
+                .iter()
+                .zip(ordered)
+                .map(|(s, seq)| {
+                    let r = DraftRows {
+                        sampler: seq.sampler.as_mut().expect("head stage samples"),
+                        history: &seq.history,
+                        draft: &s.tokens[s.tokens.len() - s.draft_len..],
+                        parents: &s.tree_parents,
+                        prompt_continues: s.prompt_continues,
+                        first_row,
+                    };
+                    first_row += s.draft_len + 1;
+                    r
+                })
+                .collect();
+            (out.tokens, out.token_counts, out.logprobs) = verify(b, &logits, rows)?;
+            self.draft_next(batch, out)?;
+            return Ok(());
+        }
+        let rows: Vec<HeadRow<'_>> = batch
+            .iter()
+            .zip(ordered)
+            .map(|(s, seq)| HeadRow {
+                sampler: seq.sampler.as_mut().expect("head stage samples"),
+                history: &seq.history,
+                prompt_continues: s.prompt_continues,
+            })
+            .collect();
+        let choice = TokenChoice::for_rows(b, &rows);
+        // Final norm, lm_head and the token choice: the step's time outside the layers.
+        let greedy = choice == TokenChoice::DeviceArgmax;
+        let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
+        let _in_head = head_span.enter();
+        let mut logits = head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?;
+        (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
+        drop(_in_head);
+        self.draft_next(batch, out)?;
+        Ok(())
+    }
+
+    /// The head's draft model proposes each sequence's next tokens (`draft_next`), from its history
+    /// as this step's tokens left it (the accepted drafts and the new token).
+    fn draft_next(&mut self, batch: &[StepSeq], out: &mut StepOut) -> Result<()> {
+        let Some(model) = &self.draft else { return Ok(()) };
+        if batch.iter().all(|s| s.draft_next == 0) {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let _span = info_span!("draft", sequences = batch.len() as i64).entered();
+        let (mut drafts, mut counts, mut at) = (Vec::new(), Vec::with_capacity(batch.len()), 0);
+        let mut parents = Vec::new();
+        for (i, s) in batch.iter().enumerate() {
+            let n = out.token_counts.get(i).map_or(1, |&c| c as usize);
+            let emitted = &out.tokens[at..at + n];
+            at += n;
+            let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
+            let (Some(d), false, true) = (seq.draft.as_mut(), s.prompt_continues, s.draft_next > 0)
+            else {
+                counts.push(0);
+                continue;
+            };
+            // The history the next step starts from: everything before this step's draft, the
+            // drafts it accepted (the first emitted tokens), and the new token.
+            let base = seq.history.len() - s.draft_len;
+            let mut history = seq.history[..base].to_vec();
+            history.extend_from_slice(emitted);
+            let (next, tree) = d.propose_tree(model, &history, s.draft_next, s.draft_width)?;
+            if d.ms_per_token() > 0.0 {
+                out.draft_level_ms = d.ms_per_token();
+            }
+            counts.push(next.len() as u32);
+            drafts.extend(next);
+            parents.extend(tree);
+        }
+        (out.drafts, out.draft_counts, out.draft_parents) = (drafts, counts, parents);
+        out.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+}
