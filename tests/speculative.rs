@@ -148,9 +148,10 @@ fn a_pipeline_speculates_alone_and_batched_with_the_same_tokens() {
     let tiny = tiny_store(dir.path());
     let base = ["--workers", "2", "--resident-layers", "13", "--spec-max", "8"];
     let tree = ["--spec", "draft", "--draft-model", tiny.to_str().unwrap(), "--spec-width", "2"];
-    // The draft model's tree last: its stack stays up for the checks after.
+    // Prompt lookup last: its stack (whose drafts the real model accepts; the random-weight draft's
+    // are rarely accepted) stays up for the checks after.
     let mut stack = None;
-    for spec in [&["--spec", "ngram"][..], &tree[..]] {
+    for spec in [&tree[..], &["--spec", "ngram"][..]] {
         if let Some(s) = stack.take() {
             Stack::shutdown(s);
         }
