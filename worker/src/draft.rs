@@ -8,6 +8,9 @@ use layerstream_kernels::Backend;
 use layerstream_model::spec::{ngram_propose, SpecMode};
 use std::time::Instant;
 
+/// Tokens of context a probing draft (one that measures the draft model's cost) sees.
+const PROBE_CONTEXT: usize = 4;
+
 /// One sequence's state in a draft model: its cache holds the tokens `fed`.
 pub struct DraftState<B: Backend> {
     seq: SeqState<B>,
@@ -46,7 +49,8 @@ impl<B: Backend> DraftState<B> {
 
     /// A token tree of at most `max` tokens after `history`: the draft model's greedy chain, and at
     /// each of its steps the next `width - 1` most likely tokens as leaves beside it (width 1: the
-    /// chain alone). Returns the tokens and their parents (0: the last token of `history`; i: token
+    /// chain alone). `probe`: the cost of a level is not known yet, so it is measured on the last
+    /// few tokens of the history instead of after catching up with all of it. Returns the tokens and their parents (0: the last token of `history`; i: token
     /// i - 1), each parent before its child.
     pub fn propose_tree(
         &mut self,
@@ -54,6 +58,7 @@ impl<B: Backend> DraftState<B> {
         history: &[u32],
         max: usize,
         width: usize,
+        probe: bool,
     ) -> Result<(Vec<u32>, Vec<u32>)> {
         let width = width.max(1);
         let levels = max / width;
@@ -61,13 +66,22 @@ impl<B: Backend> DraftState<B> {
             return Ok((Vec::new(), Vec::new()));
         }
         let (mut tokens, mut parents) = (Vec::with_capacity(max), Vec::with_capacity(max));
-        let mut path = history.to_vec();
         let mut parent = 0u32;
         // Each level's milliseconds; the first also catches the draft up with the history (a
         // prefill the first time), so it measures a level only when it fed few tokens.
         let mut level_ms = Vec::with_capacity(levels);
         let common = self.fed.iter().zip(history).take_while(|(a, b)| a == b).count();
-        let caught_up = history.len() - common <= 4;
+        let mut caught_up = history.len() - common <= PROBE_CONTEXT;
+        let mut path = history.to_vec();
+        if probe && !caught_up {
+            // What a level costs is not known yet: measure it on the last few tokens alone rather
+            // than catch the draft up with the whole history first (a prefill that, where drafting
+            // does not pay, is all it would cost). The draft is poorer; it is verified all the same.
+            model.truncate(&mut self.seq, 0)?;
+            self.fed.clear();
+            path = history[history.len() - PROBE_CONTEXT..].to_vec();
+            caught_up = true;
+        }
         for _ in 0..levels {
             let t0 = Instant::now();
             let logits = self.feed(model, &path)?;
@@ -118,7 +132,8 @@ impl<'m, B: Backend> Drafter<'m, B> {
     }
 
     /// Up to `max` tokens to follow `history` and their parents (a tree of `width` candidates per
-    /// step with a draft model; prompt lookup drafts a chain).
+    /// step with a draft model — a probing one on the last few tokens until its cost is measured;
+    /// prompt lookup drafts a chain).
     pub fn propose(
         &mut self,
         history: &[u32],
@@ -131,7 +146,10 @@ impl<'m, B: Backend> Drafter<'m, B> {
                 let chain = (0..t.len() as u32).collect();
                 Ok((t, chain))
             }
-            Drafter::Model(m, d) => d.propose_tree(m, history, max, width),
+            Drafter::Model(m, d) => {
+                let probe = d.ms_per_token() == 0.0;
+                d.propose_tree(m, history, max, width, probe)
+            }
         }
     }
 }

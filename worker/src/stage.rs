@@ -236,6 +236,8 @@ pub struct Stage<B: Backend> {
     seqs: HashMap<u64, Seq<B>>,
     /// The head's draft model (an assignment with `draft_model`), fully resident.
     draft: Option<Model<B>>,
+    /// Its milliseconds per level of drafting, as last measured (0: not yet).
+    draft_level_ms: f64,
 }
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
@@ -326,6 +328,7 @@ impl<B: Backend + 'static> Stage<B> {
             experts,
             seqs: HashMap::new(),
             draft,
+            draft_level_ms: 0.0,
         })
     }
 

@@ -100,9 +100,11 @@ impl<B: Backend + 'static> super::Stage<B> {
             let base = seq.history.len() - s.draft_len;
             let mut history = seq.history[..base].to_vec();
             history.extend_from_slice(emitted);
-            let (next, tree) = d.propose_tree(model, &history, s.draft_next, s.draft_width)?;
+            let probe = self.draft_level_ms == 0.0;
+            let (next, tree) =
+                d.propose_tree(model, &history, s.draft_next, s.draft_width, probe)?;
             if d.ms_per_token() > 0.0 {
-                out.draft_level_ms = d.ms_per_token();
+                self.draft_level_ms = d.ms_per_token();
             }
             counts.push(next.len() as u32);
             drafts.extend(next);
@@ -110,6 +112,7 @@ impl<B: Backend + 'static> super::Stage<B> {
         }
         (out.drafts, out.draft_counts, out.draft_parents) = (drafts, counts, parents);
         out.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+        out.draft_level_ms = self.draft_level_ms;
         Ok(())
     }
 }
