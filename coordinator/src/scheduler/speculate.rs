@@ -23,6 +23,7 @@ impl Scheduler {
         }
         let mut rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         let others = seqs.len().saturating_sub(1) as f64;
+        let seqs_len = seqs.len();
         for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
             let a = &mut active[i];
             let proposed = std::mem::take(&mut a.next_draft);
@@ -50,7 +51,14 @@ impl Scheduler {
                 k = k.min((2 * width).max(min));
             }
             if mode == SpecMode::Draft {
-                s.draft_next = k as u32;
+                // What to draft for the next step, a decode beside the other sequences' (not this
+                // step's rows: after a prompt chunk they would make any draft look cheap).
+                let next = (seqs_len.saturating_sub(1), others);
+                let mut k_next = choose_draft(rate, &self.cost, next, ms, (min, max), width);
+                if ms == 0.0 {
+                    k_next = k_next.min((2 * width).max(min));
+                }
+                s.draft_next = k_next as u32;
                 s.draft_width = width as u32;
             }
             // A draft follows the step's last token when that is the last known one.
