@@ -34,13 +34,15 @@ impl AttnShape {
         }
     }
 
-    /// Checks q/k/v (`(rows, cols)` each) against this shape for one `attention` call; returns
-    /// `(q_dim, kv_dim)`.
+    /// Checks q/k/v (`(rows, cols)` each) and a token tree's ancestor masks (one per row, at most
+    /// 64, each row its own ancestor and none after it; full-context layers only) against this
+    /// shape for one `attention` call; returns `(q_dim, kv_dim)`.
     pub fn check(
         &self,
         q: (usize, usize),
         k: (usize, usize),
         v: (usize, usize),
+        tree: Option<&[u64]>,
     ) -> crate::Result<(usize, usize)> {
         let (qd, kvd) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
         crate::error::ensure(
@@ -53,6 +55,18 @@ impl AttnShape {
             "attention",
             || format!("{self:?}: heads not a multiple of kv heads"),
         )?;
+        if let Some(anc) = tree {
+            let ok = q.0 <= 64
+                && anc.len() == q.0
+                && self.window == 0
+                && anc
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &a)| a >> i & 1 == 1 && (i == 63 || a >> (i + 1) == 0));
+            crate::error::ensure(ok, "attention", || {
+                format!("a token tree of {} rows with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", q.0, self.window)
+            })?;
+        }
         Ok((qd, kvd))
     }
 }
@@ -235,8 +249,12 @@ pub trait Backend: Send + Sync + Clone {
     /// at `len`. A sliding-window cache keeps `KV_ROLLBACK` positions past its window for this; a
     /// cut below what it still holds is an error.
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize) -> Result<()>;
-    /// Appends `k`, `v` (`[m, kv_dim]`) to the cache at its current length, then computes causal
-    /// attention for `q` (`[m, q_dim]`) over everything cached: one sequence's rows.
+    /// Appends `k`, `v` (`[m, kv_dim]`) to the cache at its current length, then computes attention
+    /// for `q` (`[m, q_dim]`) over everything cached: one sequence's rows, causal — or, given a
+    /// token tree's ancestor masks (`tree`, speculative decoding), new row i attends to the
+    /// positions cached before this call and to the new rows whose bit is set in `tree[i]` (its
+    /// ancestors and itself), so every root-to-leaf path computes as if fed alone. A tree has at most
+    /// 64 new rows and runs on full-context layers only.
     fn attention(
         &self,
         q: &Self::Tensor,
@@ -244,19 +262,7 @@ pub trait Backend: Send + Sync + Clone {
         v: &Self::Tensor,
         cache: &mut Self::KvCache,
         shape: AttnShape,
-    ) -> Result<Self::Tensor>;
-    /// `attention` for a token tree (speculative decoding): new row i attends to the positions
-    /// cached before this call and to the new rows whose bit is set in `anc[i]` — its ancestors
-    /// and itself — so every root-to-leaf path computes as if fed alone. At most 64 new rows;
-    /// full-context layers only.
-    fn attention_tree(
-        &self,
-        q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        cache: &mut Self::KvCache,
-        shape: AttnShape,
-        anc: &[u64],
+        tree: Option<&[u64]>,
     ) -> Result<Self::Tensor>;
     /// Bytes a cache of `capacity` positions occupies.
     fn kv_bytes(&self, shape: AttnShape, capacity: usize) -> usize {

@@ -78,24 +78,6 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
 }
 
-/// Checks a token tree's ancestor masks for `attention_tree`: one per new row (at most 64), each
-/// row its own ancestor and none after it; a full-context layer.
-pub fn check_tree(rows: usize, anc: &[u64], s: crate::AttnShape) -> crate::Result<()> {
-    crate::error::ensure(
-        rows <= 64
-            && anc.len() == rows
-            && s.window == 0
-            && anc
-                .iter()
-                .enumerate()
-                .all(|(i, &a)| a >> i & 1 == 1 && (i == 63 || a >> (i + 1) == 0)),
-        "attention_tree",
-        || {
-            format!("{rows} rows with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", s.window)
-        },
-    )
-}
-
 /// The indices of the `k` largest values, largest first (ties: the lower index first, as `argmax`).
 pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..x.len() as u32).collect();

@@ -155,25 +155,18 @@ pub fn layer_forward<B: Backend>(
     }
     b.rope(&mut q, &pos, rope)?;
     b.rope(&mut k, &pos, rope)?;
-    let attn = if seqs.len() == 1 && seqs[0].tree.is_none() {
-        b.attention(&q, &k, &v, caches[0], shape)?
+    let attn = if seqs.len() == 1 {
+        b.attention(&q, &k, &v, caches[0], shape, seqs[0].tree.as_deref())?
     } else {
         let mut parts = Vec::with_capacity(seqs.len());
         let mut off = 0;
         for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
             let (qs, ks, vs) =
                 (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            parts.push(match &s.tree {
-                None => b.attention(&qs, &ks, &vs, cache, shape)?,
-                Some(anc) => b.attention_tree(&qs, &ks, &vs, cache, shape, anc)?,
-            });
+            parts.push(b.attention(&qs, &ks, &vs, cache, shape, s.tree.as_deref())?);
             off += s.rows;
         }
-        if parts.len() == 1 {
-            parts.pop().expect("one part")
-        } else {
-            b.concat_rows(&parts)?
-        }
+        b.concat_rows(&parts)?
     };
     let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref())?;
     if let Some(n) = &w.attn_post_norm {

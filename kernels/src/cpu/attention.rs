@@ -19,7 +19,9 @@ pub struct CpuKv {
 /// the last `s.window` positions of each row's context when a window is set), scores scaled by
 /// `s.scale`. A windowed cache then drops the positions no later row can see (beyond the
 /// `KV_ROLLBACK` it keeps for rejected drafts), once they are as many as the window (so it holds
-/// under two windows plus that margin, and the drop costs one copy per window of rows).
+/// under two windows plus that margin, and the drop costs one copy per window of rows). With a
+/// token tree's ancestor masks (`tree`, at most 64 rows, full-context layers only) row i attends to
+/// the positions cached before this call and to the new rows whose bit is set in `tree[i]` instead.
 pub fn attention(
     q: &[f32],
     k: &[f32],
@@ -27,33 +29,7 @@ pub fn attention(
     m: usize,
     cache: &mut CpuKv,
     s: AttnShape,
-) -> Vec<f32> {
-    attend(q, k, v, m, cache, s, None)
-}
-
-/// `attention` for a token tree of `m` new rows (`m` ≤ 64): row i attends to the positions cached
-/// before this call and to the new rows whose bit is set in `anc[i]` (its ancestors and itself),
-/// instead of every earlier new row. Full-context layers only (no window).
-pub fn attention_tree(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    m: usize,
-    cache: &mut CpuKv,
-    s: AttnShape,
-    anc: &[u64],
-) -> Vec<f32> {
-    attend(q, k, v, m, cache, s, Some(anc))
-}
-
-fn attend(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    m: usize,
-    cache: &mut CpuKv,
-    s: AttnShape,
-    anc: Option<&[u64]>,
+    tree: Option<&[u64]>,
 ) -> Vec<f32> {
     let (hd, kvd, qd) = (s.head_dim, s.n_kv_heads * s.head_dim, s.n_heads * s.head_dim);
     let start = cache.len;
@@ -72,7 +48,7 @@ fn attend(
         // Cache row of position t.
         let at = |t: usize| (t - base) * kvd + kvh * hd;
         // The positions this row sees: causal, or the cached ones and its ancestors in a tree.
-        let seen: Vec<usize> = match anc {
+        let seen: Vec<usize> = match tree {
             None => (first..n_ctx).collect(),
             Some(a) => (first..start)
                 .chain((0..m).filter(|&j| a[row] >> j & 1 == 1).map(|j| start + j))
@@ -126,7 +102,7 @@ mod tests {
         };
         let (q, k, v) = (gen(m * 32, 7), gen(m * 16, 5), gen(m * 16, 3));
         let mut c1 = CpuKv::default();
-        let all = attention(&q, &k, &v, m, &mut c1, s);
+        let all = attention(&q, &k, &v, m, &mut c1, s, None);
         let mut c2 = CpuKv::default();
         for r in 0..m {
             let one = attention(
@@ -136,6 +112,7 @@ mod tests {
                 1,
                 &mut c2,
                 s,
+                None,
             );
             for (a, b) in one.iter().zip(&all[r * 32..(r + 1) * 32]) {
                 assert!((a - b).abs() < 1e-5);
@@ -170,6 +147,7 @@ mod tests {
                 1,
                 &mut c,
                 s,
+                None,
             );
             // Reference: full attention over rows max(0, r + 1 - w)..=r only.
             let lo = (r + 1).saturating_sub(w);
@@ -177,7 +155,7 @@ mod tests {
             let (kk, vv) = (&k[lo * 4..(r + 1) * 4], &v[lo * 4..(r + 1) * 4]);
             let m = r + 1 - lo;
             let qs: Vec<f32> = (0..m).flat_map(|_| q[r * 8..(r + 1) * 8].iter().copied()).collect();
-            let want = attention(&qs, kk, vv, m, &mut full, AttnShape::new(2, 1, 4));
+            let want = attention(&qs, kk, vv, m, &mut full, AttnShape::new(2, 1, 4), None);
             for (a, b) in got.iter().zip(&want[(m - 1) * 8..]) {
                 assert!((a - b).abs() < 1e-5, "row {r}");
             }
@@ -215,15 +193,15 @@ mod tests {
             })
             .collect();
         let mut c = CpuKv::default();
-        attention(&q[..16], &k[..8], &v[..8], 2, &mut c, s);
-        let got = attention_tree(&q[16..56], &k[8..28], &v[8..28], 5, &mut c, s, &anc);
+        attention(&q[..16], &k[..8], &v[..8], 2, &mut c, s, None);
+        let got = attention(&q[16..56], &k[8..28], &v[8..28], 5, &mut c, s, Some(&anc));
         for path in [[0usize, 1, 3], [0, 2, 4]] {
             let mut p = CpuKv::default();
-            attention(&q[..16], &k[..8], &v[..8], 2, &mut p, s);
+            attention(&q[..16], &k[..8], &v[..8], 2, &mut p, s, None);
             let rows = |x: &[f32], w: usize| -> Vec<f32> {
                 path.iter().flat_map(|&r| x[(2 + r) * w..(3 + r) * w].to_vec()).collect()
             };
-            let want = attention(&rows(&q, 8), &rows(&k, 4), &rows(&v, 4), 3, &mut p, s);
+            let want = attention(&rows(&q, 8), &rows(&k, 4), &rows(&v, 4), 3, &mut p, s, None);
             for (i, &r) in path.iter().enumerate() {
                 for (a, b) in got[r * 8..(r + 1) * 8].iter().zip(&want[i * 8..(i + 1) * 8]) {
                     assert!((a - b).abs() < 1e-5, "path {path:?} row {r}");
@@ -242,13 +220,13 @@ mod tests {
         };
         let (q, k, v) = (gen(6 * 8, 7), gen(6 * 4, 5), gen(6 * 4, 3));
         let mut plain = CpuKv::default();
-        let want = attention(&q, &k, &v, 6, &mut plain, s);
+        let want = attention(&q, &k, &v, 6, &mut plain, s, None);
         let mut c = CpuKv::default();
-        attention(&q[..3 * 8], &k[..3 * 4], &v[..3 * 4], 3, &mut c, s);
+        attention(&q[..3 * 8], &k[..3 * 4], &v[..3 * 4], 3, &mut c, s, None);
         // Two rejected rows (other keys), then rolled back.
-        attention(&q[..2 * 8], &v[..2 * 4], &k[..2 * 4], 2, &mut c, s);
+        attention(&q[..2 * 8], &v[..2 * 4], &k[..2 * 4], 2, &mut c, s, None);
         truncate(&mut c, 3, 4).unwrap();
-        let got = attention(&q[3 * 8..], &k[3 * 4..], &v[3 * 4..], 3, &mut c, s);
+        let got = attention(&q[3 * 8..], &k[3 * 4..], &v[3 * 4..], 3, &mut c, s, None);
         for (a, b) in got.iter().zip(&want[3 * 8..]) {
             assert!((a - b).abs() < 1e-6);
         }
@@ -257,7 +235,7 @@ mod tests {
         let n = 3 * KV_ROLLBACK;
         let mut c = CpuKv::default();
         for _ in 0..n {
-            attention(&q[..8], &k[..4], &v[..4], 1, &mut c, w);
+            attention(&q[..8], &k[..4], &v[..4], 1, &mut c, w, None);
         }
         assert!(c.dropped > 0);
         truncate(&mut c, n - KV_ROLLBACK, 4).unwrap();

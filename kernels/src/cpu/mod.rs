@@ -324,24 +324,10 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         cache: &mut CpuKv,
         s: AttnShape,
+        tree: Option<&[u64]>,
     ) -> Result<CpuTensor> {
-        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
-        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s);
-        Ok(CpuTensor { data, rows: q.rows, cols: qd })
-    }
-
-    fn attention_tree(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        cache: &mut CpuKv,
-        s: AttnShape,
-        anc: &[u64],
-    ) -> Result<CpuTensor> {
-        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
-        crate::host::check_tree(q.rows, anc, s)?;
-        let data = attention::attention_tree(&q.data, &k.data, &v.data, q.rows, cache, s, anc);
+        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s, tree);
         Ok(CpuTensor { data, rows: q.rows, cols: qd })
     }
 }

@@ -154,72 +154,6 @@ impl CudaBackend {
         Ok(CudaTensor { buf: DevBuf::ordered(&self.gpu, rows * cols * 4)?, rows, cols })
     }
 
-    /// Attention of `q`'s rows over the cache after appending `k`, `v`: causal, or over a token
-    /// tree's ancestors (`anc`, see `Backend::attention_tree`).
-    fn attend(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        cache: &mut CudaKv,
-        s: AttnShape,
-        anc: Option<&[u64]>,
-    ) -> Result<CudaTensor> {
-        let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols))?;
-        ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
-            format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
-        })?;
-        self.gpu.bind()?;
-        let m = q.rows;
-        let start = cache.len;
-        let need = start + m;
-        if need > cache.cap {
-            // Grow to the next multiple of 256 positions, keeping what is cached.
-            let cap = need.div_ceil(256) * 256;
-            let (nk, nv) = (
-                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
-                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
-            );
-            if let (Some(ok), Some(ov)) = (&cache.k, &cache.v) {
-                self.dtod(nk.ptr, ok.ptr, start * kvd * 4)?;
-                self.dtod(nv.ptr, ov.ptr, start * kvd * 4)?;
-            }
-            (cache.k, cache.v, cache.cap) = (Some(nk), Some(nv), cap);
-        }
-        let (kc, vc) = (cache.k.as_ref().expect("grown").ptr, cache.v.as_ref().expect("grown").ptr);
-        self.dtod(kc + (start * kvd * 4) as u64, k.buf.ptr, m * kvd * 4)?;
-        self.dtod(vc + (start * kvd * 4) as u64, v.buf.ptr, m * kvd * 4)?;
-        cache.len = need;
-        let out = self.tensor(m, qd)?;
-        if m == 0 {
-            return Ok(out);
-        }
-        let anc_buf = anc.map(|a| self.upload_small(a)).transpose()?;
-        // A sliding window masks the older positions; the cache keeps them (no trimming on the GPU
-        // yet: the memory saving is the CPU backend's).
-        let args = [
-            q.buf.ptr,
-            kc,
-            vc,
-            out.buf.ptr,
-            i(start as i32),
-            i(s.n_heads as i32),
-            i(s.n_kv_heads as i32),
-            i(s.head_dim as i32),
-            f(s.scale),
-            i(s.window as i32),
-            anc_buf.as_ref().map_or(0, |b| b.ptr),
-        ];
-        self.gpu.launch(
-            "attention",
-            (s.n_heads as u32, m as u32, 1),
-            ATTENTION_THREADS,
-            0,
-            &args,
-        )?;
-        Ok(out)
-    }
-
     fn upload_small<T: Copy>(&self, data: &[T]) -> Result<DevBuf> {
         let buf = DevBuf::ordered(&self.gpu, std::mem::size_of_val(data))?;
         if !data.is_empty() {
@@ -764,21 +698,61 @@ impl Backend for CudaBackend {
         v: &CudaTensor,
         cache: &mut CudaKv,
         s: AttnShape,
+        tree: Option<&[u64]>,
     ) -> Result<CudaTensor> {
-        self.attend(q, k, v, cache, s, None)
-    }
-
-    fn attention_tree(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        cache: &mut CudaKv,
-        s: AttnShape,
-        anc: &[u64],
-    ) -> Result<CudaTensor> {
-        crate::host::check_tree(q.rows, anc, s)?;
-        self.attend(q, k, v, cache, s, Some(anc))
+        let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
+            format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
+        })?;
+        self.gpu.bind()?;
+        let m = q.rows;
+        let start = cache.len;
+        let need = start + m;
+        if need > cache.cap {
+            // Grow to the next multiple of 256 positions, keeping what is cached.
+            let cap = need.div_ceil(256) * 256;
+            let (nk, nv) = (
+                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
+                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
+            );
+            if let (Some(ok), Some(ov)) = (&cache.k, &cache.v) {
+                self.dtod(nk.ptr, ok.ptr, start * kvd * 4)?;
+                self.dtod(nv.ptr, ov.ptr, start * kvd * 4)?;
+            }
+            (cache.k, cache.v, cache.cap) = (Some(nk), Some(nv), cap);
+        }
+        let (kc, vc) = (cache.k.as_ref().expect("grown").ptr, cache.v.as_ref().expect("grown").ptr);
+        self.dtod(kc + (start * kvd * 4) as u64, k.buf.ptr, m * kvd * 4)?;
+        self.dtod(vc + (start * kvd * 4) as u64, v.buf.ptr, m * kvd * 4)?;
+        cache.len = need;
+        let out = self.tensor(m, qd)?;
+        if m == 0 {
+            return Ok(out);
+        }
+        let anc_buf = tree.map(|a| self.upload_small(a)).transpose()?;
+        // A sliding window masks the older positions; the cache keeps them (no trimming on the GPU
+        // yet: the memory saving is the CPU backend's).
+        let args = [
+            q.buf.ptr,
+            kc,
+            vc,
+            out.buf.ptr,
+            i(start as i32),
+            i(s.n_heads as i32),
+            i(s.n_kv_heads as i32),
+            i(s.head_dim as i32),
+            f(s.scale),
+            i(s.window as i32),
+            anc_buf.as_ref().map_or(0, |b| b.ptr),
+        ];
+        self.gpu.launch(
+            "attention",
+            (s.n_heads as u32, m as u32, 1),
+            ATTENTION_THREADS,
+            0,
+            &args,
+        )?;
+        Ok(out)
     }
 }
 

@@ -116,17 +116,7 @@ impl Backend for CudaBackend {
         _: &Never,
         _: &mut Never,
         _: AttnShape,
-    ) -> Result<Never> {
-        match self.0 {}
-    }
-    fn attention_tree(
-        &self,
-        _: &Never,
-        _: &Never,
-        _: &Never,
-        _: &mut Never,
-        _: AttnShape,
-        _: &[u64],
+        _: Option<&[u64]>,
     ) -> Result<Never> {
         match self.0 {}
     }

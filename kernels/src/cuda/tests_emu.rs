@@ -184,11 +184,12 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         if start > 0 {
             let pq = rng.vec(start * qd);
             let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
-            c.attention(&t(&pq, qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s).unwrap();
+            c.attention(&t(&pq, qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s, None).unwrap();
         }
         let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
         let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
-        let want = c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s).unwrap().data;
+        let want =
+            c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, None).unwrap().data;
         let got = f32s(&emu.run(
             &args(
                 "attention",
@@ -227,13 +228,20 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
         if start > 0 {
             let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
-            c.attention(&t(&rng.vec(start * qd), qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s)
-                .unwrap();
+            c.attention(
+                &t(&rng.vec(start * qd), qd),
+                &t(&pk, kvd),
+                &t(&pv, kvd),
+                &mut cache,
+                s,
+                None,
+            )
+            .unwrap();
         }
         let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
         let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
         let want = c
-            .attention_tree(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, &anc)
+            .attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, Some(&anc))
             .unwrap()
             .data;
         let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);

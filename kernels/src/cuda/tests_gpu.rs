@@ -219,6 +219,7 @@ fn attention_prefill_then_decode_past_cache_growth_matches_cpu() {
                 &c.from_host(&v, m, kvd).unwrap(),
                 &mut kc,
                 s,
+                None,
             )
             .unwrap();
         let got = g
@@ -228,6 +229,7 @@ fn attention_prefill_then_decode_past_cache_growth_matches_cpu() {
                 &g.from_host(&v, m, kvd).unwrap(),
                 &mut kg,
                 s,
+                None,
             )
             .unwrap();
         let e = rel(&g.to_host(&got).unwrap(), &want.data);
