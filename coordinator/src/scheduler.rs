@@ -10,7 +10,7 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
-use layerstream_model::spec::{depths, Acceptance, PassCost, SpecMode};
+use layerstream_model::spec::{levels, Acceptance, PassCost, SpecMode};
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
 use std::collections::VecDeque;
@@ -646,8 +646,7 @@ impl Scheduler {
             }
             a.next_draft = out.drafts.get(k).cloned().unwrap_or_default();
             if drafted > 0 {
-                let levels = depths(&s.tree_parents).into_iter().max().unwrap_or(drafted);
-                a.acceptance.record(levels, accepted);
+                a.acceptance.record(levels(&s.tree_parents, drafted), accepted);
                 self.metrics.speculated(drafted, accepted);
             }
             a.acc.spec(drafted, accepted);

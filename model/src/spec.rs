@@ -224,20 +224,47 @@ impl PassCost {
     }
 }
 
+/// What one level of drafting (one token of a chain, `width` of a tree) costs the drafter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DraftCost {
+    /// Prompt lookup: nothing worth counting.
+    Free,
+    /// A draft model not measured yet: counted as free, but at most two levels, which measure it.
+    Unmeasured,
+    /// A draft model's measured milliseconds per level.
+    PerLevel(f64),
+}
+
+impl DraftCost {
+    /// A draft model's cost from its measured milliseconds per level (0: not measured yet).
+    pub fn of_model(ms_per_level: f64) -> Self {
+        if ms_per_level > 0.0 {
+            DraftCost::PerLevel(ms_per_level)
+        } else {
+            DraftCost::Unmeasured
+        }
+    }
+}
+
 /// The draft size in `min..=max` tokens that maximises tokens per millisecond for one sequence
 /// riding a step with `rows` other positions that emit `others` tokens, for a draft of `width`
 /// candidates per level (1: a chain): with `l` levels of `l × width` tokens,
 /// `(others + E(l)) / (pass(rows + 1 + l × width) + l × draft_ms)`, `a` and `draft_ms` per level.
-/// 0 (no draft) when no size beats it or the pass was never measured.
+/// 0 (no draft) when no size beats it or the pass was never measured; an unmeasured draft model
+/// drafts at most two levels (or `min`), which measure it.
 pub fn choose_draft(
     a: f64,
     cost: &PassCost,
     (rows, others): (usize, f64),
-    draft_ms: f64,
+    draft: DraftCost,
     (min, max): (usize, usize),
     width: usize,
 ) -> usize {
     let w = width.max(1);
+    let draft_ms = match draft {
+        DraftCost::PerLevel(ms) => ms,
+        DraftCost::Free | DraftCost::Unmeasured => 0.0,
+    };
     let Some(plain) = cost.predict(rows + 1) else { return 0 };
     let mut best = (0, (others + 1.0) / plain.max(1e-9));
     for l in min.div_ceil(w).max(1)..=max / w {
@@ -247,11 +274,29 @@ pub fn choose_draft(
             best = (l * w, rate);
         }
     }
-    best.0
+    match draft {
+        DraftCost::Unmeasured => best.0.min((2 * w).max(min)),
+        _ => best.0,
+    }
+}
+
+/// How many levels a draft verified with `parents` (empty: a chain of `drafted`) reached: what the
+/// acceptance rate is per.
+pub fn levels(parents: &[u32], drafted: usize) -> usize {
+    depths(parents).into_iter().max().unwrap_or(drafted)
+}
+
+/// The drafted token after node `at` (0: the token before the draft; i: drafted token i − 1) that
+/// is `token` — a chain's next token, or one of a tree's children — if any.
+pub fn drafted_child(draft: &[u32], parents: &[u32], at: usize, token: u32) -> Option<usize> {
+    (0..draft.len()).find(|&c| {
+        let parent = if parents.is_empty() { c } else { parents[c] as usize };
+        parent == at && draft[c] == token
+    })
 }
 
 /// Each drafted token's depth in its tree (1: a child of the token before the draft).
-pub fn depths(parents: &[u32]) -> Vec<usize> {
+fn depths(parents: &[u32]) -> Vec<usize> {
     let mut d = Vec::with_capacity(parents.len());
     for &p in parents {
         let depth = if p == 0 { 1 } else { d[p as usize - 1] + 1 };
@@ -337,6 +382,12 @@ mod tests {
     #[test]
     fn tree_depths_and_chains() {
         assert_eq!(depths(&[0, 0, 1, 2, 3]), vec![1, 1, 2, 2, 3]);
+        assert_eq!((levels(&[0, 0, 1, 2, 3], 5), levels(&[], 4)), (3, 4));
+        // Node 0 (token 7) is the root's child in a chain and in the tree; node 3's parent is node 1.
+        assert_eq!(drafted_child(&[7, 8, 9, 6], &[], 0, 7), Some(0));
+        assert_eq!(drafted_child(&[7, 8, 9, 6], &[], 1, 8), Some(1));
+        assert_eq!(drafted_child(&[7, 8, 9, 6], &[0, 0, 1, 2], 2, 6), Some(3));
+        assert_eq!(drafted_child(&[7, 8, 9, 6], &[0, 0, 1, 2], 1, 6), None);
         assert!(tree_or_chain(vec![0, 1, 2]).is_empty());
         assert_eq!(tree_or_chain(vec![0, 0, 1]), vec![0, 0, 1]);
     }
@@ -363,20 +414,29 @@ mod tests {
         };
         let flat = fit(&|_| 100.0);
         assert!((flat.predict(40).unwrap() - 100.0).abs() < 1e-6);
-        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), 0.0, (0, 16), 1), 16);
+        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), DraftCost::Free, (0, 16), 1), 16);
         let linear = fit(&|p| 10.0 * p as f64);
-        assert_eq!(choose_draft(0.8, &linear, (0, 0.0), 0.0, (0, 16), 1), 0);
+        assert_eq!(choose_draft(0.8, &linear, (0, 0.0), DraftCost::Free, (0, 16), 1), 0);
         let mid = fit(&|p| 100.0 + 5.0 * p as f64);
-        let k = choose_draft(0.7, &mid, (0, 0.0), 0.0, (0, 16), 1);
+        let k = choose_draft(0.7, &mid, (0, 0.0), DraftCost::Free, (0, 16), 1);
         assert!(k > 0 && k < 16, "{k}");
         // A draft model's own time per token shortens drafts.
-        assert!(choose_draft(0.7, &mid, (0, 0.0), 20.0, (0, 16), 1) < k);
+        assert!(choose_draft(0.7, &mid, (0, 0.0), DraftCost::PerLevel(20.0), (0, 16), 1) < k);
         // Never measured: no draft; a minimum is respected when drafting pays at all.
-        assert_eq!(choose_draft(0.9, &PassCost::default(), (0, 0.0), 0.0, (0, 8), 1), 0);
-        assert!(choose_draft(0.8, &flat, (0, 0.0), 0.0, (4, 8), 1) >= 4);
+        assert_eq!(
+            choose_draft(0.9, &PassCost::default(), (0, 0.0), DraftCost::Free, (0, 8), 1),
+            0
+        );
+        assert!(choose_draft(0.8, &flat, (0, 0.0), DraftCost::Free, (4, 8), 1) >= 4);
         // Trees: whole levels of `width` tokens; the draft's time counts once per level.
-        let k = choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 16), 3);
+        let k = choose_draft(0.8, &flat, (0, 0.0), DraftCost::PerLevel(5.0), (0, 16), 3);
         assert!(k > 0 && k.is_multiple_of(3) && k <= 15, "{k}");
-        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), 5.0, (0, 2), 3), 0, "no whole level fits");
+        assert_eq!(
+            choose_draft(0.8, &flat, (0, 0.0), DraftCost::PerLevel(5.0), (0, 2), 3),
+            0,
+            "no whole level fits"
+        );
+        // A draft model not measured yet: two levels, which measure it.
+        assert_eq!(choose_draft(0.8, &flat, (0, 0.0), DraftCost::Unmeasured, (0, 16), 3), 6);
     }
 }

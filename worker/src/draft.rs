@@ -5,7 +5,7 @@
 use crate::error::Result;
 use crate::model::{Model, SeqState};
 use layerstream_kernels::Backend;
-use layerstream_model::spec::{ngram_propose, SpecMode};
+use layerstream_model::spec::{ngram_propose, DraftCost, SpecMode};
 use std::time::Instant;
 
 /// Tokens of context a probing draft (one that measures the draft model's cost) sees.
@@ -17,18 +17,18 @@ pub struct DraftState<B: Backend> {
     fed: Vec<u32>,
     /// Milliseconds per level of drafting — one forward pass of the draft model (a running
     /// average; 0 before the first measurement).
-    ms_per_token: f64,
+    ms_per_level: f64,
 }
 
 impl<B: Backend> DraftState<B> {
     /// An empty draft cache for a sequence of up to `capacity` positions.
     pub fn new(model: &Model<B>, capacity: usize) -> Result<Self> {
-        Ok(DraftState { seq: model.new_sequence(capacity)?, fed: Vec::new(), ms_per_token: 0.0 })
+        Ok(DraftState { seq: model.new_sequence(capacity)?, fed: Vec::new(), ms_per_level: 0.0 })
     }
 
     /// Milliseconds each level of drafting costs (0: not measured yet).
-    pub fn ms_per_token(&self) -> f64 {
-        self.ms_per_token
+    pub fn ms_per_level(&self) -> f64 {
+        self.ms_per_level
     }
 
     /// Forgets what the cache holds past its common prefix with `history` (rejected drafts), keeping
@@ -98,8 +98,8 @@ impl<B: Backend> DraftState<B> {
         let measured = if caught_up { &level_ms[..] } else { &level_ms[1..] };
         if !measured.is_empty() {
             let ms = measured.iter().sum::<f64>() / measured.len() as f64;
-            self.ms_per_token =
-                if self.ms_per_token == 0.0 { ms } else { 0.8 * self.ms_per_token + 0.2 * ms };
+            self.ms_per_level =
+                if self.ms_per_level == 0.0 { ms } else { 0.8 * self.ms_per_level + 0.2 * ms };
         }
         Ok((tokens, parents))
     }
@@ -123,11 +123,11 @@ impl<'m, B: Backend> Drafter<'m, B> {
         })
     }
 
-    /// Milliseconds each drafted token costs (0 for prompt lookup).
-    pub fn ms_per_token(&self) -> f64 {
+    /// What a level of drafting costs.
+    pub fn cost(&self) -> DraftCost {
         match self {
-            Drafter::Ngram => 0.0,
-            Drafter::Model(_, d) => d.ms_per_token(),
+            Drafter::Ngram => DraftCost::Free,
+            Drafter::Model(_, d) => DraftCost::of_model(d.ms_per_level()),
         }
     }
 
@@ -147,7 +147,7 @@ impl<'m, B: Backend> Drafter<'m, B> {
                 Ok((t, chain))
             }
             Drafter::Model(m, d) => {
-                let probe = d.ms_per_token() == 0.0;
+                let probe = d.ms_per_level() == 0.0;
                 d.propose_tree(m, history, max, width, probe)
             }
         }

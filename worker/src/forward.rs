@@ -119,6 +119,14 @@ fn proj<B: Backend>(
     Ok(y)
 }
 
+/// Forgets positions `len..` of one sequence's caches, one per layer (rejected drafts).
+pub fn truncate<B: Backend>(b: &B, caches: &mut [B::KvCache], len: usize) -> Result<()> {
+    for c in caches {
+        b.kv_truncate(c, len)?;
+    }
+    Ok(())
+}
+
 /// Positions of every row of a batch, in order (a tree row's: the first row's plus its depth).
 pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
     seqs.iter()

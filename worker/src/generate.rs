@@ -8,7 +8,7 @@ use crate::model::Model;
 use crate::sampling::Sampler;
 use layerstream_kernels::Backend;
 use layerstream_model::spec::{
-    choose_draft, depths, tree_or_chain, Acceptance, PassCost, SpecMode,
+    choose_draft, drafted_child, levels, tree_or_chain, Acceptance, PassCost, SpecMode,
 };
 use layerstream_model::{check_request, FinishReason, GenerateParams, Stopper, Tokenizer};
 use serde::Serialize;
@@ -98,12 +98,8 @@ pub fn generate<B: Backend>(
                 let rows = next.len() - 1;
                 // A tree's rows (the tokens fed again before the draft, and the draft) fit a mask.
                 let max = if spec.width > 1 { max.min(63usize.saturating_sub(rows)) } else { max };
-                let (rate, ms) = (acceptance.rate(), d.ms_per_token());
-                let mut k = choose_draft(rate, &cost, (rows, 0.0), ms, (min, max), spec.width);
-                if spec.mode == SpecMode::Draft && ms == 0.0 {
-                    // The draft model's cost is not known yet: a first draft of two levels measures it.
-                    k = k.min((2 * spec.width).max(min));
-                }
+                let rate = acceptance.rate();
+                let k = choose_draft(rate, &cost, (rows, 0.0), d.cost(), (min, max), spec.width);
                 let (t, p) =
                     if k > 0 { d.propose(&history, k, spec.width)? } else { Default::default() };
                 if t.len() < min || t.is_empty() {
@@ -136,10 +132,7 @@ pub fn generate<B: Backend>(
             history.push(id);
             let step = stopper.push(tok, id)?;
             on_text(&step.delta);
-            let child = (0..draft.len()).find(|&c| {
-                let parent = if parents.is_empty() { c } else { parents[c] as usize };
-                parent == at && draft[c] == id
-            });
+            let child = drafted_child(&draft, &parents, at, id);
             if let Some(reason) = step.finish {
                 t.spec_accepted += accepted + usize::from(child.is_some());
                 break 'gen reason;
@@ -153,8 +146,7 @@ pub fn generate<B: Backend>(
             }
         }
         t.spec_accepted += accepted;
-        let levels = depths(&parents).into_iter().max().unwrap_or(draft.len());
-        acceptance.record(levels, accepted);
+        acceptance.record(levels(&parents, draft.len()), accepted);
         // The cache keeps what is final: a chain's accepted prefix; a tree's rows up to the token
         // before it (the accepted branch is fed again, in order, with the next token).
         let keep = if parents.is_empty() { history.len() - 1 } else { before };

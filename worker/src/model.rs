@@ -64,17 +64,8 @@ impl<B: Backend> Model<B> {
     /// Feeds `tokens[i]` to sequence `i` (prefill or decode alike) and returns each sequence's
     /// logits at its last new position.
     pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
-        self.backend.run_step(|| self.forward_here(batch, &[]))
-    }
-
-    /// `forward`, returning the logits of the last `tails[i]` positions of sequence `i` (a draft
-    /// being verified), sequence after sequence.
-    pub fn forward_tails(
-        &self,
-        batch: &mut [(&[u32], &mut SeqState<B>)],
-        tails: &[usize],
-    ) -> Result<Vec<Vec<f32>>> {
-        self.backend.run_step(|| self.forward_here(batch, tails))
+        let causal = vec![None; batch.len()];
+        self.backend.run_step(|| self.forward_here(batch, causal, &[]))
     }
 
     /// Feeds `tokens` to `seq`, the last `parents.len()` of them a token tree (`parents` as
@@ -86,26 +77,13 @@ impl<B: Backend> Model<B> {
         parents: &[u32],
         tail: usize,
     ) -> Result<Vec<Vec<f32>>> {
-        self.backend.run_step(|| {
-            let tree = crate::forward::tree_masks(tokens.len(), parents);
-            let (x, seqs) = self.layers_with(&mut [(tokens, seq)], vec![tree])?;
-            head_logits(
-                &self.backend,
-                &self.ctx,
-                &x,
-                &seqs,
-                &[tail],
-                &self.norm,
-                self.lm_head.as_ref().unwrap_or(&self.embed),
-            )
-        })
+        let tree = crate::forward::tree_masks(tokens.len(), parents);
+        self.backend.run_step(|| self.forward_here(&mut [(tokens, seq)], vec![tree], &[tail]))
     }
 
     /// Forgets positions `len..` of a sequence (rejected drafts).
     pub fn truncate(&self, seq: &mut SeqState<B>, len: usize) -> Result<()> {
-        for c in &mut seq.caches {
-            self.backend.kv_truncate(c, len)?;
-        }
+        crate::forward::truncate(&self.backend, &mut seq.caches, len)?;
         seq.len = len;
         Ok(())
     }
@@ -116,7 +94,7 @@ impl<B: Backend> Model<B> {
     pub fn score(&self, tokens: &[u32], seq: &mut SeqState<B>, from: usize) -> Result<Vec<f64>> {
         self.backend.run_step(|| {
             let b = &self.backend;
-            let (x, _) = self.layers_here(&mut [(tokens, seq)])?;
+            let (x, _) = self.layers_with(&mut [(tokens, seq)], vec![None])?;
             let n = tokens.len().saturating_sub(1).saturating_sub(from);
             if n == 0 {
                 return Ok(Vec::new());
@@ -132,13 +110,15 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// `forward` on the calling thread.
+    /// `forward` on the calling thread, with each sequence's tree masks (`forward::tree_masks`;
+    /// None: causal) and the positions whose logits come back (`head_logits`' tails).
     fn forward_here(
         &self,
         batch: &mut [(&[u32], &mut SeqState<B>)],
+        trees: Vec<Option<Vec<u64>>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
-        let (x, seqs) = self.layers_here(batch)?;
+        let (x, seqs) = self.layers_with(batch, trees)?;
         head_logits(
             &self.backend,
             &self.ctx,
@@ -150,17 +130,9 @@ impl<B: Backend> Model<B> {
         )
     }
 
-    /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens);
-    /// returns the last layer's output and the rows of each sequence.
-    fn layers_here(
-        &self,
-        batch: &mut [(&[u32], &mut SeqState<B>)],
-    ) -> Result<(B::Tensor, Vec<SeqRows>)> {
-        let trees = vec![None; batch.len()];
-        self.layers_with(batch, trees)
-    }
-
-    /// `layers_here` with each sequence's tree masks (`forward::tree_masks`; None: causal).
+    /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens;
+    /// `trees[i]`: sequence i's tree masks, None: causal); returns the last layer's output and the
+    /// rows of each sequence.
     fn layers_with(
         &self,
         batch: &mut [(&[u32], &mut SeqState<B>)],

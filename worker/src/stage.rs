@@ -376,9 +376,7 @@ impl<B: Backend + 'static> Stage<B> {
         for s in batch {
             if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
                 if s.start_pos < seq.len {
-                    for c in &mut seq.caches {
-                        self.backend.kv_truncate(c, s.start_pos)?;
-                    }
+                    crate::forward::truncate(&self.backend, &mut seq.caches, s.start_pos)?;
                     seq.len = s.start_pos;
                     seq.history.truncate(seq.history.len().min(s.start_pos));
                 }

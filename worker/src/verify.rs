@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::sampling::Sampler;
 use crate::token_choice::{HeadRow, TokenChoice};
 use layerstream_kernels::Backend;
+use layerstream_model::spec::drafted_child;
 use layerstream_rpc::v1::TokenLogprobs;
 
 /// One sequence's rows of the head's logits.
@@ -76,12 +77,7 @@ pub fn verify<B: Backend>(
             if s.prompt_continues {
                 continue;
             }
-            // The child of the current node that drafted `t`, if any.
-            let child = (0..s.draft.len()).find(|&c| {
-                let parent = if s.parents.is_empty() { c } else { s.parents[c] as usize };
-                parent == at[i] && s.draft[c] == t
-            });
-            if let Some(c) = child {
+            if let Some(c) = drafted_child(s.draft, s.parents, at[i], t) {
                 at[i] = c + 1;
                 next.push(i);
             }
@@ -98,6 +94,19 @@ mod tests {
     use super::*;
     use layerstream_kernels::CpuBackend;
     use layerstream_model::SamplingParams;
+
+    /// A sequence's rows from `first_row`: its history ending in a draft of `n` tokens with these
+    /// tree `parents` (empty: a chain).
+    fn drafted<'a>(
+        sampler: &'a mut Sampler,
+        history: &'a [u32],
+        n: usize,
+        parents: &'a [u32],
+        first_row: usize,
+    ) -> DraftRows<'a> {
+        let draft = &history[history.len() - n..];
+        DraftRows { sampler, history, draft, parents, prompt_continues: false, first_row }
+    }
 
     /// Logits whose argmax is `t`, and that sample `t` most of the time at temperature 1.
     fn peaked(vocab: usize, t: u32) -> Vec<f32> {
@@ -124,38 +133,15 @@ mod tests {
             (Sampler::new(SamplingParams::default()), Sampler::new(SamplingParams::default()));
         let h0 = [1, 2, 3, 4, 5];
         let h1 = [1];
-        let seqs = vec![
-            DraftRows {
-                sampler: &mut s0,
-                history: &h0,
-                draft: &h0[2..],
-                parents: &[],
-                prompt_continues: false,
-                first_row: 0,
-            },
-            DraftRows {
-                sampler: &mut s1,
-                history: &h1,
-                draft: &[],
-                parents: &[],
-                prompt_continues: false,
-                first_row: 4,
-            },
-        ];
+        let seqs =
+            vec![drafted(&mut s0, &h0, h0.len() - 2, &[], 0), drafted(&mut s1, &h1, 0, &[], 4)];
         let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
         assert_eq!(tokens, vec![3, 4, 6, 2]);
         assert_eq!(counts, vec![3, 1]);
         // Every draft accepted: the bonus token from the last row follows.
         let mut s0 = Sampler::new(SamplingParams::default());
         let h0 = [1, 2, 3, 4, 6];
-        let seqs = vec![DraftRows {
-            sampler: &mut s0,
-            history: &h0,
-            draft: &h0[2..],
-            parents: &[],
-            prompt_continues: false,
-            first_row: 0,
-        }];
+        let seqs = vec![drafted(&mut s0, &h0, h0.len() - 2, &[], 0)];
         let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
         assert_eq!((tokens, counts), (vec![3, 4, 6, 7], vec![4]));
     }
@@ -179,14 +165,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::default());
         let h = [1, 2, 3, 5, 4, 6];
         let parents = [0, 0, 1, 2];
-        let seqs = vec![DraftRows {
-            sampler: &mut s,
-            history: &h,
-            draft: &h[2..],
-            parents: &parents,
-            prompt_continues: false,
-            first_row: 0,
-        }];
+        let seqs = vec![drafted(&mut s, &h, h.len() - 2, &parents, 0)];
         let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
         // Root row says 5: node 1 (row 2), whose row says 6: node 3 (row 4), whose row says 7,
         // which no child drafted.
@@ -224,14 +203,7 @@ mod tests {
             }
             let mut s = Sampler::new(params.clone());
             let history: Vec<u32> = [vec![9 % vocab as u32], draft.clone()].concat();
-            let seqs = vec![DraftRows {
-                sampler: &mut s,
-                history: &history,
-                draft: &draft,
-                parents: &[],
-                prompt_continues: false,
-                first_row: 0,
-            }];
+            let seqs = vec![drafted(&mut s, &history, draft.len(), &[], 0)];
             let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
             assert_eq!(tokens, want, "draft {draft:?}");
             assert_eq!(counts, vec![want.len() as u32]);

@@ -2,7 +2,7 @@
 //! how long it is (see `layerstream_model::spec::choose_draft`).
 
 use super::{Active, Scheduler};
-use layerstream_model::spec::{choose_draft, ngram_propose, tree_or_chain, SpecMode};
+use layerstream_model::spec::{choose_draft, ngram_propose, tree_or_chain, DraftCost, SpecMode};
 use layerstream_rpc::v1::StepSeq;
 
 impl Scheduler {
@@ -39,26 +39,22 @@ impl Scheduler {
             if max == 0 || min > max {
                 continue;
             }
-            let (ms, width) =
-                if mode == SpecMode::Draft { (self.draft_ms, self.spec.2) } else { (0.0, 1) };
+            let (draft_cost, width) = match mode {
+                SpecMode::Draft => (DraftCost::of_model(self.draft_ms), self.spec.2),
+                _ => (DraftCost::Free, 1),
+            };
             // A token tree's rows fit a 64-bit ancestor mask.
             let max =
                 if width > 1 { max.min(64usize.saturating_sub(s.token_ids.len())) } else { max };
             let rate = a.acceptance.rate();
-            let mut k = choose_draft(rate, &self.cost, (rows - 1, others), ms, (min, max), width);
-            if mode == SpecMode::Draft && ms == 0.0 {
-                // The draft model's cost is not known yet: a first draft of two levels measures it.
-                k = k.min((2 * width).max(min));
-            }
+            let choose = |rows_others| {
+                choose_draft(rate, &self.cost, rows_others, draft_cost, (min, max), width)
+            };
+            let k = choose((rows - 1, others));
             if mode == SpecMode::Draft {
                 // What to draft for the next step, a decode beside the other sequences' (not this
                 // step's rows: after a prompt chunk they would make any draft look cheap).
-                let next = (seqs_len.saturating_sub(1), others);
-                let mut k_next = choose_draft(rate, &self.cost, next, ms, (min, max), width);
-                if ms == 0.0 {
-                    k_next = k_next.min((2 * width).max(min));
-                }
-                s.draft_next = k_next as u32;
+                s.draft_next = choose((seqs_len.saturating_sub(1), others)) as u32;
                 s.draft_width = width as u32;
             }
             // A draft follows the step's last token when that is the last known one.

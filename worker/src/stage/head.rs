@@ -103,8 +103,8 @@ impl<B: Backend + 'static> super::Stage<B> {
             let probe = self.draft_level_ms == 0.0;
             let (next, tree) =
                 d.propose_tree(model, &history, s.draft_next, s.draft_width, probe)?;
-            if d.ms_per_token() > 0.0 {
-                self.draft_level_ms = d.ms_per_token();
+            if d.ms_per_level() > 0.0 {
+                self.draft_level_ms = d.ms_per_level();
             }
             counts.push(next.len() as u32);
             drafts.extend(next);
