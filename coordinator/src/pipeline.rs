@@ -283,14 +283,14 @@ fn split_tokens(
             seqs.len()
         ));
     }
-    let (mut toks, mut lps) = (tokens.into_iter(), logprobs.into_iter());
-    let per: Vec<Vec<u32>> = counts.iter().map(|&c| toks.by_ref().take(c).collect()).collect();
-    let lp: Vec<Vec<_>> = if lps.len() == 0 {
-        Vec::new()
-    } else {
-        counts.iter().map(|&c| lps.by_ref().take(c).collect()).collect()
-    };
-    Ok((per, lp))
+    let lp = if logprobs.is_empty() { Vec::new() } else { split(logprobs, &counts) };
+    Ok((split(tokens, &counts), lp))
+}
+
+/// `items` cut into consecutive runs of `counts[i]` (their sum is its length: checked by callers).
+fn split<T>(items: Vec<T>, counts: &[usize]) -> Vec<Vec<T>> {
+    let mut it = items.into_iter();
+    counts.iter().map(|&c| it.by_ref().take(c).collect()).collect()
 }
 
 /// The head's draft proposals split per sequence with their tree parents, each count within what
@@ -312,11 +312,9 @@ fn split_drafts(
     if bad {
         return Err(format!("returned {} drafted tokens in counts {counts:?}", drafts.len()));
     }
-    let (mut it, mut pt) = (drafts.into_iter(), parents.into_iter());
-    let out: Vec<(Vec<u32>, Vec<u32>)> = counts
-        .iter()
-        .map(|&c| (it.by_ref().take(c as usize).collect(), pt.by_ref().take(c as usize).collect()))
-        .collect();
+    let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
+    let out: Vec<(Vec<u32>, Vec<u32>)> =
+        split(drafts, &counts).into_iter().zip(split(parents, &counts)).collect();
     if out.iter().any(|(_, p)| p.iter().enumerate().any(|(i, &x)| x as usize > i)) {
         return Err("returned a draft tree whose parent follows its child".into());
     }

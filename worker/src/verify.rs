@@ -11,6 +11,7 @@ use crate::token_choice::{HeadRow, TokenChoice};
 use layerstream_kernels::Backend;
 use layerstream_model::spec::drafted_child;
 use layerstream_rpc::v1::TokenLogprobs;
+use std::borrow::Cow;
 
 /// One sequence's rows of the head's logits.
 pub struct DraftRows<'a> {
@@ -46,14 +47,19 @@ pub fn verify<B: Backend>(
     while !alive.is_empty() {
         let idx: Vec<usize> = alive.iter().map(|&i| seqs[i].first_row + at[i]).collect();
         let mut rows_logits = b.gather_rows(logits, &idx)?;
-        // What each row's repetition penalty sees: the tokens before the draft, then the path.
-        let seen: Vec<Vec<u32>> = alive
+        // What each row's repetition penalty sees: the tokens before the draft, then the path —
+        // in a chain, the history itself up to there; in a tree, the branch taken, copied.
+        let seen: Vec<Cow<'_, [u32]>> = alive
             .iter()
             .map(|&i| {
                 let s = &seqs[i];
                 let base = s.history.len() - s.draft.len();
-                let path = out[i].iter().map(|t| t.0);
-                s.history[..base].iter().copied().chain(path).collect()
+                if s.parents.is_empty() {
+                    Cow::Borrowed(&s.history[..base + out[i].len()])
+                } else {
+                    let path = out[i].iter().map(|t| t.0);
+                    Cow::Owned(s.history[..base].iter().copied().chain(path).collect())
+                }
             })
             .collect();
         let rows: Vec<HeadRow<'_>> = seqs
