@@ -24,7 +24,7 @@ fn int8_logits_stay_within_three_percent_of_the_logit_range_of_transformers() {
         let model = Model::load(CpuBackend::default(), &store).unwrap();
         let name = format!("tiny-llama-quant/{t}");
         for g in goldens(&name) {
-            let mut seq: SeqState<CpuBackend> = model.new_sequence(g.input_ids.len()).unwrap();
+            let mut seq: SeqState = model.new_sequence();
             let mut logits = vec![];
             for id in &g.input_ids {
                 logits = model.forward(&mut [(&[*id][..], &mut seq)]).unwrap().remove(0);

@@ -41,7 +41,7 @@ fn perplexity_equals_a_token_by_token_computation() {
     let model = Model::load(CpuBackend::default(), &s).unwrap();
     let mut nlls = Vec::new();
     for w in tokens.chunks_exact(ctx) {
-        let mut seq = model.new_sequence(ctx).unwrap();
+        let mut seq = model.new_sequence();
         let first = ctx / 2;
         let mut logits = model.forward(&mut [(&w[..=first], &mut seq)]).unwrap().remove(0);
         for i in first..ctx - 1 {

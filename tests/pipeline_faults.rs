@@ -326,7 +326,7 @@ fn a_budget_that_cannot_fit_is_refused_before_anything_loads() {
 }
 
 /// Malformed `Worker/Step` calls from a client of the internal API (duplicate sequence ids, tokens
-/// outside the vocabulary, unknown positions, hidden states of the wrong size or not finite) are
+/// outside the vocabulary, unknown positions, KV blocks that do not cover the positions, hidden states of the wrong size or not finite) are
 /// refused with INVALID_ARGUMENT naming the field, change nothing, and a normal job still gets
 /// `run`'s tokens afterwards.
 #[test]
@@ -350,6 +350,7 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
             seq_id: id,
             start_pos: pos,
             token_ids: ids.to_vec(),
+            blocks: vec![3],
             ..Default::default()
         };
         let hidden = |vals: &[f32]| vals.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
@@ -359,6 +360,14 @@ fn malformed_step_calls_are_refused_and_the_stack_keeps_serving() {
             (0, vec![seq(902, 7, &[1])], vec![], "seqs.start_pos"),
             (1, vec![seq(903, 0, &[1])], hidden(&[0.5; 3]), "hidden"),
             (1, vec![seq(904, 0, &[1])], vec![0u8; 5], "hidden"),
+            // KV blocks that do not cover the step's positions, or outside the pool.
+            (0, vec![StepSeq { blocks: vec![], ..seq(905, 0, &[1]) }], vec![], "seqs.blocks"),
+            (
+                0,
+                vec![StepSeq { blocks: vec![1 << 30], ..seq(906, 0, &[1]) }],
+                vec![],
+                "seqs.blocks",
+            ),
         ];
         let mut out = Vec::new();
         for (w, seqs, hidden, field) in calls {

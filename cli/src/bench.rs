@@ -103,6 +103,12 @@ pub struct BenchArgs {
     /// Most drafted tokens per pass in `--speculative`.
     #[arg(long, env = "LAYERSTREAM_SPEC_MAX", default_value_t = 16)]
     pub spec_max: u32,
+    /// Instead of the configurations: the paged KV cache — a 4-turn chat over a ~1.5k-token history
+    /// with the prefix cache on and off (time to first token of each turn, same answers), then for
+    /// every KV dtype the most 2k-token sequences (`--batch` sent at once) that share a step in the
+    /// bytes `--kv-capacity` f32 positions take.
+    #[arg(long, env = "LAYERSTREAM_BENCH_KV_CACHE")]
+    pub kv_cache: bool,
     /// The width of the draft model's token trees in `--speculative` (its tree configuration).
     #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 3)]
     pub spec_width: u32,
@@ -418,6 +424,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if !a.expert_caches.is_empty() {
         return crate::bench_experts::compare(&a, &model_dir, vocab);
+    }
+    if a.kv_cache {
+        return crate::bench_kv::compare(&a, &model);
     }
     if a.speculative {
         return crate::bench_spec::compare(&a, &model);

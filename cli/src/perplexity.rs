@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use layerstream_kernels::Backend;
 use layerstream_model::Store;
-use layerstream_worker::{Device, Model};
+use layerstream_worker::{Device, KvOptions, Model};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -46,6 +46,9 @@ pub struct PerplexityArgs {
     /// Print one JSON object (ppl, stderr, tokens, windows, tokens_per_s) as the last line.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
+    /// How keys and values are stored (to measure what a KV dtype costs in quality).
+    #[command(flatten)]
+    pub kv: layerstream_coordinator::KvFlags,
 }
 
 /// The result.
@@ -125,13 +128,19 @@ fn score_on<B: Backend>(
     windows: &[Vec<u32>],
     args: &PerplexityArgs,
 ) -> Result<()> {
-    let model = Model::load(backend, store)?;
+    let kv = KvOptions {
+        dtype: layerstream_model::dtype::parse_kv_dtype(&args.kv.dtype_for(&args.device))
+            .map_err(anyhow::Error::msg)?,
+        block: args.kv.kv_block,
+        positions: args.ctx,
+    };
+    let model = Model::load_kv(backend, store, kv)?;
     let first = args.ctx / 2;
     let started = Instant::now();
     let mut nlls = Vec::new();
     let mut err = std::io::stderr().lock();
     for (i, w) in windows.iter().enumerate() {
-        let mut seq = model.new_sequence(args.ctx)?;
+        let mut seq = model.new_sequence();
         if args.decode {
             nlls.extend(decode_scores(&model, w, &mut seq, first)?);
         } else {
@@ -172,7 +181,7 @@ fn score_on<B: Backend>(
 fn decode_scores<B: Backend>(
     model: &Model<B>,
     w: &[u32],
-    seq: &mut layerstream_worker::SeqState<B>,
+    seq: &mut layerstream_worker::SeqState,
     first: usize,
 ) -> Result<Vec<f64>> {
     use layerstream_kernels::host::nll;

@@ -8,7 +8,7 @@ use layerstream_kernels::Backend;
 use layerstream_model::spec::SpecMode;
 use layerstream_model::Store;
 use layerstream_worker::Device;
-use layerstream_worker::{generate, Model, Speculation};
+use layerstream_worker::{generate, KvOptions, Model, Speculation};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -25,6 +25,8 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub spec: layerstream_coordinator::SpecFlags,
+    #[command(flatten)]
+    pub kv: layerstream_coordinator::KvFlags,
     /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -89,11 +91,21 @@ fn generate_on<B: Backend>(
     args: &RunArgs,
 ) -> Result<()> {
     let params = args.sampling.params();
+    let dtype = args.kv.dtype_for(&args.device);
+    // The prompt and every token it may generate (and a draft beyond them).
+    let context = store.manifest.config.max_position_embeddings;
+    let positions =
+        (input.len() + params.max_new_tokens).min(context) + layerstream_model::spec::MAX_DRAFT;
+    let kv = KvOptions {
+        dtype: layerstream_model::dtype::parse_kv_dtype(&dtype).map_err(anyhow::Error::msg)?,
+        block: args.kv.kv_block,
+        positions,
+    };
     let draft = match (mode, draft) {
-        (SpecMode::Draft, Some(d)) => Some(Model::load(backend.clone(), d)?),
+        (SpecMode::Draft, Some(d)) => Some(Model::load_kv(backend.clone(), d, kv)?),
         _ => None,
     };
-    let model = Model::load(backend, store)?;
+    let model = Model::load_kv(backend, store, kv)?;
     let spec = Speculation {
         mode,
         max: args.spec.spec_max as usize,

@@ -135,6 +135,7 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
                             "experts_prefetched": st.experts_prefetched, "experts_missed": st.experts_missed,
                             "spec_drafted": st.spec_drafted, "spec_accepted": st.spec_accepted,
                             "weight_passes": st.weight_passes, "tokens_per_pass": st.tokens_per_pass,
+                            "cached_tokens": st.cached_tokens, "preemptions": st.preemptions,
                         },
                     });
                     writeln!(out, "{v}")?;

@@ -28,6 +28,55 @@ pub struct PlanFlags {
     /// budget holds them, else what the budget leaves after the resident layers.
     #[arg(long, env = "LAYERSTREAM_EXPERT_CACHE")]
     pub expert_cache: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvFlags,
+    /// Turns prefix caching off (on: a prompt that starts with blocks another sequence computed
+    /// reuses them instead of computing them again).
+    #[arg(long, env = "LAYERSTREAM_NO_PREFIX_CACHE")]
+    pub no_prefix_cache: bool,
+}
+
+/// How the paged KV cache stores keys and values (`coordinator`, `up`, `run`).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct KvFlags {
+    /// How the KV cache stores keys and values: `auto` (f16 on a GPU, f32 — exact — on the CPU),
+    /// `f32`, `f16`, `bf16`, `q8_0` or `q4_0` (8/4-bit blocks of 32, dequantized inside attention).
+    #[arg(long, env = "LAYERSTREAM_KV_DTYPE", default_value = "auto", value_parser = kv_dtype_flag)]
+    pub kv_dtype: String,
+    /// Positions per KV block (a power of two): sequences take blocks as they grow, and prefix
+    /// caching shares whole blocks.
+    #[arg(long, env = "LAYERSTREAM_KV_BLOCK", default_value_t = 16, value_parser = power_of_two)]
+    pub kv_block: usize,
+}
+
+impl KvFlags {
+    /// The KV dtype a device ("cpu", "cuda:0") stores: `--kv-dtype`, or for `auto` f16 on a GPU
+    /// and f32 on the CPU.
+    pub fn dtype_for(&self, device: &str) -> String {
+        match self.kv_dtype.as_str() {
+            "auto" if device.starts_with("cuda") => "f16".into(),
+            "auto" => "f32".into(),
+            d => d.into(),
+        }
+    }
+}
+
+/// `--kv-dtype`: `auto` or a KV dtype.
+fn kv_dtype_flag(s: &str) -> Result<String, String> {
+    if s == "auto" {
+        return Ok(s.into());
+    }
+    layerstream_model::dtype::parse_kv_dtype(s).map(|d| d.name().to_string())
+}
+
+/// A power of two (`--kv-block`).
+fn power_of_two(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if n.is_power_of_two() {
+        Ok(n)
+    } else {
+        Err(format!("{n} is not a power of two"))
+    }
 }
 
 /// The HTTP server: OpenAI API, `/metrics`, the live page.
@@ -181,6 +230,8 @@ impl PlanFlags {
             flag("layer-group-size", self.layer_group_size),
             flag("streaming-buffers", self.streaming_buffers),
             flag("kv-capacity", self.kv_capacity),
+            flag("kv-dtype", &self.kv.kv_dtype),
+            flag("kv-block", self.kv.kv_block),
         ]
         .concat();
         if let Some(k) = self.resident_layers {
@@ -191,6 +242,9 @@ impl PlanFlags {
         }
         if self.no_prefetch {
             a.push("--no-prefetch".into());
+        }
+        if self.no_prefix_cache {
+            a.push("--no-prefix-cache".into());
         }
         a
     }
@@ -263,6 +317,11 @@ mod tests {
             "3",
             "--kv-capacity",
             "77",
+            "--kv-dtype",
+            "q8_0",
+            "--kv-block",
+            "32",
+            "--no-prefix-cache",
             "--max-step-tokens",
             "11",
             "--queue-size",

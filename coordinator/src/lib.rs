@@ -18,7 +18,7 @@ mod stats;
 
 use clap::Args;
 pub use error::{Error, Result};
-pub use flags::{HttpFlags, PlanFlags, SchedulerFlags, SpecFlags};
+pub use flags::{HttpFlags, KvFlags, PlanFlags, SchedulerFlags, SpecFlags};
 pub use lanes::MicroBatches;
 pub use start::run;
 use std::path::PathBuf;

@@ -78,6 +78,14 @@ pub struct Metrics {
     generation_tokens: Counter,
     spec_drafted: Counter,
     spec_accepted: Counter,
+    /// Prefix caching: lookups, the prompt tokens they asked about, and those found cached.
+    prefix_queries: Counter,
+    prefix_queried_tokens: Counter,
+    prefix_hit_tokens: Counter,
+    /// KV blocks in use (held by sequences or cached), cached (keyed) blocks, preemptions.
+    pub(crate) kv_blocks: Gauge,
+    pub(crate) kv_cached_blocks: Gauge,
+    pub(crate) preempted: Counter,
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
@@ -131,6 +139,12 @@ impl Metrics {
             generation_tokens: Counter::default(),
             spec_drafted: Counter::default(),
             spec_accepted: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_queried_tokens: Counter::default(),
+            prefix_hit_tokens: Counter::default(),
+            kv_blocks: Gauge::default(),
+            kv_cached_blocks: Gauge::default(),
+            preempted: Counter::default(),
             ttft: latency(),
             tpot: latency(),
             e2e: latency(),
@@ -185,6 +199,36 @@ impl Metrics {
             "spec_accepted_tokens",
             "Drafted tokens the target accepted",
             self.spec_accepted.clone(),
+        );
+        r.register(
+            "prefix_cache_queries",
+            "Prompts looked up in the prefix cache",
+            self.prefix_queries.clone(),
+        );
+        r.register(
+            "prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            self.prefix_queried_tokens.clone(),
+        );
+        r.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (not computed again)",
+            self.prefix_hit_tokens.clone(),
+        );
+        r.register(
+            "kv_blocks_used",
+            "KV blocks held by sequences or kept for the prefix cache (no sequence using them)",
+            self.kv_blocks.clone(),
+        );
+        r.register(
+            "kv_cached_blocks",
+            "KV blocks keyed for the prefix cache",
+            self.kv_cached_blocks.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Sequences preempted (KV blocks given back when the pool ran dry) and replayed later",
+            self.preempted.clone(),
         );
         r.register(
             "time_to_first_token_seconds",
@@ -335,6 +379,17 @@ impl Metrics {
     pub fn speculated(&self, drafted: usize, accepted: usize) {
         self.spec_drafted.inc_by(drafted as u64);
         self.spec_accepted.inc_by(accepted as u64);
+    }
+
+    /// The block manager's prefix counters now (counters only go up: adds what is new).
+    pub fn prefix(&self, c: layerstream_model::kv_blocks::PrefixCounts) {
+        for (m, v) in [
+            (&self.prefix_queries, c.queries),
+            (&self.prefix_queried_tokens, c.queried_tokens),
+            (&self.prefix_hit_tokens, c.hit_tokens),
+        ] {
+            m.inc_by(v.saturating_sub(m.get()));
+        }
     }
 
     /// Since start: tokens drafted, drafted tokens accepted, tokens generated, steps run.

@@ -12,6 +12,8 @@ use layerstream_model::Manifest;
 pub struct WorkerSpec {
     pub(crate) address: String,
     pub(crate) budget: u64,
+    /// The KV dtype it stores (resolved from `--kv-dtype` for its device).
+    pub(crate) kv_dtype: String,
 }
 
 /// Planner options (from the coordinator's flags).
@@ -29,6 +31,8 @@ pub struct PlanOptions {
     /// Speculative decoding's draft model, placed whole on the head worker: its store directory and
     /// the bytes its weights and KV cache take there (`draft_bytes`).
     pub(crate) draft: Option<(String, u64)>,
+    /// Positions per KV block.
+    pub(crate) kv_block: usize,
 }
 
 /// The bytes a draft model takes on its worker: every store file, and f32 keys and values for
@@ -122,6 +126,8 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             micro_batches: 1,
             expert_cache: o.expert_cache.unwrap_or(0) as u32,
             draft_model: draft.map_or(String::new(), |d| d.0.clone()),
+            kv_dtype: w.kv_dtype.clone(),
+            kv_block: o.kv_block as u32,
         };
         let (n_experts, _, largest_expert) = range_experts(m, &p);
         let whole = Assignment { resident: range.clone().collect(), ..p.clone() };
@@ -227,6 +233,7 @@ mod tests {
             kv_capacity: 64,
             prefetch: true,
             draft: None,
+            kv_block: 16,
         }
     }
 
@@ -238,8 +245,8 @@ mod tests {
         let m = manifest(dir.path());
         let ws = |b: u64| {
             vec![
-                WorkerSpec { address: "a".into(), budget: b },
-                WorkerSpec { address: "b".into(), budget: b },
+                WorkerSpec { address: "a".into(), budget: b, kv_dtype: "f32".into() },
+                WorkerSpec { address: "b".into(), budget: b, kv_dtype: "f32".into() },
             ]
         };
         let big = 1 << 40;
@@ -263,8 +270,8 @@ mod tests {
         for extra_layers in [0u64, 2, 5, 20] {
             let budget = usage(&m, &streaming_plan(0..4)).total() + extra_layers * layer;
             let w = [
-                WorkerSpec { address: "a".into(), budget },
-                WorkerSpec { address: "b".into(), budget },
+                WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() },
+                WorkerSpec { address: "b".into(), budget, kv_dtype: "f32".into() },
             ];
             let plans = plan(&m, &w, &opts(None)).unwrap();
             assert_eq!(
@@ -302,7 +309,13 @@ mod tests {
         )
         .unwrap();
         let one = |budget: u64| {
-            plan(&m, &[WorkerSpec { address: "a".into(), budget }], &opts(None)).unwrap().remove(0)
+            plan(
+                &m,
+                &[WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() }],
+                &opts(None),
+            )
+            .unwrap()
+            .remove(0)
         };
         let full = usage(&m, &Assignment { resident: vec![0, 1, 2, 3], ..streaming_plan(0..4) });
         let everything = full.total() + full.embed_head; // embed + head counted by the real plan
@@ -325,7 +338,12 @@ mod tests {
             last = p.expert_cache;
         }
         let forced = PlanOptions { expert_cache: Some(3), ..opts(None) };
-        let p = plan(&m, &[WorkerSpec { address: "a".into(), budget: 1 << 40 }], &forced).unwrap();
+        let p = plan(
+            &m,
+            &[WorkerSpec { address: "a".into(), budget: 1 << 40, kv_dtype: "f32".into() }],
+            &forced,
+        )
+        .unwrap();
         assert_eq!(p[0].expert_cache, 3, "the flag wins");
     }
 
@@ -333,16 +351,20 @@ mod tests {
     fn budgets_that_cannot_fit_are_errors_naming_the_worker() {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
-        let w = [WorkerSpec { address: "http://w0".into(), budget: 1000 }];
+        let w = [WorkerSpec { address: "http://w0".into(), budget: 1000, kv_dtype: "f32".into() }];
         let e = plan(&m, &w, &opts(None)).unwrap_err().to_string();
         assert!(e.contains("http://w0") && e.contains("cannot hold"), "{e}");
-        let big = [WorkerSpec { address: "http://w0".into(), budget: 1 << 40 }];
+        let big =
+            [WorkerSpec { address: "http://w0".into(), budget: 1 << 40, kv_dtype: "f32".into() }];
         assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
         let tight = usage(&m, &streaming_plan(0..8)).total();
-        let e =
-            plan(&m, &[WorkerSpec { address: "http://w0".into(), budget: tight }], &opts(Some(8)))
-                .unwrap_err()
-                .to_string();
+        let e = plan(
+            &m,
+            &[WorkerSpec { address: "http://w0".into(), budget: tight, kv_dtype: "f32".into() }],
+            &opts(Some(8)),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("8 resident need"), "{e}");
     }
 

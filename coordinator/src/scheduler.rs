@@ -10,6 +10,7 @@
 
 use crate::pipeline::Pipeline;
 use crate::stats::Acc;
+use layerstream_model::kv_blocks::{BlockPool, SeqBlocks};
 use layerstream_model::spec::{levels, Acceptance, PassCost, SpecMode};
 use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
@@ -21,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{info_span, Span};
 
+mod kv;
 mod speculate;
 
 /// How often an idle scheduler checks that the workers still hold their assignments.
@@ -41,13 +43,6 @@ pub struct SeqRequest {
     pub(crate) queued: Instant,
 }
 
-impl SeqRequest {
-    /// KV positions this sequence may need.
-    pub fn reserve(&self) -> usize {
-        self.input_ids.len() + self.params.max_new_tokens
-    }
-}
-
 struct Active {
     req: SeqRequest,
     /// Tokens the workers' KV caches hold for it (0 again after a fault: it is replayed).
@@ -66,6 +61,10 @@ struct Active {
     /// Its last step verified a token tree: the caches hold its tokens up to the one before the
     /// tree, and the accepted branch goes in again with the next token.
     refeed: bool,
+    /// Its KV blocks, and the position its first step on the workers starts at (the prompt tokens
+    /// found in the prefix cache; 0 without).
+    blocks: SeqBlocks,
+    base: usize,
 }
 
 impl Active {
@@ -107,8 +106,12 @@ impl Active {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub(crate) max_batch: usize,
+    /// KV positions of the pool (every worker's), in blocks of `kv_block`.
     pub(crate) kv_capacity: usize,
     pub(crate) max_step_tokens: usize,
+    pub(crate) kv_block: usize,
+    /// Full blocks are kept and shared by later prompts with the same prefix.
+    pub(crate) prefix_cache: bool,
 }
 
 /// The actor.
@@ -136,6 +139,10 @@ pub struct Scheduler {
     cost: PassCost,
     /// The head's draft model's milliseconds per level of drafting (its own running estimate).
     draft_ms: f64,
+    /// The paged KV cache's block manager (see `kv`).
+    blocks: BlockPool,
+    /// Sequences preempted for KV blocks, oldest first: admitted again before anything waiting.
+    preempted: VecDeque<Active>,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -175,13 +182,14 @@ pub fn step_tokens(seqs: &[(usize, usize)], max_tokens: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Which of the waiting requests may join now (FIFO, within batch and KV limits): pure, unit-tested.
-/// Every running sequence decodes a token a step, so no more run than a step carries.
-pub fn admit(active: usize, kv_used: usize, waiting: &[usize], l: Limits) -> usize {
-    let (mut n, mut used) = (0, kv_used);
+/// Which of the waiting requests may join now (FIFO, within the batch limit and the `free` KV
+/// blocks, each needing `waiting[i]`): pure, unit-tested. Every running sequence decodes a token a
+/// step, so no more run than a step carries.
+pub fn admit(active: usize, free: usize, waiting: &[usize], l: Limits) -> usize {
+    let (mut n, mut used) = (0, 0);
     let most = l.max_batch.min(l.max_step_tokens);
     for &need in waiting {
-        if active + n >= most || used + need > l.kv_capacity {
+        if active + n >= most || used + need > free {
             break;
         }
         used += need;
@@ -259,7 +267,7 @@ struct Flight {
 impl Scheduler {
     /// A scheduler over `p`, with no failures behind it.
     pub fn new(p: SchedulerParts) -> Self {
-        Scheduler {
+        let mut s = Scheduler {
             rx: p.rx,
             pipeline: p.pipeline,
             tokenizer: p.tokenizer,
@@ -273,7 +281,11 @@ impl Scheduler {
             spec: p.spec,
             cost: PassCost::default(),
             draft_ms: 0.0,
-        }
+            blocks: BlockPool::new(0, 1, false),
+            preempted: VecDeque::new(),
+        };
+        s.blocks = s.fresh_blocks();
+        s
     }
 
     /// Runs until every request sender is gone.
@@ -284,7 +296,11 @@ impl Scheduler {
         let mut closed = false;
         loop {
             self.gauges(&active);
-            if active.is_empty() && waiting.is_empty() && fl.set.is_empty() {
+            if active.is_empty()
+                && waiting.is_empty()
+                && self.preempted.is_empty()
+                && fl.set.is_empty()
+            {
                 self.flush_release(&mut fl).await;
                 if closed {
                     return;
@@ -302,6 +318,8 @@ impl Scheduler {
                         if let Err(e) = self.pipeline.regrow().await {
                             tracing::warn!(error = %e, "planning over every worker again failed");
                         }
+                        // Whatever changed, the workers' pools may be new: nothing cached holds.
+                        self.reset_blocks(&mut []);
                         continue;
                     }
                 }
@@ -324,23 +342,34 @@ impl Scheduler {
                 self.after_fault(&mut active, e).await;
                 continue;
             }
-            let kv_used: usize = active.iter().map(|a| a.req.reserve()).sum();
-            let needs: Vec<usize> = waiting.iter().map(SeqRequest::reserve).collect();
-            for _ in 0..admit(active.len(), kv_used, &needs, self.limits) {
-                let req = waiting.pop_front().expect("admitted from the queue");
-                self.waiting_count.fetch_sub(1, Ordering::SeqCst);
-                let stopper = Stopper::new(&req.params, &self.eos);
-                active.push(Active {
-                    req,
-                    pos: 0,
-                    stopper,
-                    acc: Acc::default(),
-                    started: Instant::now(),
-                    lane: None,
-                    acceptance: Acceptance::default(),
-                    next_draft: Default::default(),
-                    refeed: false,
-                });
+            // Preempted sequences first (their prompt and output so far), then the queue.
+            let mut needs: Vec<usize> =
+                self.preempted.iter().map(|a| self.blocks_to_admit(a.known())).collect();
+            needs.extend(waiting.iter().map(|r| self.blocks_to_admit(r.input_ids.len())));
+            for _ in 0..admit(active.len(), self.blocks.available(), &needs, self.limits) {
+                let mut a = match self.preempted.pop_front() {
+                    Some(a) => a,
+                    None => {
+                        let req = waiting.pop_front().expect("admitted from the queue");
+                        self.waiting_count.fetch_sub(1, Ordering::SeqCst);
+                        let stopper = Stopper::new(&req.params, &self.eos);
+                        Active {
+                            req,
+                            pos: 0,
+                            stopper,
+                            acc: Acc::default(),
+                            started: Instant::now(),
+                            lane: None,
+                            acceptance: Acceptance::default(),
+                            next_draft: Default::default(),
+                            refeed: false,
+                            blocks: SeqBlocks::default(),
+                            base: 0,
+                        }
+                    }
+                };
+                self.start_sequence(&mut a);
+                active.push(a);
             }
             self.drop_cancelled(&mut active, &mut waiting, &mut fl);
             self.gauges(&active);
@@ -356,6 +385,15 @@ impl Scheduler {
                     }
                 }
             }
+            let in_flight: Vec<bool> = active
+                .iter()
+                .map(|a| a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false)))
+                .collect();
+            for a in self.make_room(&mut active, &in_flight) {
+                fl.release.push(a.req.seq_id);
+                self.preempted.push_front(a);
+            }
+            self.preempted.make_contiguous().sort_by_key(|a| a.req.seq_id);
             self.launch(&mut active, &mut fl);
             if fl.set.is_empty() {
                 self.flush_release(&mut fl).await;
@@ -385,7 +423,7 @@ impl Scheduler {
     /// Ends the waiting and running requests that were cancelled or whose client went away (a
     /// running one only between its steps); their caches are freed by the next step.
     fn drop_cancelled(
-        &self,
+        &mut self,
         active: &mut Vec<Active>,
         waiting: &mut VecDeque<SeqRequest>,
         fl: &mut Flight,
@@ -417,7 +455,8 @@ impl Scheduler {
             let a = &active[i];
             let in_flight = a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false));
             if !in_flight && (a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed()) {
-                let a = active.remove(i);
+                let mut a = active.remove(i);
+                self.free_blocks(&mut a);
                 let _ = a.req.events.try_send(finish(
                     &self.metrics,
                     &a,
@@ -437,6 +476,7 @@ impl Scheduler {
         match self.pipeline.recover(self.pipeline.deadline.current(), true).await {
             Ok(()) => {
                 self.resync = false;
+                self.reset_blocks(&mut []);
                 Ok(())
             }
             Err(e) => {
@@ -449,6 +489,7 @@ impl Scheduler {
     /// Ends every active sequence with `error` and frees what the workers still hold of them.
     async fn fail_all(&mut self, active: &mut Vec<Active>, error: &str) {
         let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
+        self.reset_blocks(active);
         for a in active.drain(..) {
             let _ = a
                 .req
@@ -487,6 +528,7 @@ impl Scheduler {
         };
         match self.pipeline.recover(wait, replan).await {
             Ok(()) => {
+                self.reset_blocks(active);
                 for a in active.iter_mut() {
                     a.pos = 0;
                     a.acc.replays += 1;
@@ -539,20 +581,51 @@ impl Scheduler {
                         seq_id: a.req.seq_id,
                         start_pos: a.pos as u32,
                         token_ids: a.tokens(n),
-                        sampling: (a.pos == 0).then(|| a.req.params.sampling.to_wire()),
+                        sampling: (a.pos == a.base).then(|| a.req.params.sampling.to_wire()),
                         // Only the chunk that reaches the last known token samples; a replay's
                         // chunks (prompt and earlier outputs) sample nothing.
                         prompt_continues: a.pos + n < a.known(),
                         // Each output token drew once from a sampling sequence's generator.
-                        draws_before: if a.pos == 0 { a.stopper.output().len() as u32 } else { 0 },
+                        draws_before: if a.pos == a.base {
+                            a.stopper.output().len() as u32
+                        } else {
+                            0
+                        },
                         draft_len: 0,
                         draft_next: 0,
                         tree_parents: Vec::new(),
                         draft_width: 0,
+                        blocks: Vec::new(),
+                        cached_ids: if a.pos == a.base && a.base > 0 {
+                            a.req.input_ids[..a.base].to_vec()
+                        } else {
+                            Vec::new()
+                        },
                     }
                 })
                 .collect();
             self.draft(active, &members, &mut seqs);
+            // KV blocks for every position of the step: a draft the pool cannot hold is dropped,
+            // a sequence it cannot hold at all sits this step out.
+            let mut keep = vec![true; seqs.len()];
+            for (k, (&(i, _), s)) in members.iter().zip(seqs.iter_mut()).enumerate() {
+                let a = &mut active[i];
+                if !self.grow(a, a.pos + s.token_ids.len()) {
+                    let drafted = s.draft_len as usize;
+                    s.token_ids.truncate(s.token_ids.len() - drafted);
+                    (s.draft_len, s.tree_parents) = (0, Vec::new());
+                    keep[k] = self.grow(a, a.pos + s.token_ids.len());
+                }
+                s.blocks = a.blocks.table.clone();
+            }
+            let mut it = keep.iter();
+            let members: Vec<(usize, usize)> =
+                members.into_iter().filter(|_| *it.next().expect("one each")).collect();
+            let mut it = keep.iter();
+            seqs.retain(|_| *it.next().expect("one each"));
+            if seqs.is_empty() {
+                continue;
+            }
             let rows: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
             // One `step` span per request in the step, so each request's trace shows every step it
             // rode; the first carries the workers' spans, the others link to it.
@@ -640,6 +713,7 @@ impl Scheduler {
             } else {
                 s.token_ids.len() - (drafted - accepted.min(drafted))
             };
+            self.settle(a);
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
             if s.prompt_continues {
                 continue;
@@ -685,6 +759,9 @@ impl Scheduler {
                 let ev = finish(&self.metrics, a, r, err);
                 let _ = a.req.events.send(ev).await;
                 done_ids.push(id);
+                self.free_blocks(a);
+            } else {
+                self.settle(a);
             }
         }
         active.retain(|a| !done_ids.contains(&a.req.seq_id));
@@ -698,13 +775,21 @@ mod tests {
 
     #[test]
     fn admission_respects_batch_and_kv_limits_in_order() {
-        let l = Limits { max_batch: 3, kv_capacity: 100, max_step_tokens: 64 };
-        assert_eq!(admit(0, 0, &[10, 10, 10, 10], l), 3);
-        assert_eq!(admit(2, 0, &[10, 10], l), 1);
-        assert_eq!(admit(0, 80, &[30, 10], l), 0, "FIFO: a big request is not overtaken");
-        assert_eq!(admit(0, 0, &[], l), 0);
+        let l = Limits {
+            max_batch: 3,
+            kv_capacity: 100,
+            max_step_tokens: 64,
+            kv_block: 16,
+            prefix_cache: true,
+        };
+        // Needs and free space in KV blocks.
+        assert_eq!(admit(0, 100, &[10, 10, 10, 10], l), 3);
+        assert_eq!(admit(2, 100, &[10, 10], l), 1);
+        assert_eq!(admit(0, 20, &[30, 10], l), 0, "FIFO: a big request is not overtaken");
+        assert_eq!(admit(0, 25, &[10, 10, 10], l), 2, "the free blocks bound it");
+        assert_eq!(admit(0, 100, &[], l), 0);
         assert_eq!(
-            admit(1, 0, &[10, 10, 10], Limits { max_step_tokens: 2, ..l }),
+            admit(1, 100, &[10, 10, 10], Limits { max_step_tokens: 2, ..l }),
             1,
             "no more running than a step carries"
         );

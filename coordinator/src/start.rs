@@ -107,7 +107,11 @@ async fn register(
         }
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
         workers.push(RegisteredWorker {
-            spec: planner::WorkerSpec { address: addr.clone(), budget: info.memory_budget },
+            spec: planner::WorkerSpec {
+                address: addr.clone(),
+                budget: info.memory_budget,
+                kv_dtype: args.plan.kv.dtype_for(&info.device),
+            },
             device: info.device,
             host_id: info.host_id,
             conn: c,
@@ -131,6 +135,7 @@ async fn plan_and_schedule(
         prefetch: !args.plan.no_prefetch,
         expert_cache: args.plan.expert_cache,
         draft: draft_model(args, store)?,
+        kv_block: args.plan.kv.kv_block,
     };
     let num_layers = store.manifest.config.num_layers as u32;
     let current = Arc::new(std::sync::RwLock::new(Plan {
@@ -186,6 +191,8 @@ async fn plan_and_schedule(
         max_batch: args.sched.max_batch.max(1),
         kv_capacity: args.plan.kv_capacity,
         max_step_tokens: step_tokens,
+        kv_block: args.plan.kv.kv_block,
+        prefix_cache: !args.plan.no_prefix_cache,
     };
     let sched = scheduler::Scheduler::new(scheduler::SchedulerParts {
         rx,

@@ -28,6 +28,9 @@ pub struct Acc {
     pub(crate) spec_drafted: u64,
     pub(crate) spec_accepted: u64,
     pub(crate) passes: u64,
+    /// Prompt tokens found in the prefix cache; times preempted for KV blocks.
+    pub(crate) cached_tokens: u32,
+    pub(crate) preemptions: u32,
 }
 
 impl Acc {
@@ -125,6 +128,8 @@ impl Acc {
             } else {
                 0.0
             },
+            cached_tokens: self.cached_tokens,
+            preemptions: self.preemptions,
         }
     }
 }

@@ -1,22 +1,90 @@
-// Causal grouped-query attention of m new rows of one sequence over its KV cache (which already holds
-// the new keys/values at positions start..start+m). One block per (head, row), walking the context in
-// tiles of blockDim.x positions with an online softmax (running max and sum, the output rescaled as
-// the max grows), so no scores buffer: memory does not grow with rows × heads × context.
+// Grouped-query attention of m new rows of one sequence over a paged KV pool, and the kernel that
+// stores those rows. A pool holds blocks of `bs` positions; row t of a sequence lives in block
+// table[t / bs] at offset t % bs, `stride` bytes per stored row, in dtype `dt` (DT_F32, DT_F16,
+// DT_BF16, DT_Q8_0 or DT_Q4_0 of common.cuh: the quantized ones in blocks of 32 values, a row of
+// keys or values whole blocks). Attention: one block per (head, row), walking the context in tiles of
+// blockDim.x positions with an online softmax (running max and sum, the output rescaled as the max
+// grows), so no scores buffer: memory does not grow with rows × heads × context.
 
 #define ATT_MAX_THREADS 256
 // head_dim ≤ ATT_DIMS_PER_THREAD × blockDim.x (the backend checks it).
 #define ATT_DIMS_PER_THREAD 4
 
+// The stored row of position t.
+__device__ __forceinline__ const u8* kv_row(const u8* pool, const unsigned* table, int bs, long long stride, int t) {
+    return pool + ((long long)table[t / bs] * bs + t % bs) * stride;
+}
+
+// Element j of a stored row.
+__device__ __forceinline__ float kv_at(const u8* row, int j, int dt) {
+    switch (dt) {
+        case DT_F32: return ((const float*)row)[j];
+        case DT_F16: return h2f(((const u16*)row)[j]);
+        case DT_BF16: return __uint_as_float((unsigned)((const u16*)row)[j] << 16);
+        case DT_Q8_0: {
+            const u8* b = row + (j / 32) * 34;
+            return ld_h(b) * (float)(signed char)b[2 + j % 32];
+        }
+        default: {  // DT_Q4_0
+            const u8* b = row + (j / 32) * 18;
+            const int l = j % 32;
+            const int q = l < 16 ? (b[2 + l] & 0xF) : (b[2 + l - 16] >> 4);
+            return ld_h(b) * (float)(q - 8);
+        }
+    }
+}
+
+// Stores rows src[m, kvd] (f32) at positions start..start+m: one block per row; each thread one
+// value (plain dtypes) or one group of 32 (quantized, as ggml's reference quantizers).
+extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* table, int start, int kvd,
+                                    int bs, long long stride, int dt) {
+    const int r = blockIdx.x;
+    const float* x = src + (long long)r * kvd;
+    u8* row = pool + ((long long)table[(start + r) / bs] * bs + (start + r) % bs) * stride;
+    if (dt == DT_F32 || dt == DT_F16 || dt == DT_BF16) {
+        for (int j = threadIdx.x; j < kvd; j += blockDim.x) {
+            if (dt == DT_F32) ((float*)row)[j] = x[j];
+            else if (dt == DT_F16) ((u16*)row)[j] = f2h(x[j]);
+            else ((u16*)row)[j] = f2bf(x[j]);
+        }
+        return;
+    }
+    for (int g = threadIdx.x; g < kvd / 32; g += blockDim.x) {
+        const float* v = x + g * 32;
+        if (dt == DT_Q8_0) {
+            float amax = 0.0f;
+            for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            u8* b = row + g * 34;
+            const u16 dh = f2h(d);
+            b[0] = (u8)dh; b[1] = (u8)(dh >> 8);
+            for (int l = 0; l < 32; l++) b[2 + l] = (u8)(signed char)roundf(v[l] * id);
+        } else {  // DT_Q4_0: the value of largest magnitude, sign kept, maps to -8
+            float mx = 0.0f;
+            for (int l = 0; l < 32; l++) if (fabsf(v[l]) > fabsf(mx)) mx = v[l];
+            const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            u8* b = row + g * 18;
+            const u16 dh = f2h(d);
+            b[0] = (u8)dh; b[1] = (u8)(dh >> 8);
+            for (int l = 0; l < 16; l++) {
+                const int a = min(15, max(0, (int)(v[l] * id + 8.5f)));
+                const int c = min(15, max(0, (int)(v[l + 16] * id + 8.5f)));
+                b[2 + l] = (u8)(a | (c << 4));
+            }
+        }
+    }
+}
+
 // window > 0: a row attends only to the last `window` positions of its context (itself included).
 // anc != 0: the new rows are a token tree (at most 64: gridDim.y of them): row r attends
-// to the cached positions before `start` and to the new rows whose bit is set in anc[r].
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out,
-                                     int start, int n_heads, int n_kv_heads, int hd, float scale, int window,
-                                     const unsigned long long* anc) {
+// to the positions before `start` and to the new rows whose bit is set in anc[r].
+extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp, const unsigned* table, int bs,
+                                     long long stride, int dt, float* out, int start, int n_heads, int n_kv_heads,
+                                     int hd, float scale, int window, const unsigned long long* anc) {
     __shared__ float p[ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int kvh = h / (n_heads / n_kv_heads);
-    const int qd = n_heads * hd, kvd = n_kv_heads * hd;
+    const int qd = n_heads * hd;
     const int n_ctx = anc ? start + (int)gridDim.y : start + row + 1;
     const unsigned long long mask = anc ? anc[row] : 0ULL;
     const int first = window > 0 && n_ctx > window ? n_ctx - window : 0;
@@ -30,9 +98,9 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
         float s = -3.0e38f;
         const bool seen = t < n_ctx && (!anc || t < start || ((mask >> (t - start)) & 1ULL));
         if (seen) {
-            const float* kv = kc + (long long)t * kvd + (long long)kvh * hd;
+            const u8* kr = kv_row(kp, table, bs, stride, t);
             float d = 0.0f;
-            for (int j = 0; j < hd; j++) d += qv[j] * kv[j];
+            for (int j = 0; j < hd; j++) d += qv[j] * kv_at(kr, kvh * hd + j, dt);
             s = d * scale;
         }
         const float mx_new = fmaxf(mx, block_max(s));
@@ -48,9 +116,8 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
         for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) {
             const int d = tid + i * nt;
             if (d < hd) {
-                const float* vp = vc + (long long)t0 * kvd + (long long)kvh * hd + d;
                 float a = acc[i] * corr;
-                for (int j = 0; j < n; j++) a += p[j] * vp[(long long)j * kvd];
+                for (int j = 0; j < n; j++) a += p[j] * kv_at(kv_row(vp, table, bs, stride, t0 + j), kvh * hd + d, dt);
                 acc[i] = a;
             }
         }

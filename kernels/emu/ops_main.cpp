@@ -1,9 +1,12 @@
 // Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
 // shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
-//   ops-emu attention START M NH NKV HD THREADS [WINDOW SCALAR] IN OUT   (scale 1/√SCALAR, default HD)
-//                                                IN: q (M×NH·HD), k and v caches ((START+M)×NKV·HD)
-//                                                OUT: attention output (M×NH·HD)
-//   ops-emu attention_tree START M NH NKV HD THREADS IN OUT   as attention, then M u64 ancestor masks
+//   ops-emu attention START M NH NKV HD THREADS WINDOW SCALAR BS T NB TREE IN OUT
+//                                                (scale 1/√SCALAR; a pool of blocks of BS positions
+//                                                in dtype T; the sequence's table names NB blocks)
+//                                                IN: q (M×NH·HD), k and v rows ((START+M)×NKV·HD),
+//                                                NB u32 block ids, with TREE M u64 ancestor masks
+//                                                OUT: attention output (M×NH·HD) — the START rows
+//                                                stored first (kv_store), then the M new ones
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
 //   ops-emu argmax ROWS COLS IN OUT              IN: x (ROWS×COLS)               OUT: u32 per row
 //   ops-emu embedding T VOCAB COLS N IN OUT      IN: table (VOCAB rows of T), N u32 ids   OUT: N×COLS
@@ -48,24 +51,25 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[argc - 2], "rb");
     if (!in) return 3;
     const char* out = argv[argc - 1];
-    if (op == "attention" && (a.size() == 6 || a.size() == 8)) {
-        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], ctx = start + m;
-        std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
-        if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc)) return 3;
+    if (op == "attention" && a.size() == 12) {
+        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], window = a[6];
+        const int bs = a[8], dt = a[9], nb = a[10], tree = a[11], ctx = start + m, kvd = nkv * hd;
+        std::vector<float> q((size_t)m * nh * hd), k((size_t)ctx * kvd), v(k.size());
+        std::vector<unsigned> table(nb);
+        std::vector<unsigned long long> anc(tree ? m : 0);
+        if (!read_into(in, q) || !read_into(in, k) || !read_into(in, v) || !read_into(in, table) || !read_into(in, anc)) return 3;
+        const long long stride = (row_bytes(dt, kvd) + 3) / 4 * 4;
+        const unsigned most = *std::max_element(table.begin(), table.end()) + 1;
+        std::vector<u8> kp((size_t)most * bs * stride), vp(kp.size());
+        // The backend's launches: kv_store for keys and values (the cached rows, then the new), then attention.
+        for (auto [from, n] : {std::pair{0, start}, std::pair{start, m}}) {
+            if (n == 0) continue;
+            launch(n, 64, [&] { kv_store(k.data() + (size_t)from * kvd, kp.data(), table.data(), from, kvd, bs, stride, dt); });
+            launch(n, 64, [&] { kv_store(v.data() + (size_t)from * kvd, vp.data(), table.data(), from, kvd, bs, stride, dt); });
+        }
         std::vector<float> o(q.size(), NAN);
-        const int window = a.size() == 8 ? a[6] : 0;
-        const float scale = 1.0f / sqrtf((float)(a.size() == 8 ? a[7] : hd));
-        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, window, nullptr); });
-        return write_out(out, o);
-    }
-    if (op == "attention_tree" && a.size() == 6) {
-        const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], ctx = start + m;
-        std::vector<float> q((size_t)m * nh * hd), kc((size_t)ctx * nkv * hd), vc(kc.size());
-        std::vector<unsigned long long> anc(m);
-        if (!read_into(in, q) || !read_into(in, kc) || !read_into(in, vc) || !read_into(in, anc)) return 3;
-        std::vector<float> o(q.size(), NAN);
-        const float scale = 1.0f / sqrtf((float)hd);
-        launch2(nh, m, threads, [&] { attention(q.data(), kc.data(), vc.data(), o.data(), start, nh, nkv, hd, scale, 0, anc.data()); });
+        const float scale = 1.0f / sqrtf((float)a[7]);
+        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

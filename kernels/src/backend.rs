@@ -2,12 +2,9 @@
 //! weights and KV caches. The CPU implementation is always present; CUDA plugs in behind the same trait.
 
 use crate::error::Result;
+use crate::kv::{KvLayout, KvSeq};
 use crate::rope::RopeTable;
 use layerstream_types::DType;
-
-/// Positions a cache can be rolled back by (`Backend::kv_truncate`): the most a speculative step
-/// drafts, which a sliding-window cache keeps beyond its window.
-pub const KV_ROLLBACK: usize = 256;
 
 /// Attention geometry of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,7 +82,8 @@ pub trait Backend: Send + Sync + Clone {
     type Tensor: Send;
     /// A stored weight on the device (quantized blocks kept as they are).
     type Weight: Send + Sync;
-    /// One sequence's keys and values for one layer.
+    /// One layer's pool of KV blocks, shared by the sequences (each finds its positions through
+    /// its block table, `KvSeq`).
     type KvCache: Send;
     /// One whole store file on the device; a layer's weights are views into it (`weight_in`).
     type Blob: Send + Sync;
@@ -241,31 +239,29 @@ pub trait Backend: Send + Sync + Clone {
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
 
-    /// An empty KV cache with room for `capacity` positions.
-    fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<Self::KvCache>;
-    /// Positions stored in a cache.
-    fn kv_len(&self, cache: &Self::KvCache) -> usize;
-    /// Forgets positions `len..` of a cache (a rejected speculative draft), so the next append lands
-    /// at `len`. A sliding-window cache keeps `KV_ROLLBACK` positions past its window for this; a
-    /// cut below what it still holds is an error.
-    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize) -> Result<()>;
-    /// Appends `k`, `v` (`[m, kv_dim]`) to the cache at its current length, then computes attention
-    /// for `q` (`[m, q_dim]`) over everything cached: one sequence's rows, causal — or, given a
-    /// token tree's ancestor masks (`tree`, speculative decoding), new row i attends to the
-    /// positions cached before this call and to the new rows whose bit is set in `tree[i]` (its
-    /// ancestors and itself), so every root-to-leaf path computes as if fed alone. A tree has at most
-    /// 64 new rows and runs on full-context layers only.
+    /// One layer's KV pool (`layout.blocks` blocks of `layout.block` positions in `layout.dtype`).
+    fn kv_cache(&self, shape: AttnShape, layout: KvLayout) -> Result<Self::KvCache>;
+    /// Stores `k`, `v` (`[m, kv_dim]`) at positions `seq.start..` of one sequence (through its block
+    /// table, quantized as the pool stores them), then computes attention for `q` (`[m, q_dim]`)
+    /// over the sequence's positions `..seq.start + m`: causal — or, given a token tree's ancestor
+    /// masks (`tree`, speculative decoding), new row i attends to the positions before
+    /// `seq.start` and to the new rows whose bit is set in `tree[i]` (its ancestors and itself), so
+    /// every root-to-leaf path computes as if fed alone. A tree has at most 64 new rows and runs on
+    /// full-context layers only. Positions at and after `seq.start` are overwritten, so a rejected
+    /// draft is forgotten by feeding from its first position again.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Tensor,
         k: &Self::Tensor,
         v: &Self::Tensor,
         cache: &mut Self::KvCache,
+        seq: KvSeq<'_>,
         shape: AttnShape,
         tree: Option<&[u64]>,
     ) -> Result<Self::Tensor>;
-    /// Bytes a cache of `capacity` positions occupies.
-    fn kv_bytes(&self, shape: AttnShape, capacity: usize) -> usize {
-        2 * capacity * shape.n_kv_heads * shape.head_dim * 4
+    /// Bytes a pool of `layout` occupies for a layer of `shape`.
+    fn kv_bytes(&self, shape: AttnShape, layout: KvLayout) -> usize {
+        crate::kv::kv_bytes(shape, layout.dtype, layout.positions())
     }
 }

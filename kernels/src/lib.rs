@@ -9,13 +9,15 @@ pub mod cuda;
 pub mod cuda_h2d;
 mod error;
 pub mod host;
+pub mod kv;
 pub mod nucleus;
 pub mod quant;
 mod quant_ext;
 mod rope;
 pub mod sampling;
 
-pub use backend::{AttnShape, Backend, RowPick, KV_ROLLBACK};
+pub use backend::{AttnShape, Backend, RowPick};
 pub use cpu::{CpuBackend, CpuTensor, CpuWeight};
 pub use error::{Error, Result};
+pub use kv::{KvLayout, KvSeq};
 pub use rope::RopeTable;

@@ -12,6 +12,7 @@ mod gguf_spm;
 mod gguf_tokenizer;
 mod hf;
 pub mod import;
+pub mod kv_blocks;
 pub mod layout;
 pub mod plan;
 mod request_error;

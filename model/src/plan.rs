@@ -4,7 +4,7 @@
 
 use crate::layout::layer_file;
 use crate::store::Manifest;
-use crate::ModelConfig;
+use crate::{DType, ModelConfig};
 pub use layerstream_proto::v1::Assignment;
 use std::ops::Range;
 
@@ -18,6 +18,9 @@ pub trait AssignmentExt {
     fn buffers(&self) -> usize;
     /// KV positions, over all sequences.
     fn kv_positions(&self) -> usize;
+    /// The KV pool's dtype (empty: f32) and positions per block (0: 16).
+    fn kv_dtype(&self) -> Result<DType, String>;
+    fn kv_block(&self) -> usize;
     /// Streamed layers, chunked into groups in layer order.
     fn stream_groups(&self) -> Vec<Vec<u32>>;
 }
@@ -35,15 +38,30 @@ impl AssignmentExt for Assignment {
     fn kv_positions(&self) -> usize {
         self.kv_capacity as usize
     }
+    fn kv_dtype(&self) -> Result<DType, String> {
+        if self.kv_dtype.is_empty() {
+            return Ok(DType::F32);
+        }
+        crate::dtype::parse_kv_dtype(&self.kv_dtype)
+    }
+    fn kv_block(&self) -> usize {
+        if self.kv_block == 0 {
+            16
+        } else {
+            self.kv_block as usize
+        }
+    }
     fn stream_groups(&self) -> Vec<Vec<u32>> {
         let streamed: Vec<u32> = self.layers().filter(|l| !self.resident.contains(l)).collect();
         streamed.chunks(self.group()).map(<[u32]>::to_vec).collect()
     }
 }
 
-/// KV bytes of one position in one layer (f32 keys and values).
-pub fn kv_bytes_per_token_layer(m: &Manifest) -> u64 {
-    2 * m.config.kv_dim() as u64 * 4
+/// KV bytes of one position in one layer (keys and values in `dtype`, rows padded to 4 bytes as
+/// the pools store them).
+pub fn kv_bytes_per_token_layer(m: &Manifest, dtype: DType) -> u64 {
+    let row = dtype.row_bytes(m.config.kv_dim()).unwrap_or(m.config.kv_dim() * 4);
+    2 * row.div_ceil(4) as u64 * 4
 }
 
 /// Device bytes one token of a step keeps alive at the peak of a layer's forward pass (f32): what
@@ -117,7 +135,9 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
     }
     let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
     let (count, bytes) = streaming_buffers(m, a);
-    let kv = a.kv_capacity * kv_bytes_per_token_layer(m) * a.layers().len() as u64;
+    let kv = a.kv_capacity
+        * kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32))
+        * a.layers().len() as u64;
     Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
 }
 
@@ -215,7 +235,7 @@ mod tests {
         let u = usage(&m, &a);
         assert_eq!(u.resident, layer);
         assert_eq!(u.streaming, 2 * layer, "two buffers of one layer");
-        assert_eq!(u.kv, 8 * kv_bytes_per_token_layer(&m) * 4);
+        assert_eq!(u.kv, 8 * kv_bytes_per_token_layer(&m, DType::F32) * 4);
         assert_eq!(
             u.embed_head,
             file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"),

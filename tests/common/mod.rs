@@ -91,7 +91,7 @@ pub fn tiny_store(dir: &Path) -> PathBuf {
 
 /// Runs prefill on `ids` and returns the last-position logits.
 pub fn prefill_logits(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
-    let mut seq: SeqState<CpuBackend> = model.new_sequence(ids.len()).unwrap();
+    let mut seq: SeqState = model.new_sequence();
     model.forward(&mut [(ids, &mut seq)]).unwrap().remove(0)
 }
 

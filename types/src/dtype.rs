@@ -33,6 +33,17 @@ pub enum DType {
     Iq4Xs,
 }
 
+/// The dtypes a KV cache can store keys and values in.
+pub const KV_DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0];
+
+/// Parses a `--kv-dtype` value (`f32|f16|bf16|q8_0|q4_0`).
+pub fn parse_kv_dtype(s: &str) -> Result<DType, String> {
+    KV_DTYPES.iter().copied().find(|d| d.name() == s).ok_or_else(|| {
+        let names: Vec<&str> = KV_DTYPES.iter().map(|d| d.name()).collect();
+        format!("unknown KV dtype {s:?}: expected one of {}", names.join(", "))
+    })
+}
+
 impl DType {
     /// Elements per block (1 for plain floats).
     pub fn block_elems(self) -> usize {

@@ -12,18 +12,18 @@ use std::time::Instant;
 const PROBE_CONTEXT: usize = 4;
 
 /// One sequence's state in a draft model: its cache holds the tokens `fed`.
-pub struct DraftState<B: Backend> {
-    seq: SeqState<B>,
+pub struct DraftState {
+    seq: SeqState,
     fed: Vec<u32>,
     /// Milliseconds per level of drafting — one forward pass of the draft model (a running
     /// average; 0 before the first measurement).
     ms_per_level: f64,
 }
 
-impl<B: Backend> DraftState<B> {
-    /// An empty draft cache for a sequence of up to `capacity` positions.
-    pub fn new(model: &Model<B>, capacity: usize) -> Result<Self> {
-        Ok(DraftState { seq: model.new_sequence(capacity)?, fed: Vec::new(), ms_per_level: 0.0 })
+impl DraftState {
+    /// An empty draft cache for a sequence.
+    pub fn new<B: Backend>(model: &Model<B>) -> Self {
+        DraftState { seq: model.new_sequence(), fed: Vec::new(), ms_per_level: 0.0 }
     }
 
     /// Milliseconds each level of drafting costs (0: not measured yet).
@@ -33,7 +33,7 @@ impl<B: Backend> DraftState<B> {
 
     /// Forgets what the cache holds past its common prefix with `history` (rejected drafts), keeping
     /// at least the last token to feed, and feeds `tokens` after it; returns the last logits.
-    fn feed(&mut self, model: &Model<B>, history: &[u32]) -> Result<Vec<f32>> {
+    fn feed<B: Backend>(&mut self, model: &Model<B>, history: &[u32]) -> Result<Vec<f32>> {
         let keep = self.fed.iter().zip(history).take_while(|(a, b)| a == b).count();
         let keep = keep.min(history.len().saturating_sub(1));
         if self.seq.len > keep {
@@ -52,7 +52,7 @@ impl<B: Backend> DraftState<B> {
     /// chain alone). `probe`: the cost of a level is not known yet, so it is measured on the last
     /// few tokens of the history instead of after catching up with all of it. Returns the tokens and their parents (0: the last token of `history`; i: token
     /// i - 1), each parent before its child.
-    pub fn propose_tree(
+    pub fn propose_tree<B: Backend>(
         &mut self,
         model: &Model<B>,
         history: &[u32],
@@ -108,19 +108,16 @@ impl<B: Backend> DraftState<B> {
 /// Who proposes the next tokens in `run`.
 pub enum Drafter<'m, B: Backend> {
     Ngram,
-    Model(&'m Model<B>, DraftState<B>),
+    Model(&'m Model<B>, DraftState),
 }
 
 impl<'m, B: Backend> Drafter<'m, B> {
-    /// The drafter `mode` (resolved: `Ngram` or `Draft`) names, for a sequence of up to `capacity`
-    /// positions.
-    pub fn new(mode: SpecMode, draft: Option<&'m Model<B>>, capacity: usize) -> Result<Self> {
-        Ok(match (mode, draft) {
-            (SpecMode::Draft, Some(model)) => {
-                Drafter::Model(model, DraftState::new(model, capacity)?)
-            }
+    /// The drafter `mode` (resolved: `Ngram` or `Draft`) names.
+    pub fn new(mode: SpecMode, draft: Option<&'m Model<B>>) -> Self {
+        match (mode, draft) {
+            (SpecMode::Draft, Some(model)) => Drafter::Model(model, DraftState::new(model)),
             _ => Drafter::Ngram,
-        })
+        }
     }
 
     /// What a level of drafting costs.

@@ -29,8 +29,8 @@ pub enum Error {
     /// A request argument the caller must fix: the field (its protobuf path) and why.
     #[error("{field}: {msg}")]
     Invalid { field: &'static str, msg: String },
-    #[error("KV cache full: {used} + {asked} positions exceed capacity {capacity}")]
-    KvFull { used: usize, asked: usize, capacity: usize },
+    #[error("the KV cache of {positions} positions is full: {wanted} more blocks wanted, {available} free")]
+    KvFull { positions: usize, wanted: usize, available: usize },
     #[error("device {device}: {msg}")]
     Device { device: String, msg: String },
     #[error("binding {addr}: {source}")]
@@ -116,7 +116,10 @@ mod tests {
         ));
         assert_eq!(from_model.to_string(), "sampling.top_p: must be in (0, 1]");
         let code = |e: Error| tonic::Status::from(e).code();
-        assert_eq!(code(Error::KvFull { used: 1, asked: 2, capacity: 2 }), Code::ResourceExhausted);
+        assert_eq!(
+            code(Error::KvFull { positions: 32, wanted: 2, available: 1 }),
+            Code::ResourceExhausted
+        );
         assert_eq!(code(Error::Assignment("none yet".into())), Code::FailedPrecondition);
         assert_eq!(code(Error::Stage("gone".into())), Code::Unavailable);
         assert_eq!(code(Error::Corrupt("xxh3".into())), Code::DataLoss);

@@ -1,22 +1,24 @@
 //! The forward pass of decoder layers over a batch of sequences, each with its own KV cache.
 //!
 //! Matmuls run once over the rows of every sequence in the batch (one weight pass serves them all);
-//! attention runs per sequence against that sequence's cache.
+//! attention runs per sequence against that sequence's blocks of the layer's KV pool.
 
 use crate::error::{Error, Result};
 use crate::moe::{moe_mlp, ExpertCounts, ExpertSource};
 use crate::weights::{LayerWeights, Mlp};
-use layerstream_kernels::{AttnShape, Backend, RopeTable};
+use layerstream_kernels::{AttnShape, Backend, KvSeq, RopeTable};
 use layerstream_model::ModelConfig;
 
-/// One sequence's share of a batch: how many rows it contributes and the position of the first;
-/// for a token tree (speculative decoding), every row's ancestor mask among its rows (row i at
-/// position `start_pos` + its depth, attending to the cache and its ancestors).
+/// One sequence's share of a batch: how many rows it contributes, the position of the first, and
+/// the KV blocks its positions live in (every layer's pool alike); for a token tree (speculative
+/// decoding), every row's ancestor mask among its rows (row i at position `start_pos` + its depth,
+/// attending to the cache and its ancestors).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqRows {
     pub(crate) rows: usize,
     pub(crate) start_pos: usize,
     pub(crate) tree: Option<Vec<u64>>,
+    pub(crate) blocks: Vec<u32>,
 }
 
 /// The ancestor masks of a sequence's rows when its last `parents.len()` rows are a token tree
@@ -119,12 +121,9 @@ fn proj<B: Backend>(
     Ok(y)
 }
 
-/// Forgets positions `len..` of one sequence's caches, one per layer (rejected drafts).
-pub fn truncate<B: Backend>(b: &B, caches: &mut [B::KvCache], len: usize) -> Result<()> {
-    for c in caches {
-        b.kv_truncate(c, len)?;
-    }
-    Ok(())
+/// Where a sequence's rows go in a layer's KV pool.
+fn kv_seq(s: &SeqRows) -> KvSeq<'_> {
+    KvSeq { table: &s.blocks, start: s.start_pos }
 }
 
 /// Positions of every row of a batch, in order (a tree row's: the first row's plus its depth).
@@ -138,8 +137,8 @@ pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
 }
 
 /// Runs decoder layer `layer` in place on `x` (rows of all sequences, stacked in `seqs` order).
-/// `caches[i]` is sequence i's KV cache for this layer; a mixture-of-experts layer takes its
-/// experts from `experts` and returns what they cost.
+/// `pool` is this layer's KV pool (each sequence's positions at its `blocks`); a mixture-of-experts
+/// layer takes its experts from `experts` and returns what they cost.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_forward<B: Backend>(
     b: &B,
@@ -148,7 +147,7 @@ pub fn layer_forward<B: Backend>(
     w: &LayerWeights<B>,
     x: &mut B::Tensor,
     seqs: &[SeqRows],
-    caches: &mut [&mut B::KvCache],
+    pool: &mut B::KvCache,
     experts: &mut dyn ExpertSource<B>,
 ) -> Result<ExpertCounts> {
     let pos = positions(seqs);
@@ -164,14 +163,14 @@ pub fn layer_forward<B: Backend>(
     b.rope(&mut q, &pos, rope)?;
     b.rope(&mut k, &pos, rope)?;
     let attn = if seqs.len() == 1 {
-        b.attention(&q, &k, &v, caches[0], shape, seqs[0].tree.as_deref())?
+        b.attention(&q, &k, &v, pool, kv_seq(&seqs[0]), shape, seqs[0].tree.as_deref())?
     } else {
         let mut parts = Vec::with_capacity(seqs.len());
         let mut off = 0;
-        for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
+        for s in seqs {
             let (qs, ks, vs) =
                 (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            parts.push(b.attention(&qs, &ks, &vs, cache, shape, s.tree.as_deref())?);
+            parts.push(b.attention(&qs, &ks, &vs, pool, kv_seq(s), shape, s.tree.as_deref())?);
             off += s.rows;
         }
         b.concat_rows(&parts)?
@@ -257,8 +256,8 @@ mod tests {
         // 5 (child of node 3).
         let anc = tree_masks(6, &[0, 0, 1]).unwrap();
         assert_eq!(anc, vec![0b1, 0b11, 0b111, 0b1111, 0b10111, 0b101111]);
-        let s = SeqRows { rows: 6, start_pos: 10, tree: Some(anc) };
-        let chain = SeqRows { rows: 2, start_pos: 3, tree: None };
+        let s = SeqRows { rows: 6, start_pos: 10, tree: Some(anc), blocks: Vec::new() };
+        let chain = SeqRows { rows: 2, start_pos: 3, tree: None, blocks: Vec::new() };
         assert_eq!(positions(&[s, chain]), vec![10, 11, 12, 13, 13, 14, 3, 4]);
         assert!(tree_masks(3, &[]).is_none());
     }

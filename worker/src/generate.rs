@@ -70,14 +70,13 @@ pub fn generate<B: Backend>(
 ) -> Result<Generation> {
     let cfg = &model.cfg;
     check_request(input, p, cfg.vocab_size, cfg.max_position_embeddings)?;
-    let capacity = input.len() + p.max_new_tokens;
     let mut sampler = Sampler::new(p.sampling.clone());
-    let mut seq = model.new_sequence(capacity)?;
+    let mut seq = model.new_sequence();
     let limit = p.speculative.max(spec.max);
     let mut drafter = match spec.mode {
         SpecMode::Off => None,
         _ if limit == 0 => None,
-        mode => Some(Drafter::new(mode, spec.draft, capacity)?),
+        mode => Some(Drafter::new(mode, spec.draft)),
     };
     let (mut acceptance, mut cost) = (Acceptance::default(), PassCost::default());
     let mut history = input.to_vec();

@@ -27,6 +27,6 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use generate::{generate, Generation, Speculation, Timings};
 pub use layerstream_model::GenerateParams;
-pub use model::{Model, SeqState};
+pub use model::{KvOptions, Model, SeqState};
 pub use sampling::{sample_batch, Sampler, SamplingParams};
 pub use server::{run, DeviceFlags, WorkerArgs};

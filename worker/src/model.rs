@@ -5,15 +5,44 @@ use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::moe::ResidentExperts;
 use crate::weights::{upload, LayerWeights};
-use layerstream_kernels::Backend;
+use layerstream_kernels::{Backend, KvLayout};
+use layerstream_model::kv_blocks::{BlockPool, SeqBlocks};
 use layerstream_model::layout::layer_file;
-use layerstream_model::{ModelConfig, Store};
+use layerstream_model::{DType, ModelConfig, Store};
+use std::sync::{Arc, Mutex};
 
-/// Every sequence's KV caches, one per layer.
-pub struct SeqState<B: Backend> {
-    pub caches: Vec<B::KvCache>,
+/// How a model stores keys and values: dtype, positions per block, positions in all.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvOptions {
+    pub dtype: DType,
+    pub block: usize,
+    pub positions: usize,
+}
+
+impl KvOptions {
+    /// f32 keys and values in blocks of 16 (exact: what transformers computes), room for `positions`.
+    pub fn exact(positions: usize) -> KvOptions {
+        KvOptions { dtype: DType::F32, block: 16, positions }
+    }
+}
+
+/// One sequence: its blocks in the model's KV pools and the positions processed so far. Dropping
+/// it gives its blocks back.
+pub struct SeqState {
+    blocks: SeqBlocks,
+    pool: Arc<Mutex<BlockPool>>,
     /// Positions processed so far.
     pub len: usize,
+}
+
+impl Drop for SeqState {
+    fn drop(&mut self) {
+        lock(&self.pool).release(&mut self.blocks);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A fully resident model.
@@ -26,11 +55,21 @@ pub struct Model<B: Backend> {
     experts: ResidentExperts<B>,
     norm: B::Weight,
     lm_head: Option<B::Weight>,
+    /// Each layer's KV pool, and which of their blocks each sequence holds.
+    pools: Mutex<Vec<B::KvCache>>,
+    blocks: Arc<Mutex<BlockPool>>,
 }
 
 impl<B: Backend> Model<B> {
-    /// Loads every file of `store` onto `backend`.
+    /// Loads every file of `store` onto `backend`, with exact (f32) KV pools for a context's worth of
+    /// positions (taken as used on the CPU).
     pub fn load(backend: B, store: &Store) -> Result<Self> {
+        let positions = store.manifest.config.max_position_embeddings.clamp(1, 1 << 17);
+        Self::load_kv(backend, store, KvOptions::exact(positions))
+    }
+
+    /// Loads every file of `store` onto `backend`, with KV pools as `kv` says.
+    pub fn load_kv(backend: B, store: &Store, kv: KvOptions) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let need =
@@ -50,20 +89,34 @@ impl<B: Backend> Model<B> {
             .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))
             .collect::<Result<Vec<_>>>()?;
         let experts = ResidentExperts::load(&backend, store, 0..cfg.num_layers as u32)?;
-        Ok(Model { ctx: LayerCtx::new(&cfg), cfg, backend, embed, layers, experts, norm, lm_head })
+        let ctx = LayerCtx::new(&cfg);
+        let blocks = kv.positions.div_ceil(kv.block);
+        let layout = KvLayout::new(kv.dtype, kv.block, blocks, ctx.shape)?;
+        let pools = (0..layers.len())
+            .map(|l| backend.kv_cache(ctx.attn(l as u32).0, layout))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Model {
+            ctx,
+            cfg,
+            backend,
+            embed,
+            layers,
+            experts,
+            norm,
+            lm_head,
+            pools: Mutex::new(pools),
+            blocks: Arc::new(Mutex::new(BlockPool::new(blocks, kv.block, false))),
+        })
     }
 
-    /// A fresh sequence with empty caches sized for `capacity` positions.
-    pub fn new_sequence(&self, capacity: usize) -> Result<SeqState<B>> {
-        let caches = (0..self.layers.len())
-            .map(|_| self.backend.kv_cache(self.ctx.shape, capacity))
-            .collect::<std::result::Result<_, _>>()?;
-        Ok(SeqState { caches, len: 0 })
+    /// A fresh sequence, holding no blocks yet.
+    pub fn new_sequence(&self) -> SeqState {
+        SeqState { blocks: SeqBlocks::default(), pool: self.blocks.clone(), len: 0 }
     }
 
     /// Feeds `tokens[i]` to sequence `i` (prefill or decode alike) and returns each sequence's
     /// logits at its last new position.
-    pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState<B>)]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState)]) -> Result<Vec<Vec<f32>>> {
         let causal = vec![None; batch.len()];
         self.backend.run_step(|| self.forward_here(batch, causal, &[]))
     }
@@ -73,7 +126,7 @@ impl<B: Backend> Model<B> {
     pub fn forward_tree(
         &self,
         tokens: &[u32],
-        seq: &mut SeqState<B>,
+        seq: &mut SeqState,
         parents: &[u32],
         tail: usize,
     ) -> Result<Vec<Vec<f32>>> {
@@ -81,17 +134,23 @@ impl<B: Backend> Model<B> {
         self.backend.run_step(|| self.forward_here(&mut [(tokens, seq)], vec![tree], &[tail]))
     }
 
-    /// Forgets positions `len..` of a sequence (rejected drafts).
-    pub fn truncate(&self, seq: &mut SeqState<B>, len: usize) -> Result<()> {
-        crate::forward::truncate(&self.backend, &mut seq.caches, len)?;
+    /// Forgets positions `len..` of a sequence (rejected drafts): the next tokens go in at `len`.
+    pub fn truncate(&self, seq: &mut SeqState, len: usize) -> Result<()> {
+        if len > seq.len {
+            return Err(Error::invalid(
+                "start_pos",
+                format!("cannot roll a sequence of {} positions forward to {len}", seq.len),
+            ));
+        }
         seq.len = len;
+        lock(&self.blocks).shrink(&mut seq.blocks, len);
         Ok(())
     }
 
     /// Feeds `tokens` to `seq` and scores them as llama.cpp's perplexity does: for every new
     /// position `i` from `from` to the second-to-last, the negative log-likelihood the model gives
     /// `tokens[i + 1]` (natural log, f64).
-    pub fn score(&self, tokens: &[u32], seq: &mut SeqState<B>, from: usize) -> Result<Vec<f64>> {
+    pub fn score(&self, tokens: &[u32], seq: &mut SeqState, from: usize) -> Result<Vec<f64>> {
         self.backend.run_step(|| {
             let b = &self.backend;
             let (x, _) = self.layers_with(&mut [(tokens, seq)], vec![None])?;
@@ -114,7 +173,7 @@ impl<B: Backend> Model<B> {
     /// None: causal) and the positions whose logits come back (`head_logits`' tails).
     fn forward_here(
         &self,
-        batch: &mut [(&[u32], &mut SeqState<B>)],
+        batch: &mut [(&[u32], &mut SeqState)],
         trees: Vec<Option<Vec<u64>>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
@@ -135,7 +194,7 @@ impl<B: Backend> Model<B> {
     /// rows of each sequence.
     fn layers_with(
         &self,
-        batch: &mut [(&[u32], &mut SeqState<B>)],
+        batch: &mut [(&[u32], &mut SeqState)],
         trees: Vec<Option<Vec<u64>>>,
     ) -> Result<(B::Tensor, Vec<SeqRows>)> {
         let b = &self.backend;
@@ -146,17 +205,31 @@ impl<B: Backend> Model<B> {
                 "every sequence in a step needs at least one token",
             ));
         }
+        {
+            let mut pool = lock(&self.blocks);
+            for (t, s) in batch.iter_mut() {
+                pool.grow(&mut s.blocks, s.len + t.len()).map_err(|d| Error::KvFull {
+                    positions: pool.blocks() * pool.block(),
+                    wanted: d.wanted,
+                    available: d.available,
+                })?;
+            }
+        }
         let seqs: Vec<SeqRows> = batch
             .iter()
             .zip(trees)
-            .map(|((t, s), tree)| SeqRows { rows: t.len(), start_pos: s.len, tree })
+            .map(|((t, s), tree)| SeqRows {
+                rows: t.len(),
+                start_pos: s.len,
+                tree,
+                blocks: s.blocks.table.clone(),
+            })
             .collect();
         let mut x = crate::forward::embed(b, &self.ctx, &self.embed, &ids)?;
-        for (li, lw) in self.layers.iter().enumerate() {
-            let mut caches: Vec<&mut B::KvCache> =
-                batch.iter_mut().map(|(_, s)| &mut s.caches[li]).collect();
+        let mut pools = lock(&self.pools);
+        for ((li, lw), pool) in self.layers.iter().enumerate().zip(pools.iter_mut()) {
             let mut experts = &self.experts;
-            layer_forward(b, &self.ctx, li as u32, lw, &mut x, &seqs, &mut caches, &mut experts)?;
+            layer_forward(b, &self.ctx, li as u32, lw, &mut x, &seqs, pool, &mut experts)?;
         }
         for (t, s) in batch.iter_mut() {
             s.len += t.len();

@@ -6,14 +6,14 @@ use crate::draft::DraftState;
 use crate::error::{Error, Result};
 use crate::experts::ExpertCache;
 use crate::forward::{layer_forward, LayerCtx, SeqRows};
-use crate::model::Model;
+use crate::model::{KvOptions, Model};
 use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
 use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
-use layerstream_kernels::Backend;
+use layerstream_kernels::{Backend, KvLayout};
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
 use layerstream_telemetry::TraceParent;
@@ -42,6 +42,10 @@ pub struct StepSeq {
     pub(crate) tree_parents: Vec<u32>,
     /// Candidates the head's draft branches on per step of its chain (1: a chain).
     pub(crate) draft_width: usize,
+    /// Its KV blocks, covering every position up to this step's last.
+    pub(crate) blocks: Vec<u32>,
+    /// A new sequence on cached blocks: the tokens of positions `..start_pos`.
+    pub(crate) cached: Vec<u32>,
 }
 
 /// Timing of one layer in one step.
@@ -78,23 +82,19 @@ pub struct StepOut {
     pub(crate) draft_level_ms: f64,
 }
 
-struct Seq<B: Backend> {
-    caches: Vec<B::KvCache>,
+struct Seq {
     len: usize,
     sampler: Option<Sampler>,
     history: Vec<u32>,
     /// Drafted positions of its last step, which the next step may cut (a rejected draft).
     rollback: usize,
     /// Its cache in the head's draft model.
-    draft: Option<DraftState<B>>,
+    draft: Option<DraftState>,
 }
 
 /// The batch's sequences, in batch order (each prepared, each once in a step).
-fn in_batch_order<'a, B: Backend>(
-    seqs: &'a mut HashMap<u64, Seq<B>>,
-    batch: &[StepSeq],
-) -> Vec<&'a mut Seq<B>> {
-    let mut by_id: HashMap<u64, &mut Seq<B>> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
+fn in_batch_order<'a>(seqs: &'a mut HashMap<u64, Seq>, batch: &[StepSeq]) -> Vec<&'a mut Seq> {
+    let mut by_id: HashMap<u64, &mut Seq> = seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
     batch.iter().map(|s| by_id.remove(&s.seq_id).expect("prepared")).collect()
 }
 
@@ -106,12 +106,16 @@ pub struct StepLimits {
     pub(crate) hidden_size: usize,
     /// The model has sliding-window layers (no token trees).
     pub(crate) windowed: bool,
+    /// Positions per KV block and blocks in the pool.
+    pub(crate) kv_block: usize,
+    pub(crate) kv_blocks: usize,
 }
 
 /// Checks a step's request before any state changes, naming the field at fault: every sequence once,
 /// with tokens inside the vocabulary, at the position its cache holds (`known`: a live sequence's
-/// length, or up to its last step's draft before it: `known` gives both; a new one starts at 0) and
-/// within the context, a draft shorter than its tokens and within `MAX_DRAFT`; `hidden` (stages after
+/// length, or up to its last step's draft before it: `known` gives both; a new one starts at 0, or
+/// after its cached tokens) and within the context, KV blocks of the pool covering its positions,
+/// a draft shorter than its tokens and within `MAX_DRAFT`; `hidden` (stages after
 /// the first) of the step's rows × hidden size, every value finite. Pure, so a malformed call cannot
 /// leave a half-prepared stage behind.
 pub fn check_step(
@@ -171,10 +175,15 @@ pub fn check_step(
             );
         }
         match known(s.seq_id) {
-            None if s.start_pos != 0 => {
+            None if s.start_pos != s.cached.len() => {
                 return bad(
                     "seqs.start_pos",
-                    format!("unknown sequence {} at position {}", s.seq_id, s.start_pos),
+                    format!(
+                        "unknown sequence {} at position {} after {} cached tokens",
+                        s.seq_id,
+                        s.start_pos,
+                        s.cached.len()
+                    ),
                 );
             }
             Some((len, rollback)) if s.start_pos > len || s.start_pos + rollback < len => {
@@ -187,6 +196,21 @@ pub fn check_step(
                 );
             }
             _ => {}
+        }
+        let end = s.start_pos.saturating_add(s.tokens.len());
+        let need = end.div_ceil(l.kv_block.max(1));
+        if s.blocks.len() < need || s.blocks[..need].iter().any(|&b| b as usize >= l.kv_blocks) {
+            return bad(
+                "seqs.blocks",
+                format!(
+                    "sequence {}: {} KV blocks {:?} for positions up to {end} (blocks of {} in a pool of {})",
+                    s.seq_id,
+                    s.blocks.len(),
+                    &s.blocks[..s.blocks.len().min(8)],
+                    l.kv_block,
+                    l.kv_blocks
+                ),
+            );
         }
         if s.start_pos.saturating_add(s.tokens.len()) > l.context {
             return bad(
@@ -233,11 +257,21 @@ pub struct Stage<B: Backend> {
     fetcher: Fetcher<B>,
     /// The experts of a mixture-of-experts model's layers (None for a dense model).
     experts: Option<ExpertCache<B>>,
-    seqs: HashMap<u64, Seq<B>>,
+    seqs: HashMap<u64, Seq>,
+    /// Each layer's KV pool (the range's first layer first), laid out as `kv`.
+    pools: Vec<B::KvCache>,
+    kv: KvLayout,
     /// The head's draft model (an assignment with `draft_model`), fully resident.
     draft: Option<Model<B>>,
     /// Its milliseconds per level of drafting, as last measured (0: not yet).
     draft_level_ms: f64,
+}
+
+/// The KV pool an assignment asks for: its dtype and block size, `kv_capacity` positions.
+fn kv_layout(plan: &Assignment, ctx: &LayerCtx) -> Result<KvLayout> {
+    let dtype = plan.kv_dtype().map_err(|e| Error::invalid("kv_dtype", e))?;
+    let block = plan.kv_block();
+    Ok(KvLayout::new(dtype, block, plan.kv_positions().div_ceil(block), ctx.shape)?)
 }
 
 fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
@@ -291,10 +325,17 @@ impl<B: Backend + 'static> Stage<B> {
             )?),
             None => None,
         };
+        let ctx = LayerCtx::new(&cfg);
+        let kv = kv_layout(&plan, &ctx)?;
+        let pools = plan
+            .layers()
+            .map(|l| backend.kv_cache(ctx.attn(l).0, kv))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let draft = if plan.head && !plan.draft_model.is_empty() {
             let d = Store::open(std::path::Path::new(&plan.draft_model))?;
             layerstream_model::spec::check_draft(&store, &d)?;
-            let m = Model::load(backend.clone(), &d)?;
+            let opts = KvOptions { dtype: kv.dtype, block: kv.block, positions: kv.positions() };
+            let m = Model::load_kv(backend.clone(), &d, opts)?;
             tracing::info!(draft = %plan.draft_model, layers = m.cfg.num_layers, "draft model loaded");
             Some(m)
         } else {
@@ -316,7 +357,9 @@ impl<B: Backend + 'static> Stage<B> {
             StepMark { number: 0, parent: TraceParent::of(&Span::current()) },
         );
         Ok(Stage {
-            ctx: LayerCtx::new(&cfg),
+            ctx,
+            pools,
+            kv,
             cfg,
             plan,
             backend,
@@ -358,36 +401,23 @@ impl<B: Backend + 'static> Stage<B> {
             context: self.cfg.max_position_embeddings,
             hidden_size: self.cfg.hidden_size,
             windowed: self.ctx.windowed(),
+            kv_block: self.kv.block,
+            kv_blocks: self.kv.blocks,
         };
         check_step(batch, hidden, limits, |id| self.seqs.get(&id).map(|s| (s.len, s.rollback)))?;
-        let new_tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        let cut: usize = batch
-            .iter()
-            .filter_map(|s| self.seqs.get(&s.seq_id).map(|q| q.len.saturating_sub(s.start_pos)))
-            .sum();
-        if self.kv_used().1 - cut + new_tokens > self.plan.kv_positions() {
-            return Err(Error::KvFull {
-                used: self.kv_used().1 - cut,
-                asked: new_tokens,
-                capacity: self.plan.kv_positions(),
-            });
-        }
         // Rejected drafts of live sequences leave their caches (and the head's history).
         for s in batch {
             if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
                 if s.start_pos < seq.len {
-                    crate::forward::truncate(&self.backend, &mut seq.caches, s.start_pos)?;
                     seq.len = s.start_pos;
                     seq.history.truncate(seq.history.len().min(s.start_pos));
                 }
                 seq.rollback = s.draft_len;
             }
         }
-        let n_layers = self.plan.layers().len();
-        for s in batch.iter().filter(|s| s.start_pos == 0) {
-            let caches = (0..n_layers)
-                .map(|_| self.backend.kv_cache(self.ctx.shape, 0))
-                .collect::<std::result::Result<_, _>>()?;
+        let fresh: Vec<&StepSeq> =
+            batch.iter().filter(|s| !self.seqs.contains_key(&s.seq_id)).collect();
+        for s in fresh {
             let sampler = if self.plan.head {
                 let mut sampler = Sampler::new(s.sampling.clone().unwrap_or_default());
                 sampler.skip(s.draws_before);
@@ -395,12 +425,10 @@ impl<B: Backend + 'static> Stage<B> {
             } else {
                 None
             };
-            let draft = match &self.draft {
-                Some(m) => Some(DraftState::new(m, 0)?),
-                None => None,
-            };
-            let seq =
-                Seq { caches, len: 0, sampler, history: Vec::new(), rollback: s.draft_len, draft };
+            let draft = self.draft.as_ref().map(DraftState::new);
+            let history = if self.plan.head { s.cached.clone() } else { Vec::new() };
+            let len = s.start_pos;
+            let seq = Seq { len, sampler, history, rollback: s.draft_len, draft };
             self.seqs.insert(s.seq_id, seq);
         }
         Ok(())
@@ -439,10 +467,11 @@ impl<B: Backend + 'static> Stage<B> {
                 rows: s.tokens.len(),
                 start_pos: s.start_pos,
                 tree: crate::forward::tree_masks(s.tokens.len(), &s.tree_parents),
+                blocks: s.blocks.clone(),
             })
             .collect();
         let t_layers = Instant::now();
-        let timings = self.run_layers(&mut x, batch, &seq_rows, step_span)?;
+        let timings = self.run_layers(&mut x, &seq_rows, step_span)?;
         let layers_ms = t_layers.elapsed().as_secs_f64() * 1e3;
         for s in batch {
             let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
@@ -465,23 +494,15 @@ impl<B: Backend + 'static> Stage<B> {
     fn run_layers(
         &mut self,
         x: &mut B::Tensor,
-        batch: &[StepSeq],
         seq_rows: &[SeqRows],
         step_span: &Span,
     ) -> Result<Vec<LayerTiming>> {
-        let Stage { backend: b, ctx, resident, groups, fetcher, seqs, plan, experts, .. } = self;
+        let Stage { backend: b, ctx, resident, groups, fetcher, pools, plan, experts, .. } = self;
         let range = plan.layers();
         let step_no = fetcher.begin_step(step_span);
         let mut timings = Vec::with_capacity(range.len());
-        let mut pass = LayerPass {
-            b,
-            ctx,
-            first: range.start,
-            seq_rows,
-            // Looked up once per step (not once per layer).
-            ordered: in_batch_order(seqs, batch),
-            experts: experts.as_mut(),
-        };
+        let mut pass =
+            LayerPass { b, ctx, first: range.start, seq_rows, pools, experts: experts.as_mut() };
         let layer_span = |l: u32, resident: bool| info_span!(parent: step_span, "layer", otel.name = format!("layer {l}"), layer = l as i64, resident);
         let first_of_group: HashMap<u32, usize> =
             groups.iter().enumerate().map(|(i, g)| (g[0], i)).collect();
@@ -548,8 +569,8 @@ struct LayerPass<'s, B: Backend> {
     /// The range's first layer (caches are indexed from it).
     first: u32,
     seq_rows: &'s [SeqRows],
-    /// The step's sequences, in batch order.
-    ordered: Vec<&'s mut Seq<B>>,
+    /// Each layer's KV pool.
+    pools: &'s mut [B::KvCache],
     experts: Option<&'s mut ExpertCache<B>>,
 }
 
@@ -568,15 +589,14 @@ impl<B: Backend + 'static> LayerPass<'_, B> {
     ) -> Result<LayerTiming> {
         let (b, ctx, seq_rows) = (self.b, self.ctx, self.seq_rows);
         let li = (layer - self.first) as usize;
-        let mut caches: Vec<&mut B::KvCache> =
-            self.ordered.iter_mut().map(|s| &mut s.caches[li]).collect();
+        let pool = &mut self.pools[li];
         let cs = info_span!(parent: span, "compute", layer = layer as i64, rows = b.dims(x).0 as i64, device_ms = tracing::field::Empty);
         let experts = &mut self.experts;
         let (ms, counts) = cs.in_scope(|| -> Result<(f64, ExpertCounts)> {
             let m0 = b.mark()?;
             let counts = match experts.as_mut() {
-                Some(c) => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut **c)?,
-                None => layer_forward(b, ctx, layer, w, x, seq_rows, &mut caches, &mut NoExperts)?,
+                Some(c) => layer_forward(b, ctx, layer, w, x, seq_rows, pool, &mut **c)?,
+                None => layer_forward(b, ctx, layer, w, x, seq_rows, pool, &mut NoExperts)?,
             };
             let m1 = b.mark()?;
             Ok((b.elapsed_ms(&m0, &m1)?, counts))
@@ -641,10 +661,19 @@ mod tests {
             draft_next: 0,
             tree_parents: Vec::new(),
             draft_width: 1,
+            blocks: vec![5, 0, 7],
+            cached: Vec::new(),
         }
     }
 
-    const L: StepLimits = StepLimits { vocab: 10, context: 8, hidden_size: 2, windowed: false };
+    const L: StepLimits = StepLimits {
+        vocab: 10,
+        context: 8,
+        hidden_size: 2,
+        windowed: false,
+        kv_block: 4,
+        kv_blocks: 8,
+    };
 
     fn field(r: Result<()>) -> &'static str {
         match r {
@@ -673,6 +702,16 @@ mod tests {
             "seqs.start_pos",
             "past the context"
         );
+        // KV blocks that do not cover the positions, or lie outside the pool.
+        let short = StepSeq { blocks: vec![1], ..seq(1, 0, &[1; 5]) };
+        assert_eq!(field(check_step(&[short], None, L, live)), "seqs.blocks");
+        let outside = StepSeq { blocks: vec![1, 8], ..seq(1, 0, &[1; 5]) };
+        assert_eq!(field(check_step(&[outside], None, L, live)), "seqs.blocks");
+        // A new sequence on cached blocks starts after its cached tokens, and only there.
+        let cached = StepSeq { cached: vec![3, 4, 5, 6], ..seq(2, 4, &[1]) };
+        assert!(check_step(&[cached.clone()], None, L, live).is_ok());
+        let off = StepSeq { start_pos: 3, ..cached };
+        assert_eq!(field(check_step(&[off], None, L, live)), "seqs.start_pos");
         assert_eq!(field(check_step(&[seq(1, 0, &[1])], Some(&[0.0; 3]), L, live)), "hidden");
         assert_eq!(
             field(check_step(&[seq(1, 0, &[1])], Some(&[0.0, f32::NAN]), L, live)),

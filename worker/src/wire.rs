@@ -17,6 +17,8 @@ impl From<v1::StepSeq> for StepSeq {
             draft_next: (s.draft_next as usize).min(layerstream_model::spec::MAX_DRAFT),
             tree_parents: s.tree_parents,
             draft_width: (s.draft_width as usize).clamp(1, layerstream_model::spec::MAX_WIDTH),
+            blocks: s.blocks,
+            cached: s.cached_ids,
         }
     }
 }

@@ -62,7 +62,9 @@ fn finish_name(r: FinishReason) -> &'static str {
 
 fn usage(f: &FinalEvent) -> Value {
     let (p, c) = (f.input_ids.len(), f.output_ids.len());
-    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+    let cached = f.stats.as_ref().map_or(0, |s| s.cached_tokens);
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// One request's answer being built: ids, the texts of its tokens, log-probabilities.

@@ -1,52 +1,142 @@
-//! CPU grouped-query attention over a per-sequence KV cache: causal prefill and one-token decode.
+//! CPU grouped-query attention over a paged KV pool: a layer's blocks shared by every sequence,
+//! each sequence's positions found through its block table; causal prefill, one-token decode and
+//! token trees alike.
 
-use crate::backend::{AttnShape, KV_ROLLBACK};
+use crate::backend::AttnShape;
 use crate::host::softmax;
-use crate::quant::dot;
+use crate::kv::{store_row, KvLayout, KvSeq};
+use crate::quant::{dequant_row, dot};
+use layerstream_types::DType;
 use rayon::prelude::*;
 
-/// Keys and values of one sequence for one layer, `[len - dropped, n_kv_heads * head_dim]` each:
-/// positions `dropped..len` (a sliding-window layer drops what no later row can see).
-#[derive(Debug, Clone, Default)]
+/// One layer's KV pool: keys and values of `layout.blocks` blocks, one stored row per position
+/// (`layout.row_stride` bytes). Memory is taken as blocks are first written (up to the pool's
+/// size), so a large pool costs only what its sequences use.
+#[derive(Debug, Clone)]
 pub struct CpuKv {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub len: usize,
-    pub dropped: usize,
+    pub layout: KvLayout,
+    kv_dim: usize,
+    /// 4-byte words so that f32 rows are read in place.
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
-/// Appends `m` new rows to the cache and attends `q` (`[m, q_dim]`) causally over the cache (over
-/// the last `s.window` positions of each row's context when a window is set), scores scaled by
-/// `s.scale`. A windowed cache then drops the positions no later row can see (beyond the
-/// `KV_ROLLBACK` it keeps for rejected drafts), once they are as many as the window (so it holds
-/// under two windows plus that margin, and the drop costs one copy per window of rows). With a
-/// token tree's ancestor masks (`tree`, at most 64 rows, full-context layers only) row i attends to
-/// the positions cached before this call and to the new rows whose bit is set in `tree[i]` instead.
+impl CpuKv {
+    /// An empty pool for rows of `kv_dim` values.
+    pub fn new(layout: KvLayout, kv_dim: usize) -> CpuKv {
+        CpuKv { layout, kv_dim, k: Vec::new(), v: Vec::new() }
+    }
+
+    fn words(&self) -> usize {
+        self.layout.row_stride(self.kv_dim) / 4
+    }
+
+    /// Bytes the pool holds now.
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+
+    /// Grows the storage to hold block `b`.
+    fn reach(&mut self, b: usize) {
+        let n = (b + 1) * self.layout.block * self.words();
+        if self.k.len() < n {
+            self.k.resize(n, 0.0);
+            self.v.resize(n, 0.0);
+        }
+    }
+
+    /// Position `slot`'s stored row of keys (or values) as bytes.
+    fn row_mut(buf: &mut [f32], slot: usize, words: usize) -> &mut [u8] {
+        let w = &mut buf[slot * words..(slot + 1) * words];
+        // SAFETY: any initialised f32 storage may be viewed as bytes (alignment 1, same length × 4).
+        unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast::<u8>(), w.len() * 4) }
+    }
+
+    fn row(buf: &[f32], slot: usize, words: usize) -> &[u8] {
+        let w = &buf[slot * words..(slot + 1) * words];
+        // SAFETY: as `row_mut`, read-only.
+        unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) }
+    }
+}
+
+/// Stores `m` new rows at positions `seq.start..` of the pool and attends `q` (`[m, q_dim]`)
+/// causally over the sequence's positions (over the last `s.window` positions of each row's
+/// context when a window is set), scores scaled by `s.scale`. With a token tree's ancestor masks
+/// (`tree`, at most 64 rows, full-context layers only) row i attends to the positions before
+/// `seq.start` and to the new rows whose bit is set in `tree[i]` instead. Quantized rows are
+/// dequantized here; f32 rows are read in place. `seq` has been checked against the pool.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     m: usize,
-    cache: &mut CpuKv,
+    pool: &mut CpuKv,
+    seq: KvSeq<'_>,
     s: AttnShape,
     tree: Option<&[u64]>,
 ) -> Vec<f32> {
-    let (hd, kvd, qd) = (s.head_dim, s.n_kv_heads * s.head_dim, s.n_heads * s.head_dim);
-    let start = cache.len;
-    cache.k.extend_from_slice(&k[..m * kvd]);
-    cache.v.extend_from_slice(&v[..m * kvd]);
-    cache.len += m;
+    let kvd = s.n_kv_heads * s.head_dim;
+    let (start, bs, words, dtype) = (seq.start, pool.layout.block, pool.words(), pool.layout.dtype);
+    if m > 0 {
+        let top = (start..start + m).map(|t| seq.slot(t, bs) / bs).max().unwrap_or(0);
+        pool.reach(top);
+    }
+    for i in 0..m {
+        let slot = seq.slot(start + i, bs);
+        store_row(dtype, &k[i * kvd..(i + 1) * kvd], CpuKv::row_mut(&mut pool.k, slot, words));
+        store_row(dtype, &v[i * kvd..(i + 1) * kvd], CpuKv::row_mut(&mut pool.v, slot, words));
+    }
+    let end = start + m;
+    // The earliest position any row sees.
+    let lo = if s.window > 0 { (start + 1).saturating_sub(s.window) } else { 0 };
+    let (pk, pv) = (&pool.k, &pool.v);
+    if dtype == DType::F32 {
+        let slot = |t: usize| seq.slot(t, bs) * words;
+        attend(
+            q,
+            m,
+            start,
+            s,
+            tree,
+            |t| &pk[slot(t)..slot(t) + kvd],
+            |t| &pv[slot(t)..slot(t) + kvd],
+        )
+    } else {
+        // Dequantize the positions the rows see once, contiguously.
+        let gather = |buf: &[f32]| -> Vec<f32> {
+            let mut out = vec![0f32; (end - lo) * kvd];
+            for (t, o) in (lo..end).zip(out.chunks_exact_mut(kvd)) {
+                let row = CpuKv::row(buf, seq.slot(t, bs), words);
+                dequant_row(dtype, row, o);
+            }
+            out
+        };
+        let (gk, gv) = (gather(pk), gather(pv));
+        let at = |t: usize| (t - lo) * kvd..(t - lo + 1) * kvd;
+        attend(q, m, start, s, tree, |t| &gk[at(t)], |t| &gv[at(t)])
+    }
+}
+
+/// The attention itself over positions read through `key(t)` / `value(t)` (a full kv row each).
+fn attend<'a>(
+    q: &[f32],
+    m: usize,
+    start: usize,
+    s: AttnShape,
+    tree: Option<&[u64]>,
+    key: impl Fn(usize) -> &'a [f32] + Sync,
+    value: impl Fn(usize) -> &'a [f32] + Sync,
+) -> Vec<f32> {
+    let (hd, qd) = (s.head_dim, s.n_heads * s.head_dim);
     let group = s.n_heads / s.n_kv_heads;
     let mut out = vec![0f32; m * qd];
-    let (ck, cv, base) = (&cache.k, &cache.v, cache.dropped);
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (row, h) = (idx / s.n_heads, idx % s.n_heads);
-        let kvh = h / group;
+        let off = (h / group) * hd;
         let qv = &q[row * qd + h * hd..row * qd + (h + 1) * hd];
         let n_ctx = start + row + 1;
         let first = if s.window > 0 { n_ctx.saturating_sub(s.window) } else { 0 };
-        // Cache row of position t.
-        let at = |t: usize| (t - base) * kvd + kvh * hd;
         // The positions this row sees: causal, or the cached ones and its ancestors in a tree.
         let seen: Vec<usize> = match tree {
             None => (first..n_ctx).collect(),
@@ -55,118 +145,99 @@ pub fn attention(
                 .collect(),
         };
         let mut scores: Vec<f32> =
-            seen.iter().map(|&t| dot(qv, &ck[at(t)..at(t) + hd]) * s.scale).collect();
+            seen.iter().map(|&t| dot(qv, &key(t)[off..off + hd]) * s.scale).collect();
         softmax(&mut scores);
         for (&t, p) in seen.iter().zip(&scores) {
-            for (oi, vi) in o.iter_mut().zip(&cv[at(t)..at(t) + hd]) {
+            for (oi, vi) in o.iter_mut().zip(&value(t)[off..off + hd]) {
                 *oi += p * vi;
             }
         }
     });
-    if s.window > 0 && cache.len - cache.dropped >= 2 * s.window + KV_ROLLBACK {
-        // Keep the window - 1 positions the next row can still see, and the rollback margin.
-        let drop = cache.len - (s.window - 1) - KV_ROLLBACK - cache.dropped;
-        cache.k.drain(..drop * kvd);
-        cache.v.drain(..drop * kvd);
-        cache.dropped += drop;
-    }
     out
-}
-
-/// Forgets positions `len..` (a rejected draft); an error names the cut when the cache no longer
-/// holds position `len` (a sliding window dropped it, or `len` is past the end).
-pub fn truncate(cache: &mut CpuKv, len: usize, kv_dim: usize) -> Result<(), String> {
-    if len > cache.len || len < cache.dropped {
-        return Err(format!(
-            "cannot roll a cache of positions {}..{} back to {len}",
-            cache.dropped, cache.len
-        ));
-    }
-    cache.k.truncate((len - cache.dropped) * kv_dim);
-    cache.v.truncate((len - cache.dropped) * kv_dim);
-    cache.len = len;
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Prefilling n tokens at once equals feeding them one at a time (causality + cache reuse).
+    fn gen(n: usize, mul: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * mul) % 17) as f32 * 0.1 - 0.8).collect()
+    }
+
+    fn pool(dtype: DType, block: usize, s: AttnShape) -> CpuKv {
+        CpuKv::new(KvLayout::new(dtype, block, 16, s).unwrap(), s.n_kv_heads * s.head_dim)
+    }
+
+    /// Feeds rows `range` of (q, k, v) at their positions.
+    #[allow(clippy::too_many_arguments)]
+    fn feed(
+        p: &mut CpuKv,
+        table: &[u32],
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        range: std::ops::Range<usize>,
+        s: AttnShape,
+        tree: Option<&[u64]>,
+    ) -> Vec<f32> {
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let (a, b) = (range.start, range.end);
+        let seq = KvSeq { table, start: a };
+        attention(
+            &q[a * qd..b * qd],
+            &k[a * kvd..b * kvd],
+            &v[a * kvd..b * kvd],
+            b - a,
+            p,
+            seq,
+            s,
+            tree,
+        )
+    }
+
+    /// Prefilling n tokens at once equals feeding them one at a time (causality + cache reuse),
+    /// whatever blocks the table names.
     #[test]
-    fn prefill_equals_incremental_decode() {
+    fn prefill_equals_incremental_decode_through_any_table() {
         let s = AttnShape::new(4, 2, 8);
-        let m = 5;
-        let gen = |n: usize, mul: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * mul) % 17) as f32 * 0.1 - 0.8).collect()
-        };
+        let m = 11;
         let (q, k, v) = (gen(m * 32, 7), gen(m * 16, 5), gen(m * 16, 3));
-        let mut c1 = CpuKv::default();
-        let all = attention(&q, &k, &v, m, &mut c1, s, None);
-        let mut c2 = CpuKv::default();
+        let mut c1 = pool(DType::F32, 4, s);
+        let all = feed(&mut c1, &[0, 1, 2], (&q, &k, &v), 0..m, s, None);
+        let mut c2 = pool(DType::F32, 4, s);
         for r in 0..m {
-            let one = attention(
-                &q[r * 32..(r + 1) * 32],
-                &k[r * 16..(r + 1) * 16],
-                &v[r * 16..(r + 1) * 16],
-                1,
-                &mut c2,
-                s,
-                None,
-            );
+            let one = feed(&mut c2, &[9, 3, 14], (&q, &k, &v), r..r + 1, s, None);
             for (a, b) in one.iter().zip(&all[r * 32..(r + 1) * 32]) {
                 assert!((a - b).abs() < 1e-5);
             }
         }
-        assert_eq!(c2.len, m);
+        // The scattered table took memory up to its highest block only.
+        assert_eq!(c2.bytes(), 2 * 15 * 4 * 16 * 4);
         // first row attends only to itself: output = v of kv head
-        assert!(
-            (all[0] - v[0]).abs() < 1e-6
-                && (all[8] - v[0]).abs() < 1e-6
-                && (all[16] - v[8]).abs() < 1e-6
-        );
+        assert!((all[0] - v[0]).abs() < 1e-6 && (all[16] - v[8]).abs() < 1e-6);
     }
 
-    /// A sliding window equals full attention over only the last `window` positions, and the cache
-    /// stays under two windows while decoding far past it.
+    /// A sliding window equals full attention over only the last `window` positions.
     #[test]
-    fn window_attends_to_the_last_positions_and_bounds_the_cache() {
+    fn window_attends_to_the_last_positions() {
         let w = 3;
         let s = AttnShape { window: w, ..AttnShape::new(2, 1, 4) };
-        let gen = |n: usize, mul: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * mul) % 13) as f32 * 0.2 - 1.1).collect()
-        };
-        let n = 20 + 2 * KV_ROLLBACK;
+        let n = 20;
         let (q, k, v) = (gen(n * 8, 7), gen(n * 4, 5), gen(n * 4, 3));
-        let mut c = CpuKv::default();
+        let table: Vec<u32> = (0..16).rev().collect();
+        let mut c = pool(DType::F32, 2, s);
         for r in 0..n {
-            let got = attention(
-                &q[r * 8..(r + 1) * 8],
-                &k[r * 4..(r + 1) * 4],
-                &v[r * 4..(r + 1) * 4],
-                1,
-                &mut c,
-                s,
-                None,
-            );
+            let got = feed(&mut c, &table, (&q, &k, &v), r..r + 1, s, None);
             // Reference: full attention over rows max(0, r + 1 - w)..=r only.
             let lo = (r + 1).saturating_sub(w);
-            let mut full = CpuKv::default();
-            let (kk, vv) = (&k[lo * 4..(r + 1) * 4], &v[lo * 4..(r + 1) * 4]);
-            let m = r + 1 - lo;
-            let qs: Vec<f32> = (0..m).flat_map(|_| q[r * 8..(r + 1) * 8].iter().copied()).collect();
-            let want = attention(&qs, kk, vv, m, &mut full, AttnShape::new(2, 1, 4), None);
-            for (a, b) in got.iter().zip(&want[(m - 1) * 8..]) {
+            let full = AttnShape::new(2, 1, 4);
+            let mut p = pool(DType::F32, 2, full);
+            let qs: Vec<f32> =
+                (lo..=r).flat_map(|_| q[r * 8..(r + 1) * 8].iter().copied()).collect();
+            let want =
+                feed(&mut p, &[0, 1], (&qs, &k[lo * 4..], &v[lo * 4..]), 0..r + 1 - lo, full, None);
+            for (a, b) in got.iter().zip(&want[(r - lo) * 8..]) {
                 assert!((a - b).abs() < 1e-5, "row {r}");
             }
-            assert!(
-                c.len - c.dropped < 2 * w + KV_ROLLBACK,
-                "row {r}: {} cached",
-                c.len - c.dropped
-            );
         }
-        assert_eq!(c.len, n);
-        assert!(c.dropped > 0, "the window dropped positions");
     }
 
     /// A tree's row attends to the cache and its ancestors only: each root-to-leaf path of a tree
@@ -174,72 +245,61 @@ mod tests {
     #[test]
     fn tree_rows_see_their_ancestors_only() {
         let s = AttnShape::new(2, 1, 4);
-        let gen = |n: usize, mul: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * mul) % 13) as f32 * 0.2 - 1.1).collect()
-        };
         let (q, k, v) = (gen(8 * 8, 7), gen(8 * 4, 5), gen(8 * 4, 3));
         // Two cached positions, then a tree of 5 rows: 0 → {1, 2}, 1 → 3, 2 → 4.
-        let parents = [usize::MAX, 0, 0, 1, 2];
-        let anc: Vec<u64> = (0..5)
-            .map(|i| {
-                let (mut a, mut n) = (0u64, i);
-                loop {
-                    a |= 1 << n;
-                    if parents[n] == usize::MAX {
-                        break a;
-                    }
-                    n = parents[n];
-                }
-            })
-            .collect();
-        let mut c = CpuKv::default();
-        attention(&q[..16], &k[..8], &v[..8], 2, &mut c, s, None);
-        let got = attention(&q[16..56], &k[8..28], &v[8..28], 5, &mut c, s, Some(&anc));
+        let anc: Vec<u64> = vec![0b1, 0b11, 0b101, 0b1011, 0b10101];
+        let mut c = pool(DType::F32, 4, s);
+        feed(&mut c, &[5, 6], (&q, &k, &v), 0..2, s, None);
+        let got = feed(&mut c, &[5, 6], (&q, &k, &v), 2..7, s, Some(&anc));
         for path in [[0usize, 1, 3], [0, 2, 4]] {
-            let mut p = CpuKv::default();
-            attention(&q[..16], &k[..8], &v[..8], 2, &mut p, s, None);
+            let idx: Vec<usize> = [0, 1].into_iter().chain(path.iter().map(|r| 2 + r)).collect();
             let rows = |x: &[f32], w: usize| -> Vec<f32> {
-                path.iter().flat_map(|&r| x[(2 + r) * w..(3 + r) * w].to_vec()).collect()
+                idx.iter().flat_map(|&r| x[r * w..(r + 1) * w].to_vec()).collect()
             };
-            let want = attention(&rows(&q, 8), &rows(&k, 4), &rows(&v, 4), 3, &mut p, s, None);
+            let mut p = pool(DType::F32, 4, s);
+            let want =
+                feed(&mut p, &[0, 1], (&rows(&q, 8), &rows(&k, 4), &rows(&v, 4)), 0..5, s, None);
             for (i, &r) in path.iter().enumerate() {
-                for (a, b) in got[r * 8..(r + 1) * 8].iter().zip(&want[i * 8..(i + 1) * 8]) {
+                for (a, b) in got[r * 8..(r + 1) * 8].iter().zip(&want[(2 + i) * 8..(3 + i) * 8]) {
                     assert!((a - b).abs() < 1e-5, "path {path:?} row {r}");
                 }
             }
         }
     }
 
-    /// Rolling a cache back and appending again equals never having appended the rejected rows;
-    /// a windowed cache can roll back `KV_ROLLBACK` positions, and a cut below what it holds fails.
+    /// Positions written again (a rejected draft's) equal never having written the rejected rows.
     #[test]
-    fn truncate_forgets_rejected_rows() {
+    fn rewritten_positions_forget_rejected_rows() {
         let s = AttnShape::new(2, 1, 4);
-        let gen = |n: usize, mul: usize| -> Vec<f32> {
-            (0..n).map(|i| ((i * mul) % 11) as f32 * 0.3 - 1.0).collect()
-        };
         let (q, k, v) = (gen(6 * 8, 7), gen(6 * 4, 5), gen(6 * 4, 3));
-        let mut plain = CpuKv::default();
-        let want = attention(&q, &k, &v, 6, &mut plain, s, None);
-        let mut c = CpuKv::default();
-        attention(&q[..3 * 8], &k[..3 * 4], &v[..3 * 4], 3, &mut c, s, None);
-        // Two rejected rows (other keys), then rolled back.
-        attention(&q[..2 * 8], &v[..2 * 4], &k[..2 * 4], 2, &mut c, s, None);
-        truncate(&mut c, 3, 4).unwrap();
-        let got = attention(&q[3 * 8..], &k[3 * 4..], &v[3 * 4..], 3, &mut c, s, None);
+        let mut plain = pool(DType::F32, 2, s);
+        let want = feed(&mut plain, &[0, 1, 2], (&q, &k, &v), 0..6, s, None);
+        let mut c = pool(DType::F32, 2, s);
+        feed(&mut c, &[0, 1, 2], (&q, &k, &v), 0..3, s, None);
+        // Two rejected rows (other keys) at positions 3 and 4, then those positions again.
+        feed(&mut c, &[0, 1, 2], (&q, &v, &k), 3..5, s, None);
+        let got = feed(&mut c, &[0, 1, 2], (&q, &k, &v), 3..6, s, None);
         for (a, b) in got.iter().zip(&want[3 * 8..]) {
             assert!((a - b).abs() < 1e-6);
         }
-        assert!(truncate(&mut c, 7, 4).unwrap_err().contains("back to 7"));
-        let w = AttnShape { window: 2, ..s };
-        let n = 3 * KV_ROLLBACK;
-        let mut c = CpuKv::default();
-        for _ in 0..n {
-            attention(&q[..8], &k[..4], &v[..4], 1, &mut c, w, None);
+    }
+
+    /// Smaller dtypes give the f32 pool's outputs within their precision.
+    #[test]
+    fn smaller_dtypes_stay_close_to_f32() {
+        let s = AttnShape::new(4, 2, 64);
+        let m = 40;
+        let (q, k, v) = (gen(m * 256, 7), gen(m * 128, 5), gen(m * 128, 3));
+        let mut exact = pool(DType::F32, 16, s);
+        let want = feed(&mut exact, &[1, 0, 3], (&q, &k, &v), 0..m, s, None);
+        for (d, tol) in
+            [(DType::F16, 1e-3), (DType::Bf16, 1e-2), (DType::Q8_0, 1e-2), (DType::Q4_0, 0.12)]
+        {
+            let mut p = pool(d, 16, s);
+            let got = feed(&mut p, &[1, 0, 3], (&q, &k, &v), 0..m, s, None);
+            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < tol, "{d:?}: {err}");
+            assert!(p.bytes() < exact.bytes() || d == DType::F32);
         }
-        assert!(c.dropped > 0);
-        truncate(&mut c, n - KV_ROLLBACK, 4).unwrap();
-        let below = c.dropped - 1;
-        assert!(truncate(&mut c, below, 4).is_err());
     }
 }

@@ -18,6 +18,7 @@ pub use pool::Blob as CpuBlob;
 
 use crate::backend::{AttnShape, Backend};
 use crate::error::{ensure, Error, Result};
+use crate::kv::{KvLayout, KvSeq};
 use crate::quant::dequant_row;
 use crate::rope::RopeTable;
 use layerstream_types::DType;
@@ -301,20 +302,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CpuKv> {
-        let n = capacity * shape.n_kv_heads * shape.head_dim;
-        Ok(CpuKv { k: Vec::with_capacity(n), v: Vec::with_capacity(n), len: 0, dropped: 0 })
-    }
-
-    fn kv_len(&self, cache: &CpuKv) -> usize {
-        cache.len
-    }
-
-    fn kv_truncate(&self, cache: &mut CpuKv, len: usize) -> Result<()> {
-        let kv_dim =
-            if cache.len > cache.dropped { cache.k.len() / (cache.len - cache.dropped) } else { 0 };
-        attention::truncate(cache, len, kv_dim)
-            .map_err(|e| Error::Shape { op: "kv_truncate", msg: e })
+    fn kv_cache(&self, shape: AttnShape, layout: KvLayout) -> Result<CpuKv> {
+        Ok(CpuKv::new(layout, shape.n_kv_heads * shape.head_dim))
     }
 
     fn attention(
@@ -323,11 +312,13 @@ impl Backend for CpuBackend {
         k: &CpuTensor,
         v: &CpuTensor,
         cache: &mut CpuKv,
+        seq: KvSeq<'_>,
         s: AttnShape,
         tree: Option<&[u64]>,
     ) -> Result<CpuTensor> {
         let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
-        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, s, tree);
+        seq.check(&cache.layout, q.rows)?;
+        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, seq, s, tree);
         Ok(CpuTensor { data, rows: q.rows, cols: qd })
     }
 }

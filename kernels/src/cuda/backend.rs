@@ -7,6 +7,7 @@ use super::driver::{derr, f, i, DevBuf, Event, Gpu};
 use super::stream_pool::{Lease, StreamPool};
 use crate::backend::{AttnShape, Backend, RowPick};
 use crate::error::{ensure, Error, Result};
+use crate::kv::{KvLayout, KvSeq};
 use crate::rope::RopeTable;
 use cudarc::cublas;
 use cudarc::driver::result;
@@ -105,12 +106,13 @@ impl CudaBlob {
     }
 }
 
-/// One sequence's keys and values for one layer (f32, `[capacity, kv_dim]` each).
+/// One layer's KV pool: keys and values of `layout.blocks` blocks, `stride` bytes per stored row,
+/// allocated whole when the pool is made (its bytes are in the plan's budget).
 pub struct CudaKv {
     k: Option<DevBuf>,
     v: Option<DevBuf>,
-    cap: usize,
-    len: usize,
+    layout: KvLayout,
+    stride: usize,
 }
 
 use super::source::{dtype_code, matvec32_align, matvec_q8_supports};
@@ -667,28 +669,16 @@ impl Backend for CudaBackend {
         self.gpu.launch("add", (blocks(n, 256), 1, 1), 256, 0, &[x.buf.ptr, y.buf.ptr, n as u64])
     }
 
-    fn kv_cache(&self, shape: AttnShape, capacity: usize) -> Result<CudaKv> {
+    fn kv_cache(&self, shape: AttnShape, layout: KvLayout) -> Result<CudaKv> {
         self.gpu.bind()?;
-        let bytes = capacity * shape.n_kv_heads * shape.head_dim * 4;
-        let (k, v) = if capacity > 0 {
+        let stride = layout.row_stride(shape.n_kv_heads * shape.head_dim);
+        let bytes = layout.positions() * stride;
+        let (k, v) = if bytes > 0 {
             (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?))
         } else {
             (None, None)
         };
-        Ok(CudaKv { k, v, cap: capacity, len: 0 })
-    }
-
-    fn kv_len(&self, cache: &CudaKv) -> usize {
-        cache.len
-    }
-
-    fn kv_truncate(&self, cache: &mut CudaKv, len: usize) -> Result<()> {
-        // The GPU cache keeps every position (a window only masks), so any earlier length is held.
-        ensure(len <= cache.len, "kv_truncate", || {
-            format!("cannot roll a cache of {} positions back to {len}", cache.len)
-        })?;
-        cache.len = len;
-        Ok(())
+        Ok(CudaKv { k, v, layout, stride })
     }
 
     fn attention(
@@ -697,6 +687,7 @@ impl Backend for CudaBackend {
         k: &CudaTensor,
         v: &CudaTensor,
         cache: &mut CudaKv,
+        seq: KvSeq<'_>,
         s: AttnShape,
         tree: Option<&[u64]>,
     ) -> Result<CudaTensor> {
@@ -704,40 +695,42 @@ impl Backend for CudaBackend {
         ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
             format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
         })?;
-        self.gpu.bind()?;
         let m = q.rows;
-        let start = cache.len;
-        let need = start + m;
-        if need > cache.cap {
-            // Grow to the next multiple of 256 positions, keeping what is cached.
-            let cap = need.div_ceil(256) * 256;
-            let (nk, nv) = (
-                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
-                DevBuf::ordered(&self.gpu, cap * kvd * 4)?,
-            );
-            if let (Some(ok), Some(ov)) = (&cache.k, &cache.v) {
-                self.dtod(nk.ptr, ok.ptr, start * kvd * 4)?;
-                self.dtod(nv.ptr, ov.ptr, start * kvd * 4)?;
-            }
-            (cache.k, cache.v, cache.cap) = (Some(nk), Some(nv), cap);
-        }
-        let (kc, vc) = (cache.k.as_ref().expect("grown").ptr, cache.v.as_ref().expect("grown").ptr);
-        self.dtod(kc + (start * kvd * 4) as u64, k.buf.ptr, m * kvd * 4)?;
-        self.dtod(vc + (start * kvd * 4) as u64, v.buf.ptr, m * kvd * 4)?;
-        cache.len = need;
+        seq.check(&cache.layout, m)?;
+        self.gpu.bind()?;
         let out = self.tensor(m, qd)?;
+        let (Some(kp), Some(vp)) = (&cache.k, &cache.v) else { return Ok(out) };
         if m == 0 {
             return Ok(out);
         }
+        let used = (seq.start + m).div_ceil(cache.layout.block);
+        let table = self.upload_small(&seq.table[..used])?;
+        let (bs, stride, dt) =
+            (i(cache.layout.block as i32), cache.stride as u64, i(dtype_code(cache.layout.dtype)));
+        for (src, pool) in [(k, kp), (v, vp)] {
+            let args = [
+                src.buf.ptr,
+                pool.ptr,
+                table.ptr,
+                i(seq.start as i32),
+                i(kvd as i32),
+                bs,
+                stride,
+                dt,
+            ];
+            self.gpu.launch("kv_store", (m as u32, 1, 1), 64, 0, &args)?;
+        }
         let anc_buf = tree.map(|a| self.upload_small(a)).transpose()?;
-        // A sliding window masks the older positions; the cache keeps them (no trimming on the GPU
-        // yet: the memory saving is the CPU backend's).
         let args = [
             q.buf.ptr,
-            kc,
-            vc,
+            kp.ptr,
+            vp.ptr,
+            table.ptr,
+            bs,
+            stride,
+            dt,
             out.buf.ptr,
-            i(start as i32),
+            i(seq.start as i32),
             i(s.n_heads as i32),
             i(s.n_kv_heads as i32),
             i(s.head_dim as i32),

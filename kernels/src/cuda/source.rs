@@ -79,6 +79,7 @@ pub fn kernel_names() -> Vec<String> {
         "to_bf16",
         "argmax",
         "attention",
+        "kv_store",
         "sample_rows",
         "quantize_q8",
     ]

@@ -3,6 +3,7 @@
 
 use crate::backend::{AttnShape, Backend};
 use crate::error::Result;
+use crate::kv::{KvLayout, KvSeq};
 use crate::rope::RopeTable;
 use layerstream_types::DType;
 
@@ -100,13 +101,7 @@ impl Backend for CudaBackend {
     fn add(&self, _: &mut Never, _: &Never) -> Result<()> {
         match self.0 {}
     }
-    fn kv_cache(&self, _: AttnShape, _: usize) -> Result<Never> {
-        match self.0 {}
-    }
-    fn kv_len(&self, _: &Never) -> usize {
-        match self.0 {}
-    }
-    fn kv_truncate(&self, _: &mut Never, _: usize) -> Result<()> {
+    fn kv_cache(&self, _: AttnShape, _: KvLayout) -> Result<Never> {
         match self.0 {}
     }
     fn attention(
@@ -115,6 +110,7 @@ impl Backend for CudaBackend {
         _: &Never,
         _: &Never,
         _: &mut Never,
+        _: KvSeq<'_>,
         _: AttnShape,
         _: Option<&[u64]>,
     ) -> Result<Never> {

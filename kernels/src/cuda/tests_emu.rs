@@ -156,6 +156,48 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
     }
 }
 
+/// Attention of `m` new rows after `start` cached ones in a pool of `dtype` (blocks of 16, the
+/// sequence's table scrambled), on the CPU and under the emulator (`kv_store` then `attention`):
+/// their relative difference.
+#[allow(clippy::too_many_arguments)]
+fn paged(
+    emu: &Emu,
+    c: &CpuBackend,
+    rng: &mut Rng,
+    s: AttnShape,
+    (start, m): (usize, usize),
+    dtype: DType,
+    scalar: usize,
+    tree: Option<&[u64]>,
+) -> f64 {
+    let (qd, kvd, bs) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 16);
+    let nb = (start + m).div_ceil(bs);
+    let table: Vec<u32> = (0..nb as u32).map(|b| (b * 7 + 3) % (nb as u32 + 5)).collect();
+    let layout = crate::KvLayout::new(dtype, bs, nb + 5, s).unwrap();
+    let mut pool = c.kv_cache(s, layout).unwrap();
+    let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
+    let t = |d: &[f32], rows, cols| c.from_host(d, rows, cols).unwrap();
+    if start > 0 {
+        let seq = crate::KvSeq { table: &table, start: 0 };
+        let pq = rng.vec(start * qd);
+        let (q, k, v) = (t(&pq, start, qd), t(&pk, start, kvd), t(&pv, start, kvd));
+        c.attention(&q, &k, &v, &mut pool, seq, s, None).unwrap();
+    }
+    let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
+    let seq = crate::KvSeq { table: &table, start };
+    let (tq, tk, tv) = (t(&q, m, qd), t(&k, m, kvd), t(&v, m, kvd));
+    let want = c.attention(&tq, &tk, &tv, &mut pool, seq, s, tree).unwrap().data;
+    let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);
+    input.extend(table.iter().flat_map(|b| b.to_le_bytes()));
+    input.extend(tree.unwrap_or(&[]).iter().flat_map(|a| a.to_le_bytes()));
+    let code = dtype_code(dtype) as usize;
+    let nums = [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize];
+    let more = [s.window, scalar, bs, code, nb, tree.is_some() as usize];
+    let got =
+        f32s(&emu.run(&args::<12>("attention", [nums, more].concat().try_into().unwrap()), &input));
+    rel(&got, &want)
+}
+
 #[test]
 fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let Some(emu) = Emu::build("ops_main.cpp") else { return };
@@ -166,7 +208,9 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     // (three per thread, the last partly) and 512 (the most the backend accepts: four per thread).
     // Then sliding windows (Gemma: some rows see the whole context, some only its end) with a
     // score scale other than 1/√head_dim.
-    for (start, m, hd, window, scalar) in [
+    // Every KV dtype, through a block table that is neither in order nor starting at 0.
+    let dtypes = [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0];
+    for (n, (start, m, hd, window, scalar)) in [
         (0, 5, 64, 0, 64),
         (5, 3, 64, 0, 64),
         (17, 1, 64, 0, 64),
@@ -175,38 +219,13 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         (40, 1, 512, 0, 512),
         (0, 9, 64, 4, 48),
         (150, 3, 64, 140, 48),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let s =
             AttnShape { window, scale: 1.0 / (scalar as f32).sqrt(), ..AttnShape::new(4, 2, hd) };
-        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
-        let mut cache = c.kv_cache(s, start + m).unwrap();
-        let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
-        if start > 0 {
-            let pq = rng.vec(start * qd);
-            let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
-            c.attention(&t(&pq, qd), &t(&pk, kvd), &t(&pv, kvd), &mut cache, s, None).unwrap();
-        }
-        let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
-        let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
-        let want =
-            c.attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, None).unwrap().data;
-        let got = f32s(&emu.run(
-            &args(
-                "attention",
-                [
-                    start,
-                    m,
-                    s.n_heads,
-                    s.n_kv_heads,
-                    s.head_dim,
-                    super::ATTENTION_THREADS as usize,
-                    window,
-                    scalar,
-                ],
-            ),
-            &bytes_of(&[&q, &pk, &k, &pv, &v]),
-        ));
-        let e = rel(&got, &want);
+        let e = paged(&emu, &c, &mut rng, s, (start, m), dtypes[n % 5], scalar, None);
         assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
     }
     // A token tree after a cached prefix: 0 → {1, 2}, 1 → {3, 5}, 2 → 4 (ancestor masks).
@@ -221,39 +240,9 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
             a
         })
         .collect();
-    for (start, hd) in [(0, 64), (37, 64), (140, 320)] {
+    for (n, (start, hd)) in [(0, 64), (37, 64), (140, 320)].into_iter().enumerate() {
         let s = AttnShape::new(4, 2, hd);
-        let (qd, kvd, m) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, anc.len());
-        let mut cache = c.kv_cache(s, start + m).unwrap();
-        let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
-        if start > 0 {
-            let t = |d: &[f32], cols| c.from_host(d, start, cols).unwrap();
-            c.attention(
-                &t(&rng.vec(start * qd), qd),
-                &t(&pk, kvd),
-                &t(&pv, kvd),
-                &mut cache,
-                s,
-                None,
-            )
-            .unwrap();
-        }
-        let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
-        let t = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
-        let want = c
-            .attention(&t(&q, qd), &t(&k, kvd), &t(&v, kvd), &mut cache, s, Some(&anc))
-            .unwrap()
-            .data;
-        let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);
-        input.extend(anc.iter().flat_map(|a| a.to_le_bytes()));
-        let got = f32s(&emu.run(
-            &args(
-                "attention_tree",
-                [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize],
-            ),
-            &input,
-        ));
-        let e = rel(&got, &want);
+        let e = paged(&emu, &c, &mut rng, s, (start, anc.len()), dtypes[4 - n], hd, Some(&anc));
         assert!(e < 1e-5, "tree attention start={start}: relative error {e:e}");
     }
     // RMSNorm over whole rows (256 threads) and per head (64 threads).

@@ -1,0 +1,288 @@
+//! The block manager of a paged KV cache (pure logic; the coordinator holds the one every worker
+//! of a pipeline follows, a single-process run holds its own): which blocks each sequence's
+//! positions live in, which are free, and — prefix caching — which full blocks hold a known token
+//! prefix. A full block is keyed by a hash chained over the tokens of every block before it and its
+//! own (xxh3), so equal keys mean equal prefixes; blocks are shared by reference count, and a
+//! cached block no sequence uses is evicted least recently used first, only when a fresh block is
+//! needed. Only full blocks are shared, and a sequence always computes at least its last prompt
+//! token itself, so no shared block is ever written again (no copy-on-write needed).
+
+use std::collections::{BTreeMap, HashMap};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// One sequence's blocks: `table[i]` holds positions `i * block .. (i + 1) * block`; the first
+/// `hashes.len()` of them are full, committed and keyed (shared or shareable).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SeqBlocks {
+    pub table: Vec<u32>,
+    hashes: Vec<u64>,
+}
+
+/// The pool ran dry: the blocks a request wanted and those it could have.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dry {
+    pub wanted: usize,
+    pub available: usize,
+}
+
+/// Counters of prefix lookups (for metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefixCounts {
+    /// Lookups made and positions they asked about.
+    pub queries: u64,
+    pub queried_tokens: u64,
+    /// Positions found cached.
+    pub hit_tokens: u64,
+}
+
+/// A pool of `blocks` KV blocks of `block` positions.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    block: usize,
+    /// Never-used or released blocks, lowest id last (taken first: the CPU grows its storage to
+    /// the highest id in use).
+    free: Vec<u32>,
+    /// Sequences using each block.
+    refs: Vec<u32>,
+    /// Keyed full blocks, and each keyed block's key.
+    by_hash: HashMap<u64, u32>,
+    hash_of: HashMap<u32, u64>,
+    /// Keyed blocks no sequence uses, by when they were last used (evicted oldest first).
+    idle: BTreeMap<u64, u32>,
+    idle_at: HashMap<u32, u64>,
+    tick: u64,
+    /// Whether full blocks are keyed and looked up (prefix caching).
+    caching: bool,
+    pub counts: PrefixCounts,
+}
+
+impl BlockPool {
+    /// A pool of `blocks` empty blocks of `block` positions; `caching` keeps full blocks for reuse.
+    pub fn new(blocks: usize, block: usize, caching: bool) -> BlockPool {
+        BlockPool {
+            block: block.max(1),
+            free: (0..blocks as u32).rev().collect(),
+            refs: vec![0; blocks],
+            by_hash: HashMap::new(),
+            hash_of: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_at: HashMap::new(),
+            tick: 0,
+            caching,
+            counts: PrefixCounts::default(),
+        }
+    }
+
+    /// Positions per block.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Blocks of the pool.
+    pub fn blocks(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Blocks a sequence could take now: free ones and cached ones no sequence uses.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.idle.len()
+    }
+
+    /// Blocks holding positions `..len`.
+    pub fn blocks_for(&self, len: usize) -> usize {
+        len.div_ceil(self.block)
+    }
+
+    /// Keyed blocks held (in use or idle).
+    pub fn cached_blocks(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        if let Some(b) = self.free.pop() {
+            return Some(b);
+        }
+        // Evict the least recently used idle cached block.
+        let (&t, &b) = self.idle.iter().next()?;
+        self.idle.remove(&t);
+        self.idle_at.remove(&b);
+        if let Some(h) = self.hash_of.remove(&b) {
+            self.by_hash.remove(&h);
+        }
+        Some(b)
+    }
+
+    /// Grows `seq`'s table to hold positions `..len`; nothing changes when the pool cannot.
+    pub fn grow(&mut self, seq: &mut SeqBlocks, len: usize) -> Result<(), Dry> {
+        let need = self.blocks_for(len).saturating_sub(seq.table.len());
+        if need > self.available() {
+            return Err(Dry { wanted: need, available: self.available() });
+        }
+        for _ in 0..need {
+            let b = self.take().expect("counted");
+            self.refs[b as usize] = 1;
+            seq.table.push(b);
+        }
+        Ok(())
+    }
+
+    /// Gives back `seq`'s blocks past position `len` (rejected drafts that filled a block).
+    pub fn shrink(&mut self, seq: &mut SeqBlocks, len: usize) {
+        let keep = self.blocks_for(len).max(seq.hashes.len());
+        while seq.table.len() > keep {
+            let b = seq.table.pop().expect("longer than keep");
+            self.unref(b);
+        }
+    }
+
+    fn unref(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r = r.saturating_sub(1);
+        if *r > 0 {
+            return;
+        }
+        if self.hash_of.contains_key(&b) {
+            self.tick += 1;
+            self.idle.insert(self.tick, b);
+            self.idle_at.insert(b, self.tick);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// Gives back every block of `seq` (cached ones stay cached until evicted).
+    pub fn release(&mut self, seq: &mut SeqBlocks) {
+        for b in std::mem::take(&mut seq.table).into_iter().rev() {
+            self.unref(b);
+        }
+        seq.hashes.clear();
+    }
+
+    /// A new sequence for `tokens` (its prompt): its longest cached prefix of full blocks, shared,
+    /// leaving at least the last token to compute. Returns the sequence and the positions cached.
+    pub fn lookup(&mut self, tokens: &[u32]) -> (SeqBlocks, usize) {
+        let mut seq = SeqBlocks::default();
+        if !self.caching {
+            return (seq, 0);
+        }
+        self.counts.queries += 1;
+        self.counts.queried_tokens += tokens.len() as u64;
+        let mut h = 0;
+        for chunk in tokens[..tokens.len().saturating_sub(1)].chunks_exact(self.block) {
+            h = key(h, chunk);
+            let Some(&b) = self.by_hash.get(&h) else { break };
+            if self.refs[b as usize] == 0 {
+                if let Some(t) = self.idle_at.remove(&b) {
+                    self.idle.remove(&t);
+                }
+            }
+            self.refs[b as usize] += 1;
+            seq.table.push(b);
+            seq.hashes.push(h);
+        }
+        let cached = seq.hashes.len() * self.block;
+        self.counts.hit_tokens += cached as u64;
+        (seq, cached)
+    }
+
+    /// Keys the blocks of `seq` that `tokens` (its committed tokens, from position 0) fill, so later
+    /// sequences can share them. A block whose prefix another block already holds stays private.
+    pub fn commit(&mut self, seq: &mut SeqBlocks, tokens: &[u32]) {
+        if !self.caching {
+            return;
+        }
+        let full = (tokens.len() / self.block).min(seq.table.len());
+        while seq.hashes.len() < full {
+            let i = seq.hashes.len();
+            let h = key(
+                seq.hashes.last().copied().unwrap_or(0),
+                &tokens[i * self.block..(i + 1) * self.block],
+            );
+            let b = seq.table[i];
+            if !self.by_hash.contains_key(&h) && !self.hash_of.contains_key(&b) {
+                self.by_hash.insert(h, b);
+                self.hash_of.insert(b, h);
+            }
+            seq.hashes.push(h);
+        }
+    }
+}
+
+/// A block's key: its tokens hashed with the key of the block before it.
+fn key(prev: u64, tokens: &[u32]) -> u64 {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    xxh3_64_with_seed(&bytes, prev)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sequences take blocks as they grow and give them back; a request larger than what is free
+    /// changes nothing and says how much there was.
+    #[test]
+    fn blocks_are_taken_as_sequences_grow_and_given_back() {
+        let mut p = BlockPool::new(4, 16, false);
+        let (mut a, mut b) = (SeqBlocks::default(), SeqBlocks::default());
+        p.grow(&mut a, 17).unwrap();
+        assert_eq!(a.table, vec![0, 1]);
+        p.grow(&mut a, 32).unwrap();
+        assert_eq!(a.table.len(), 2);
+        assert_eq!(p.grow(&mut b, 48), Err(Dry { wanted: 3, available: 2 }));
+        assert!(b.table.is_empty());
+        p.grow(&mut b, 20).unwrap();
+        p.shrink(&mut b, 10);
+        assert_eq!((b.table.len(), p.available()), (1, 1));
+        p.release(&mut a);
+        assert_eq!(p.available(), 3);
+        // Released blocks are reused lowest first.
+        let mut c = SeqBlocks::default();
+        p.grow(&mut c, 1).unwrap();
+        assert_eq!(c.table, vec![0]);
+    }
+
+    /// A second sequence with the same prefix shares its full blocks (never its last token's), a
+    /// different token in a block ends the match, and idle cached blocks are evicted oldest first
+    /// only when fresh ones run out.
+    #[test]
+    fn prefixes_are_shared_and_evicted_least_recently_used() {
+        let mut p = BlockPool::new(6, 4, true);
+        let prompt: Vec<u32> = (0..10).collect();
+        let (mut a, cached) = p.lookup(&prompt);
+        assert_eq!(cached, 0);
+        p.grow(&mut a, 12).unwrap();
+        let output: Vec<u32> = prompt.iter().copied().chain([50, 51]).collect();
+        p.commit(&mut a, &output);
+        assert_eq!(p.cached_blocks(), 3);
+        // The same first 8 tokens, then others: two blocks shared.
+        let other: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
+        let (b, cached) = p.lookup(&other);
+        assert_eq!((cached, &b.table[..], p.refs[0]), (8, &a.table[..2], 2));
+        // A prompt of exactly 8 tokens computes its last one: one block shared.
+        let (c, cached) = p.lookup(&prompt[..8]);
+        assert_eq!((cached, c.table.len()), (4, 1));
+        let order = a.table.clone();
+        for mut s in [a, b, c] {
+            p.release(&mut s);
+        }
+        assert_eq!((p.available(), p.cached_blocks()), (6, 3));
+        // Fresh blocks first, then the idle cached ones, least recently used first.
+        let mut d = SeqBlocks::default();
+        p.grow(&mut d, 16).unwrap();
+        assert_eq!(p.cached_blocks(), 2);
+        assert!(!d.table.contains(&order[0]) && !d.table.contains(&order[1]));
+        assert!(d.table.contains(&order[2]));
+        assert_eq!(p.counts, PrefixCounts { queries: 3, queried_tokens: 29, hit_tokens: 12 });
+    }
+
+    /// Without caching nothing is keyed or found.
+    #[test]
+    fn caching_off_finds_nothing() {
+        let mut p = BlockPool::new(4, 2, false);
+        let (mut a, _) = p.lookup(&[1, 2, 3, 4, 5]);
+        p.grow(&mut a, 5).unwrap();
+        p.commit(&mut a, &[1, 2, 3, 4, 5]);
+        assert_eq!(p.lookup(&[1, 2, 3, 4, 5]).1, 0);
+        assert_eq!(p.counts.queries, 0);
+    }
+}

@@ -1,0 +1,173 @@
+//! The paged KV cache as users run it: a 2-worker streamed `up` gives the same greedy tokens with
+//! the prefix cache on and off (alone and batched) while a repeated prompt starts after its cached
+//! blocks (gRPC stats, OpenAI `usage.prompt_tokens_details.cached_tokens`, Prometheus); a pool too
+//! small for every sequence at once preempts and replays them with each one's solo tokens; every
+//! KV dtype runs, and bad KV flags are refused naming what is wrong.
+
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
+use std::path::Path;
+
+/// A prompt of 40+ tokens (a few KV blocks of 16), asked in chat form.
+const LONG: &str =
+    "The loader daemon reads each layer file from disk into shared memory before the \
+    workers need it, so the copy to the device overlaps the compute of the previous layer. Explain \
+    what happens when the disk is slower than the link.";
+
+fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    serde_json::from_value(v[key].clone()).unwrap()
+}
+
+fn stat(v: &serde_json::Value, key: &str) -> u64 {
+    v["stats"][key].as_u64().unwrap_or_else(|| panic!("stats.{key} in {v}"))
+}
+
+/// A value of the stack's Prometheus `/metrics` (0 when absent).
+fn metric(stack: &Stack, name: &str) -> f64 {
+    let out = std::process::Command::new("curl")
+        .args(["-sf", &format!("{}/metrics", stack.http())])
+        .output()
+        .expect("curl runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// The OpenAI chat endpoint through curl: the response's JSON.
+fn openai_chat(stack: &Stack, text: &str) -> serde_json::Value {
+    let body = serde_json::json!({"model": "m", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": text}]});
+    let out = std::process::Command::new("curl")
+        .args(["-sf", "-H", "content-type: application/json", "-d", &body.to_string()])
+        .arg(format!("{}/v1/chat/completions", stack.http()))
+        .output()
+        .expect("curl runs");
+    serde_json::from_slice(&out.stdout).expect("a JSON answer")
+}
+
+fn tiny(dir: &Path) -> std::path::PathBuf {
+    import(&model_dir("tiny-llama"), dir).dir
+}
+
+#[test]
+fn prefix_cache_keeps_the_tokens_and_skips_the_cached_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny(dir.path());
+    let base = ["--workers", "2", "--resident-layers", "0", "--served-model-name", "m"];
+    let mut outputs = Vec::new();
+    for cache in [true, false] {
+        let extra: Vec<&str> =
+            if cache { base.to_vec() } else { [&base[..], &["--no-prefix-cache"]].concat() };
+        let stack = Stack::up(&store, &extra);
+        let job = || submit(stack.addr(), &["--chat", LONG, "--max-new-tokens", "12"]);
+        let (first, again) = (job(), job());
+        assert_eq!(ids(&first, "output_ids"), ids(&again, "output_ids"));
+        assert_eq!(stat(&first, "cached_tokens"), 0);
+        let prompt = stat(&again, "prompt_tokens");
+        let cached = stat(&again, "cached_tokens");
+        if cache {
+            // Whole blocks of 16, never the last prompt token.
+            assert!(cached >= 16 && cached % 16 == 0 && cached < prompt, "{again}");
+            assert!(stat(&again, "steps") <= stat(&first, "steps"));
+            assert!(metric(&stack, "layerstream_prefix_cache_hit_tokens_total") >= cached as f64);
+            assert!(metric(&stack, "layerstream_prefix_cache_queries_total") >= 2.0);
+            let a = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
+            let b = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
+            assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{a}");
+            let hit = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            assert!(hit >= 16, "{b}");
+            assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+        } else {
+            assert_eq!(cached, 0, "{again}");
+        }
+        // Batched: three at once (two share the long prompt) beside one other.
+        let addr = stack.addr().to_owned();
+        let batched: Vec<Vec<u32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = [LONG, LONG, "Hi there, who are you?"]
+                .map(|p| {
+                    let addr = addr.clone();
+                    s.spawn(move || submit(&addr, &["--chat", p, "--max-new-tokens", "12"]))
+                })
+                .into_iter()
+                .collect();
+            hs.into_iter().map(|h| ids(&h.join().unwrap(), "output_ids")).collect()
+        });
+        assert_eq!(batched[0], ids(&first, "output_ids"));
+        assert_eq!(batched[1], ids(&first, "output_ids"));
+        outputs.push((ids(&first, "output_ids"), batched));
+        stack.shutdown();
+    }
+    assert_eq!(outputs[0], outputs[1], "the same tokens with the prefix cache on and off");
+}
+
+#[test]
+fn a_full_pool_preempts_and_replays_with_each_solo_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny(dir.path());
+    let s = store.to_str().unwrap();
+    let prompts =
+        ["Tell me a story about a cat.", "What is the capital of France?", "Count to ten."];
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let v = last_json(&layerstream(&[
+                "run",
+                "--model",
+                s,
+                "--chat",
+                p,
+                "--max-new-tokens",
+                "40",
+                "--json",
+            ]));
+            ids(&v, "output_ids")
+        })
+        .collect();
+    // 4 blocks of 16: one sequence (≤ 60 positions) fits, three at once do not.
+    let flags =
+        ["--kv-capacity", "64", "--kv-block", "16", "--no-prefix-cache", "--max-batch", "3"];
+    let stack =
+        Stack::up(&store, &[&["--workers", "2", "--resident-layers", "0"][..], &flags].concat());
+    let addr = stack.addr().to_owned();
+    let got: Vec<serde_json::Value> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .map(|p| {
+                let addr = addr.clone();
+                sc.spawn(move || submit(&addr, &["--chat", p, "--max-new-tokens", "40"]))
+            })
+            .into_iter()
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (v, want) in got.iter().zip(&solo) {
+        assert_eq!(&ids(v, "output_ids"), want, "{v}");
+    }
+    let preempted: u64 = got.iter().map(|v| stat(v, "preemptions")).sum();
+    assert!(preempted > 0, "the pool ran dry and a sequence was preempted");
+    assert!(metric(&stack, "layerstream_preemptions_total") >= preempted as f64);
+    stack.shutdown();
+}
+
+#[test]
+fn every_kv_dtype_runs_and_bad_kv_flags_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny(dir.path());
+    let s = store.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["run", "--model", s, "--chat", LONG, "--max-new-tokens", "16", "--json"];
+        a.extend_from_slice(extra);
+        ids(&last_json(&layerstream(&a)), "output_ids")
+    };
+    let exact = run(&[]);
+    assert_eq!(run(&["--kv-dtype", "f32", "--kv-block", "4"]), exact, "block size changes nothing");
+    for d in ["f16", "bf16", "q8_0", "q4_0"] {
+        assert_eq!(run(&["--kv-dtype", d]).len(), 16, "{d}");
+    }
+    let e = layerstream_fails(&["run", "--model", s, "--prompt", "Hi", "--kv-dtype", "q5_0"]);
+    assert!(e.contains("unknown KV dtype \"q5_0\"") && e.contains("q4_0"), "{e}");
+    let e = layerstream_fails(&["run", "--model", s, "--prompt", "Hi", "--kv-block", "12"]);
+    assert!(e.contains("12 is not a power of two"), "{e}");
+    let e = layerstream_fails(&["up", "--model", s, "--prompt", "Hi", "--kv-dtype", "int3"]);
+    assert!(e.contains("unknown KV dtype"), "{e}");
+}
