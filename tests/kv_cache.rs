@@ -74,9 +74,13 @@ fn prefix_cache_keeps_the_tokens_and_skips_the_cached_prompt() {
             assert!(metric(&stack, "layerstream_prefix_cache_queries_total") >= 2.0);
             let a = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
             let b = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
-            assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{a}");
-            let hit = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-            assert!(hit >= 16, "{b}");
+            // The first shares only the chat template's opening with earlier prompts; the second
+            // all but its last block.
+            let cached = |v: &serde_json::Value| {
+                v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+            };
+            let prompt = b["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(cached(&b) > cached(&a) && cached(&b) + 16 >= prompt, "{a} {b}");
             assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
         } else {
             assert_eq!(cached, 0, "{again}");
@@ -124,9 +128,9 @@ fn a_full_pool_preempts_and_replays_with_each_solo_output() {
             ids(&v, "output_ids")
         })
         .collect();
-    // 4 blocks of 16: one sequence (≤ 60 positions) fits, three at once do not.
+    // 6 blocks of 16: one sequence (≤ 80 positions) fits, three at once do not.
     let flags =
-        ["--kv-capacity", "64", "--kv-block", "16", "--no-prefix-cache", "--max-batch", "3"];
+        ["--kv-capacity", "96", "--kv-block", "16", "--no-prefix-cache", "--max-batch", "3"];
     let stack =
         Stack::up(&store, &[&["--workers", "2", "--resident-layers", "0"][..], &flags].concat());
     let addr = stack.addr().to_owned();
