@@ -1,7 +1,8 @@
 //! The paged KV cache as users run it: a 2-worker streamed `up` gives the same greedy tokens with
 //! the prefix cache on and off (alone and batched) while a repeated prompt starts after its cached
 //! blocks (gRPC stats, OpenAI `usage.prompt_tokens_details.cached_tokens`, Prometheus); a pool too
-//! small for every sequence at once preempts and replays them with each one's solo tokens; every
+//! small for every sequence at once preempts them — to the host-RAM tier and back, or replayed
+//! without one — with each one's solo tokens; every
 //! KV dtype runs, and bad KV flags are refused naming what is wrong.
 
 use layerstream_tests::stack::*;
@@ -68,7 +69,7 @@ fn prefix_cache_keeps_the_tokens_and_skips_the_cached_prompt() {
         let cached = stat(&again, "cached_tokens");
         if cache {
             // Whole blocks of 16, never the last prompt token.
-            assert!(cached >= 16 && cached % 16 == 0 && cached < prompt, "{again}");
+            assert!(cached >= 16 && cached.is_multiple_of(16) && cached < prompt, "{again}");
             assert!(stat(&again, "steps") <= stat(&first, "steps"));
             assert!(metric(&stack, "layerstream_prefix_cache_hit_tokens_total") >= cached as f64);
             assert!(metric(&stack, "layerstream_prefix_cache_queries_total") >= 2.0);
@@ -106,7 +107,7 @@ fn prefix_cache_keeps_the_tokens_and_skips_the_cached_prompt() {
 }
 
 #[test]
-fn a_full_pool_preempts_and_replays_with_each_solo_output() {
+fn a_full_pool_preempts_to_host_ram_or_replays_with_each_solo_output() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny(dir.path());
     let s = store.to_str().unwrap();
@@ -128,29 +129,46 @@ fn a_full_pool_preempts_and_replays_with_each_solo_output() {
             ids(&v, "output_ids")
         })
         .collect();
-    // 6 blocks of 16: one sequence (≤ 80 positions) fits, three at once do not.
-    let flags =
-        ["--kv-capacity", "96", "--kv-block", "16", "--no-prefix-cache", "--max-batch", "3"];
-    let stack =
-        Stack::up(&store, &[&["--workers", "2", "--resident-layers", "0"][..], &flags].concat());
-    let addr = stack.addr().to_owned();
-    let got: Vec<serde_json::Value> = std::thread::scope(|sc| {
-        let hs: Vec<_> = prompts
-            .map(|p| {
-                let addr = addr.clone();
-                sc.spawn(move || submit(&addr, &["--chat", p, "--max-new-tokens", "40"]))
-            })
-            .into_iter()
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (v, want) in got.iter().zip(&solo) {
-        assert_eq!(&ids(v, "output_ids"), want, "{v}");
+    // 6 blocks of 16: one sequence (≤ 80 positions) fits, three at once do not. Without a host
+    // tier a preempted sequence is replayed; with one its blocks go to host RAM and come back.
+    for host in ["0", "64M"] {
+        let flags = ["--kv-capacity", "96", "--no-prefix-cache", "--max-batch", "3"];
+        let tier = ["--kv-host-bytes", host];
+        let base = ["--workers", "2", "--resident-layers", "0"];
+        let stack = Stack::up(&store, &[&base[..], &flags, &tier].concat());
+        let addr = stack.addr().to_owned();
+        let got: Vec<serde_json::Value> = std::thread::scope(|sc| {
+            let hs: Vec<_> = prompts
+                .map(|p| {
+                    let addr = addr.clone();
+                    sc.spawn(move || submit(&addr, &["--chat", p, "--max-new-tokens", "40"]))
+                })
+                .into_iter()
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (v, want) in got.iter().zip(&solo) {
+            assert_eq!(&ids(v, "output_ids"), want, "host tier {host}: {v}");
+        }
+        let preempted: u64 = got.iter().map(|v| stat(v, "preemptions")).sum();
+        assert!(preempted > 0, "the pool ran dry and a sequence was preempted");
+        assert!(metric(&stack, "layerstream_preemptions_total") >= preempted as f64);
+        let replayed = metric(&stack, "layerstream_preemption_replayed_tokens_total");
+        let swapped = |dir: &str| {
+            metric(&stack, &format!("layerstream_kv_swapped_blocks_total{{direction=\"{dir}\"}}"))
+        };
+        let bytes_back =
+            metric(&stack, "layerstream_kv_swapped_bytes_total{direction=\"to_device\"}");
+        if host == "0" {
+            assert!(replayed > 0.0 && swapped("to_host") == 0.0, "replayed {replayed}");
+        } else {
+            // Every block that went out came back; nothing was computed twice.
+            assert_eq!(replayed, 0.0);
+            assert!(swapped("to_device") > 0.0 && swapped("to_device") == swapped("to_host"));
+            assert!(bytes_back > 0.0);
+        }
+        stack.shutdown();
     }
-    let preempted: u64 = got.iter().map(|v| stat(v, "preemptions")).sum();
-    assert!(preempted > 0, "the pool ran dry and a sequence was preempted");
-    assert!(metric(&stack, "layerstream_preemptions_total") >= preempted as f64);
-    stack.shutdown();
 }
 
 #[test]

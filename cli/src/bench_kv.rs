@@ -39,6 +39,9 @@ fn document() -> String {
     base.chars().take(6000).collect()
 }
 
+/// One turn of the chat: time to first token (ms), prompt tokens, cached tokens.
+type Turn = (f64, u64, u32);
+
 /// The chat on a fresh stack with `extra` flags: per turn (time to first token ms, prompt tokens,
 /// cached tokens), and the answers.
 fn chat(
@@ -46,7 +49,7 @@ fn chat(
     a: &BenchArgs,
     extra: &[String],
     rt: &tokio::runtime::Runtime,
-) -> Result<(Vec<(f64, u64, u32)>, Vec<Vec<u32>>)> {
+) -> Result<(Vec<Turn>, Vec<Vec<u32>>)> {
     let mut children = Children(Vec::new());
     let one_seq = BenchArgs { batch: 1, ..a.clone() };
     let addr = spawn_quiet(&mut children, "kv-chat", &stack_args(model, &one_seq, extra))?.addr;
@@ -144,7 +147,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
             f.0 / n.0.max(1e-9)
         );
     }
-    let later = |t: &[(f64, u64, u32)]| t[1..].iter().map(|x| x.0).sum::<f64>();
+    let later = |t: &[Turn]| t[1..].iter().map(|x| x.0).sum::<f64>();
     println!(
         "\nturns 2–4: TTFT {:.2}× lower with the cache; answers identical: {}",
         later(&off) / later(&on).max(1e-9),

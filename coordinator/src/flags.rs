@@ -30,6 +30,11 @@ pub struct PlanFlags {
     pub expert_cache: Option<usize>,
     #[command(flatten)]
     pub kv: KvFlags,
+    /// Bytes of the host-RAM KV tier on each worker: a preempted sequence's KV blocks go there and
+    /// come back when it resumes, instead of being computed again (0 = off: it is replayed);
+    /// default: a quarter of this host's available memory at start.
+    #[arg(long, env = "LAYERSTREAM_KV_HOST_BYTES", value_parser = layerstream_model::mem::parse_bytes)]
+    pub kv_host_bytes: Option<u64>,
     /// Turns prefix caching off (on: a prompt that starts with blocks another sequence computed
     /// reuses them instead of computing them again).
     #[arg(long, env = "LAYERSTREAM_NO_PREFIX_CACHE")]
@@ -246,6 +251,9 @@ impl PlanFlags {
         if self.no_prefix_cache {
             a.push("--no-prefix-cache".into());
         }
+        if let Some(b) = self.kv_host_bytes {
+            a.extend(flag("kv-host-bytes", b));
+        }
         a
     }
 }
@@ -322,6 +330,8 @@ mod tests {
             "--kv-block",
             "32",
             "--no-prefix-cache",
+            "--kv-host-bytes",
+            "1048576",
             "--max-step-tokens",
             "11",
             "--queue-size",

@@ -86,6 +86,11 @@ pub struct Metrics {
     pub(crate) kv_blocks: Gauge,
     pub(crate) kv_cached_blocks: Gauge,
     pub(crate) preempted: Counter,
+    /// Tokens computed again after a preemption without the host tier.
+    pub(crate) replayed_tokens: Counter,
+    /// KV blocks and bytes moved to and from the workers' host tier, by direction.
+    swap_blocks: Family<Labels, Counter>,
+    swap_bytes: Family<Labels, Counter>,
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
@@ -145,6 +150,9 @@ impl Metrics {
             kv_blocks: Gauge::default(),
             kv_cached_blocks: Gauge::default(),
             preempted: Counter::default(),
+            replayed_tokens: Counter::default(),
+            swap_blocks: Family::default(),
+            swap_bytes: Family::default(),
             ttft: latency(),
             tpot: latency(),
             e2e: latency(),
@@ -229,6 +237,21 @@ impl Metrics {
             "preemptions",
             "Sequences preempted (KV blocks given back when the pool ran dry) and replayed later",
             self.preempted.clone(),
+        );
+        r.register(
+            "preemption_replayed_tokens",
+            "Tokens computed again after a preemption (no room in the host tier)",
+            self.replayed_tokens.clone(),
+        );
+        r.register(
+            "kv_swapped_blocks",
+            "KV blocks moved between the workers' pools and their host-RAM tier, by direction (to_host, to_device)",
+            self.swap_blocks.clone(),
+        );
+        r.register(
+            "kv_swapped_bytes",
+            "Bytes of KV blocks moved to and from the host tier, summed over the workers, by direction",
+            self.swap_bytes.clone(),
         );
         r.register(
             "time_to_first_token_seconds",
@@ -379,6 +402,15 @@ impl Metrics {
     pub fn speculated(&self, drafted: usize, accepted: usize) {
         self.spec_drafted.inc_by(drafted as u64);
         self.spec_accepted.inc_by(accepted as u64);
+    }
+
+    /// KV blocks (and their bytes over every worker) moved to the host tier and back.
+    pub fn swapped(&self, out: usize, bytes_out: u64, back: usize, bytes_in: u64) {
+        for (dir, n, b) in [("to_host", out, bytes_out), ("to_device", back, bytes_in)] {
+            let l = vec![("direction", dir.to_owned())];
+            self.swap_blocks.get_or_create(&l).inc_by(n as u64);
+            self.swap_bytes.get_or_create(&l).inc_by(b);
+        }
     }
 
     /// The block manager's prefix counters now (counters only go up: adds what is new).

@@ -379,17 +379,18 @@ impl Pipeline {
     }
 
     /// With workers planned around: when every registered worker answers again, the plan over all
-    /// of them is restored. For the idle check.
-    pub async fn regrow(&mut self) -> Result<()> {
+    /// of them is restored (returns whether it was). For the idle check.
+    pub async fn regrow(&mut self) -> Result<bool> {
         if self.stages.len() == self.roster.workers.len() {
-            return Ok(());
+            return Ok(false);
         }
         let all = self.answering().await;
         if all.len() == self.roster.workers.len() {
             self.plan_over(&all).await?;
             tracing::warn!(workers = all.len(), "every worker answers again: planned over all");
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// What a step needs to run detached from the pipeline (several can be in flight): the stages,
@@ -488,6 +489,41 @@ impl Pipeline {
             }
         }
         true
+    }
+
+    /// Moves KV blocks on every worker (`Worker/Swap`): `to_host` as (device block, host slot),
+    /// then `to_device` as (host slot, device block). Returns the bytes moved each way, summed over
+    /// the workers; fails naming the worker that refused or did not answer within the step
+    /// deadline.
+    pub async fn swap(
+        &self,
+        to_host: &[(u32, u32)],
+        to_device: &[(u32, u32)],
+    ) -> Result<(u64, u64)> {
+        let mv = |v: &[(u32, u32)], out: bool| -> Vec<layerstream_rpc::v1::BlockMove> {
+            v.iter()
+                .map(|&(a, b)| {
+                    let (device, host) = if out { (a, b) } else { (b, a) };
+                    layerstream_rpc::v1::BlockMove { device, host }
+                })
+                .collect()
+        };
+        let req = layerstream_rpc::v1::SwapRequest {
+            to_host: mv(to_host, true),
+            to_device: mv(to_device, false),
+        };
+        let mut total = (0, 0);
+        for st in &self.stages {
+            let mut c = st.client.clone();
+            let fail = |msg: String| Error::Worker { worker: st.addr.clone(), msg };
+            let r = tokio::time::timeout(self.deadline.current(), c.swap(req.clone()))
+                .await
+                .map_err(|_| fail("swapping KV blocks timed out".into()))?
+                .map_err(|e| fail(format!("swapping KV blocks: {}", e.message())))?
+                .into_inner();
+            total = (total.0 + r.bytes_to_host, total.1 + r.bytes_to_device);
+        }
+        Ok(total)
     }
 
     /// Frees sequences on every worker (best effort: a dead worker has nothing left to free).

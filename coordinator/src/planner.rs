@@ -33,6 +33,8 @@ pub struct PlanOptions {
     pub(crate) draft: Option<(String, u64)>,
     /// Positions per KV block.
     pub(crate) kv_block: usize,
+    /// Slots of each worker's host-RAM KV tier.
+    pub(crate) kv_host_blocks: u32,
 }
 
 /// The bytes a draft model takes on its worker: every store file, and f32 keys and values for
@@ -128,6 +130,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             draft_model: draft.map_or(String::new(), |d| d.0.clone()),
             kv_dtype: w.kv_dtype.clone(),
             kv_block: o.kv_block as u32,
+            kv_host_blocks: o.kv_host_blocks,
         };
         let (n_experts, _, largest_expert) = range_experts(m, &p);
         let whole = Assignment { resident: range.clone().collect(), ..p.clone() };
@@ -234,6 +237,7 @@ mod tests {
             prefetch: true,
             draft: None,
             kv_block: 16,
+            kv_host_blocks: 0,
         }
     }
 

@@ -65,6 +65,9 @@ struct Active {
     /// found in the prefix cache; 0 without).
     blocks: SeqBlocks,
     base: usize,
+    /// Preempted to the host tier: the host slots holding its blocks, in table order (empty: not
+    /// swapped out).
+    swapped: Vec<u32>,
 }
 
 impl Active {
@@ -110,9 +113,14 @@ pub struct Limits {
     pub(crate) kv_capacity: usize,
     pub(crate) max_step_tokens: usize,
     pub(crate) kv_block: usize,
+    /// Slots of every worker's host-RAM KV tier (0: preempted sequences are replayed).
+    pub(crate) host_blocks: usize,
     /// Full blocks are kept and shared by later prompts with the same prefix.
     pub(crate) prefix_cache: bool,
 }
+
+/// KV block moves: (from, to) pairs of a device block and a host slot.
+type Moves = Vec<(u32, u32)>;
 
 /// The actor.
 pub struct Scheduler {
@@ -143,6 +151,11 @@ pub struct Scheduler {
     blocks: BlockPool,
     /// Sequences preempted for KV blocks, oldest first: admitted again before anything waiting.
     preempted: VecDeque<Active>,
+    /// The host tier's free slots, the block moves to make before the next step (to host, to
+    /// device), and the slots those moves empty.
+    host_free: Vec<u32>,
+    swaps: (Moves, Moves),
+    host_emptied: Vec<u32>,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -283,8 +296,11 @@ impl Scheduler {
             draft_ms: 0.0,
             blocks: BlockPool::new(0, 1, false),
             preempted: VecDeque::new(),
+            host_free: Vec::new(),
+            swaps: Default::default(),
+            host_emptied: Vec::new(),
         };
-        s.blocks = s.fresh_blocks();
+        s.reset_blocks(&mut []);
         s
     }
 
@@ -315,11 +331,14 @@ impl Scheduler {
                             self.resync = true;
                             let _ = self.resync_now().await;
                         }
-                        if let Err(e) = self.pipeline.regrow().await {
-                            tracing::warn!(error = %e, "planning over every worker again failed");
+                        match self.pipeline.regrow().await {
+                            // A new plan: the workers' pools are new, nothing cached holds.
+                            Ok(true) => self.reset_blocks(&mut []),
+                            Ok(false) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "planning over every worker again failed")
+                            }
                         }
-                        // Whatever changed, the workers' pools may be new: nothing cached holds.
-                        self.reset_blocks(&mut []);
                         continue;
                     }
                 }
@@ -365,9 +384,11 @@ impl Scheduler {
                             refeed: false,
                             blocks: SeqBlocks::default(),
                             base: 0,
+                            swapped: Vec::new(),
                         }
                     }
                 };
+                self.resume(&mut a);
                 self.start_sequence(&mut a);
                 active.push(a);
             }
@@ -390,10 +411,17 @@ impl Scheduler {
                 .map(|a| a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false)))
                 .collect();
             for a in self.make_room(&mut active, &in_flight) {
-                fl.release.push(a.req.seq_id);
+                if a.swapped.is_empty() {
+                    // Replayed from its prompt: the workers forget it.
+                    fl.release.push(a.req.seq_id);
+                }
                 self.preempted.push_front(a);
             }
             self.preempted.make_contiguous().sort_by_key(|a| a.req.seq_id);
+            if let Err(e) = self.flush_swaps().await {
+                fl.fault.get_or_insert(e);
+                continue;
+            }
             self.launch(&mut active, &mut fl);
             if fl.set.is_empty() {
                 self.flush_release(&mut fl).await;
@@ -780,6 +808,7 @@ mod tests {
             kv_capacity: 100,
             max_step_tokens: 64,
             kv_block: 16,
+            host_blocks: 0,
             prefix_cache: true,
         };
         // Needs and free space in KV blocks.

@@ -120,6 +120,26 @@ async fn register(
     Ok(workers)
 }
 
+/// Slots of each worker's host-RAM KV tier: `--kv-host-bytes` (default a quarter of this host's
+/// available memory) over what one KV block of every layer takes (f32 for `--kv-dtype auto`: the
+/// most any worker stores); more than the host's memory is an error.
+fn kv_host_blocks(args: &CoordinatorArgs, store: &Store) -> Result<u32> {
+    let bytes =
+        args.plan.kv_host_bytes.unwrap_or(layerstream_model::mem::host_available_bytes() / 4);
+    if let Some(total) = layerstream_model::mem::host_total_bytes().filter(|&t| bytes > t) {
+        return Err(Error::Setup(format!(
+            "--kv-host-bytes {bytes} is more than this host's memory ({total} bytes)"
+        )));
+    }
+    let m = &store.manifest;
+    let dtype = layerstream_model::dtype::parse_kv_dtype(&args.plan.kv.dtype_for("cpu"))
+        .map_err(Error::Setup)?;
+    let per = layerstream_model::plan::kv_bytes_per_token_layer(m, dtype)
+        * args.plan.kv.kv_block as u64
+        * m.config.num_layers as u64;
+    Ok((bytes / per.max(1)).min(u32::MAX as u64) as u32)
+}
+
 /// Plans over every registered worker and assigns them, starts the scheduler on that pipeline,
 /// and returns the job API's state.
 async fn plan_and_schedule(
@@ -136,6 +156,7 @@ async fn plan_and_schedule(
         expert_cache: args.plan.expert_cache,
         draft: draft_model(args, store)?,
         kv_block: args.plan.kv.kv_block,
+        kv_host_blocks: kv_host_blocks(args, store)?,
     };
     let num_layers = store.manifest.config.num_layers as u32;
     let current = Arc::new(std::sync::RwLock::new(Plan {
@@ -192,6 +213,7 @@ async fn plan_and_schedule(
         kv_capacity: args.plan.kv_capacity,
         max_step_tokens: step_tokens,
         kv_block: args.plan.kv.kv_block,
+        host_blocks: kv_host_blocks(args, store)? as usize,
         prefix_cache: !args.plan.no_prefix_cache,
     };
     let sched = scheduler::Scheduler::new(scheduler::SchedulerParts {

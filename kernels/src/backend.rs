@@ -260,6 +260,10 @@ pub trait Backend: Send + Sync + Clone {
         shape: AttnShape,
         tree: Option<&[u64]>,
     ) -> Result<Self::Tensor>;
+    /// Block `block` of a pool as bytes (its keys, then its values), for a host tier.
+    fn kv_read(&self, cache: &Self::KvCache, block: u32) -> Result<Vec<u8>>;
+    /// Writes what `kv_read` gave back into block `block` of a pool of the same layout.
+    fn kv_write(&self, cache: &mut Self::KvCache, block: u32, bytes: &[u8]) -> Result<()>;
     /// Bytes a pool of `layout` occupies for a layer of `shape`.
     fn kv_bytes(&self, shape: AttnShape, layout: KvLayout) -> usize {
         crate::kv::kv_bytes(shape, layout.dtype, layout.positions())

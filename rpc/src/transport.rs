@@ -258,6 +258,12 @@ mod tests {
         ) -> Result<tonic::Response<crate::v1::ReleaseResponse>, tonic::Status> {
             Err(tonic::Status::unimplemented("test"))
         }
+        async fn swap(
+            &self,
+            _: tonic::Request<crate::v1::SwapRequest>,
+        ) -> Result<tonic::Response<crate::v1::SwapResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("test"))
+        }
     }
 
     /// Connections a server accepts through `tcp_incoming` have Nagle's algorithm off.

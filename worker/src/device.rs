@@ -109,6 +109,14 @@ impl AnyStage {
         }
     }
 
+    /// Moves KV blocks between the device and the host tier (see `Stage::swap`).
+    pub fn swap(&mut self, to_host: &[(u32, u32)], to_device: &[(u32, u32)]) -> Result<(u64, u64)> {
+        match self {
+            AnyStage::Cpu(s) => s.swap(to_host, to_device),
+            AnyStage::Cuda(s) => s.swap(to_host, to_device),
+        }
+    }
+
     /// Frees sequences.
     pub fn release(&mut self, ids: &[u64]) {
         match self {

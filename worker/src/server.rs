@@ -126,20 +126,7 @@ pub struct WorkerArgs {
     pub otlp_endpoint: Option<String>,
 }
 
-/// Parses "123", "64K", "512M", "8G" (powers of 1024).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim()
-        .parse::<f64>()
-        .map(|v| (v * mul as f64) as u64)
-        .map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
-}
+pub use layerstream_model::mem::parse_bytes;
 
 /// Runs a worker until SIGINT/SIGTERM.
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {

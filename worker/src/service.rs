@@ -1,5 +1,5 @@
 //! The worker's gRPC service: Info, Assign (budget-checked), Step (a batch through the stage),
-//! Release (free sequences).
+//! Release (free sequences), Swap (KV blocks to and from the host tier).
 
 use crate::device::{AnyStage, Device};
 use crate::stage::StepSeq;
@@ -275,6 +275,25 @@ impl Worker for WorkerService {
             (out.hidden.iter().flat_map(|v| v.to_le_bytes()).collect(), None)
         };
         Ok(Response::new(crate::wire::step_response(out, hidden, hidden_ref, wall_ms)))
+    }
+
+    async fn swap(&self, r: Request<SwapRequest>) -> Result<Response<SwapResponse>, Status> {
+        let r = r.into_inner();
+        let pairs = |v: &[BlockMove], out: bool| -> Vec<(u32, u32)> {
+            v.iter().map(|m| if out { (m.device, m.host) } else { (m.host, m.device) }).collect()
+        };
+        let (to_host, to_device) = (pairs(&r.to_host, true), pairs(&r.to_device, false));
+        let s = self.0.clone();
+        let moved = tokio::task::spawn_blocking(move || {
+            let mut g = s.stage();
+            match g.as_mut() {
+                Some(st) => st.swap(&to_host, &to_device),
+                None => Err(Error::Assignment("no assignment loaded: nothing to swap".into())),
+            }
+        })
+        .await
+        .map_err(|e| Error::Internal(e.to_string()))??;
+        Ok(Response::new(SwapResponse { bytes_to_host: moved.0, bytes_to_device: moved.1 }))
     }
 
     async fn release(

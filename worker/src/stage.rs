@@ -261,6 +261,8 @@ pub struct Stage<B: Backend> {
     /// Each layer's KV pool (the range's first layer first), laid out as `kv`.
     pools: Vec<B::KvCache>,
     kv: KvLayout,
+    /// The host-RAM KV tier: per slot, one block of every layer's pool (`swap`).
+    host: HashMap<u32, Vec<u8>>,
     /// The head's draft model (an assignment with `draft_model`), fully resident.
     draft: Option<Model<B>>,
     /// Its milliseconds per level of drafting, as last measured (0: not yet).
@@ -360,6 +362,7 @@ impl<B: Backend + 'static> Stage<B> {
             ctx,
             pools,
             kv,
+            host: HashMap::new(),
             cfg,
             plan,
             backend,
@@ -380,6 +383,48 @@ impl<B: Backend + 'static> Stage<B> {
         (self.seqs.len(), self.seqs.values().map(|s| s.len).sum())
     }
 
+    /// Moves KV blocks: each `(device block, host slot)` of `to_host` copied out of every layer's
+    /// pool into the host tier, then each `(host slot, device block)` of `to_device` copied back
+    /// (the slot emptied). Returns the bytes moved each way. Checked whole before anything moves:
+    /// blocks inside the pool, slots inside `kv_host_blocks`, every slot brought back holding a
+    /// block.
+    pub fn swap(&mut self, to_host: &[(u32, u32)], to_device: &[(u32, u32)]) -> Result<(u64, u64)> {
+        let slots = self.plan.kv_host_blocks;
+        let bad = |msg: String| Err(Error::invalid("to_host", msg));
+        for (d, h) in to_host.iter().copied().chain(to_device.iter().map(|&(h, d)| (d, h))) {
+            if d as usize >= self.kv.blocks || h >= slots {
+                return bad(format!(
+                    "device block {d} / host slot {h}: the pool has {} blocks, the host tier {slots} slots",
+                    self.kv.blocks
+                ));
+            }
+        }
+        let going: std::collections::HashSet<u32> = to_host.iter().map(|m| m.1).collect();
+        if let Some(&(h, _)) =
+            to_device.iter().find(|(h, _)| !self.host.contains_key(h) && !going.contains(h))
+        {
+            return bad(format!("host slot {h} holds no block"));
+        }
+        let (mut out, mut back) = (0u64, 0u64);
+        for &(d, h) in to_host {
+            let mut bytes = Vec::new();
+            for pool in &self.pools {
+                bytes.extend(self.backend.kv_read(pool, d)?);
+            }
+            out += bytes.len() as u64;
+            self.host.insert(h, bytes);
+        }
+        for &(h, d) in to_device {
+            let bytes = self.host.remove(&h).expect("checked");
+            let per = bytes.len() / self.pools.len().max(1);
+            for (pool, part) in self.pools.iter_mut().zip(bytes.chunks_exact(per.max(1))) {
+                self.backend.kv_write(pool, d, part)?;
+            }
+            back += bytes.len() as u64;
+        }
+        Ok((out, back))
+    }
+
     /// Frees sequences' caches and samplers.
     pub fn release(&mut self, ids: &[u64]) {
         for id in ids {
@@ -390,6 +435,7 @@ impl<B: Backend + 'static> Stage<B> {
     /// Frees every sequence.
     pub fn release_all(&mut self) {
         self.seqs.clear();
+        self.host.clear();
     }
 
     /// Checks a whole step against this stage before anything changes (`check_step`), then creates
@@ -709,7 +755,7 @@ mod tests {
         assert_eq!(field(check_step(&[outside], None, L, live)), "seqs.blocks");
         // A new sequence on cached blocks starts after its cached tokens, and only there.
         let cached = StepSeq { cached: vec![3, 4, 5, 6], ..seq(2, 4, &[1]) };
-        assert!(check_step(&[cached.clone()], None, L, live).is_ok());
+        assert!(check_step(std::slice::from_ref(&cached), None, L, live).is_ok());
         let off = StepSeq { start_pos: 3, ..cached };
         assert_eq!(field(check_step(&[off], None, L, live)), "seqs.start_pos");
         assert_eq!(field(check_step(&[seq(1, 0, &[1])], Some(&[0.0; 3]), L, live)), "hidden");

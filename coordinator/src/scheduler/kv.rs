@@ -1,7 +1,8 @@
 //! The scheduler's paged KV cache: one block manager (`BlockPool`) that every worker's pools
 //! follow (each step names every sequence's blocks), prefix caching at admission, blocks taken as
-//! sequences grow, and preemption — the newest sequence not in flight gives its blocks back and is
-//! replayed later from its prompt and output so far — when the pool runs dry.
+//! sequences grow, and preemption when the pool runs dry: the newest sequence not in flight gives
+//! its blocks back — copied to the workers' host-RAM tier (`Worker/Swap`) and copied back when it
+//! resumes, or, when the tier is full or off, replayed later from its prompt and output so far.
 
 use super::{Active, Scheduler};
 use layerstream_model::kv_blocks::BlockPool;
@@ -14,7 +15,8 @@ impl Scheduler {
         BlockPool::new(self.limits.kv_capacity.div_ceil(block), block, self.limits.prefix_cache)
     }
 
-    /// Forgets every block (the workers' pools were replaced): active sequences keep none.
+    /// Forgets every block and the host tier (the workers' pools were replaced): active sequences
+    /// keep none, and swapped-out ones will be replayed.
     pub(super) fn reset_blocks(&mut self, active: &mut [Active]) {
         let counts = self.blocks.counts;
         self.blocks = self.fresh_blocks();
@@ -23,7 +25,40 @@ impl Scheduler {
             a.blocks = Default::default();
             a.base = 0;
         }
+        self.host_free = (0..self.limits.host_blocks as u32).rev().collect();
+        (self.swaps, self.host_emptied) = (Default::default(), Vec::new());
+        for a in self.preempted.iter_mut().filter(|a| !a.swapped.is_empty()) {
+            a.swapped.clear();
+            (a.pos, a.base, a.refeed, a.next_draft) = (0, 0, false, Default::default());
+        }
         self.kv_gauges();
+    }
+
+    /// A preempted sequence swapped to the host tier takes device blocks again and has its blocks
+    /// copied back into them before its next step (admission counted the blocks).
+    pub(super) fn resume(&mut self, a: &mut Active) {
+        if a.swapped.is_empty() {
+            return;
+        }
+        let mut fresh = Default::default();
+        let ok = self.blocks.grow(&mut fresh, a.swapped.len() * self.blocks.block()).is_ok();
+        debug_assert!(ok, "admission counted the blocks");
+        self.swaps.1.extend(a.swapped.iter().copied().zip(fresh.table.iter().copied()));
+        self.host_emptied.append(&mut a.swapped);
+        a.blocks = fresh;
+        self.kv_gauges();
+    }
+
+    /// Makes the block moves decided since the last step on every worker.
+    pub(super) async fn flush_swaps(&mut self) -> crate::Result<()> {
+        if self.swaps.0.is_empty() && self.swaps.1.is_empty() {
+            return Ok(());
+        }
+        let (out, back) = std::mem::take(&mut self.swaps);
+        let (bytes_out, bytes_in) = self.pipeline.swap(&out, &back).await?;
+        self.host_free.append(&mut self.host_emptied);
+        self.metrics.swapped(out.len(), bytes_out, back.len(), bytes_in);
+        Ok(())
     }
 
     /// Blocks a waiting request needs to start: its prompt and one generated token.
@@ -77,17 +112,32 @@ impl Scheduler {
             let Some(i) = (1..active.len()).rev().find(|&i| !flight[i]) else { return out };
             flight.remove(i);
             let mut a = active.remove(i);
+            let n = a.blocks.table.len();
+            if n > 0 && self.host_free.len() >= n {
+                // To the host tier: its blocks are copied out before anything reuses them.
+                let slots = self.host_free.split_off(self.host_free.len() - n);
+                self.swaps.0.extend(a.blocks.table.iter().copied().zip(slots.iter().copied()));
+                a.swapped = slots;
+                tracing::info!(
+                    seq = a.req.seq_id,
+                    blocks = n,
+                    "KV pool full: sequence preempted to the host tier"
+                );
+            } else {
+                self.metrics.replayed_tokens.inc_by(a.pos as u64);
+                (a.pos, a.base) = (0, 0);
+                a.next_draft = Default::default();
+                a.refeed = false;
+                tracing::info!(
+                    seq = a.req.seq_id,
+                    free = self.blocks.available(),
+                    "KV pool full: sequence preempted, to be replayed"
+                );
+            }
             self.blocks.release(&mut a.blocks);
-            (a.pos, a.base, a.lane) = (0, 0, None);
+            a.lane = None;
             a.acc.preemptions += 1;
-            a.next_draft = Default::default();
-            a.refeed = false;
             self.metrics.preempted.inc();
-            tracing::info!(
-                seq = a.req.seq_id,
-                free = self.blocks.available(),
-                "KV pool full: sequence preempted, to be replayed"
-            );
             out.push(a);
         }
     }

@@ -36,6 +36,39 @@ impl CpuKv {
         (self.k.len() + self.v.len()) * 4
     }
 
+    /// Block `b`'s keys then values as bytes (zeros where nothing was written yet).
+    pub fn read_block(&self, b: usize) -> Vec<u8> {
+        let n = self.layout.block * self.words();
+        let mut out = Vec::with_capacity(8 * n);
+        for buf in [&self.k, &self.v] {
+            let words = buf.get(b * n..(b + 1) * n).unwrap_or(&[]);
+            out.extend(words.iter().flat_map(|x| x.to_le_bytes()));
+            out.resize(out.len() + 4 * (n - words.len()), 0);
+        }
+        out
+    }
+
+    /// Writes `read_block`'s bytes into block `b`; an error names a size that does not fit.
+    pub fn write_block(&mut self, b: usize, bytes: &[u8]) -> Result<(), String> {
+        let n = self.layout.block * self.words();
+        if bytes.len() != 8 * n || b >= self.layout.blocks {
+            return Err(format!(
+                "{} bytes for block {b} of a pool of {} blocks of {} bytes",
+                bytes.len(),
+                self.layout.blocks,
+                8 * n
+            ));
+        }
+        self.reach(b);
+        let (k, v) = bytes.split_at(4 * n);
+        for (buf, src) in [(&mut self.k, k), (&mut self.v, v)] {
+            for (w, c) in buf[b * n..(b + 1) * n].iter_mut().zip(src.chunks_exact(4)) {
+                *w = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Ok(())
+    }
+
     /// Grows the storage to hold block `b`.
     fn reach(&mut self, b: usize) {
         let n = (b + 1) * self.layout.block * self.words();
@@ -282,6 +315,25 @@ mod tests {
         for (a, b) in got.iter().zip(&want[3 * 8..]) {
             assert!((a - b).abs() < 1e-6);
         }
+    }
+
+    /// A block read out and written into another block of another pool reads back the same (a
+    /// sequence swapped to host RAM and back computes as if it had stayed).
+    #[test]
+    fn blocks_read_out_and_written_back_compute_the_same() {
+        let s = AttnShape::new(2, 1, 32);
+        let (q, k, v) = (gen(9 * 64, 7), gen(9 * 32, 5), gen(9 * 32, 3));
+        let mut a = pool(DType::Q8_0, 4, s);
+        feed(&mut a, &[2, 0, 5], (&q, &k, &v), 0..8, s, None);
+        let want = feed(&mut a, &[2, 0, 5], (&q, &k, &v), 8..9, s, None);
+        let mut b = pool(DType::Q8_0, 4, s);
+        for (from, to) in [(2, 7), (0, 1)] {
+            b.write_block(to, &a.read_block(from)).unwrap();
+        }
+        let got = feed(&mut b, &[7, 1, 3], (&q, &k, &v), 8..9, s, None);
+        assert_eq!(got, want);
+        assert!(b.write_block(16, &a.read_block(0)).is_err());
+        assert!(b.write_block(1, &[0; 8]).is_err());
     }
 
     /// Smaller dtypes give the f32 pool's outputs within their precision.

@@ -306,6 +306,14 @@ impl Backend for CpuBackend {
         Ok(CpuKv::new(layout, shape.n_kv_heads * shape.head_dim))
     }
 
+    fn kv_read(&self, cache: &CpuKv, block: u32) -> Result<Vec<u8>> {
+        Ok(cache.read_block(block as usize))
+    }
+
+    fn kv_write(&self, cache: &mut CpuKv, block: u32, bytes: &[u8]) -> Result<()> {
+        cache.write_block(block as usize, bytes).map_err(|msg| Error::Shape { op: "kv_write", msg })
+    }
+
     fn attention(
         &self,
         q: &CpuTensor,

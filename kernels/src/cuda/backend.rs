@@ -681,6 +681,46 @@ impl Backend for CudaBackend {
         Ok(CudaKv { k, v, layout, stride })
     }
 
+    fn kv_read(&self, cache: &CudaKv, block: u32) -> Result<Vec<u8>> {
+        self.gpu.bind()?;
+        let n = cache.layout.block * cache.stride;
+        ensure((block as usize) < cache.layout.blocks, "kv_read", || {
+            format!("block {block} of a pool of {}", cache.layout.blocks)
+        })?;
+        let mut out = vec![0u8; 2 * n];
+        if let (Some(k), Some(v)) = (&cache.k, &cache.v) {
+            let at = (block as usize * n) as u64;
+            let (ko, vo) = out.split_at_mut(n);
+            self.read(k.ptr + at, ko)?;
+            self.read(v.ptr + at, vo)?;
+        }
+        Ok(out)
+    }
+
+    fn kv_write(&self, cache: &mut CudaKv, block: u32, bytes: &[u8]) -> Result<()> {
+        self.gpu.bind()?;
+        let n = cache.layout.block * cache.stride;
+        ensure((block as usize) < cache.layout.blocks && bytes.len() == 2 * n, "kv_write", || {
+            format!(
+                "{} bytes for block {block} of a pool of {} blocks of {} bytes",
+                bytes.len(),
+                cache.layout.blocks,
+                2 * n
+            )
+        })?;
+        if let (Some(k), Some(v)) = (&cache.k, &cache.v) {
+            let at = (block as usize * n) as u64;
+            for (dst, src) in [(k.ptr + at, &bytes[..n]), (v.ptr + at, &bytes[n..])] {
+                // SAFETY: `dst` holds `n` bytes inside the pool (block < blocks); pageable `src` is
+                // staged by the driver before the call returns.
+                unsafe { result::memcpy_htod_async(dst, src, self.gpu.compute) }
+                    .map_err(derr("copying to the device"))?;
+            }
+            self.gpu.sync_compute()?;
+        }
+        Ok(())
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,

@@ -104,6 +104,12 @@ impl Backend for CudaBackend {
     fn kv_cache(&self, _: AttnShape, _: KvLayout) -> Result<Never> {
         match self.0 {}
     }
+    fn kv_read(&self, _: &Never, _: u32) -> Result<Vec<u8>> {
+        match self.0 {}
+    }
+    fn kv_write(&self, _: &mut Never, _: u32, _: &[u8]) -> Result<()> {
+        match self.0 {}
+    }
     fn attention(
         &self,
         _: &Never,

@@ -230,6 +230,13 @@ fn paged_attention_prefill_then_decode_matches_cpu_for_every_kv_dtype() {
             assert!(e < 1e-5, "{dtype:?} attention m={m} at {start}: {e:e}");
             start += m;
         }
+        // A block read out of the GPU pool and written into an unused one reads back the same.
+        let bytes = g.kv_read(&kg, table[3]).unwrap();
+        g.kv_write(&mut kg, 11, &bytes).unwrap();
+        assert_eq!(g.kv_read(&kg, 11).unwrap(), bytes, "{dtype:?}");
+        if dtype == DType::F32 {
+            assert_eq!(bytes, c.kv_read(&kc, table[3]).unwrap(), "the CPU stored the same rows");
+        }
     }
 }
 
