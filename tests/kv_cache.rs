@@ -193,3 +193,35 @@ fn every_kv_dtype_runs_and_bad_kv_flags_are_refused() {
     let e = layerstream_fails(&["up", "--model", s, "--prompt", "Hi", "--kv-dtype", "int3"]);
     assert!(e.contains("unknown KV dtype"), "{e}");
 }
+
+/// A prompt's cached blocks pushed off a small device pool by another request go to the host tier
+/// and come back when the prompt returns (counted as cached tokens, blocks swapped to the device,
+/// the same tokens); without the tier they are gone.
+#[test]
+fn evicted_prefix_blocks_come_back_from_host_ram() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny(dir.path());
+    let other =
+        "Write a long list of the colours of the rainbow, the planets of the solar system, \
+        and the days of the week, each on its own line, without any explanation at all.";
+    for host in ["16M", "0"] {
+        // 4 blocks of 16: the second request needs all of them.
+        let flags = ["--kv-capacity", "64", "--kv-host-bytes", host, "--workers", "2"];
+        let stack = Stack::up(&store, &[&flags[..], &["--resident-layers", "0"]].concat());
+        let job = |p: &str, n: &str| submit(stack.addr(), &["--prompt", p, "--max-new-tokens", n]);
+        let first = job(LONG, "4");
+        let evictor = job(other, "20");
+        assert!(stat(&evictor, "prompt_tokens") + 20 > 48, "{evictor}");
+        let again = job(LONG, "4");
+        assert_eq!(ids(&again, "output_ids"), ids(&first, "output_ids"));
+        let back = metric(&stack, "layerstream_kv_swapped_blocks_total{direction=\"to_device\"}");
+        if host == "0" {
+            assert_eq!(stat(&again, "cached_tokens"), 0, "{again}");
+            assert_eq!(back, 0.0);
+        } else {
+            assert!(stat(&again, "cached_tokens") >= 32, "{again}");
+            assert!(back >= 2.0, "{back} blocks came back");
+        }
+        stack.shutdown();
+    }
+}

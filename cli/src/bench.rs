@@ -105,8 +105,8 @@ pub struct BenchArgs {
     pub spec_max: u32,
     /// Instead of the configurations: the paged KV cache — a 4-turn chat over a ~1.5k-token history
     /// with the prefix cache on and off (time to first token of each turn, same answers), then for
-    /// every KV dtype the most 2k-token sequences (`--batch` sent at once) that share a step in the
-    /// bytes `--kv-capacity` f32 positions take.
+    /// every KV dtype the most 2k-token sequences (two more sent at once than the pool holds) that
+    /// share a step in the bytes `--kv-capacity` f32 positions take.
     #[arg(long, env = "LAYERSTREAM_BENCH_KV_CACHE")]
     pub kv_cache: bool,
     /// The width of the draft model's token trees in `--speculative` (its tree configuration).

@@ -157,8 +157,8 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
     // Capacity: the f32 pool's bytes, held in each dtype.
     let f32_positions = a.plan.kv_capacity;
     let kv_dim_bytes = 4.0;
-    println!("\n## Capacity: a KV budget of {f32_positions} f32 positions per worker, 2048-token sequences (2040 prompt + 8), {} sent at once, prefix cache off\n", a.batch);
-    println!("| KV dtype | positions in the budget | most sequences in one step | ÷ f32 | preemptions |\n|---|---|---|---|---|");
+    println!("\n## Capacity: a KV budget of {f32_positions} f32 positions per worker, 2048-token sequences (2040 prompt + 8), two more sent at once than the pool holds, prefix cache off\n");
+    println!("| KV dtype | positions in the budget | sent | most sequences in one step | ÷ f32 | preemptions |\n|---|---|---|---|---|---|");
     let mut first = 0.0;
     for d in layerstream_types::dtype::KV_DTYPES {
         let per = d.row_bytes(64).map_or(4.0, |b| b as f64 / 64.0);
@@ -167,7 +167,9 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         p.no_prefix_cache = true;
         p.kv_capacity = positions;
         p.kv.kv_dtype = d.name().into();
-        let (peak, pre) = concurrency(model, a, &base(&p), 2040, a.batch, &rt)?;
+        // Two more than fit, so the pool, not the count sent, is the limit.
+        let count = positions / 2048 + 2;
+        let (peak, pre) = concurrency(model, a, &base(&p), 2040, count, &rt)?;
         if d == DType::F32 {
             first = peak as f64;
         }

@@ -20,7 +20,9 @@ pub struct PlanFlags {
     /// Copy layers synchronously instead of overlapping them with compute (for comparison).
     #[arg(long, env = "LAYERSTREAM_NO_PREFETCH")]
     pub no_prefetch: bool,
-    /// KV cache positions per worker, shared by all sequences.
+    /// KV cache positions per worker (on every layer of its range), in blocks of `--kv-block`
+    /// shared by all sequences: each takes blocks as it grows; a request longer than this is
+    /// refused.
     #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
     pub kv_capacity: usize,
     /// Mixture-of-experts models: experts each worker keeps on its device (an LRU cache fed from

@@ -156,6 +156,9 @@ pub struct Scheduler {
     host_free: Vec<u32>,
     swaps: (Moves, Moves),
     host_emptied: Vec<u32>,
+    /// Prefix blocks evicted from the device into the host tier: key → slot, oldest first.
+    host_prefixes: std::collections::HashMap<u64, u32>,
+    host_prefix_order: VecDeque<u64>,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -299,6 +302,8 @@ impl Scheduler {
             host_free: Vec::new(),
             swaps: Default::default(),
             host_emptied: Vec::new(),
+            host_prefixes: Default::default(),
+            host_prefix_order: VecDeque::new(),
         };
         s.reset_blocks(&mut []);
         s

@@ -83,6 +83,27 @@ impl BlockPool {
         self.refs.len()
     }
 
+    /// Blocks no sequence uses and no prefix keys.
+    pub fn free_now(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Takes up to `n` of the least recently used idle keyed blocks out of the cache (they become
+    /// free); returns each with its key, so a host tier can keep its contents.
+    pub fn evict_idle(&mut self, n: usize) -> Vec<(u32, u64)> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            let Some((&t, &b)) = self.idle.iter().next() else { break };
+            self.idle.remove(&t);
+            self.idle_at.remove(&b);
+            let h = self.hash_of.remove(&b).expect("idle blocks are keyed");
+            self.by_hash.remove(&h);
+            self.free.push(b);
+            out.push((b, h));
+        }
+        out
+    }
+
     /// Blocks a sequence could take now: free ones and cached ones no sequence uses.
     pub fn available(&self) -> usize {
         self.free.len() + self.idle.len()
@@ -161,16 +182,43 @@ impl BlockPool {
     /// A new sequence for `tokens` (its prompt): its longest cached prefix of full blocks, shared,
     /// leaving at least the last token to compute. Returns the sequence and the positions cached.
     pub fn lookup(&mut self, tokens: &[u32]) -> (SeqBlocks, usize) {
+        let (seq, cached, _) = self.lookup_tiered(tokens, |_| None);
+        (seq, cached)
+    }
+
+    /// `lookup`, continued past the device's cached blocks into a host tier: `host(key)` takes a
+    /// block's slot out of the tier when it holds that key. Such a block gets a fresh device block
+    /// (keyed again); the third value lists (host slot, device block) copies to make before the
+    /// sequence's first step.
+    pub fn lookup_tiered(
+        &mut self,
+        tokens: &[u32],
+        mut host: impl FnMut(u64) -> Option<u32>,
+    ) -> (SeqBlocks, usize, Vec<(u32, u32)>) {
         let mut seq = SeqBlocks::default();
+        let mut restore = Vec::new();
         if !self.caching {
-            return (seq, 0);
+            return (seq, 0, restore);
         }
         self.counts.queries += 1;
         self.counts.queried_tokens += tokens.len() as u64;
         let mut h = 0;
         for chunk in tokens[..tokens.len().saturating_sub(1)].chunks_exact(self.block) {
             h = key(h, chunk);
-            let Some(&b) = self.by_hash.get(&h) else { break };
+            let b = match self.by_hash.get(&h) {
+                Some(&b) => b,
+                None if self.available() > 0 => match host(h) {
+                    Some(slot) => {
+                        let b = self.take().expect("available");
+                        self.by_hash.insert(h, b);
+                        self.hash_of.insert(b, h);
+                        restore.push((slot, b));
+                        b
+                    }
+                    None => break,
+                },
+                None => break,
+            };
             if self.refs[b as usize] == 0 {
                 if let Some(t) = self.idle_at.remove(&b) {
                     self.idle.remove(&t);
@@ -182,7 +230,7 @@ impl BlockPool {
         }
         let cached = seq.hashes.len() * self.block;
         self.counts.hit_tokens += cached as u64;
-        (seq, cached)
+        (seq, cached, restore)
     }
 
     /// Keys the blocks of `seq` that `tokens` (its committed tokens, from position 0) fill, so later
@@ -273,6 +321,27 @@ mod tests {
         assert!(!d.table.contains(&order[0]) && !d.table.contains(&order[1]));
         assert!(d.table.contains(&order[2]));
         assert_eq!(p.counts, PrefixCounts { queries: 3, queried_tokens: 29, hit_tokens: 12 });
+    }
+
+    /// Idle keyed blocks evicted to a host tier are found there again: a lookup restores them into
+    /// fresh blocks and says which slot goes where.
+    #[test]
+    fn evicted_prefixes_come_back_from_a_host_tier() {
+        let mut p = BlockPool::new(3, 2, true);
+        let prompt = [1, 2, 3, 4, 5];
+        let (mut a, _) = p.lookup(&prompt);
+        p.grow(&mut a, 5).unwrap();
+        p.commit(&mut a, &prompt);
+        p.release(&mut a);
+        assert_eq!((p.free_now(), p.cached_blocks()), (1, 2));
+        let evicted = p.evict_idle(5);
+        assert_eq!((evicted.len(), p.free_now(), p.cached_blocks()), (2, 3, 0));
+        let tier: std::collections::HashMap<u64, u32> =
+            evicted.iter().enumerate().map(|(i, &(_, h))| (h, 10 + i as u32)).collect();
+        let (b, cached, restore) = p.lookup_tiered(&prompt, |h| tier.get(&h).copied());
+        assert_eq!((cached, restore.len()), (4, 2));
+        assert_eq!(restore.iter().map(|r| r.1).collect::<Vec<_>>(), b.table);
+        assert_eq!(p.cached_blocks(), 2, "restored blocks are keyed again");
     }
 
     /// Without caching nothing is keyed or found.

@@ -3,6 +3,8 @@
 //! sequences grow, and preemption when the pool runs dry: the newest sequence not in flight gives
 //! its blocks back — copied to the workers' host-RAM tier (`Worker/Swap`) and copied back when it
 //! resumes, or, when the tier is full or off, replayed later from its prompt and output so far.
+//! Cached prefix blocks the device must give up go to the host tier too, and a later prompt's
+//! lookup brings them back.
 
 use super::{Active, Scheduler};
 use layerstream_model::kv_blocks::BlockPool;
@@ -26,6 +28,8 @@ impl Scheduler {
             a.base = 0;
         }
         self.host_free = (0..self.limits.host_blocks as u32).rev().collect();
+        self.host_prefixes.clear();
+        self.host_prefix_order.clear();
         (self.swaps, self.host_emptied) = (Default::default(), Vec::new());
         for a in self.preempted.iter_mut().filter(|a| !a.swapped.is_empty()) {
             a.swapped.clear();
@@ -71,7 +75,11 @@ impl Scheduler {
         if a.pos > 0 {
             return;
         }
-        let (blocks, cached) = self.blocks.lookup(&a.req.input_ids);
+        let (pool, tier) = (&mut self.blocks, &mut self.host_prefixes);
+        let (blocks, cached, restore) = pool.lookup_tiered(&a.req.input_ids, |h| tier.remove(&h));
+        // Blocks found in the host tier are copied back before the sequence's first step.
+        self.host_emptied.extend(restore.iter().map(|r| r.0));
+        self.swaps.1.extend(restore);
         (a.blocks, a.pos, a.base) = (blocks, cached, cached);
         a.acc.cached_tokens = a.acc.cached_tokens.max(cached as u32);
         self.metrics.prefix(self.blocks.counts);
@@ -97,6 +105,7 @@ impl Scheduler {
         active: &mut Vec<Active>,
         in_flight: &[bool],
     ) -> Vec<Active> {
+        self.spill(active, in_flight);
         let mut flight = in_flight.to_vec();
         let mut out = Vec::new();
         loop {
@@ -113,9 +122,9 @@ impl Scheduler {
             flight.remove(i);
             let mut a = active.remove(i);
             let n = a.blocks.table.len();
-            if n > 0 && self.host_free.len() >= n {
+            if n > 0 && self.host_free.len() + self.host_prefixes.len() >= n {
                 // To the host tier: its blocks are copied out before anything reuses them.
-                let slots = self.host_free.split_off(self.host_free.len() - n);
+                let slots: Vec<u32> = (0..n).filter_map(|_| self.host_slot()).collect();
                 self.swaps.0.extend(a.blocks.table.iter().copied().zip(slots.iter().copied()));
                 a.swapped = slots;
                 tracing::info!(
@@ -140,6 +149,40 @@ impl Scheduler {
             self.metrics.preempted.inc();
             out.push(a);
         }
+    }
+
+    /// Before the next steps take blocks: the cached prefix blocks they would evict from the device
+    /// go to the host tier instead (when it is on), to come back on a later prompt's lookup.
+    fn spill(&mut self, active: &[Active], in_flight: &[bool]) {
+        if self.limits.host_blocks == 0 || !self.limits.prefix_cache {
+            return;
+        }
+        let want: usize = active
+            .iter()
+            .zip(in_flight)
+            .filter(|(_, &f)| !f)
+            .map(|(a, _)| self.next_growth(a))
+            .sum();
+        let short = want.saturating_sub(self.blocks.free_now());
+        for (block, key) in self.blocks.evict_idle(short) {
+            let Some(slot) = self.host_slot() else { break };
+            self.swaps.0.push((block, slot));
+            self.host_prefixes.insert(key, slot);
+            self.host_prefix_order.push_back(key);
+        }
+    }
+
+    /// A free host slot: a never-used or emptied one, else the oldest cached prefix block's.
+    fn host_slot(&mut self) -> Option<u32> {
+        if let Some(s) = self.host_free.pop() {
+            return Some(s);
+        }
+        while let Some(key) = self.host_prefix_order.pop_front() {
+            if let Some(s) = self.host_prefixes.remove(&key) {
+                return Some(s);
+            }
+        }
+        None
     }
 
     /// Gives `a` blocks for positions up to `end`; false when the pool cannot (it sits out).
