@@ -23,18 +23,6 @@ fn stat(v: &serde_json::Value, key: &str) -> u64 {
     v["stats"][key].as_u64().unwrap_or_else(|| panic!("stats.{key} in {v}"))
 }
 
-/// A value of the stack's Prometheus `/metrics` (0 when absent).
-fn metric(stack: &Stack, name: &str) -> f64 {
-    let out = std::process::Command::new("curl")
-        .args(["-sf", &format!("{}/metrics", stack.http())])
-        .output()
-        .expect("curl runs");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
-
 /// The OpenAI chat endpoint through curl: the response's JSON.
 fn openai_chat(stack: &Stack, text: &str) -> serde_json::Value {
     let body = serde_json::json!({"model": "m", "max_tokens": 8, "temperature": 0,
@@ -71,8 +59,8 @@ fn prefix_cache_keeps_the_tokens_and_skips_the_cached_prompt() {
             // Whole blocks of 16, never the last prompt token.
             assert!(cached >= 16 && cached.is_multiple_of(16) && cached < prompt, "{again}");
             assert!(stat(&again, "steps") <= stat(&first, "steps"));
-            assert!(metric(&stack, "layerstream_prefix_cache_hit_tokens_total") >= cached as f64);
-            assert!(metric(&stack, "layerstream_prefix_cache_queries_total") >= 2.0);
+            assert!(stack.metric("layerstream_prefix_cache_hit_tokens_total") >= cached as f64);
+            assert!(stack.metric("layerstream_prefix_cache_queries_total") >= 2.0);
             let a = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
             let b = openai_chat(&stack, "What is a KV cache? Answer in one sentence, please.");
             // The first shares only the chat template's opening with earlier prompts; the second
@@ -152,13 +140,13 @@ fn a_full_pool_preempts_to_host_ram_or_replays_with_each_solo_output() {
         }
         let preempted: u64 = got.iter().map(|v| stat(v, "preemptions")).sum();
         assert!(preempted > 0, "the pool ran dry and a sequence was preempted");
-        assert!(metric(&stack, "layerstream_preemptions_total") >= preempted as f64);
-        let replayed = metric(&stack, "layerstream_preemption_replayed_tokens_total");
+        assert!(stack.metric("layerstream_preemptions_total") >= preempted as f64);
+        let replayed = stack.metric("layerstream_preemption_replayed_tokens_total");
         let swapped = |dir: &str| {
-            metric(&stack, &format!("layerstream_kv_swapped_blocks_total{{direction=\"{dir}\"}}"))
+            stack.metric(&format!("layerstream_kv_swapped_blocks_total{{direction=\"{dir}\"}}"))
         };
         let bytes_back =
-            metric(&stack, "layerstream_kv_swapped_bytes_total{direction=\"to_device\"}");
+            stack.metric("layerstream_kv_swapped_bytes_total{direction=\"to_device\"}");
         if host == "0" {
             assert!(replayed > 0.0 && swapped("to_host") == 0.0, "replayed {replayed}");
         } else {
@@ -186,12 +174,19 @@ fn every_kv_dtype_runs_and_bad_kv_flags_are_refused() {
     for d in ["f16", "bf16", "q8_0", "q4_0"] {
         assert_eq!(run(&["--kv-dtype", d]).len(), 16, "{d}");
     }
+    // Through a 2-worker stack each worker stores q4_0 (the plan carries the dtype).
+    let up = ["up", "--model", s, "--workers", "2", "--kv-dtype", "q4_0", "--prompt", LONG];
+    let text = layerstream(&[&up[..], &["--max-new-tokens", "8"]].concat());
+    assert!(!text.trim().is_empty());
     let e = layerstream_fails(&["run", "--model", s, "--prompt", "Hi", "--kv-dtype", "q5_0"]);
     assert!(e.contains("unknown KV dtype \"q5_0\"") && e.contains("q4_0"), "{e}");
     let e = layerstream_fails(&["run", "--model", s, "--prompt", "Hi", "--kv-block", "12"]);
     assert!(e.contains("12 is not a power of two"), "{e}");
     let e = layerstream_fails(&["up", "--model", s, "--prompt", "Hi", "--kv-dtype", "int3"]);
     assert!(e.contains("unknown KV dtype"), "{e}");
+    let huge = ["up", "--model", s, "--prompt", "Hi", "--kv-host-bytes", "100000G"];
+    let e = layerstream_fails(&huge);
+    assert!(e.contains("--kv-host-bytes") && e.contains("more than this host's memory"), "{e}");
 }
 
 /// A prompt's cached blocks pushed off a small device pool by another request go to the host tier
@@ -214,7 +209,7 @@ fn evicted_prefix_blocks_come_back_from_host_ram() {
         assert!(stat(&evictor, "prompt_tokens") + 20 > 48, "{evictor}");
         let again = job(LONG, "4");
         assert_eq!(ids(&again, "output_ids"), ids(&first, "output_ids"));
-        let back = metric(&stack, "layerstream_kv_swapped_blocks_total{direction=\"to_device\"}");
+        let back = stack.metric("layerstream_kv_swapped_blocks_total{direction=\"to_device\"}");
         if host == "0" {
             assert_eq!(stat(&again, "cached_tokens"), 0, "{again}");
             assert_eq!(back, 0.0);

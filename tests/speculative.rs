@@ -121,18 +121,6 @@ fn bad_drafts_and_limits_are_refused() {
     assert!(e.contains("--spec-max"), "{e}");
 }
 
-/// A counter of the stack's Prometheus `/metrics` (0 when absent).
-fn metric(stack: &Stack, name: &str) -> f64 {
-    let out = std::process::Command::new("curl")
-        .args(["-sf", &format!("{}/metrics", stack.http())])
-        .output()
-        .expect("curl runs");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
-
 /// Through a 2-worker `up` with a streamed layer, prompt lookup gives every request its `run`
 /// tokens, alone and batched with the others (greedy and seeded); the stats, the metrics and the
 /// page's API show drafts accepted; a request's limit past 64 is INVALID_ARGUMENT (gRPC) and a 400
@@ -187,8 +175,8 @@ fn a_pipeline_speculates_alone_and_batched_with_the_same_tokens() {
     let stack = stack.expect("a stack ran");
     let addr = stack.addr().to_owned();
     let (d, a) = (
-        metric(&stack, "layerstream_spec_drafted_tokens_total"),
-        metric(&stack, "layerstream_spec_accepted_tokens_total"),
+        stack.metric("layerstream_spec_drafted_tokens_total"),
+        stack.metric("layerstream_spec_accepted_tokens_total"),
     );
     assert!(d > 0.0 && a > 0.0 && a <= d, "metrics: {a} accepted of {d}");
     let page = std::process::Command::new("curl")

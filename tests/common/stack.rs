@@ -103,6 +103,19 @@ impl Stack {
         self.proc.http.as_deref().expect("the stack serves HTTP")
     }
 
+    /// A value of the stack's Prometheus `/metrics` (`name` with its labels, as exposed; 0 when
+    /// absent), read with curl.
+    pub fn metric(&self, name: &str) -> f64 {
+        let out = std::process::Command::new("curl")
+            .args(["-sf", &format!("{}/metrics", self.http())])
+            .output()
+            .expect("curl runs");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
     /// The shm namespace prefix of this stack.
     pub fn shm_prefix(&self) -> String {
         format!(
