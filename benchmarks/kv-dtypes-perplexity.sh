@@ -42,7 +42,7 @@ for store in "${stores[@]}"; do
     echo "|---|---|---|---|"
     base=
     for d in f32 f16 bf16 q8_0 q4_0; do
-        j=$(ppl "$store" --kv-dtype "$d")
+        j=$(ppl "$store" --kv-dtype "$d" --exact)
         base=${base:-$j}
         python3 - "$d" "$j" "$base" <<'PY'
 import json, sys
@@ -50,7 +50,7 @@ name, j, b = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 print(f"| --kv-dtype {name} | {j['ppl']:.4f} | {j['stderr']:.4f} | {(j['ppl'] / b['ppl'] - 1) * 100:+.3f}% |")
 PY
     done
-    exact=$(ppl "$store" --decode)
+    exact=$(ppl "$store" --decode --exact)
     int8=$(ppl "$store" --decode --int8-activations)
     python3 - "$exact" "$int8" <<'PY'
 import json, sys

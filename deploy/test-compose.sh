@@ -4,6 +4,8 @@
 # non-container run and that the job's spans arrived, then removes every container, volume and file
 # it made. Last line: a one-line summary.
 set -euo pipefail
+# f32 activations in `run` and in the containers alike, so their tokens can be compared exactly.
+export LAYERSTREAM_EXACT=true
 cd "$(dirname "$0")/.."
 source deploy/lib.sh
 

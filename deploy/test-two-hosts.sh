@@ -7,6 +7,8 @@
 # from its own loader (separate IPC namespaces, both loaders used); then removes everything it made.
 # Last line: a one-line summary.
 set -euo pipefail
+# f32 activations in `run` and in the containers alike, so their tokens can be compared exactly.
+export LAYERSTREAM_EXACT=true
 cd "$(dirname "$0")/.."
 source deploy/lib.sh
 

@@ -8,13 +8,13 @@ use layerstream_rpc::v1::*;
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
 use std::io::Read;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tonic_types::StatusExt;
 
 /// A `layerstream submit` process generating a long answer, returned once its first text arrived.
 fn long_submit(addr: &str) -> std::process::Child {
-    let mut child = Command::new(bin())
+    let mut child = cmd()
         .args([
             "submit",
             "--addr",

@@ -68,7 +68,8 @@ fn stores_of_the_added_formats_run_alone_and_streamed_alike() {
     }
 }
 
-/// `--int8-activations` (opt-in 8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights) reaches the kernels
+/// `--int8-activations` (8-bit activations for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights; the CPU's
+/// default unless `--exact`) reaches the kernels
 /// both in `run` and in the workers `up` starts: a Q4_1 store gives the same tokens either way, and
 /// the dot it computes is checked against its reference and the f32 dot in `cpu::int8`.
 #[test]
@@ -91,4 +92,22 @@ fn int8_activations_give_the_same_tokens_in_run_and_through_up() {
     }
     assert_eq!(submit(stack.addr(), &args)["output_ids"], solo);
     stack.shutdown();
+    // They are the CPU's default: without `--exact` (nor LAYERSTREAM_EXACT, which the harness sets)
+    // `run` computes as `--int8-activations` does; `--exact` as the harness's f32 runs.
+    let raw = |extra: &[&str]| {
+        let mut a = vec!["run", "--model", s, "--json"];
+        a.extend(args);
+        a.extend(extra);
+        let out = std::process::Command::new(layerstream_tests::bin())
+            .env_remove("LAYERSTREAM_EXACT")
+            .args(&a)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        last_json(&String::from_utf8(out.stdout).unwrap())["output_ids"].clone()
+    };
+    assert_eq!(raw(&[]), solo, "8-bit activations are the CPU default");
+    let mut exact = vec!["run", "--model", s, "--json"];
+    exact.extend(args);
+    assert_eq!(raw(&["--exact"]), last_json(&layerstream(&exact))["output_ids"]);
 }

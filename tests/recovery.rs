@@ -488,7 +488,7 @@ fn up_stops_with_a_clear_error_when_the_restart_budget_is_spent() {
     use std::io::{BufRead, Read};
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
-    let mut up = std::process::Command::new(bin())
+    let mut up = cmd()
         .args(["up", "--model", store.to_str().unwrap(), "--listen", "127.0.0.1:0"])
         .args(["--workers", "2", "--max-restarts", "0", "--http-listen", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())

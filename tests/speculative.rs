@@ -186,7 +186,7 @@ fn a_pipeline_speculates_alone_and_batched_with_the_same_tokens() {
     let page: serde_json::Value = serde_json::from_slice(&page.stdout).unwrap();
     assert_eq!(page["spec"]["drafted"].as_f64().unwrap(), d);
     // A limit past 64: refused at the door.
-    let out = std::process::Command::new(bin())
+    let out = cmd()
         .args(["submit", "--addr", &addr, "--prompt", "Hi", "--draft-max", "65"])
         .output()
         .unwrap();

@@ -260,7 +260,7 @@ fn an_unreadable_store_says_permission_denied() {
         c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(bin());
         c
     } else {
-        std::process::Command::new(bin())
+        cmd()
     };
     let out = cmd.args(["verify", store.dir.to_str().unwrap()]).output();
     std::fs::set_permissions(&store.dir, std::fs::Permissions::from_mode(0o755)).unwrap();

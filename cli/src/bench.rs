@@ -317,6 +317,9 @@ pub(crate) fn stack_args(model: &str, a: &BenchArgs, extra: &[String]) -> Vec<St
     if a.device.int8_activations {
         args.push("--int8-activations".into());
     }
+    if a.device.exact {
+        args.push("--exact".into());
+    }
     if let Some(g) = a.device.link_gbps {
         args.extend(["--link-gbps".into(), g.to_string()]);
     }

@@ -35,10 +35,14 @@ pub struct PerplexityArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// 8-bit activations, as llama.cpp computes (to measure what they cost in quality; they apply
-    /// to steps of up to 8 rows, so together with `--decode`).
+    /// 8-bit activations in decode and short steps (at most 8 rows), as llama.cpp computes — the
+    /// CPU's default (see `--exact`); on a GPU only with this flag. Takes precedence over `--exact`.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
+    /// f32 activations everywhere: tokens reproduce transformers. Without it the CPU multiplies
+    /// quantized weights by 8-bit activations in decode and short steps.
+    #[arg(long, env = "LAYERSTREAM_EXACT")]
+    pub exact: bool,
     /// Score the second half of each window token by token, as generation decodes (one-row steps)
     /// instead of in one pass over its rows: the same number up to rounding, through the decode path.
     #[arg(long, env = "LAYERSTREAM_PPL_DECODE")]
@@ -84,7 +88,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if let Some(n) = args.threads {
         layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
     }
-    layerstream_kernels::cpu::int8::set_int8_activations(args.int8_activations);
+    layerstream_kernels::cpu::int8::set_int8_activations(layerstream_worker::int8_by_default(
+        &args.device,
+        args.int8_activations,
+        args.exact,
+    ));
     let store = Store::open(&crate::run::model_dir(&args.model)?)?;
     let context = store.manifest.config.max_position_embeddings;
     if args.ctx > context {

@@ -33,11 +33,14 @@ pub struct RunArgs {
     /// CPU compute threads (default: every core).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// 8-bit activations in decode and short steps, as llama.cpp computes (faster; tokens no longer
-    /// match transformers exactly): CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights, CUDA for
-    /// Q8_0/Q4_0/Q4_1/Q4_K/Q6_K.
+    /// 8-bit activations in decode and short steps (at most 8 rows), as llama.cpp computes — the
+    /// CPU's default (see `--exact`); on a GPU only with this flag. Takes precedence over `--exact`.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
+    /// f32 activations everywhere: tokens reproduce transformers. Without it the CPU multiplies
+    /// quantized weights by 8-bit activations in decode and short steps.
+    #[arg(long, env = "LAYERSTREAM_EXACT")]
+    pub exact: bool,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
@@ -59,7 +62,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(n) = args.threads {
         layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
     }
-    layerstream_kernels::cpu::int8::set_int8_activations(args.int8_activations);
+    layerstream_kernels::cpu::int8::set_int8_activations(layerstream_worker::int8_by_default(
+        &args.device,
+        args.int8_activations,
+        args.exact,
+    ));
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
     let draft = match &args.spec.draft_model {

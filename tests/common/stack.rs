@@ -7,7 +7,7 @@ use layerstream_rpc::v1::loader_client::LoaderClient;
 use layerstream_rpc::v1::worker_client::WorkerClient;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 /// The internal token the test stacks run with.
@@ -31,7 +31,7 @@ pub struct Proc {
 impl Proc {
     /// Starts `layerstream <args>` and waits for its address.
     pub fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut child = Command::new(crate::bin())
+        let mut child = crate::cmd()
             .args(args)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())

@@ -36,11 +36,17 @@ pub struct DeviceFlags {
     /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
     #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
     pub concurrent_threads: Option<usize>,
-    /// 8-bit activations in decode and short steps, as llama.cpp computes (faster; tokens no longer
-    /// match transformers exactly): CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights, CUDA for
-    /// Q8_0/Q4_0/Q4_1/Q4_K/Q6_K.
+    /// 8-bit activations in decode and short steps, as llama.cpp computes — the CPU's default (see
+    /// `--exact`); on a GPU only with this flag: CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights,
+    /// CUDA for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K. Takes precedence over `--exact`.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
+    /// f32 activations everywhere: tokens reproduce transformers (and do not depend on what a
+    /// sequence is batched with). Without it the CPU multiplies quantized weights by 8-bit
+    /// activations in decode and short steps (faster; measured +0.44% perplexity on SmolLM2 Q4_1,
+    /// +0.08% on Gemma 3 270M Q4_K_M).
+    #[arg(long, env = "LAYERSTREAM_EXACT")]
+    pub exact: bool,
     /// Simulates a slower link: every streamed layer copy takes at least its bytes ÷ this many GB/s
     /// (the copy thread waits out the rest). For measuring the link-bound regime on a machine whose
     /// own copies are faster (speculative decoding's benchmark); off by default.
@@ -64,16 +70,20 @@ impl DeviceFlags {
         if self.int8_activations {
             a.push("--int8-activations".into());
         }
+        if self.exact {
+            a.push("--exact".into());
+        }
         if let Some(g) = self.link_gbps {
             a.extend(["--link-gbps".to_owned(), g.to_string()]);
         }
         a
     }
 
-    /// Sizes this process's CPU compute pool from `--threads` and sets `--int8-activations`
-    /// (before any kernel runs).
+    /// Sizes this process's CPU compute pool from `--threads` and turns 8-bit activations on or off
+    /// (`int8_by_default`; before any kernel runs).
     pub fn apply_threads(&self) -> crate::Result<()> {
-        layerstream_kernels::cpu::int8::set_int8_activations(self.int8_activations);
+        let int8 = int8_by_default(&self.device, self.int8_activations, self.exact);
+        layerstream_kernels::cpu::int8::set_int8_activations(int8);
         if let Some(g) = self.link_gbps {
             crate::prefetch::set_link_gbps(g).map_err(|m| crate::Error::invalid("link_gbps", m))?;
         }
@@ -82,6 +92,13 @@ impl DeviceFlags {
             None => Ok(()),
         }
     }
+}
+
+/// Whether a process on `device` uses 8-bit activations: asked for (`--int8-activations`), or on
+/// the CPU unless `--exact` — its default, as llama.cpp's, where the measured perplexity cost is at
+/// most 0.5% (docs/kv-cache.md, benchmarks/kv-cache-cpu-2core.md).
+pub fn int8_by_default(device: &str, int8_activations: bool, exact: bool) -> bool {
+    int8_activations || (device == "cpu" && !exact)
 }
 
 /// Flags of a worker.

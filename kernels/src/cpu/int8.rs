@@ -1,11 +1,13 @@
-//! Opt-in 8-bit activations for the CPU matvec path (`--int8-activations`, a process-wide switch the
-//! CUDA backend's matvec also follows: kernels/cuda/int8.cu; steps of up to `MAX_ROWS` activation
-//! rows), as llama.cpp computes:
+//! 8-bit activations for the CPU matvec path (a process-wide switch the CUDA backend's matvec also
+//! follows: kernels/cuda/int8.cu; steps of up to `MAX_ROWS` activation rows), as llama.cpp computes
+//! — the commands' default on the CPU (`layerstream_worker::int8_by_default`: off with `--exact`, on
+//! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
+//! in-process tests get the f32 path):
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
 //! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity
 //! with transformers the f32 path keeps (tokens are checked against llama.cpp's own output instead:
-//! benchmarks/vs-llama-cpp-cpu-2core.md). Off by default; other formats keep the f32 path.
+//! benchmarks/vs-llama-cpp-cpu-2core.md). Other formats keep the f32 path.
 
 use crate::quant::f16_at;
 use layerstream_types::DType;
