@@ -153,6 +153,9 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         later(&off) / later(&on).max(1e-9),
         if on_ids == off_ids { "yes" } else { "NO" }
     );
+    if !a.device.exact {
+        println!("(without --exact, cached blocks of earlier answers hold keys the decode path computed with 8-bit activations, where the uncached run prefills them in f32: answers may differ slightly)");
+    }
 
     // Capacity: the f32 pool's bytes, held in each dtype.
     let f32_positions = a.plan.kv_capacity;
@@ -174,13 +177,13 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
             first = peak as f64;
         }
         println!(
-            "| {} | {positions} | {peak} | {:.2} | {pre} |",
+            "| {} | {positions} | {count} | {peak} | {:.2} | {pre} |",
             d.name(),
             peak as f64 / first.max(1.0)
         );
     }
-    if on_ids != off_ids {
-        bail!("the prefix cache changed the answers");
+    if on_ids != off_ids && a.device.exact {
+        bail!("the prefix cache changed the answers under --exact");
     }
     Ok(())
 }

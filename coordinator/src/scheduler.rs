@@ -370,7 +370,11 @@ impl Scheduler {
             let mut needs: Vec<usize> =
                 self.preempted.iter().map(|a| self.blocks_to_admit(a.known())).collect();
             needs.extend(waiting.iter().map(|r| self.blocks_to_admit(r.input_ids.len())));
-            for _ in 0..admit(active.len(), self.blocks.available(), &needs, self.limits) {
+            // What the running sequences' next steps take is not free for newcomers (else a
+            // newcomer would be preempted as soon as it is admitted).
+            let growth: usize = active.iter().map(|a| self.next_growth(a)).sum();
+            let free = self.blocks.available().saturating_sub(growth);
+            for _ in 0..admit(active.len(), free, &needs, self.limits) {
                 let mut a = match self.preempted.pop_front() {
                     Some(a) => a,
                     None => {

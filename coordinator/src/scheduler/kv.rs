@@ -87,10 +87,12 @@ impl Scheduler {
 
     /// Blocks a sequence not in flight may add in its next step (its next prompt chunk, or a
     /// decode token and a draft).
-    fn next_growth(&self, a: &Active) -> usize {
+    pub(super) fn next_growth(&self, a: &Active) -> usize {
         let end = a.prefill_end();
         let bring = if a.pos < end {
             (end - a.pos).min(self.limits.max_step_tokens)
+        } else if self.spec.0 == layerstream_model::spec::SpecMode::Off {
+            1
         } else {
             1 + a.req.params.speculative.max(self.spec.1)
         };
