@@ -15,6 +15,21 @@ __device__ __forceinline__ const u8* kv_row(const u8* pool, const unsigned* tabl
     return pool + ((long long)table[t / bs] * bs + t % bs) * stride;
 }
 
+// The normalized Walsh-Hadamard transform of n values in place (n a power of two): quantized
+// pools store every head's keys and values rotated in chunks of `rot` (kernels/src/kv.rs
+// `rotation`), the query is rotated the same way and the output rotated back.
+__device__ __forceinline__ void fwht(float* c, int n) {
+    for (int h = 1; h < n; h *= 2)
+        for (int i = 0; i < n; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = c[j], b = c[j + h];
+                c[j] = a + b;
+                c[j + h] = a - b;
+            }
+    const float scale = 1.0f / sqrtf((float)n);
+    for (int j = 0; j < n; j++) c[j] *= scale;
+}
+
 // Element j of a stored row.
 __device__ __forceinline__ float kv_at(const u8* row, int j, int dt) {
     switch (dt) {
@@ -35,9 +50,10 @@ __device__ __forceinline__ float kv_at(const u8* row, int j, int dt) {
 }
 
 // Stores rows src[m, kvd] (f32) at positions start..start+m: one block per row; each thread one
-// value (plain dtypes) or one group of 32 (quantized, as ggml's reference quantizers).
+// value (plain dtypes) or one span of max(rot, 32) values, rotated in chunks of `rot` (0: not) and
+// quantized in groups of 32 (as ggml's reference quantizers).
 extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* table, int start, int kvd,
-                                    int bs, long long stride, int dt) {
+                                    int bs, long long stride, int dt, int rot) {
     const int r = blockIdx.x;
     const float* x = src + (long long)r * kvd;
     u8* row = pool + ((long long)table[(start + r) / bs] * bs + (start + r) % bs) * stride;
@@ -49,8 +65,15 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
         }
         return;
     }
-    for (int g = threadIdx.x; g < kvd / 32; g += blockDim.x) {
-        const float* v = x + g * 32;
+    const int span = rot > 32 ? rot : 32;
+    for (int sp = threadIdx.x; sp < kvd / span; sp += blockDim.x) {
+        float buf[64];
+        for (int l = 0; l < span; l++) buf[l] = x[sp * span + l];
+        if (rot > 1)
+            for (int c = 0; c < span; c += rot) fwht(buf + c, rot);
+        for (int part = 0; part < span / 32; part++) {
+        const int g = sp * (span / 32) + part;
+        const float* v = buf + part * 32;
         if (dt == DT_Q8_0) {
             float amax = 0.0f;
             for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
@@ -72,16 +95,21 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
                 b[2 + l] = (u8)(a | (c << 4));
             }
         }
+        }
     }
 }
 
 // window > 0: a row attends only to the last `window` positions of its context (itself included).
 // anc != 0: the new rows are a token tree (at most 64: gridDim.y of them): row r attends
 // to the positions before `start` and to the new rows whose bit is set in anc[r].
+// rot > 1: keys and values are stored rotated in chunks of `rot` (see fwht): the query is rotated
+// before the scores and the output rotated back.
 extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp, const unsigned* table, int bs,
-                                     long long stride, int dt, float* out, int start, int n_heads, int n_kv_heads,
-                                     int hd, float scale, int window, const unsigned long long* anc) {
+                                     long long stride, int dt, int rot, float* out, int start, int n_heads,
+                                     int n_kv_heads, int hd, float scale, int window,
+                                     const unsigned long long* anc) {
     __shared__ float p[ATT_MAX_THREADS];
+    __shared__ float rq[ATT_DIMS_PER_THREAD * ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int kvh = h / (n_heads / n_kv_heads);
     const int qd = n_heads * hd;
@@ -89,6 +117,14 @@ extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp,
     const unsigned long long mask = anc ? anc[row] : 0ULL;
     const int first = window > 0 && n_ctx > window ? n_ctx - window : 0;
     const float* qv = q + (long long)row * qd + (long long)h * hd;
+    if (rot > 1) {
+        for (int j = tid; j < hd; j += nt) rq[j] = qv[j];
+        __syncthreads();
+        if (tid == 0)
+            for (int c = 0; c < hd; c += rot) fwht(rq + c, rot);
+        __syncthreads();
+        qv = rq;
+    }
     float acc[ATT_DIMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) acc[i] = 0.0f;
@@ -124,9 +160,24 @@ extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp,
         __syncthreads();  // every thread is done with p before the next tile overwrites it
     }
     const float inv = 1.0f / sum;
+    float* o = out + (long long)row * qd + (long long)h * hd;
+    if (rot > 1) {
+        // The output is rotated back (the query's copy is no longer read: its buffer serves).
+#pragma unroll
+        for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) {
+            const int d = tid + i * nt;
+            if (d < hd) rq[d] = acc[i] * inv;
+        }
+        __syncthreads();
+        if (tid == 0)
+            for (int c = 0; c < hd; c += rot) fwht(rq + c, rot);
+        __syncthreads();
+        for (int d = tid; d < hd; d += nt) o[d] = rq[d];
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) {
         const int d = tid + i * nt;
-        if (d < hd) out[(long long)row * qd + (long long)h * hd + d] = acc[i] * inv;
+        if (d < hd) o[d] = acc[i] * inv;
     }
 }

@@ -59,17 +59,20 @@ int main(int argc, char** argv) {
         std::vector<unsigned long long> anc(tree ? m : 0);
         if (!read_into(in, q) || !read_into(in, k) || !read_into(in, v) || !read_into(in, table) || !read_into(in, anc)) return 3;
         const long long stride = (row_bytes(dt, kvd) + 3) / 4 * 4;
+        // The backend's rotation (kernels/src/kv.rs `rotation`): quantized dtypes, chunks of the
+        // largest power of two dividing head_dim, at most 64.
+        const int rot = (dt == DT_Q8_0 || dt == DT_Q4_0) ? std::min(64, hd & -hd) : 0;
         const unsigned most = *std::max_element(table.begin(), table.end()) + 1;
         std::vector<u8> kp((size_t)most * bs * stride), vp(kp.size());
         // The backend's launches: kv_store for keys and values (the cached rows, then the new), then attention.
         for (auto [from, n] : {std::pair{0, start}, std::pair{start, m}}) {
             if (n == 0) continue;
-            launch(n, 64, [&] { kv_store(k.data() + (size_t)from * kvd, kp.data(), table.data(), from, kvd, bs, stride, dt); });
-            launch(n, 64, [&] { kv_store(v.data() + (size_t)from * kvd, vp.data(), table.data(), from, kvd, bs, stride, dt); });
+            launch(n, 64, [&] { kv_store(k.data() + (size_t)from * kvd, kp.data(), table.data(), from, kvd, bs, stride, dt, rot); });
+            launch(n, 64, [&] { kv_store(v.data() + (size_t)from * kvd, vp.data(), table.data(), from, kvd, bs, stride, dt, rot); });
         }
         std::vector<float> o(q.size(), NAN);
         const float scale = 1.0f / sqrtf((float)a[7]);
-        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr); });
+        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, rot, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

@@ -1,7 +1,11 @@
 //! Paged KV storage, common to every backend: how a pool of blocks stores keys and values
 //! (`KvLayout`: dtype, positions per block, blocks), where a sequence's positions live
 //! (`KvSeq`: its block table), and the row codecs (f32, f16, bf16, and GGML's q8_0 / q4_0 blocks
-//! of 32, quantized as ggml-quants.c's reference functions do).
+//! of 32, quantized as ggml-quants.c's reference functions do). Quantized pools store each head's
+//! keys and values rotated by a normalized Walsh-Hadamard transform (`rotation`, as llama.cpp does
+//! for its quantized caches): it spreads an outlier over its chunk, so the 4/8-bit blocks lose
+//! less; scores are unchanged when the query is rotated the same way (the transform is
+//! orthonormal), and the attention output is rotated back (it is its own inverse).
 
 use crate::backend::AttnShape;
 use crate::error::{Error, Result};
@@ -93,6 +97,37 @@ impl KvSeq<'_> {
     }
 }
 
+/// The chunk size of the Hadamard rotation a pool of `dtype` applies to heads of `head_dim` (0:
+/// none): for the 8/4-bit dtypes, the largest power of two dividing `head_dim`, at most 64.
+pub fn rotation(dtype: DType, head_dim: usize) -> usize {
+    if !dtype.is_quantized() || head_dim == 0 {
+        return 0;
+    }
+    (head_dim & head_dim.wrapping_neg()).min(64)
+}
+
+/// Applies the normalized Walsh-Hadamard transform to every chunk of `n` values of `x` in place
+/// (`n` a power of two; it is orthonormal and its own inverse).
+pub fn hadamard(x: &mut [f32], n: usize) {
+    if n < 2 {
+        return;
+    }
+    let scale = 1.0 / (n as f32).sqrt();
+    for c in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (c[j], c[j + h]);
+                    (c[j], c[j + h]) = (a + b, a - b);
+                }
+            }
+            h *= 2;
+        }
+        c.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
 /// Stores `x` as one row of `dtype` at the start of `out`.
 pub fn store_row(dtype: DType, x: &[f32], out: &mut [u8]) {
     match dtype {
@@ -140,6 +175,43 @@ pub fn store_row(dtype: DType, x: &[f32], out: &mut [u8]) {
 mod tests {
     use super::*;
     use crate::quant::dequant_row;
+
+    /// The rotation is orthonormal and its own inverse: dot products are kept, twice is identity.
+    #[test]
+    fn hadamard_keeps_dots_and_undoes_itself() {
+        let a: Vec<f32> = (0..128).map(|i| ((i * 13) % 7) as f32 - 3.0).collect();
+        let b: Vec<f32> = (0..128).map(|i| ((i * 5) % 11) as f32 * 0.5).collect();
+        let (mut ra, mut rb) = (a.clone(), b.clone());
+        hadamard(&mut ra, 64);
+        hadamard(&mut rb, 64);
+        let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| p * q).sum::<f32>();
+        assert!((dot(&a, &b) - dot(&ra, &rb)).abs() < 1e-3);
+        hadamard(&mut ra, 64);
+        assert!(ra.iter().zip(&a).all(|(x, y)| (x - y).abs() < 1e-5));
+        assert_eq!((rotation(DType::Q4_0, 64), rotation(DType::Q8_0, 80)), (64, 16));
+        assert_eq!((rotation(DType::F16, 64), rotation(DType::Q4_0, 256)), (0, 64));
+    }
+
+    /// A row with an outlier (what keys have) loses less through q4_0 and q8_0 rotated: the
+    /// outlier no longer sets the scale of its whole block alone.
+    #[test]
+    fn rotation_lowers_the_error_of_an_outlier_row() {
+        let mut x: Vec<f32> = (0..64).map(|i| ((i * 29) % 13) as f32 * 0.05 - 0.3).collect();
+        x[5] = 9.0;
+        for d in [DType::Q4_0, DType::Q8_0] {
+            let err = |rot: usize| {
+                let mut r = x.clone();
+                hadamard(&mut r, rot);
+                let mut bytes = vec![0u8; d.row_bytes(64).unwrap()];
+                store_row(d, &r, &mut bytes);
+                let mut y = vec![0f32; 64];
+                crate::quant::dequant_row(d, &bytes, &mut y);
+                hadamard(&mut y, rot);
+                x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>()
+            };
+            assert!(err(64) < 0.5 * err(0), "{d:?}: rotated {} vs plain {}", err(64), err(0));
+        }
+    }
 
     /// Every dtype round-trips within its precision (f32 exactly); q4_0 keeps the largest value.
     #[test]

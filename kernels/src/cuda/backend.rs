@@ -747,6 +747,9 @@ impl Backend for CudaBackend {
         let table = self.upload_small(&seq.table[..used])?;
         let (bs, stride, dt) =
             (i(cache.layout.block as i32), cache.stride as u64, i(dtype_code(cache.layout.dtype)));
+        // Quantized pools hold each head rotated (kv::rotation): kv_store rotates, attention
+        // rotates the query and the output back.
+        let rot = i(crate::kv::rotation(cache.layout.dtype, s.head_dim) as i32);
         for (src, pool) in [(k, kp), (v, vp)] {
             let args = [
                 src.buf.ptr,
@@ -757,6 +760,7 @@ impl Backend for CudaBackend {
                 bs,
                 stride,
                 dt,
+                rot,
             ];
             self.gpu.launch("kv_store", (m as u32, 1, 1), 64, 0, &args)?;
         }
@@ -769,6 +773,7 @@ impl Backend for CudaBackend {
             bs,
             stride,
             dt,
+            rot,
             out.buf.ptr,
             i(seq.start as i32),
             i(s.n_heads as i32),
