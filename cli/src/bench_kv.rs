@@ -2,11 +2,11 @@
 //! a 4-turn chat over a ~1.5k-token history on fresh stacks with the cache on and off; the time to
 //! first token of every turn and whether the answers are the same. (2) Capacity: one fixed KV budget
 //! (what `--kv-capacity` f32 positions take), and for every KV dtype the most 2k-token sequences
-//! that ran in one step when many are sent at once, against the f32 pool.
+//! that held KV blocks at once when more are sent than fit, against the f32 pool.
 
 use crate::bench::{stack_args, BenchArgs};
 use crate::up::{spawn_quiet, Children};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{
     generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, Stats, TokenIds,
@@ -71,8 +71,23 @@ fn chat(
     Ok((turns, answers))
 }
 
-/// The most sequences of `len` distinct prompt tokens that shared a step, `count` sent at once to
-/// a fresh stack with `extra` flags.
+/// A gauge of the coordinator's Prometheus `/metrics` at `base` (`http://host:port`), over plain
+/// HTTP/1.0.
+async fn gauge(base: &str, name: &str) -> Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = base.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(host).await?;
+    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes()).await?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .with_context(|| format!("no {name} in /metrics"))
+}
+
+/// `count` requests of `len` distinct prompt tokens (and 8 new ones) sent at once to a fresh stack
+/// with `extra` flags: the most that held KV blocks at once (the running-requests gauge, sampled
+/// every 50 ms), the most that shared a step, and the preemptions.
 fn concurrency(
     model: &str,
     a: &BenchArgs,
@@ -80,12 +95,13 @@ fn concurrency(
     len: usize,
     count: usize,
     rt: &tokio::runtime::Runtime,
-) -> Result<(u32, u32)> {
+) -> Result<(u32, u32, u32)> {
     let vocab =
         layerstream_model::Store::open(std::path::Path::new(model))?.manifest.config.vocab_size;
     let mut children = Children(Vec::new());
     let many = BenchArgs { batch: count, ..a.clone() };
-    let addr = spawn_quiet(&mut children, "kv-capacity", &stack_args(model, &many, extra))?.addr;
+    let up = spawn_quiet(&mut children, "kv-capacity", &stack_args(model, &many, extra))?;
+    let (addr, http) = (up.addr, up.http.context("the stack serves HTTP")?);
     let reqs: Vec<GenerateRequest> = (0..count)
         .map(|r| GenerateRequest {
             input: Some(generate_request::Input::TokenIds(TokenIds {
@@ -95,24 +111,27 @@ fn concurrency(
             ..Default::default()
         })
         .collect();
-    let stats = rt.block_on(async {
+    let (stats, running) = rt.block_on(async {
         let tasks: Vec<_> = reqs
             .into_iter()
             .map(|q| {
-                tokio::spawn({
-                    let addr = addr.clone();
-                    async move { one(&addr, q).await }
-                })
+                let addr = addr.clone();
+                tokio::spawn(async move { one(&addr, q).await })
             })
             .collect();
+        let mut most = 0f64;
+        while !tasks.iter().all(|t| t.is_finished()) {
+            most = most.max(gauge(&http, "layerstream_num_requests_running").await?);
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let mut out = Vec::new();
         for t in tasks {
             out.push(t.await??.2);
         }
-        Ok::<_, anyhow::Error>(out)
+        Ok::<_, anyhow::Error>((out, most as u32))
     })?;
-    let peak = stats.iter().map(|s| s.max_batch).max().unwrap_or(0);
-    Ok((peak, stats.iter().map(|s| s.preemptions).sum()))
+    let in_step = stats.iter().map(|s| s.max_batch).max().unwrap_or(0);
+    Ok((running, in_step, stats.iter().map(|s| s.preemptions).sum()))
 }
 
 /// Runs both comparisons and prints them.
@@ -161,7 +180,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
     let f32_positions = a.plan.kv_capacity;
     let kv_dim_bytes = 4.0;
     println!("\n## Capacity: a KV budget of {f32_positions} f32 positions per worker, 2048-token sequences (2040 prompt + 8), two more sent at once than the pool holds, prefix cache off\n");
-    println!("| KV dtype | positions in the budget | sent | most sequences in one step | ÷ f32 | preemptions |\n|---|---|---|---|---|---|");
+    println!("| KV dtype | positions in the budget | sent | most holding KV at once | ÷ f32 | most in one step | preemptions |\n|---|---|---|---|---|---|---|");
     let mut first = 0.0;
     for d in layerstream_types::dtype::KV_DTYPES {
         let per = d.row_bytes(64).map_or(4.0, |b| b as f64 / 64.0);
@@ -172,12 +191,12 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         p.kv.kv_dtype = d.name().into();
         // Two more than fit, so the pool, not the count sent, is the limit.
         let count = positions / 2048 + 2;
-        let (peak, pre) = concurrency(model, a, &base(&p), 2040, count, &rt)?;
+        let (peak, in_step, pre) = concurrency(model, a, &base(&p), 2040, count, &rt)?;
         if d == DType::F32 {
             first = peak as f64;
         }
         println!(
-            "| {} | {positions} | {count} | {peak} | {:.2} | {pre} |",
+            "| {} | {positions} | {count} | {peak} | {:.2} | {in_step} | {pre} |",
             d.name(),
             peak as f64 / first.max(1.0)
         );
