@@ -3,7 +3,8 @@
 //! blocks (gRPC stats, OpenAI `usage.prompt_tokens_details.cached_tokens`, Prometheus); a pool too
 //! small for every sequence at once preempts them — to the host-RAM tier and back, or replayed
 //! without one — with each one's solo tokens; every
-//! KV dtype runs, and bad KV flags are refused naming what is wrong.
+//! KV dtype runs, an f16 cache keeps transformers' greedy tokens up to the first near-tie, and bad
+//! KV flags are refused naming what is wrong.
 
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
@@ -218,5 +219,15 @@ fn evicted_prefix_blocks_come_back_from_host_ram() {
             assert!(back >= 2.0, "{back} blocks came back");
         }
         stack.shutdown();
+    }
+}
+
+/// f16 keys and values (the GPU default) keep SmolLM2's greedy tokens equal to transformers' up to
+/// each golden's first near-tie, as f32 does.
+#[test]
+fn an_f16_cache_keeps_transformers_greedy_tokens() {
+    let store = default_store().expect("the default model");
+    for g in goldens("smollm2") {
+        assert_greedy("smollm2", &g, &run_golden_with(&store, &g, &["--kv-dtype", "f16"]));
     }
 }

@@ -199,19 +199,27 @@ pub fn last_json(stdout: &str) -> serde_json::Value {
 
 /// `run --json` arguments reproducing a golden: its token ids, greedy, EOS ignored, as many tokens.
 pub fn run_golden(store: &Path, g: &Golden) -> Vec<u32> {
+    run_golden_with(store, g, &[])
+}
+
+/// `run_golden` with `extra` flags.
+pub fn run_golden_with(store: &Path, g: &Golden, extra: &[&str]) -> Vec<u32> {
     let ids: Vec<String> = g.input_ids.iter().map(u32::to_string).collect();
+    let joined = ids.join(",");
     let n = g.greedy_ids.len().to_string();
-    let out = layerstream(&[
+    let mut args = vec![
         "run",
         "--model",
         store.to_str().unwrap(),
         "--token-ids",
-        &ids.join(","),
+        &joined,
         "--max-new-tokens",
         &n,
         "--ignore-eos",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = layerstream(&args);
     let v = last_json(&out);
     serde_json::from_value(v["output_ids"].clone()).unwrap()
 }
