@@ -268,6 +268,7 @@ mod tests {
             "--concurrent-threads",
             "2",
             "--int8-activations",
+            "--exact",
             "--link-gbps",
             "1.5",
         ]);
