@@ -221,7 +221,8 @@ pub fn head_tensor<B: Backend>(
     }
     let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
     let h = b.rms_norm(&last, norm, ctx.eps)?;
-    Ok(b.matmul(&h, lm_head)?)
+    // f32 activations for the vocabulary projection whatever the layers use (see `int8::exact`).
+    Ok(layerstream_kernels::cpu::int8::exact(|| b.matmul(&h, lm_head))?)
 }
 
 /// `head_tensor` copied to the host: one logits vector per row (per sequence without tails).

@@ -159,7 +159,8 @@ impl<B: Backend> Model<B> {
                 return Ok(Vec::new());
             }
             let h = b.rms_norm(&b.rows(&x, from, n)?, &self.norm, self.ctx.eps)?;
-            let logits = b.to_host(&b.matmul(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?)?;
+            let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+            let logits = b.to_host(&layerstream_kernels::cpu::int8::exact(|| b.matmul(&h, lm))?)?;
             let vocab = logits.len() / n;
             Ok(logits
                 .chunks_exact(vocab)

@@ -1,5 +1,6 @@
 //! 8-bit activations for the CPU matvec path (a process-wide switch the CUDA backend's matvec also
 //! follows: kernels/cuda/int8.cu; steps of up to `MAX_ROWS` activation rows), as llama.cpp computes
+//! in the decoder layers (the vocabulary projection stays f32: `exact`)
 //! — the commands' default on the CPU (`layerstream_worker::int8_by_default`: off with `--exact`, on
 //! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
 //! in-process tests get the f32 path):
@@ -20,9 +21,25 @@ pub fn set_int8_activations(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-/// Whether 8-bit activations are on.
+thread_local! {
+    /// Set while `exact` runs on this thread.
+    static SUSPENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether 8-bit activations are on (and not suspended on this thread by `exact`).
 pub fn int8_activations() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+    ENABLED.load(Ordering::Relaxed) && !SUSPENDED.with(|s| s.get())
+}
+
+/// Runs `f` with 8-bit activations off on this thread: the vocabulary projection, whose argmax
+/// decides between near-tied tokens (SmolLM2's "What is the capital of France?" opens with "The" at
+/// −1.88 against "L" at −1.96, and 8-bit activations in the head swapped them). A matmul decides its
+/// path on the calling thread, so this covers every kernel `f` launches.
+pub fn exact<R>(f: impl FnOnce() -> R) -> R {
+    let was = SUSPENDED.with(|s| s.replace(true));
+    let r = f();
+    SUSPENDED.with(|s| s.set(was));
+    r
 }
 
 /// Weight formats with an 8-bit-activation dot.
