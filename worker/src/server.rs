@@ -43,8 +43,8 @@ pub struct DeviceFlags {
     pub int8_activations: bool,
     /// f32 activations everywhere: tokens reproduce transformers (and do not depend on what a
     /// sequence is batched with). Without it the CPU multiplies quantized weights by 8-bit
-    /// activations in decode and short steps (faster; measured +0.44% perplexity on SmolLM2 Q4_1,
-    /// +0.08% on Gemma 3 270M Q4_K_M).
+    /// activations in decode and short steps, the vocabulary projection excepted (faster; measured
+    /// +0.24% perplexity on SmolLM2 Q4_1, +0.13% on Gemma 3 270M Q4_K_M).
     #[arg(long, env = "LAYERSTREAM_EXACT")]
     pub exact: bool,
     /// Simulates a slower link: every streamed layer copy takes at least its bytes ÷ this many GB/s
