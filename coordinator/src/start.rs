@@ -135,8 +135,8 @@ fn kv_host_blocks(args: &CoordinatorArgs, store: &Store) -> Result<u32> {
     let dtype = layerstream_model::dtype::parse_kv_dtype(&args.plan.kv.dtype_for("cpu"))
         .map_err(Error::Setup)?;
     let per = layerstream_model::plan::kv_bytes_per_token_layer(m, dtype)
-        * args.plan.kv.kv_block as u64
-        * m.config.num_layers as u64;
+        .saturating_mul(args.plan.kv.kv_block as u64)
+        .saturating_mul(m.config.num_layers as u64);
     Ok((bytes / per.max(1)).min(u32::MAX as u64) as u32)
 }
 

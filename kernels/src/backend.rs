@@ -264,8 +264,4 @@ pub trait Backend: Send + Sync + Clone {
     fn kv_read(&self, cache: &Self::KvCache, block: u32) -> Result<Vec<u8>>;
     /// Writes what `kv_read` gave back into block `block` of a pool of the same layout.
     fn kv_write(&self, cache: &mut Self::KvCache, block: u32, bytes: &[u8]) -> Result<()>;
-    /// Bytes a pool of `layout` occupies for a layer of `shape`.
-    fn kv_bytes(&self, shape: AttnShape, layout: KvLayout) -> usize {
-        crate::kv::kv_bytes(shape, layout.dtype, layout.positions())
-    }
 }

@@ -42,7 +42,17 @@ impl KvLayout {
                 dtype.block_elems(),
             ));
         }
-        Ok(KvLayout { dtype, block, blocks })
+        let layout = KvLayout { dtype, block, blocks };
+        // Sizes come from an assignment: a pool whose bytes do not fit an address is an error here,
+        // never a wrapped allocation later.
+        let bytes =
+            blocks.checked_mul(block).and_then(|p| p.checked_mul(layout.row_stride(kv_dim)));
+        if bytes.is_none() {
+            return bad(format!(
+                "a KV pool of {blocks} blocks of {block} positions does not fit in memory"
+            ));
+        }
+        Ok(layout)
     }
 
     /// Positions the pool holds.
@@ -52,14 +62,8 @@ impl KvLayout {
 
     /// Bytes between stored rows of `kv_dim` values (whole 4-byte words).
     pub fn row_stride(&self, kv_dim: usize) -> usize {
-        self.dtype.row_bytes(kv_dim).unwrap_or(kv_dim * 4).div_ceil(4) * 4
+        self.dtype.row_bytes(kv_dim).unwrap_or(kv_dim.saturating_mul(4)).div_ceil(4) * 4
     }
-}
-
-/// Bytes keys and values of `positions` positions take in `dtype` for a layer of `shape`.
-pub fn kv_bytes(shape: AttnShape, dtype: DType, positions: usize) -> usize {
-    let layout = KvLayout { dtype, block: 1, blocks: 0 };
-    2 * positions * layout.row_stride(shape.n_kv_heads * shape.head_dim)
 }
 
 /// One sequence's place in a pool: its block table (block `i` holds positions
@@ -243,6 +247,7 @@ mod tests {
         assert!(e(KvLayout::new(DType::Q4K, 16, 8, s)).contains("q4_k"));
         assert!(e(KvLayout::new(DType::Q8_0, 16, 8, AttnShape::new(2, 1, 48)))
             .contains("a row of 48 keys"));
+        assert!(e(KvLayout::new(DType::F32, 16, usize::MAX / 16, s)).contains("does not fit"));
         assert!(parse_kv_dtype("q5_0").unwrap_err().contains("f32, f16, bf16, q8_0, q4_0"));
         assert_eq!(parse_kv_dtype("bf16"), Ok(DType::Bf16));
     }

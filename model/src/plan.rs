@@ -60,8 +60,9 @@ impl AssignmentExt for Assignment {
 /// KV bytes of one position in one layer (keys and values in `dtype`, rows padded to 4 bytes as
 /// the pools store them).
 pub fn kv_bytes_per_token_layer(m: &Manifest, dtype: DType) -> u64 {
-    let row = dtype.row_bytes(m.config.kv_dim()).unwrap_or(m.config.kv_dim() * 4);
-    2 * row.div_ceil(4) as u64 * 4
+    // The config comes from a file: a crafted width saturates rather than wraps.
+    let row = dtype.row_bytes(m.config.kv_dim()).unwrap_or(m.config.kv_dim().saturating_mul(4));
+    (row as u64).div_ceil(4).saturating_mul(8)
 }
 
 /// Device bytes one token of a step keeps alive at the peak of a layer's forward pass (f32): what
@@ -104,7 +105,9 @@ pub struct Usage {
 impl Usage {
     /// Total bytes.
     pub fn total(&self) -> u64 {
-        self.embed_head + self.resident + self.streaming + self.kv + self.experts
+        [self.embed_head, self.resident, self.streaming, self.kv, self.experts]
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b))
     }
 }
 
@@ -135,9 +138,11 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
     }
     let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
     let (count, bytes) = streaming_buffers(m, a);
-    let kv = a.kv_capacity
-        * kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32))
-        * a.layers().len() as u64;
+    // Saturating: a crafted capacity must exceed every budget, not wrap below it.
+    let kv = a
+        .kv_capacity
+        .saturating_mul(kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32)))
+        .saturating_mul(a.layers().len() as u64);
     Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
 }
 
@@ -236,6 +241,9 @@ mod tests {
         assert_eq!(u.resident, layer);
         assert_eq!(u.streaming, 2 * layer, "two buffers of one layer");
         assert_eq!(u.kv, 8 * kv_bytes_per_token_layer(&m, DType::F32) * 4);
+        // A crafted capacity saturates: it exceeds every budget instead of wrapping below one.
+        let huge = Assignment { kv_capacity: u64::MAX, ..a.clone() };
+        assert_eq!((usage(&m, &huge).kv, usage(&m, &huge).total()), (u64::MAX, u64::MAX));
         assert_eq!(
             u.embed_head,
             file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"),
