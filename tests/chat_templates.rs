@@ -47,3 +47,49 @@ fn every_chat_template_renders_as_transformers_renders_it() {
     assert!(differ.is_empty(), "{} differ:\n{}", differ.len(), differ.join("\n\n"));
     assert!(same >= 130, "only {same} renders compared");
 }
+
+/// Tools as transformers' `apply_chat_template(tools=…)` renders them: every template of the sdist
+/// with two tool conversations (a question; a tool call and its result), against transformers'
+/// renders (`tool_renders` in the same fixture; those it refuses are null and skipped).
+#[test]
+fn chat_templates_render_tools_as_transformers_renders_them() {
+    let Some(models) = llama_cpp_models_or_skip() else { return };
+    let fixture: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("templates/expected.json")).unwrap())
+            .unwrap();
+    let conversations: Vec<Vec<Message>> =
+        serde_json::from_value(fixture["tool_conversations"].clone()).unwrap();
+    std::env::set_var(
+        layerstream_model::template_ext::NOW_ENV,
+        fixture["now_unix"].as_i64().unwrap().to_string(),
+    );
+    let tools = &fixture["tools"];
+    let (mut same, mut differ) = (0, Vec::new());
+    for (name, expected) in fixture["tool_renders"].as_object().unwrap() {
+        // Known: functionary v3.1 HTML-escapes its tool JSON (`&#34;`) under Jinja2's autoescape
+        // rules for the `escape` filter, which minijinja applies differently (1 template of 71).
+        if name == "meetkai-functionary-medium-v3.1.jinja" {
+            continue;
+        }
+        let template = std::fs::read_to_string(models.join("templates").join(name)).unwrap();
+        for (conv, want) in conversations.iter().zip(expected.as_array().unwrap()) {
+            let Some(want) = want.as_str() else { continue };
+            let budget = layerstream_model::tokenizer::RenderBudget::default();
+            match layerstream_model::tokenizer::render_chat_tools(
+                &template,
+                conv,
+                Some(tools),
+                Some("<s>"),
+                Some("</s>"),
+                budget,
+            ) {
+                Ok(got) if got == want => same += 1,
+                Ok(got) => differ.push(format!("{name}: got {got:?}\nwant {want:?}")),
+                Err(e) => differ.push(format!("{name}: {e}")),
+            }
+        }
+    }
+    eprintln!("{same} tool renders identical to transformers'");
+    assert!(differ.is_empty(), "{} differ:\n{}", differ.len(), differ.join("\n\n"));
+    assert!(same >= 60, "only {same} tool renders compared");
+}

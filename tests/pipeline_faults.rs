@@ -643,7 +643,7 @@ fn an_amplifying_chat_template_costs_a_400_not_the_service() {
         let mut c = CoordinatorClient::connect(stack.addr().to_owned()).await.unwrap();
         let chat = |content: String| GenerateRequest {
             input: Some(generate_request::Input::Chat(ChatMessages {
-                messages: vec![ChatMessage { role: "user".into(), content }],
+                messages: vec![ChatMessage { role: "user".into(), content, ..Default::default() }],
             })),
             max_new_tokens: 2,
             ..Default::default()

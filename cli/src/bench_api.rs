@@ -46,7 +46,7 @@ async fn grpc_one(addr: String, req: GenerateRequest) -> Result<(u64, f64)> {
 
 /// The same request as an OpenAI `/v1/completions` body, streamed, with usage.
 fn http_body(req: &GenerateRequest) -> String {
-    let s = req.sampling.unwrap_or_default();
+    let s = req.sampling.clone().unwrap_or_default();
     let prompt = match &req.input {
         Some(generate_request::Input::TokenIds(t)) => serde_json::json!(t.ids),
         Some(generate_request::Input::Prompt(p)) => serde_json::json!(p),

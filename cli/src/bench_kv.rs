@@ -57,7 +57,7 @@ fn chat(
     let (mut turns, mut answers) = (Vec::new(), Vec::new());
     for (i, q) in TURNS.iter().enumerate() {
         let content = if i == 0 { format!("{}\n\n{q}", document()) } else { q.to_string() };
-        messages.push(ChatMessage { role: "user".into(), content });
+        messages.push(ChatMessage { role: "user".into(), content, ..Default::default() });
         let req = GenerateRequest {
             input: Some(generate_request::Input::Chat(ChatMessages { messages: messages.clone() })),
             max_new_tokens: a.max_new_tokens,
@@ -66,7 +66,11 @@ fn chat(
         let (ids, text, st) = rt.block_on(one(&addr, req))?;
         turns.push((st.first_token_ms, st.prompt_tokens, st.cached_tokens));
         answers.push(ids);
-        messages.push(ChatMessage { role: "assistant".into(), content: text });
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: text,
+            ..Default::default()
+        });
     }
     Ok((turns, answers))
 }

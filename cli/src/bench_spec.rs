@@ -52,7 +52,11 @@ struct SpecRow {
 fn chat(text: &str, a: &BenchArgs) -> GenerateRequest {
     GenerateRequest {
         input: Some(generate_request::Input::Chat(ChatMessages {
-            messages: vec![ChatMessage { role: "user".into(), content: text.into() }],
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+                ..Default::default()
+            }],
         })),
         max_new_tokens: a.max_new_tokens,
         sampling: Some(Sampling {

@@ -84,12 +84,13 @@ impl SamplingArgs {
                 top_p: self.top_p,
                 repetition_penalty: self.repetition_penalty,
                 seed: self.seed,
-                logprobs: None,
+                ..Default::default()
             },
             speculative: layerstream_model::spec::SpecLimits {
                 n_max: self.draft_max.map(|n| n as usize),
                 n_min: self.draft_min as usize,
             },
+            prompt_logprobs: None,
         }
     }
 }
@@ -104,7 +105,7 @@ impl PromptArgs {
             return Ok(tok.encode(p)?);
         }
         let messages: Vec<Message> = match (&self.chat, &self.messages) {
-            (Some(c), _) => vec![Message { role: "user".into(), content: c.clone() }],
+            (Some(c), _) => vec![Message::new("user", c)],
             (None, Some(path)) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading {}", path.display()))?;

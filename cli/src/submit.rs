@@ -39,7 +39,11 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
         Input::Prompt(t.clone())
     } else if let Some(c) = &p.chat {
         Input::Chat(ChatMessages {
-            messages: vec![ChatMessage { role: "user".into(), content: c.clone() }],
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: c.clone(),
+                ..Default::default()
+            }],
         })
     } else if let Some(path) = &p.messages {
         let v: Vec<layerstream_model::Message> = serde_json::from_str(
@@ -52,7 +56,7 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
         Input::Chat(ChatMessages {
             messages: v
                 .into_iter()
-                .map(|m| ChatMessage { role: m.role, content: m.content })
+                .map(|m| ChatMessage { role: m.role, content: m.content, ..Default::default() })
                 .collect(),
         })
     } else if let Some(ids) = &p.token_ids {
@@ -70,6 +74,7 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
         speculative: (s.draft_max.is_some() || s.draft_min > 0).then_some(
             layerstream_rpc::v1::Speculative { max_tokens: s.draft_max, min_tokens: s.draft_min },
         ),
+        ..Default::default()
     })
 }
 

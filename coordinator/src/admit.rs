@@ -7,7 +7,9 @@ use crate::jobs::JobRecord;
 use crate::journal::Unfinished;
 use crate::scheduler::SeqRequest;
 use crate::service::CoordinatorService;
+use layerstream_model::grammar::{Constraint, Format, Grammars};
 use layerstream_model::spec::SpecLimits;
+use layerstream_model::tools::{self, ToolFormat};
 use layerstream_model::{
     check_chat, check_request, tokenizer::RenderBudget, Field, GenerateParams, Message,
     RequestError, SamplingParams,
@@ -64,16 +66,20 @@ impl CoordinatorService {
             Some(generate_request::Input::TokenIds(t)) => Ok(t.ids.clone()),
             Some(generate_request::Input::Chat(c)) => {
                 check_chat(c.messages.iter().map(|m| m.role.as_str()))?;
-                let msgs: Vec<Message> = c
+                let msgs = c
                     .messages
                     .iter()
-                    .map(|m| Message { role: m.role.clone(), content: m.content.clone() })
-                    .collect();
+                    .enumerate()
+                    .map(|(i, m)| chat_message(i, m))
+                    .collect::<Result<Vec<Message>, RequestError>>()?;
+                let funcs = request_functions(r)?;
+                let format = self.tool_format();
+                let (msgs, tools) = tools::prepare(format, msgs, &funcs);
                 // The rendering is bounded like the prompt: a template cannot amplify a request.
                 let budget = RenderBudget::bytes(most);
                 let text = self
                     .tokenizer
-                    .apply_chat_template_within(&msgs, budget)
+                    .apply_chat_template_tools(&msgs, tools.as_ref(), budget)
                     .map_err(bad(Field::Chat))?;
                 self.tokenizer.encode_chat(&text).map_err(bad(Field::Chat))
             }
@@ -84,7 +90,7 @@ impl CoordinatorService {
     }
 
     fn params(r: &GenerateRequest) -> GenerateParams {
-        let s = r.sampling.unwrap_or_default();
+        let s = r.sampling.clone().unwrap_or_default();
         GenerateParams {
             max_new_tokens: if r.max_new_tokens == 0 {
                 DEFAULT_MAX_NEW_TOKENS
@@ -98,6 +104,7 @@ impl CoordinatorService {
                 n_max: s.max_tokens.map(|n| n as usize),
                 n_min: s.min_tokens as usize,
             }),
+            prompt_logprobs: r.prompt_logprobs.map(|k| k as usize),
         }
     }
 
@@ -137,10 +144,95 @@ impl CoordinatorService {
         }
     }
 
-    /// One request checked against the model: its token ids and parameters.
-    fn prepare(&self, r: &GenerateRequest) -> Result<(Vec<u32>, GenerateParams), RequestError> {
+    /// How this model's template writes tool calls.
+    pub(crate) fn tool_format(&self) -> ToolFormat {
+        self.tokenizer.chat_template().map_or(ToolFormat::Generic, ToolFormat::of_template)
+    }
+
+    /// The grammar compiler, built on first use.
+    fn grammars(&self) -> Result<Arc<Grammars>, RequestError> {
+        self.grammars
+            .get_or_init(|| {
+                Grammars::new(self.tokenizer.clone(), &self.eos)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| {
+                RequestError::new(Field::Format, format!("not available for this model: {e}"))
+            })
+    }
+
+    /// The request's output constraint (its `format`, or a required tool call) compiled, and the
+    /// tool-call format its output is parsed in (None: no tools, or `tool_choice` "none").
+    fn constraint(
+        &self,
+        r: &GenerateRequest,
+    ) -> Result<(Option<Box<Constraint>>, Option<ToolFormat>), RequestError> {
+        let funcs = request_functions(r)?;
+        // (Token ids are taken as a chat the caller rendered with the tools, as the HTTP door does.)
+        if !funcs.is_empty() && matches!(r.input, Some(generate_request::Input::Prompt(_))) {
+            return Err(RequestError::new(Field::Tools, "tools need a chat (or token ids) input"));
+        }
+        let choice = r.tool_choice.as_str();
+        let named = choice.strip_prefix("function:");
+        let forced: Vec<&tools::Function> = match (choice, named) {
+            ("" | "auto" | "none", _) => Vec::new(),
+            ("required", _) => funcs.iter().collect(),
+            (_, Some(name)) => match funcs.iter().find(|f| f.name == name) {
+                Some(f) => vec![f],
+                None => {
+                    return Err(RequestError::new(
+                        Field::ToolChoice,
+                        format!("names the function {name:?}, which is not in tools"),
+                    ))
+                }
+            },
+            (other, None) => {
+                return Err(RequestError::new(
+                    Field::ToolChoice,
+                    format!("{other:?}: must be auto, none, required or function:NAME"),
+                ))
+            }
+        };
+        if funcs.is_empty() && !choice.is_empty() && choice != "none" && choice != "auto" {
+            return Err(RequestError::new(Field::ToolChoice, "requires tools"));
+        }
+        let tool_format = self.tool_format();
+        let format = match (&r.format, forced.is_empty()) {
+            (Some(_), false) => {
+                return Err(RequestError::new(
+                    Field::Format,
+                    "cannot be combined with a required tool call (tool_choice)",
+                ))
+            }
+            (Some(f), true) => Some(output_format(f)?),
+            (None, false) => {
+                let parallel = r.parallel_tool_calls.unwrap_or(true);
+                Some(Format::Lark(tools::call_grammar(tool_format, &forced, parallel)))
+            }
+            (None, true) => None,
+        };
+        let constraint = match format {
+            Some(f) => {
+                let field = if forced.is_empty() { Field::Format } else { Field::Tools };
+                Some(Box::new(
+                    self.grammars()?.compile(&f).map_err(|e| RequestError::new(field, e))?,
+                ))
+            }
+            None => None,
+        };
+        let parse = (!funcs.is_empty() && choice != "none").then_some(tool_format);
+        Ok((constraint, parse))
+    }
+
+    /// One request checked against the model: its token ids, parameters and what goes with them.
+    fn prepare(
+        &self,
+        r: &GenerateRequest,
+    ) -> Result<(Vec<u32>, GenerateParams, Extras), RequestError> {
         let ids = self.input_ids(r)?;
-        let p = Self::params(r);
+        let mut p = Self::params(r);
         check_request(&ids, &p, self.vocab, self.context)?;
         if ids.len() + p.max_new_tokens > self.kv_capacity {
             return Err(RequestError::new(
@@ -153,7 +245,15 @@ impl CoordinatorService {
                 ),
             ));
         }
-        Ok((ids, p))
+        let (constraint, tools) = self.constraint(r)?;
+        // What the head worker needs to apply OpenAI's penalties and min_tokens.
+        p.sampling.prompt_len = ids.len();
+        p.sampling.eos_ids = self.eos.clone();
+        if constraint.is_some() || p.prompt_logprobs.is_some() {
+            // Drafts are not masked, and prompt scores need a plain prefill: no speculation.
+            p.speculative.n_max = Some(0);
+        }
+        Ok((ids, p, Extras { constraint, tools }))
     }
 
     fn submit_checked(&self, entry: Entry<'_>) -> crate::Result<(String, String)> {
@@ -204,7 +304,7 @@ impl CoordinatorService {
                 key: entry.key.map(str::to_owned),
             },
         );
-        for (i, ((ids, p), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
+        for (i, ((ids, p, extras), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
             let (tx, mut rx) = mpsc::channel(256);
             let seq = SeqRequest {
                 seq_id: self.next_seq.fetch_add(1, Ordering::Relaxed),
@@ -216,6 +316,8 @@ impl CoordinatorService {
                 trace_id: trace_id.clone(),
                 cancel,
                 queued: std::time::Instant::now(),
+                constraint: extras.constraint,
+                tools: extras.tools,
             };
             if self.queue.try_send(seq).is_err() {
                 // The ones already sent are cancelled and leave the count in the scheduler.
@@ -244,6 +346,70 @@ impl CoordinatorService {
         info!(%job_id, %trace_id, "job queued");
         Ok((job_id, trace_id))
     }
+}
+
+/// What a prepared request carries besides its ids and parameters.
+struct Extras {
+    constraint: Option<Box<Constraint>>,
+    tools: Option<ToolFormat>,
+}
+
+/// A wire chat message as the template sees it: an assistant's tool calls with their arguments
+/// as JSON objects (OpenAI sends them as text), a tool result's call id and name.
+fn chat_message(i: usize, m: &ChatMessage) -> Result<Message, RequestError> {
+    let mut msg = Message::new(&m.role, &m.content);
+    if !m.tool_calls_json.is_empty() {
+        let bad =
+            |why: &str| RequestError::new(Field::Chat, format!("message {i}: tool_calls {why}"));
+        let mut calls: serde_json::Value = serde_json::from_str(&m.tool_calls_json)
+            .map_err(|e| bad(&format!("is not JSON: {e}")))?;
+        for c in calls.as_array_mut().ok_or_else(|| bad("must be a list"))? {
+            let f = c.get_mut("function").ok_or_else(|| bad("need a function"))?;
+            if let Some(serde_json::Value::String(args)) = f.get("arguments") {
+                let parsed = serde_json::from_str(args)
+                    .map_err(|e| bad(&format!("arguments are not JSON: {e}")))?;
+                f["arguments"] = parsed;
+            }
+        }
+        msg.tool_calls = Some(calls);
+    }
+    msg.tool_call_id = (!m.tool_call_id.is_empty()).then(|| m.tool_call_id.clone());
+    msg.name = (!m.name.is_empty()).then(|| m.name.clone());
+    Ok(msg)
+}
+
+/// The request's `tools`, checked.
+fn request_functions(r: &GenerateRequest) -> Result<Vec<tools::Function>, RequestError> {
+    let list = r
+        .tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let params = if t.parameters_json.is_empty() {
+                None
+            } else {
+                Some(serde_json::from_str(&t.parameters_json).map_err(|e| {
+                    RequestError::new(Field::Tools, format!("tools[{i}].parameters: {e}"))
+                })?)
+            };
+            Ok((t.name.clone(), t.description.clone(), params))
+        })
+        .collect::<Result<Vec<_>, RequestError>>()?;
+    tools::functions(list).map_err(|e| RequestError::new(Field::Tools, e))
+}
+
+/// The wire's output format as the grammar compiler takes it.
+fn output_format(f: &OutputFormat) -> Result<Format, RequestError> {
+    let bad = |m: String| RequestError::new(Field::Format, m);
+    Ok(match &f.kind {
+        Some(output_format::Kind::JsonObject(_)) => Format::JsonObject,
+        Some(output_format::Kind::JsonSchema(s)) => Format::JsonSchema(
+            serde_json::from_str(s).map_err(|e| bad(format!("the schema is not JSON: {e}")))?,
+        ),
+        Some(output_format::Kind::Regex(r)) => Format::Regex(r.clone()),
+        Some(output_format::Kind::Lark(g)) => Format::Lark(g.clone()),
+        None => return Err(bad("names no format".into())),
+    })
 }
 
 /// A job as it enters.

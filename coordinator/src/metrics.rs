@@ -93,6 +93,8 @@ pub struct Metrics {
     swap_bytes: Family<Labels, Counter>,
     ttft: Histogram,
     tpot: Histogram,
+    /// Time to compute one sequence's output-format mask for one step.
+    mask: Histogram,
     e2e: Histogram,
     pub(crate) waiting: Gauge,
     pub(crate) running: Gauge,
@@ -154,6 +156,7 @@ impl Metrics {
             swap_blocks: Family::default(),
             swap_bytes: Family::default(),
             ttft: latency(),
+            mask: Histogram::new(exponential_buckets(1e-5, 2.0, 16)),
             tpot: latency(),
             e2e: latency(),
             waiting: Gauge::default(),
@@ -257,6 +260,11 @@ impl Metrics {
             "time_to_first_token_seconds",
             "From a request's arrival to its first token",
             self.ttft.clone(),
+        );
+        r.register(
+            "grammar_mask_seconds",
+            "Time to compute one constrained sequence's token mask for one step (coordinator)",
+            self.mask.clone(),
         );
         r.register(
             "time_per_output_token_seconds",
@@ -380,6 +388,7 @@ impl Metrics {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
+            FinishReason::ToolCalls => "tool_calls",
             FinishReason::Error | FinishReason::Unspecified => "error",
         };
         self.finished.get_or_create(&vec![("finish_reason", name.to_owned())]).inc();
@@ -402,6 +411,11 @@ impl Metrics {
     pub fn speculated(&self, drafted: usize, accepted: usize) {
         self.spec_drafted.inc_by(drafted as u64);
         self.spec_accepted.inc_by(accepted as u64);
+    }
+
+    /// One output-format mask computed, in seconds.
+    pub fn mask(&self, s: f64) {
+        self.mask.observe(s);
     }
 
     /// KV blocks (and their bytes over every worker) moved to the host tier and back.

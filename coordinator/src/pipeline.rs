@@ -130,6 +130,9 @@ pub struct StepResult {
     pub(crate) tokens: Vec<Vec<u32>>,
     /// Log-probabilities per sequence, one per token (empty when no sequence asked for them).
     pub(crate) logprobs: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
+    /// Scores of the sequences' `score_ids` (prompt log-probabilities), per sequence (empty:
+    /// none asked).
+    pub(crate) scores: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
     /// The head's draft model's proposals per sequence for its next step (empty: none), and the
     /// time the head spent drafting them.
     pub(crate) drafts: Vec<(Vec<u32>, Vec<u32>)>,
@@ -247,6 +250,21 @@ impl Runner {
                 out.drafts =
                     split_drafts(&seqs, resp.drafts, resp.draft_counts, resp.draft_parents)
                         .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
+                if !resp.score_counts.is_empty() {
+                    let counts: Vec<usize> =
+                        resp.score_counts.iter().map(|&c| c as usize).collect();
+                    let fits = counts.len() == seqs.len()
+                        && counts.iter().sum::<usize>() == resp.scores.len()
+                        && seqs.iter().zip(&counts).all(|(s, &c)| c == s.score_ids.len());
+                    if !fits {
+                        let msg = format!(
+                            "returned scores in counts {counts:?} for {} sequences",
+                            seqs.len()
+                        );
+                        return Err(Error::Worker { worker: st.addr.clone(), msg });
+                    }
+                    out.scores = split(resp.scores, &counts);
+                }
                 out.draft_ms = resp.draft_ms;
                 out.draft_level_ms = resp.draft_level_ms;
             } else {

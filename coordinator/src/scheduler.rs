@@ -24,6 +24,7 @@ use tracing::{info_span, Span};
 
 mod batching;
 mod kv;
+mod output;
 mod speculate;
 
 pub use batching::{admit, step_tokens, Limits};
@@ -44,6 +45,10 @@ pub struct SeqRequest {
     pub(crate) cancel: Arc<AtomicBool>,
     /// When the coordinator accepted it (time to first token counts from here).
     pub(crate) queued: Instant,
+    /// Its output format (constrained decoding), followed token by token.
+    pub(crate) constraint: Option<Box<layerstream_model::grammar::Constraint>>,
+    /// Its output is parsed for tool calls written this way (a request with tools).
+    pub(crate) tools: Option<layerstream_model::tools::ToolFormat>,
 }
 
 struct Active {
@@ -71,6 +76,12 @@ struct Active {
     /// Preempted to the host tier: the host slots holding its blocks, in table order (empty: not
     /// swapped out).
     swapped: Vec<u32>,
+    /// Output tokens its format forced (emitted without sampling: no draw).
+    forced: usize,
+    /// Its prompt's log-probabilities so far (a request with `prompt_logprobs`), and whether they
+    /// were sent.
+    scores: Vec<layerstream_rpc::v1::TokenLogprobs>,
+    scores_sent: bool,
 }
 
 impl Active {
@@ -187,6 +198,7 @@ fn final_event(
             stats: Some(stats),
             trace_id: req.trace_id.clone(),
             error,
+            tool_calls: Vec::new(),
         })),
     }
 }
@@ -349,6 +361,9 @@ impl Scheduler {
                             blocks: SeqBlocks::default(),
                             base: 0,
                             swapped: Vec::new(),
+                            forced: 0,
+                            scores: Vec::new(),
+                            scores_sent: false,
                         }
                     }
                 };
@@ -579,7 +594,7 @@ impl Scheduler {
                         prompt_continues: a.pos + n < a.known(),
                         // Each output token drew once from a sampling sequence's generator.
                         draws_before: if a.pos == a.base {
-                            a.stopper.output().len() as u32
+                            (a.stopper.output().len() - a.forced) as u32
                         } else {
                             0
                         },
@@ -593,9 +608,13 @@ impl Scheduler {
                         } else {
                             Vec::new()
                         },
+                        allowed: Vec::new(),
+                        score_ids: Vec::new(),
+                        score_top: 0,
                     }
                 })
                 .collect();
+            self.outputs(active, &members, &mut seqs);
             self.draft(active, &members, &mut seqs);
             // KV blocks for every position of the step: a draft the pool cannot hold is dropped,
             // a sequence it cannot hold at all sits this step out.
@@ -707,6 +726,9 @@ impl Scheduler {
             };
             self.settle(a);
             a.acc.add(&out.layers, out.layers_ms, seqs.len());
+            if let Some(sc) = out.scores.get(k) {
+                output::take_scores(a, s.start_pos as usize, sc);
+            }
             if s.prompt_continues {
                 continue;
             }
@@ -720,35 +742,44 @@ impl Scheduler {
                 a.acc.first_token = Some(a.req.queued.elapsed());
             }
             let wanted = a.req.params.sampling.logprobs.is_some();
+            let first = a.stopper.output().is_empty();
             let mut ids = Vec::with_capacity(toks.len());
             let (mut text, mut reason) = (String::new(), None);
             for &tok in toks {
                 ids.push(tok);
-                match a.stopper.push(&self.tokenizer, tok) {
-                    Ok(p) => {
-                        text.push_str(&p.delta);
-                        reason = p.finish.map(|r| (r, String::new()));
-                    }
-                    Err(e) => {
-                        reason = Some((FinishReason::Error, format!("decoding output: {e}")));
-                    }
-                }
+                reason = output::push(&self.tokenizer, a, tok, &mut text);
                 if reason.is_some() {
                     break;
                 }
+            }
+            if reason.is_none() {
+                reason = output::follow_format(&self.tokenizer, a, &mut ids, &mut text);
             }
             self.metrics.generated(ids.len());
             let logprobs = match out.logprobs.get(k) {
                 Some(lp) if wanted => lp[..ids.len().min(lp.len())].to_vec(),
                 _ => Vec::new(),
             };
+            let prompt_logprobs =
+                if first && !a.scores_sent && a.req.params.prompt_logprobs.is_some() {
+                    a.scores_sent = true;
+                    a.scores.clone()
+                } else {
+                    Vec::new()
+                };
             let ev = GenerateEvent {
                 index: a.req.index,
-                event: Some(generate_event::Event::Token(TokenEvent { ids, text, logprobs })),
+                event: Some(generate_event::Event::Token(TokenEvent {
+                    ids,
+                    text,
+                    logprobs,
+                    prompt_logprobs,
+                })),
             };
             let _ = a.req.events.send(ev).await;
             if let Some((r, err)) = reason {
-                let ev = finish(&self.metrics, a, r, err);
+                let mut ev = finish(&self.metrics, a, r, err);
+                output::tool_calls(&self.tokenizer, a, &mut ev);
                 let _ = a.req.events.send(ev).await;
                 done_ids.push(id);
                 self.free_blocks(a);

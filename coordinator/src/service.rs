@@ -40,6 +40,11 @@ pub struct CoordinatorService {
     /// Held while a job with an idempotency key is looked up and admitted, so two calls with one
     /// key never make two jobs.
     pub(crate) keyed: std::sync::Mutex<()>,
+    /// The model's end-of-sequence ids.
+    pub(crate) eos: Vec<u32>,
+    /// The grammar compiler over this tokenizer, built by the first constrained request.
+    pub(crate) grammars:
+        std::sync::OnceLock<Result<Arc<layerstream_model::grammar::Grammars>, String>>,
 }
 
 /// The span of a job-creating call: the root of the request's trace, or a child of the trace

@@ -247,6 +247,8 @@ async fn plan_and_schedule(
         metrics,
         journal,
         keyed: std::sync::Mutex::new(()),
+        eos: store.manifest.config.eos_token_ids.clone(),
+        grammars: std::sync::OnceLock::new(),
     }))
 }
 

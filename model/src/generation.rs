@@ -29,7 +29,34 @@ pub struct SamplingParams {
     /// likely ones'.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<usize>,
+    /// OpenAI's penalties over the output so far (0 = off): `frequency_penalty` per occurrence,
+    /// `presence_penalty` once per distinct token.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// Added to these tokens' logits, sorted by id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence and stop ids are banned before this many output tokens.
+    #[serde(default)]
+    pub min_tokens: usize,
+    /// The output ends after any of these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
+    /// Where the output starts in the sequence's tokens (set by whoever runs the sequence).
+    #[serde(default)]
+    pub prompt_len: usize,
+    /// The model's end-of-sequence ids (set by whoever runs the sequence), banned with
+    /// `stop_token_ids` before `min_tokens`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eos_ids: Vec<u32>,
 }
+
+/// Most a penalty may be, either way (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
+/// Most a logit bias may be, either way (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -40,6 +67,13 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             seed: 0,
             logprobs: None,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            prompt_len: 0,
+            eos_ids: Vec::new(),
         }
     }
 }
@@ -58,6 +92,17 @@ impl SamplingParams {
             },
             seed: w.seed,
             logprobs: w.logprobs.then_some(w.top_logprobs as usize),
+            frequency_penalty: w.frequency_penalty,
+            presence_penalty: w.presence_penalty,
+            logit_bias: {
+                let mut b: Vec<(u32, f32)> = w.logit_bias.iter().map(|(&t, &v)| (t, v)).collect();
+                b.sort_unstable_by_key(|e| e.0);
+                b
+            },
+            min_tokens: w.min_tokens as usize,
+            stop_token_ids: w.stop_token_ids.clone(),
+            prompt_len: w.prompt_len as usize,
+            eos_ids: w.eos_ids.clone(),
         }
     }
 
@@ -71,7 +116,23 @@ impl SamplingParams {
             seed: self.seed,
             logprobs: self.logprobs.is_some(),
             top_logprobs: self.logprobs.unwrap_or(0) as u32,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            logit_bias: self.logit_bias.iter().copied().collect(),
+            min_tokens: self.min_tokens as u32,
+            stop_token_ids: self.stop_token_ids.clone(),
+            prompt_len: self.prompt_len as u32,
+            eos_ids: self.eos_ids.clone(),
         }
+    }
+
+    /// Whether anything beyond the repetition penalty, temperature and truncation changes the
+    /// logits (penalties over the output, biases, `min_tokens`): such a row is sampled on the host.
+    pub fn adjusts(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
     }
 
     /// Rejects out-of-range values with a message naming the field.
@@ -92,6 +153,19 @@ impl SamplingParams {
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
             return bad(Field::TopLogprobs, format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"));
         }
+        for (field, v) in [
+            (Field::FrequencyPenalty, self.frequency_penalty),
+            (Field::PresencePenalty, self.presence_penalty),
+        ] {
+            if !(-MAX_PENALTY..=MAX_PENALTY).contains(&v) {
+                return bad(field, format!("must be in [-2, 2], got {v}"));
+            }
+        }
+        if let Some((t, v)) =
+            self.logit_bias.iter().find(|(_, v)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(v))
+        {
+            return bad(Field::LogitBias, format!("token {t}: must be in [-100, 100], got {v}"));
+        }
         Ok(())
     }
 }
@@ -105,6 +179,8 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Draft limits for speculative decoding (the server's when unset).
     pub speculative: crate::spec::SpecLimits,
+    /// Return every prompt token's log-probability with this many alternatives (None: not asked).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The roles a chat message may have (OpenAI's, with `developer`): anything else would be pasted
@@ -155,8 +231,26 @@ pub fn check_request(
             ),
         );
     }
+    if let Some((t, _)) = p.sampling.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+        return bad(Field::LogitBias, format!("token id {t} is outside the vocabulary of {vocab}"));
+    }
+    if let Some(t) = p.sampling.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return bad(
+            Field::StopTokenIds,
+            format!("token id {t} is outside the vocabulary of {vocab}"),
+        );
+    }
+    if p.max_new_tokens > 0 && p.sampling.min_tokens > p.max_new_tokens {
+        return bad(
+            Field::MinTokens,
+            format!("{} is more than max_new_tokens {}", p.sampling.min_tokens, p.max_new_tokens),
+        );
+    }
     if p.stop.iter().any(String::is_empty) {
         return bad(Field::Stop, "an empty stop string would end every request at once".into());
+    }
+    if let Some(k) = p.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+        return bad(Field::PromptLogprobs, format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"));
     }
     p.sampling.validate()?;
     p.speculative.validate()
@@ -175,6 +269,13 @@ mod tests {
             repetition_penalty: 1.1,
             seed: 9,
             logprobs: Some(3),
+            frequency_penalty: 0.5,
+            presence_penalty: -0.25,
+            logit_bias: vec![(3, -100.0), (7, 2.5)],
+            min_tokens: 4,
+            stop_token_ids: vec![11],
+            prompt_len: 6,
+            eos_ids: vec![2],
         };
         assert_eq!(SamplingParams::from_wire(&p.to_wire()), p);
         assert_eq!(SamplingParams::from_wire(&Sampling::default()), SamplingParams::default());

@@ -10,6 +10,7 @@ pub mod gguf;
 pub mod gguf_export;
 mod gguf_spm;
 mod gguf_tokenizer;
+pub mod grammar;
 mod hf;
 pub mod import;
 pub mod kv_blocks;
@@ -23,6 +24,7 @@ pub mod store;
 pub mod synth;
 pub mod template_ext;
 pub mod tokenizer;
+pub mod tools;
 
 pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};

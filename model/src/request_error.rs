@@ -23,6 +23,16 @@ pub enum Field {
     SpecMax,
     /// `speculative.min_tokens` (OpenAI `speculative.n_min`).
     SpecMin,
+    FrequencyPenalty,
+    PresencePenalty,
+    LogitBias,
+    MinTokens,
+    StopTokenIds,
+    /// The output format (OpenAI `response_format`).
+    Format,
+    Tools,
+    ToolChoice,
+    PromptLogprobs,
 }
 
 impl Field {
@@ -43,6 +53,15 @@ impl Field {
             Field::TopLogprobs => "top_logprobs",
             Field::SpecMax => "speculative.max_tokens",
             Field::SpecMin => "speculative.min_tokens",
+            Field::FrequencyPenalty => "frequency_penalty",
+            Field::PresencePenalty => "presence_penalty",
+            Field::LogitBias => "logit_bias",
+            Field::MinTokens => "min_tokens",
+            Field::StopTokenIds => "stop_token_ids",
+            Field::Format => "format",
+            Field::Tools => "tools",
+            Field::ToolChoice => "tool_choice",
+            Field::PromptLogprobs => "prompt_logprobs",
         }
     }
 
@@ -55,6 +74,11 @@ impl Field {
             Field::TopP => "sampling.top_p",
             Field::RepetitionPenalty => "sampling.repetition_penalty",
             Field::TopLogprobs => "sampling.top_logprobs",
+            Field::FrequencyPenalty => "sampling.frequency_penalty",
+            Field::PresencePenalty => "sampling.presence_penalty",
+            Field::LogitBias => "sampling.logit_bias",
+            Field::MinTokens => "sampling.min_tokens",
+            Field::StopTokenIds => "sampling.stop_token_ids",
             other => other.name(),
         }
     }
@@ -69,6 +93,7 @@ impl Field {
             Field::MaxNewTokens => "max_tokens",
             Field::SpecMax => "speculative.n_max",
             Field::SpecMin => "speculative.n_min",
+            Field::Format => "response_format",
             other => other.name(),
         })
     }

@@ -16,6 +16,7 @@ pub fn reason_name(r: FinishReason) -> &'static str {
         FinishReason::Length => "length",
         FinishReason::Cancelled => "cancelled",
         FinishReason::Error => "error",
+        FinishReason::ToolCalls => "tool_calls",
     }
 }
 
@@ -41,6 +42,8 @@ pub struct Progress {
 #[derive(Debug, Clone)]
 pub struct Stopper {
     eos: Vec<u32>,
+    /// `stop_token_ids`: end the output like end-of-sequence, whatever `ignore_eos` says.
+    stop_ids: Vec<u32>,
     ignore_eos: bool,
     max_new_tokens: usize,
     stop: Vec<String>,
@@ -59,6 +62,7 @@ impl Stopper {
     pub fn new(p: &GenerateParams, eos: &[u32]) -> Self {
         Stopper {
             eos: eos.to_vec(),
+            stop_ids: p.sampling.stop_token_ids.clone(),
             ignore_eos: p.ignore_eos,
             max_new_tokens: p.max_new_tokens,
             stop: p.stop.clone(),
@@ -103,7 +107,7 @@ impl Stopper {
     /// Feeds the next generated token.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Progress> {
         self.ids.push(id);
-        if !self.ignore_eos && self.eos.contains(&id) {
+        if (!self.ignore_eos && self.eos.contains(&id)) || self.stop_ids.contains(&id) {
             self.decode_new(tok, true)?;
             return Ok(self.end(FinishReason::Stop));
         }

@@ -155,3 +155,94 @@ mod tests {
         assert_eq!(generation_blocks(t), "a{% if true %}b{%- endif -%} c{%if x%}d{% endif %}");
     }
 }
+
+/// JSON as transformers' chat templates write it (`tojson` is Python's `json.dumps(x,
+/// ensure_ascii=False, indent=indent)`): `", "` and `": "` between items without an indent, keys
+/// in their order, nothing escaped for HTML (minijinja's own `tojson` is compact and escapes `<`).
+pub fn py_json(v: &serde_json::Value, indent: Option<usize>) -> String {
+    let mut out = String::new();
+    write_py_json(&mut out, v, indent, 0);
+    out
+}
+
+fn write_py_json(out: &mut String, v: &serde_json::Value, indent: Option<usize>, depth: usize) {
+    use serde_json::Value;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_py_json(out, x, indent, depth + 1);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::to_string(k).unwrap_or_default());
+                out.push_str(": ");
+                write_py_json(out, x, indent, depth + 1);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&serde_json::to_string(other).unwrap_or_default()),
+    }
+}
+
+/// A value as Python's `str()` prints it, for `{{ value }}` of a dict or list in a template
+/// (transformers renders with Jinja2, which prints Python's repr: single quotes, True/None).
+pub fn py_repr(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Null => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => {
+            // Python quotes with ' unless the text holds ' and no ".
+            let q = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+            let mut out = String::from(q);
+            for c in s.chars() {
+                match c {
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    c if c == q => {
+                        out.push('\\');
+                        out.push(c);
+                    }
+                    c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                        out.push_str(&format!("\\x{:02x}", c as u32))
+                    }
+                    c => out.push(c),
+                }
+            }
+            out.push(q);
+            out
+        }
+        Value::Array(a) => format!("[{}]", a.iter().map(py_repr).collect::<Vec<_>>().join(", ")),
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, x)| format!("{}: {}", py_repr(&Value::String(k.clone())), py_repr(x)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}

@@ -4,11 +4,27 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One chat message, as transformers' templates see it (keys absent when unset).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls: `[{"id", "type": "function", "function": {"name", "arguments"}}]`
+    /// with `arguments` a JSON object (as vLLM hands them to templates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result: the call it answers and the function's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A plain message.
+    pub fn new(role: &str, content: &str) -> Self {
+        Message { role: role.into(), content: content.into(), ..Default::default() }
+    }
 }
 
 /// A loaded tokenizer plus the model's chat template.
@@ -89,6 +105,18 @@ impl Tokenizer {
         })
     }
 
+    /// The bytes each token stands for, by id (special tokens marked with a leading 0xFF, as
+    /// llguidance's token trie expects), read from the tokenizer's decoder description.
+    pub fn token_bytes(&self) -> Result<Vec<Vec<u8>>> {
+        let json: serde_json::Value = serde_json::from_str(
+            &self.inner.to_string(false).map_err(|e| Error::Tokenizer(e.to_string()))?,
+        )
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
+            .map_err(|_| Error::Tokenizer("a token's bytes could not be read".into()))?
+            .map_err(|e| Error::Tokenizer(format!("token bytes: {e}")))
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -106,11 +134,27 @@ impl Tokenizer {
         messages: &[Message],
         budget: RenderBudget,
     ) -> Result<String> {
-        let template = self.chat_template.as_deref().ok_or_else(|| {
-            Error::Template("this model has no chat template; use --prompt".into())
-        })?;
+        self.apply_chat_template_tools(messages, None, budget)
+    }
+
+    /// As `apply_chat_template_within`, with `tools` (OpenAI's list of `{"type": "function",
+    /// "function": {…}}`) handed to the template as transformers' `apply_chat_template(tools=…)`.
+    pub fn apply_chat_template_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        budget: RenderBudget,
+    ) -> Result<String> {
+        let template = self.chat_template()?;
         let (bos, eos) = (self.bos_token.as_deref(), self.eos_token.as_deref());
-        render_chat_within(template, messages, bos, eos, budget)
+        render_chat_tools(template, messages, tools, bos, eos, budget)
+    }
+
+    /// The chat template, or an error saying there is none.
+    pub fn chat_template(&self) -> Result<&str> {
+        self.chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Template("this model has no chat template; use --prompt".into()))
     }
 }
 
@@ -123,7 +167,7 @@ impl Tokenizer {
         if self.chat_template.is_none() {
             return Ok(());
         }
-        let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let m = Message::new;
         let context = |n: &'static str| {
             move |e| match e {
                 Error::Template(m) => Error::Template(format!("rendering {n}: {m}")),
@@ -210,6 +254,19 @@ pub fn render_chat_within(
     eos: Option<&str>,
     budget: RenderBudget,
 ) -> Result<String> {
+    render_chat_tools(template, messages, None, bos, eos, budget)
+}
+
+/// As `render_chat_within`, with `tools` (undefined in the template when None, as transformers
+/// leaves it).
+pub fn render_chat_tools(
+    template: &str,
+    messages: &[Message],
+    tools: Option<&serde_json::Value>,
+    bos: Option<&str>,
+    eos: Option<&str>,
+    budget: RenderBudget,
+) -> Result<String> {
     let mut env = minijinja::Environment::new();
     env.set_fuel(Some(budget.fuel));
     minijinja_contrib::add_to_environment(&mut env);
@@ -223,6 +280,45 @@ pub fn render_chat_within(
         },
     );
     env.add_function("strftime_now", |fmt: String| crate::template_ext::strftime_now(&fmt));
+    // `{{ a_dict }}` and `a_dict|string` print Python's repr, as Jinja2 does.
+    env.add_filter("string", |v: minijinja::Value| -> String {
+        match v.kind() {
+            minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
+                serde_json::to_value(&v)
+                    .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
+            }
+            _ => v.to_string(),
+        }
+    });
+    env.set_formatter(|out, state, value| {
+        if matches!(value.kind(), minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq)
+        {
+            if let Ok(json) = serde_json::to_value(value) {
+                use std::fmt::Write;
+                return write!(out, "{}", crate::template_ext::py_repr(&json)).map_err(|_| {
+                    minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "formatting a value")
+                });
+            }
+        }
+        minijinja::escape_formatter(out, state, value)
+    });
+    env.add_filter(
+        "tojson",
+        |v: minijinja::Value,
+         indent: Option<usize>,
+         kw: minijinja::value::Kwargs|
+         -> std::result::Result<String, minijinja::Error> {
+            let indent = indent.or(kw.get::<Option<usize>>("indent")?);
+            // Python's other json.dumps options: accepted, the defaults are what templates use.
+            for k in ["ensure_ascii", "sort_keys", "separators"] {
+                let _: Option<minijinja::Value> = kw.get(k)?;
+            }
+            let json = serde_json::to_value(&v).map_err(|e| {
+                minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+            })?;
+            Ok(crate::template_ext::py_json(&json, indent))
+        },
+    );
     // Jinja2 (transformers) counts an undefined value as empty: `tools|length` is 0 without tools.
     env.add_filter(
         "length",
@@ -247,6 +343,10 @@ pub fn render_chat_within(
         add_generation_prompt => true,
         bos_token => bos.unwrap_or(""),
         eos_token => eos.unwrap_or(""),
+    };
+    let ctx = match tools {
+        Some(t) => minijinja::context! { tools => minijinja::Value::from_serialize(t), ..ctx },
+        None => ctx,
     };
     let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
     match rendered {
@@ -273,7 +373,7 @@ mod tests {
     /// refuses it, naming the template.
     #[test]
     fn templates_cannot_amplify() {
-        let m = vec![Message { role: "user".into(), content: "Q?".into() }];
+        let m = vec![Message::new("user", "Q?")];
         let bomb = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxxxxxxxx{% endfor %}{% endfor %}";
         let e = render_chat_within(bomb, &m, None, None, RenderBudget::bytes(1 << 20)).unwrap_err();
         assert!(e.to_string().contains("exceeds 1048576 bytes"), "{e}");
@@ -303,7 +403,7 @@ mod tests {
     #[test]
     fn renders_smollm_style_template() {
         let t = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nHi<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-        let m = vec![Message { role: "user".into(), content: "Q?".into() }];
+        let m = vec![Message::new("user", "Q?")];
         let out = render_chat(t, &m, None, None).unwrap();
         assert_eq!(out, "<|im_start|>system\nHi<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n");
     }
@@ -311,7 +411,7 @@ mod tests {
     #[test]
     fn transformers_extensions_render() {
         let t = "{{ strftime_now('%Y') }}|{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}";
-        let m = vec![Message { role: "assistant".into(), content: "ok".into() }];
+        let m = vec![Message::new("assistant", "ok")];
         let out = render_chat(t, &m, None, None).unwrap();
         let (year, rest) = out.split_once('|').unwrap();
         assert!(year.len() == 4 && year >= "2025", "{out}");

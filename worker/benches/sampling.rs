@@ -69,7 +69,7 @@ fn main() {
                     let jobs = samplers
                         .iter_mut()
                         .zip(host.chunks_exact_mut(vocab))
-                        .map(|(s, r)| Some((s, &[][..], r)))
+                        .map(|(s, r)| Some((s, &[][..], r, &[][..])))
                         .collect();
                     drop(black_box(sample_batch(jobs).expect("finite logits")));
                 });

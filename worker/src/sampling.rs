@@ -40,10 +40,12 @@ impl Sampler {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// Whether `sample` is a plain argmax (temperature 0, no repetition penalty): the head can then
-    /// pick the token on the device without copying the logits back.
+    /// Whether `sample` is a plain argmax (temperature 0, no penalty, bias or ban): the head can
+    /// then pick the token on the device without copying the logits back.
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+        self.params.temperature == 0.0
+            && self.params.repetition_penalty == 1.0
+            && !self.params.adjusts()
     }
 
     /// The truncation and penalty this sampler applies.
@@ -69,8 +71,50 @@ impl Sampler {
 
     /// Picks the next token from `logits` given the tokens seen so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        self.sample_within(logits, history, &[])
+    }
+
+    /// As `sample`, among the tokens `allowed` permits (a bitmask; empty: every token).
+    pub fn sample_within(&mut self, logits: &mut [f32], history: &[u32], allowed: &[u32]) -> u32 {
+        adjust(&self.params, logits, history, allowed);
         let r = self.draw();
         choose(logits, &seen(&self.params, history), &self.pick(), r)
+    }
+}
+
+/// What a request changes in a row of logits before the choice: its logit biases, OpenAI's
+/// frequency and presence penalties over the output (the tokens after `prompt_len`), the ban of
+/// end-of-sequence and stop ids before `min_tokens`, and the output format's mask (`allowed`, a
+/// bitmask of the tokens it permits; empty: every token).
+pub fn adjust(p: &SamplingParams, logits: &mut [f32], history: &[u32], allowed: &[u32]) {
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    let output = &history[p.prompt_len.min(history.len())..];
+    if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+        let mut ids = output.to_vec();
+        ids.sort_unstable();
+        for run in ids.chunk_by(|a, b| a == b) {
+            if let Some(l) = logits.get_mut(run[0] as usize) {
+                *l -= run.len() as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+    }
+    if output.len() < p.min_tokens {
+        for &t in p.eos_ids.iter().chain(&p.stop_token_ids) {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    if !allowed.is_empty() {
+        for (t, l) in logits.iter_mut().enumerate() {
+            if allowed.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
     }
 }
 
@@ -111,8 +155,9 @@ pub fn logprobs(logits: &[f32], chosen: u32, k: usize) -> TokenLogprobs {
 pub type Sampled = (u32, Option<TokenLogprobs>);
 
 /// One sequence's share of a step's sampling: its sampler, the tokens it has seen, its logits (a
-/// row of the step's logits on the host, penalised in place).
-pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], &'a mut [f32]);
+/// row of the step's logits on the host, penalised in place), the tokens its format allows (a
+/// bitmask; empty: every token).
+pub type SampleJob<'a> = (&'a mut Sampler, &'a [u32], &'a mut [f32], &'a [u32]);
 
 /// Logit values below which a batch is sampled on the calling thread (spawning costs more).
 const PARALLEL_MIN_LOGITS: usize = 1 << 20;
@@ -133,11 +178,11 @@ pub fn sample_batch(
      -> layerstream_kernels::Result<Vec<Sampled>> {
         let sample = |(i, job): (usize, &mut Option<SampleJob<'_>>)| match job {
             None => Ok((0, None)),
-            Some((s, history, logits)) => {
+            Some((s, history, logits, allowed)) => {
                 check_logits(logits, first + i)?;
                 // Sampling penalises the row in place: keep the raw logits the log-probs need.
                 let raw = s.params.logprobs.map(|k| (k, logits.to_vec()));
-                let t = s.sample(logits, history);
+                let t = s.sample_within(logits, history, allowed);
                 Ok((t, raw.map(|(k, raw)| logprobs(&raw, t, k))))
             }
         };
@@ -236,6 +281,51 @@ mod tests {
         assert!((l[0] - 2.0 / 1.2).abs() < 1e-6);
     }
 
+    /// Biases, OpenAI's penalties (output tokens only), the min_tokens ban and a format's mask,
+    /// each moving the greedy choice as it should.
+    #[test]
+    fn adjustments_move_the_choice() {
+        let base = vec![3.0f32, 2.9, 2.8, 0.0, -1.0];
+        let greedy = |p: SamplingParams, history: &[u32], allowed: &[u32]| {
+            Sampler::new(p).sample_within(&mut base.clone(), history, allowed)
+        };
+        let p = SamplingParams::default();
+        assert_eq!(greedy(p.clone(), &[], &[]), 0);
+        let bias = SamplingParams { logit_bias: vec![(4, 4.5)], ..p.clone() };
+        assert_eq!(greedy(bias, &[], &[]), 4);
+        // Token 0 twice in the output, token 1 once; the prompt's token 2 does not count.
+        let hist = [2u32, 2, 0, 1, 0];
+        let freq = SamplingParams { frequency_penalty: 0.1, prompt_len: 2, ..p.clone() };
+        assert_eq!(
+            greedy(freq.clone(), &hist, &[]),
+            2,
+            "0: 2.8, 1: 2.8 (tie to the lower? no: 2 is 2.8 too)"
+        );
+        let pres = SamplingParams { presence_penalty: 0.15, prompt_len: 2, ..p.clone() };
+        assert_eq!(greedy(pres, &hist, &[]), 2);
+        let counted_prompt = SamplingParams { presence_penalty: 0.15, prompt_len: 0, ..p.clone() };
+        assert_eq!(
+            greedy(counted_prompt, &hist, &[]),
+            3 - 3,
+            "every id penalised alike: 0 stays first"
+        );
+        let min = SamplingParams {
+            min_tokens: 2,
+            eos_ids: vec![0],
+            stop_token_ids: vec![1],
+            prompt_len: 4,
+            ..p.clone()
+        };
+        assert_eq!(
+            greedy(min.clone(), &[9, 9, 9, 9, 7], &[]),
+            2,
+            "one output token: 0 and 1 banned"
+        );
+        assert_eq!(greedy(min, &[9, 9, 9, 9, 7, 7], &[]), 0, "two: free again");
+        assert_eq!(greedy(p.clone(), &[], &[0b11000]), 3, "only 3 and 4 allowed");
+        assert!(!Sampler::new(freq).is_greedy(), "an adjusted row is sampled on the host");
+    }
+
     #[test]
     fn untruncated_sampling_follows_the_softmax() {
         // Probabilities 1/15, 2/15, 4/15, 8/15 at temperature 1 (ids deliberately not sorted).
@@ -285,6 +375,7 @@ mod tests {
             repetition_penalty: 1.1,
             seed: j as u64,
             logprobs: j.is_multiple_of(4).then_some(j % 3),
+            ..Default::default()
         };
         let history: Vec<Vec<u32>> = (0..n).map(|j| vec![j as u32, 5, 900]).collect();
         let mut solo: Vec<Sampler> = (0..n).map(|j| Sampler::new(params(j))).collect();
@@ -300,7 +391,9 @@ mod tests {
                 .iter_mut()
                 .zip(&mut rows)
                 .enumerate()
-                .map(|(j, (s, l))| (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice())))
+                .map(|(j, (s, l))| {
+                    (!skip(j)).then(|| (s, history[j].as_slice(), l.as_mut_slice(), &[][..]))
+                })
                 .collect();
             assert!(n * vocab >= PARALLEL_MIN_LOGITS);
             let got = sample_batch(jobs).unwrap();
@@ -320,7 +413,7 @@ mod tests {
             .iter_mut()
             .zip(&mut rows)
             .enumerate()
-            .map(|(j, (s, l))| Some((s, history[j].as_slice(), l.as_mut_slice())))
+            .map(|(j, (s, l))| Some((s, history[j].as_slice(), l.as_mut_slice(), &[][..])))
             .collect();
         let e = sample_batch(jobs).unwrap_err().to_string();
         assert!(e.contains("row 17") && e.contains("logit 123"), "{e}");

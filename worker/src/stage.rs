@@ -49,6 +49,12 @@ pub struct StepSeq {
     pub(crate) blocks: Vec<u32>,
     /// A new sequence on cached blocks: the tokens of positions `..start_pos`.
     pub(crate) cached: Vec<u32>,
+    /// The tokens its output format allows at the sampled position (a bitmask; empty: all).
+    pub(crate) allowed: Vec<u32>,
+    /// Prompt log-probabilities: the id to score at each row from the first, and how many
+    /// alternatives to return with each.
+    pub(crate) score_ids: Vec<u32>,
+    pub(crate) score_top: usize,
 }
 
 /// Timing of one layer in one step.
@@ -83,6 +89,9 @@ pub struct StepOut {
     pub(crate) draft_ms: f64,
     /// The head's estimate of one level of drafting (0: not measured yet).
     pub(crate) draft_level_ms: f64,
+    /// The scores of the sequences' `score_ids`, sequence after sequence, and their counts.
+    pub(crate) scores: Vec<layerstream_rpc::v1::TokenLogprobs>,
+    pub(crate) score_counts: Vec<u32>,
 }
 
 struct Seq {

@@ -16,6 +16,8 @@ pub struct HeadRow<'a> {
     pub(crate) history: &'a [u32],
     /// A prompt chunk samples nothing: that would advance a seeded generator.
     pub(crate) prompt_continues: bool,
+    /// The tokens its output format allows (a bitmask; empty: every token).
+    pub(crate) allowed: &'a [u32],
 }
 
 /// Where a step's tokens are chosen.
@@ -33,9 +35,11 @@ impl TokenChoice {
     /// The cheapest way that gives every row what it asked for on backend `b`.
     pub fn for_rows<B: Backend>(b: &B, rows: &[HeadRow<'_>]) -> Self {
         let logprobs = rows.iter().any(|r| r.sampler.params.logprobs.is_some());
-        if rows.iter().all(|r| r.sampler.is_greedy()) && !logprobs {
+        // Biases, OpenAI's penalties, bans and masks are applied on the host.
+        let host = rows.iter().any(|r| r.sampler.params.adjusts() || !r.allowed.is_empty());
+        if rows.iter().all(|r| r.sampler.is_greedy() && r.allowed.is_empty()) && !logprobs {
             TokenChoice::DeviceArgmax
-        } else if b.samples_on_device() && !logprobs {
+        } else if b.samples_on_device() && !logprobs && !host {
             TokenChoice::DeviceSampling
         } else {
             TokenChoice::HostSampling
@@ -96,7 +100,7 @@ fn on_host<B: Backend>(b: &B, logits: &mut B::Tensor, rows: Vec<HeadRow<'_>>) ->
     let jobs: Vec<_> = rows
         .into_iter()
         .zip(host.chunks_exact_mut(vocab))
-        .map(|(r, l)| (!r.prompt_continues).then_some((r.sampler, r.history, l)))
+        .map(|(r, l)| (!r.prompt_continues).then_some((r.sampler, r.history, l, r.allowed)))
         .collect();
     let _in_sample = info_span!("sample", rows = jobs.iter().flatten().count() as i64).entered();
     Ok(sample_batch(jobs)?.into_iter().unzip())

@@ -71,6 +71,8 @@ pub fn verify<B: Backend>(
                 sampler: &mut *s.sampler,
                 history: seen,
                 prompt_continues: s.prompt_continues,
+                // Constrained sequences are not drafted for.
+                allowed: &[],
             })
             .collect();
         let choice = TokenChoice::for_rows(b, &rows);

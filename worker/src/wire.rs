@@ -19,6 +19,9 @@ impl From<v1::StepSeq> for StepSeq {
             draft_width: (s.draft_width as usize).clamp(1, layerstream_model::spec::MAX_WIDTH),
             blocks: s.blocks,
             cached: s.cached_ids,
+            allowed: s.allowed,
+            score_ids: s.score_ids,
+            score_top: (s.score_top as usize).min(layerstream_model::generation::MAX_TOP_LOGPROBS),
         }
     }
 }
@@ -67,6 +70,8 @@ pub fn step_response(
         wall_ms,
         layers_ms: out.layers_ms,
         logprobs,
+        scores: out.scores,
+        score_counts: out.score_counts,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::error::ApiError;
 use super::openai::Shape;
-use super::Http;
+use super::{tools, Http};
 use axum::http::HeaderValue;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -56,15 +56,23 @@ fn finish_name(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
+        FinishReason::ToolCalls => "tool_calls",
         _ => "stop",
     }
 }
 
-fn usage(f: &FinalEvent) -> Value {
-    let (p, c) = (f.input_ids.len(), f.output_ids.len());
-    let cached = f.stats.as_ref().map_or(0, |s| s.cached_tokens);
-    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-           "prompt_tokens_details": {"cached_tokens": cached}})
+/// One choice's answer as it arrives: its tokens, their log-probabilities, its prompt's.
+#[derive(Default)]
+struct Choice {
+    ids: Vec<u32>,
+    lps: Vec<TokenLogprobs>,
+    prompt: Vec<TokenLogprobs>,
+    done: Option<FinalEvent>,
+    /// Streaming: the text offset of its next token (completions' logprobs), its first token
+    /// seen, and the text held back while it may still turn out to be tool calls.
+    offset: usize,
+    started: bool,
+    held: String,
 }
 
 /// One request's answer being built: ids, the texts of its tokens, log-probabilities.
@@ -74,6 +82,10 @@ struct Answer {
     id: String,
     created: u64,
     shape: Shape,
+    /// The prompt's ids (echo, prompt log-probabilities).
+    prompt: Vec<u32>,
+    /// `echo` with `max_tokens` 0: the one token generated is not part of the answer.
+    echo_only: bool,
 }
 
 impl Answer {
@@ -81,21 +93,37 @@ impl Answer {
         self.h.svc.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
+    /// The usage of every choice: the prompt counted once.
+    fn usage(&self, finals: &[&FinalEvent]) -> Value {
+        let p = self.prompt.len();
+        let c: usize =
+            if self.echo_only { 0 } else { finals.iter().map(|f| f.output_ids.len()).sum() };
+        let cached = finals.first().and_then(|f| f.stats.as_ref()).map_or(0, |s| s.cached_tokens);
+        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+               "prompt_tokens_details": {"cached_tokens": cached}})
+    }
+
     /// Log-probabilities of `ids` in the endpoint's format (chat: `content` entries; completions:
-    /// the legacy parallel lists), `offset` being the text length before them.
-    fn logprobs(&self, ids: &[u32], lps: &[TokenLogprobs], offset: &mut usize) -> Value {
-        if self.shape.logprobs.is_none() || lps.is_empty() {
+    /// the legacy parallel lists), `offset` being the text length before them. With `echo`, the
+    /// prompt (`prompt`: its scores, the first token's null) comes first.
+    fn logprobs(
+        &self,
+        ids: &[u32],
+        lps: &[TokenLogprobs],
+        prompt: Option<&[TokenLogprobs]>,
+        offset: &mut usize,
+    ) -> Value {
+        if self.shape.logprobs.is_none() || (lps.is_empty() && prompt.is_none()) {
             return Value::Null;
         }
-        let tokens: Vec<String> = ids.iter().map(|&t| self.token_text(t)).collect();
         match self.kind {
             Kind::Chat => {
                 let entry = |tok: &str, lp: f32| json!({"token": tok, "logprob": lp, "bytes": tok.as_bytes()});
-                let content: Vec<Value> = tokens
+                let content: Vec<Value> = ids
                     .iter()
                     .zip(lps)
-                    .map(|(tok, lp)| {
-                        let mut e = entry(tok, lp.logprob);
+                    .map(|(&id, lp)| {
+                        let mut e = entry(&self.token_text(id), lp.logprob);
                         let top: Vec<Value> = lp
                             .top_ids
                             .iter()
@@ -109,31 +137,61 @@ impl Answer {
                 json!({"content": content})
             }
             Kind::Completion => {
-                let mut offsets = Vec::new();
-                for t in &tokens {
+                let top_map = |lp: &TokenLogprobs| -> Value {
+                    let m: serde_json::Map<String, Value> = lp
+                        .top_ids
+                        .iter()
+                        .zip(&lp.top_logprobs)
+                        .map(|(&t, &v)| (self.token_text(t), json!(v)))
+                        .collect();
+                    Value::Object(m)
+                };
+                let (mut tokens, mut values, mut tops, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                let mut add = |id: u32, lp: Option<&TokenLogprobs>| {
+                    let t = self.token_text(id);
                     offsets.push(*offset);
                     *offset += t.len();
+                    tokens.push(t);
+                    values.push(lp.map_or(Value::Null, |l| json!(l.logprob)));
+                    tops.push(lp.map_or(Value::Null, top_map));
+                };
+                if let Some(scores) = prompt {
+                    for (i, &id) in self.prompt.iter().enumerate() {
+                        add(id, i.checked_sub(1).and_then(|j| scores.get(j)));
+                    }
                 }
-                let top: Vec<Value> = lps
-                    .iter()
-                    .map(|lp| {
-                        let m: serde_json::Map<String, Value> = lp
-                            .top_ids
-                            .iter()
-                            .zip(&lp.top_logprobs)
-                            .map(|(&t, &v)| (self.token_text(t), json!(v)))
-                            .collect();
-                        Value::Object(m)
-                    })
-                    .collect();
-                json!({
-                    "tokens": tokens,
-                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": top,
-                    "text_offset": offsets,
-                })
+                for (&id, lp) in ids.iter().zip(lps) {
+                    add(id, Some(lp));
+                }
+                json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                       "text_offset": offsets})
             }
         }
+    }
+
+    /// vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from the
+    /// id (as text) to its log-probability, the prompt's token first and its alternatives after.
+    fn prompt_logprobs(&self, scores: &[TokenLogprobs]) -> Value {
+        let mut out = vec![Value::Null];
+        for (&id, sc) in self.prompt.iter().skip(1).zip(scores) {
+            let mut m = serde_json::Map::new();
+            let mut put = |t: u32, v: f32| {
+                m.entry(t.to_string())
+                    .or_insert_with(|| json!({"logprob": v, "decoded_token": self.token_text(t)}));
+            };
+            put(id, sc.logprob);
+            for (&t, &v) in sc.top_ids.iter().zip(&sc.top_logprobs) {
+                put(t, v);
+            }
+            out.push(Value::Object(m));
+        }
+        Value::Array(out)
+    }
+
+    /// The prompt's text (echo).
+    fn prompt_text(&self) -> String {
+        self.h.svc.tokenizer.decode(&self.prompt, false).unwrap_or_default()
     }
 
     fn envelope(&self, chunk: bool, choices: Value) -> Value {
@@ -147,21 +205,16 @@ impl Answer {
         })
     }
 
-    /// A streamed chunk carrying `text` (and its log-probabilities); `finish` on the last one.
-    fn chunk(&self, text: &str, logprobs: Value, finish: Option<&str>, first: bool) -> Value {
+    /// A streamed chunk of choice `index`: `delta` (chat; completions: its `content` as `text`),
+    /// its log-probabilities; `finish` on the last one.
+    fn chunk(&self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                let mut delta = json!({});
-                if first {
-                    delta["role"] = json!("assistant");
-                }
-                if !text.is_empty() || first {
-                    delta["content"] = json!(text);
-                }
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                let text = delta.get("content").cloned().unwrap_or(json!(""));
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         let mut v = self.envelope(true, json!([choice]));
@@ -171,37 +224,65 @@ impl Answer {
         v
     }
 
-    /// The whole answer (non-streaming).
-    fn whole(&self, f: &FinalEvent, logprobs: Value) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": f.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_name(f.finish_reason()),
-            }),
-            Kind::Completion => json!({
-                "index": 0,
-                "text": f.text,
-                "logprobs": logprobs,
-                "finish_reason": finish_name(f.finish_reason()),
-            }),
+    /// One finished choice of the whole answer.
+    fn choice(&self, i: usize, c: &Choice, f: &FinalEvent) -> Value {
+        let (ids, lps) = if self.echo_only { (&[][..], &[][..]) } else { (&c.ids[..], &c.lps[..]) };
+        let echo = (self.shape.echo && self.kind == Kind::Completion).then_some(&c.prompt[..]);
+        let logprobs = self.logprobs(ids, lps, echo, &mut 0);
+        let reason = if self.echo_only { "length" } else { finish_name(f.finish_reason()) };
+        let mut choice = match self.kind {
+            Kind::Chat => {
+                let mut message = json!({"role": "assistant", "content": f.text});
+                if !f.tool_calls.is_empty() {
+                    message["tool_calls"] = tools::message_calls(&f.tool_calls);
+                    if f.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
+                json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+            }
+            Kind::Completion => {
+                let mut text = if self.shape.echo { self.prompt_text() } else { String::new() };
+                if !self.echo_only {
+                    text.push_str(&f.text);
+                }
+                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            }
         };
-        let mut v = self.envelope(false, json!([choice]));
-        v["usage"] = usage(f);
+        if self.shape.prompt_logprobs.is_some() {
+            choice["prompt_logprobs"] = self.prompt_logprobs(&c.prompt);
+        }
+        choice
+    }
+
+    /// The whole answer (non-streaming).
+    fn whole(&self, choices: &[Choice]) -> Value {
+        let finals: Vec<&FinalEvent> = choices.iter().filter_map(|c| c.done.as_ref()).collect();
+        let out: Vec<Value> = choices
+            .iter()
+            .zip(&finals)
+            .enumerate()
+            .map(|(i, (c, f))| self.choice(i, c, f))
+            .collect();
+        let mut v = self.envelope(false, Value::Array(out));
+        v["usage"] = self.usage(&finals);
         v
     }
 }
 
-/// Queues `g` and answers as `shape` asks.
+/// Queues `g` (`n` times, choice i with the seed + i, as one job) and answers as `shape` asks.
 pub async fn run(
     h: Arc<Http>,
     kind: Kind,
     mut g: GenerateRequest,
     shape: Shape,
 ) -> Result<Response, ApiError> {
-    if shape.max_tokens == Some(0) {
-        return Err(ApiError::bad("max_tokens", "max_tokens: must be at least 1"));
+    let echo_only = shape.echo && shape.max_tokens == Some(0);
+    if shape.max_tokens == Some(0) && !shape.echo {
+        return Err(ApiError::bad(
+            "max_tokens",
+            "max_tokens: must be at least 1 (0 only with echo)",
+        ));
     }
     let chat = kind == Kind::Chat;
     let ids = h.svc.input_ids(&g).map_err(|r| {
@@ -211,13 +292,23 @@ pub async fn run(
     })?;
     // No limit given: whatever the context (and the KV cache) leaves after the prompt, as vLLM does.
     let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
-    g.max_new_tokens = shape.max_tokens.unwrap_or(room as u32);
-    g.input = Some(generate_request::Input::TokenIds(TokenIds { ids }));
+    g.max_new_tokens = if echo_only { 1 } else { shape.max_tokens.unwrap_or(room as u32) };
+    g.input = Some(generate_request::Input::TokenIds(TokenIds { ids: ids.clone() }));
+    let seed = g.sampling.as_ref().map_or(0, |s| s.seed);
+    let requests: Vec<GenerateRequest> = (0..shape.n as u64)
+        .map(|i| {
+            let mut r = g.clone();
+            if let Some(s) = r.sampling.as_mut() {
+                s.seed = seed.wrapping_add(i);
+            }
+            r
+        })
+        .collect();
     // The request's span is the root of its trace; the job span goes under it.
     let span =
         tracing::info_span!(parent: None, "http request", method = "POST", path = kind.path());
     let (job_id, trace_id) = span
-        .in_scope(|| h.svc.submit(std::slice::from_ref(&g), shape.idempotency_key.as_deref()))
+        .in_scope(|| h.svc.submit(&requests, shape.idempotency_key.as_deref()))
         .map_err(|e| ApiError::from_error(&e, chat))?;
     let rx = h.svc.watch(&job_id, true, &[]).map_err(|e| ApiError::from_error(&e, chat))?;
     let a = Answer {
@@ -226,6 +317,8 @@ pub async fn run(
         kind,
         created: now_s(),
         shape,
+        prompt: ids,
+        echo_only,
     };
     let mut resp =
         if a.shape.stream { stream(a, rx).into_response() } else { whole(a, rx).await? };
@@ -238,19 +331,29 @@ pub async fn run(
 type Events = mpsc::Receiver<Result<GenerateEvent, tonic::Status>>;
 
 async fn whole(a: Answer, mut rx: Events) -> Result<Response, ApiError> {
-    let (mut ids, mut lps) = (Vec::new(), Vec::new());
+    let mut choices: Vec<Choice> = (0..a.shape.n).map(|_| Choice::default()).collect();
+    let mut left = a.shape.n;
     while let Some(ev) = rx.recv().await {
-        match ev.map_err(|s| ApiError::failed(s.message()))?.event {
+        let ev = ev.map_err(|s| ApiError::failed(s.message()))?;
+        let Some(c) = choices.get_mut(ev.index as usize) else { continue };
+        match ev.event {
             Some(generate_event::Event::Token(t)) => {
-                ids.extend(t.ids);
-                lps.extend(t.logprobs);
+                c.ids.extend(t.ids);
+                c.lps.extend(t.logprobs);
+                if !t.prompt_logprobs.is_empty() {
+                    c.prompt = t.prompt_logprobs;
+                }
             }
             Some(generate_event::Event::Done(f)) => {
                 if f.finish_reason() == FinishReason::Error {
                     return Err(ApiError::failed(&f.error));
                 }
-                let logprobs = a.logprobs(&ids, &lps, &mut 0);
-                return Ok(axum::Json(a.whole(&f, logprobs)).into_response());
+                if c.done.replace(f).is_none() {
+                    left -= 1;
+                }
+                if left == 0 {
+                    return Ok(axum::Json(a.whole(&choices)).into_response());
+                }
             }
             None => {}
         }
@@ -265,11 +368,17 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
             let tx = tx.clone();
             async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
         };
-        // The first chunk names the role (chat), as OpenAI's does.
-        if a.kind == Kind::Chat && !send(a.chunk("", Value::Null, None, true)).await {
-            return;
+        let mut choices: Vec<Choice> = (0..a.shape.n).map(|_| Choice::default()).collect();
+        // The first chunk of each choice names the role (chat), as OpenAI's does.
+        if a.kind == Kind::Chat {
+            for i in 0..a.shape.n {
+                let delta = json!({"role": "assistant", "content": ""});
+                if !send(a.chunk(i, delta, Value::Null, None)).await {
+                    return;
+                }
+            }
         }
-        let mut offset = 0;
+        let mut left = a.shape.n;
         while let Some(ev) = rx.recv().await {
             let ev = match ev {
                 Ok(ev) => ev,
@@ -278,14 +387,28 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                     break;
                 }
             };
+            let i = ev.index as usize;
+            let Some(c) = choices.get_mut(i) else { continue };
             let ok = match ev.event {
                 Some(generate_event::Event::Token(t)) => {
-                    let lp = a.logprobs(&t.ids, &t.logprobs, &mut offset);
-                    // Nothing to say while a stop string or a multi-byte character is pending.
-                    if t.text.is_empty() && lp.is_null() {
+                    let first = !std::mem::replace(&mut c.started, true);
+                    let echo = (first && a.shape.echo).then_some(&t.prompt_logprobs[..]);
+                    let (ids, lps, text) = if a.echo_only {
+                        (&[][..], &[][..], String::new())
+                    } else {
+                        (&t.ids[..], &t.logprobs[..], t.text.clone())
+                    };
+                    let lp = a.logprobs(ids, lps, echo, &mut c.offset);
+                    let text = if echo.is_some() { a.prompt_text() + &text } else { text };
+                    if a.shape.tools {
+                        // Held until the end: it may be a tool call.
+                        c.held.push_str(&text);
+                        true
+                    } else if text.is_empty() && lp.is_null() {
+                        // Nothing to say while a stop string or a multi-byte character is pending.
                         true
                     } else {
-                        send(a.chunk(&t.text, lp, None, false)).await
+                        send(a.chunk(i, json!({"content": text}), lp, None)).await
                     }
                 }
                 Some(generate_event::Event::Done(f)) => {
@@ -293,18 +416,36 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                         let _ = send(ApiError::failed(&f.error).body()).await;
                         break;
                     }
-                    let mut ok =
-                        send(a.chunk("", Value::Null, Some(finish_name(f.finish_reason())), false))
-                            .await;
-                    if ok && a.shape.include_usage {
-                        let mut u = a.envelope(true, json!([]));
-                        u["usage"] = usage(&f);
-                        ok = send(u).await;
+                    let mut ok = true;
+                    if a.shape.tools {
+                        let deltas = if f.tool_calls.is_empty() {
+                            vec![json!({"content": std::mem::take(&mut c.held)})]
+                        } else {
+                            tools::delta_calls(&f.tool_calls)
+                        };
+                        for d in deltas {
+                            ok = ok && send(a.chunk(i, d, Value::Null, None)).await;
+                        }
                     }
-                    if ok {
-                        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                    let reason =
+                        if a.echo_only { "length" } else { finish_name(f.finish_reason()) };
+                    ok = ok && send(a.chunk(i, json!({}), Value::Null, Some(reason))).await;
+                    c.done = Some(f);
+                    left -= 1;
+                    if left == 0 {
+                        if ok && a.shape.include_usage {
+                            let finals: Vec<&FinalEvent> =
+                                choices.iter().filter_map(|c| c.done.as_ref()).collect();
+                            let mut u = a.envelope(true, json!([]));
+                            u["usage"] = a.usage(&finals);
+                            ok = send(u).await;
+                        }
+                        if ok {
+                            let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                        }
+                        break;
                     }
-                    break;
+                    ok
                 }
                 None => true,
             };

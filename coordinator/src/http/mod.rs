@@ -5,8 +5,10 @@
 
 pub mod completions;
 pub mod error;
+pub mod guided;
 pub mod openai;
 pub mod stack;
+pub mod tools;
 
 use crate::service::CoordinatorService;
 use axum::body::Bytes;

@@ -3,6 +3,8 @@
 //! does not implement get a 400 naming them rather than being ignored.
 
 use super::error::ApiError;
+use super::guided::Guided;
+use super::tools::{wire_choice, wire_tools, ToolBody};
 use layerstream_rpc::v1::{
     generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, Speculative, TokenIds,
 };
@@ -39,6 +41,14 @@ pub struct Msg {
     pub(crate) role: String,
     #[serde(default)]
     pub(crate) content: Option<Content>,
+    /// An assistant's tool calls.
+    #[serde(default)]
+    pub(crate) tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id and function name.
+    #[serde(default)]
+    pub(crate) tool_call_id: Option<String>,
+    #[serde(default)]
+    pub(crate) name: Option<String>,
 }
 
 /// `stream_options`.
@@ -71,7 +81,16 @@ pub struct Common {
     pub(crate) n: Option<i64>,
     pub(crate) best_of: Option<i64>,
     pub(crate) logit_bias: Option<serde_json::Value>,
+    /// vLLM's extensions.
+    pub(crate) min_tokens: Option<i64>,
+    pub(crate) stop_token_ids: Option<Vec<u32>>,
+    pub(crate) prompt_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub(crate) guided: Guided,
 }
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_N: usize = 16;
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize, Clone)]
@@ -81,7 +100,9 @@ pub struct ChatRequest {
     #[serde(default)]
     pub(crate) logprobs: bool,
     pub(crate) top_logprobs: Option<i64>,
-    pub(crate) tools: Option<serde_json::Value>,
+    pub(crate) tools: Option<Vec<ToolBody>>,
+    pub(crate) tool_choice: Option<serde_json::Value>,
+    pub(crate) parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub(crate) common: Common,
 }
@@ -119,6 +140,15 @@ pub struct Shape {
     pub(crate) max_tokens: Option<u32>,
     /// The `Idempotency-Key` header: a request sent again with it gets the same job.
     pub(crate) idempotency_key: Option<String>,
+    /// Choices to generate (`n`), each with the request's seed + its index.
+    pub(crate) n: usize,
+    /// `/v1/completions` `echo`: the prompt comes back before the output (with its
+    /// log-probabilities when `logprobs` is set).
+    pub(crate) echo: bool,
+    /// vLLM's `prompt_logprobs` (returned with each choice).
+    pub(crate) prompt_logprobs: Option<usize>,
+    /// The request has tools: the output may come back as tool calls (streamed at the end).
+    pub(crate) tools: bool,
 }
 
 fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
@@ -140,22 +170,38 @@ impl Common {
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
         ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::bad(
-                    name,
-                    format!("{name} is not supported; use repetition_penalty (vLLM's extension) instead"),
-                ));
+            if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+                return Err(ApiError::bad(name, format!("{name}: must be in [-2, 2]")));
             }
         }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::bad("n", "n: only one choice per request is supported (n = 1)"));
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
+            Some(n) => {
+                return Err(ApiError::bad("n", format!("n: must be in 1..={MAX_N}, got {n}")))
+            }
+        };
+        if self.best_of.is_some_and(|b| b != n as i64) {
+            return Err(ApiError::bad("best_of", "best_of: only best_of = n is supported"));
         }
-        if self.best_of.is_some_and(|n| n != 1) {
-            return Err(ApiError::bad("best_of", "best_of: only 1 is supported"));
-        }
-        if self.logit_bias.as_ref().is_some_and(|b| b.as_object().is_none_or(|o| !o.is_empty())) {
-            return Err(ApiError::bad("logit_bias", "logit_bias is not supported"));
-        }
+        let logit_bias = match &self.logit_bias {
+            None | Some(serde_json::Value::Null) => Default::default(),
+            Some(serde_json::Value::Object(o)) => o
+                .iter()
+                .map(|(k, v)| match (k.parse::<u32>(), v.as_f64()) {
+                    (Ok(t), Some(b)) if (-100.0..=100.0).contains(&b) => Ok((t, b as f32)),
+                    _ => Err(ApiError::bad(
+                        "logit_bias",
+                        format!(
+                            "logit_bias: {k:?}: {v} must map a token id to a bias in [-100, 100]"
+                        ),
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::bad("logit_bias", "logit_bias: must map token ids to biases"))
+            }
+        };
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
             Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
@@ -194,13 +240,31 @@ impl Common {
             seed,
             logprobs: logprobs.is_some(),
             top_logprobs: logprobs.unwrap_or(0) as u32,
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            logit_bias,
+            min_tokens: non_negative("min_tokens", self.min_tokens)?.unwrap_or(0),
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            prompt_len: 0,
+            eos_ids: Vec::new(),
         };
+        let prompt_logprobs = non_negative("prompt_logprobs", self.prompt_logprobs)?;
+        if let Some(k) = prompt_logprobs.filter(|&k| k > 20) {
+            return Err(ApiError::bad(
+                "prompt_logprobs",
+                format!("prompt_logprobs: must be at most 20, got {k}"),
+            ));
+        }
         let shape = Shape {
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             logprobs,
             max_tokens: non_negative("max_tokens", self.max_tokens)?,
             idempotency_key: None,
+            n,
+            echo: false,
+            prompt_logprobs: prompt_logprobs.map(|k| k as usize),
+            tools: false,
         };
         Ok((sampling, shape))
     }
@@ -218,8 +282,8 @@ impl Common {
         input: generate_request::Input,
         sampling: Sampling,
         max: Option<u32>,
-    ) -> GenerateRequest {
-        GenerateRequest {
+    ) -> Result<GenerateRequest, ApiError> {
+        Ok(GenerateRequest {
             input: Some(input),
             max_new_tokens: max.unwrap_or(0),
             sampling: Some(sampling),
@@ -229,7 +293,12 @@ impl Common {
                 .speculative
                 .as_ref()
                 .map(|s| Speculative { max_tokens: s.n_max, min_tokens: s.n_min }),
-        }
+            format: self.guided.format()?,
+            prompt_logprobs: self.prompt_logprobs.map(|k| k as u32),
+            tools: Vec::new(),
+            tool_choice: String::new(),
+            parallel_tool_calls: None,
+        })
     }
 }
 
@@ -244,7 +313,8 @@ pub struct SpecBody {
 /// Message `i`'s text: its content string, or its text parts joined.
 fn text_of(i: usize, m: &Msg) -> Result<String, ApiError> {
     match &m.content {
-        // Required unless the message carries tool calls, which are not supported.
+        // An assistant's message may carry tool calls instead.
+        None if m.tool_calls.as_ref().is_some_and(|c| !c.is_null()) => Ok(String::new()),
         None => Err(ApiError::bad("messages", format!("messages[{i}].content is required"))),
         Some(Content::Text(t)) => Ok(t.clone()),
         Some(Content::Parts(parts)) => {
@@ -274,9 +344,6 @@ fn text_of(i: usize, m: &Msg) -> Result<String, ApiError> {
 impl ChatRequest {
     /// The GenerateRequest (max_new_tokens 0 when the request sets no limit) and its shape.
     pub fn to_generate(&self) -> Result<(GenerateRequest, Shape), ApiError> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
-            return Err(ApiError::bad("tools", "tools: tool calls are not supported"));
-        }
         if self.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages: at least one message is required"));
         }
@@ -295,24 +362,38 @@ impl ChatRequest {
             .messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: text_of(i, m)? }))
+            .map(|(i, m)| {
+                Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content: text_of(i, m)?,
+                    tool_calls_json: match &m.tool_calls {
+                        None | Some(serde_json::Value::Null) => String::new(),
+                        Some(c) => c.to_string(),
+                    },
+                    tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
+                    name: m.name.clone().unwrap_or_default(),
+                })
+            })
             .collect::<Result<Vec<_>, ApiError>>()?;
         let input = generate_request::Input::Chat(ChatMessages { messages });
-        Ok((self.common.request(input, sampling, shape.max_tokens), shape))
+        let mut g = self.common.request(input, sampling, shape.max_tokens)?;
+        g.tools = wire_tools(self.tools.as_deref().unwrap_or_default())?;
+        g.tool_choice = wire_choice(self.tool_choice.as_ref())?;
+        g.parallel_tool_calls = self.parallel_tool_calls;
+        shape.tools = !g.tools.is_empty() && g.tool_choice != "none";
+        Ok((g, shape))
     }
 }
 
 impl CompletionRequest {
     /// As `ChatRequest::to_generate`.
     pub fn to_generate(&self) -> Result<(GenerateRequest, Shape), ApiError> {
-        if self.echo {
-            return Err(ApiError::bad("echo", "echo is not supported"));
-        }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::bad("suffix", "suffix is not supported"));
         }
         let logprobs = non_negative("logprobs", self.logprobs)?.map(|k| k as usize);
-        let (sampling, shape) = self.common.sampling(logprobs)?;
+        let (sampling, mut shape) = self.common.sampling(logprobs)?;
+        shape.echo = self.echo;
         let one = "prompt: one prompt per request is supported";
         let input = match &self.prompt {
             Prompt::Text(t) => generate_request::Input::Prompt(t.clone()),
@@ -323,7 +404,12 @@ impl CompletionRequest {
             }
             _ => return Err(ApiError::bad("prompt", one)),
         };
-        Ok((self.common.request(input, sampling, shape.max_tokens), shape))
+        let mut g = self.common.request(input, sampling, shape.max_tokens)?;
+        if self.echo && logprobs.is_some() {
+            // The prompt's log-probabilities, with as many alternatives as the output's.
+            g.prompt_logprobs = g.prompt_logprobs.or(logprobs.map(|k| k as u32));
+        }
+        Ok((g, shape))
     }
 }
 
@@ -366,9 +452,11 @@ mod tests {
     fn unsupported_parameters_are_named() {
         let m = serde_json::json!([{"role": "user", "content": "a"}]);
         for (field, v) in [
-            ("n", serde_json::json!(2)),
-            ("frequency_penalty", serde_json::json!(0.5)),
-            ("tools", serde_json::json!([{}])),
+            ("n", serde_json::json!(17)),
+            ("frequency_penalty", serde_json::json!(2.5)),
+            ("logit_bias", serde_json::json!({"x": 1})),
+            ("tool_choice", serde_json::json!("always")),
+            ("best_of", serde_json::json!(3)),
         ] {
             let mut body = serde_json::json!({"messages": m});
             body[field] = v;

@@ -72,7 +72,8 @@ impl Scheduler {
 
     /// A sequence joins: it starts after the longest prefix of its prompt the pool holds.
     pub(super) fn start_sequence(&mut self, a: &mut Active) {
-        if a.pos > 0 {
+        // A request scoring its prompt computes every position: no cached prefix.
+        if a.pos > 0 || a.req.params.prompt_logprobs.is_some() {
             return;
         }
         let (pool, tier) = (&mut self.blocks, &mut self.host_prefixes);

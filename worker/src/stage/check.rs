@@ -63,6 +63,32 @@ pub fn check_step(
                 ),
             );
         }
+        if s.score_ids.len() > s.tokens.len() || (!s.score_ids.is_empty() && s.draft_len > 0) {
+            return bad(
+                "seqs.score_ids",
+                format!(
+                    "sequence {}: {} ids to score for {} tokens (at most one per token, and not with a draft)",
+                    s.seq_id,
+                    s.score_ids.len(),
+                    s.tokens.len()
+                ),
+            );
+        }
+        if let Some(t) = s.score_ids.iter().find(|&&t| t as usize >= l.vocab) {
+            return bad(
+                "seqs.score_ids",
+                format!("id {t} to score is outside the vocabulary of {}", l.vocab),
+            );
+        }
+        if !s.allowed.is_empty() && (s.draft_len > 0 || s.allowed.iter().all(|&w| w == 0)) {
+            return bad(
+                "seqs.allowed",
+                format!(
+                    "sequence {}: a token mask allows no token, or comes with a draft",
+                    s.seq_id
+                ),
+            );
+        }
         let tree_ok = s.tree_parents.is_empty()
             || (s.tree_parents.len() == s.draft_len
                 && s.tokens.len() <= 64
@@ -167,6 +193,9 @@ mod tests {
             draft_width: 1,
             blocks: vec![5, 0, 7],
             cached: Vec::new(),
+            allowed: Vec::new(),
+            score_ids: Vec::new(),
+            score_top: 0,
         }
     }
 

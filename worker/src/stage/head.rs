@@ -60,6 +60,7 @@ impl<B: Backend + 'static> super::Stage<B> {
                 sampler: seq.sampler.as_mut().expect("head stage samples"),
                 history: &seq.history,
                 prompt_continues: s.prompt_continues,
+                allowed: &s.allowed,
             })
             .collect();
         let choice = TokenChoice::for_rows(b, &rows);
@@ -67,7 +68,31 @@ impl<B: Backend + 'static> super::Stage<B> {
         let greedy = choice == TokenChoice::DeviceArgmax;
         let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
         let _in_head = head_span.enter();
-        let mut logits = head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?;
+        let mut logits = if batch.iter().any(|s| !s.score_ids.is_empty()) {
+            // Prompt log-probabilities: every row of the scoring sequences goes through the head;
+            // each scores its next token, and the last rows are chosen from as usual.
+            let tails: Vec<usize> = batch
+                .iter()
+                .zip(seq_rows)
+                .map(|(s, r)| if s.score_ids.is_empty() { 1 } else { r.rows })
+                .collect();
+            let all = head_tensor(b, &self.ctx, x, seq_rows, &tails, norm, lm)?;
+            let (host, vocab) = (b.to_host(&all)?, b.dims(&all).1);
+            let (mut first, mut last) = (0, Vec::with_capacity(batch.len()));
+            for (s, &t) in batch.iter().zip(&tails) {
+                for (i, &id) in s.score_ids.iter().enumerate().take(t) {
+                    let row = &host[(first + i) * vocab..(first + i + 1) * vocab];
+                    layerstream_kernels::host::check_logits(row, first + i)?;
+                    out.scores.push(crate::sampling::logprobs(row, id, s.score_top));
+                }
+                out.score_counts.push(s.score_ids.len().min(t) as u32);
+                first += t;
+                last.push(first - 1);
+            }
+            b.gather_rows(&all, &last)?
+        } else {
+            head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?
+        };
         (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
         drop(_in_head);
         self.draft_next(batch, out)?;

@@ -1,0 +1,158 @@
+//! What the scheduler does for a request's output beyond sampling: the mask of its output format
+//! for each step that samples (computed here, applied by the head worker), the tokens the format
+//! forces (emitted without sampling, fed with the next step in one chunk), the prompt's
+//! log-probabilities (scored by the head while the prompt is prefilled) and the tool calls parsed
+//! from a finished output.
+
+use super::{Active, Scheduler};
+use layerstream_model::{FinishReason, Tokenizer};
+use layerstream_rpc::v1::{generate_event, GenerateEvent, StepSeq, TokenLogprobs, ToolCall};
+use std::time::Instant;
+
+impl Scheduler {
+    /// Fills each sampling member's format mask and each prefilling member's ids to score.
+    pub(super) fn outputs(
+        &mut self,
+        active: &mut [Active],
+        members: &[(usize, usize)],
+        seqs: &mut [StepSeq],
+    ) {
+        for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
+            let a = &mut active[i];
+            if let Some(k) = a.req.params.prompt_logprobs {
+                // Row r scores the token after position start + r, while that is a prompt token.
+                let (start, prompt) = (s.start_pos as usize, &a.req.input_ids);
+                if a.scores.len() + 1 < prompt.len() {
+                    let end = (start + s.token_ids.len()).min(prompt.len() - 1);
+                    s.score_ids = (start..end).map(|p| prompt[p + 1]).collect();
+                    s.score_top = k as u32;
+                }
+            }
+            if s.prompt_continues {
+                continue;
+            }
+            if let Some(c) = a.req.constraint.as_mut() {
+                let t0 = Instant::now();
+                s.allowed = match c.mask() {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // Not seen in practice: end the output as the format would.
+                        tracing::warn!(seq = a.req.seq_id, error = %e, "output format failed; ending the output");
+                        eos_only(&a.req.params.sampling.eos_ids)
+                    }
+                };
+                self.metrics.mask(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+}
+
+/// A mask allowing only the end-of-sequence tokens.
+fn eos_only(eos: &[u32]) -> Vec<u32> {
+    let mut m = vec![0u32; eos.iter().max().map_or(1, |&e| e as usize / 32 + 1)];
+    for &e in eos {
+        m[e as usize / 32] |= 1 << (e % 32);
+    }
+    m
+}
+
+/// Keeps the scores of a step that started at `start`: position `start + r`'s score, when it is
+/// the next one missing (a replayed prompt scores again what is already kept).
+pub(super) fn take_scores(a: &mut Active, start: usize, scores: &[TokenLogprobs]) {
+    for (r, sc) in scores.iter().enumerate() {
+        if start + r == a.scores.len() {
+            a.scores.push(sc.clone());
+        }
+    }
+}
+
+/// Feeds one output token to the stop criteria and the format; the text it completes goes to
+/// `text`. Returns how the output ended, if it did.
+pub(super) fn push(
+    tok: &Tokenizer,
+    a: &mut Active,
+    id: u32,
+    text: &mut String,
+) -> Option<(FinishReason, String)> {
+    let mut reason = stop(tok, a, id, text);
+    if let Some(c) = a.req.constraint.as_mut() {
+        if let Err(e) = c.advance(id) {
+            reason = reason.or(Some((FinishReason::Error, format!("output format: {e}"))));
+        }
+    }
+    reason
+}
+
+/// Feeds one output token to the stop criteria only.
+fn stop(
+    tok: &Tokenizer,
+    a: &mut Active,
+    id: u32,
+    text: &mut String,
+) -> Option<(FinishReason, String)> {
+    match a.stopper.push(tok, id) {
+        Ok(p) => {
+            text.push_str(&p.delta);
+            p.finish.map(|r| (r, String::new()))
+        }
+        Err(e) => Some((FinishReason::Error, format!("decoding output: {e}"))),
+    }
+}
+
+/// After a step's tokens: a format that is complete ends the output (nothing else may follow);
+/// tokens it forces are emitted now and go into the caches with the next step, in one chunk.
+pub(super) fn follow_format(
+    tok: &Tokenizer,
+    a: &mut Active,
+    ids: &mut Vec<u32>,
+    text: &mut String,
+) -> Option<(FinishReason, String)> {
+    let c = a.req.constraint.as_mut()?;
+    if c.finished() {
+        return Some((FinishReason::Stop, String::new()));
+    }
+    let forced = c.forced();
+    if forced.is_empty() {
+        return None;
+    }
+    a.refeed = true;
+    for t in forced {
+        ids.push(t);
+        a.forced += 1;
+        if let Some(r) = stop(tok, a, t, text) {
+            return Some(r);
+        }
+    }
+    a.req.constraint.as_ref().filter(|c| c.finished()).map(|_| (FinishReason::Stop, String::new()))
+}
+
+/// A request with tools that stopped: the calls in its output become `tool_calls` (and the
+/// reason `tool_calls`), the text around them its text. An output whose calls do not parse
+/// stays text.
+pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
+    let Some(format) = a.req.tools else { return };
+    let Some(generate_event::Event::Done(f)) = ev.event.as_mut() else { return };
+    if f.finish_reason() != FinishReason::Stop {
+        return;
+    }
+    let eos = &a.req.params.sampling.eos_ids;
+    let out = a.stopper.output();
+    let body = match out.last() {
+        Some(t) if eos.contains(t) => &out[..out.len() - 1],
+        _ => out,
+    };
+    let Ok(raw) = tok.decode(body, false) else { return };
+    let Some((content, calls)) = layerstream_model::tools::parse(format, &raw) else { return };
+    let mistral = format == layerstream_model::tools::ToolFormat::Mistral;
+    f.tool_calls = calls
+        .into_iter()
+        .map(|c| {
+            let hex = layerstream_rpc::auth::random_hex();
+            // Mistral's templates take ids of exactly nine letters and digits.
+            let id = if mistral { hex[..9].to_owned() } else { format!("call_{}", &hex[..24]) };
+            ToolCall { id, name: c.name, arguments: c.arguments.to_string() }
+        })
+        .collect();
+    f.text = content;
+    f.set_finish_reason(FinishReason::ToolCalls);
+}
