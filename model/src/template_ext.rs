@@ -129,33 +129,6 @@ pub fn strftime_now(fmt: &str) -> String {
     strftime(now, fmt)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dates_format_as_python_formats_them() {
-        // date -u -d @0 / @1764028800 / @951782400 (a leap day).
-        assert_eq!(strftime(0, "%Y-%m-%d %H:%M:%S %a"), "1970-01-01 00:00:00 Thu");
-        assert_eq!(strftime(1_764_028_800, "%d %b %Y"), "25 Nov 2025");
-        assert_eq!(
-            strftime(1_764_028_800, "%A %d %B %y, day %j"),
-            "Tuesday 25 November 25, day 329"
-        );
-        assert_eq!(strftime(951_782_400, "%d %B %Y %j %%"), "29 February 2000 060 %");
-        for days in [-1000i64, 0, 11_016, 20_417, 30_000] {
-            let (y, m, d) = civil_from_days(days);
-            assert_eq!(days_from_civil(y, m, d), days);
-        }
-    }
-
-    #[test]
-    fn generation_blocks_render_their_body() {
-        let t = "a{% generation %}b{%- endgeneration -%} c{%if x%}d{% endif %}";
-        assert_eq!(generation_blocks(t), "a{% if true %}b{%- endif -%} c{%if x%}d{% endif %}");
-    }
-}
-
 /// JSON as transformers' chat templates write it (`tojson` is Python's `json.dumps(x,
 /// ensure_ascii=False, indent=indent)`): `", "` and `": "` between items without an indent, keys
 /// in their order, nothing escaped for HTML (minijinja's own `tojson` is compact and escapes `<`).
@@ -244,5 +217,32 @@ pub fn py_repr(v: &serde_json::Value) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_format_as_python_formats_them() {
+        // date -u -d @0 / @1764028800 / @951782400 (a leap day).
+        assert_eq!(strftime(0, "%Y-%m-%d %H:%M:%S %a"), "1970-01-01 00:00:00 Thu");
+        assert_eq!(strftime(1_764_028_800, "%d %b %Y"), "25 Nov 2025");
+        assert_eq!(
+            strftime(1_764_028_800, "%A %d %B %y, day %j"),
+            "Tuesday 25 November 25, day 329"
+        );
+        assert_eq!(strftime(951_782_400, "%d %B %Y %j %%"), "29 February 2000 060 %");
+        for days in [-1000i64, 0, 11_016, 20_417, 30_000] {
+            let (y, m, d) = civil_from_days(days);
+            assert_eq!(days_from_civil(y, m, d), days);
+        }
+    }
+
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let t = "a{% generation %}b{%- endgeneration -%} c{%if x%}d{% endif %}";
+        assert_eq!(generation_blocks(t), "a{% if true %}b{%- endif -%} c{%if x%}d{% endif %}");
     }
 }

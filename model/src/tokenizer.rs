@@ -291,10 +291,11 @@ pub fn render_chat_tools(
         }
     });
     env.set_formatter(|out, state, value| {
-        if matches!(value.kind(), minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq)
-        {
+        if matches!(
+            value.kind(),
+            minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq
+        ) {
             if let Ok(json) = serde_json::to_value(value) {
-                use std::fmt::Write;
                 return write!(out, "{}", crate::template_ext::py_repr(&json)).map_err(|_| {
                     minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "formatting a value")
                 });

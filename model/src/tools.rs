@@ -218,14 +218,18 @@ pub fn parse(format: ToolFormat, text: &str) -> Option<(String, Vec<Call>)> {
             let mut after = String::new();
             while let Some(start) = rest.find("<tool_call>") {
                 after.push_str(rest[..start].trim());
-                let body = &rest[start + "<tool_call>".len()..];
-                let (inner, next) = match body.find("</tool_call>") {
-                    Some(end) => (&body[..end], &body[end + "</tool_call>".len()..]),
-                    // The output ended inside the last call's tags.
-                    None => (body, ""),
+                // One JSON value (its strings may hold anything, `</tool_call>` included), then
+                // the closing tag (or the end of the output).
+                let body = rest[start + "<tool_call>".len()..].trim_start();
+                let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+                let v = values.next()?.ok()?;
+                let tail = body[values.byte_offset()..].trim_start();
+                rest = match tail.strip_prefix("</tool_call>") {
+                    Some(next) => next,
+                    None if tail.is_empty() => "",
+                    None => return None,
                 };
-                calls.push(call_of(&serde_json::from_str(inner.trim()).ok()?)?);
-                rest = next;
+                calls.push(call_of(&v)?);
             }
             after.push_str(rest.trim());
             let mut content = text[..first].trim().to_owned();
@@ -267,6 +271,18 @@ pub fn parse(format: ToolFormat, text: &str) -> Option<(String, Vec<Call>)> {
     }
 }
 
+/// As `parse`, for an output cut short: the calls completed before the cut (tagged formats;
+/// the others must parse whole).
+pub fn parse_complete(format: ToolFormat, text: &str) -> Option<(String, Vec<Call>)> {
+    match format {
+        ToolFormat::Hermes | ToolFormat::Generic => {
+            let end = text.rfind("</tool_call>")? + "</tool_call>".len();
+            parse(format, &text[..end])
+        }
+        _ => parse(format, text),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,6 +315,14 @@ mod tests {
         assert_eq!(calls[0], Call { name: "get".into(), arguments: json!({"a": 1}) });
         assert_eq!(calls[1], Call { name: "put".into(), arguments: json!({"b": 2}) });
         assert!(parse(ToolFormat::Hermes, "no call here").is_none());
+        let tricky = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"s\": \"x</tool_call>\"}}\n</tool_call>";
+        assert_eq!(
+            parse(ToolFormat::Hermes, tricky).unwrap().1[0].arguments,
+            json!({"s": "x</tool_call>"})
+        );
+        let cut =
+            "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na";
+        assert_eq!(parse_complete(ToolFormat::Hermes, cut).unwrap().1.len(), 1);
         assert!(
             parse(ToolFormat::Hermes, "<tool_call>{\"name\": \"x\", ").is_none(),
             "malformed: text"

@@ -128,11 +128,13 @@ pub(super) fn follow_format(
 
 /// A request with tools that stopped: the calls in its output become `tool_calls` (and the
 /// reason `tool_calls`), the text around them its text. An output whose calls do not parse
-/// stays text.
+/// stays text. One cut short by its length keeps the calls it completed (the reason stays
+/// `length`; a small model may repeat calls until then).
 pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
     let Some(format) = a.req.tools else { return };
     let Some(generate_event::Event::Done(f)) = ev.event.as_mut() else { return };
-    if f.finish_reason() != FinishReason::Stop {
+    let reason = f.finish_reason();
+    if reason != FinishReason::Stop && reason != FinishReason::Length {
         return;
     }
     let eos = &a.req.params.sampling.eos_ids;
@@ -142,7 +144,11 @@ pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
         _ => out,
     };
     let Ok(raw) = tok.decode(body, false) else { return };
-    let Some((content, calls)) = layerstream_model::tools::parse(format, &raw) else { return };
+    let parsed = match reason {
+        FinishReason::Length => layerstream_model::tools::parse_complete(format, &raw),
+        _ => layerstream_model::tools::parse(format, &raw),
+    };
+    let Some((content, calls)) = parsed else { return };
     let mistral = format == layerstream_model::tools::ToolFormat::Mistral;
     f.tool_calls = calls
         .into_iter()
@@ -154,5 +160,7 @@ pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
         })
         .collect();
     f.text = content;
-    f.set_finish_reason(FinishReason::ToolCalls);
+    if reason == FinishReason::Stop {
+        f.set_finish_reason(FinishReason::ToolCalls);
+    }
 }
