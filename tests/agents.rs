@@ -16,23 +16,119 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
     l.iter().map(|&x| x as f64 - lse).collect()
 }
 
-#[test]
-fn agents_get_valid_json_tool_calls_n_penalties_and_prompt_logprobs() {
+fn have_clients() -> bool {
     let ok = Command::new("python3")
         .args(["-c", "import openai, jsonschema"])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
         eprintln!("SKIPPED: the `openai` and `jsonschema` Python packages are missing (pip install openai jsonschema)");
+    }
+    ok
+}
+
+/// Runs a client script against `base`; its JSON output.
+fn client(script: &str, args: &[&str]) -> serde_json::Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
+    let o = Command::new("python3").arg(&path).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap()
+}
+
+/// A model whose template takes tools (Qwen3's, from the llama.cpp sdist, on the tiny Qwen3
+/// checkpoint): a named call constrained to the function's schema and parsed from Qwen's
+/// `<tool_call>` tags, the tool's answer rendered back through the template, a final answer.
+#[test]
+fn a_qwen3_template_round_trips_a_tool_call() {
+    if !have_clients() {
+        return;
+    }
+    let Some(models) = llama_cpp_models_or_skip() else { return };
+    let template = std::fs::read_to_string(models.join("templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("tiny-qwen3-tools");
+    std::fs::create_dir_all(&hf).unwrap();
+    for f in std::fs::read_dir(model_dir("tiny-qwen3")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, hf.join(f.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = hf.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["chat_template"] = serde_json::Value::String(template);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let store = import(&hf, &dir.path().join("store")).dir;
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let v = client("tools_round_trip.py", &[stack.http()]);
+    stack.shutdown();
+    eprintln!("{v}");
+    assert_eq!(v["first"]["calls"], serde_json::json!(["get_weather"]), "{v}");
+    assert_eq!(v["first"]["finish"], "tool_calls", "{v}");
+    assert_eq!(v["final"]["valid_call"], true, "{v}");
+    assert!(["stop", "length"].contains(&v["final"]["finish"].as_str().unwrap()), "{v}");
+}
+
+/// Bad agent requests get a 400 naming the parameter, over HTTP.
+#[test]
+fn bad_agent_requests_name_the_parameter() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let post = |path: &str, body: serde_json::Value| -> (u16, serde_json::Value) {
+        let o = Command::new("curl")
+            .args(["-sS", "-w", "\n%{http_code}", "-H", "Content-Type: application/json"])
+            .args(["-d", &body.to_string(), &format!("{}{path}", stack.http())])
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap();
+        (code.trim().parse().unwrap(), serde_json::from_str(body).unwrap_or_default())
+    };
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let weather = serde_json::json!({"type": "function", "function": {"name": "w"}});
+    let cases = [
+        (
+            serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}),
+            "response_format",
+        ),
+        (
+            serde_json::json!({"response_format": {"type": "regex", "regex": "(ab"}}),
+            "response_format",
+        ),
+        (serde_json::json!({"guided_grammar": "start: foo("}), "response_format"),
+        (serde_json::json!({"tools": [weather, weather]}), "tools"),
+        (
+            serde_json::json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "v"}}}),
+            "tool_choice",
+        ),
+        (serde_json::json!({"n": 17}), "n"),
+        (serde_json::json!({"logit_bias": {"999999": 5}}), "logit_bias"),
+        (serde_json::json!({"presence_penalty": 3}), "presence_penalty"),
+    ];
+    for (extra, param) in cases {
+        let mut body = serde_json::json!({"messages": msgs, "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (code, answer) = post("/v1/chat/completions", body.clone());
+        assert_eq!(code, 400, "{body} → {answer}");
+        assert_eq!(answer["error"]["param"], param, "{body} → {answer}");
+    }
+    // The stack still answers after them.
+    let (code, _) =
+        post("/v1/chat/completions", serde_json::json!({"messages": msgs, "max_tokens": 2}));
+    assert_eq!(code, 200);
+    stack.shutdown();
+}
+
+#[test]
+fn agents_get_valid_json_tool_calls_n_penalties_and_prompt_logprobs() {
+    if !have_clients() {
         return;
     }
     let store = default_store().expect("fetching the default model (needs PyPI)");
     let stack = Stack::up(&store, &["--workers", "1"]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/agents_client.py");
-    let o = Command::new("python3").arg(&script).args([stack.http(), "50"]).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    let v = client("agents_client.py", &[stack.http(), "50"]);
     let mask_ms = stack.metric("layerstream_grammar_mask_seconds_sum") * 1e3
         / stack.metric("layerstream_grammar_mask_seconds_count").max(1.0);
     stack.shutdown();

@@ -109,6 +109,11 @@ pub struct BenchArgs {
     /// share a step in the bytes `--kv-capacity` f32 positions take.
     #[arg(long, env = "LAYERSTREAM_BENCH_KV_CACHE")]
     pub kv_cache: bool,
+    /// Constrained decoding's cost: the same chat requests with a JSON schema and without, at
+    /// batch 1 and `--batch`, this many alternating rounds each; and one token mask's time, p50
+    /// and p99.
+    #[arg(long, env = "LAYERSTREAM_BENCH_CONSTRAINED")]
+    pub constrained: Option<usize>,
     /// The width of the draft model's token trees in `--speculative` (its tree configuration).
     #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 3)]
     pub spec_width: u32,
@@ -430,6 +435,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.kv_cache {
         return crate::bench_kv::compare(&a, &model);
+    }
+    if let Some(rounds) = a.constrained {
+        return crate::bench_grammar::compare(&a, &model, rounds.max(1));
     }
     if a.speculative {
         return crate::bench_spec::compare(&a, &model);

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_api;
 mod bench_experts;
+mod bench_grammar;
 mod bench_kv;
 mod bench_matvec;
 mod bench_pipeline;

@@ -336,7 +336,11 @@ impl Scheduler {
             // Preempted sequences first (their prompt and output so far), then the queue.
             let mut needs: Vec<usize> =
                 self.preempted.iter().map(|a| self.blocks_to_admit(a.known())).collect();
-            needs.extend(waiting.iter().map(|r| self.blocks_to_admit(r.input_ids.len())));
+            // `n` > 1: a choice waits while its sibling prefills the same prompt, then finds the
+            // prompt's blocks in the prefix cache (computed once).
+            if !waiting.front().is_some_and(|r| self.sibling_prefilling(r, &active)) {
+                needs.extend(waiting.iter().map(|r| self.blocks_to_admit(r.input_ids.len())));
+            }
             // What the running sequences' next steps take is not free for newcomers (else a
             // newcomer would be preempted as soon as it is admitted).
             let growth: usize = active.iter().map(|a| self.next_growth(a)).sum();

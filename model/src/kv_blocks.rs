@@ -78,6 +78,11 @@ impl BlockPool {
         self.block
     }
 
+    /// Whether full blocks are kept and found by their tokens (prefix caching).
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
     /// Blocks of the pool.
     pub fn blocks(&self) -> usize {
         self.refs.len()

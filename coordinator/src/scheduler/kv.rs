@@ -6,7 +6,7 @@
 //! Cached prefix blocks the device must give up go to the host tier too, and a later prompt's
 //! lookup brings them back.
 
-use super::{Active, Scheduler};
+use super::{Active, Scheduler, SeqRequest};
 use layerstream_model::kv_blocks::BlockPool;
 
 impl Scheduler {
@@ -84,6 +84,19 @@ impl Scheduler {
         (a.blocks, a.pos, a.base) = (blocks, cached, cached);
         a.acc.cached_tokens = a.acc.cached_tokens.max(cached as u32);
         self.metrics.prefix(self.blocks.counts);
+    }
+
+    /// Whether `r` has a sibling (same job, same prompt) still prefilling a prompt long enough to
+    /// share a block: `r` then waits, to find those blocks cached.
+    pub(super) fn sibling_prefilling(&self, r: &SeqRequest, active: &[Active]) -> bool {
+        self.blocks.caching()
+            && r.params.prompt_logprobs.is_none()
+            && r.input_ids.len() > self.blocks.block()
+            && active.iter().any(|a| {
+                a.req.trace_id == r.trace_id
+                    && a.req.input_ids == r.input_ids
+                    && a.pos < a.req.input_ids.len()
+            })
     }
 
     /// Blocks a sequence not in flight may add in its next step (its next prompt chunk, or a

@@ -10,15 +10,17 @@ use layerstream_rpc::v1::{generate_event, GenerateEvent, StepSeq, TokenLogprobs,
 use std::time::Instant;
 
 impl Scheduler {
-    /// Fills each sampling member's format mask and each prefilling member's ids to score.
+    /// Fills each sampling member's format mask (on several threads when several are
+    /// constrained) and each prefilling member's ids to score.
     pub(super) fn outputs(
         &mut self,
         active: &mut [Active],
         members: &[(usize, usize)],
         seqs: &mut [StepSeq],
     ) {
+        let mut want = vec![false; active.len()];
         for (&(i, _), s) in members.iter().zip(seqs.iter_mut()) {
-            let a = &mut active[i];
+            let a = &active[i];
             if let Some(k) = a.req.params.prompt_logprobs {
                 // Row r scores the token after position start + r, while that is a prompt token.
                 let (start, prompt) = (s.start_pos as usize, &a.req.input_ids);
@@ -28,23 +30,57 @@ impl Scheduler {
                     s.score_top = k as u32;
                 }
             }
-            if s.prompt_continues {
-                continue;
-            }
-            if let Some(c) = a.req.constraint.as_mut() {
-                let t0 = Instant::now();
-                s.allowed = match c.mask() {
-                    Ok(m) => m,
-                    Err(e) => {
-                        // Not seen in practice: end the output as the format would.
-                        tracing::warn!(seq = a.req.seq_id, error = %e, "output format failed; ending the output");
-                        eos_only(&a.req.params.sampling.eos_ids)
-                    }
-                };
-                self.metrics.mask(t0.elapsed().as_secs_f64());
+            want[i] = !s.prompt_continues && a.req.constraint.is_some();
+        }
+        // Each constrained sequence's mask, computed where its sequence is held.
+        let mut jobs: Vec<(usize, &mut Active)> =
+            active.iter_mut().enumerate().filter(|(i, _)| want[*i]).collect();
+        if jobs.is_empty() {
+            return;
+        }
+        let masks: Vec<(usize, Vec<u32>, f64)> = if jobs.len() < MASK_THREADS_FROM {
+            jobs.iter_mut().map(|(i, a)| mask_of(*i, a)).collect()
+        } else {
+            let per = jobs.len().div_ceil(MASK_THREADS);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = jobs
+                    .chunks_mut(per)
+                    .map(|chunk| {
+                        scope.spawn(move || {
+                            chunk.iter_mut().map(|(i, a)| mask_of(*i, a)).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a mask thread panicked"))
+                    .collect()
+            })
+        };
+        for (i, mask, secs) in masks {
+            self.metrics.mask(secs);
+            if let Some(s) = members.iter().position(|m| m.0 == i).and_then(|k| seqs.get_mut(k)) {
+                s.allowed = mask;
             }
         }
     }
+}
+
+/// Constrained sequences in a step from which their masks are computed on several threads.
+const MASK_THREADS_FROM: usize = 4;
+/// Threads computing a step's masks.
+const MASK_THREADS: usize = 4;
+
+/// Sequence `i`'s mask and the seconds it took.
+fn mask_of(i: usize, a: &mut Active) -> (usize, Vec<u32>, f64) {
+    let t0 = Instant::now();
+    let c = a.req.constraint.as_mut().expect("constrained");
+    let mask = c.mask().unwrap_or_else(|e| {
+        // Not seen in practice: end the output as the format would.
+        tracing::warn!(seq = a.req.seq_id, error = %e, "output format failed; ending the output");
+        eos_only(&a.req.params.sampling.eos_ids)
+    });
+    (i, mask, t0.elapsed().as_secs_f64())
 }
 
 /// A mask allowing only the end-of-sequence tokens.
