@@ -68,9 +68,10 @@ fn a_qwen3_template_round_trips_a_tool_call() {
     assert!(["stop", "length"].contains(&v["final"]["finish"].as_str().unwrap()), "{v}");
 }
 
-/// Bad agent requests get a 400 naming the parameter, over HTTP.
+/// `submit --json-schema` constrains a (random-weight) model's output over gRPC to valid JSON; bad
+/// agent requests get a 400 naming the parameter over HTTP, and the stack still answers.
 #[test]
-fn bad_agent_requests_name_the_parameter() {
+fn submit_constrains_and_bad_agent_requests_name_the_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     let stack = Stack::up(&store, &["--workers", "1"]);
@@ -84,6 +85,26 @@ fn bad_agent_requests_name_the_parameter() {
         let (body, code) = out.rsplit_once('\n').unwrap();
         (code.trim().parse().unwrap(), serde_json::from_str(body).unwrap_or_default())
     };
+    let schema = r#"{"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["pet", "age"], "additionalProperties": false}"#;
+    let out = last_json(&layerstream(&[
+        "submit",
+        "--addr",
+        stack.addr(),
+        "--prompt",
+        "A pet:",
+        "--json-schema",
+        schema,
+        "--temperature",
+        "1",
+        "--seed",
+        "5",
+        "--max-new-tokens",
+        "40",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out["text"].as_str().unwrap()).unwrap();
+    assert!(["cat", "dog"].contains(&v["pet"].as_str().unwrap()), "{out}");
+    assert!((1..=9).contains(&v["age"].as_i64().unwrap()), "{out}");
     let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
     let weather = serde_json::json!({"type": "function", "function": {"name": "w"}});
     let cases = [

@@ -138,7 +138,7 @@ fn the_openai_client_gets_what_run_answers_with_logprobs_of_the_cpu_backend() {
     assert_eq!(e["wrong_key"], 401);
     assert_eq!(e["unknown_model"], 404);
     assert_eq!(e["too_long"], 400);
-    assert_eq!(e["n2"], 400);
+    assert_eq!(e["n17"], 400, "n is at most 16");
     assert_eq!(e["top_logprobs_21"], 400);
 }
 

@@ -7,7 +7,8 @@ use clap::Args;
 use layerstream_rpc::auth::Bearer;
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{
-    generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, TokenIds,
+    generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, OutputFormat,
+    TokenIds,
 };
 use std::io::Write;
 
@@ -30,6 +31,43 @@ pub struct SubmitArgs {
     /// PEM CA certificate to trust for an `https://` coordinator.
     #[arg(long, env = "LAYERSTREAM_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Constrain the output to JSON valid under this JSON schema (a file, or the schema itself).
+    #[arg(long, env = "LAYERSTREAM_JSON_SCHEMA", group = "format")]
+    pub json_schema: Option<String>,
+    /// Constrain the output to any JSON object.
+    #[arg(long, env = "LAYERSTREAM_JSON_OBJECT", group = "format")]
+    pub json_object: bool,
+    /// Constrain the output to text matching this regular expression, whole.
+    #[arg(long, env = "LAYERSTREAM_REGEX", group = "format")]
+    pub regex: Option<String>,
+    /// Constrain the output to this Lark grammar (a file; llguidance's dialect).
+    #[arg(long, env = "LAYERSTREAM_GRAMMAR", group = "format")]
+    pub grammar: Option<std::path::PathBuf>,
+}
+
+/// The output format the flags ask for (None: free text).
+fn format(a: &SubmitArgs) -> Result<Option<OutputFormat>> {
+    use layerstream_rpc::v1::output_format::Kind;
+    let kind = if let Some(s) = &a.json_schema {
+        // A path to a schema file, or the schema's text.
+        let text = if std::path::Path::new(s).is_file() {
+            std::fs::read_to_string(s).with_context(|| format!("reading {s}"))?
+        } else {
+            s.clone()
+        };
+        Some(Kind::JsonSchema(text))
+    } else if a.json_object {
+        Some(Kind::JsonObject(true))
+    } else if let Some(r) = &a.regex {
+        Some(Kind::Regex(r.clone()))
+    } else if let Some(g) = &a.grammar {
+        let text =
+            std::fs::read_to_string(g).with_context(|| format!("reading {}", g.display()))?;
+        Some(Kind::Lark(text))
+    } else {
+        None
+    };
+    Ok(kind.map(|k| OutputFormat { kind: Some(k) }))
 }
 
 fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
@@ -74,6 +112,7 @@ fn request(a: &SubmitArgs) -> Result<GenerateRequest> {
         speculative: (s.draft_max.is_some() || s.draft_min > 0).then_some(
             layerstream_rpc::v1::Speculative { max_tokens: s.draft_max, min_tokens: s.draft_min },
         ),
+        format: format(a)?,
         ..Default::default()
     })
 }

@@ -320,6 +320,10 @@ fn submit_in_thread(a: &UpArgs, addr: &str) -> std::thread::JoinHandle<Result<()
         api_key: a.api_key.clone(),
         // A self-signed certificate is its own CA.
         tls_ca: a.tls_cert.clone(),
+        json_schema: None,
+        json_object: false,
+        regex: None,
+        grammar: None,
     };
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_multi_thread()

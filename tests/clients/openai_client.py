@@ -83,7 +83,7 @@ out["errors"] = {
     "wrong_key": status_of(lambda: bad.models.list()),
     "unknown_model": status_of(lambda: client.chat.completions.create(model="no-such-model", messages=msgs)),
     "too_long": status_of(lambda: client.chat.completions.create(model=model, messages=msgs, max_tokens=10**6)),
-    "n2": status_of(lambda: client.chat.completions.create(model=model, messages=msgs, n=2)),
+    "n17": status_of(lambda: client.chat.completions.create(model=model, messages=msgs, n=17)),
     "top_logprobs_21": status_of(lambda: client.chat.completions.create(
         model=model, messages=msgs, logprobs=True, top_logprobs=21)),
 }

@@ -295,20 +295,15 @@ mod tests {
         assert_eq!(greedy(bias, &[], &[]), 4);
         // Token 0 twice in the output, token 1 once; the prompt's token 2 does not count.
         let hist = [2u32, 2, 0, 1, 0];
-        let freq = SamplingParams { frequency_penalty: 0.1, prompt_len: 2, ..p.clone() };
-        assert_eq!(
-            greedy(freq.clone(), &hist, &[]),
-            2,
-            "0: 2.8, 1: 2.8 (tie to the lower? no: 2 is 2.8 too)"
-        );
-        let pres = SamplingParams { presence_penalty: 0.15, prompt_len: 2, ..p.clone() };
+        // 0: 3.0 - 2 × 0.15 = 2.7; 1: 2.9 - 0.15 = 2.75; 2: 2.8 untouched.
+        let freq = SamplingParams { frequency_penalty: 0.15, prompt_len: 2, ..p.clone() };
+        assert_eq!(greedy(freq.clone(), &hist, &[]), 2);
+        // 0: 2.75; 1: 2.65; 2: 2.8.
+        let pres = SamplingParams { presence_penalty: 0.25, prompt_len: 2, ..p.clone() };
         assert_eq!(greedy(pres, &hist, &[]), 2);
-        let counted_prompt = SamplingParams { presence_penalty: 0.15, prompt_len: 0, ..p.clone() };
-        assert_eq!(
-            greedy(counted_prompt, &hist, &[]),
-            3 - 3,
-            "every id penalised alike: 0 stays first"
-        );
+        // Counting the prompt too, every id is penalised alike: 0 stays first.
+        let counted_prompt = SamplingParams { presence_penalty: 0.25, prompt_len: 0, ..p.clone() };
+        assert_eq!(greedy(counted_prompt, &hist, &[]), 0);
         let min = SamplingParams {
             min_tokens: 2,
             eos_ids: vec![0],
