@@ -82,14 +82,16 @@ fn mask_times(g: &Grammars, outputs: &[Vec<u32>]) -> Result<Vec<f64>> {
     let mut ms = Vec::new();
     for out in outputs {
         let mut c = g.compile(&Format::JsonSchema(schema())).map_err(anyhow::Error::msg)?;
-        for &t in out {
+        // The coordinator masks before each sampled token; forced tokens take no mask.
+        let mut i = c.forced().len();
+        while i < out.len() {
             let t0 = Instant::now();
             c.mask().map_err(anyhow::Error::msg)?;
             ms.push(t0.elapsed().as_secs_f64() * 1e3);
-            if c.advance(t).is_err() || c.finished() {
+            if c.advance(out[i]).is_err() || c.finished() {
                 break;
             }
-            c.forced();
+            i += 1 + c.forced().len();
         }
     }
     Ok(ms)
