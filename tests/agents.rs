@@ -117,6 +117,12 @@ fn submit_constrains_and_bad_agent_requests_name_the_parameter() {
             "response_format",
         ),
         (serde_json::json!({"guided_grammar": "start: foo("}), "response_format"),
+        // An unsupported keyword, and a grammar with no sentence.
+        (
+            serde_json::json!({"guided_json": {"type": "object", "if": {"required": ["a"]}, "then": {}}}),
+            "response_format",
+        ),
+        (serde_json::json!({"guided_grammar": "start: a\na: b\nb: a"}), "response_format"),
         (serde_json::json!({"tools": [weather, weather]}), "tools"),
         (
             serde_json::json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "v"}}}),
@@ -188,6 +194,6 @@ fn agents_get_valid_json_tool_calls_n_penalties_and_prompt_logprobs() {
     for i in 1..ids.len() {
         let want = log_softmax(&prefill_logits(&model, &ids[..i]))[ids[i] as usize];
         let got = lps[i].as_f64().unwrap();
-        assert!((got - want).abs() < 1e-3, "token {i}: {got} vs {want}");
+        assert!((got - want).abs() < 1e-4, "token {i}: {got} vs {want}");
     }
 }

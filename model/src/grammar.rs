@@ -114,7 +114,10 @@ impl Grammars {
         .map_err(|e| e.to_string())?;
         let mut c = Constraint { m: Matcher::new(Ok(parser)), eos: self.eos.clone() };
         // A format no token can start (an empty regex language, say) is refused up front.
-        let mask = c.mask()?;
+        let mask = c.mask().map_err(|e| {
+            let first = e.lines().next().unwrap_or_default().to_owned();
+            format!("the format admits no token ({first})")
+        })?;
         if mask.iter().all(|&w| w == 0) {
             return Err("the format admits no token".into());
         }
@@ -273,5 +276,14 @@ mod tests {
         assert!(e.contains("regex"), "{e}");
         let e = g.compile(&Format::Lark("start: foo(".into())).err().unwrap();
         assert!(!e.is_empty());
+        let e = g
+            .compile(&Format::JsonSchema(
+                json!({"type": "object", "if": {"required": ["a"]}, "then": {}}),
+            ))
+            .err()
+            .unwrap();
+        assert!(e.contains("if"), "{e}");
+        let e = g.compile(&Format::Lark("start: a\na: b\nb: a".into())).err().unwrap();
+        assert!(e.starts_with("the format admits no token"), "{e}");
     }
 }
