@@ -182,6 +182,17 @@ impl Measured {
 }
 
 /// The request every client of the workload sends.
+/// The input of a chat holding one user message, `text`.
+pub(crate) fn user_chat(text: &str) -> generate_request::Input {
+    generate_request::Input::Chat(layerstream_rpc::v1::ChatMessages {
+        messages: vec![layerstream_rpc::v1::ChatMessage {
+            role: "user".into(),
+            content: text.into(),
+            ..Default::default()
+        }],
+    })
+}
+
 pub(crate) fn request(a: &BenchArgs, vocab: usize, seed: u64) -> GenerateRequest {
     let input = match a.prompt_tokens {
         // Ids spread over the vocabulary, skipping 0 (often a special token); each request (seed) its

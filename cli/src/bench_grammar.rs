@@ -9,10 +9,7 @@ use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use layerstream_model::grammar::{Format, Grammars};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
-use layerstream_rpc::v1::{
-    generate_event, generate_request, output_format, ChatMessage, ChatMessages, GenerateRequest,
-    OutputFormat, Sampling,
-};
+use layerstream_rpc::v1::{generate_event, output_format, GenerateRequest, OutputFormat, Sampling};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,13 +27,7 @@ fn schema() -> serde_json::Value {
 fn request(a: &BenchArgs, seed: u64, constrained: bool) -> GenerateRequest {
     let text = "List large cities of Europe as JSON with their country and population.";
     GenerateRequest {
-        input: Some(generate_request::Input::Chat(ChatMessages {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: text.into(),
-                ..Default::default()
-            }],
-        })),
+        input: Some(crate::bench::user_chat(text)),
         max_new_tokens: a.max_new_tokens,
         sampling: Some(Sampling { temperature: 0.7, seed, ..Default::default() }),
         format: constrained.then(|| OutputFormat {

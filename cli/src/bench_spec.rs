@@ -8,8 +8,7 @@ use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{
-    generate_event, generate_request, ChatMessage, ChatMessages, GenerateRequest, Sampling, Stats,
-    TokenIds,
+    generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds,
 };
 use std::time::Instant;
 
@@ -51,13 +50,7 @@ struct SpecRow {
 
 fn chat(text: &str, a: &BenchArgs) -> GenerateRequest {
     GenerateRequest {
-        input: Some(generate_request::Input::Chat(ChatMessages {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: text.into(),
-                ..Default::default()
-            }],
-        })),
+        input: Some(crate::bench::user_chat(text)),
         max_new_tokens: a.max_new_tokens,
         sampling: Some(Sampling {
             temperature: a.temperature,
