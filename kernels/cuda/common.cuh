@@ -16,6 +16,11 @@
 #define DT_Q5_K 12
 #define DT_IQ4_NL 13
 #define DT_IQ4_XS 14
+#define DT_TQ1_0 15
+#define DT_TQ2_0 16
+#define DT_FP8_E4M3_B128 17
+#define DT_INT8_B128 18
+#define DT_INT4_G128 19
 
 typedef unsigned char u8;
 typedef unsigned short u16;

@@ -14,6 +14,26 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* s, float* sc, floa
     }
 }
 
+// The f32 at p, read byte by byte (the pre-quantized formats' blocks are not 4-byte aligned).
+__device__ __forceinline__ float ld_f(const u8* p) {
+    return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24));
+}
+
+// An FP8 e4m3 byte as f32, exactly (as the CPU's quant_checkpoint::e4m3): bias 7, subnormals
+// m·2^-9, 0x7F/0xFF NaN.
+__device__ __forceinline__ float e4m3(u8 b) {
+    const unsigned e = (b >> 3) & 0xF, m = b & 7, sign = ((unsigned)b & 0x80u) << 24;
+    float mag;
+    if (e == 0) {
+        mag = (float)m * (1.0f / 512.0f);
+    } else if (e == 15 && m == 7) {
+        mag = __uint_as_float(0x7fc00000u);
+    } else {
+        mag = __uint_as_float(((e + 120) << 23) | (m << 20));
+    }
+    return __uint_as_float(__float_as_uint(mag) | sign);
+}
+
 // Elements c0 .. c0+7 of a row stored as block format T (c0 a multiple of 8): the run shares one
 // block and one sub-block scale, so scales are decoded once per 8 elements.
 template <int T>
@@ -95,6 +115,53 @@ __device__ __forceinline__ void deq8(const u8* row, int c0, float* v) {
         const int bit = i0 >> 5;
 #pragma unroll
         for (int e = 0; e < 8; e++) v[e] = dl * (float)((int)((q[e] >> shift) & 3) - (((hm[e] >> bit) & 1) ? 0 : 4));
+    } else if (T == DT_FP8_E4M3_B128 || T == DT_INT8_B128) {
+        // f32 scale, 128 bytes (e4m3 or int8).
+        const u8* b = row + (c0 >> 7) * 132;
+        const float s = ld_f(b);
+        const u8* q = b + 4 + (c0 & 127);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = (T == DT_FP8_E4M3_B128 ? e4m3(q[e]) : (float)(signed char)q[e]) * s;
+    } else if (T == DT_INT4_G128) {
+        // f32 scale, u8 zero, 64 bytes: value j < 64 the low nibble of byte j, j >= 64 the high
+        // nibble of byte j - 64.
+        const int i0 = c0 & 127;
+        const u8* b = row + (c0 >> 7) * 69;
+        const float s = ld_f(b);
+        const int z = b[4], shift = i0 < 64 ? 0 : 4;
+        const u8* q = b + 5 + (i0 & 63);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = (float)(((q[e] >> shift) & 0xF) - z) * s;
+    } else if (T == DT_TQ2_0) {
+        // 64 bytes of 2-bit codes, f16 d: value 128·h + 32·l + m is bits 2l of byte 32·h + m.
+        const u8* b = row + (c0 >> 8) * 66;
+        const int i0 = c0 & 255, h = i0 >> 7, l = (i0 >> 5) & 3, m0 = i0 & 31;
+        const float d = ld_h(b + 64);
+        const u8* q = b + 32 * h + m0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = (float)(((q[e] >> (2 * l)) & 3) - 1) * d;
+    } else if (T == DT_TQ1_0) {
+        // 48 bytes of five base-3 digits (values 0..160: digit i/32 of byte i%32; 160..240: digit
+        // (i-160)/16 of byte 32 + (i-160)%16), 4 bytes of four digits (240..256: digit (i-240)/4 of
+        // byte 48 + (i-240)%4), f16 d; digit n of q is ((q·3^n mod 256)·3) >> 8.
+        const u8* b = row + (c0 >> 8) * 54;
+        const int i0 = c0 & 255;
+        const float d = ld_h(b + 52);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int i = i0 + e;
+            int byte, n;
+            if (i < 160) {
+                byte = i & 31, n = i >> 5;
+            } else if (i < 240) {
+                byte = 32 + ((i - 160) & 15), n = (i - 160) >> 4;
+            } else {
+                byte = 48 + ((i - 240) & 3), n = (i - 240) >> 2;
+            }
+            const unsigned p3 = n == 0 ? 1u : n == 1 ? 3u : n == 2 ? 9u : n == 3 ? 27u : 81u;
+            const unsigned q = (b[byte] * p3) & 0xFFu;
+            v[e] = (float)((int)((q * 3u) >> 8) - 1) * d;
+        }
     } else if (T == DT_IQ4_NL || T == DT_IQ4_XS) {
         // Level indices into the non-linear table; IQ4_NL: d per 32, IQ4_XS: d·(scale − 32) per 32
         // of 256 (low nibbles of bytes 4..8, high bits in the u16 at 2).
@@ -165,6 +232,11 @@ __device__ float deq_rt(const u8* row, int t, int c) {
     case DT_Q5_K: return deq<DT_Q5_K>(row, c);
     case DT_IQ4_NL: return deq<DT_IQ4_NL>(row, c);
     case DT_IQ4_XS: return deq<DT_IQ4_XS>(row, c);
+    case DT_TQ1_0: return deq<DT_TQ1_0>(row, c);
+    case DT_TQ2_0: return deq<DT_TQ2_0>(row, c);
+    case DT_FP8_E4M3_B128: return deq<DT_FP8_E4M3_B128>(row, c);
+    case DT_INT8_B128: return deq<DT_INT8_B128>(row, c);
+    case DT_INT4_G128: return deq<DT_INT4_G128>(row, c);
     default: return deq<DT_Q6_K>(row, c);
     }
 }
@@ -313,7 +385,8 @@ __device__ __forceinline__ void unit32(const u8* row, int u, float* wv, int* ca,
             }
         }
     } else {
-        // Q2_K, Q3_K, IQ4_NL, IQ4_XS: four runs of 8 through the element decoder.
+        // Q2_K, Q3_K, IQ4_NL, IQ4_XS and the pre-quantized formats: four runs of 8 through the
+        // element decoder.
         *ca = 32 * u, *cb = 32 * u + 16;
 #pragma unroll
         for (int r = 0; r < 4; r++) deq8<T>(row, 32 * u + 8 * r, wv + 8 * r);
@@ -447,6 +520,8 @@ struct AsBf16 {
 #define EVERY_DTYPE(X)                                                                                 \
     X(f32, DT_F32) X(f16, DT_F16) X(bf16, DT_BF16) X(q8_0, DT_Q8_0) X(q4_0, DT_Q4_0) X(q4_1, DT_Q4_1)   \
     X(q4_k, DT_Q4_K) X(q6_k, DT_Q6_K) X(q5_0, DT_Q5_0) X(q5_1, DT_Q5_1) X(q2_k, DT_Q2_K)                \
-    X(q3_k, DT_Q3_K) X(q5_k, DT_Q5_K) X(iq4_nl, DT_IQ4_NL) X(iq4_xs, DT_IQ4_XS)
+    X(q3_k, DT_Q3_K) X(q5_k, DT_Q5_K) X(iq4_nl, DT_IQ4_NL) X(iq4_xs, DT_IQ4_XS) X(tq1_0, DT_TQ1_0)         \
+    X(tq2_0, DT_TQ2_0) X(fp8_e4m3_b128, DT_FP8_E4M3_B128) X(int8_b128, DT_INT8_B128)                   \
+    X(int4_g128, DT_INT4_G128)
 
 EVERY_DTYPE(QUANT_KERNELS)

@@ -12,6 +12,7 @@ pub mod host;
 pub mod kv;
 pub mod nucleus;
 pub mod quant;
+pub mod quant_checkpoint;
 mod quant_ext;
 mod rope;
 pub mod sampling;

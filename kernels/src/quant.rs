@@ -47,6 +47,11 @@ pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
         DType::Q5K => crate::quant_ext::q4_q5_k(b, true, out),
         DType::Iq4Nl => crate::quant_ext::iq4_nl(b, out),
         DType::Iq4Xs => crate::quant_ext::iq4_xs(b, out),
+        DType::Tq1_0 => crate::quant_checkpoint::tq1_0(b, out),
+        DType::Tq2_0 => crate::quant_checkpoint::tq2_0(b, out),
+        DType::Fp8E4m3B128 => crate::quant_checkpoint::fp8_e4m3(b, out),
+        DType::Int8B128 => crate::quant_checkpoint::int8(b, out),
+        DType::Int4G128 => crate::quant_checkpoint::int4(b, out),
         DType::Q6K => {
             let d = f16_at(b, 208);
             for n in 0..2 {
@@ -308,6 +313,22 @@ pub(crate) mod tests {
             }
             DType::Q6K => {
                 row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val()))
+            }
+            DType::Tq1_0 => {
+                row.chunks_exact_mut(54).for_each(|b| b[52..54].copy_from_slice(&val()))
+            }
+            DType::Tq2_0 => {
+                row.chunks_exact_mut(66).for_each(|b| b[64..66].copy_from_slice(&val()))
+            }
+            DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => {
+                row.chunks_exact_mut(dtype.block_bytes()).for_each(|b| {
+                    let s = f16::from_le_bytes(val()).to_f32();
+                    b[0..4].copy_from_slice(&s.to_le_bytes());
+                    if dtype == DType::Fp8E4m3B128 {
+                        // No NaN codes (0x7F, 0xFF).
+                        b[4..].iter_mut().filter(|v| **v & 0x7F == 0x7F).for_each(|v| *v &= 0xFE);
+                    }
+                })
             }
         }
     }

@@ -102,7 +102,10 @@ pub fn export(store: &Store, out: &Path) -> Result<()> {
         put_str(&mut infos, gname);
         infos.extend((t.shape.len() as u32).to_le_bytes());
         t.shape.iter().rev().for_each(|d| infos.extend((*d as u64).to_le_bytes()));
-        infos.extend(t.dtype.ggml_type().to_le_bytes());
+        let code = t.dtype.ggml_type().ok_or_else(|| {
+            Error::tensor(tname, format!("stored as {}, which GGUF has no type for", t.dtype))
+        })?;
+        infos.extend(code.to_le_bytes());
         infos.extend(offset.to_le_bytes());
         sizes.push(t.size);
         offset = offset

@@ -27,6 +27,8 @@ pub struct HfCheckpoint {
     shards: Vec<(PathBuf, memmap2::Mmap)>,
     /// tensor name -> shard index
     index: HashMap<String, usize>,
+    /// The checkpoint's `quantization_config`, if it is pre-quantized.
+    quant: Option<crate::prequant::Scheme>,
 }
 
 fn st_dtype(d: safetensors::Dtype, name: &str) -> Result<DType> {
@@ -44,7 +46,9 @@ fn st_dtype(d: safetensors::Dtype, name: &str) -> Result<DType> {
 impl HfCheckpoint {
     /// Opens `dir`, parsing the config and indexing every safetensors shard.
     pub fn open(dir: &Path) -> Result<Self> {
-        let config = ModelConfig::from_hf(&read_json(&dir.join("config.json"))?)?;
+        let raw_config: serde_json::Value = read_json(&dir.join("config.json"))?;
+        let config = ModelConfig::from_hf(&raw_config)?;
+        let quant = crate::prequant::Scheme::from_config(&raw_config)?;
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
             let idx: serde_json::Value = read_json(&index_path)?;
@@ -87,7 +91,22 @@ impl HfCheckpoint {
             drop(st);
             shards.push((path, map));
         }
-        Ok(HfCheckpoint { dir: dir.into(), config, shards, index })
+        Ok(HfCheckpoint { dir: dir.into(), config, shards, index, quant })
+    }
+}
+
+impl crate::prequant::RawSource for HfCheckpoint {
+    fn raw(&self, name: &str) -> Result<Option<crate::prequant::Raw>> {
+        let Some(&i) = self.index.get(name) else { return Ok(None) };
+        let (path, map) = &self.shards[i];
+        let st = safetensors::SafeTensors::deserialize(map)
+            .map_err(|e| Error::format(path, e.to_string()))?;
+        let view = st.tensor(name).map_err(|e| Error::tensor(name, e.to_string()))?;
+        Ok(Some(crate::prequant::Raw {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data: view.data().to_vec(),
+        }))
     }
 }
 
@@ -97,15 +116,17 @@ impl Checkpoint for HfCheckpoint {
     }
 
     fn tensor(&self, name: &str) -> Result<Option<SourceTensor>> {
-        let Some(&i) = self.index.get(name) else { return Ok(None) };
-        let (path, map) = &self.shards[i];
-        let st = safetensors::SafeTensors::deserialize(map)
-            .map_err(|e| Error::format(path, e.to_string()))?;
-        let view = st.tensor(name).map_err(|e| Error::tensor(name, e.to_string()))?;
+        if let Some(q) = &self.quant {
+            if let Some(t) = q.weight(self, name)? {
+                return Ok(Some(t));
+            }
+        }
+        use crate::prequant::RawSource;
+        let Some(raw) = self.raw(name)? else { return Ok(None) };
         Ok(Some(SourceTensor {
-            dtype: st_dtype(view.dtype(), name)?,
-            shape: view.shape().to_vec(),
-            data: view.data().to_vec(),
+            dtype: st_dtype(raw.dtype, name)?,
+            shape: raw.shape,
+            data: raw.data,
         }))
     }
 

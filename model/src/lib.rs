@@ -16,6 +16,7 @@ pub mod import;
 pub mod kv_blocks;
 pub mod layout;
 pub mod plan;
+pub mod prequant;
 mod request_error;
 mod source;
 pub mod spec;

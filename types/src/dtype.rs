@@ -31,6 +31,23 @@ pub enum DType {
     Iq4Nl,
     #[serde(rename = "iq4_xs")]
     Iq4Xs,
+    /// llama.cpp's ternary types (BitNet b1.58 weights): 256 values in {−1, 0, 1} times an f16 scale,
+    /// five per byte in base 3 (TQ1_0, 1.69 bits) or four per byte in two bits (TQ2_0, 2.06 bits).
+    #[serde(rename = "tq1_0")]
+    Tq1_0,
+    #[serde(rename = "tq2_0")]
+    Tq2_0,
+    /// Pre-quantized checkpoints' FP8 (e4m3) weights as published, 128 values of a row behind the
+    /// f32 scale that covers them (block-wise 128×128, per-channel or per-tensor scales): 8.25 bits.
+    #[serde(rename = "fp8_e4m3_b128")]
+    Fp8E4m3B128,
+    /// INT8 weights (compressed-tensors w8a8/w8a16, symmetric): an f32 scale, 128 signed bytes.
+    #[serde(rename = "int8_b128")]
+    Int8B128,
+    /// 4-bit weights in groups of 128 (AWQ, GPTQ, compressed-tensors pack-quantized): an f32 scale,
+    /// a u8 zero point, 64 bytes of nibbles (value j low, j + 64 high); w = (q − zero)·scale.
+    #[serde(rename = "int4_g128")]
+    Int4G128,
 }
 
 /// The dtypes a KV cache can store keys and values in.
@@ -52,7 +69,15 @@ impl DType {
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Iq4Nl => {
                 32
             }
-            DType::Q4K | DType::Q6K | DType::Q2K | DType::Q3K | DType::Q5K | DType::Iq4Xs => 256,
+            DType::Q4K
+            | DType::Q6K
+            | DType::Q2K
+            | DType::Q3K
+            | DType::Q5K
+            | DType::Iq4Xs
+            | DType::Tq1_0
+            | DType::Tq2_0 => 256,
+            DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => 128,
         }
     }
 
@@ -73,6 +98,10 @@ impl DType {
             DType::Q5K => 176,
             DType::Iq4Nl => 18,
             DType::Iq4Xs => 136,
+            DType::Tq1_0 => 54,
+            DType::Tq2_0 => 66,
+            DType::Fp8E4m3B128 | DType::Int8B128 => 132,
+            DType::Int4G128 => 69,
         }
     }
 
@@ -116,11 +145,16 @@ impl DType {
             DType::Q5K => "q5_k",
             DType::Iq4Nl => "iq4_nl",
             DType::Iq4Xs => "iq4_xs",
+            DType::Tq1_0 => "tq1_0",
+            DType::Tq2_0 => "tq2_0",
+            DType::Fp8E4m3B128 => "fp8_e4m3_b128",
+            DType::Int8B128 => "int8_b128",
+            DType::Int4G128 => "int4_g128",
         }
     }
 
     /// Every stored format.
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 20] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
@@ -136,11 +170,17 @@ impl DType {
         DType::Q5K,
         DType::Iq4Nl,
         DType::Iq4Xs,
+        DType::Tq1_0,
+        DType::Tq2_0,
+        DType::Fp8E4m3B128,
+        DType::Int8B128,
+        DType::Int4G128,
     ];
 
-    /// The GGML type code GGUF files use for this format.
-    pub fn ggml_type(self) -> u32 {
-        match self {
+    /// The GGML type code GGUF files use for this format; `None` for the pre-quantized
+    /// checkpoints' formats, which GGUF has no type for.
+    pub fn ggml_type(self) -> Option<u32> {
+        Some(match self {
             DType::F32 => 0,
             DType::F16 => 1,
             DType::Q4_0 => 2,
@@ -156,12 +196,15 @@ impl DType {
             DType::Iq4Nl => 20,
             DType::Iq4Xs => 23,
             DType::Bf16 => 30,
-        }
+            DType::Tq1_0 => 34,
+            DType::Tq2_0 => 35,
+            DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => return None,
+        })
     }
 
     /// The format of GGML type `code`, if stored here.
     pub fn from_ggml_type(code: u32) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.ggml_type() == code)
+        DType::ALL.into_iter().find(|d| d.ggml_type() == Some(code))
     }
 }
 

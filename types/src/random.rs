@@ -105,6 +105,30 @@ impl Rng {
             DType::Iq4Xs => {
                 data.chunks_exact_mut(136).for_each(|b| b[0..2].copy_from_slice(&f16(1e-5)))
             }
+            // w = d·t, t in {−1, 0, 1} (TQ2_0's fourth code, 3, would be 2: masked to 0..2 → 1).
+            DType::Tq1_0 => {
+                data.chunks_exact_mut(54).for_each(|b| b[52..54].copy_from_slice(&f16(0.03)))
+            }
+            DType::Tq2_0 => data.chunks_exact_mut(66).for_each(|b| {
+                b[..64].iter_mut().for_each(|v| {
+                    // Any 2-bit code of 3 becomes 1 (ternary values only).
+                    let hi = (*v >> 1) & 0x55 & *v;
+                    *v &= !(hi << 1);
+                });
+                b[64..66].copy_from_slice(&f16(0.03))
+            }),
+            // e4m3 bytes with the exponent kept below 8 (|q| < 2, never NaN) and a scale of 0.05.
+            DType::Fp8E4m3B128 => data.chunks_exact_mut(132).for_each(|b| {
+                b[0..4].copy_from_slice(&0.05f32.to_le_bytes());
+                b[4..].iter_mut().for_each(|v| *v &= 0xBF);
+            }),
+            DType::Int8B128 => data
+                .chunks_exact_mut(132)
+                .for_each(|b| b[0..4].copy_from_slice(&4e-4f32.to_le_bytes())),
+            DType::Int4G128 => data.chunks_exact_mut(69).for_each(|b| {
+                b[0..4].copy_from_slice(&6e-3f32.to_le_bytes());
+                b[4] = 8;
+            }),
         }
         Some(data)
     }

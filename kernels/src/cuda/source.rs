@@ -35,13 +35,36 @@ pub fn dtype_code(d: layerstream_types::DType) -> i32 {
         DType::Q5K => 12,
         DType::Iq4Nl => 13,
         DType::Iq4Xs => 14,
+        DType::Tq1_0 => 15,
+        DType::Tq2_0 => 16,
+        DType::Fp8E4m3B128 => 17,
+        DType::Int8B128 => 18,
+        DType::Int4G128 => 19,
     }
 }
 
 /// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
-pub const DTYPE_SUFFIXES: [&str; 15] = [
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q5_0", "q5_1", "q2_k", "q3_k",
-    "q5_k", "iq4_nl", "iq4_xs",
+pub const DTYPE_SUFFIXES: [&str; 20] = [
+    "f32",
+    "f16",
+    "bf16",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q4_k",
+    "q6_k",
+    "q5_0",
+    "q5_1",
+    "q2_k",
+    "q3_k",
+    "q5_k",
+    "iq4_nl",
+    "iq4_xs",
+    "tq1_0",
+    "tq2_0",
+    "fp8_e4m3_b128",
+    "int8_b128",
+    "int4_g128",
 ];
 
 /// The byte alignment `matvec32_*` needs of a weight's rows (its start and row length) for each
@@ -53,7 +76,9 @@ pub fn matvec32_align(d: layerstream_types::DType) -> usize {
         DType::F32 | DType::F16 | DType::Bf16 | DType::Q4K | DType::Q5K => 16,
         DType::Q4_1 | DType::Q5_1 => 4,
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::Q6K => 2,
-        DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs => 2,
+        DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs | DType::Tq1_0 | DType::Tq2_0 => 2,
+        // Their f32 scales are read byte by byte (quant.cu `ld_f`): any alignment.
+        DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => 1,
     }
 }
 

@@ -1,0 +1,104 @@
+//! Pre-quantized HF checkpoints imported as published: block-wise FP8 (`quant_method: "fp8"`,
+//! `weight_scale_inv`, DeepSeek-V3 / Qwen3-FP8), compressed-tensors (`float-quantized` FP8,
+//! `int-quantized` INT8, `pack-quantized` int4/int8), AutoAWQ's GEMM layout and GPTQ. No value is
+//! dequantized: each linear weight becomes one of the stored formats `fp8_e4m3_b128`,
+//! `int8_b128` or `int4_g128` (128 values of a row behind the scale — and zero point — that
+//! covers them), streamed compressed like the GGUF block types.
+
+mod blocks;
+mod layouts;
+mod scheme;
+
+pub use scheme::Scheme;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::source::SourceTensor;
+
+/// A tensor as the safetensors file holds it (any element type).
+pub struct Raw {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// Where the importer finds a checkpoint's raw tensors by name.
+pub trait RawSource {
+    fn raw(&self, name: &str) -> Result<Option<Raw>>;
+}
+
+impl Scheme {
+    /// The linear weight `name` (`….weight`) read through this scheme: `Ok(None)` when the
+    /// checkpoint keeps it unquantized (an `ignore`d module, a norm, the embedding), so the caller
+    /// reads it as a plain tensor.
+    pub fn weight(&self, src: &dyn RawSource, name: &str) -> Result<Option<SourceTensor>> {
+        let Some(prefix) = name.strip_suffix(".weight") else { return Ok(None) };
+        let get = |suffix: &str| src.raw(&format!("{prefix}.{suffix}"));
+        match self {
+            Scheme::Fp8Block { block, .. } => {
+                let Some(w) = get("weight")? else { return Ok(None) };
+                if w.dtype != safetensors::Dtype::F8_E4M3 {
+                    return Ok(None); // kept in bf16 (lm_head, norms, gates)
+                }
+                let s = need(get("weight_scale_inv")?, prefix, "weight_scale_inv")?;
+                layouts::scaled_bytes(name, DType::Fp8E4m3B128, &w, &s, *block, "weight_scale_inv")
+                    .map(Some)
+            }
+            Scheme::CompressedTensors(ct) => ct.weight(name, prefix, &get),
+            Scheme::Awq { group } => {
+                let Some(q) = get("qweight")? else { return Ok(None) };
+                let z = need(get("qzeros")?, prefix, "qzeros")?;
+                let s = need(get("scales")?, prefix, "scales")?;
+                layouts::awq(name, *group, &q, &z, &s).map(Some)
+            }
+            Scheme::Gptq { group, v1_zeros } => {
+                let Some(q) = get("qweight")? else { return Ok(None) };
+                let z = need(get("qzeros")?, prefix, "qzeros")?;
+                let s = need(get("scales")?, prefix, "scales")?;
+                let g_idx = get("g_idx")?;
+                layouts::gptq(name, *group, *v1_zeros, &q, &z, &s, g_idx.as_ref()).map(Some)
+            }
+        }
+    }
+}
+
+fn need(t: Option<Raw>, prefix: &str, what: &str) -> Result<Raw> {
+    t.ok_or_else(|| Error::tensor(format!("{prefix}.{what}"), "missing from the checkpoint"))
+}
+
+impl scheme::CompressedTensors {
+    fn weight(
+        &self,
+        name: &str,
+        prefix: &str,
+        get: &dyn Fn(&str) -> Result<Option<Raw>>,
+    ) -> Result<Option<SourceTensor>> {
+        let Some(args) = self.scheme_for(prefix) else { return Ok(None) };
+        if let Some(packed) = get("weight_packed")? {
+            let s = need(get("weight_scale")?, prefix, "weight_scale")?;
+            let shape = need(get("weight_shape")?, prefix, "weight_shape")?;
+            let z = get("weight_zero_point")?;
+            return layouts::ct_packed(name, args, &packed, &s, z.as_ref(), &shape).map(Some);
+        }
+        let Some(w) = get("weight")? else { return Ok(None) };
+        let dtype = match w.dtype {
+            safetensors::Dtype::F8_E4M3 => DType::Fp8E4m3B128,
+            safetensors::Dtype::I8 => DType::Int8B128,
+            // Stored unquantized although a group names it: as it is.
+            _ => return Ok(None),
+        };
+        if !args.symmetric {
+            if let Some(z) = get("weight_zero_point")? {
+                if z.data.iter().any(|&b| b != 0) {
+                    return Err(Error::tensor(
+                        format!("{prefix}.weight_zero_point"),
+                        "asymmetric 8-bit weights (non-zero zero points) are not supported",
+                    ));
+                }
+            }
+        }
+        let s = need(get("weight_scale")?, prefix, "weight_scale")?;
+        let block = args.block(&w.shape, name)?;
+        layouts::scaled_bytes(name, dtype, &w, &s, block, "weight_scale").map(Some)
+    }
+}

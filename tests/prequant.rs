@@ -1,0 +1,242 @@
+//! Pre-quantized checkpoints as people download them (tests/fixtures/prequant/gen.py): block-wise
+//! FP8 (`weight_scale_inv`, also with power-of-two ue8m0 scales), compressed-tensors FP8 and INT8
+//! per channel and int4 groups (symmetric and asymmetric) written by compressed-tensors itself,
+//! AutoAWQ's GEMM layout and GPTQ (grouped and per-channel). Each is imported as stored (its
+//! weights keep their bytes), decodes bit for bit as the format's library decodes it, and runs with
+//! transformers' tokens on those decoded weights — in `run` and streamed through a 2-worker `up`.
+//! Bad headers are refused with the tensor or field at fault.
+
+use layerstream_kernels::quant::dequant_row;
+use layerstream_model::DType;
+use layerstream_tests::stack::{golden_args, submit, Stack};
+use layerstream_tests::*;
+
+/// (fixture, the dtype its linear weights are stored as).
+const FORMATS: [(&str, DType); 9] = [
+    ("fp8-block", DType::Fp8E4m3B128),
+    ("fp8-block-ue8m0", DType::Fp8E4m3B128),
+    ("ct-fp8-channel", DType::Fp8E4m3B128),
+    ("ct-int8-channel", DType::Int8B128),
+    ("ct-w4a16", DType::Int4G128),
+    ("ct-w4-asym", DType::Int4G128),
+    ("awq", DType::Int4G128),
+    ("gptq", DType::Int4G128),
+    ("gptq-channel", DType::Int4G128),
+];
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The library's decoding of `tensor` (`[rows, cols]` f32) from the fixture's reference.
+fn reference(name: &str, tensor: &str) -> Vec<f32> {
+    let p = fixtures().join("reference/prequant").join(name).join("dequant.safetensors");
+    let bytes = std::fs::read(p).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    f32s(st.tensor(tensor).unwrap().data())
+}
+
+#[test]
+fn every_layout_imports_as_stored_and_decodes_as_its_library_does() {
+    for (name, dtype) in FORMATS {
+        let dir = tempfile::tempdir().unwrap();
+        let store = import(&fixtures().join("prequant").join(name), dir.path());
+        store.verify().unwrap();
+        for (file, t, hf) in [
+            ("layer_000.bin", "k", "model.layers.0.self_attn.k_proj.weight"),
+            ("layer_001.bin", "down", "model.layers.1.mlp.down_proj.weight"),
+        ] {
+            let loaded = store.load(file).unwrap();
+            let (entry, bytes) = loaded.tensor(t).unwrap();
+            assert_eq!(entry.dtype, dtype, "{name}: {t} stored as {}", entry.dtype);
+            let want = reference(name, hf);
+            let mut got = vec![f32::NAN; want.len()];
+            dequant_row(dtype, bytes, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{name} {hf} value {i}: {g} vs the library's {w}"
+                );
+            }
+        }
+        // Every linear weight kept in the format: 8.25 (FP8, INT8) or 4.3125 (int4) bits per weight.
+        let (mut bytes, mut weights) = (0u64, 0usize);
+        for f in ["layer_000.bin", "layer_001.bin"] {
+            for t in &store.manifest.file(f).unwrap().tensors {
+                if t.dtype == dtype {
+                    bytes += t.size;
+                    weights += t.shape.iter().product::<usize>();
+                }
+            }
+        }
+        assert_eq!(weights, 1_179_648, "{name}: every linear weight kept");
+        let bits = 8.0 * bytes as f64 / weights as f64;
+        assert_eq!(bits, if dtype == DType::Int4G128 { 4.3125 } else { 8.25 }, "{name}");
+    }
+}
+
+#[test]
+fn every_layout_gives_transformers_tokens_in_run() {
+    for (name, _) in FORMATS {
+        let dir = tempfile::tempdir().unwrap();
+        let store = import(&fixtures().join("prequant").join(name), dir.path());
+        check_model_against_goldens(&format!("prequant/{name}"), &store);
+    }
+}
+
+/// Streamed through shared memory to two workers (no layer resident), the same tokens.
+#[test]
+fn every_layout_streams_through_a_two_worker_stack() {
+    for (name, _) in FORMATS {
+        let dir = tempfile::tempdir().unwrap();
+        let store = import(&fixtures().join("prequant").join(name), dir.path());
+        let stack = Stack::up(&store.dir, &["--workers", "2", "--resident-layers", "0"]);
+        for g in goldens(&format!("prequant/{name}")) {
+            let args = golden_args(&g, g.greedy_ids.len());
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let v = submit(stack.addr(), &args);
+            let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+            assert_greedy(&format!("prequant/{name} streamed"), &g, &got);
+            assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0, "{name}: nothing streamed");
+        }
+        stack.shutdown();
+    }
+}
+
+/// Copies a fixture and lets `edit` change its config and tensors.
+fn edited(
+    dir: &std::path::Path,
+    name: &str,
+    edit_config: impl FnOnce(&mut serde_json::Value),
+    edit_tensor: impl Fn(&str, &mut (safetensors::Dtype, Vec<usize>, Vec<u8>)),
+) -> std::path::PathBuf {
+    let src = fixtures().join("prequant").join(name);
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit_config(&mut cfg);
+    std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, (safetensors::Dtype, Vec<usize>, Vec<u8>))> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    for (n, t) in tensors.iter_mut() {
+        edit_tensor(n, t);
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    out
+}
+
+#[test]
+fn bad_quantized_checkpoints_name_the_tensor_or_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let k = "model.layers.0.self_attn.k_proj";
+    let none = |_: &str, _: &mut (safetensors::Dtype, Vec<usize>, Vec<u8>)| {};
+    let cases: Vec<(std::path::PathBuf, String)> = vec![
+        (
+            edited(
+                dir.path().join("a").as_path(),
+                "awq",
+                |c| c["quantization_config"]["quant_method"] = "hqq".into(),
+                none,
+            ),
+            "quantization_config.quant_method".into(),
+        ),
+        (
+            edited(
+                dir.path().join("b").as_path(),
+                "awq",
+                |c| c["quantization_config"]["group_size"] = 64.into(),
+                none,
+            ),
+            "group size 64".into(),
+        ),
+        (
+            edited(
+                dir.path().join("c").as_path(),
+                "fp8-block",
+                |_| {},
+                |n, t| {
+                    if n == format!("{k}.weight_scale_inv") {
+                        *t = (safetensors::Dtype::F32, vec![2, 2], vec![0; 16]);
+                    }
+                },
+            ),
+            format!("{k}.weight_scale_inv"),
+        ),
+        (
+            edited(
+                dir.path().join("d").as_path(),
+                "gptq",
+                |_| {},
+                |n, t| {
+                    if n == format!("{k}.g_idx") {
+                        t.2[..4].copy_from_slice(&7i32.to_le_bytes());
+                    }
+                },
+            ),
+            format!("{k}.g_idx"),
+        ),
+        (
+            edited(
+                dir.path().join("e").as_path(),
+                "ct-w4a16",
+                |_| {},
+                |n, t| {
+                    if n == format!("{k}.weight_packed") {
+                        t.1 = vec![64, 32];
+                        t.2.truncate(64 * 32 * 4);
+                    }
+                },
+            ),
+            format!("{k}.weight_packed"),
+        ),
+        (
+            edited(
+                dir.path().join("f").as_path(),
+                "gptq",
+                |_| {},
+                |n, t| {
+                    if n == format!("{k}.g_idx") {
+                        // Act-order: inputs 0 and 200 swap groups.
+                        t.2[..4].copy_from_slice(&1i32.to_le_bytes());
+                        t.2[800..804].copy_from_slice(&0i32.to_le_bytes());
+                    }
+                },
+            ),
+            "act-order".into(),
+        ),
+        (
+            edited(
+                dir.path().join("g").as_path(),
+                "ct-w4a16",
+                |c| {
+                    c["quantization_config"]["config_groups"]["group_0"]["format"] =
+                        "marlin-24".into()
+                },
+                none,
+            ),
+            "config_groups.group_0.format".into(),
+        ),
+    ];
+    for (src, want) in cases {
+        let out = dir.path().join("store");
+        let err = layerstream_fails(&["import", src.to_str().unwrap(), out.to_str().unwrap()]);
+        assert!(err.contains(&want), "{}: {err}", src.display());
+        assert!(!out.exists() && !dir.path().join("store.partial").exists(), "nothing left behind");
+    }
+}
