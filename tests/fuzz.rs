@@ -1,6 +1,7 @@
 //! Bounded fuzzing of every parser a user's file reaches (CI runs it): a seeded mutator over a small
 //! valid GGUF (imported), the manifest of the store made from it (opened, verified, loaded), and an
-//! HF safetensors checkpoint (imported). Every case must end in Ok or an error — a panic or a case
+//! HF safetensors checkpoint (imported), and pre-quantized checkpoints' safetensors headers and
+//! `quantization_config`s (imported). Every case must end in Ok or an error — a panic or a case
 //! that runs past the watchdog fails the test, naming the seed that reproduces it
 //! (`LAYERSTREAM_FUZZ_SEED=<seed> LAYERSTREAM_FUZZ_CASES=1`). `fuzz/` has the cargo-fuzz targets
 //! for longer runs.
@@ -306,10 +307,12 @@ fn every_mutated_file_ends_in_ok_or_a_clear_error() {
     }
     let started = Instant::now();
     let mut panics = Vec::new();
-    let mut oks = [0usize; 3];
+    let mut oks = [0usize; 4];
     for seed in first..first + cases {
         let mut r = Rng(seed);
-        let kind = (seed % 13) as usize; // 0-9 GGUF, 10-11 manifest, 12 safetensors
+        // 0-9 GGUF, 10-11 manifest, 12 safetensors, 13-14 a pre-quantized checkpoint's
+        // safetensors header or quantization_config.
+        let kind = (seed % 15) as usize;
         let dir = tmp.path().join(format!("case-{seed}"));
         std::fs::create_dir(&dir).unwrap();
         since.store(epoch.elapsed().as_millis() as u64, Ordering::SeqCst);
@@ -350,6 +353,29 @@ fn every_mutated_file_ends_in_ok_or_a_clear_error() {
                 std::fs::write(s.join("manifest.json"), m).unwrap();
                 use_store(&s);
             }
+            13 | 14 => {
+                let src = layerstream_tests::fixtures().join("prequant").join(PREQUANT[r.below(4)]);
+                let h = dir.join("hf");
+                std::fs::create_dir(&h).unwrap();
+                for e in std::fs::read_dir(&src).unwrap().flatten() {
+                    std::fs::copy(e.path(), h.join(e.file_name())).unwrap();
+                }
+                if kind == 13 {
+                    let mut b = std::fs::read(h.join("model.safetensors")).unwrap();
+                    let hot = 8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+                    mutate(&mut b, hot, &mut r);
+                    std::fs::write(h.join("model.safetensors"), b).unwrap();
+                } else {
+                    let mut c = std::fs::read(h.join("config.json")).unwrap();
+                    for _ in 0..1 + r.below(3) {
+                        mutate_json(&mut c, &mut r);
+                    }
+                    std::fs::write(h.join("config.json"), c).unwrap();
+                }
+                if layerstream_model::import::import(&h, &dir.join("s"), false).is_ok() {
+                    use_store(&dir.join("s"));
+                }
+            }
             _ => {
                 let h = dir.join("hf");
                 std::fs::create_dir(&h).unwrap();
@@ -366,13 +392,20 @@ fn every_mutated_file_ends_in_ok_or_a_clear_error() {
         });
         current.store(u64::MAX, Ordering::SeqCst);
         match outcome {
-            Ok(()) => oks[kind.min(12) / 10 + usize::from(kind == 12)] += 1,
+            Ok(()) => {
+                oks[match kind {
+                    0..=9 => 0,
+                    10 | 11 => 1,
+                    12 => 2,
+                    _ => 3,
+                }] += 1
+            }
             Err(msg) => panics.push(format!("seed {seed}: {msg}")),
         }
         let _ = std::fs::remove_dir_all(tmp.path().join(format!("case-{seed}")));
     }
     eprintln!(
-        "fuzz: {cases} cases in {:.1} s (GGUF/manifest/safetensors cases that completed: {oks:?})",
+        "fuzz: {cases} cases in {:.1} s (GGUF/manifest/safetensors/pre-quantized cases that completed: {oks:?})",
         started.elapsed().as_secs_f64()
     );
     assert!(
@@ -382,6 +415,9 @@ fn every_mutated_file_ends_in_ok_or_a_clear_error() {
         panics[..panics.len().min(10)].join("\n")
     );
 }
+
+/// Pre-quantized fixtures whose headers and configs the fuzzer mutates (tests/prequant.rs).
+const PREQUANT: [&str; 4] = ["fp8-block", "ct-w4-asym", "awq", "gptq"];
 
 /// The micro model's weights as a safetensors file (HF names, f32, tied embeddings).
 fn safetensors_micro() -> Vec<u8> {

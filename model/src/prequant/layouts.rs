@@ -287,7 +287,14 @@ pub fn ct_packed(
     };
     let bits = args.num_bits;
     let [pr, pc] = matrix(packed, &pn, St::I32, 4)?;
-    shape_is(&pn, &[pr, pc], &[out, (inp * bits).div_ceil(32)])?;
+    // (weight_shape comes from the file: checked against the packed data before any product.)
+    let words = inp.checked_mul(bits).map(|b| b.div_ceil(32));
+    if pr != out || words != Some(pc) {
+        return Err(Error::tensor(
+            &pn,
+            format!("shape [{pr}, {pc}] does not hold {bits}-bit weights of shape [{out}, {inp}]"),
+        ));
+    }
     let [_, group] = args.block(&[out, inp], name)?;
     check_group(name, inp, group)?;
     let groups = inp.div_ceil(group);
