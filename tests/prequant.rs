@@ -1,7 +1,7 @@
 //! Pre-quantized checkpoints as people download them (tests/fixtures/prequant/gen.py): block-wise
 //! FP8 (`weight_scale_inv`, also with power-of-two ue8m0 scales), compressed-tensors FP8 and INT8
 //! per channel and int4 groups (symmetric and asymmetric) written by compressed-tensors itself,
-//! AutoAWQ's GEMM layout and GPTQ (grouped and per-channel). Each is imported as stored (its
+//! AutoAWQ's GEMM layout and GPTQ (grouped, per-channel and act-order). Each is imported as stored (its
 //! weights keep their bytes), decodes bit for bit as the format's library decodes it, and runs with
 //! transformers' tokens on those decoded weights — in `run` and streamed through a 2-worker `up`.
 //! Bad headers are refused with the tensor or field at fault.
@@ -12,7 +12,7 @@ use layerstream_tests::stack::{golden_args, submit, Stack};
 use layerstream_tests::*;
 
 /// (fixture, the dtype its linear weights are stored as).
-const FORMATS: [(&str, DType); 9] = [
+const FORMATS: [(&str, DType); 10] = [
     ("fp8-block", DType::Fp8E4m3B128),
     ("fp8-block-ue8m0", DType::Fp8E4m3B128),
     ("ct-fp8-channel", DType::Fp8E4m3B128),
@@ -22,6 +22,7 @@ const FORMATS: [(&str, DType); 9] = [
     ("awq", DType::Int4G128),
     ("gptq", DType::Int4G128),
     ("gptq-channel", DType::Int4G128),
+    ("gptq-act-order", DType::Int4G128),
 ];
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -49,9 +50,18 @@ fn every_layout_imports_as_stored_and_decodes_as_its_library_does() {
             let loaded = store.load(file).unwrap();
             let (entry, bytes) = loaded.tensor(t).unwrap();
             assert_eq!(entry.dtype, dtype, "{name}: {t} stored as {}", entry.dtype);
-            let want = reference(name, hf);
+            let mut want = reference(name, hf);
             let mut got = vec![f32::NAN; want.len()];
             dequant_row(dtype, bytes, &mut got);
+            // An act-order weight is stored in its groups' input order: column j is input perm[j].
+            if let Some((_, p)) = loaded.tensor(&format!("{t}_perm")) {
+                let perm: Vec<usize> = f32s(p).iter().map(|&v| v as usize).collect();
+                assert_eq!(name, "gptq-act-order", "{name}: only act-order weights are permuted");
+                want = want
+                    .chunks_exact(perm.len())
+                    .flat_map(|r| perm.iter().map(|&i| r[i]))
+                    .collect();
+            }
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(
                     g.to_bits(),
@@ -208,17 +218,17 @@ fn bad_quantized_checkpoints_name_the_tensor_or_field() {
         (
             edited(
                 dir.path().join("f").as_path(),
-                "gptq",
+                "gptq-act-order",
                 |_| {},
                 |n, t| {
                     if n == format!("{k}.g_idx") {
-                        // Act-order: inputs 0 and 200 swap groups.
-                        t.2[..4].copy_from_slice(&1i32.to_le_bytes());
-                        t.2[800..804].copy_from_slice(&0i32.to_le_bytes());
+                        // Groups of uneven size: input 0 moved to the other group.
+                        let g = i32::from_le_bytes(t.2[..4].try_into().unwrap());
+                        t.2[..4].copy_from_slice(&(1 - g).to_le_bytes());
                     }
                 },
             ),
-            "act-order".into(),
+            "inputs, not 128".into(),
         ),
         (
             edited(

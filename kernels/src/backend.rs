@@ -188,6 +188,24 @@ pub trait Backend: Send + Sync + Clone {
             idx.iter().flat_map(|&r| host[r * cols..(r + 1) * cols].iter().copied()).collect();
         self.from_host(&data, idx.len(), cols)
     }
+    /// `out[r, j] = t[r, perm[j]]`: activations put in the input order a weight is stored in (GPTQ
+    /// act-order). The default goes through the host.
+    fn permute_cols(&self, t: &Self::Tensor, perm: &[u32]) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(t);
+        if perm.len() != cols || perm.iter().any(|&p| p as usize >= cols) {
+            return Err(crate::Error::Shape {
+                op: "permute_cols",
+                msg: format!("an order of {} inputs for a width of {cols}", perm.len()),
+            });
+        }
+        let host = self.to_host(t)?;
+        let data: Vec<f32> = host
+            .chunks_exact(cols.max(1))
+            .take(rows)
+            .flat_map(|row| perm.iter().map(move |&p| row[p as usize]))
+            .collect();
+        self.from_host(&data, rows, cols)
+    }
     /// `acc[idx[i]] += scale[i] * y[i]` for every row `i` of `y` (an expert's output added into the
     /// layer's, weighted by the router). The default goes through the host.
     fn add_rows_scaled(

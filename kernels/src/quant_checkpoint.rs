@@ -7,14 +7,25 @@
 
 use crate::quant::f16_at;
 
+/// Every e4m3 byte's value (`e4m3`), for row decoding by lookup.
+pub static E4M3: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = e4m3(b as u8);
+        b += 1;
+    }
+    t
+};
+
 /// The f32 value of an FP8 e4m3 (`float8_e4m3fn`) byte: 1 sign, 4 exponent (bias 7), 3 mantissa
 /// bits, no infinities, 0x7F/0xFF NaN. Exact, by construction of the f32 bits.
 #[inline(always)]
-pub fn e4m3(b: u8) -> f32 {
+pub const fn e4m3(b: u8) -> f32 {
     let sign = ((b as u32) & 0x80) << 24;
     let (e, m) = (((b >> 3) & 0xF) as u32, (b & 7) as u32);
     let mag = if e == 0 {
-        // Subnormal: m · 2^−9.
+        // Subnormal: m · 2^−9 (exact: m < 8).
         m as f32 * (1.0 / 512.0)
     } else if e == 15 && m == 7 {
         f32::NAN
@@ -34,7 +45,7 @@ fn f32_at(b: &[u8], i: usize) -> f32 {
 pub fn fp8_e4m3(b: &[u8], out: &mut [f32]) {
     let s = f32_at(b, 0);
     for (o, &q) in out[..128].iter_mut().zip(&b[4..132]) {
-        *o = e4m3(q) * s;
+        *o = E4M3[q as usize] * s;
     }
 }
 
@@ -114,6 +125,7 @@ mod tests {
         assert_eq!(e4m3(0x01), 2f32.powi(-9)); // the smallest subnormal
         assert_eq!(e4m3(0x08), 2f32.powi(-6)); // the smallest normal
         assert!(e4m3(0x7F).is_nan() && e4m3(0xFF).is_nan());
+        assert!((0..=255u8).all(|b| E4M3[b as usize].to_bits() == e4m3(b).to_bits()));
         for b in 0..=255u8 {
             let (e, m) = ((b >> 3) & 0xF, b & 7);
             let want = if e == 0 {

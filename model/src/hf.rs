@@ -95,6 +95,28 @@ impl HfCheckpoint {
     }
 }
 
+impl HfCheckpoint {
+    /// A tensor by name, read through the checkpoint's quantization scheme first; `perm_ok`: see
+    /// `Scheme::weight`.
+    fn tensor_with(&self, name: &str, perm_ok: bool) -> Result<Option<SourceTensor>> {
+        if let Some(q) = &self.quant {
+            if name.ends_with(crate::prequant::INPUT_PERM) {
+                return q.input_perm(self, name);
+            }
+            if let Some(t) = q.weight(self, name, perm_ok)? {
+                return Ok(Some(t));
+            }
+        }
+        use crate::prequant::RawSource;
+        let Some(raw) = self.raw(name)? else { return Ok(None) };
+        Ok(Some(SourceTensor {
+            dtype: st_dtype(raw.dtype, name)?,
+            shape: raw.shape,
+            data: raw.data,
+        }))
+    }
+}
+
 impl crate::prequant::RawSource for HfCheckpoint {
     fn raw(&self, name: &str) -> Result<Option<crate::prequant::Raw>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
@@ -116,18 +138,7 @@ impl Checkpoint for HfCheckpoint {
     }
 
     fn tensor(&self, name: &str) -> Result<Option<SourceTensor>> {
-        if let Some(q) = &self.quant {
-            if let Some(t) = q.weight(self, name)? {
-                return Ok(Some(t));
-            }
-        }
-        use crate::prequant::RawSource;
-        let Some(raw) = self.raw(name)? else { return Ok(None) };
-        Ok(Some(SourceTensor {
-            dtype: st_dtype(raw.dtype, name)?,
-            shape: raw.shape,
-            data: raw.data,
-        }))
+        self.tensor_with(name, true)
     }
 
     fn tokenizer_json(&self) -> Result<String> {
@@ -182,6 +193,6 @@ impl Checkpoint for HfCheckpoint {
 
     fn expert(&self, layer: usize, expert: usize, which: &str) -> Result<Option<SourceTensor>> {
         let (_, name) = crate::layout::hf_moe_names(self.config.arch);
-        self.tensor(&format!("{}{}", self.layer_prefix(layer), name(expert, which)))
+        self.tensor_with(&format!("{}{}", self.layer_prefix(layer), name(expert, which)), false)
     }
 }

@@ -43,6 +43,15 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("gate", "mlp.gate_proj.weight", "ffn_gate.weight", true),
     lt!("up", "mlp.up_proj.weight", "ffn_up.weight", true),
     lt!("down", "mlp.down_proj.weight", "ffn_down.weight", true),
+    // The order a GPTQ act-order weight's inputs are stored in (f32 indices; `prequant`): the
+    // worker permutes activations by it before that product. No GGUF holds one.
+    lt!("q_perm", "self_attn.q_proj.input_perm", "attn_q.input_perm", false),
+    lt!("k_perm", "self_attn.k_proj.input_perm", "attn_k.input_perm", false),
+    lt!("v_perm", "self_attn.v_proj.input_perm", "attn_v.input_perm", false),
+    lt!("o_perm", "self_attn.o_proj.input_perm", "attn_output.input_perm", false),
+    lt!("gate_perm", "mlp.gate_proj.input_perm", "ffn_gate.input_perm", false),
+    lt!("up_perm", "mlp.up_proj.input_perm", "ffn_up.input_perm", false),
+    lt!("down_perm", "mlp.down_proj.input_perm", "ffn_down.input_perm", false),
 ];
 
 /// Placeholder HF name of Gemma's post-attention norm (no other architecture has one).
@@ -138,6 +147,9 @@ pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
         (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
     Some(match name {
         "attn_norm" | "ffn_norm" | "o_bias" | "attn_post_norm" | "ffn_post_norm" => vec![h],
+        "q_perm" | "k_perm" | "v_perm" | "gate_perm" | "up_perm" => vec![h],
+        "o_perm" => vec![q],
+        "down_perm" => vec![f],
         "q" => vec![q, h],
         "k" | "v" => vec![kv, h],
         "o" => vec![h, q],

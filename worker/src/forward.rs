@@ -108,13 +108,19 @@ pub fn embed<B: Backend>(
     Ok(x)
 }
 
+/// `x · wᵀ (+ bias)`; `perm`: `w` is stored in that input order (GPTQ act-order), so `x`'s columns
+/// are permuted the same way first.
 fn proj<B: Backend>(
     b: &B,
     x: &B::Tensor,
     w: &B::Weight,
     bias: Option<&B::Weight>,
+    perm: Option<&[u32]>,
 ) -> Result<B::Tensor> {
-    let mut y = b.matmul(x, w)?;
+    let mut y = match perm {
+        Some(p) => b.matmul(&b.permute_cols(x, p)?, w)?,
+        None => b.matmul(x, w)?,
+    };
     if let Some(bias) = bias {
         b.add_bias(&mut y, bias)?;
     }
@@ -153,9 +159,10 @@ pub fn layer_forward<B: Backend>(
     let pos = positions(seqs);
     let (shape, rope) = ctx.attn(layer);
     let h = b.rms_norm(x, &w.attn_norm, ctx.eps)?;
-    let mut q = proj(b, &h, &w.q, w.q_bias.as_ref())?;
-    let mut k = proj(b, &h, &w.k, w.k_bias.as_ref())?;
-    let v = proj(b, &h, &w.v, w.v_bias.as_ref())?;
+    let p = &w.perms;
+    let mut q = proj(b, &h, &w.q, w.q_bias.as_ref(), p.q.as_deref())?;
+    let mut k = proj(b, &h, &w.k, w.k_bias.as_ref(), p.k.as_deref())?;
+    let v = proj(b, &h, &w.v, w.v_bias.as_ref(), p.v.as_deref())?;
     if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
         q = b.rms_norm(&q, qn, ctx.eps)?;
         k = b.rms_norm(&k, kn, ctx.eps)?;
@@ -175,7 +182,7 @@ pub fn layer_forward<B: Backend>(
         }
         b.concat_rows(&parts)?
     };
-    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref())?;
+    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref(), p.o.as_deref())?;
     if let Some(n) = &w.attn_post_norm {
         o = b.rms_norm(&o, n, ctx.eps)?;
     }
@@ -183,9 +190,10 @@ pub fn layer_forward<B: Backend>(
     let h2 = b.rms_norm(x, &w.ffn_norm, ctx.eps)?;
     let (mut d, counts) = match &w.mlp {
         Mlp::Dense { gate, up, down } => {
-            let (g, u) = (b.matmul(&h2, gate)?, b.matmul(&h2, up)?);
+            let g = proj(b, &h2, gate, None, p.gate.as_deref())?;
+            let u = proj(b, &h2, up, None, p.up.as_deref())?;
             let a = if ctx.gelu { b.gelu_tanh_mul(&g, &u)? } else { b.silu_mul(&g, &u)? };
-            (b.matmul(&a, down)?, ExpertCounts::default())
+            (proj(b, &a, down, None, p.down.as_deref())?, ExpertCounts::default())
         }
         Mlp::Experts { router } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {

@@ -54,7 +54,7 @@ impl<B: Backend> LayerSource<B> {
                 }
                 b.register_host(region)?;
                 let (blob, ms) = b.upload_blob(bytes, streamed)?;
-                Ok((LayerWeights::from_blob(b, &self.cfg, entry, &blob)?, ms, entry.size))
+                Ok((LayerWeights::from_blob(b, &self.cfg, entry, &blob, bytes)?, ms, entry.size))
             })?;
         Ok((w, size, ms))
     }

@@ -24,6 +24,45 @@ pub struct LayerWeights<B: Backend> {
     pub(crate) attn_post_norm: Option<B::Weight>,
     pub(crate) ffn_post_norm: Option<B::Weight>,
     pub(crate) mlp: Mlp<B>,
+    /// Input orders of GPTQ act-order weights (`layout`'s `*_perm`), kept on the host.
+    pub(crate) perms: Perms,
+}
+
+/// The stored input order of each projection whose weight was published act-order (GPTQ
+/// `desc_act`): stored column `j` multiplies input `perm[j]`.
+#[derive(Default)]
+pub struct Perms {
+    pub(crate) q: Option<Vec<u32>>,
+    pub(crate) k: Option<Vec<u32>>,
+    pub(crate) v: Option<Vec<u32>>,
+    pub(crate) o: Option<Vec<u32>>,
+    pub(crate) gate: Option<Vec<u32>>,
+    pub(crate) up: Option<Vec<u32>>,
+    pub(crate) down: Option<Vec<u32>>,
+}
+
+/// Tensor `name` of a layer file as an input order: f32 indices that must be a permutation.
+fn perm(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<u32>>> {
+    let Some(t) = entry.tensor(name) else { return Ok(None) };
+    let bad = |why: &str| Error::Weights(format!("{}: tensor {name} {why}", entry.name));
+    if t.dtype != layerstream_model::DType::F32 {
+        return Err(bad("is not f32 indices"));
+    }
+    let raw = bytes
+        .get(t.offset as usize..(t.offset + t.size) as usize)
+        .ok_or_else(|| bad("lies outside its file"))?;
+    let vals: Vec<f32> =
+        raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let mut seen = vec![false; vals.len()];
+    let mut out = Vec::with_capacity(vals.len());
+    for v in vals {
+        let i = v as usize;
+        if v.fract() != 0.0 || v < 0.0 || i >= seen.len() || std::mem::replace(&mut seen[i], true) {
+            return Err(bad("is not a permutation of its inputs"));
+        }
+        out.push(i as u32);
+    }
+    Ok(Some(out))
 }
 
 /// A layer's feed-forward: one dense MLP, or a router over experts kept in their own files.
@@ -55,11 +94,18 @@ impl<B: Backend> LayerWeights<B> {
     /// Uploads a layer file's tensors (one transfer for the whole file).
     pub fn load(b: &B, cfg: &ModelConfig, file: &LoadedFile) -> Result<Self> {
         let (blob, _) = b.upload_blob(&file.bytes, false)?;
-        Self::from_blob(b, cfg, &file.entry, &blob)
+        Self::from_blob(b, cfg, &file.entry, &blob, &file.bytes)
     }
 
-    /// The layer's weights as views of a file already on the device, shapes checked against `cfg`.
-    pub fn from_blob(b: &B, cfg: &ModelConfig, entry: &FileEntry, blob: &B::Blob) -> Result<Self> {
+    /// The layer's weights as views of a file already on the device, shapes checked against `cfg`;
+    /// `bytes` is the file on the host (for what stays there: input orders).
+    pub fn from_blob(
+        b: &B,
+        cfg: &ModelConfig,
+        entry: &FileEntry,
+        blob: &B::Blob,
+        bytes: &[u8],
+    ) -> Result<Self> {
         if let Some(t) = entry
             .tensors
             .iter()
@@ -108,6 +154,15 @@ impl<B: Backend> LayerWeights<B> {
             mlp: match opt(ROUTER)? {
                 Some(router) => Mlp::Experts { router },
                 None => Mlp::Dense { gate: req("gate")?, up: req("up")?, down: req("down")? },
+            },
+            perms: Perms {
+                q: perm(entry, bytes, "q_perm")?,
+                k: perm(entry, bytes, "k_perm")?,
+                v: perm(entry, bytes, "v_perm")?,
+                o: perm(entry, bytes, "o_perm")?,
+                gate: perm(entry, bytes, "gate_perm")?,
+                up: perm(entry, bytes, "up_perm")?,
+                down: perm(entry, bytes, "down_perm")?,
             },
         };
         let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));

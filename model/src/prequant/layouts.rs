@@ -183,8 +183,67 @@ pub fn awq(name: &str, group: usize, q: &Raw, z: &Raw, s: &Raw) -> Result<Source
     ))
 }
 
+/// A GPTQ weight's layout checked: `(inputs, outputs, inputs per group, groups)`.
+fn gptq_dims(name: &str, group: Option<usize>, q: &Raw) -> Result<[usize; 4]> {
+    let qn = name.replace(".weight", ".qweight");
+    let [packed_in, out] = matrix(q, &qn, St::I32, 4)?;
+    let inp = packed_in * 8;
+    let group = group.unwrap_or(inp);
+    check_group(&qn, inp, group)?;
+    if !out.is_multiple_of(8) {
+        return Err(Error::tensor(&qn, format!("{out} outputs: a multiple of 8 expected")));
+    }
+    Ok([inp, out, group, inp.div_ceil(group)])
+}
+
+/// The input order a GPTQ weight is stored in: `None` when `g_idx` is absent or puts input `i` in
+/// group `i / g`; for act-order (`desc_act`) files, the inputs sorted by group (stable), so each
+/// group's inputs are contiguous — stored column `j` is input `perm[j]`, and the worker permutes
+/// activations the same way before the product (`…input_perm`).
+pub fn gptq_perm(
+    name: &str,
+    group: Option<usize>,
+    q: &Raw,
+    g_idx: Option<&Raw>,
+) -> Result<Option<Vec<usize>>> {
+    let Some(g) = g_idx else { return Ok(None) };
+    let [inp, _, group, groups] = gptq_dims(name, group, q)?;
+    let gn = name.replace(".weight", ".g_idx");
+    shape_is(&gn, &g.shape, &[inp])?;
+    if g.dtype != St::I32 || g.data.len() != 4 * inp {
+        return Err(Error::tensor(
+            &gn,
+            format!("stored as {:?} in {} bytes, I32 [{inp}] expected", g.dtype, g.data.len()),
+        ));
+    }
+    let mut of = Vec::with_capacity(inp);
+    for (i, c) in g.data.chunks_exact(4).enumerate() {
+        let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if v < 0 || v as usize >= groups {
+            return Err(Error::tensor(
+                &gn,
+                format!("input {i} names group {v}, outside 0..{groups}"),
+            ));
+        }
+        of.push(v as usize);
+    }
+    if of.iter().enumerate().all(|(i, &v)| v == i / group) {
+        return Ok(None);
+    }
+    let mut counts = vec![0usize; groups];
+    of.iter().for_each(|&v| counts[v] += 1);
+    if let Some((gi, n)) = counts.iter().enumerate().find(|&(_, &n)| n != group) {
+        return Err(Error::tensor(&gn, format!("group {gi} holds {n} inputs, not {group}")));
+    }
+    let mut perm: Vec<usize> = (0..inp).collect();
+    perm.sort_by_key(|&i| of[i]);
+    Ok(Some(perm))
+}
+
 /// GPTQ: `qweight` `[in/8, out]` (inputs packed down the rows), `qzeros` `[in/g, out/8]`,
-/// `scales` `[in/g, out]`, `g_idx` `[in]` (each input's group: must be `i / g`).
+/// `scales` `[in/g, out]`, `g_idx` `[in]` (each input's group); act-order weights are stored in
+/// `gptq_perm`'s input order.
+#[allow(clippy::too_many_arguments)]
 pub fn gptq(
     name: &str,
     group: Option<usize>,
@@ -194,46 +253,11 @@ pub fn gptq(
     s: &Raw,
     g_idx: Option<&Raw>,
 ) -> Result<SourceTensor> {
-    let (qn, zn, sn, gn) = (
-        name.replace(".weight", ".qweight"),
-        name.replace(".weight", ".qzeros"),
-        name.replace(".weight", ".scales"),
-        name.replace(".weight", ".g_idx"),
-    );
-    let [packed_in, out] = matrix(q, &qn, St::I32, 4)?;
-    let inp = packed_in * 8;
-    let group = group.unwrap_or(inp);
-    check_group(&qn, inp, group)?;
-    let groups = inp.div_ceil(group);
-    if !out.is_multiple_of(8) {
-        return Err(Error::tensor(&qn, format!("{out} outputs: a multiple of 8 expected")));
-    }
+    let (zn, sn) = (name.replace(".weight", ".qzeros"), name.replace(".weight", ".scales"));
+    let [inp, out, group, groups] = gptq_dims(name, group, q)?;
     shape_is(&zn, &matrix(z, &zn, St::I32, 4)?, &[groups, out / 8])?;
     shape_is(&sn, &s.shape, &[groups, out])?;
-    if let Some(g) = g_idx {
-        shape_is(&gn, &g.shape, &[inp])?;
-        if g.dtype != St::I32 || g.data.len() != 4 * inp {
-            return Err(Error::tensor(
-                &gn,
-                format!("stored as {:?} in {} bytes, I32 [{inp}] expected", g.dtype, g.data.len()),
-            ));
-        }
-        for (i, c) in g.data.chunks_exact(4).enumerate() {
-            let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            if v < 0 || v as usize >= groups {
-                return Err(Error::tensor(
-                    &gn,
-                    format!("input {i} names group {v}, outside 0..{groups}"),
-                ));
-            }
-            if v as usize != i / group {
-                return Err(Error::tensor(
-                    &gn,
-                    format!("input {i} is in group {v}, not {}: act-order (desc_act) weights whose groups are not in input order are not supported yet", i / group),
-                ));
-            }
-        }
-    }
+    let perm = gptq_perm(name, Some(group), q, g_idx)?;
     let scales = floats(s, &sn)?;
     let zero_bytes = &z.data;
     let row_words = 4 * out; // bytes of one qweight row
@@ -241,7 +265,8 @@ pub fn gptq(
         out,
         inp,
         group,
-        |o, i| {
+        |o, j| {
+            let i = perm.as_ref().map_or(j, |p| p[j]);
             let w = &q.data[(i / 8) * row_words + 4 * o..(i / 8) * row_words + 4 * o + 4];
             code(w, i % 8, 4)
         },

@@ -27,11 +27,38 @@ pub trait RawSource {
     fn raw(&self, name: &str) -> Result<Option<Raw>>;
 }
 
+/// The suffix of the virtual tensor naming a weight's stored input order (`layout`'s `*_perm`).
+pub const INPUT_PERM: &str = ".input_perm";
+
 impl Scheme {
+    /// For `name` = `<module>.input_perm`: the order a GPTQ act-order weight's inputs are stored in
+    /// (f32 indices, `[in]`), or `None` for weights stored in input order.
+    pub fn input_perm(&self, src: &dyn RawSource, name: &str) -> Result<Option<SourceTensor>> {
+        let (Some(prefix), Scheme::Gptq { group, .. }) = (name.strip_suffix(INPUT_PERM), self)
+        else {
+            return Ok(None);
+        };
+        let Some(q) = src.raw(&format!("{prefix}.qweight"))? else { return Ok(None) };
+        let g_idx = src.raw(&format!("{prefix}.g_idx"))?;
+        let Some(perm) =
+            layouts::gptq_perm(&format!("{prefix}.weight"), *group, &q, g_idx.as_ref())?
+        else {
+            return Ok(None);
+        };
+        let data = perm.iter().flat_map(|&i| (i as f32).to_le_bytes()).collect();
+        Ok(Some(SourceTensor { dtype: DType::F32, shape: vec![perm.len()], data }))
+    }
+
     /// The linear weight `name` (`….weight`) read through this scheme: `Ok(None)` when the
     /// checkpoint keeps it unquantized (an `ignore`d module, a norm, the embedding), so the caller
-    /// reads it as a plain tensor.
-    pub fn weight(&self, src: &dyn RawSource, name: &str) -> Result<Option<SourceTensor>> {
+    /// reads it as a plain tensor. `perm_ok`: the caller also reads `input_perm` (dense layers);
+    /// elsewhere (experts) an act-order weight is refused.
+    pub fn weight(
+        &self,
+        src: &dyn RawSource,
+        name: &str,
+        perm_ok: bool,
+    ) -> Result<Option<SourceTensor>> {
         let Some(prefix) = name.strip_suffix(".weight") else { return Ok(None) };
         let get = |suffix: &str| src.raw(&format!("{prefix}.{suffix}"));
         match self {
@@ -56,6 +83,12 @@ impl Scheme {
                 let z = need(get("qzeros")?, prefix, "qzeros")?;
                 let s = need(get("scales")?, prefix, "scales")?;
                 let g_idx = get("g_idx")?;
+                if !perm_ok && layouts::gptq_perm(name, *group, &q, g_idx.as_ref())?.is_some() {
+                    return Err(Error::tensor(
+                        format!("{prefix}.g_idx"),
+                        "act-order (desc_act) weights are supported in dense layers, not in experts",
+                    ));
+                }
                 layouts::gptq(name, *group, *v1_zeros, &q, &z, &s, g_idx.as_ref()).map(Some)
             }
         }
