@@ -1,7 +1,9 @@
 //! Pre-quantized checkpoints as people download them (tests/fixtures/prequant/gen.py): block-wise
 //! FP8 (`weight_scale_inv`, also with power-of-two ue8m0 scales), compressed-tensors FP8 and INT8
 //! per channel and int4 groups (symmetric and asymmetric) written by compressed-tensors itself,
-//! AutoAWQ's GEMM layout and GPTQ (grouped, per-channel and act-order). Each is imported as stored (its
+//! AutoAWQ's GEMM layout, GPTQ (grouped, per-channel and act-order) and BitNet b1.58's packed
+//! ternary weights (`BitLinear` and `AutoBitLinear`; goldens from transformers' own BitNet
+//! quantizer, `gen_bitnet.py`). Each is imported as stored (its
 //! weights keep their bytes), decodes bit for bit as the format's library decodes it, and runs with
 //! transformers' tokens on those decoded weights — in `run` and streamed through a 2-worker `up`.
 //! Bad headers are refused with the tensor or field at fault.
@@ -12,7 +14,7 @@ use layerstream_tests::stack::{golden_args, submit, Stack};
 use layerstream_tests::*;
 
 /// (fixture, the dtype its linear weights are stored as).
-const FORMATS: [(&str, DType); 10] = [
+const FORMATS: [(&str, DType); 12] = [
     ("fp8-block", DType::Fp8E4m3B128),
     ("fp8-block-ue8m0", DType::Fp8E4m3B128),
     ("ct-fp8-channel", DType::Fp8E4m3B128),
@@ -23,6 +25,8 @@ const FORMATS: [(&str, DType); 10] = [
     ("gptq", DType::Int4G128),
     ("gptq-channel", DType::Int4G128),
     ("gptq-act-order", DType::Int4G128),
+    ("bitnet", DType::Tq2_0),
+    ("bitnet-auto", DType::Tq2_0),
 ];
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -70,7 +74,8 @@ fn every_layout_imports_as_stored_and_decodes_as_its_library_does() {
                 );
             }
         }
-        // Every linear weight kept in the format: 8.25 (FP8, INT8) or 4.3125 (int4) bits per weight.
+        // Every linear weight kept in the format: 8.25 (FP8, INT8), 4.3125 (int4) or 2.0625 (BitNet's
+        // ternary, as TQ2_0) bits per weight.
         let (mut bytes, mut weights) = (0u64, 0usize);
         for f in ["layer_000.bin", "layer_001.bin"] {
             for t in &store.manifest.file(f).unwrap().tensors {
@@ -82,7 +87,8 @@ fn every_layout_imports_as_stored_and_decodes_as_its_library_does() {
         }
         assert_eq!(weights, 1_179_648, "{name}: every linear weight kept");
         let bits = 8.0 * bytes as f64 / weights as f64;
-        assert_eq!(bits, if dtype == DType::Int4G128 { 4.3125 } else { 8.25 }, "{name}");
+        assert_eq!(bits, 8.0 * dtype.block_bytes() as f64 / dtype.block_elems() as f64, "{name}");
+        assert!(bits <= 8.25, "{name}: {bits} bits per weight");
     }
 }
 
@@ -91,8 +97,53 @@ fn every_layout_gives_transformers_tokens_in_run() {
     for (name, _) in FORMATS {
         let dir = tempfile::tempdir().unwrap();
         let store = import(&fixtures().join("prequant").join(name), dir.path());
-        check_model_against_goldens(&format!("prequant/{name}"), &store);
+        if name.starts_with("bitnet") {
+            check_bitlinear(name, &store);
+        } else {
+            check_model_against_goldens(&format!("prequant/{name}"), &store);
+        }
     }
+}
+
+/// How far BitLinear's 8-bit activations let two correct f32 implementations drift: each
+/// projection's input is rounded to one of 255 levels, so a value within a float ulp of a level
+/// boundary lands on the other level when our RMSNorm's last bit differs from torch's (measured
+/// on the `bitnet` fixture: one of the first row's 256 values, at 63.500004 vs 63.499995 levels),
+/// and a level moves this tiny random model's logits by up to ~0.08. Logits are compared within
+/// this, and greedy tokens until the golden's top-2 gap falls below it.
+const BITLINEAR_TOL: f64 = 0.2;
+
+/// The greedy tokens of `got` against the golden's, up to its first gap below `BITLINEAR_TOL`.
+fn assert_bitlinear_greedy(what: &str, g: &Golden, got: &[u32]) -> usize {
+    let n = g.top2_gaps.iter().position(|&gap| gap < BITLINEAR_TOL).unwrap_or(g.greedy_ids.len());
+    assert_eq!(
+        &got[..n],
+        &g.greedy_ids[..n],
+        "{what}/{}: greedy tokens before a gap of {BITLINEAR_TOL}",
+        g.name
+    );
+    n
+}
+
+/// transformers' tokens for a BitNet store, within what 8-bit activations allow (`BITLINEAR_TOL`);
+/// the tokenizer and template as every model's.
+fn check_bitlinear(name: &str, store: &layerstream_model::Store) {
+    let model =
+        layerstream_worker::Model::load(layerstream_kernels::CpuBackend::default(), store).unwrap();
+    let (mut compared, mut worst) = (0, 0f32);
+    for g in goldens(&format!("prequant/{name}")) {
+        let d = max_abs_diff(
+            &prefill_logits(&model, &g.input_ids),
+            &reference_logits(&format!("prequant/{name}"), &g.name),
+        );
+        assert!((d as f64) < BITLINEAR_TOL, "{name}/{}: prefill logits differ by {d}", g.name);
+        worst = worst.max(d);
+        compared += assert_bitlinear_greedy(name, &g, &run_golden(&store.dir, &g));
+    }
+    eprintln!(
+        "{name}: prefill logits within {worst} of transformers, {compared} greedy tokens compared"
+    );
+    assert!(compared >= 2, "{name}: too few tokens above the tolerance to compare");
 }
 
 /// Streamed through shared memory to two workers (no layer resident), the same tokens.
@@ -107,19 +158,29 @@ fn every_layout_streams_through_a_two_worker_stack() {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let v = submit(stack.addr(), &args);
             let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-            assert_greedy(&format!("prequant/{name} streamed"), &g, &got);
+            if name.starts_with("bitnet") {
+                // The same tokens as `run` (one implementation, streamed or not), and transformers'
+                // within BITLINEAR_TOL.
+                assert_eq!(got, run_golden(&store.dir, &g), "{name}/{}: streamed vs run", g.name);
+                assert_bitlinear_greedy(&format!("{name} streamed"), &g, &got);
+            } else {
+                assert_greedy(&format!("prequant/{name} streamed"), &g, &got);
+            }
             assert!(v["stats"]["bytes_streamed"].as_u64().unwrap() > 0, "{name}: nothing streamed");
         }
         stack.shutdown();
     }
 }
 
+/// A safetensors entry: element type, shape, bytes.
+type Entry = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+
 /// Copies a fixture and lets `edit` change its config and tensors.
 fn edited(
     dir: &std::path::Path,
     name: &str,
     edit_config: impl FnOnce(&mut serde_json::Value),
-    edit_tensor: impl Fn(&str, &mut (safetensors::Dtype, Vec<usize>, Vec<u8>)),
+    edit_tensor: impl Fn(&str, &mut Entry),
 ) -> std::path::PathBuf {
     let src = fixtures().join("prequant").join(name);
     let out = dir.join(name);
@@ -133,7 +194,7 @@ fn edited(
     std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, (safetensors::Dtype, Vec<usize>, Vec<u8>))> = st
+    let mut tensors: Vec<(String, Entry)> = st
         .tensors()
         .into_iter()
         .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
@@ -155,7 +216,7 @@ fn edited(
 fn bad_quantized_checkpoints_name_the_tensor_or_field() {
     let dir = tempfile::tempdir().unwrap();
     let k = "model.layers.0.self_attn.k_proj";
-    let none = |_: &str, _: &mut (safetensors::Dtype, Vec<usize>, Vec<u8>)| {};
+    let none = |_: &str, _: &mut Entry| {};
     let cases: Vec<(std::path::PathBuf, String)> = vec![
         (
             edited(

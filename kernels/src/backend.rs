@@ -188,6 +188,25 @@ pub trait Backend: Send + Sync + Clone {
             idx.iter().flat_map(|&r| host[r * cols..(r + 1) * cols].iter().copied()).collect();
         self.from_host(&data, idx.len(), cols)
     }
+    /// `relu(g)² · u` elementwise (BitNet's squared-ReLU gate). The default goes through the host.
+    fn relu2_mul(&self, g: &Self::Tensor, u: &Self::Tensor) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(g);
+        crate::error::ensure(self.dims(u) == (rows, cols), "relu2_mul", || {
+            format!("{:?} vs {:?}", self.dims(u), (rows, cols))
+        })?;
+        let (g, u) = (self.to_host(g)?, self.to_host(u)?);
+        let out: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| crate::host::relu2(a) * b).collect();
+        self.from_host(&out, rows, cols)
+    }
+    /// Each row quantized to 8 bits by its absolute maximum and back, as transformers' BitLinear
+    /// quantizes its input (`round(x·127/max|x|)` clamped to −128..127, divided back; ties to even).
+    /// The default goes through the host.
+    fn quant_rows_8bit(&self, t: &Self::Tensor) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(t);
+        let mut host = self.to_host(t)?;
+        host.chunks_exact_mut(cols.max(1)).for_each(crate::host::quant_row_8bit);
+        self.from_host(&host, rows, cols)
+    }
     /// `out[r, j] = t[r, perm[j]]`: activations put in the input order a weight is stored in (GPTQ
     /// act-order). The default goes through the host.
     fn permute_cols(&self, t: &Self::Tensor, perm: &[u32]) -> Result<Self::Tensor> {

@@ -91,6 +91,23 @@ pub fn top_k(x: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
+/// `relu(x)²` (transformers' `ReLUSquaredActivation`).
+pub fn relu2(x: f32) -> f32 {
+    let r = x.max(0.0);
+    r * r
+}
+
+/// One row quantized to 8 bits by its absolute maximum and back, as transformers' BitLinear
+/// computes it in f32: `scale = 127 / max(max|x|, 1e-5)`, `round(x·scale)` (ties to even, as
+/// torch rounds) clamped to −128..127, then divided by `scale`.
+pub fn quant_row_8bit(row: &mut [f32]) {
+    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-5);
+    let scale = 127.0 / amax;
+    for v in row.iter_mut() {
+        *v = (*v * scale).round_ties_even().clamp(-128.0, 127.0) / scale;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,5 +153,18 @@ mod tests {
     #[test]
     fn argmax_first_of_ties() {
         assert_eq!(argmax(&[1.0, 5.0, 5.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn rows_quantize_to_255_levels_of_their_maximum_ties_to_even() {
+        // max 1.27: scale 100; 0.005·100 = 0.5 rounds to 0, 0.015·100 = 1.5 to 2 (ties to even).
+        let mut row = [1.27f32, -1.27, 0.005, 0.015, 0.3333, 0.0];
+        super::quant_row_8bit(&mut row);
+        let scale = 127.0 / 1.27f32;
+        let want =
+            [127.0, -127.0, 0.0, 2.0, (0.3333f32 * scale).round(), 0.0].map(|q: f32| q / scale);
+        assert_eq!(row, want);
+        assert_eq!(super::relu2(-2.0), 0.0);
+        assert_eq!(super::relu2(3.0), 9.0);
     }
 }

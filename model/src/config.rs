@@ -23,12 +23,16 @@ pub enum Arch {
     Mixtral,
     #[serde(rename = "Gemma3ForCausalLM")]
     Gemma3,
+    /// BitNet b1.58: the Llama layer with RMSNorms before `o_proj` and `down_proj` and a
+    /// squared-ReLU gate.
+    #[serde(rename = "BitNetForCausalLM")]
+    BitNet,
 }
 
 /// The HF class names accepted, for error messages.
 pub const SUPPORTED_ARCHS: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
-     Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM (GGUF: llama, \
-     qwen2, qwen3, qwen3moe, gemma3)";
+     Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, \
+     BitNetForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.
@@ -41,6 +45,7 @@ impl Arch {
             "Qwen3MoeForCausalLM" => Ok(Arch::Qwen3Moe),
             "MixtralForCausalLM" => Ok(Arch::Mixtral),
             "Gemma3ForCausalLM" => Ok(Arch::Gemma3),
+            "BitNetForCausalLM" => Ok(Arch::BitNet),
             other => {
                 Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() })
             }
@@ -106,6 +111,10 @@ pub struct ModelConfig {
     /// Every layer attends to the last this-many positions only (Mistral 7B v0.1's 4096).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// BitNet's BitLinear projections (`quant_method: "bitnet"`): each decoder projection's input
+    /// is quantized per row to 8 bits (absmax) first, as transformers' BitLinear does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bitlinear: bool,
 }
 
 fn get_usize(v: &Value, field: &str) -> Result<usize> {
@@ -293,6 +302,7 @@ impl ModelConfig {
         };
         let (act_key, want) = match arch {
             Arch::Gemma3 => ("hidden_activation", "gelu_pytorch_tanh"),
+            Arch::BitNet => ("hidden_act", "relu2"),
             _ => ("hidden_act", "silu"),
         };
         let act = v.get(act_key).and_then(Value::as_str).unwrap_or(want);
@@ -336,6 +346,11 @@ impl ModelConfig {
                 }
                 _ => None,
             },
+            bitlinear: v
+                .get("quantization_config")
+                .and_then(|q| q.get("quant_method"))
+                .and_then(Value::as_str)
+                == Some("bitnet"),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -309,6 +309,12 @@ impl GgufFile {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
+            Arch::BitNet => {
+                return Err(Error::UnsupportedArch {
+                    got: "bitnet".into(),
+                    supported: crate::config::SUPPORTED_ARCHS.into(),
+                })
+            }
         };
         let key = |k: &str| format!("{p}.{k}");
         let scaling = self.rope_scaling(p)?;
@@ -370,6 +376,7 @@ impl GgufFile {
             moe: self.moe(arch, p)?,
             gemma: None,
             sliding_window: None,
+            bitlinear: false,
         };
         let cfg = ModelConfig { gemma: self.gemma(&cfg, p)?, ..cfg };
         // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.

@@ -103,6 +103,9 @@ impl HfCheckpoint {
             if name.ends_with(crate::prequant::INPUT_PERM) {
                 return q.input_perm(self, name);
             }
+            if name.ends_with(crate::prequant::OUTPUT_SCALE) {
+                return q.output_scale(self, name);
+            }
             if let Some(t) = q.weight(self, name, perm_ok)? {
                 return Ok(Some(t));
             }

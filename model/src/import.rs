@@ -125,6 +125,9 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
                 }
                 None if lt.required
                     || (cfg.qk_norm && matches!(lt.name, "q_norm" | "k_norm"))
+                    || (cfg.arch == crate::config::Arch::BitNet
+                        && matches!(lt.name, "attn_sub_norm" | "ffn_sub_norm"))
+                    || (cfg.bitlinear && lt.name.ends_with("_oscale"))
                     || (cfg.gemma.is_some()
                         && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
                 {

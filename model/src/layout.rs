@@ -52,6 +52,17 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("gate_perm", "mlp.gate_proj.input_perm", "ffn_gate.input_perm", false),
     lt!("up_perm", "mlp.up_proj.input_perm", "ffn_up.input_perm", false),
     lt!("down_perm", "mlp.down_proj.input_perm", "ffn_down.input_perm", false),
+    // BitNet: RMSNorms over the attention output (before `o`) and the gated MLP activation (before
+    // `down`), and each BitLinear's output multiplier (f32 `[1]`; `prequant`).
+    lt!("attn_sub_norm", "self_attn.attn_sub_norm.weight", "attn_sub_norm.weight", false),
+    lt!("ffn_sub_norm", "mlp.ffn_sub_norm.weight", "ffn_sub_norm.weight", false),
+    lt!("q_oscale", "self_attn.q_proj.output_scale", "attn_q.output_scale", false),
+    lt!("k_oscale", "self_attn.k_proj.output_scale", "attn_k.output_scale", false),
+    lt!("v_oscale", "self_attn.v_proj.output_scale", "attn_v.output_scale", false),
+    lt!("o_oscale", "self_attn.o_proj.output_scale", "attn_output.output_scale", false),
+    lt!("gate_oscale", "mlp.gate_proj.output_scale", "ffn_gate.output_scale", false),
+    lt!("up_oscale", "mlp.up_proj.output_scale", "ffn_up.output_scale", false),
+    lt!("down_oscale", "mlp.down_proj.output_scale", "ffn_down.output_scale", false),
 ];
 
 /// Placeholder HF name of Gemma's post-attention norm (no other architecture has one).
@@ -148,7 +159,10 @@ pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
     Some(match name {
         "attn_norm" | "ffn_norm" | "o_bias" | "attn_post_norm" | "ffn_post_norm" => vec![h],
         "q_perm" | "k_perm" | "v_perm" | "gate_perm" | "up_perm" => vec![h],
-        "o_perm" => vec![q],
+        "o_perm" | "attn_sub_norm" => vec![q],
+        "ffn_sub_norm" => vec![f],
+        "q_oscale" | "k_oscale" | "v_oscale" | "o_oscale" | "gate_oscale" | "up_oscale"
+        | "down_oscale" => vec![1],
         "down_perm" => vec![f],
         "q" => vec![q, h],
         "k" | "v" => vec![kv, h],

@@ -99,6 +99,7 @@ fn dense_config(
         moe: None,
         gemma: None,
         sliding_window: None,
+        bitlinear: false,
     }
 }
 

@@ -48,6 +48,10 @@ pub struct LayerCtx {
     pub(crate) moe: Option<layerstream_model::MoeConfig>,
     /// Gemma: GELU (tanh) gating and embeddings scaled by √hidden.
     pub(crate) gelu: bool,
+    /// BitNet: squared-ReLU gating, and (BitLinear weights) every projection's input quantized per
+    /// row to 8 bits first.
+    pub(crate) relu2: bool,
+    pub(crate) act_quant: bool,
     pub(crate) embed_scale: Option<f32>,
 }
 
@@ -75,6 +79,8 @@ impl LayerCtx {
             eps: cfg.rms_norm_eps as f32,
             moe: cfg.moe.clone(),
             gelu: g.is_some(),
+            relu2: cfg.arch == layerstream_model::Arch::BitNet,
+            act_quant: cfg.bitlinear,
             // transformers multiplies by √hidden cast to the activations' dtype (f32 here).
             embed_scale: g.map(|_| (cfg.hidden_size as f32).sqrt()),
         }
@@ -109,22 +115,36 @@ pub fn embed<B: Backend>(
 }
 
 /// `x · wᵀ (+ bias)`; `perm`: `w` is stored in that input order (GPTQ act-order), so `x`'s columns
-/// are permuted the same way first.
+/// are permuted the same way first; `oscale`: the product is multiplied by it (BitLinear).
 fn proj<B: Backend>(
     b: &B,
     x: &B::Tensor,
     w: &B::Weight,
     bias: Option<&B::Weight>,
     perm: Option<&[u32]>,
+    oscale: Option<f32>,
 ) -> Result<B::Tensor> {
     let mut y = match perm {
         Some(p) => b.matmul(&b.permute_cols(x, p)?, w)?,
         None => b.matmul(x, w)?,
     };
+    if let Some(s) = oscale {
+        b.scale(&mut y, s)?;
+    }
     if let Some(bias) = bias {
         b.add_bias(&mut y, bias)?;
     }
     Ok(y)
+}
+
+/// A BitLinear's input: each row quantized to 8 bits by its absolute maximum and back (BitNet);
+/// anything else as it is.
+fn quant<B: Backend>(b: &B, ctx: &LayerCtx, x: B::Tensor) -> Result<B::Tensor> {
+    if ctx.act_quant {
+        Ok(b.quant_rows_8bit(&x)?)
+    } else {
+        Ok(x)
+    }
 }
 
 /// Where a sequence's rows go in a layer's KV pool.
@@ -158,11 +178,11 @@ pub fn layer_forward<B: Backend>(
 ) -> Result<ExpertCounts> {
     let pos = positions(seqs);
     let (shape, rope) = ctx.attn(layer);
-    let h = b.rms_norm(x, &w.attn_norm, ctx.eps)?;
-    let p = &w.perms;
-    let mut q = proj(b, &h, &w.q, w.q_bias.as_ref(), p.q.as_deref())?;
-    let mut k = proj(b, &h, &w.k, w.k_bias.as_ref(), p.k.as_deref())?;
-    let v = proj(b, &h, &w.v, w.v_bias.as_ref(), p.v.as_deref())?;
+    let h = quant(b, ctx, b.rms_norm(x, &w.attn_norm, ctx.eps)?)?;
+    let (p, s) = (&w.perms, &w.oscales);
+    let mut q = proj(b, &h, &w.q, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
+    let mut k = proj(b, &h, &w.k, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;
+    let v = proj(b, &h, &w.v, w.v_bias.as_ref(), p.v.as_deref(), s.v)?;
     if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
         q = b.rms_norm(&q, qn, ctx.eps)?;
         k = b.rms_norm(&k, kn, ctx.eps)?;
@@ -182,7 +202,12 @@ pub fn layer_forward<B: Backend>(
         }
         b.concat_rows(&parts)?
     };
-    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref(), p.o.as_deref())?;
+    let attn = match &w.attn_sub_norm {
+        Some(n) => b.rms_norm(&attn, n, ctx.eps)?,
+        None => attn,
+    };
+    let attn = quant(b, ctx, attn)?;
+    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref(), p.o.as_deref(), s.o)?;
     if let Some(n) = &w.attn_post_norm {
         o = b.rms_norm(&o, n, ctx.eps)?;
     }
@@ -190,10 +215,28 @@ pub fn layer_forward<B: Backend>(
     let h2 = b.rms_norm(x, &w.ffn_norm, ctx.eps)?;
     let (mut d, counts) = match &w.mlp {
         Mlp::Dense { gate, up, down } => {
-            let g = proj(b, &h2, gate, None, p.gate.as_deref())?;
-            let u = proj(b, &h2, up, None, p.up.as_deref())?;
-            let a = if ctx.gelu { b.gelu_tanh_mul(&g, &u)? } else { b.silu_mul(&g, &u)? };
-            (proj(b, &a, down, None, p.down.as_deref())?, ExpertCounts::default())
+            let quantized;
+            let h2 = if ctx.act_quant {
+                quantized = b.quant_rows_8bit(&h2)?;
+                &quantized
+            } else {
+                &h2
+            };
+            let g = proj(b, h2, gate, None, p.gate.as_deref(), s.gate)?;
+            let u = proj(b, h2, up, None, p.up.as_deref(), s.up)?;
+            let a = if ctx.gelu {
+                b.gelu_tanh_mul(&g, &u)?
+            } else if ctx.relu2 {
+                b.relu2_mul(&g, &u)?
+            } else {
+                b.silu_mul(&g, &u)?
+            };
+            let a = match &w.ffn_sub_norm {
+                Some(n) => b.rms_norm(&a, n, ctx.eps)?,
+                None => a,
+            };
+            let a = quant(b, ctx, a)?;
+            (proj(b, &a, down, None, p.down.as_deref(), s.down)?, ExpertCounts::default())
         }
         Mlp::Experts { router } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {

@@ -26,6 +26,39 @@ pub struct LayerWeights<B: Backend> {
     pub(crate) mlp: Mlp<B>,
     /// Input orders of GPTQ act-order weights (`layout`'s `*_perm`), kept on the host.
     pub(crate) perms: Perms,
+    /// BitNet: RMSNorms before `o` and before `down`.
+    pub(crate) attn_sub_norm: Option<B::Weight>,
+    pub(crate) ffn_sub_norm: Option<B::Weight>,
+    /// BitLinear output multipliers (`layout`'s `*_oscale`), kept on the host.
+    pub(crate) oscales: OutScales,
+}
+
+/// Each projection's output multiplier where its weights are BitNet's ternary values.
+#[derive(Default)]
+pub struct OutScales {
+    pub(crate) q: Option<f32>,
+    pub(crate) k: Option<f32>,
+    pub(crate) v: Option<f32>,
+    pub(crate) o: Option<f32>,
+    pub(crate) gate: Option<f32>,
+    pub(crate) up: Option<f32>,
+    pub(crate) down: Option<f32>,
+}
+
+/// Tensor `name` of a layer file as one finite f32 (a BitLinear's output multiplier).
+fn scalar(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<f32>> {
+    let Some(t) = entry.tensor(name) else { return Ok(None) };
+    let raw = bytes.get(t.offset as usize..(t.offset + t.size) as usize);
+    match raw {
+        Some(&[a, b, c, d]) if t.dtype == layerstream_model::DType::F32 => {
+            let v = f32::from_le_bytes([a, b, c, d]);
+            if v.is_finite() {
+                return Ok(Some(v));
+            }
+        }
+        _ => {}
+    }
+    Err(Error::Weights(format!("{}: tensor {name} is not one finite f32", entry.name)))
 }
 
 /// The stored input order of each projection whose weight was published act-order (GPTQ
@@ -164,6 +197,17 @@ impl<B: Backend> LayerWeights<B> {
                 up: perm(entry, bytes, "up_perm")?,
                 down: perm(entry, bytes, "down_perm")?,
             },
+            attn_sub_norm: opt("attn_sub_norm")?,
+            ffn_sub_norm: opt("ffn_sub_norm")?,
+            oscales: OutScales {
+                q: scalar(entry, bytes, "q_oscale")?,
+                k: scalar(entry, bytes, "k_oscale")?,
+                v: scalar(entry, bytes, "v_oscale")?,
+                o: scalar(entry, bytes, "o_oscale")?,
+                gate: scalar(entry, bytes, "gate_oscale")?,
+                up: scalar(entry, bytes, "up_oscale")?,
+                down: scalar(entry, bytes, "down_oscale")?,
+            },
         };
         let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
         let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));
@@ -179,6 +223,14 @@ impl<B: Backend> LayerWeights<B> {
             return Err(Error::Weights(format!(
                 "{}: attn_post_norm/ffn_post_norm required by {:?}",
                 entry.name, cfg.arch
+            )));
+        }
+        if cfg.arch == layerstream_model::Arch::BitNet
+            && (w.attn_sub_norm.is_none() || w.ffn_sub_norm.is_none())
+        {
+            return Err(Error::Weights(format!(
+                "{}: attn_sub_norm/ffn_sub_norm required by BitNet",
+                entry.name
             )));
         }
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {

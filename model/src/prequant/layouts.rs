@@ -368,3 +368,46 @@ pub fn ct_packed(
     };
     Ok(int4_rows(out, inp, group, q, |g, o| scales[o * groups + g], zero))
 }
+
+/// A per-tensor scale (`[1]` or `[]`) as f32, exactly; it must be finite and non-zero.
+pub fn single_scale(name: &str, s: &Raw) -> Result<f32> {
+    let v = floats(s, name)?;
+    match v.as_slice() {
+        [x] if x.is_finite() && *x != 0.0 => Ok(*x),
+        _ => Err(Error::tensor(
+            name,
+            format!("{} values ({:?}): one finite, non-zero scale expected", v.len(), s.shape),
+        )),
+    }
+}
+
+/// BitNet's packed ternary weights, `U8` `[out/4, in]`: output row `o` is bits `2·(o / (out/4))` of
+/// packed row `o % (out/4)`, code − 1 its value (transformers' `unpack_weights`) — written as
+/// TQ2_0 blocks with a scale of 1 (the same codes; the per-tensor scale is applied to the output).
+pub fn bitnet_packed(name: &str, w: &Raw) -> Result<SourceTensor> {
+    let [packed, inp] = matrix(w, name, St::U8, 1)?;
+    let out = packed * 4;
+    if !inp.is_multiple_of(256) {
+        return Err(Error::tensor(
+            name,
+            format!("{inp} input columns: ternary weights need a multiple of 256"),
+        ));
+    }
+    let one = half::f16::from_f32(1.0).to_le_bytes();
+    let mut data = Vec::with_capacity(out * inp / 256 * 66);
+    for o in 0..out {
+        let (r, shift) = (o % packed, 2 * (o / packed));
+        let row = &w.data[r * inp..(r + 1) * inp];
+        for c in (0..inp).step_by(256) {
+            let code = |i: usize| (row[c + i] >> shift) & 3;
+            // TQ2_0: value 128·h + 32·l + m is bits 2l of byte 32·h + m.
+            for h in 0..2 {
+                for m in 0..32 {
+                    data.push((0..4).fold(0u8, |b, l| b | code(128 * h + 32 * l + m) << (2 * l)));
+                }
+            }
+            data.extend(one);
+        }
+    }
+    Ok(SourceTensor { dtype: DType::Tq2_0, shape: vec![out, inp], data })
+}

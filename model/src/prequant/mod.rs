@@ -29,8 +29,24 @@ pub trait RawSource {
 
 /// The suffix of the virtual tensor naming a weight's stored input order (`layout`'s `*_perm`).
 pub const INPUT_PERM: &str = ".input_perm";
+/// The suffix of the virtual tensor holding what a BitLinear's output is multiplied by
+/// (`layout`'s `*_oscale`).
+pub const OUTPUT_SCALE: &str = ".output_scale";
 
 impl Scheme {
+    /// For `name` = `<module>.output_scale`: a BitLinear's output multiplier (f32 `[1]`): its
+    /// `weight_scale`, or its inverse where `BitLinear` divides by it.
+    pub fn output_scale(&self, src: &dyn RawSource, name: &str) -> Result<Option<SourceTensor>> {
+        let (Some(prefix), Scheme::BitNet { divide }) = (name.strip_suffix(OUTPUT_SCALE), self)
+        else {
+            return Ok(None);
+        };
+        let Some(s) = src.raw(&format!("{prefix}.weight_scale"))? else { return Ok(None) };
+        let v = layouts::single_scale(&format!("{prefix}.weight_scale"), &s)?;
+        let m = if *divide { 1.0 / v } else { v };
+        Ok(Some(SourceTensor { dtype: DType::F32, shape: vec![1], data: m.to_le_bytes().to_vec() }))
+    }
+
     /// For `name` = `<module>.input_perm`: the order a GPTQ act-order weight's inputs are stored in
     /// (f32 indices, `[in]`), or `None` for weights stored in input order.
     pub fn input_perm(&self, src: &dyn RawSource, name: &str) -> Result<Option<SourceTensor>> {
@@ -72,6 +88,13 @@ impl Scheme {
                     .map(Some)
             }
             Scheme::CompressedTensors(ct) => ct.weight(name, prefix, &get),
+            Scheme::BitNet { .. } => {
+                let Some(w) = get("weight")? else { return Ok(None) };
+                if w.dtype != safetensors::Dtype::U8 {
+                    return Ok(None); // unpacked (bf16 ternary values) or not quantized: as it is
+                }
+                layouts::bitnet_packed(name, &w).map(Some)
+            }
             Scheme::Awq { group } => {
                 let Some(q) = get("qweight")? else { return Ok(None) };
                 let z = need(get("qzeros")?, prefix, "qzeros")?;

@@ -16,6 +16,10 @@ pub enum Scheme {
     /// GPTQ 4-bit (`group` inputs per scale, `None` for per-channel); `v1_zeros`: the zero points
     /// are stored minus one (`checkpoint_format: "gptq"`, AutoGPTQ's and optimum's files).
     Gptq { group: Option<usize>, v1_zeros: bool },
+    /// `quant_method: "bitnet"` (offline): ternary weights packed four to a byte down the rows,
+    /// with a per-tensor `weight_scale` the output is divided by (`BitLinear`) or multiplied by
+    /// (`AutoBitLinear`, `divide: false`).
+    BitNet { divide: bool },
 }
 
 /// compressed-tensors' config groups and ignore list.
@@ -123,10 +127,40 @@ impl Scheme {
                 };
                 Scheme::Gptq { group, v1_zeros }
             }
+            "bitnet" => {
+                let mode =
+                    field(q, "quantization_mode").and_then(Value::as_str).unwrap_or("offline");
+                if mode != "offline" {
+                    return Err(bad(
+                        "quantization_mode",
+                        format!("{mode:?} is not supported (offline)"),
+                    ));
+                }
+                if field(q, "use_rms_norm").and_then(Value::as_bool) == Some(true) {
+                    return Err(bad(
+                        "use_rms_norm",
+                        "BitLinear's own input RMSNorm is not supported",
+                    ));
+                }
+                let divide =
+                    match field(q, "linear_class").and_then(Value::as_str).unwrap_or("bitlinear") {
+                        "bitlinear" => true,
+                        "autobitlinear" => false,
+                        other => {
+                            return Err(bad(
+                                "linear_class",
+                                format!("{other:?} is not supported (bitlinear, autobitlinear)"),
+                            ))
+                        }
+                    };
+                Scheme::BitNet { divide }
+            }
             other => {
                 return Err(bad(
                     "quant_method",
-                    format!("{other:?} is not supported (fp8, compressed-tensors, awq, gptq)"),
+                    format!(
+                        "{other:?} is not supported (fp8, compressed-tensors, awq, gptq, bitnet)"
+                    ),
                 ))
             }
         }))
@@ -280,6 +314,14 @@ mod tests {
                 "quantization_config.version",
             ),
             (json!({"quant_method": "fp8", "fmt": "e5m2"}), "quantization_config.fmt"),
+            (
+                json!({"quant_method": "bitnet", "quantization_mode": "online"}),
+                "quantization_config.quantization_mode",
+            ),
+            (
+                json!({"quant_method": "bitnet", "use_rms_norm": true}),
+                "quantization_config.use_rms_norm",
+            ),
             (
                 json!({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "nvfp4-pack-quantized", "targets": ["Linear"], "weights": {"num_bits": 4}}}}),
                 "quantization_config.config_groups.g.format",
