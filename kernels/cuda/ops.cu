@@ -1,5 +1,5 @@
 // Element-wise and row-wise operations of the forward pass: embedding gather, RMSNorm, RoPE (HF half
-// layout), SiLU·mul, residual add, bias add, f32→f16 conversion, and per-row argmax for greedy sampling.
+// layout), SiLU·mul (and GELU, squared ReLU), BitLinear's 8-bit rows, residual add, bias add, f32→f16 conversion, and per-row argmax for greedy sampling.
 
 extern "C" __global__ void embedding(const u8* table, int t, long long row_bytes, const unsigned* ids, float* out, int cols) {
     const u8* row = table + (long long)ids[blockIdx.x] * row_bytes;
@@ -50,6 +50,27 @@ extern "C" __global__ void gelu_tanh_mul(const float* g, const float* u, float* 
         const float x = g[i];
         out[i] = 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x))) * u[i];
     }
+}
+
+// relu(gate)² times up: BitNet's squared-ReLU gating.
+extern "C" __global__ void relu2_mul(const float* g, const float* u, float* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float r = fmaxf(g[i], 0.0f);
+        out[i] = r * r * u[i];
+    }
+}
+
+// Each row rounded to 8 bits by its absolute maximum and back, as BitLinear quantizes its input
+// (host::quant_row_8bit): scale 127/max(max|x|, 1e-5), rint (ties to even), clamp −128..127, ÷ scale.
+// One block per row.
+extern "C" __global__ void quant_rows_8bit(const float* x, float* y, int cols) {
+    const long long base = (long long)blockIdx.x * cols;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(x[base + i]));
+    m = fmaxf(block_max(m), 1e-5f);
+    const float scale = 127.0f / m;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        y[base + i] = fminf(fmaxf(rintf(x[base + i] * scale), -128.0f), 127.0f) / scale;
 }
 
 // Rows idx[0..n) of x (cols wide) into out, in that order: one block per output row.

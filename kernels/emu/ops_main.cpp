@@ -14,6 +14,8 @@
 //                                                inverse frequencies             OUT: rotated x
 //   ops-emu silu_mul N IN OUT                    IN: gate (N), up (N)            OUT: silu(gate)·up
 //   ops-emu gelu_tanh_mul N IN OUT               IN: gate (N), up (N)            OUT: gelu_tanh(gate)·up
+//   ops-emu relu2_mul N IN OUT                   IN: gate (N), up (N)            OUT: relu(gate)²·up
+//   ops-emu quant_rows_8bit ROWS COLS IN OUT     IN: x (ROWS×COLS)               OUT: 8-bit rounded rows
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
 //   ops-emu gather_rows ROWS COLS N IN OUT       IN: x (ROWS×COLS), N i32 row ids  OUT: N×COLS
 //   ops-emu add_rows_scaled ROWS COLS N IN OUT   IN: acc (ROWS×COLS), y (N×COLS), N i32 row ids,
@@ -134,7 +136,14 @@ int main(int argc, char** argv) {
         return write_out(out, x);
     }
     const bool to_half = op == "to_f16" || op == "to_bf16";
-    if ((op == "silu_mul" || op == "gelu_tanh_mul" || op == "add" || to_half) && a.size() == 1) {
+    if (op == "quant_rows_8bit" && a.size() == 2) {
+        const int rows = a[0], cols = a[1];
+        std::vector<float> x((size_t)rows * cols), y((size_t)rows * cols, NAN);
+        if (!read_into(in, x)) return 3;
+        launch(rows, 256, [&] { quant_rows_8bit(x.data(), y.data(), cols); });
+        return write_out(out, y);
+    }
+    if ((op == "silu_mul" || op == "gelu_tanh_mul" || op == "relu2_mul" || op == "add" || to_half) && a.size() == 1) {
         const long long n = a[0];
         std::vector<float> x(n), y(to_half ? 0 : n), o(n, NAN);
         if (!read_into(in, x) || !read_into(in, y)) return 3;
@@ -149,6 +158,10 @@ int main(int argc, char** argv) {
         }
         if (op == "gelu_tanh_mul") {
             launch(grid_for(n), 256, [&] { gelu_tanh_mul(x.data(), y.data(), o.data(), n); });
+            return write_out(out, o);
+        }
+        if (op == "relu2_mul") {
+            launch(grid_for(n), 256, [&] { relu2_mul(x.data(), y.data(), o.data(), n); });
             return write_out(out, o);
         }
         launch(grid_for(n), 256, [&] { silu_mul(x.data(), y.data(), o.data(), n); });

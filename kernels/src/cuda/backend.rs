@@ -662,6 +662,20 @@ impl Backend for CudaBackend {
         self.gated("gelu_tanh_mul", gate, up)
     }
 
+    fn relu2_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        self.gated("relu2_mul", gate, up)
+    }
+
+    fn quant_rows_8bit(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        self.gpu.bind()?;
+        let out = self.tensor(x.rows, x.cols)?;
+        if x.rows > 0 && x.cols > 0 {
+            let args = [x.buf.ptr, out.buf.ptr, i(x.cols as i32)];
+            self.gpu.launch("quant_rows_8bit", (x.rows as u32, 1, 1), 256, 0, &args)?;
+        }
+        Ok(out)
+    }
+
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         ensure(x.rows == y.rows && x.cols == y.cols, "add", || "sizes differ".into())?;
         self.gpu.bind()?;
@@ -795,7 +809,7 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// `kernel(gate) * up`, element-wise (`silu_mul`, `gelu_tanh_mul`).
+    /// `kernel(gate) * up`, element-wise (`silu_mul`, `gelu_tanh_mul`, `relu2_mul`).
     fn gated(
         &self,
         kernel: &'static str,

@@ -96,6 +96,8 @@ pub fn kernel_names() -> Vec<String> {
         "rope",
         "silu_mul",
         "gelu_tanh_mul",
+        "relu2_mul",
+        "quant_rows_8bit",
         "gather_rows",
         "add_rows_scaled",
         "add",

@@ -325,6 +325,13 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want = c.gelu_tanh_mul(&t(&x), &t(&y)).unwrap().data;
     let e = rel(&f32s(&emu.run(&args("gelu_tanh_mul", [n]), &bytes_of(&[&x, &y]))), &want);
     assert!(e < 1e-6, "gelu_tanh_mul: relative error {e:e}");
+    let want = c.relu2_mul(&t(&x), &t(&y)).unwrap().data;
+    let got = f32s(&emu.run(&args("relu2_mul", [n]), &bytes_of(&[&x, &y])));
+    assert_eq!(got, want, "relu2_mul");
+    // BitLinear's 8-bit rows: the same levels as the CPU's (each value a rounding of x·scale).
+    let want = c.quant_rows_8bit(&t(&x)).unwrap().data;
+    let got = f32s(&emu.run(&args("quant_rows_8bit", [rows, cols]), &bytes_of(&[&x])));
+    assert_eq!(got, want, "quant_rows_8bit");
     // Mixture-of-experts rows: an expert's tokens gathered, its output added back scaled.
     let idx = [2usize, 0];
     let ids: Vec<u8> = idx.iter().flat_map(|&r| (r as i32).to_le_bytes()).collect();
