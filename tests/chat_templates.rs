@@ -66,8 +66,9 @@ fn chat_templates_render_tools_as_transformers_renders_them() {
     let tools = &fixture["tools"];
     let (mut same, mut differ) = (0, Vec::new());
     for (name, expected) in fixture["tool_renders"].as_object().unwrap() {
-        // Known: functionary v3.1 HTML-escapes its tool JSON (`&#34;`) under Jinja2's autoescape
-        // rules for the `escape` filter, which minijinja applies differently (1 template of 71).
+        // Known: functionary v3.1 adds its tool JSON to a `|safe` string, and Jinja2's Markup
+        // escapes the other operand of `+` (`"` → `&#34;`), which minijinja's `+` does not
+        // (1 template of 71; the `escape` filter itself is markupsafe's).
         if name == "meetkai-functionary-medium-v3.1.jinja" {
             continue;
         }

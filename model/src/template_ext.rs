@@ -220,6 +220,22 @@ pub fn py_repr(v: &serde_json::Value) -> String {
     }
 }
 
+/// HTML-escapes `s` as Python's markupsafe does (Jinja2's `escape` filter).
+pub fn markupsafe_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&#34;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

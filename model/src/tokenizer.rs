@@ -290,6 +290,23 @@ pub fn render_chat_tools(
             _ => v.to_string(),
         }
     });
+    // Jinja2's `escape`/`e` is markupsafe's: `"` → `&#34;` and `'` → `&#39;` (minijinja's own
+    // writes `&quot;` and `&#x27;`); an already-safe value passes unchanged.
+    let escape = |v: minijinja::Value| -> minijinja::Value {
+        if v.is_safe() {
+            return v;
+        }
+        let text = match v.kind() {
+            minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
+                serde_json::to_value(&v)
+                    .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
+            }
+            _ => v.to_string(),
+        };
+        minijinja::Value::from_safe_string(crate::template_ext::markupsafe_escape(&text))
+    };
+    env.add_filter("escape", escape);
+    env.add_filter("e", escape);
     env.set_formatter(|out, state, value| {
         if matches!(
             value.kind(),
@@ -417,6 +434,14 @@ mod tests {
         let (year, rest) = out.split_once('|').unwrap();
         assert!(year.len() == 4 && year >= "2025", "{out}");
         assert_eq!(rest, "ok");
+    }
+
+    #[test]
+    fn escape_is_markupsafe_s() {
+        let t = "{% for m in messages %}{{ m.content|e }}|{{ m.content|escape|e }}{% endfor %}";
+        let m = vec![Message::new("user", "<a href=\"x\">it's & more</a>")];
+        let want = "&lt;a href=&#34;x&#34;&gt;it&#39;s &amp; more&lt;/a&gt;";
+        assert_eq!(render_chat(t, &m, None, None).unwrap(), format!("{want}|{want}"));
     }
 
     #[test]
