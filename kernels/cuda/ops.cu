@@ -73,6 +73,16 @@ extern "C" __global__ void quant_rows_8bit(const float* x, float* y, int cols) {
         y[base + i] = fminf(fmaxf(rintf(x[base + i] * scale), -128.0f), 127.0f) / scale;
 }
 
+// out[r, j] = x[r, perm[j]]: activations in the input order of a GPTQ act-order weight. One block
+// per row.
+extern "C" __global__ void permute_cols(const float* x, const int* perm, float* out, int rows, int cols) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* src = x + (long long)r * cols;
+        float* dst = out + (long long)r * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[perm[c]];
+    }
+}
+
 // Rows idx[0..n) of x (cols wide) into out, in that order: one block per output row.
 extern "C" __global__ void gather_rows(const float* x, const int* idx, float* out, int n, int cols) {
     for (int r = blockIdx.x; r < n; r += gridDim.x) {

@@ -16,6 +16,7 @@
 //   ops-emu gelu_tanh_mul N IN OUT               IN: gate (N), up (N)            OUT: gelu_tanh(gate)·up
 //   ops-emu relu2_mul N IN OUT                   IN: gate (N), up (N)            OUT: relu(gate)²·up
 //   ops-emu quant_rows_8bit ROWS COLS IN OUT     IN: x (ROWS×COLS)               OUT: 8-bit rounded rows
+//   ops-emu permute_cols ROWS COLS IN OUT        IN: x (ROWS×COLS), COLS i32 order  OUT: x[r, perm[j]]
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
 //   ops-emu gather_rows ROWS COLS N IN OUT       IN: x (ROWS×COLS), N i32 row ids  OUT: N×COLS
 //   ops-emu add_rows_scaled ROWS COLS N IN OUT   IN: acc (ROWS×COLS), y (N×COLS), N i32 row ids,
@@ -136,6 +137,14 @@ int main(int argc, char** argv) {
         return write_out(out, x);
     }
     const bool to_half = op == "to_f16" || op == "to_bf16";
+    if (op == "permute_cols" && a.size() == 2) {
+        const int rows = a[0], cols = a[1];
+        std::vector<float> x((size_t)rows * cols), y((size_t)rows * cols, NAN);
+        std::vector<int> perm(cols);
+        if (!read_into(in, x) || !read_into(in, perm)) return 3;
+        launch(rows, 256, [&] { permute_cols(x.data(), perm.data(), y.data(), rows, cols); });
+        return write_out(out, y);
+    }
     if (op == "quant_rows_8bit" && a.size() == 2) {
         const int rows = a[0], cols = a[1];
         std::vector<float> x((size_t)rows * cols), y((size_t)rows * cols, NAN);

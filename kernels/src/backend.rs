@@ -211,12 +211,7 @@ pub trait Backend: Send + Sync + Clone {
     /// act-order). The default goes through the host.
     fn permute_cols(&self, t: &Self::Tensor, perm: &[u32]) -> Result<Self::Tensor> {
         let (rows, cols) = self.dims(t);
-        if perm.len() != cols || perm.iter().any(|&p| p as usize >= cols) {
-            return Err(crate::Error::Shape {
-                op: "permute_cols",
-                msg: format!("an order of {} inputs for a width of {cols}", perm.len()),
-            });
-        }
+        crate::host::check_perm(cols, perm)?;
         let host = self.to_host(t)?;
         let data: Vec<f32> = host
             .chunks_exact(cols.max(1))

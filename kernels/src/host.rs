@@ -108,6 +108,15 @@ pub fn quant_row_8bit(row: &mut [f32]) {
     }
 }
 
+/// Checks `perm` indexes the `cols` columns of a tensor (`Backend::permute_cols`).
+pub fn check_perm(cols: usize, perm: &[u32]) -> crate::Result<()> {
+    crate::error::ensure(
+        perm.len() == cols && perm.iter().all(|&p| (p as usize) < cols),
+        "permute_cols",
+        || format!("an order of {} inputs for a width of {cols}", perm.len()),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

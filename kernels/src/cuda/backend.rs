@@ -496,6 +496,19 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn permute_cols(&self, t: &CudaTensor, perm: &[u32]) -> Result<CudaTensor> {
+        crate::host::check_perm(t.cols, perm)?;
+        self.gpu.bind()?;
+        let out = self.tensor(t.rows, t.cols)?;
+        if t.rows == 0 || t.cols == 0 {
+            return Ok(out);
+        }
+        let dperm = self.upload_small(&perm.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+        let args = [t.buf.ptr, dperm.ptr, out.buf.ptr, i(t.rows as i32), i(t.cols as i32)];
+        self.gpu.launch("permute_cols", (t.rows as u32, 1, 1), 256, 0, &args)?;
+        Ok(out)
+    }
+
     fn add_rows_scaled(
         &self,
         acc: &mut CudaTensor,

@@ -98,6 +98,7 @@ pub fn kernel_names() -> Vec<String> {
         "gelu_tanh_mul",
         "relu2_mul",
         "quant_rows_8bit",
+        "permute_cols",
         "gather_rows",
         "add_rows_scaled",
         "add",

@@ -332,6 +332,12 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want = c.quant_rows_8bit(&t(&x)).unwrap().data;
     let got = f32s(&emu.run(&args("quant_rows_8bit", [rows, cols]), &bytes_of(&[&x])));
     assert_eq!(got, want, "quant_rows_8bit");
+    // A GPTQ act-order weight's input order: the columns reversed in pairs.
+    let perm: Vec<u32> = (0..cols as u32).map(|j| (cols as u32 - 1 - j) ^ 1).collect();
+    let want = c.permute_cols(&t(&x), &perm).unwrap().data;
+    let mut input = bytes_of(&[&x]);
+    input.extend(perm.iter().flat_map(|&p| (p as i32).to_le_bytes()));
+    assert_eq!(f32s(&emu.run(&args("permute_cols", [rows, cols]), &input)), want, "permute_cols");
     // Mixture-of-experts rows: an expert's tokens gathered, its output added back scaled.
     let idx = [2usize, 0];
     let ids: Vec<u8> = idx.iter().flat_map(|&r| (r as i32).to_le_bytes()).collect();
