@@ -34,16 +34,7 @@ pub struct LayerWeights<B: Backend> {
 }
 
 /// Each projection's output multiplier where its weights are BitNet's ternary values.
-#[derive(Default)]
-pub struct OutScales {
-    pub(crate) q: Option<f32>,
-    pub(crate) k: Option<f32>,
-    pub(crate) v: Option<f32>,
-    pub(crate) o: Option<f32>,
-    pub(crate) gate: Option<f32>,
-    pub(crate) up: Option<f32>,
-    pub(crate) down: Option<f32>,
-}
+pub type OutScales = PerProj<f32>;
 
 /// Tensor `name` of a layer file as one finite f32 (a BitLinear's output multiplier).
 fn scalar(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<f32>> {
@@ -61,18 +52,38 @@ fn scalar(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<f32>> {
     Err(Error::Weights(format!("{}: tensor {name} is not one finite f32", entry.name)))
 }
 
+/// Something each of a layer's seven projections may have, kept on the host: tensor
+/// `<projection><suffix>` of its layer file.
+#[derive(Default)]
+pub struct PerProj<T> {
+    pub(crate) q: Option<T>,
+    pub(crate) k: Option<T>,
+    pub(crate) v: Option<T>,
+    pub(crate) o: Option<T>,
+    pub(crate) gate: Option<T>,
+    pub(crate) up: Option<T>,
+    pub(crate) down: Option<T>,
+}
+
+impl<T> PerProj<T> {
+    /// Reads `<projection><suffix>` of each projection with `read` (`None`: the file has none).
+    fn read(suffix: &str, read: impl Fn(&str) -> Result<Option<T>>) -> Result<Self> {
+        let get = |p: &str| read(&format!("{p}{suffix}"));
+        Ok(PerProj {
+            q: get("q")?,
+            k: get("k")?,
+            v: get("v")?,
+            o: get("o")?,
+            gate: get("gate")?,
+            up: get("up")?,
+            down: get("down")?,
+        })
+    }
+}
+
 /// The stored input order of each projection whose weight was published act-order (GPTQ
 /// `desc_act`): stored column `j` multiplies input `perm[j]`.
-#[derive(Default)]
-pub struct Perms {
-    pub(crate) q: Option<Vec<u32>>,
-    pub(crate) k: Option<Vec<u32>>,
-    pub(crate) v: Option<Vec<u32>>,
-    pub(crate) o: Option<Vec<u32>>,
-    pub(crate) gate: Option<Vec<u32>>,
-    pub(crate) up: Option<Vec<u32>>,
-    pub(crate) down: Option<Vec<u32>>,
-}
+pub type Perms = PerProj<Vec<u32>>;
 
 /// Tensor `name` of a layer file as an input order: f32 indices that must be a permutation.
 fn perm(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<u32>>> {
@@ -188,26 +199,10 @@ impl<B: Backend> LayerWeights<B> {
                 Some(router) => Mlp::Experts { router },
                 None => Mlp::Dense { gate: req("gate")?, up: req("up")?, down: req("down")? },
             },
-            perms: Perms {
-                q: perm(entry, bytes, "q_perm")?,
-                k: perm(entry, bytes, "k_perm")?,
-                v: perm(entry, bytes, "v_perm")?,
-                o: perm(entry, bytes, "o_perm")?,
-                gate: perm(entry, bytes, "gate_perm")?,
-                up: perm(entry, bytes, "up_perm")?,
-                down: perm(entry, bytes, "down_perm")?,
-            },
+            perms: Perms::read("_perm", |n| perm(entry, bytes, n))?,
             attn_sub_norm: opt("attn_sub_norm")?,
             ffn_sub_norm: opt("ffn_sub_norm")?,
-            oscales: OutScales {
-                q: scalar(entry, bytes, "q_oscale")?,
-                k: scalar(entry, bytes, "k_oscale")?,
-                v: scalar(entry, bytes, "v_oscale")?,
-                o: scalar(entry, bytes, "o_oscale")?,
-                gate: scalar(entry, bytes, "gate_oscale")?,
-                up: scalar(entry, bytes, "up_oscale")?,
-                down: scalar(entry, bytes, "down_oscale")?,
-            },
+            oscales: OutScales::read("_oscale", |n| scalar(entry, bytes, n))?,
         };
         let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
         let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));

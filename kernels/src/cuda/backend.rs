@@ -118,7 +118,7 @@ pub struct CudaKv {
 use super::source::{dtype_code, matvec32_align, matvec_q8_supports};
 
 fn suffix(d: DType) -> &'static str {
-    super::source::DTYPE_SUFFIXES[dtype_code(d) as usize]
+    d.name()
 }
 
 fn blocks(n: usize, per: usize) -> u32 {

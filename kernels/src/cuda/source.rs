@@ -16,7 +16,9 @@ pub fn source() -> String {
     FILES.iter().map(|(name, text)| format!("// ---- {name}\n{text}\n")).collect()
 }
 
-/// The `DT_*` code of common.cuh for a stored dtype (the index into `DTYPE_SUFFIXES`).
+/// The `DT_*` code of common.cuh for a stored dtype (its index in `DType::ALL`). A dtype's kernels
+/// are named by its `DType::name()` (`matvec_<name>`, `dequant_f32_<name>`, …: quant.cu's
+/// `EVERY_DTYPE`).
 pub fn dtype_code(d: layerstream_types::DType) -> i32 {
     use layerstream_types::DType;
     match d {
@@ -42,30 +44,6 @@ pub fn dtype_code(d: layerstream_types::DType) -> i32 {
         DType::Int4G128 => 19,
     }
 }
-
-/// Kernels of each stored dtype, by suffix (`matvec_<suffix>`, `dequant_f32_<suffix>`, …).
-pub const DTYPE_SUFFIXES: [&str; 20] = [
-    "f32",
-    "f16",
-    "bf16",
-    "q8_0",
-    "q4_0",
-    "q4_1",
-    "q4_k",
-    "q6_k",
-    "q5_0",
-    "q5_1",
-    "q2_k",
-    "q3_k",
-    "q5_k",
-    "iq4_nl",
-    "iq4_xs",
-    "tq1_0",
-    "tq2_0",
-    "fp8_e4m3_b128",
-    "int8_b128",
-    "int4_g128",
-];
 
 /// The byte alignment `matvec32_*` needs of a weight's rows (its start and row length) for each
 /// dtype, as its loads assume (quant.cu `unit32`): 16-byte blocks load 16 bytes at a time, Q4_1/Q5_1
@@ -115,9 +93,9 @@ pub fn kernel_names() -> Vec<String> {
     .map(|s| s.to_string())
     .collect();
     for d in layerstream_types::DType::ALL.into_iter().filter(|&d| matvec_q8_supports(d)) {
-        v.push(format!("matvec_q8_{}", DTYPE_SUFFIXES[dtype_code(d) as usize]));
+        v.push(format!("matvec_q8_{}", d.name()));
     }
-    for s in DTYPE_SUFFIXES {
+    for s in layerstream_types::DType::ALL.map(|d| d.name()) {
         v.extend([
             format!("matvec_{s}"),
             format!("matvec32_{s}"),
@@ -190,5 +168,15 @@ mod tests {
         let cached = std::fs::read_dir(dir.join("kernels")).unwrap().count();
         assert_eq!(cached, 1, "the PTX is cached once");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod order_tests {
+    #[test]
+    fn dtype_codes_follow_the_order_of_all() {
+        for (i, d) in layerstream_types::DType::ALL.into_iter().enumerate() {
+            assert_eq!(super::dtype_code(d), i as i32, "{d}");
+        }
     }
 }
