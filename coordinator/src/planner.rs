@@ -39,10 +39,14 @@ pub struct PlanOptions {
 
 /// The bytes a draft model takes on its worker: every store file, and f32 keys and values for
 /// `kv_capacity` positions on every layer.
+/// The draft's config comes from a file: a crafted size saturates (and then exceeds every budget)
+/// rather than wrapping below one.
 pub fn draft_bytes(draft: &Manifest, kv_capacity: usize) -> u64 {
     let c = &draft.config;
-    let kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * kv_capacity;
-    draft.files.iter().map(|f| f.size).sum::<u64>() + kv as u64
+    let kv = [c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_capacity]
+        .into_iter()
+        .fold(2u64, |a, n| a.saturating_mul(n as u64));
+    draft.files.iter().fold(kv, |a, f| a.saturating_add(f.size))
 }
 
 /// The head's compute (final norm and lm_head, run for every sampled row) in layers' worth: its
@@ -211,6 +215,18 @@ mod tests {
             &dir.join("s"),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn draft_bytes_count_files_and_kv_and_saturate_on_crafted_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = manifest(dir.path());
+        let files: u64 = m.files.iter().map(|f| f.size).sum();
+        let c = &m.config;
+        let kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 16;
+        assert_eq!(draft_bytes(&m, 16), files + kv as u64);
+        m.config.head_dim = usize::MAX / 2;
+        assert_eq!(draft_bytes(&m, 1 << 20), u64::MAX);
     }
 
     fn streaming_plan(r: std::ops::Range<u32>) -> Assignment {
