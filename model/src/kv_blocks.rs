@@ -238,6 +238,12 @@ impl BlockPool {
         (seq, cached, restore)
     }
 
+    /// Whether `commit` with `len` known tokens would key a new block (so a caller can skip
+    /// gathering the tokens: a sequence fills a block every `block` positions).
+    pub fn needs_commit(&self, seq: &SeqBlocks, len: usize) -> bool {
+        self.caching && (len / self.block).min(seq.table.len()) > seq.hashes.len()
+    }
+
     /// Keys the blocks of `seq` that `tokens` (its committed tokens, from position 0) fill, so later
     /// sequences can share them. A block whose prefix another block already holds stays private.
     pub fn commit(&mut self, seq: &mut SeqBlocks, tokens: &[u32]) {
@@ -305,8 +311,11 @@ mod tests {
         assert_eq!(cached, 0);
         p.grow(&mut a, 12).unwrap();
         let output: Vec<u32> = prompt.iter().copied().chain([50, 51]).collect();
+        assert!(p.needs_commit(&a, output.len()));
         p.commit(&mut a, &output);
         assert_eq!(p.cached_blocks(), 3);
+        // Keyed: nothing new until another block fills.
+        assert!(!p.needs_commit(&a, output.len()) && !p.needs_commit(&a, 15));
         // The same first 8 tokens, then others: two blocks shared.
         let other: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
         let (b, cached) = p.lookup(&other);

@@ -212,8 +212,12 @@ impl Scheduler {
     /// drafts) go back, full ones are keyed for sharing.
     pub(super) fn settle(&mut self, a: &mut Active) {
         self.blocks.shrink(&mut a.blocks, a.pos);
-        let known = a.history();
-        self.blocks.commit(&mut a.blocks, &known[..a.pos.min(known.len())]);
+        // The history is gathered only when a block has filled (every `--kv-block` positions),
+        // not on every step.
+        if self.blocks.needs_commit(&a.blocks, a.pos) {
+            let known = a.history();
+            self.blocks.commit(&mut a.blocks, &known[..a.pos.min(known.len())]);
+        }
         self.kv_gauges();
     }
 
