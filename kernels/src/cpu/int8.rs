@@ -5,7 +5,7 @@
 //! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
 //! in-process tests get the f32 path):
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
-//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K weight blocks are dotted with them in integer arithmetic, one scale
+//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K / int8_b128 / int4_g128 weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity
 //! with transformers the f32 path keeps (tokens are checked against llama.cpp's own output instead:
 //! benchmarks/vs-llama-cpp-cpu-2core.md). Other formats keep the f32 path.
@@ -53,6 +53,8 @@ pub fn supports(dtype: DType) -> bool {
             | DType::Q5_1
             | DType::Q4K
             | DType::Q6K
+            | DType::Int8B128
+            | DType::Int4G128
     )
 }
 
@@ -159,6 +161,10 @@ pub fn dot_scalar(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
     if dtype == DType::Q6K {
         return w.chunks_exact(210).enumerate().map(|(s, b)| q6k_scalar(b, x, 8 * s)).sum();
     }
+    if matches!(dtype, DType::Int8B128 | DType::Int4G128) {
+        let bb = dtype.block_bytes();
+        return w.chunks_exact(bb).enumerate().map(|(k, b)| b128_scalar(dtype, b, x, 4 * k)).sum();
+    }
     let bb = dtype.block_bytes();
     let mut acc = 0f32;
     for (i, b) in w.chunks_exact(bb).enumerate() {
@@ -182,6 +188,27 @@ fn q4k_scalar(b: &[u8], x: &Q8Row, first: usize) -> f32 {
         let isum: i32 =
             qs.iter().zip(qx).map(|(&w, &q)| ((w >> shift) & 0xF) as i32 * q as i32).sum();
         acc += d * sc * dx * isum as f32 - dmin * m * ds;
+    }
+    acc
+}
+
+/// One `int8_b128` / `int4_g128` block (128 values, one scale; int4: w = s·(q − zero)) against
+/// activation blocks `first..first + 4`: s·dx·Σq·qx per 32 values, int4 less s·zero·dx·Σqx.
+fn b128_scalar(dtype: DType, b: &[u8], x: &Q8Row, first: usize) -> f32 {
+    let s = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut acc = 0f32;
+    for j in 0..4 {
+        let (dx, qx, ds) = x.block(first + j);
+        if dtype == DType::Int8B128 {
+            let w = &b[4 + 32 * j..4 + 32 * j + 32];
+            let isum: i32 = w.iter().zip(qx).map(|(&w, &q)| (w as i8) as i32 * q as i32).sum();
+            acc += s * dx * isum as f32;
+        } else {
+            let (bytes, shift) = (&b[5 + 32 * (j % 2)..5 + 32 * (j % 2) + 32], 4 * (j / 2));
+            let isum: i32 =
+                bytes.iter().zip(qx).map(|(&w, &q)| ((w >> shift) & 0xF) as i32 * q as i32).sum();
+            acc += s * dx * isum as f32 - s * b[4] as f32 * ds;
+        }
     }
     acc
 }
@@ -277,8 +304,17 @@ mod tests {
     use crate::quant::{dequant_row, dot as f32_dot};
 
     /// Every format with an 8-bit dot.
-    const TYPES: [DType; 7] =
-        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4K, DType::Q6K];
+    const TYPES: [DType; 9] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q4K,
+        DType::Q6K,
+        DType::Int8B128,
+        DType::Int4G128,
+    ];
 
     #[test]
     fn the_8_bit_dot_matches_its_reference_and_the_f32_dot_closely() {
@@ -286,7 +322,7 @@ mod tests {
         let k = 576;
         let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.021).collect();
         for dtype in TYPES {
-            let k = if dtype.block_elems() == 256 { 512 } else { k };
+            let k = if dtype.block_elems() > 32 { 512 } else { k };
             let x = &x[..k];
             let xq = quantize_row(x);
             let w = layerstream_types::random::Rng::new(3).tensor(dtype, &[1, k]).unwrap();
@@ -309,7 +345,7 @@ mod tests {
         }
         // Many rows at once (groups of four and a remainder) equal the reference row by row.
         for dtype in TYPES {
-            let (k, rows) = (if dtype.block_elems() == 256 { 512 } else { k }, 7);
+            let (k, rows) = (if dtype.block_elems() > 32 { 512 } else { k }, 7);
             let xq = quantize_row(&x[..k]);
             let w = layerstream_types::random::Rng::new(5).tensor(dtype, &[rows, k]).unwrap();
             let rb = w.len() / rows;
@@ -323,7 +359,7 @@ mod tests {
         // Several activation rows at once (four at a time and a remainder of 1-3 in one pass)
         // equal the reference pair by pair.
         for (dtype, m) in TYPES.into_iter().flat_map(|d| [(d, 2), (d, 5), (d, 7)]) {
-            let (k, rows) = (if dtype.block_elems() == 256 { 512 } else { k }, 3);
+            let (k, rows) = (if dtype.block_elems() > 32 { 512 } else { k }, 3);
             let xs: Vec<Q8Row> = (0..m)
                 .map(|a| {
                     quantize_row(&x[..k].iter().map(|v| v * (a as f32 - 2.5)).collect::<Vec<_>>())

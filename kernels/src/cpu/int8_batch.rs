@@ -73,11 +73,27 @@ unsafe fn row32<const N: usize, const SIGNED: bool, F>(
 where
     F: Fn(*const u8) -> Unpacked,
 {
+    units::<N, SIGNED, _>(nb, xs, &|i| {
+        prefetch(w.add(i * bb));
+        blk(w.add(i * bb))
+    })
+}
+
+/// One weight row of `n` 32-value units against activation rows `xs`; `unit(i)` unpacks unit `i`
+/// (the formats whose scale covers several units: `int8_b128`, `int4_g128`).
+#[inline(always)]
+unsafe fn units<const N: usize, const SIGNED: bool, F>(
+    n: usize,
+    xs: [&Q8Row; N],
+    unit: &F,
+) -> [f32; N]
+where
+    F: Fn(usize) -> Unpacked,
+{
     let mut acc = [_mm256_setzero_ps(); N];
     let mut off = [0f32; N];
-    for i in 0..nb {
-        prefetch(w.add(i * bb));
-        let (u, sign, d, c) = blk(w.add(i * bb));
+    for i in 0..n {
+        let (u, sign, d, c) = unit(i);
         for a in 0..N {
             let (dx, mut qx, ds) = xblock(xs[a], i);
             if SIGNED {
@@ -89,6 +105,34 @@ where
         }
     }
     std::array::from_fn(|a| hsum(acc[a]) + off[a])
+}
+
+/// The little-endian f32 at `p` (any alignment).
+#[inline(always)]
+unsafe fn f32_at(p: *const u8) -> f32 {
+    f32::from_le_bytes(std::ptr::read_unaligned(p as *const [u8; 4]))
+}
+
+/// Unit `i` (32 values) of an `int8_b128` row: block i/4's scale, its bytes 32·(i%4)…
+#[inline(always)]
+unsafe fn int8_b128(w: *const u8, i: usize) -> Unpacked {
+    let b = w.add(i / 4 * 132);
+    prefetch(b);
+    let q = _mm256_loadu_si256(b.add(4 + 32 * (i % 4)) as *const __m256i);
+    (_mm256_sign_epi8(q, q), q, f32_at(b), 0.0)
+}
+
+/// Unit `i` (32 values) of an `int4_g128` row: values 32·(i%4)… of block i/4 are the low (i%4 < 2)
+/// or high nibbles of its bytes 32·(i%2)…; w = s·(q − zero), so the offset coefficient is −s·zero.
+#[inline(always)]
+unsafe fn int4_g128(w: *const u8, i: usize) -> Unpacked {
+    let b = w.add(i / 4 * 69);
+    prefetch(b);
+    let raw = _mm256_loadu_si256(b.add(5 + 32 * (i % 2)) as *const __m256i);
+    let shifted = if i % 4 < 2 { raw } else { _mm256_srli_epi16(raw, 4) };
+    let q = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+    let s = f32_at(b);
+    (q, _mm256_setzero_si256(), s, -s * *b.add(4) as f32)
 }
 
 /// The 32 nibbles of a Q4_0/Q4_1 block's 16 bytes at `p`, low nibbles first.
@@ -224,6 +268,8 @@ pub(super) unsafe fn row<const N: usize>(
         DType::Q5_0 => row32::<N, true, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
         DType::Q5_1 => row32::<N, false, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
         DType::Q4K => q4k::<N>(w, rb / 144, xs),
+        DType::Int8B128 => units::<N, true, _>(rb / 132 * 4, xs, &|i| int8_b128(w, i)),
+        DType::Int4G128 => units::<N, false, _>(rb / 69 * 4, xs, &|i| int4_g128(w, i)),
         _ => q6k::<N>(w, rb / 210, xs),
     }
 }
