@@ -40,7 +40,7 @@ fn every_quantized_format_dequantizes_as_gguf_py_does() {
         }
         checked.push(format!("{name} (max |Δ| {worst:e})"));
     }
-    assert_eq!(checked.len(), 14, "{checked:?}");
+    assert_eq!(checked.len(), 15, "{checked:?}");
     eprintln!("checked against gguf-py: {}", checked.join(", "));
 }
 
@@ -63,6 +63,7 @@ fn stores_of_the_added_formats_run_alone_and_streamed_alike() {
         "iq4_xs",
         "tq1_0",
         "tq2_0",
+        "mxfp4",
         "fp8_e4m3_b128",
         "int8_b128",
         "int4_g128",

@@ -54,8 +54,8 @@ enum Cmd {
         #[arg(long, env = "LAYERSTREAM_SYNTH_SHAPE")]
         shape: String,
         /// Weight type of the layers: any stored format (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
-        /// q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, tq1_0, tq2_0, and the pre-quantized
-        /// checkpoints' fp8_e4m3_b128, int8_b128, int4_g128).
+        /// q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, tq1_0, tq2_0, mxfp4, and the
+        /// pre-quantized checkpoints' fp8_e4m3_b128, int8_b128, int4_g128).
         #[arg(long, env = "LAYERSTREAM_SYNTH_DTYPE", default_value = "q4_k")]
         dtype: String,
         /// Number of layers (default: the real model's).

@@ -21,6 +21,7 @@
 #define DT_FP8_E4M3_B128 17
 #define DT_INT8_B128 18
 #define DT_INT4_G128 19
+#define DT_MXFP4 20
 
 typedef unsigned char u8;
 typedef unsigned short u16;

@@ -2,6 +2,7 @@
 // of 8 elements of a row (and single elements), a fused dequantize-matvec for decode (up to
 // MATVEC_ROWS activation rows) and dequantize-to-f32/f16 for the prefill GEMMs.
 
+__constant__ signed char MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 __constant__ signed char IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 __device__ __forceinline__ void scale_min_k4(int j, const u8* s, float* sc, float* mn) {
@@ -132,6 +133,17 @@ __device__ __forceinline__ void deq8(const u8* row, int c0, float* v) {
         const u8* q = b + 5 + (i0 & 63);
 #pragma unroll
         for (int e = 0; e < 8; e++) v[e] = (float)(((q[e] >> shift) & 0xF) - z) * s;
+    } else if (T == DT_MXFP4) {
+        // e8m0 scale byte, 16 bytes of nibbles (value i < 16 low nibble of byte i, else high nibble
+        // of byte i − 16); value = 2^(e − 128) · the doubled e2m1 value (ggml_e8m0_to_fp32_half).
+        const int i0 = c0 & 31;
+        const u8* b = row + (c0 >> 5) * 17;
+        const unsigned e = b[0];
+        const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+        const u8* q = b + 1 + (i0 & 15);
+        const int shift = i0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = d * (float)MXFP4_VALUES[(q[k] >> shift) & 0xF];
     } else if (T == DT_TQ2_0) {
         // 64 bytes of 2-bit codes, f16 d: value 128·h + 32·l + m is bits 2l of byte 32·h + m.
         const u8* b = row + (c0 >> 8) * 66;
@@ -237,6 +249,7 @@ __device__ float deq_rt(const u8* row, int t, int c) {
     case DT_FP8_E4M3_B128: return deq<DT_FP8_E4M3_B128>(row, c);
     case DT_INT8_B128: return deq<DT_INT8_B128>(row, c);
     case DT_INT4_G128: return deq<DT_INT4_G128>(row, c);
+    case DT_MXFP4: return deq<DT_MXFP4>(row, c);
     default: return deq<DT_Q6_K>(row, c);
     }
 }
@@ -522,6 +535,6 @@ struct AsBf16 {
     X(q4_k, DT_Q4_K) X(q6_k, DT_Q6_K) X(q5_0, DT_Q5_0) X(q5_1, DT_Q5_1) X(q2_k, DT_Q2_K)                \
     X(q3_k, DT_Q3_K) X(q5_k, DT_Q5_K) X(iq4_nl, DT_IQ4_NL) X(iq4_xs, DT_IQ4_XS) X(tq1_0, DT_TQ1_0)         \
     X(tq2_0, DT_TQ2_0) X(fp8_e4m3_b128, DT_FP8_E4M3_B128) X(int8_b128, DT_INT8_B128)                   \
-    X(int4_g128, DT_INT4_G128)
+    X(int4_g128, DT_INT4_G128) X(mxfp4, DT_MXFP4)
 
 EVERY_DTYPE(QUANT_KERNELS)

@@ -59,9 +59,9 @@ template <class F> void launch(unsigned grid, unsigned block, F kernel) { launch
 // dtype or a width that is not whole blocks.
 inline long long row_bytes(int t, long long k) {
     // Indexed by the DT_* codes of common.cuh.
-    const int elems[] = {1, 1, 1, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256, 256, 256, 128, 128, 128};
-    const int bytes[] = {4, 2, 2, 34, 18, 20, 144, 210, 22, 24, 84, 110, 176, 18, 136, 54, 66, 132, 132, 69};
-    if (t < 0 || t > 19 || k % elems[t] != 0) return -1;
+    const int elems[] = {1, 1, 1, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256, 256, 256, 128, 128, 128, 32};
+    const int bytes[] = {4, 2, 2, 34, 18, 20, 144, 210, 22, 24, 84, 110, 176, 18, 136, 54, 66, 132, 132, 69, 17};
+    if (t < 0 || t > 20 || k % elems[t] != 0) return -1;
     return k / elems[t] * bytes[t];
 }
 // Reads exactly v.size() elements of v's type from f; false on a short file.

@@ -47,6 +47,7 @@ pub fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
         DType::Q5K => crate::quant_ext::q4_q5_k(b, true, out),
         DType::Iq4Nl => crate::quant_ext::iq4_nl(b, out),
         DType::Iq4Xs => crate::quant_ext::iq4_xs(b, out),
+        DType::Mxfp4 => crate::quant_ext::mxfp4(b, out),
         DType::Tq1_0 => crate::quant_checkpoint::tq1_0(b, out),
         DType::Tq2_0 => crate::quant_checkpoint::tq2_0(b, out),
         DType::Fp8E4m3B128 => crate::quant_checkpoint::fp8_e4m3(b, out),
@@ -338,6 +339,8 @@ pub(crate) mod tests {
             DType::Q6K => {
                 row.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&val()))
             }
+            // A finite scale (0xFF is NaN): 2^(e − 128) for e in 100..132.
+            DType::Mxfp4 => row.chunks_exact_mut(17).for_each(|b| b[0] = 100 + (b[0] & 31)),
             DType::Tq1_0 => {
                 row.chunks_exact_mut(54).for_each(|b| b[52..54].copy_from_slice(&val()))
             }

@@ -1,10 +1,33 @@
 //! Dequantization of the GGML block formats that llama.cpp's other file types use (Q2_K…Q5_K_M,
-//! IQ4_XS, and the fallbacks it picks for rows that are not a multiple of 256): Q5_0, Q5_1, Q2_K,
-//! Q3_K, Q5_K, IQ4_NL, IQ4_XS. Written from the formats' definitions (ggml-quants.c's block
+//! IQ4_XS, MXFP4_MOE, and the fallbacks it picks for rows that are not a multiple of 256): Q5_0,
+//! Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4. Written from the formats' definitions (ggml-quants.c's block
 //! layouts); `tests/quant_formats.rs` checks every one against gguf-py's reference dequantization
 //! of blocks llama.cpp wrote.
 
 use crate::quant::f16_at;
+
+/// MXFP4: the e2m1 values, doubled (ggml's `kvalues_mxfp4`), a 4-bit index selects.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value of an e8m0 scale byte, as ggml's `ggml_e8m0_to_fp32_half`: 2^(e − 128) (the
+/// doubling of `MXFP4_VALUES` undone), the two smallest as subnormals.
+pub fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e as u32) - 1) << 23)
+    }
+}
+
+/// MXFP4 (32 values): the e8m0 scale byte, 16 bytes whose low nibbles are values 0..16 and high
+/// nibbles values 16..32; value = e8m0_half(e) · MXFP4_VALUES[nibble].
+pub fn mxfp4(b: &[u8], out: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    for j in 0..16 {
+        out[j] = d * MXFP4_VALUES[(b[1 + j] & 0xF) as usize] as f32;
+        out[j + 16] = d * MXFP4_VALUES[(b[1 + j] >> 4) as usize] as f32;
+    }
+}
 
 /// IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects.
 pub const IQ4_LEVELS: [i8; 16] =

@@ -48,6 +48,10 @@ pub enum DType {
     /// a u8 zero point, 64 bytes of nibbles (value j low, j + 64 high); w = (q − zero)·scale.
     #[serde(rename = "int4_g128")]
     Int4G128,
+    /// OCP microscaling FP4 as GGML stores it (gpt-oss's experts): 32 e2m1 values behind one e8m0
+    /// scale byte (4.25 bits).
+    #[serde(rename = "mxfp4")]
+    Mxfp4,
 }
 
 /// The dtypes a KV cache can store keys and values in.
@@ -66,9 +70,13 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::Bf16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Iq4Nl => {
-                32
-            }
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Iq4Nl
+            | DType::Mxfp4 => 32,
             DType::Q4K
             | DType::Q6K
             | DType::Q2K
@@ -102,6 +110,7 @@ impl DType {
             DType::Tq2_0 => 66,
             DType::Fp8E4m3B128 | DType::Int8B128 => 132,
             DType::Int4G128 => 69,
+            DType::Mxfp4 => 17,
         }
     }
 
@@ -150,11 +159,12 @@ impl DType {
             DType::Fp8E4m3B128 => "fp8_e4m3_b128",
             DType::Int8B128 => "int8_b128",
             DType::Int4G128 => "int4_g128",
+            DType::Mxfp4 => "mxfp4",
         }
     }
 
     /// Every stored format.
-    pub const ALL: [DType; 20] = [
+    pub const ALL: [DType; 21] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
@@ -175,6 +185,7 @@ impl DType {
         DType::Fp8E4m3B128,
         DType::Int8B128,
         DType::Int4G128,
+        DType::Mxfp4,
     ];
 
     /// The GGML type code GGUF files use for this format; `None` for the pre-quantized
@@ -198,6 +209,7 @@ impl DType {
             DType::Bf16 => 30,
             DType::Tq1_0 => 34,
             DType::Tq2_0 => 35,
+            DType::Mxfp4 => 39,
             DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => return None,
         })
     }

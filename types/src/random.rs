@@ -125,6 +125,8 @@ impl Rng {
             DType::Int8B128 => data
                 .chunks_exact_mut(132)
                 .for_each(|b| b[0..4].copy_from_slice(&4e-4f32.to_le_bytes())),
+            // w = 2^(e − 128)·k, k the doubled e2m1 value (−12..12): e = 121 keeps |w| ≲ 0.1.
+            DType::Mxfp4 => data.chunks_exact_mut(17).for_each(|b| b[0] = 121),
             DType::Int4G128 => data.chunks_exact_mut(69).for_each(|b| {
                 b[0..4].copy_from_slice(&6e-3f32.to_le_bytes());
                 b[4] = 8;

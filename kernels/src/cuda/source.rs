@@ -42,6 +42,7 @@ pub fn dtype_code(d: layerstream_types::DType) -> i32 {
         DType::Fp8E4m3B128 => 17,
         DType::Int8B128 => 18,
         DType::Int4G128 => 19,
+        DType::Mxfp4 => 20,
     }
 }
 
@@ -55,8 +56,8 @@ pub fn matvec32_align(d: layerstream_types::DType) -> usize {
         DType::Q4_1 | DType::Q5_1 => 4,
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::Q6K => 2,
         DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs | DType::Tq1_0 | DType::Tq2_0 => 2,
-        // Their f32 scales are read byte by byte (quant.cu `ld_f`): any alignment.
-        DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => 1,
+        // Their f32 scales are read byte by byte (quant.cu `ld_f`), MXFP4's is a byte: any alignment.
+        DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 | DType::Mxfp4 => 1,
     }
 }
 

@@ -5,7 +5,7 @@ use crate::quant::tests::sanitize;
 use layerstream_types::DType;
 
 /// Every stored dtype the kernels handle.
-pub(crate) const DTYPES: [DType; 20] = DType::ALL;
+pub(crate) const DTYPES: [DType; 21] = DType::ALL;
 
 /// A linear congruential generator: deterministic, no dependency.
 pub(crate) struct Rng(pub(crate) u64);
