@@ -37,8 +37,8 @@ pub struct DeviceFlags {
     #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
     pub concurrent_threads: Option<usize>,
     /// 8-bit activations in decode and short steps, as llama.cpp computes — the CPU's default (see
-    /// `--exact`); on a GPU only with this flag: CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K and
-    /// int8_b128/int4_g128 weights, CUDA for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K. Takes precedence over
+    /// `--exact`); on a GPU only with this flag: CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K/MXFP4
+    /// and int8_b128/int4_g128 weights, CUDA for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K. Takes precedence over
     /// `--exact`.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,

@@ -5,7 +5,7 @@
 //! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
 //! in-process tests get the f32 path):
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
-//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K / int8_b128 / int4_g128 weight blocks are dotted with them in integer arithmetic, one scale
+//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K / int8_b128 / int4_g128 / MXFP4 weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity
 //! with transformers the f32 path keeps (tokens are checked against llama.cpp's own output instead:
 //! benchmarks/vs-llama-cpp-cpu-2core.md). Other formats keep the f32 path.
@@ -55,6 +55,7 @@ pub fn supports(dtype: DType) -> bool {
             | DType::Q6K
             | DType::Int8B128
             | DType::Int4G128
+            | DType::Mxfp4
     )
 }
 
@@ -117,6 +118,12 @@ pub fn quantize_row(x: &[f32]) -> Q8Row {
 /// the 5-bit value (Q5_1; Q5_0's less 16).
 fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
     match dtype {
+        DType::Mxfp4 => {
+            let v = |n: u8| crate::quant_ext::MXFP4_VALUES[n as usize] as i32;
+            (0..16)
+                .map(|j| v(b[1 + j] & 0xF) * qx[j] as i32 + v(b[1 + j] >> 4) * qx[j + 16] as i32)
+                .sum()
+        }
         DType::Q8_0 => b[2..34].iter().zip(qx).map(|(&w, &q)| (w as i8) as i32 * q as i32).sum(),
         DType::Q5_0 | DType::Q5_1 => {
             let hb = if dtype == DType::Q5_1 { 4 } else { 2 };
@@ -140,6 +147,14 @@ fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
                 })
                 .sum()
         }
+    }
+}
+
+/// A 32-value block's scale: its f16 `d`, or MXFP4's e8m0 byte (halved: its values are doubled).
+fn block_scale(dtype: DType, b: &[u8]) -> f32 {
+    match dtype {
+        DType::Mxfp4 => crate::quant_ext::e8m0_half(b[0]),
+        _ => f16_at(b, 0),
     }
 }
 
@@ -170,7 +185,7 @@ pub fn dot_scalar(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
     for (i, b) in w.chunks_exact(bb).enumerate() {
         let (dx, qx) = (x.d[i], &x.q[i * QK..(i + 1) * QK]);
         let s = block_isum(dtype, b, qx) as f32;
-        acc += f16_at(b, 0) * dx * s + block_offset(dtype, b) * x.ds[i];
+        acc += block_scale(dtype, b) * dx * s + block_offset(dtype, b) * x.ds[i];
     }
     acc
 }
@@ -304,7 +319,7 @@ mod tests {
     use crate::quant::{dequant_row, dot as f32_dot};
 
     /// Every format with an 8-bit dot.
-    const TYPES: [DType; 9] = [
+    const TYPES: [DType; 10] = [
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
@@ -314,6 +329,7 @@ mod tests {
         DType::Q6K,
         DType::Int8B128,
         DType::Int4G128,
+        DType::Mxfp4,
     ];
 
     #[test]

@@ -106,7 +106,13 @@ unsafe fn rows<const G: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked>
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_rows(dtype: DType, w: &[u8], rb: usize, x: &Q8Row, out: &mut [f32]) {
     match dtype {
-        DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q6K | DType::Int8B128 | DType::Int4G128 => {
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4K
+        | DType::Q6K
+        | DType::Int8B128
+        | DType::Int4G128
+        | DType::Mxfp4 => {
             for (j, o) in out.iter_mut().enumerate() {
                 *o = super::int8_batch::row::<1>(dtype, w.as_ptr().add(j * rb), rb, [x])[0];
             }

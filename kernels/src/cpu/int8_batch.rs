@@ -135,6 +135,17 @@ unsafe fn int4_g128(w: *const u8, i: usize) -> Unpacked {
     (q, _mm256_setzero_si256(), s, -s * *b.add(4) as f32)
 }
 
+/// An MXFP4 block (e8m0 byte, 16 bytes of nibbles): its doubled e2m1 values looked up as signed
+/// bytes (low nibbles first), the halved scale.
+#[inline(always)]
+unsafe fn mxfp4(b: *const u8) -> Unpacked {
+    let table = _mm256_loadu_si256(
+        [crate::quant_ext::MXFP4_VALUES, crate::quant_ext::MXFP4_VALUES].as_ptr() as *const __m256i,
+    );
+    let q = _mm256_shuffle_epi8(table, nibbles(b.add(1)));
+    (_mm256_sign_epi8(q, q), q, crate::quant_ext::e8m0_half(*b), 0.0)
+}
+
 /// The 32 nibbles of a Q4_0/Q4_1 block's 16 bytes at `p`, low nibbles first.
 #[inline(always)]
 pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
@@ -267,6 +278,7 @@ pub(super) unsafe fn row<const N: usize>(
         DType::Q4_1 => row32::<N, false, _>(w, 20, rb / 20, xs, &|b| q4_1(b)),
         DType::Q5_0 => row32::<N, true, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
         DType::Q5_1 => row32::<N, false, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
+        DType::Mxfp4 => row32::<N, true, _>(w, 17, rb / 17, xs, &|b| mxfp4(b)),
         DType::Q4K => q4k::<N>(w, rb / 144, xs),
         DType::Int8B128 => units::<N, true, _>(rb / 132 * 4, xs, &|i| int8_b128(w, i)),
         DType::Int4G128 => units::<N, false, _>(rb / 69 * 4, xs, &|i| int4_g128(w, i)),
