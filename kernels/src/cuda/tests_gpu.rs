@@ -145,6 +145,23 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
         ) < 1e-6,
         "silu_mul"
     );
+    // BitNet's squared-ReLU gate and BitLinear's 8-bit rows, a GPTQ act-order permutation.
+    assert_eq!(
+        g.to_host(&g.relu2_mul(&xg, &yg).unwrap()).unwrap(),
+        c.relu2_mul(&xc, &yc).unwrap().data,
+        "relu2_mul"
+    );
+    assert_eq!(
+        g.to_host(&g.quant_rows_8bit(&xg).unwrap()).unwrap(),
+        c.quant_rows_8bit(&xc).unwrap().data,
+        "quant_rows_8bit"
+    );
+    let perm: Vec<u32> = (0..cols as u32).rev().collect();
+    assert_eq!(
+        g.to_host(&g.permute_cols(&xg, &perm).unwrap()).unwrap(),
+        c.permute_cols(&xc, &perm).unwrap().data,
+        "permute_cols"
+    );
     let (mut ac, mut ag) =
         (c.from_host(&x, rows, cols).unwrap(), g.from_host(&x, rows, cols).unwrap());
     c.add(&mut ac, &yc).unwrap();
