@@ -144,28 +144,14 @@ fn dequant_row_body(dtype: DType, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        // The pre-quantized checkpoints' formats (quant_checkpoint), likewise without dispatch.
-        DType::Fp8E4m3B128 | DType::Int8B128 => {
-            let table = crate::quant_checkpoint::E4M3;
-            let fp8 = dtype == DType::Fp8E4m3B128;
-            for (o, b) in out.chunks_exact_mut(128).zip(row.chunks_exact(132)) {
-                let s = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                let qs: &[u8; 128] = b[4..132].try_into().expect("128 bytes");
-                let o: &mut [f32; 128] = o.try_into().expect("128 values");
-                if fp8 {
-                    for l in 0..128 {
-                        o[l] = table[qs[l] as usize] * s;
-                    }
-                } else {
-                    for l in 0..128 {
-                        o[l] = (qs[l] as i8) as f32 * s;
-                    }
+        // The pre-quantized checkpoints' formats: their block decoders, inlined here.
+        DType::Fp8E4m3B128 | DType::Int8B128 | DType::Int4G128 => {
+            for (o, b) in out.chunks_exact_mut(128).zip(row.chunks_exact(dtype.block_bytes())) {
+                match dtype {
+                    DType::Fp8E4m3B128 => crate::quant_checkpoint::fp8_e4m3(b, o),
+                    DType::Int8B128 => crate::quant_checkpoint::int8(b, o),
+                    _ => crate::quant_checkpoint::int4(b, o),
                 }
-            }
-        }
-        DType::Int4G128 => {
-            for (o, b) in out.chunks_exact_mut(128).zip(row.chunks_exact(69)) {
-                crate::quant_checkpoint::int4(b, o);
             }
         }
         _ => {

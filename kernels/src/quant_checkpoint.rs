@@ -42,6 +42,7 @@ fn f32_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// FP8 e4m3 block (132 bytes → 128 values): f32 scale, then the e4m3 bytes.
+#[inline(always)]
 pub fn fp8_e4m3(b: &[u8], out: &mut [f32]) {
     let s = f32_at(b, 0);
     for (o, &q) in out[..128].iter_mut().zip(&b[4..132]) {
@@ -50,6 +51,7 @@ pub fn fp8_e4m3(b: &[u8], out: &mut [f32]) {
 }
 
 /// INT8 block (132 bytes → 128 values): f32 scale, then signed bytes.
+#[inline(always)]
 pub fn int8(b: &[u8], out: &mut [f32]) {
     let s = f32_at(b, 0);
     for (o, &q) in out[..128].iter_mut().zip(&b[4..132]) {
@@ -59,6 +61,7 @@ pub fn int8(b: &[u8], out: &mut [f32]) {
 
 /// 4-bit group (69 bytes → 128 values): f32 scale, u8 zero point, 64 bytes whose low nibbles are
 /// values 0..64 and high nibbles values 64..128; w = (q − zero)·scale.
+#[inline(always)]
 pub fn int4(b: &[u8], out: &mut [f32]) {
     let (s, z) = (f32_at(b, 0), b[4] as i32);
     let qs: &[u8; 64] = b[5..69].try_into().expect("64 quant bytes");

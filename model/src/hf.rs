@@ -120,18 +120,33 @@ impl HfCheckpoint {
     }
 }
 
-impl crate::prequant::RawSource for HfCheckpoint {
-    fn raw(&self, name: &str) -> Result<Option<crate::prequant::Raw>> {
+impl HfCheckpoint {
+    /// Runs `f` on tensor `name`'s view in its shard, if the checkpoint has it.
+    fn view<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(safetensors::tensor::TensorView<'_>) -> T,
+    ) -> Result<Option<T>> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let (path, map) = &self.shards[i];
         let st = safetensors::SafeTensors::deserialize(map)
             .map_err(|e| Error::format(path, e.to_string()))?;
         let view = st.tensor(name).map_err(|e| Error::tensor(name, e.to_string()))?;
-        Ok(Some(crate::prequant::Raw {
-            dtype: view.dtype(),
-            shape: view.shape().to_vec(),
-            data: view.data().to_vec(),
-        }))
+        Ok(Some(f(view)))
+    }
+}
+
+impl crate::prequant::RawSource for HfCheckpoint {
+    fn raw(&self, name: &str) -> Result<Option<crate::prequant::Raw>> {
+        self.view(name, |v| crate::prequant::Raw {
+            dtype: v.dtype(),
+            shape: v.shape().to_vec(),
+            data: v.data().to_vec(),
+        })
+    }
+
+    fn header(&self, name: &str) -> Result<Option<(safetensors::Dtype, Vec<usize>)>> {
+        self.view(name, |v| (v.dtype(), v.shape().to_vec()))
     }
 }
 

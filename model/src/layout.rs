@@ -160,10 +160,9 @@ pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
         "attn_norm" | "ffn_norm" | "o_bias" | "attn_post_norm" | "ffn_post_norm" => vec![h],
         "q_perm" | "k_perm" | "v_perm" | "gate_perm" | "up_perm" => vec![h],
         "o_perm" | "attn_sub_norm" => vec![q],
-        "ffn_sub_norm" => vec![f],
+        "ffn_sub_norm" | "down_perm" => vec![f],
         "q_oscale" | "k_oscale" | "v_oscale" | "o_oscale" | "gate_oscale" | "up_oscale"
         | "down_oscale" => vec![1],
-        "down_perm" => vec![f],
         "q" => vec![q, h],
         "k" | "v" => vec![kv, h],
         "o" => vec![h, q],

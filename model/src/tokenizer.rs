@@ -281,29 +281,24 @@ pub fn render_chat_tools(
     );
     env.add_function("strftime_now", |fmt: String| crate::template_ext::strftime_now(&fmt));
     // `{{ a_dict }}` and `a_dict|string` print Python's repr, as Jinja2 does.
-    env.add_filter("string", |v: minijinja::Value| -> String {
+    // Python's str(): a dict or list prints its repr.
+    fn py_str(v: &minijinja::Value) -> String {
         match v.kind() {
             minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
-                serde_json::to_value(&v)
+                serde_json::to_value(v)
                     .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
             }
             _ => v.to_string(),
         }
-    });
+    }
+    env.add_filter("string", |v: minijinja::Value| -> String { py_str(&v) });
     // Jinja2's `escape`/`e` is markupsafe's: `"` → `&#34;` and `'` → `&#39;` (minijinja's own
     // writes `&quot;` and `&#x27;`); an already-safe value passes unchanged.
     let escape = |v: minijinja::Value| -> minijinja::Value {
         if v.is_safe() {
             return v;
         }
-        let text = match v.kind() {
-            minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
-                serde_json::to_value(&v)
-                    .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
-            }
-            _ => v.to_string(),
-        };
-        minijinja::Value::from_safe_string(crate::template_ext::markupsafe_escape(&text))
+        minijinja::Value::from_safe_string(crate::template_ext::markupsafe_escape(&py_str(&v)))
     };
     env.add_filter("escape", escape);
     env.add_filter("e", escape);

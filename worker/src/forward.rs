@@ -215,15 +215,9 @@ pub fn layer_forward<B: Backend>(
     let h2 = b.rms_norm(x, &w.ffn_norm, ctx.eps)?;
     let (mut d, counts) = match &w.mlp {
         Mlp::Dense { gate, up, down } => {
-            let quantized;
-            let h2 = if ctx.act_quant {
-                quantized = b.quant_rows_8bit(&h2)?;
-                &quantized
-            } else {
-                &h2
-            };
-            let g = proj(b, h2, gate, None, p.gate.as_deref(), s.gate)?;
-            let u = proj(b, h2, up, None, p.up.as_deref(), s.up)?;
+            let h2 = quant(b, ctx, h2)?;
+            let g = proj(b, &h2, gate, None, p.gate.as_deref(), s.gate)?;
+            let u = proj(b, &h2, up, None, p.up.as_deref(), s.up)?;
             let a = if ctx.gelu {
                 b.gelu_tanh_mul(&g, &u)?
             } else if ctx.relu2 {

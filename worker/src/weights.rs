@@ -36,25 +36,32 @@ pub struct LayerWeights<B: Backend> {
 /// Each projection's output multiplier where its weights are BitNet's ternary values.
 pub type OutScales = PerProj<f32>;
 
-/// Tensor `name` of a layer file as one finite f32 (a BitLinear's output multiplier).
-fn scalar(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<f32>> {
+/// Tensor `name` of a layer file's host bytes as f32 values (`None`: the file has none).
+fn f32_values(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<f32>>> {
     let Some(t) = entry.tensor(name) else { return Ok(None) };
     let raw = bytes.get(t.offset as usize..(t.offset + t.size) as usize);
     match raw {
-        Some(&[a, b, c, d]) if t.dtype == layerstream_model::DType::F32 => {
-            let v = f32::from_le_bytes([a, b, c, d]);
-            if v.is_finite() {
-                return Ok(Some(v));
-            }
-        }
-        _ => {}
+        Some(raw) if t.dtype == layerstream_model::DType::F32 => Ok(Some(
+            raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        )),
+        _ => Err(Error::Weights(format!(
+            "{}: tensor {name} is not f32 values inside its file",
+            entry.name
+        ))),
     }
-    Err(Error::Weights(format!("{}: tensor {name} is not one finite f32", entry.name)))
+}
+
+/// Tensor `name` of a layer file as one finite f32 (a BitLinear's output multiplier).
+fn scalar(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<f32>> {
+    match f32_values(entry, bytes, name)?.as_deref() {
+        None => Ok(None),
+        Some(&[v]) if v.is_finite() => Ok(Some(v)),
+        _ => Err(Error::Weights(format!("{}: tensor {name} is not one finite f32", entry.name))),
+    }
 }
 
 /// Something each of a layer's seven projections may have, kept on the host: tensor
 /// `<projection><suffix>` of its layer file.
-#[derive(Default)]
 pub struct PerProj<T> {
     pub(crate) q: Option<T>,
     pub(crate) k: Option<T>,
@@ -87,22 +94,16 @@ pub type Perms = PerProj<Vec<u32>>;
 
 /// Tensor `name` of a layer file as an input order: f32 indices that must be a permutation.
 fn perm(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<u32>>> {
-    let Some(t) = entry.tensor(name) else { return Ok(None) };
-    let bad = |why: &str| Error::Weights(format!("{}: tensor {name} {why}", entry.name));
-    if t.dtype != layerstream_model::DType::F32 {
-        return Err(bad("is not f32 indices"));
-    }
-    let raw = bytes
-        .get(t.offset as usize..(t.offset + t.size) as usize)
-        .ok_or_else(|| bad("lies outside its file"))?;
-    let vals: Vec<f32> =
-        raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let Some(vals) = f32_values(entry, bytes, name)? else { return Ok(None) };
     let mut seen = vec![false; vals.len()];
     let mut out = Vec::with_capacity(vals.len());
     for v in vals {
         let i = v as usize;
         if v.fract() != 0.0 || v < 0.0 || i >= seen.len() || std::mem::replace(&mut seen[i], true) {
-            return Err(bad("is not a permutation of its inputs"));
+            return Err(Error::Weights(format!(
+                "{}: tensor {name} is not a permutation of its inputs",
+                entry.name
+            )));
         }
         out.push(i as u32);
     }

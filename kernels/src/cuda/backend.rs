@@ -117,10 +117,6 @@ pub struct CudaKv {
 
 use super::source::{dtype_code, matvec32_align, matvec_q8_supports};
 
-fn suffix(d: DType) -> &'static str {
-    d.name()
-}
-
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per).clamp(1, 1 << 20) as u32
 }
@@ -193,7 +189,7 @@ impl CudaBackend {
             i(w.rows as i32),
             i(w.cols as i32),
         ];
-        let name = format!("matvec_q8_{}", suffix(w.dtype));
+        let name = format!("matvec_q8_{}", w.dtype.name());
         self.gpu.launch(&name, (blocks(w.rows * 32, 256), 1, 1), 256, 0, &args)
     }
 
@@ -279,7 +275,7 @@ impl CudaBackend {
         let xptr = xin.as_ref().map_or(x.buf.ptr, |b| b.ptr);
         let chunk = (SCRATCH_ELEMS / k).clamp(1, n);
         let scratch = DevBuf::ordered(&self.gpu, chunk * k * esize)?;
-        let name = format!("{kernel}{}", suffix(w.dtype));
+        let name = format!("{kernel}{}", w.dtype.name());
         for r0 in (0..n).step_by(chunk) {
             let nr = chunk.min(n - r0);
             let src = w.ptr + (r0 * w.row_bytes) as u64;
@@ -595,7 +591,7 @@ impl Backend for CudaBackend {
                 i(w.cols as i32),
             ];
             self.gpu.launch(
-                &format!("{kernel}{}", suffix(w.dtype)),
+                &format!("{kernel}{}", w.dtype.name()),
                 (blocks(w.rows * 32, 256), 1, 1),
                 256,
                 0,

@@ -183,10 +183,13 @@ pub fn awq(name: &str, group: usize, q: &Raw, z: &Raw, s: &Raw) -> Result<Source
     ))
 }
 
-/// A GPTQ weight's layout checked: `(inputs, outputs, inputs per group, groups)`.
-fn gptq_dims(name: &str, group: Option<usize>, q: &Raw) -> Result<[usize; 4]> {
+/// A GPTQ weight's layout checked from its `qweight`'s element type and shape (its header):
+/// `(inputs, outputs, inputs per group, groups)`.
+fn gptq_dims(name: &str, group: Option<usize>, dtype: St, shape: &[usize]) -> Result<[usize; 4]> {
     let qn = name.replace(".weight", ".qweight");
-    let [packed_in, out] = matrix(q, &qn, St::I32, 4)?;
+    let (St::I32, &[packed_in, out]) = (dtype, shape) else {
+        return Err(Error::tensor(&qn, format!("{dtype:?} {shape:?}: an I32 matrix expected")));
+    };
     let inp = packed_in * 8;
     let group = group.unwrap_or(inp);
     check_group(&qn, inp, group)?;
@@ -200,14 +203,15 @@ fn gptq_dims(name: &str, group: Option<usize>, q: &Raw) -> Result<[usize; 4]> {
 /// group `i / g`; for act-order (`desc_act`) files, the inputs sorted by group (stable), so each
 /// group's inputs are contiguous — stored column `j` is input `perm[j]`, and the worker permutes
 /// activations the same way before the product (`…input_perm`).
+/// `q` is the `qweight`'s element type and shape.
 pub fn gptq_perm(
     name: &str,
     group: Option<usize>,
-    q: &Raw,
+    q: (St, &[usize]),
     g_idx: Option<&Raw>,
 ) -> Result<Option<Vec<usize>>> {
     let Some(g) = g_idx else { return Ok(None) };
-    let [inp, _, group, groups] = gptq_dims(name, group, q)?;
+    let [inp, _, group, groups] = gptq_dims(name, group, q.0, q.1)?;
     let gn = name.replace(".weight", ".g_idx");
     shape_is(&gn, &g.shape, &[inp])?;
     if g.dtype != St::I32 || g.data.len() != 4 * inp {
@@ -241,9 +245,8 @@ pub fn gptq_perm(
 }
 
 /// GPTQ: `qweight` `[in/8, out]` (inputs packed down the rows), `qzeros` `[in/g, out/8]`,
-/// `scales` `[in/g, out]`, `g_idx` `[in]` (each input's group); act-order weights are stored in
-/// `gptq_perm`'s input order.
-#[allow(clippy::too_many_arguments)]
+/// `scales` `[in/g, out]`; `perm`: the input order `gptq_perm` found (act-order weights are
+/// stored in it).
 pub fn gptq(
     name: &str,
     group: Option<usize>,
@@ -251,13 +254,17 @@ pub fn gptq(
     q: &Raw,
     z: &Raw,
     s: &Raw,
-    g_idx: Option<&Raw>,
+    perm: Option<&[usize]>,
 ) -> Result<SourceTensor> {
-    let (zn, sn) = (name.replace(".weight", ".qzeros"), name.replace(".weight", ".scales"));
-    let [inp, out, group, groups] = gptq_dims(name, group, q)?;
+    let (qn, zn, sn) = (
+        name.replace(".weight", ".qweight"),
+        name.replace(".weight", ".qzeros"),
+        name.replace(".weight", ".scales"),
+    );
+    matrix(q, &qn, St::I32, 4)?;
+    let [inp, out, group, groups] = gptq_dims(name, group, q.dtype, &q.shape)?;
     shape_is(&zn, &matrix(z, &zn, St::I32, 4)?, &[groups, out / 8])?;
     shape_is(&sn, &s.shape, &[groups, out])?;
-    let perm = gptq_perm(name, Some(group), q, g_idx)?;
     let scales = floats(s, &sn)?;
     let zero_bytes = &z.data;
     let row_words = 4 * out; // bytes of one qweight row
@@ -266,7 +273,7 @@ pub fn gptq(
         inp,
         group,
         |o, j| {
-            let i = perm.as_ref().map_or(j, |p| p[j]);
+            let i = perm.map_or(j, |p| p[j]);
             let w = &q.data[(i / 8) * row_words + 4 * o..(i / 8) * row_words + 4 * o + 4];
             code(w, i % 8, 4)
         },

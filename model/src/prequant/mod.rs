@@ -25,6 +25,14 @@ pub struct Raw {
 /// Where the importer finds a checkpoint's raw tensors by name.
 pub trait RawSource {
     fn raw(&self, name: &str) -> Result<Option<Raw>>;
+    /// A tensor's element type and shape from its file's header, without reading its bytes.
+    fn header(&self, name: &str) -> Result<Option<(safetensors::Dtype, Vec<usize>)>>;
+}
+
+/// Whether tensor `name` is stored as `dtype` (looked up in its header only: a tensor the scheme
+/// leaves as it is is read once, by the caller).
+fn stored_as(src: &dyn RawSource, name: &str, dtype: safetensors::Dtype) -> Result<bool> {
+    Ok(src.header(name)?.is_some_and(|(d, _)| d == dtype))
 }
 
 /// The suffix of the virtual tensor naming a weight's stored input order (`layout`'s `*_perm`).
@@ -54,10 +62,12 @@ impl Scheme {
         else {
             return Ok(None);
         };
-        let Some(q) = src.raw(&format!("{prefix}.qweight"))? else { return Ok(None) };
+        let Some((dtype, shape)) = src.header(&format!("{prefix}.qweight"))? else {
+            return Ok(None);
+        };
         let g_idx = src.raw(&format!("{prefix}.g_idx"))?;
-        let Some(perm) =
-            layouts::gptq_perm(&format!("{prefix}.weight"), *group, &q, g_idx.as_ref())?
+        let weight = format!("{prefix}.weight");
+        let Some(perm) = layouts::gptq_perm(&weight, *group, (dtype, &shape), g_idx.as_ref())?
         else {
             return Ok(None);
         };
@@ -79,21 +89,20 @@ impl Scheme {
         let get = |suffix: &str| src.raw(&format!("{prefix}.{suffix}"));
         match self {
             Scheme::Fp8Block { block, .. } => {
-                let Some(w) = get("weight")? else { return Ok(None) };
-                if w.dtype != safetensors::Dtype::F8_E4M3 {
+                if !stored_as(src, name, safetensors::Dtype::F8_E4M3)? {
                     return Ok(None); // kept in bf16 (lm_head, norms, gates)
                 }
+                let w = need(get("weight")?, prefix, "weight")?;
                 let s = need(get("weight_scale_inv")?, prefix, "weight_scale_inv")?;
                 layouts::scaled_bytes(name, DType::Fp8E4m3B128, &w, &s, *block, "weight_scale_inv")
                     .map(Some)
             }
-            Scheme::CompressedTensors(ct) => ct.weight(name, prefix, &get),
+            Scheme::CompressedTensors(ct) => ct.weight(src, name, prefix, &get),
             Scheme::BitNet { .. } => {
-                let Some(w) = get("weight")? else { return Ok(None) };
-                if w.dtype != safetensors::Dtype::U8 {
+                if !stored_as(src, name, safetensors::Dtype::U8)? {
                     return Ok(None); // unpacked (bf16 ternary values) or not quantized: as it is
                 }
-                layouts::bitnet_packed(name, &w).map(Some)
+                layouts::bitnet_packed(name, &need(get("weight")?, prefix, "weight")?).map(Some)
             }
             Scheme::Awq { group } => {
                 let Some(q) = get("qweight")? else { return Ok(None) };
@@ -106,13 +115,14 @@ impl Scheme {
                 let z = need(get("qzeros")?, prefix, "qzeros")?;
                 let s = need(get("scales")?, prefix, "scales")?;
                 let g_idx = get("g_idx")?;
-                if !perm_ok && layouts::gptq_perm(name, *group, &q, g_idx.as_ref())?.is_some() {
+                let perm = layouts::gptq_perm(name, *group, (q.dtype, &q.shape), g_idx.as_ref())?;
+                if !perm_ok && perm.is_some() {
                     return Err(Error::tensor(
                         format!("{prefix}.g_idx"),
                         "act-order (desc_act) weights are supported in dense layers, not in experts",
                     ));
                 }
-                layouts::gptq(name, *group, *v1_zeros, &q, &z, &s, g_idx.as_ref()).map(Some)
+                layouts::gptq(name, *group, *v1_zeros, &q, &z, &s, perm.as_deref()).map(Some)
             }
         }
     }
@@ -125,6 +135,7 @@ fn need(t: Option<Raw>, prefix: &str, what: &str) -> Result<Raw> {
 impl scheme::CompressedTensors {
     fn weight(
         &self,
+        src: &dyn RawSource,
         name: &str,
         prefix: &str,
         get: &dyn Fn(&str) -> Result<Option<Raw>>,
@@ -136,13 +147,13 @@ impl scheme::CompressedTensors {
             let z = get("weight_zero_point")?;
             return layouts::ct_packed(name, args, &packed, &s, z.as_ref(), &shape).map(Some);
         }
-        let Some(w) = get("weight")? else { return Ok(None) };
-        let dtype = match w.dtype {
-            safetensors::Dtype::F8_E4M3 => DType::Fp8E4m3B128,
-            safetensors::Dtype::I8 => DType::Int8B128,
-            // Stored unquantized although a group names it: as it is.
+        let dtype = match src.header(name)? {
+            Some((safetensors::Dtype::F8_E4M3, _)) => DType::Fp8E4m3B128,
+            Some((safetensors::Dtype::I8, _)) => DType::Int8B128,
+            // Absent, or stored unquantized although a group names it: as it is.
             _ => return Ok(None),
         };
+        let w = need(get("weight")?, prefix, "weight")?;
         if !args.symmetric {
             if let Some(z) = get("weight_zero_point")? {
                 if z.data.iter().any(|&b| b != 0) {
