@@ -104,10 +104,12 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
 // to the positions before `start` and to the new rows whose bit is set in anc[r].
 // rot > 1: keys and values are stored rotated in chunks of `rot` (see fwht): the query is rotated
 // before the scores and the output rotated back.
+// sinks != 0: head h's softmax counts exp(sinks[h]) in its denominator (gpt-oss): the online
+// softmax starts from max = sinks[h], sum = 1 instead of an empty state.
 extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp, const unsigned* table, int bs,
                                      long long stride, int dt, int rot, float* out, int start, int n_heads,
                                      int n_kv_heads, int hd, float scale, int window,
-                                     const unsigned long long* anc) {
+                                     const unsigned long long* anc, const float* sinks) {
     __shared__ float p[ATT_MAX_THREADS];
     __shared__ float rq[ATT_DIMS_PER_THREAD * ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
@@ -128,7 +130,7 @@ extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp,
     float acc[ATT_DIMS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < ATT_DIMS_PER_THREAD; i++) acc[i] = 0.0f;
-    float mx = -3.0e38f, sum = 0.0f;
+    float mx = sinks ? sinks[h] : -3.0e38f, sum = sinks ? 1.0f : 0.0f;
     for (int t0 = first; t0 < n_ctx; t0 += nt) {
         const int t = t0 + tid;
         float s = -3.0e38f;

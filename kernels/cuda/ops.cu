@@ -20,7 +20,8 @@ extern "C" __global__ void rms_norm(const float* x, float* y, const u8* w, int t
 }
 
 // Rotates pairs (i, i + hd/2) of every head; angle = pos * inv_freq[i] in f32, cos/sin in f64 as the CPU does.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int rows, int cols, int hd) {
+// af: what cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int rows, int cols, int hd, float af) {
     int half = hd / 2, heads = cols / hd;
     long long total = (long long)rows * heads * half;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
@@ -29,7 +30,7 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
         int head = (int)(rh % heads);
         int row = (int)(rh / heads);
         float a = (float)pos[row] * inv_freq[i];
-        float c = (float)cos((double)a), s = (float)sin((double)a);
+        float c = (float)cos((double)a) * af, s = (float)sin((double)a) * af;
         float* p = x + (long long)row * cols + (long long)head * hd;
         float x0 = p[i], x1 = p[i + half];
         p[i] = x0 * c - x1 * s;
@@ -53,6 +54,15 @@ extern "C" __global__ void gelu_tanh_mul(const float* g, const float* u, float* 
 }
 
 // relu(gate)² times up: BitNet's squared-ReLU gating.
+// gpt-oss's clamped SwiGLU: (clamp(u, ±limit) + 1) · g' · σ(alpha · g'), g' = min(g, limit).
+extern "C" __global__ void swiglu_clamp_mul(const float* g, const float* u, float* out, long long n, float alpha, float limit) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float a = fminf(g[i], limit);
+        const float b = fminf(fmaxf(u[i], -limit), limit);
+        out[i] = (b + 1.0f) * (a / (1.0f + expf(-a * alpha)));
+    }
+}
+
 extern "C" __global__ void relu2_mul(const float* g, const float* u, float* out, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float r = fmaxf(g[i], 0.0f);

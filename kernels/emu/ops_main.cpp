@@ -1,20 +1,24 @@
 // Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
 // shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
-//   ops-emu attention START M NH NKV HD THREADS WINDOW SCALAR BS T NB TREE IN OUT
+//   ops-emu attention START M NH NKV HD THREADS WINDOW SCALAR BS T NB TREE SINKS IN OUT
 //                                                (scale 1/√SCALAR; a pool of blocks of BS positions
 //                                                in dtype T; the sequence's table names NB blocks)
 //                                                IN: q (M×NH·HD), k and v rows ((START+M)×NKV·HD),
-//                                                NB u32 block ids, with TREE M u64 ancestor masks
+//                                                NB u32 block ids, with TREE M u64 ancestor masks,
+//                                                with SINKS NH f32 sink logits
 //                                                OUT: attention output (M×NH·HD) — the START rows
 //                                                stored first (kv_store), then the M new ones
 //   ops-emu rms_norm ROWS COLS G IN OUT          IN: x (ROWS×COLS), weight (G)   OUT: y (ROWS×COLS)
 //   ops-emu argmax ROWS COLS IN OUT              IN: x (ROWS×COLS)               OUT: u32 per row
 //   ops-emu embedding T VOCAB COLS N IN OUT      IN: table (VOCAB rows of T), N u32 ids   OUT: N×COLS
 //   ops-emu rope ROWS COLS HD IN OUT             IN: x (ROWS×COLS), i32 position per row, HD/2
-//                                                inverse frequencies             OUT: rotated x
+//                                                inverse frequencies, the attention factor
+//                                                                                OUT: rotated x
 //   ops-emu silu_mul N IN OUT                    IN: gate (N), up (N)            OUT: silu(gate)·up
 //   ops-emu gelu_tanh_mul N IN OUT               IN: gate (N), up (N)            OUT: gelu_tanh(gate)·up
 //   ops-emu relu2_mul N IN OUT                   IN: gate (N), up (N)            OUT: relu(gate)²·up
+//   ops-emu swiglu_clamp_mul N IN OUT            IN: gate (N), up (N)            OUT: gpt-oss's clamped
+//                                                SwiGLU (alpha 1.702, limit 7)
 //   ops-emu quant_rows_8bit ROWS COLS IN OUT     IN: x (ROWS×COLS)               OUT: 8-bit rounded rows
 //   ops-emu permute_cols ROWS COLS IN OUT        IN: x (ROWS×COLS), COLS i32 order  OUT: x[r, perm[j]]
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
@@ -54,13 +58,13 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[argc - 2], "rb");
     if (!in) return 3;
     const char* out = argv[argc - 1];
-    if (op == "attention" && a.size() == 12) {
+    if (op == "attention" && a.size() == 13) {
         const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], window = a[6];
-        const int bs = a[8], dt = a[9], nb = a[10], tree = a[11], ctx = start + m, kvd = nkv * hd;
-        std::vector<float> q((size_t)m * nh * hd), k((size_t)ctx * kvd), v(k.size());
+        const int bs = a[8], dt = a[9], nb = a[10], tree = a[11], has_sinks = a[12], ctx = start + m, kvd = nkv * hd;
+        std::vector<float> q((size_t)m * nh * hd), k((size_t)ctx * kvd), v(k.size()), sinks(has_sinks ? nh : 0);
         std::vector<unsigned> table(nb);
         std::vector<unsigned long long> anc(tree ? m : 0);
-        if (!read_into(in, q) || !read_into(in, k) || !read_into(in, v) || !read_into(in, table) || !read_into(in, anc)) return 3;
+        if (!read_into(in, q) || !read_into(in, k) || !read_into(in, v) || !read_into(in, table) || !read_into(in, anc) || !read_into(in, sinks)) return 3;
         const long long stride = (row_bytes(dt, kvd) + 3) / 4 * 4;
         // The backend's rotation (kernels/src/kv.rs `rotation`): quantized dtypes, chunks of the
         // largest power of two dividing head_dim, at most 64.
@@ -75,7 +79,7 @@ int main(int argc, char** argv) {
         }
         std::vector<float> o(q.size(), NAN);
         const float scale = 1.0f / sqrtf((float)a[7]);
-        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, rot, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr); });
+        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, rot, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr, has_sinks ? sinks.data() : nullptr); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {
@@ -130,10 +134,10 @@ int main(int argc, char** argv) {
     }
     if (op == "rope" && a.size() == 3) {
         const int rows = a[0], cols = a[1], hd = a[2];
-        std::vector<float> x((size_t)rows * cols), inv(hd / 2);
+        std::vector<float> x((size_t)rows * cols), inv(hd / 2), af(1);
         std::vector<int> pos(rows);
-        if (!read_into(in, x) || !read_into(in, pos) || !read_into(in, inv)) return 3;
-        launch(grid_for((long long)rows * (cols / hd) * (hd / 2)), 256, [&] { rope(x.data(), pos.data(), inv.data(), rows, cols, hd); });
+        if (!read_into(in, x) || !read_into(in, pos) || !read_into(in, inv) || !read_into(in, af)) return 3;
+        launch(grid_for((long long)rows * (cols / hd) * (hd / 2)), 256, [&] { rope(x.data(), pos.data(), inv.data(), rows, cols, hd, af[0]); });
         return write_out(out, x);
     }
     const bool to_half = op == "to_f16" || op == "to_bf16";
@@ -152,7 +156,7 @@ int main(int argc, char** argv) {
         launch(rows, 256, [&] { quant_rows_8bit(x.data(), y.data(), cols); });
         return write_out(out, y);
     }
-    if ((op == "silu_mul" || op == "gelu_tanh_mul" || op == "relu2_mul" || op == "add" || to_half) && a.size() == 1) {
+    if ((op == "silu_mul" || op == "gelu_tanh_mul" || op == "relu2_mul" || op == "swiglu_clamp_mul" || op == "add" || to_half) && a.size() == 1) {
         const long long n = a[0];
         std::vector<float> x(n), y(to_half ? 0 : n), o(n, NAN);
         if (!read_into(in, x) || !read_into(in, y)) return 3;
@@ -171,6 +175,11 @@ int main(int argc, char** argv) {
         }
         if (op == "relu2_mul") {
             launch(grid_for(n), 256, [&] { relu2_mul(x.data(), y.data(), o.data(), n); });
+            return write_out(out, o);
+        }
+        if (op == "swiglu_clamp_mul") {
+            // gpt-oss's alpha and limit.
+            launch(grid_for(n), 256, [&] { swiglu_clamp_mul(x.data(), y.data(), o.data(), n, 1.702f, 7.0f); });
             return write_out(out, o);
         }
         launch(grid_for(n), 256, [&] { silu_mul(x.data(), y.data(), o.data(), n); });

@@ -31,6 +31,21 @@ impl AttnShape {
         }
     }
 
+    /// Checks that attention sinks, if any, are one finite logit per head.
+    pub fn check_sinks(&self, sinks: Option<&[f32]>) -> crate::Result<()> {
+        crate::error::ensure(
+            sinks.is_none_or(|s| s.len() == self.n_heads && s.iter().all(|x| x.is_finite())),
+            "attention",
+            || {
+                format!(
+                    "{} sinks for {} heads (finite ones)",
+                    sinks.map_or(0, <[f32]>::len),
+                    self.n_heads
+                )
+            },
+        )
+    }
+
     /// Checks q/k/v (`(rows, cols)` each) and a token tree's ancestor masks (one per row, at most
     /// 64, each row its own ancestor and none after it; full-context layers only) against this
     /// shape for one `attention` call; returns `(q_dim, kv_dim)`.
@@ -188,6 +203,27 @@ pub trait Backend: Send + Sync + Clone {
             idx.iter().flat_map(|&r| host[r * cols..(r + 1) * cols].iter().copied()).collect();
         self.from_host(&data, idx.len(), cols)
     }
+    /// gpt-oss's clamped SwiGLU elementwise: `(clamp(u, ±limit) + 1) · g' · σ(alpha · g')` with
+    /// `g' = min(g, limit)`. The default goes through the host.
+    fn swiglu_clamp_mul(
+        &self,
+        g: &Self::Tensor,
+        u: &Self::Tensor,
+        alpha: f32,
+        limit: f32,
+    ) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(g);
+        crate::error::ensure(self.dims(u) == (rows, cols), "swiglu_clamp_mul", || {
+            format!("{:?} vs {:?}", self.dims(u), (rows, cols))
+        })?;
+        let (g, u) = (self.to_host(g)?, self.to_host(u)?);
+        let out: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&a, &b)| crate::host::swiglu_clamp(a, b, alpha, limit))
+            .collect();
+        self.from_host(&out, rows, cols)
+    }
     /// `relu(g)² · u` elementwise (BitNet's squared-ReLU gate). The default goes through the host.
     fn relu2_mul(&self, g: &Self::Tensor, u: &Self::Tensor) -> Result<Self::Tensor> {
         let (rows, cols) = self.dims(g);
@@ -280,7 +316,8 @@ pub trait Backend: Send + Sync + Clone {
     /// `seq.start` and to the new rows whose bit is set in `tree[i]` (its ancestors and itself), so
     /// every root-to-leaf path computes as if fed alone. A tree has at most 64 new rows and runs on
     /// full-context layers only. Positions at and after `seq.start` are overwritten, so a rejected
-    /// draft is forgotten by feeding from its first position again.
+    /// draft is forgotten by feeding from its first position again. `sinks` (gpt-oss, one per
+    /// head): a logit each head's softmax counts in its denominator, with no value.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -291,6 +328,7 @@ pub trait Backend: Send + Sync + Clone {
         seq: KvSeq<'_>,
         shape: AttnShape,
         tree: Option<&[u64]>,
+        sinks: Option<&[f32]>,
     ) -> Result<Self::Tensor>;
     /// Block `block` of a pool as bytes (its keys, then its values), for a host tier.
     fn kv_read(&self, cache: &Self::KvCache, block: u32) -> Result<Vec<u8>>;

@@ -42,6 +42,26 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// Softmax in place with an extra logit `sink` in the denominator only (an attention sink).
+pub fn softmax_sink(x: &mut [f32], sink: f32) {
+    let m = x.iter().copied().fold(sink, f32::max);
+    let mut s = (sink - m).exp();
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= s;
+    }
+}
+
+/// gpt-oss's clamped SwiGLU of one gate and up value (transformers' `GptOssExperts._apply_gate`).
+pub fn swiglu_clamp(g: f32, u: f32, alpha: f32, limit: f32) -> f32 {
+    let g = g.min(limit);
+    let u = u.clamp(-limit, limit);
+    (u + 1.0) * (g / (1.0 + (-g * alpha).exp()))
+}
+
 /// `acc[idx[i]] += scale[i] * y[i]` over rows of `cols` values (rows of `y` in order).
 pub fn add_rows_scaled(acc: &mut [f32], y: &[f32], cols: usize, idx: &[usize], scale: &[f32]) {
     for ((&r, &w), yrow) in idx.iter().zip(scale).zip(y.chunks_exact(cols.max(1))) {

@@ -27,12 +27,16 @@ pub enum Arch {
     /// squared-ReLU gate.
     #[serde(rename = "BitNetForCausalLM")]
     BitNet,
+    /// gpt-oss: attention sinks, biases everywhere, sliding-window layers alternating with full
+    /// ones, experts with a clamped SwiGLU and biases, YaRN.
+    #[serde(rename = "GptOssForCausalLM")]
+    GptOss,
 }
 
 /// The HF class names accepted, for error messages.
 pub const SUPPORTED_ARCHS: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
      Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, \
-     BitNetForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3)";
+     BitNetForCausalLM, GptOssForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.
@@ -46,6 +50,7 @@ impl Arch {
             "MixtralForCausalLM" => Ok(Arch::Mixtral),
             "Gemma3ForCausalLM" => Ok(Arch::Gemma3),
             "BitNetForCausalLM" => Ok(Arch::BitNet),
+            "GptOssForCausalLM" => Ok(Arch::GptOss),
             other => {
                 Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() })
             }
@@ -57,7 +62,7 @@ impl Arch {
 ///
 /// Routing is softmax over all experts' logits, the top `top_k` taken, renormalised to sum to 1 when
 /// `norm_topk_prob` (Qwen3-MoE's flag; Mixtral's softmax over the top-k logits is the same thing).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
     pub experts: usize,
     pub top_k: usize,
@@ -67,6 +72,21 @@ pub struct MoeConfig {
     /// Layers whose MLP is dense (`intermediate_size`) rather than experts, ascending.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_layers: Vec<usize>,
+    /// The router and every expert projection add a bias (gpt-oss): the layer file holds
+    /// `router_bias`, each expert file `gate_bias`, `up_bias` and `down_bias`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bias: bool,
+    /// The experts' gate is gpt-oss's clamped SwiGLU instead of SiLU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swiglu_clamp: Option<SwigluClamp>,
+}
+
+/// gpt-oss's expert activation: `(min(up, ±limit) + 1) · g · σ(alpha · g)` with
+/// `g = min(gate, limit)`, up clamped to `[-limit, limit]`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SwigluClamp {
+    pub alpha: f32,
+    pub limit: f32,
 }
 
 /// Gemma 3's departures from the Llama layer: RMSNorm by `1 + w` (stored as `1 + w`, so the kernels
@@ -115,6 +135,14 @@ pub struct ModelConfig {
     /// is quantized per row to 8 bits (absmax) first, as transformers' BitLinear does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub bitlinear: bool,
+    /// Layers exempt from `sliding_window` (gpt-oss's full-attention layers; empty: the window
+    /// covers every layer, as Mistral's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub full_attention_layers: Vec<usize>,
+    /// Each attention head has a learned sink logit (the layer's `sinks` tensor) that joins the
+    /// softmax's denominator and contributes no value (gpt-oss).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attn_sinks: bool,
 }
 
 fn get_usize(v: &Value, field: &str) -> Result<usize> {
@@ -152,11 +180,12 @@ fn parse_rope(v: &Value) -> Result<RopeConfig> {
         .and_then(|p| get_f64(p, "rope_theta"))
         .or_else(|| get_f64(v, "rope_theta"))
         .unwrap_or(10000.0);
-    rope_with(theta, scaling_obj)
+    rope_with(theta, scaling_obj, get_f64(v, "max_position_embeddings"))
 }
 
-/// A RoPE config of base `theta`, scaled as `scaling_obj` says (`rope_type` default, llama3, linear).
-fn rope_with(theta: f64, scaling_obj: Option<&Value>) -> Result<RopeConfig> {
+/// A RoPE config of base `theta`, scaled as `scaling_obj` says (`rope_type` default, llama3,
+/// linear, yarn; `max_pos`: the config's `max_position_embeddings`, YaRN's factor where it has none).
+fn rope_with(theta: f64, scaling_obj: Option<&Value>, max_pos: Option<f64>) -> Result<RopeConfig> {
     let scaling = match scaling_obj {
         None => None,
         Some(s) => {
@@ -183,16 +212,51 @@ fn rope_with(theta: f64, scaling_obj: Option<&Value>) -> Result<RopeConfig> {
                     factor: get_f64(s, "factor")
                         .ok_or_else(|| Error::config("rope_scaling.factor", "missing"))?,
                 }),
+                "yarn" => Some(yarn(s, max_pos)?),
                 other => {
                     return Err(Error::config(
                         "rope_scaling.rope_type",
-                        format!("unsupported {other:?}; supported: default, llama3, linear"),
+                        format!("unsupported {other:?}; supported: default, llama3, linear, yarn"),
                     ))
                 }
             }
         }
     };
     Ok(RopeConfig { theta, scaling })
+}
+
+/// YaRN's parameters as transformers reads them: `factor` (else max / original positions),
+/// `attention_factor` (else from `mscale` and `mscale_all_dim`, else 0.1·ln factor + 1), β fast and
+/// slow (32 and 1 when absent), `truncate` (true when absent).
+fn yarn(s: &Value, max_pos: Option<f64>) -> Result<RopeScaling> {
+    let old = get_f64(s, "original_max_position_embeddings")
+        .ok_or_else(|| Error::config("rope_scaling.original_max_position_embeddings", "missing"))?;
+    let factor = match (get_f64(s, "factor"), max_pos) {
+        (Some(f), _) => f,
+        (None, Some(m)) => m / old,
+        (None, None) => return Err(Error::config("rope_scaling.factor", "missing")),
+    };
+    if factor <= 0.0 || old <= 0.0 {
+        return Err(Error::config("rope_scaling.factor", "must be positive"));
+    }
+    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let nonzero = |name| get_f64(s, name).filter(|x| *x != 0.0);
+    let attention_factor = match (get_f64(s, "attention_factor"), nonzero("mscale")) {
+        (Some(a), _) => a,
+        (None, Some(m)) if nonzero("mscale_all_dim").is_some() => {
+            mscale(factor, m) / mscale(factor, get_f64(s, "mscale_all_dim").unwrap_or(0.0))
+        }
+        _ => mscale(factor, 1.0),
+    };
+    let beta = |name, default| nonzero(name).unwrap_or(default);
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: old,
+        beta_fast: beta("beta_fast", 32.0),
+        beta_slow: beta("beta_slow", 1.0),
+        truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+        attention_factor,
+    })
 }
 
 /// Gemma 3's section: attention scalar, window, which layers are global (`layer_types`, else every
@@ -222,7 +286,11 @@ fn parse_gemma(arch: Arch, v: &Value) -> Result<Option<GemmaConfig>> {
     let local = rope_params(v, "sliding_attention")
         .filter(|_| v.get("rope_parameters").is_some_and(|p| p.get("sliding_attention").is_some()));
     let local_rope = match local {
-        Some(p) => rope_with(get_f64(p, "rope_theta").unwrap_or(10000.0), Some(p))?,
+        Some(p) => rope_with(
+            get_f64(p, "rope_theta").unwrap_or(10000.0),
+            Some(p),
+            get_f64(v, "max_position_embeddings"),
+        )?,
         None => RopeConfig {
             theta: get_f64(v, "rope_local_base_freq").unwrap_or(10000.0),
             scaling: None,
@@ -235,6 +303,24 @@ fn parse_gemma(arch: Arch, v: &Value) -> Result<Option<GemmaConfig>> {
         global_layers,
         local_rope,
     }))
+}
+
+/// The layers whose `layer_types` entry is `kind`; without `layer_types`, gpt-oss's pattern (every
+/// other layer from the second).
+fn layer_types(v: &Value, kind: &str) -> Result<Vec<usize>> {
+    let layers = get_usize(v, "num_hidden_layers")?;
+    Ok(match v.get("layer_types").and_then(Value::as_array) {
+        Some(t) if t.len() != layers => {
+            return Err(Error::config(
+                "layer_types",
+                format!("{} entries for {layers} layers", t.len()),
+            ))
+        }
+        Some(t) => {
+            t.iter().enumerate().filter(|(_, k)| k.as_str() == Some(kind)).map(|(i, _)| i).collect()
+        }
+        None => (1..layers).step_by(2).collect(),
+    })
 }
 
 /// The experts section of a Qwen3-MoE or Mixtral config (`None` for dense architectures).
@@ -261,6 +347,7 @@ fn parse_moe(arch: Arch, v: &Value) -> Result<Option<MoeConfig>> {
                 expert_intermediate: get_usize(v, "moe_intermediate_size")?,
                 norm_topk_prob: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
                 dense_layers,
+                ..MoeConfig::default()
             }))
         }
         Arch::Mixtral => Ok(Some(MoeConfig {
@@ -268,7 +355,20 @@ fn parse_moe(arch: Arch, v: &Value) -> Result<Option<MoeConfig>> {
             top_k: get_usize(v, "num_experts_per_tok")?,
             expert_intermediate: get_usize(v, "intermediate_size")?,
             norm_topk_prob: true,
-            dense_layers: Vec::new(),
+            ..MoeConfig::default()
+        })),
+        // The softmax over the top-k biased logits equals the renormalised top-k of the softmax.
+        Arch::GptOss => Ok(Some(MoeConfig {
+            experts: get_usize(v, "num_local_experts")?,
+            top_k: get_usize(v, "num_experts_per_tok")?,
+            expert_intermediate: get_usize(v, "intermediate_size")?,
+            norm_topk_prob: true,
+            bias: true,
+            swiglu_clamp: Some(SwigluClamp {
+                alpha: get_f64(v, "swiglu_alpha").unwrap_or(1.702) as f32,
+                limit: get_f64(v, "swiglu_limit").unwrap_or(7.0) as f32,
+            }),
+            ..MoeConfig::default()
         })),
         _ => Ok(None),
     }
@@ -277,8 +377,10 @@ fn parse_moe(arch: Arch, v: &Value) -> Result<Option<MoeConfig>> {
 impl ModelConfig {
     /// The attention window of layer `layer` (`None`: the whole context).
     pub fn window_at(&self, layer: usize) -> Option<usize> {
-        let g = self.gemma.as_ref()?;
-        (!g.global_layers.contains(&layer)).then_some(g.sliding_window)
+        match &self.gemma {
+            Some(g) => (!g.global_layers.contains(&layer)).then_some(g.sliding_window),
+            None => self.sliding_window.filter(|_| !self.full_attention_layers.contains(&layer)),
+        }
     }
 
     /// The experts of layer `layer`, if it is a mixture-of-experts layer.
@@ -339,13 +441,19 @@ impl ModelConfig {
             eos_token_ids: token_ids(v.get("eos_token_id")),
             moe: parse_moe(arch, v)?,
             gemma: parse_gemma(arch, v)?,
-            // Mistral's window covers every layer (Gemma's are per layer, in its own section).
+            // Mistral's window covers every layer, gpt-oss's its `sliding_attention` layers
+            // (Gemma's are per layer, in its own section).
             sliding_window: match arch {
-                Arch::Mistral => {
+                Arch::Mistral | Arch::GptOss => {
                     v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize)
                 }
                 _ => None,
             },
+            full_attention_layers: match arch {
+                Arch::GptOss => layer_types(v, "full_attention")?,
+                _ => Vec::new(),
+            },
+            attn_sinks: arch == Arch::GptOss,
             bitlinear: v
                 .get("quantization_config")
                 .and_then(|q| q.get("quant_method"))

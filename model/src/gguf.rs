@@ -293,6 +293,7 @@ impl GgufFile {
             "qwen3" => Ok(Arch::Qwen3),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "gemma3" => Ok(Arch::Gemma3),
+            "gpt-oss" => Ok(Arch::GptOss),
             other => Err(Error::UnsupportedArch {
                 got: format!("GGUF {other}"),
                 supported: crate::config::SUPPORTED_ARCHS.into(),
@@ -309,6 +310,7 @@ impl GgufFile {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
+            Arch::GptOss => "gpt-oss",
             Arch::BitNet => {
                 return Err(Error::UnsupportedArch {
                     got: "bitnet".into(),
@@ -377,8 +379,11 @@ impl GgufFile {
             gemma: None,
             sliding_window: None,
             bitlinear: false,
+            full_attention_layers: Vec::new(),
+            attn_sinks: false,
         };
         let cfg = ModelConfig { gemma: self.gemma(&cfg, p)?, ..cfg };
+        let cfg = self.gpt_oss(cfg, p)?;
         // f32 metadata widened to f64 carries float noise (1e-5 -> 9.99999974738e-06); round it back.
         let cfg = ModelConfig { rms_norm_eps: (cfg.rms_norm_eps as f32) as f64, ..cfg };
         cfg.validate()?;
@@ -386,21 +391,60 @@ impl GgufFile {
         Ok(cfg)
     }
 
-    /// The `<p>.rope.scaling.*` keys (none or linear).
+    /// gpt-oss as llama.cpp reads it: every even layer windowed (`attention.sliding_window`,
+    /// llama.cpp's SWA pattern 2), sinks, biased router and experts, SwiGLU clamped at 7 with α
+    /// 1.702 (llama.cpp's constants).
+    fn gpt_oss(&self, cfg: ModelConfig, p: &str) -> Result<ModelConfig> {
+        if cfg.arch != Arch::GptOss {
+            return Ok(cfg);
+        }
+        let m = crate::config::MoeConfig {
+            experts: self.meta_usize(&format!("{p}.expert_count"))?,
+            top_k: self.meta_usize(&format!("{p}.expert_used_count"))?,
+            expert_intermediate: self.meta_usize(&format!("{p}.expert_feed_forward_length"))?,
+            norm_topk_prob: true,
+            bias: true,
+            swiglu_clamp: Some(crate::config::SwigluClamp { alpha: 1.702, limit: 7.0 }),
+            ..Default::default()
+        };
+        Ok(ModelConfig {
+            moe: Some(m),
+            sliding_window: Some(self.meta_usize(&format!("{p}.attention.sliding_window"))?),
+            full_attention_layers: (1..cfg.num_layers).step_by(2).collect(),
+            attn_sinks: true,
+            ..cfg
+        })
+    }
+
+    /// The `<p>.rope.scaling.*` keys (none, linear or yarn).
     fn rope_scaling(&self, p: &str) -> Result<Option<crate::config::RopeScaling>> {
         let key = |k: &str| format!("{p}.{k}");
+        let num = |k: &str| -> Result<f64> {
+            self.meta(&key(k))?.as_f64().ok_or_else(|| Error::config(key(k), "not a number"))
+        };
+        let opt = |k: &str| self.metadata.get(&key(k)).and_then(Value::as_f64);
         Ok(match self.metadata.get(&key("rope.scaling.type")).and_then(Value::as_str) {
             None | Some("none") => None,
-            Some("linear") => Some(crate::config::RopeScaling::Linear {
-                factor: self
-                    .meta(&key("rope.scaling.factor"))?
-                    .as_f64()
-                    .ok_or_else(|| Error::config(key("rope.scaling.factor"), "not a number"))?,
-            }),
+            Some("linear") => {
+                Some(crate::config::RopeScaling::Linear { factor: num("rope.scaling.factor")? })
+            }
+            // llama.cpp rounds the ramp's bounds outward (transformers' `truncate`).
+            Some("yarn") => {
+                let factor = num("rope.scaling.factor")?;
+                Some(crate::config::RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: num("rope.scaling.original_context_length")?,
+                    beta_fast: opt("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+                    beta_slow: opt("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+                    truncate: true,
+                    attention_factor: opt("rope.scaling.yarn_attn_factor")
+                        .unwrap_or(if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 }),
+                })
+            }
             Some(kind) => {
                 return Err(Error::config(
                     key("rope.scaling.type"),
-                    format!("unsupported {kind:?}; supported: none, linear"),
+                    format!("unsupported {kind:?}; supported: none, linear, yarn"),
                 ))
             }
         })
@@ -464,7 +508,7 @@ impl GgufFile {
             top_k: self.meta_usize(&format!("{p}.expert_used_count"))?,
             expert_intermediate: self.meta_usize(&width)?,
             norm_topk_prob: true,
-            dense_layers: Vec::new(),
+            ..Default::default()
         }))
     }
 
@@ -565,7 +609,12 @@ impl crate::source::Checkpoint for GgufCheckpoint {
     }
 
     fn pick_name(&self, _hf: &str, gguf: &str) -> String {
-        gguf.to_owned()
+        // gpt-oss's pre-MLP norm is llama.cpp's `post_attention_norm` (it has no sandwich norms).
+        match (self.config.arch, gguf) {
+            (Arch::GptOss, "ffn_norm.weight") => "post_attention_norm.weight".into(),
+            (Arch::GptOss, "post_attention_norm.weight") => "gpt-oss:no-sandwich-norm".into(),
+            _ => gguf.to_owned(),
+        }
     }
 
     fn layer_prefix(&self, i: usize) -> String {
@@ -574,6 +623,10 @@ impl crate::source::Checkpoint for GgufCheckpoint {
 
     fn router(&self, layer: usize) -> Result<Option<crate::source::SourceTensor>> {
         self.tensor(&format!("blk.{layer}.{}", crate::layout::GGUF_ROUTER))
+    }
+
+    fn router_bias(&self, layer: usize) -> Result<Option<crate::source::SourceTensor>> {
+        self.tensor(&format!("blk.{layer}.{}", crate::layout::GGUF_ROUTER_BIAS))
     }
 
     /// Expert `expert`'s slice of the stacked `[experts, rows, cols]` tensor (whole rows of whole
@@ -586,11 +639,16 @@ impl crate::source::Checkpoint for GgufCheckpoint {
     ) -> Result<Option<crate::source::SourceTensor>> {
         let name = format!("blk.{layer}.{}", crate::layout::gguf_experts(which));
         let Some(t) = self.file.tensor(&name) else { return Ok(None) };
-        let [n, rows, cols] = t.shape[..] else {
-            return Err(Error::tensor(
-                &name,
-                format!("shape {:?} is not [experts, rows, cols]", t.shape),
-            ));
+        // A bias stack is `[experts, rows]`: each expert's slice a vector.
+        let (n, shape) = match t.shape[..] {
+            [n, rows, cols] if !which.ends_with("_bias") => (n, vec![rows, cols]),
+            [n, rows] if which.ends_with("_bias") => (n, vec![rows]),
+            _ => {
+                return Err(Error::tensor(
+                    &name,
+                    format!("shape {:?} is not [experts, rows(, cols)]", t.shape),
+                ))
+            }
         };
         let data = self.file.data(t);
         if expert >= n || n == 0 || !data.len().is_multiple_of(n) {
@@ -602,7 +660,7 @@ impl crate::source::Checkpoint for GgufCheckpoint {
         let per = data.len() / n;
         Ok(Some(crate::source::SourceTensor {
             dtype: t.dtype,
-            shape: vec![rows, cols],
+            shape,
             data: data[expert * per..(expert + 1) * per].to_vec(),
         }))
     }

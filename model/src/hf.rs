@@ -136,6 +136,28 @@ impl HfCheckpoint {
     }
 }
 
+impl HfCheckpoint {
+    /// Runs `f` on expert `e`'s slab of the stacked tensor `name` (`[experts, …]`): its dtype, its
+    /// shape without the leading dimension, its bytes. `None` if the checkpoint has no `name`.
+    pub(crate) fn slab<T>(
+        &self,
+        name: &str,
+        e: usize,
+        f: impl FnOnce(safetensors::Dtype, &[usize], &[u8]) -> T,
+    ) -> Result<Option<T>> {
+        self.view(name, |v| {
+            let shape = v.shape();
+            let n = shape.first().copied().unwrap_or(0);
+            if e >= n || !v.data().len().is_multiple_of(n) {
+                return Err(Error::tensor(name, format!("shape {shape:?} holds no expert {e}")));
+            }
+            let per = v.data().len() / n;
+            Ok(f(v.dtype(), &shape[1..], &v.data()[e * per..(e + 1) * per]))
+        })?
+        .transpose()
+    }
+}
+
 impl crate::prequant::RawSource for HfCheckpoint {
     fn raw(&self, name: &str) -> Result<Option<crate::prequant::Raw>> {
         self.view(name, |v| crate::prequant::Raw {
@@ -209,7 +231,16 @@ impl Checkpoint for HfCheckpoint {
         self.tensor(&format!("{}{router}", self.layer_prefix(layer)))
     }
 
+    fn router_bias(&self, layer: usize) -> Result<Option<SourceTensor>> {
+        let (router, _) = crate::layout::hf_moe_names(self.config.arch);
+        let bias = router.replace(".weight", ".bias");
+        self.tensor(&format!("{}{bias}", self.layer_prefix(layer)))
+    }
+
     fn expert(&self, layer: usize, expert: usize, which: &str) -> Result<Option<SourceTensor>> {
+        if self.config.arch == crate::config::Arch::GptOss {
+            return crate::hf_stacked::expert(self, &self.layer_prefix(layer), expert, which);
+        }
         let (_, name) = crate::layout::hf_moe_names(self.config.arch);
         self.tensor_with(&format!("{}{}", self.layer_prefix(layer), name(expert, which)), false)
     }

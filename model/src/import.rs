@@ -6,8 +6,8 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufCheckpoint;
 use crate::hf::HfCheckpoint;
 use crate::layout::{
-    expert_file, expert_shape, layer_file, layer_shape, EMBED, EXPERT_TENSORS, FINAL_NORM,
-    GGUF_ROUTER, LAYER_TENSORS, LM_HEAD, ROUTER,
+    expert_file, expert_shape, expert_tensors, layer_file, layer_shape, EMBED, EXPERT_TENSORS,
+    FINAL_NORM, GGUF_ROUTER, GGUF_ROUTER_BIAS, LAYER_TENSORS, LM_HEAD, ROUTER, ROUTER_BIAS,
 };
 use crate::source::{Checkpoint, SourceTensor};
 use crate::store::{Manifest, StoreWriter};
@@ -62,17 +62,18 @@ fn norm_offset(ck: &dyn Checkpoint, name: &str, t: SourceTensor) -> Result<Sourc
     }
 }
 
-/// Writes every expert of layer `layer` as its own file (gate, up and down together).
+/// Writes every expert of layer `layer` as its own file (gate, up and down together, and their
+/// biases where the model has them).
 fn write_experts(
     ck: &dyn Checkpoint,
     w: &mut StoreWriter,
     cfg: &ModelConfig,
     layer: usize,
-    experts: usize,
+    m: &crate::MoeConfig,
 ) -> Result<()> {
-    for e in 0..experts {
-        let mut tensors = Vec::with_capacity(3);
-        for which in EXPERT_TENSORS {
+    for e in 0..m.experts {
+        let mut tensors = Vec::with_capacity(6);
+        for which in expert_tensors(m) {
             let what = format!("layer {layer} expert {e} {which}");
             let t = ck
                 .expert(layer, e, which)?
@@ -128,6 +129,7 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
                     || (cfg.arch == crate::config::Arch::BitNet
                         && matches!(lt.name, "attn_sub_norm" | "ffn_sub_norm"))
                     || (cfg.bitlinear && lt.name.ends_with("_oscale"))
+                    || (cfg.attn_sinks && lt.name == "sinks")
                     || (cfg.gemma.is_some()
                         && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
                 {
@@ -142,7 +144,15 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
                 ck.router(i)?.ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
             check_shape(&name, &router, &layer_shape(&cfg, ROUTER).expect("moe config"))?;
             tensors.push((ROUTER.to_owned(), router));
-            write_experts(ck, &mut w, &cfg, i, m.experts)?;
+            if m.bias {
+                let name = format!("{prefix}{}", ck.pick_name("router_bias", GGUF_ROUTER_BIAS));
+                let bias = ck
+                    .router_bias(i)?
+                    .ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
+                check_shape(&name, &bias, &layer_shape(&cfg, ROUTER_BIAS).expect("moe config"))?;
+                tensors.push((ROUTER_BIAS.to_owned(), bias));
+            }
+            write_experts(ck, &mut w, &cfg, i, m)?;
         }
         w.write_tensors(&layer_file(i), tensors)?;
         bar.set_message(layer_file(i));

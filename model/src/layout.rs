@@ -29,6 +29,8 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("v_bias", "self_attn.v_proj.bias", "attn_v.bias", false),
     lt!("o_bias", "self_attn.o_proj.bias", "attn_output.bias", false),
     lt!("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight", false),
+    // gpt-oss: one learned sink logit per attention head.
+    lt!("sinks", "self_attn.sinks", "attn_sinks.weight", false),
     lt!("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight", false),
     lt!("ffn_norm", "post_attention_layernorm.weight", "ffn_norm.weight", true),
     // Gemma 3's sandwich norms: after attention (HF post_attention_layernorm, which Gemma names so
@@ -114,14 +116,26 @@ pub fn expert_unit(cfg: &crate::ModelConfig, layer: u32, expert: u32) -> u32 {
 
 /// Canonical name of a mixture-of-experts layer's router (`[experts, hidden]`, in the layer file).
 pub const ROUTER: &str = "router";
+/// Canonical name of the router's bias (`[experts]`; gpt-oss), in the layer file.
+pub const ROUTER_BIAS: &str = "router_bias";
 /// Canonical names of an expert file's tensors.
 pub const EXPERT_TENSORS: [&str; 3] = ["gate", "up", "down"];
+/// Canonical names of an expert's biases (`MoeConfig::bias`), after its matrices in its file.
+pub const EXPERT_BIASES: [&str; 3] = ["gate_bias", "up_bias", "down_bias"];
+
+/// The tensors of an expert file of `m`'s experts, in file order.
+pub fn expert_tensors(m: &crate::MoeConfig) -> Vec<&'static str> {
+    let biases = if m.bias { &EXPERT_BIASES[..] } else { &[] };
+    EXPERT_TENSORS.iter().chain(biases).copied().collect()
+}
 
 /// Where an HF checkpoint of `arch` keeps layer `layer`'s router and its experts' matrices
 /// (per-expert tensors, as the hub stores them), relative to the layer prefix.
 pub fn hf_moe_names(arch: crate::config::Arch) -> (&'static str, fn(usize, &str) -> String) {
     use crate::config::Arch;
     match arch {
+        // Stacked `[experts, …]` tensors, read by `gpt_oss::expert`.
+        Arch::GptOss => ("mlp.router.weight", |_, t| format!("mlp.experts.{t}")),
         Arch::Mixtral => ("block_sparse_moe.gate.weight", |e, t| {
             let w = match t {
                 "gate" => "w1",
@@ -137,9 +151,15 @@ pub fn hf_moe_names(arch: crate::config::Arch) -> (&'static str, fn(usize, &str)
 /// GGUF names of a mixture-of-experts layer's router and stacked expert tensors
 /// (`[experts, rows, cols]`), relative to the layer prefix.
 pub const GGUF_ROUTER: &str = "ffn_gate_inp.weight";
-/// The stacked GGUF tensor holding every expert's `gate`, `up` or `down`.
+/// GGUF name of the router's bias (gpt-oss).
+pub const GGUF_ROUTER_BIAS: &str = "ffn_gate_inp.bias";
+/// The stacked GGUF tensor holding every expert's `gate`, `up` or `down` (or, for `gate_bias`
+/// and the like, their biases: `[experts, rows]`).
 pub fn gguf_experts(t: &str) -> String {
-    format!("ffn_{t}_exps.weight")
+    match t.strip_suffix("_bias") {
+        Some(m) => format!("ffn_{m}_exps.bias"),
+        None => format!("ffn_{t}_exps.weight"),
+    }
 }
 
 /// Expected shape of an expert tensor for `cfg`.
@@ -148,6 +168,8 @@ pub fn expert_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> 
     Some(match name {
         "gate" | "up" => vec![f, h],
         "down" => vec![h, f],
+        "gate_bias" | "up_bias" => vec![f],
+        "down_bias" => vec![h],
         _ => return None,
     })
 }
@@ -169,9 +191,11 @@ pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
         "q_bias" => vec![q],
         "k_bias" | "v_bias" => vec![kv],
         "q_norm" | "k_norm" => vec![hd],
+        "sinks" => vec![cfg.num_heads],
         "gate" | "up" => vec![f, h],
         "down" => vec![h, f],
         ROUTER => vec![cfg.moe.as_ref()?.experts, h],
+        ROUTER_BIAS => vec![cfg.moe.as_ref()?.experts],
         _ => return None,
     })
 }

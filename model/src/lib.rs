@@ -12,6 +12,7 @@ mod gguf_spm;
 mod gguf_tokenizer;
 pub mod grammar;
 mod hf;
+mod hf_stacked;
 pub mod import;
 pub mod kv_blocks;
 pub mod layout;

@@ -69,6 +69,9 @@ pub trait Checkpoint {
     }
     /// A mixture-of-experts layer's router (`[experts, hidden]`), or `None` if absent.
     fn router(&self, layer: usize) -> Result<Option<SourceTensor>>;
-    /// Expert `expert`'s `gate`, `up` or `down` matrix of layer `layer`, or `None` if absent.
+    /// A mixture-of-experts layer's router bias (`[experts]`; gpt-oss), or `None` if absent.
+    fn router_bias(&self, layer: usize) -> Result<Option<SourceTensor>>;
+    /// Expert `expert`'s `gate`, `up` or `down` matrix of layer `layer` (or one of their biases,
+    /// `gate_bias` …), or `None` if absent.
     fn expert(&self, layer: usize, expert: usize, which: &str) -> Result<Option<SourceTensor>>;
 }

@@ -45,7 +45,7 @@ pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
                 top_k,
                 expert_intermediate: f,
                 norm_topk_prob: true,
-                dense_layers: vec![],
+                ..Default::default()
             }),
             ..dense_config(h, f, nh, nkv, vocab, layers.unwrap_or(nl))
         };
@@ -100,6 +100,8 @@ fn dense_config(
         gemma: None,
         sliding_window: None,
         bitlinear: false,
+        full_attention_layers: Vec::new(),
+        attn_sinks: false,
     }
 }
 

@@ -42,7 +42,8 @@ pub struct LayerCtx {
     /// The attention of full-context layers (every layer but Gemma's sliding-window ones).
     pub(crate) shape: AttnShape,
     pub(crate) rope: RopeTable,
-    /// Gemma 3's sliding-window layers: their attention, RoPE and which layers they are.
+    /// The sliding-window layers where only some layers have a window (Gemma 3, gpt-oss): their
+    /// attention, RoPE and which layers they are.
     pub(crate) local: Option<(AttnShape, RopeTable, Vec<usize>)>,
     pub(crate) eps: f32,
     pub(crate) moe: Option<layerstream_model::MoeConfig>,
@@ -59,19 +60,30 @@ impl LayerCtx {
     /// Derives the attention shapes and RoPE tables from a config.
     pub fn new(cfg: &ModelConfig) -> Self {
         let mut shape = AttnShape::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        shape.window = cfg.sliding_window.unwrap_or(0);
         let g = cfg.gemma.as_ref();
         if let Some(g) = g {
             shape.scale = (1.0 / g.query_pre_attn_scalar.sqrt()) as f32;
         }
-        let local = g.map(|g| {
-            let sliding = (0..cfg.num_layers).filter(|l| !g.global_layers.contains(l)).collect();
-            (
+        let sliding: Vec<usize> =
+            (0..cfg.num_layers).filter(|&l| cfg.window_at(l).is_some()).collect();
+        let local = match (g, cfg.sliding_window) {
+            (Some(g), _) => Some((
                 AttnShape { window: g.sliding_window, ..shape },
                 RopeTable::new(&g.local_rope, cfg.head_dim),
                 sliding,
-            )
-        });
+            )),
+            // Some layers windowed (gpt-oss), with the model's one RoPE.
+            (None, Some(w)) if !cfg.full_attention_layers.is_empty() => Some((
+                AttnShape { window: w, ..shape },
+                RopeTable::new(&cfg.rope, cfg.head_dim),
+                sliding,
+            )),
+            // Every layer windowed (Mistral), or none.
+            (None, w) => {
+                shape.window = w.unwrap_or(0);
+                None
+            }
+        };
         LayerCtx {
             shape,
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
@@ -189,15 +201,17 @@ pub fn layer_forward<B: Backend>(
     }
     b.rope(&mut q, &pos, rope)?;
     b.rope(&mut k, &pos, rope)?;
+    let sinks = w.sinks.as_deref();
     let attn = if seqs.len() == 1 {
-        b.attention(&q, &k, &v, pool, kv_seq(&seqs[0]), shape, seqs[0].tree.as_deref())?
+        b.attention(&q, &k, &v, pool, kv_seq(&seqs[0]), shape, seqs[0].tree.as_deref(), sinks)?
     } else {
         let mut parts = Vec::with_capacity(seqs.len());
         let mut off = 0;
         for s in seqs {
             let (qs, ks, vs) =
                 (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            parts.push(b.attention(&qs, &ks, &vs, pool, kv_seq(s), shape, s.tree.as_deref())?);
+            let tree = s.tree.as_deref();
+            parts.push(b.attention(&qs, &ks, &vs, pool, kv_seq(s), shape, tree, sinks)?);
             off += s.rows;
         }
         b.concat_rows(&parts)?
@@ -232,11 +246,11 @@ pub fn layer_forward<B: Backend>(
             let a = quant(b, ctx, a)?;
             (proj(b, &a, down, None, p.down.as_deref(), s.down)?, ExpertCounts::default())
         }
-        Mlp::Experts { router } => {
+        Mlp::Experts { router, router_bias } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {
                 Error::Weights(format!("layer {layer} has a router but the model has no experts"))
             })?;
-            moe_mlp(b, layer, &h2, router, m, experts)?
+            moe_mlp(b, layer, &h2, (router, router_bias.as_ref()), m, experts)?
         }
     };
     if let Some(n) = &w.ffn_post_norm {

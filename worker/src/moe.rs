@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use layerstream_kernels::Backend;
-use layerstream_model::layout::{expert_shape, EXPERT_TENSORS};
+use layerstream_model::layout::{expert_shape, expert_tensors};
 use layerstream_model::{FileEntry, ModelConfig, MoeConfig};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -15,6 +15,8 @@ pub struct ExpertWeights<B: Backend> {
     pub(crate) gate: B::Weight,
     pub(crate) up: B::Weight,
     pub(crate) down: B::Weight,
+    /// gpt-oss: the gate, up and down biases.
+    pub(crate) biases: Option<[B::Weight; 3]>,
     /// Bytes of its store file.
     pub(crate) bytes: u64,
 }
@@ -38,17 +40,27 @@ impl<B: Backend> ExpertWeights<B> {
             let range = t.offset as usize..(t.offset + t.size) as usize;
             Ok(b.weight_in(blob, &format!("{}:{name}", entry.name), t.dtype, &t.shape, range)?)
         };
-        if entry.tensors.len() != EXPERT_TENSORS.len() {
+        let m = cfg
+            .moe
+            .as_ref()
+            .ok_or_else(|| Error::Weights(format!("{}: the model has no experts", entry.name)))?;
+        let all = expert_tensors(m);
+        if entry.tensors.len() != all.len() {
             return Err(Error::Weights(format!(
-                "{}: {} tensors, an expert has gate, up and down",
+                "{}: {} tensors, an expert has {}",
                 entry.name,
-                entry.tensors.len()
+                entry.tensors.len(),
+                all.join(", ")
             )));
         }
         Ok(ExpertWeights {
             gate: get("gate")?,
             up: get("up")?,
             down: get("down")?,
+            biases: match m.bias {
+                true => Some([get("gate_bias")?, get("up_bias")?, get("down_bias")?]),
+                false => None,
+            },
             bytes: entry.size,
         })
     }
@@ -200,14 +212,21 @@ pub fn by_expert(routes: &[Vec<(u32, f32)>]) -> BTreeMap<u32, (Vec<usize>, Vec<f
     g
 }
 
+/// A router's weight and, where the model has one, its bias.
+pub type Router<'a, B> = (&'a <B as Backend>::Weight, Option<&'a <B as Backend>::Weight>);
+
 /// The experts layer `layer`'s router picks for the rows of `h` (its input, already normed).
 pub fn choose<B: Backend>(
     b: &B,
     h: &B::Tensor,
-    router: &B::Weight,
+    (router, bias): Router<'_, B>,
     m: &MoeConfig,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let logits = b.to_host(&b.matmul(h, router)?)?;
+    let mut logits = b.matmul(h, router)?;
+    if let Some(bias) = bias {
+        b.add_bias(&mut logits, bias)?;
+    }
+    let logits = b.to_host(&logits)?;
     if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
         return Err(Error::Stage(format!("router logit {i} is {}", logits[i])));
     }
@@ -220,7 +239,7 @@ pub fn moe_mlp<B: Backend>(
     b: &B,
     layer: u32,
     h: &B::Tensor,
-    router: &B::Weight,
+    router: Router<'_, B>,
     m: &MoeConfig,
     source: &mut dyn ExpertSource<B>,
 ) -> Result<(B::Tensor, ExpertCounts)> {
@@ -231,8 +250,20 @@ pub fn moe_mlp<B: Backend>(
     let mut acc = b.from_host(&vec![0.0; rows * cols], rows, cols)?;
     for ((rows, scale), w) in groups.values().zip(&weights) {
         let x = b.gather_rows(h, rows)?;
-        let a = b.silu_mul(&b.matmul(&x, &w.gate)?, &b.matmul(&x, &w.up)?)?;
-        b.add_rows_scaled(&mut acc, &b.matmul(&a, &w.down)?, rows, scale)?;
+        let (mut g, mut u) = (b.matmul(&x, &w.gate)?, b.matmul(&x, &w.up)?);
+        if let Some([gb, ub, _]) = &w.biases {
+            b.add_bias(&mut g, gb)?;
+            b.add_bias(&mut u, ub)?;
+        }
+        let a = match m.swiglu_clamp {
+            Some(c) => b.swiglu_clamp_mul(&g, &u, c.alpha, c.limit)?,
+            None => b.silu_mul(&g, &u)?,
+        };
+        let mut d = b.matmul(&a, &w.down)?;
+        if let Some([_, _, db]) = &w.biases {
+            b.add_bias(&mut d, db)?;
+        }
+        b.add_rows_scaled(&mut acc, &d, rows, scale)?;
     }
     Ok((acc, counts))
 }
@@ -247,7 +278,7 @@ mod tests {
             top_k,
             expert_intermediate: 4,
             norm_topk_prob: norm,
-            dense_layers: vec![],
+            ..Default::default()
         }
     }
 

@@ -537,11 +537,17 @@ impl<B: Backend + 'static> LayerPass<'_, B> {
         let (Some(c), Some(m)) = (self.experts.as_ref(), self.ctx.moe.as_ref()) else {
             return Ok(());
         };
-        let (true, Mlp::Experts { router }) = (c.predicts(), &w.mlp) else { return Ok(()) };
+        let (true, Mlp::Experts { router, router_bias }) = (c.predicts(), &w.mlp) else {
+            return Ok(());
+        };
         let _p = info_span!(parent: span, "predict experts", layer = layer as i64).entered();
         let h = self.b.rms_norm(x, &w.ffn_norm, self.ctx.eps)?;
         let ids: std::collections::BTreeSet<u32> =
-            choose(self.b, &h, router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
+            choose(self.b, &h, (router, router_bias.as_ref()), m)?
+                .into_iter()
+                .flatten()
+                .map(|(e, _)| e)
+                .collect();
         c.predict(layer, &ids.into_iter().collect::<Vec<_>>(), TraceParent::of(span));
         Ok(())
     }

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use layerstream_kernels::Backend;
-use layerstream_model::layout::{layer_shape, LAYER_TENSORS, ROUTER};
+use layerstream_model::layout::{layer_shape, LAYER_TENSORS, ROUTER, ROUTER_BIAS};
 use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
 
 /// One decoder layer's weights on a device.
@@ -31,21 +31,32 @@ pub struct LayerWeights<B: Backend> {
     pub(crate) ffn_sub_norm: Option<B::Weight>,
     /// BitLinear output multipliers (`layout`'s `*_oscale`), kept on the host.
     pub(crate) oscales: OutScales,
+    /// gpt-oss's attention sink logits, one per head, kept on the host.
+    pub(crate) sinks: Option<Vec<f32>>,
 }
 
 /// Each projection's output multiplier where its weights are BitNet's ternary values.
 pub type OutScales = PerProj<f32>;
 
-/// Tensor `name` of a layer file's host bytes as f32 values (`None`: the file has none).
+/// Tensor `name` of a layer file's host bytes as f32 values, from f32, f16 or bf16 (`None`: the
+/// file has none).
 fn f32_values(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<f32>>> {
+    use layerstream_model::DType;
     let Some(t) = entry.tensor(name) else { return Ok(None) };
     let raw = bytes.get(t.offset as usize..(t.offset + t.size) as usize);
-    match raw {
-        Some(raw) if t.dtype == layerstream_model::DType::F32 => Ok(Some(
+    let two = |c: &[u8]| [c[0], c[1]];
+    match (raw, t.dtype) {
+        (Some(raw), DType::F32) => Ok(Some(
             raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         )),
+        (Some(raw), DType::F16) => {
+            Ok(Some(raw.chunks_exact(2).map(|c| half::f16::from_le_bytes(two(c)).into()).collect()))
+        }
+        (Some(raw), DType::Bf16) => Ok(Some(
+            raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes(two(c)).into()).collect(),
+        )),
         _ => Err(Error::Weights(format!(
-            "{}: tensor {name} is not f32 values inside its file",
+            "{}: tensor {name} is not float values inside its file",
             entry.name
         ))),
     }
@@ -113,7 +124,7 @@ fn perm(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<u32>>>
 /// A layer's feed-forward: one dense MLP, or a router over experts kept in their own files.
 pub enum Mlp<B: Backend> {
     Dense { gate: B::Weight, up: B::Weight, down: B::Weight },
-    Experts { router: B::Weight },
+    Experts { router: B::Weight, router_bias: Option<B::Weight> },
 }
 
 /// Uploads tensor `name` of `file`, checking its shape when `want` is given.
@@ -151,11 +162,10 @@ impl<B: Backend> LayerWeights<B> {
         blob: &B::Blob,
         bytes: &[u8],
     ) -> Result<Self> {
-        if let Some(t) = entry
-            .tensors
-            .iter()
-            .find(|t| t.name != ROUTER && !LAYER_TENSORS.iter().any(|k| k.name == t.name))
-        {
+        if let Some(t) = entry.tensors.iter().find(|t| {
+            ![ROUTER, ROUTER_BIAS].contains(&t.name.as_str())
+                && !LAYER_TENSORS.iter().any(|k| k.name == t.name)
+        }) {
             return Err(Error::Weights(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
         let opt = |name: &str| -> Result<Option<B::Weight>> {
@@ -197,13 +207,14 @@ impl<B: Backend> LayerWeights<B> {
             attn_post_norm: opt("attn_post_norm")?,
             ffn_post_norm: opt("ffn_post_norm")?,
             mlp: match opt(ROUTER)? {
-                Some(router) => Mlp::Experts { router },
+                Some(router) => Mlp::Experts { router, router_bias: opt(ROUTER_BIAS)? },
                 None => Mlp::Dense { gate: req("gate")?, up: req("up")?, down: req("down")? },
             },
             perms: Perms::read("_perm", |n| perm(entry, bytes, n))?,
             attn_sub_norm: opt("attn_sub_norm")?,
             ffn_sub_norm: opt("ffn_sub_norm")?,
             oscales: OutScales::read("_oscale", |n| scalar(entry, bytes, n))?,
+            sinks: f32_values(entry, bytes, "sinks")?,
         };
         let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
         let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));
@@ -228,6 +239,25 @@ impl<B: Backend> LayerWeights<B> {
                 "{}: attn_sub_norm/ffn_sub_norm required by BitNet",
                 entry.name
             )));
+        }
+        if cfg.attn_sinks != w.sinks.is_some() {
+            return Err(Error::Weights(format!(
+                "{}: the config {} attention sinks, the file {}",
+                entry.name,
+                if cfg.attn_sinks { "has" } else { "has no" },
+                if cfg.attn_sinks { "none" } else { "holds some" },
+            )));
+        }
+        if let Some(m) = moe_layer {
+            if let Mlp::Experts { router_bias, .. } = &w.mlp {
+                if m.bias != router_bias.is_some() {
+                    return Err(Error::Weights(format!(
+                        "{}: router_bias {} by the config",
+                        entry.name,
+                        if m.bias { "required" } else { "not expected" }
+                    )));
+                }
+            }
         }
         if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
             return Err(Error::Weights(format!(

@@ -3,7 +3,7 @@
 //! token trees alike.
 
 use crate::backend::AttnShape;
-use crate::host::softmax;
+use crate::host::{softmax, softmax_sink};
 use crate::kv::{hadamard, rotation, store_row, KvLayout, KvSeq};
 use crate::quant::{dequant_row, dot};
 use layerstream_types::DType;
@@ -96,8 +96,9 @@ impl CpuKv {
 /// causally over the sequence's positions (over the last `s.window` positions of each row's
 /// context when a window is set), scores scaled by `s.scale`. With a token tree's ancestor masks
 /// (`tree`, at most 64 rows, full-context layers only) row i attends to the positions before
-/// `seq.start` and to the new rows whose bit is set in `tree[i]` instead. Quantized rows are
-/// dequantized here; f32 rows are read in place. `seq` has been checked against the pool.
+/// `seq.start` and to the new rows whose bit is set in `tree[i]` instead. `sinks`: one logit per
+/// head in each softmax's denominator. Quantized rows are dequantized here; f32 rows are read in
+/// place. `seq` has been checked against the pool.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -107,7 +108,7 @@ pub fn attention(
     pool: &mut CpuKv,
     seq: KvSeq<'_>,
     s: AttnShape,
-    tree: Option<&[u64]>,
+    mask: Mask<'_>,
 ) -> Vec<f32> {
     let kvd = s.n_kv_heads * s.head_dim;
     let (start, bs, words, dtype) = (seq.start, pool.layout.block, pool.words(), pool.layout.dtype);
@@ -144,7 +145,7 @@ pub fn attention(
             m,
             start,
             s,
-            tree,
+            mask,
             |t| &pk[slot(t)..slot(t) + kvd],
             |t| &pv[slot(t)..slot(t) + kvd],
         )
@@ -161,11 +162,14 @@ pub fn attention(
         let (gk, gv) = (gather(pk), gather(pv));
         let at = |t: usize| (t - lo) * kvd..(t - lo + 1) * kvd;
         // Scores against rotated keys need the rotated query; the output comes back rotated.
-        let mut out = attend(&rotated(q), m, start, s, tree, |t| &gk[at(t)], |t| &gv[at(t)]);
+        let mut out = attend(&rotated(q), m, start, s, mask, |t| &gk[at(t)], |t| &gv[at(t)]);
         hadamard(&mut out, rot);
         out
     }
 }
+
+/// A token tree's ancestor masks and the heads' sinks, if any.
+pub type Mask<'a> = (Option<&'a [u64]>, Option<&'a [f32]>);
 
 /// The attention itself over positions read through `key(t)` / `value(t)` (a full kv row each).
 fn attend<'a>(
@@ -173,7 +177,7 @@ fn attend<'a>(
     m: usize,
     start: usize,
     s: AttnShape,
-    tree: Option<&[u64]>,
+    (tree, sinks): Mask<'_>,
     key: impl Fn(usize) -> &'a [f32] + Sync,
     value: impl Fn(usize) -> &'a [f32] + Sync,
 ) -> Vec<f32> {
@@ -195,7 +199,10 @@ fn attend<'a>(
         };
         let mut scores: Vec<f32> =
             seen.iter().map(|&t| dot(qv, &key(t)[off..off + hd]) * s.scale).collect();
-        softmax(&mut scores);
+        match sinks {
+            Some(sk) => softmax_sink(&mut scores, sk[h]),
+            None => softmax(&mut scores),
+        }
         for (&t, p) in seen.iter().zip(&scores) {
             for (oi, vi) in o.iter_mut().zip(&value(t)[off..off + hd]) {
                 *oi += p * vi;
@@ -238,7 +245,7 @@ mod tests {
             p,
             seq,
             s,
-            tree,
+            (tree, None),
         )
     }
 
@@ -312,6 +319,35 @@ mod tests {
                 for (a, b) in got[r * 8..(r + 1) * 8].iter().zip(&want[(2 + i) * 8..(3 + i) * 8]) {
                     assert!((a - b).abs() < 1e-5, "path {path:?} row {r}");
                 }
+            }
+        }
+    }
+
+    /// A sink joins each head's softmax denominator only: a row that sees one position gets that
+    /// value times σ(score − sink), and every output shrinks by the sink's share.
+    #[test]
+    fn sinks_take_their_share_of_the_softmax() {
+        let s = AttnShape::new(2, 1, 4);
+        let (q, k, v) = (gen(5 * 8, 7), gen(5 * 4, 5), gen(5 * 4, 3));
+        let sinks = [0.7f32, -1.3];
+        let plain = feed(&mut pool(DType::F32, 4, s), &[0, 1], (&q, &k, &v), 0..5, s, None);
+        let seq = KvSeq { table: &[0, 1], start: 0 };
+        let mut p = pool(DType::F32, 4, s);
+        let got = attention(&q, &k, &v, 5, &mut p, seq, s, (None, Some(&sinks)));
+        for h in 0..2 {
+            let score = crate::quant::dot(&q[h * 4..h * 4 + 4], &k[..4]) * s.scale;
+            let share = 1.0 / (1.0 + (sinks[h] - score).exp());
+            for j in 0..4 {
+                assert!((got[h * 4 + j] - v[j] * share).abs() < 1e-6, "head {h}");
+            }
+        }
+        // Later rows: the same direction as without the sink, shorter.
+        for r in 1..5 {
+            let (a, b) = (&got[r * 8..r * 8 + 4], &plain[r * 8..r * 8 + 4]);
+            let ratio = a[0] / b[0];
+            assert!(ratio > 0.0 && ratio < 1.0, "row {r}");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y * ratio).abs() < 1e-5, "row {r}");
             }
         }
     }

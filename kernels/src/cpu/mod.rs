@@ -323,10 +323,13 @@ impl Backend for CpuBackend {
         seq: KvSeq<'_>,
         s: AttnShape,
         tree: Option<&[u64]>,
+        sinks: Option<&[f32]>,
     ) -> Result<CpuTensor> {
         let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        s.check_sinks(sinks)?;
         seq.check(&cache.layout, q.rows)?;
-        let data = attention::attention(&q.data, &k.data, &v.data, q.rows, cache, seq, s, tree);
+        let data =
+            attention::attention(&q.data, &k.data, &v.data, q.rows, cache, seq, s, (tree, sinks));
         Ok(CpuTensor { data, rows: q.rows, cols: qd })
     }
 }
@@ -355,7 +358,7 @@ mod tests {
     #[test]
     fn rope_rotates_pairs_half_apart_and_keeps_norm() {
         let b = CpuBackend::default();
-        let table = RopeTable { head_dim: 4, inv_freq: vec![1.0, 0.5] };
+        let table = RopeTable { head_dim: 4, inv_freq: vec![1.0, 0.5], attn_factor: 1.0 };
         let mut x = b.from_host(&[1.0, 0.0, 0.0, 1.0], 1, 4).unwrap();
         b.rope(&mut x, &[2], &table).unwrap();
         let (c0, s0, c1, s1) = (2f32.cos(), 2f32.sin(), 1f32.cos(), 1f32.sin());

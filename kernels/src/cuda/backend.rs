@@ -658,8 +658,15 @@ impl Backend for CudaBackend {
         if total == 0 {
             return Ok(());
         }
-        let args =
-            [x.buf.ptr, dpos.ptr, dfreq.ptr, i(x.rows as i32), i(x.cols as i32), i(hd as i32)];
+        let args = [
+            x.buf.ptr,
+            dpos.ptr,
+            dfreq.ptr,
+            i(x.rows as i32),
+            i(x.cols as i32),
+            i(hd as i32),
+            f(table.attn_factor),
+        ];
         self.gpu.launch("rope", (blocks(total, 256), 1, 1), 256, 0, &args)
     }
 
@@ -669,6 +676,16 @@ impl Backend for CudaBackend {
 
     fn gelu_tanh_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         self.gated("gelu_tanh_mul", gate, up)
+    }
+
+    fn swiglu_clamp_mul(
+        &self,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        alpha: f32,
+        limit: f32,
+    ) -> Result<CudaTensor> {
+        self.gated_with("swiglu_clamp_mul", gate, up, &[f(alpha), f(limit)])
     }
 
     fn relu2_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
@@ -753,8 +770,10 @@ impl Backend for CudaBackend {
         seq: KvSeq<'_>,
         s: AttnShape,
         tree: Option<&[u64]>,
+        sinks: Option<&[f32]>,
     ) -> Result<CudaTensor> {
         let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        s.check_sinks(sinks)?;
         ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
             format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
         })?;
@@ -788,6 +807,7 @@ impl Backend for CudaBackend {
             self.gpu.launch("kv_store", (m as u32, 1, 1), 64, 0, &args)?;
         }
         let anc_buf = tree.map(|a| self.upload_small(a)).transpose()?;
+        let sink_buf = sinks.map(|a| self.upload_small(a)).transpose()?;
         let args = [
             q.buf.ptr,
             kp.ptr,
@@ -805,6 +825,7 @@ impl Backend for CudaBackend {
             f(s.scale),
             i(s.window as i32),
             anc_buf.as_ref().map_or(0, |b| b.ptr),
+            sink_buf.as_ref().map_or(0, |b| b.ptr),
         ];
         self.gpu.launch(
             "attention",
@@ -825,13 +846,25 @@ impl CudaBackend {
         gate: &CudaTensor,
         up: &CudaTensor,
     ) -> Result<CudaTensor> {
+        self.gated_with(kernel, gate, up, &[])
+    }
+
+    /// `gated` with the kernel's extra arguments after the element count.
+    fn gated_with(
+        &self,
+        kernel: &'static str,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        extra: &[u64],
+    ) -> Result<CudaTensor> {
         ensure(gate.rows == up.rows && gate.cols == up.cols, kernel, || {
             "gate and up differ in size".into()
         })?;
         self.gpu.bind()?;
         let out = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
-        let args = [gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64];
+        let mut args = vec![gate.buf.ptr, up.buf.ptr, out.buf.ptr, n as u64];
+        args.extend_from_slice(extra);
         self.gpu.launch(kernel, (blocks(n, 256), 1, 1), 256, 0, &args)?;
         Ok(out)
     }

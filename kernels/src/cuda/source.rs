@@ -76,6 +76,7 @@ pub fn kernel_names() -> Vec<String> {
         "silu_mul",
         "gelu_tanh_mul",
         "relu2_mul",
+        "swiglu_clamp_mul",
         "quant_rows_8bit",
         "permute_cols",
         "gather_rows",

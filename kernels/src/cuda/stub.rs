@@ -119,6 +119,7 @@ impl Backend for CudaBackend {
         _: KvSeq<'_>,
         _: AttnShape,
         _: Option<&[u64]>,
+        _: Option<&[f32]>,
     ) -> Result<Never> {
         match self.0 {}
     }

@@ -168,7 +168,7 @@ fn paged(
     (start, m): (usize, usize),
     dtype: DType,
     scalar: usize,
-    tree: Option<&[u64]>,
+    (tree, sinks): (Option<&[u64]>, Option<&[f32]>),
 ) -> f64 {
     let (qd, kvd, bs) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 16);
     let nb = (start + m).div_ceil(bs);
@@ -181,20 +181,21 @@ fn paged(
         let seq = crate::KvSeq { table: &table, start: 0 };
         let pq = rng.vec(start * qd);
         let (q, k, v) = (t(&pq, start, qd), t(&pk, start, kvd), t(&pv, start, kvd));
-        c.attention(&q, &k, &v, &mut pool, seq, s, None).unwrap();
+        c.attention(&q, &k, &v, &mut pool, seq, s, None, sinks).unwrap();
     }
     let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
     let seq = crate::KvSeq { table: &table, start };
     let (tq, tk, tv) = (t(&q, m, qd), t(&k, m, kvd), t(&v, m, kvd));
-    let want = c.attention(&tq, &tk, &tv, &mut pool, seq, s, tree).unwrap().data;
+    let want = c.attention(&tq, &tk, &tv, &mut pool, seq, s, tree, sinks).unwrap().data;
     let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);
     input.extend(table.iter().flat_map(|b| b.to_le_bytes()));
     input.extend(tree.unwrap_or(&[]).iter().flat_map(|a| a.to_le_bytes()));
+    input.extend(sinks.unwrap_or(&[]).iter().flat_map(|a| a.to_le_bytes()));
     let code = dtype_code(dtype) as usize;
     let nums = [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize];
-    let more = [s.window, scalar, bs, code, nb, tree.is_some() as usize];
-    let got =
-        f32s(&emu.run(&args::<12>("attention", [nums, more].concat().try_into().unwrap()), &input));
+    let more = [s.window, scalar, bs, code, nb, tree.is_some() as usize, sinks.is_some() as usize];
+    let all: Vec<usize> = nums.iter().chain(&more).copied().collect();
+    let got = f32s(&emu.run(&args::<13>("attention", all.try_into().unwrap()), &input));
     rel(&got, &want)
 }
 
@@ -225,8 +226,11 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     {
         let s =
             AttnShape { window, scale: 1.0 / (scalar as f32).sqrt(), ..AttnShape::new(4, 2, hd) };
-        let e = paged(&emu, &c, &mut rng, s, (start, m), dtypes[n % 5], scalar, None);
-        assert!(e < 1e-5, "attention start={start} m={m}: relative error {e:e}");
+        // Every other case with gpt-oss's attention sinks (one logit per head).
+        let sinks = [0.5f32, -2.0, 1.5, 0.0];
+        let sinks = (n % 2 == 1).then_some(&sinks[..]);
+        let e = paged(&emu, &c, &mut rng, s, (start, m), dtypes[n % 5], scalar, (None, sinks));
+        assert!(e < 1e-5, "attention start={start} m={m} sinks {sinks:?}: relative error {e:e}");
     }
     // A token tree after a cached prefix: 0 → {1, 2}, 1 → {3, 5}, 2 → 4 (ancestor masks).
     let parents = [None, Some(0), Some(0), Some(1), Some(2), Some(1)];
@@ -242,7 +246,8 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         .collect();
     for (n, (start, hd)) in [(0, 64), (37, 64), (140, 320)].into_iter().enumerate() {
         let s = AttnShape::new(4, 2, hd);
-        let e = paged(&emu, &c, &mut rng, s, (start, anc.len()), dtypes[4 - n], hd, Some(&anc));
+        let e =
+            paged(&emu, &c, &mut rng, s, (start, anc.len()), dtypes[4 - n], hd, (Some(&anc), None));
         assert!(e < 1e-5, "tree attention start={start}: relative error {e:e}");
     }
     // RMSNorm over whole rows (256 threads) and per head (64 threads).
@@ -294,14 +299,15 @@ fn emulated_elementwise_kernels_match_cpu() {
             ));
         assert_eq!(got, want, "embedding of {dtype:?} rows");
     }
-    // RoPE at positions up to 100k, default and llama3-scaled frequencies (3 heads of 64 a row).
+    // RoPE at positions up to 100k, default, llama3- and YaRN-scaled frequencies (3 heads of 64 a
+    // row; YaRN's attention factor multiplies cos and sin).
     let llama3 = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192.0,
     };
-    for scaling in [None, Some(llama3)] {
+    for scaling in [None, Some(llama3), Some(crate::rope::gpt_oss_yarn())] {
         let table = RopeTable::new(&RopeConfig { theta: 500_000.0, scaling: scaling.clone() }, 64);
         let positions = [0usize, 1, 17, 8191, 100_000];
         let (rows, cols) = (positions.len(), 3 * 64);
@@ -310,7 +316,7 @@ fn emulated_elementwise_kernels_match_cpu() {
         c.rope(&mut want, &positions, &table).unwrap();
         let mut input = bytes_of(&[&x]);
         input.extend(positions.iter().flat_map(|&p| (p as i32).to_le_bytes()));
-        input.extend(bytes_of(&[&table.inv_freq]));
+        input.extend(bytes_of(&[&table.inv_freq, &[table.attn_factor]]));
         let e = rel(&f32s(&emu.run(&args("rope", [rows, cols, 64]), &input)), &want.data);
         assert!(e < 1e-6, "rope ({scaling:?}): relative error {e:e}");
     }
@@ -328,6 +334,10 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want = c.relu2_mul(&t(&x), &t(&y)).unwrap().data;
     let got = f32s(&emu.run(&args("relu2_mul", [n]), &bytes_of(&[&x, &y])));
     assert_eq!(got, want, "relu2_mul");
+    // gpt-oss's clamped SwiGLU over values on both sides of its limit (x spans ±8).
+    let want = c.swiglu_clamp_mul(&t(&x), &t(&y), 1.702, 7.0).unwrap().data;
+    let e = rel(&f32s(&emu.run(&args("swiglu_clamp_mul", [n]), &bytes_of(&[&x, &y]))), &want);
+    assert!(e < 1e-6, "swiglu_clamp_mul: relative error {e:e}");
     // BitLinear's 8-bit rows: the same levels as the CPU's (each value a rounding of x·scale).
     let want = c.quant_rows_8bit(&t(&x)).unwrap().data;
     let got = f32s(&emu.run(&args("quant_rows_8bit", [rows, cols]), &bytes_of(&[&x])));

@@ -126,7 +126,8 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
             original_max_position_embeddings: 8192.0,
         }),
     };
-    for cfg in [RopeConfig { theta: 10000.0, scaling: None }, scaled] {
+    let yarn = RopeConfig { theta: 150000.0, scaling: Some(crate::rope::gpt_oss_yarn()) };
+    for cfg in [RopeConfig { theta: 10000.0, scaling: None }, scaled, yarn] {
         let table = RopeTable::new(&cfg, hd);
         let pos: Vec<usize> = (0..rows).map(|r| r * 997 + 3).collect();
         let (mut rc, mut rg) =
@@ -150,6 +151,13 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
         g.to_host(&g.relu2_mul(&xg, &yg).unwrap()).unwrap(),
         c.relu2_mul(&xc, &yc).unwrap().data,
         "relu2_mul"
+    );
+    assert!(
+        rel(
+            &g.to_host(&g.swiglu_clamp_mul(&xg, &yg, 1.702, 7.0).unwrap()).unwrap(),
+            &c.swiglu_clamp_mul(&xc, &yc, 1.702, 7.0).unwrap().data
+        ) < 1e-6,
+        "swiglu_clamp_mul"
     );
     assert_eq!(
         g.to_host(&g.quant_rows_8bit(&xg).unwrap()).unwrap(),
@@ -228,7 +236,10 @@ fn paged_attention_prefill_then_decode_matches_cpu_for_every_kv_dtype() {
     let (qd, kvd) = (512, 128);
     let mut rng = Rng(9);
     let table: Vec<u32> = (0..17).map(|b| (b * 5 + 2) % 19).collect();
-    for dtype in crate::kv::KV_DTYPES {
+    // gpt-oss's attention sinks on every other KV dtype.
+    let sink_logits: Vec<f32> = (0..8).map(|h| h as f32 * 0.4 - 1.5).collect();
+    for (n, dtype) in crate::kv::KV_DTYPES.into_iter().enumerate() {
+        let sinks = (n % 2 == 1).then_some(&sink_logits[..]);
         let layout = crate::KvLayout::new(dtype, 16, 19, s).unwrap();
         let (mut kc, mut kg) = (c.kv_cache(s, layout).unwrap(), g.kv_cache(s, layout).unwrap());
         let mut start = 0;
@@ -238,10 +249,10 @@ fn paged_attention_prefill_then_decode_matches_cpu_for_every_kv_dtype() {
             let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
             let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
             let want = c
-                .attention(&ct(&q, qd), &ct(&k, kvd), &ct(&v, kvd), &mut kc, seq, s, None)
+                .attention(&ct(&q, qd), &ct(&k, kvd), &ct(&v, kvd), &mut kc, seq, s, None, sinks)
                 .unwrap();
             let got = g
-                .attention(&gt(&q, qd), &gt(&k, kvd), &gt(&v, kvd), &mut kg, seq, s, None)
+                .attention(&gt(&q, qd), &gt(&k, kvd), &gt(&v, kvd), &mut kg, seq, s, None, sinks)
                 .unwrap();
             let e = rel(&g.to_host(&got).unwrap(), &want.data);
             assert!(e < 1e-5, "{dtype:?} attention m={m} at {start}: {e:e}");

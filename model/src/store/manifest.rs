@@ -189,7 +189,7 @@ impl Manifest {
     /// A mixture-of-experts layer's file holds its router and no dense MLP, and each of its experts
     /// has a file with gate, up and down shaped as the config says; a dense layer has no router.
     fn check_moe_layer(&self, i: usize, f: &FileEntry) -> Result<(), String> {
-        use crate::layout::{expert_file, expert_shape, EXPERT_TENSORS, ROUTER};
+        use crate::layout::{expert_file, expert_shape, expert_tensors, EXPERT_TENSORS, ROUTER};
         let Some(m) = self.config.moe_at(i) else {
             if f.tensor(ROUTER).is_some() {
                 return Err(format!("{}: a dense layer has a router", f.name));
@@ -207,13 +207,15 @@ impl Manifest {
             let ef = self.file(&name).ok_or_else(|| {
                 format!("{name} is missing (layer {i} has {} experts)", m.experts)
             })?;
-            if ef.tensors.len() != EXPERT_TENSORS.len() {
+            let all = expert_tensors(m);
+            if ef.tensors.len() != all.len() {
                 return Err(format!(
-                    "{name}: holds {} tensors, an expert has gate, up and down",
-                    ef.tensors.len()
+                    "{name}: holds {} tensors, an expert has {}",
+                    ef.tensors.len(),
+                    all.join(", ")
                 ));
             }
-            for which in EXPERT_TENSORS {
+            for which in all {
                 let want = expert_shape(&self.config, which).expect("moe config");
                 match ef.tensor(which) {
                     Some(t) if t.shape == want => {}

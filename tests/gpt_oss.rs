@@ -1,0 +1,105 @@
+//! gpt-oss (attention sinks, sliding-window layers alternating with full ones, biased q/k/v/o,
+//! router and experts, the clamped SwiGLU, YaRN) from the hub's stacked-expert layout: the store
+//! splits the experts into one file each, `run` equals transformers' goldens, and `up` streams the
+//! experts a step needs over two workers with the same tokens.
+
+use layerstream_tests::stack::*;
+use layerstream_tests::*;
+
+const NAME: &str = "tiny-gpt-oss";
+
+/// The GGUF llama.cpp's convert_hf_to_gguf.py wrote from the tiny checkpoint (bf16, lossless;
+/// tests/fixtures/gguf/gen.sh): `gpt-oss` with stacked `ffn_*_exps` and their biases.
+fn converted() -> std::path::PathBuf {
+    fixtures().join("gguf").join("tiny-gpt-oss-bf16.gguf")
+}
+
+#[test]
+fn tiny_gpt_oss_matches_transformers() {
+    check(&model_dir(NAME));
+}
+
+#[test]
+fn gpt_oss_gguf_from_llama_cpp_matches_transformers() {
+    check(&converted());
+}
+
+fn check(src: &std::path::Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(src, dir.path());
+    store.verify().unwrap();
+    let cfg = &store.manifest.config;
+    assert_eq!((cfg.sliding_window, cfg.full_attention_layers.clone()), (Some(8), vec![1, 3]));
+    assert!(cfg.attn_sinks);
+    let m = cfg.moe.clone().expect("experts");
+    assert!(m.bias && m.swiglu_clamp.is_some());
+    for l in 0..cfg.num_layers {
+        let layer = store.manifest.file(&layerstream_model::layout::layer_file(l)).unwrap();
+        for t in ["router", "router_bias", "sinks", "q_bias", "o_bias"] {
+            assert!(layer.tensor(t).is_some(), "layer {l} has {t}");
+        }
+        let f = store.manifest.file(&layerstream_model::layout::expert_file(l, 5)).unwrap();
+        let names: Vec<&str> = f.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]);
+    }
+    check_model_against_goldens(NAME, &store);
+}
+
+/// Two workers, a device expert cache smaller than a layer's experts: transformers' tokens, and
+/// only the experts the steps chose moved.
+#[test]
+fn gpt_oss_streams_experts_over_two_workers() {
+    streamed(&model_dir(NAME));
+}
+
+#[test]
+fn gpt_oss_gguf_streams_experts_over_two_workers() {
+    streamed(&converted());
+}
+
+fn streamed(src: &std::path::Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(src, dir.path());
+    let stack = Stack::up(&store.dir, &["--workers", "2", "--expert-cache", "3"]);
+    for g in goldens(NAME) {
+        let n = comparable_steps(&g).min(g.greedy_ids.len());
+        let out = submit(
+            stack.addr(),
+            &golden_args(&g, n).iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let got: Vec<u32> = serde_json::from_value(out["output_ids"].clone()).unwrap();
+        assert_greedy(NAME, &g, &got);
+        let st = &out["stats"];
+        assert!(st["experts_missed"].as_u64().unwrap() > 0, "{st}");
+    }
+    stack.shutdown();
+}
+
+/// Bad gpt-oss configs are refused at import, naming the field.
+#[test]
+fn bad_gpt_oss_configs_name_the_field() {
+    for (field, value, want) in [
+        ("layer_types", serde_json::json!(["full_attention"]), "layer_types"),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 32.0}),
+            "original_max_position_embeddings",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let hf = dir.path().join("hf");
+        std::fs::create_dir_all(&hf).unwrap();
+        for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"] {
+            std::fs::copy(model_dir(NAME).join(f), hf.join(f)).unwrap();
+        }
+        let cfg_path = hf.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+        cfg[field] = value;
+        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+        let dst = dir.path().join("s");
+        let err = layerstream_model::import::import(&hf, &dst, false).unwrap_err().to_string();
+        assert!(err.contains(want), "{field}: {err}");
+        assert!(!dir.path().join("s").exists() && !dir.path().join("s.partial").exists());
+    }
+}
