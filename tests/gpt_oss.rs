@@ -16,15 +16,39 @@ fn converted() -> std::path::PathBuf {
 
 #[test]
 fn tiny_gpt_oss_matches_transformers() {
-    check(&model_dir(NAME));
+    check(NAME, &model_dir(NAME));
 }
 
 #[test]
 fn gpt_oss_gguf_from_llama_cpp_matches_transformers() {
-    check(&converted());
+    check(NAME, &converted());
 }
 
-fn check(src: &std::path::Path) {
+/// llama.cpp's MXFP4_MOE file (llama-quantize: experts MXFP4, other matrices Q8_0), against
+/// transformers on the weights gguf-py dequantizes from it (tests/fixtures/gpt_oss/gen_gguf_mxfp4.py).
+#[test]
+fn gpt_oss_mxfp4_moe_gguf_matches_its_dequantized_weights() {
+    let name = "tiny-gpt-oss-MXFP4_MOE";
+    let store = check(name, &fixtures().join("gguf").join(format!("{name}.gguf")));
+    let f = store.manifest.file(&layerstream_model::layout::expert_file(1, 3)).unwrap();
+    assert_eq!(f.tensor("down").unwrap().dtype, layerstream_model::DType::Mxfp4);
+}
+
+/// The hub's MXFP4 layout (`quant_method: "mxfp4"`, experts as `*_blocks` + e8m0 `*_scales`,
+/// tests/fixtures/gpt_oss/gen_mxfp4.py): the experts stored as MXFP4 rows, computed as stored,
+/// against transformers' goldens on that checkpoint.
+#[test]
+fn gpt_oss_mxfp4_checkpoint_matches_transformers() {
+    let name = "tiny-gpt-oss-mxfp4";
+    let store = check(name, &model_dir(name));
+    let f = store.manifest.file(&layerstream_model::layout::expert_file(2, 7)).unwrap();
+    for t in ["gate", "up", "down"] {
+        assert_eq!(f.tensor(t).unwrap().dtype, layerstream_model::DType::Mxfp4, "{t}");
+    }
+    assert_eq!(f.tensor("gate_bias").unwrap().dtype, layerstream_model::DType::Bf16);
+}
+
+fn check(name: &str, src: &std::path::Path) -> layerstream_model::Store {
     let dir = tempfile::tempdir().unwrap();
     let store = import(src, dir.path());
     store.verify().unwrap();
@@ -42,7 +66,8 @@ fn check(src: &std::path::Path) {
         let names: Vec<&str> = f.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]);
     }
-    check_model_against_goldens(NAME, &store);
+    check_model_against_goldens(name, &store);
+    store
 }
 
 /// Two workers, a device expert cache smaller than a layer's experts: transformers' tokens, and

@@ -175,7 +175,21 @@ mod tests {
                 assert_eq!(ggml(row, i), hub, "row {r} element {i}");
             }
         }
-        let up = mxfp4("x", (vec![2, 1, 16], blocks), (vec![2, 1], scales), Some(1)).unwrap();
+        let up =
+            mxfp4("x", (vec![2, 1, 16], blocks.clone()), (vec![2, 1], scales.clone()), Some(1))
+                .unwrap();
         assert_eq!(up.data, t.data[17..]);
+        // Blocks of the wrong size, scales that do not match, rows that do not pair: refused, naming
+        // the tensor.
+        let name = "model.layers.0.mlp.experts.gate_up_proj_blocks";
+        for (b, s, half) in [
+            (vec![2, 2, 8], vec![2, 2], None),
+            (vec![2, 1, 16], vec![2, 2], None),
+            (vec![1, 2, 16], vec![1, 2], Some(0)),
+        ] {
+            let e =
+                mxfp4(name, (b.clone(), blocks.clone()), (s, scales.clone()), half).unwrap_err();
+            assert!(e.to_string().contains(name), "{b:?}: {e}");
+        }
     }
 }

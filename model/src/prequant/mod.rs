@@ -98,6 +98,7 @@ impl Scheme {
                     .map(Some)
             }
             Scheme::CompressedTensors(ct) => ct.weight(src, name, prefix, &get),
+            Scheme::Mxfp4 => Ok(None),
             Scheme::BitNet { .. } => {
                 if !stored_as(src, name, safetensors::Dtype::U8)? {
                     return Ok(None); // unpacked (bf16 ternary values) or not quantized: as it is

@@ -20,6 +20,9 @@ pub enum Scheme {
     /// with a per-tensor `weight_scale` the output is divided by (`BitLinear`) or multiplied by
     /// (`AutoBitLinear`, `divide: false`).
     BitNet { divide: bool },
+    /// `quant_method: "mxfp4"` (gpt-oss): only the experts are quantized, read from their
+    /// `*_blocks`/`*_scales` by `hf_stacked`; every other tensor is stored as it is.
+    Mxfp4,
 }
 
 /// compressed-tensors' config groups and ignore list.
@@ -155,11 +158,13 @@ impl Scheme {
                     };
                 Scheme::BitNet { divide }
             }
+            "mxfp4" => Scheme::Mxfp4,
             other => {
                 return Err(bad(
                     "quant_method",
                     format!(
-                        "{other:?} is not supported (fp8, compressed-tensors, awq, gptq, bitnet)"
+                        "{other:?} is not supported (fp8, compressed-tensors, awq, gptq, bitnet, \
+                         mxfp4)"
                     ),
                 ))
             }
