@@ -86,15 +86,7 @@ fn streamed(src: &std::path::Path) {
     let dir = tempfile::tempdir().unwrap();
     let store = import(src, dir.path());
     let stack = Stack::up(&store.dir, &["--workers", "2", "--expert-cache", "3"]);
-    for g in goldens(NAME) {
-        let n = comparable_steps(&g).min(g.greedy_ids.len());
-        let out = submit(
-            stack.addr(),
-            &golden_args(&g, n).iter().map(String::as_str).collect::<Vec<_>>(),
-        );
-        let got: Vec<u32> = serde_json::from_value(out["output_ids"].clone()).unwrap();
-        assert_greedy(NAME, &g, &got);
-        let st = &out["stats"];
+    for st in greedy_goldens_through(&stack, NAME) {
         assert!(st["experts_missed"].as_u64().unwrap() > 0, "{st}");
     }
     stack.shutdown();

@@ -54,6 +54,17 @@ extern "C" __global__ void gelu_tanh_mul(const float* g, const float* u, float* 
 }
 
 // relu(gate)² times up: BitNet's squared-ReLU gating.
+// dst[r, dst_off + j] = src[r, src_off + j] for j < n: a column slice, or one part of a concatenation.
+extern "C" __global__ void copy_cols(const float* src, int src_cols, int src_off, float* dst, int dst_cols,
+                                     int dst_off, int rows, int n) {
+    const long long total = (long long)rows * n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / n;
+        const int j = (int)(i % n);
+        dst[r * dst_cols + dst_off + j] = src[r * src_cols + src_off + j];
+    }
+}
+
 // gpt-oss's clamped SwiGLU: (clamp(u, ±limit) + 1) · g' · σ(alpha · g'), g' = min(g, limit).
 extern "C" __global__ void swiglu_clamp_mul(const float* g, const float* u, float* out, long long n, float alpha, float limit) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

@@ -20,6 +20,8 @@
 //   ops-emu swiglu_clamp_mul N IN OUT            IN: gate (N), up (N)            OUT: gpt-oss's clamped
 //                                                SwiGLU (alpha 1.702, limit 7)
 //   ops-emu quant_rows_8bit ROWS COLS IN OUT     IN: x (ROWS×COLS)               OUT: 8-bit rounded rows
+//   ops-emu copy_cols ROWS SC SO DC DO N IN OUT  IN: src (ROWS×SC), dst (ROWS×DC)  OUT: dst with its
+//                                                columns DO.. = src's SO.. (N of them)
 //   ops-emu permute_cols ROWS COLS IN OUT        IN: x (ROWS×COLS), COLS i32 order  OUT: x[r, perm[j]]
 //   ops-emu add N IN OUT                         IN: x (N), y (N)                OUT: x + y
 //   ops-emu gather_rows ROWS COLS N IN OUT       IN: x (ROWS×COLS), N i32 row ids  OUT: N×COLS
@@ -141,6 +143,13 @@ int main(int argc, char** argv) {
         return write_out(out, x);
     }
     const bool to_half = op == "to_f16" || op == "to_bf16";
+    if (op == "copy_cols" && a.size() == 6) {
+        const int rows = a[0], sc = a[1], so = a[2], dc = a[3], dof = a[4], n = a[5];
+        std::vector<float> src((size_t)rows * sc), dst((size_t)rows * dc);
+        if (!read_into(in, src) || !read_into(in, dst)) return 3;
+        launch(grid_for((long long)rows * n), 256, [&] { copy_cols(src.data(), sc, so, dst.data(), dc, dof, rows, n); });
+        return write_out(out, dst);
+    }
     if (op == "permute_cols" && a.size() == 2) {
         const int rows = a[0], cols = a[1];
         std::vector<float> x((size_t)rows * cols), y((size_t)rows * cols, NAN);

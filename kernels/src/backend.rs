@@ -17,6 +17,9 @@ pub struct AttnShape {
     /// Sliding window: a row attends to the last `window` positions, itself included (0 = all).
     /// A cache of such a layer keeps only what later rows can still see.
     pub window: usize,
+    /// The values are the keys (MLA's latent: each head's output is read from the first columns
+    /// of the one kv head's keys): the pool stores keys only and `attention` ignores `v`.
+    pub shared_kv: bool,
 }
 
 impl AttnShape {
@@ -28,6 +31,7 @@ impl AttnShape {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: 0,
+            shared_kv: false,
         }
     }
 
@@ -193,6 +197,36 @@ pub trait Backend: Send + Sync + Clone {
     /// Stacks tensors of equal width by rows.
     fn concat_rows(&self, parts: &[Self::Tensor]) -> Result<Self::Tensor>;
 
+    /// Columns `[start, start + n)` of `t` as a new tensor (one head's slice of a projection). The
+    /// default goes through the host.
+    fn cols(&self, t: &Self::Tensor, start: usize, n: usize) -> Result<Self::Tensor> {
+        let (rows, cols) = self.dims(t);
+        crate::error::ensure(start + n <= cols, "cols", || {
+            format!("columns {start}..{} of {cols}", start + n)
+        })?;
+        let host = self.to_host(t)?;
+        let data: Vec<f32> = host
+            .chunks_exact(cols.max(1))
+            .flat_map(|r| r[start..start + n].iter().copied())
+            .collect();
+        self.from_host(&data, rows, n)
+    }
+    /// Tensors of equal row counts side by side, in order. The default goes through the host.
+    fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor> {
+        let rows = parts.first().map_or(0, |p| self.dims(p).0);
+        crate::error::ensure(parts.iter().all(|p| self.dims(p).0 == rows), "concat_cols", || {
+            "row counts differ".into()
+        })?;
+        let hosts = parts.iter().map(|p| self.to_host(p)).collect::<Result<Vec<_>>>()?;
+        let widths: Vec<usize> = parts.iter().map(|p| self.dims(p).1).collect();
+        let mut data = Vec::with_capacity(rows * widths.iter().sum::<usize>());
+        for r in 0..rows {
+            for (h, &w) in hosts.iter().zip(&widths) {
+                data.extend_from_slice(&h[r * w..(r + 1) * w]);
+            }
+        }
+        self.from_host(&data, rows, widths.iter().sum())
+    }
     /// Rows `idx` of `t`, in that order, as a new tensor (a mixture-of-experts layer's tokens for one
     /// expert). The default goes through the host.
     fn gather_rows(&self, t: &Self::Tensor, idx: &[usize]) -> Result<Self::Tensor> {

@@ -31,12 +31,16 @@ pub enum Arch {
     /// ones, experts with a clamped SwiGLU and biases, YaRN.
     #[serde(rename = "GptOssForCausalLM")]
     GptOss,
+    /// DeepSeek-V3 (and the models built on it): multi-head latent attention, sigmoid
+    /// group-limited routing with shared experts, dense first layers, YaRN.
+    #[serde(rename = "DeepseekV3ForCausalLM")]
+    DeepseekV3,
 }
 
 /// The HF class names accepted, for error messages.
 pub const SUPPORTED_ARCHS: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
      Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, \
-     BitNetForCausalLM, GptOssForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss)";
+     BitNetForCausalLM, GptOssForCausalLM, DeepseekV3ForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.
@@ -51,6 +55,7 @@ impl Arch {
             "Gemma3ForCausalLM" => Ok(Arch::Gemma3),
             "BitNetForCausalLM" => Ok(Arch::BitNet),
             "GptOssForCausalLM" => Ok(Arch::GptOss),
+            "DeepseekV3ForCausalLM" => Ok(Arch::DeepseekV3),
             other => {
                 Err(Error::UnsupportedArch { got: other.into(), supported: SUPPORTED_ARCHS.into() })
             }
@@ -79,6 +84,29 @@ pub struct MoeConfig {
     /// The experts' gate is gpt-oss's clamped SwiGLU instead of SiLU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swiglu_clamp: Option<SwigluClamp>,
+    /// DeepSeek-V3's router: sigmoid scores, a correction bias (the layer file's
+    /// `router_correction`) added for the choice only, experts chosen within the best groups, the
+    /// chosen weights scaled (instead of the softmax routing above).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<GroupRouting>,
+    /// Width of the shared experts' MLP every token also runs (`shared_gate`, `shared_up`,
+    /// `shared_down` in the layer file; 0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_intermediate: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
+}
+
+/// DeepSeek-V3's group-limited routing: each group of `experts / n_group` scores the sum of its
+/// two best, the `topk_group` best groups are eligible, the top-k of those are chosen, their
+/// sigmoid scores (renormalised when `norm_topk_prob`) times `routed_scaling_factor` weigh them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GroupRouting {
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f32,
 }
 
 /// gpt-oss's expert activation: `(min(up, ±limit) + 1) · g · σ(alpha · g)` with
@@ -143,6 +171,9 @@ pub struct ModelConfig {
     /// softmax's denominator and contributes no value (gpt-oss).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attn_sinks: bool,
+    /// Multi-head latent attention (DeepSeek-V3); `head_dim` is then the RoPE part's width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<crate::config_mla::MlaConfig>,
 }
 
 fn get_usize(v: &Value, field: &str) -> Result<usize> {
@@ -370,6 +401,7 @@ fn parse_moe(arch: Arch, v: &Value) -> Result<Option<MoeConfig>> {
             }),
             ..MoeConfig::default()
         })),
+        Arch::DeepseekV3 => Ok(Some(crate::config_mla::parse_deepseek_moe(v)?)),
         _ => Ok(None),
     }
 }
@@ -399,6 +431,7 @@ impl ModelConfig {
         let hidden_size = get_usize(v, "hidden_size")?;
         let num_heads = get_usize(v, "num_attention_heads")?;
         let head_dim = match v.get("head_dim").and_then(Value::as_u64) {
+            _ if arch == Arch::DeepseekV3 => get_usize(v, "qk_rope_head_dim")?,
             Some(h) => h as usize,
             None => hidden_size / num_heads,
         };
@@ -454,6 +487,10 @@ impl ModelConfig {
                 _ => Vec::new(),
             },
             attn_sinks: arch == Arch::GptOss,
+            mla: match arch {
+                Arch::DeepseekV3 => Some(crate::config_mla::parse_mla(v)?),
+                _ => None,
+            },
             bitlinear: v
                 .get("quantization_config")
                 .and_then(|q| q.get("quant_method"))
@@ -590,6 +627,15 @@ impl ModelConfig {
     /// Width of the k and v projection outputs.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// What a KV pool keeps per position: the width of a row, and how many rows (keys and values,
+    /// or MLA's one row of latent + RoPE key that serves as both).
+    pub fn kv_cache_rows(&self) -> (usize, usize) {
+        match &self.mla {
+            Some(m) => (m.cache_dim(), 1),
+            None => (self.kv_dim(), 2),
+        }
     }
 }
 

@@ -311,9 +311,10 @@ impl GgufFile {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
             Arch::GptOss => "gpt-oss",
-            Arch::BitNet => {
+            // Not read from GGUF yet (llama.cpp's `deepseek2`): refused as unknown below.
+            Arch::BitNet | Arch::DeepseekV3 => {
                 return Err(Error::UnsupportedArch {
-                    got: "bitnet".into(),
+                    got: format!("{arch:?}"),
                     supported: crate::config::SUPPORTED_ARCHS.into(),
                 })
             }
@@ -381,6 +382,7 @@ impl GgufFile {
             bitlinear: false,
             full_attention_layers: Vec::new(),
             attn_sinks: false,
+            mla: None,
         };
         let cfg = ModelConfig { gemma: self.gemma(&cfg, p)?, ..cfg };
         let cfg = self.gpt_oss(cfg, p)?;

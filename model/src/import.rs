@@ -110,9 +110,15 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
         let prefix = ck.layer_prefix(i);
         let mut tensors = Vec::new();
         let moe = cfg.moe_at(i).cloned();
+        if let Some(m) = &cfg.mla {
+            tensors = crate::mla_import::mla_tensors(ck, m, cfg.num_heads, h, &prefix)?;
+        }
         for lt in LAYER_TENSORS {
             if moe.is_some() && EXPERT_TENSORS.contains(&lt.name) {
                 continue; // the experts' own files hold them
+            }
+            if cfg.mla.is_some() && matches!(lt.name, "q" | "k" | "v") {
+                continue; // MLA's own tensors stand in for them
             }
             let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
             match ck.tensor(&src_name)? {
@@ -130,6 +136,10 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
                         && matches!(lt.name, "attn_sub_norm" | "ffn_sub_norm"))
                     || (cfg.bitlinear && lt.name.ends_with("_oscale"))
                     || (cfg.attn_sinks && lt.name == "sinks")
+                    || (moe.as_ref().is_some_and(|m| m.shared_intermediate > 0)
+                        && lt.name.starts_with("shared_"))
+                    || (moe.as_ref().is_some_and(|m| m.groups.is_some())
+                        && lt.name == "router_correction")
                     || (cfg.gemma.is_some()
                         && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
                 {

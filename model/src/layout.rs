@@ -33,6 +33,11 @@ pub const LAYER_TENSORS: &[LayerTensor] = &[
     lt!("sinks", "self_attn.sinks", "attn_sinks.weight", false),
     lt!("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight", false),
     lt!("ffn_norm", "post_attention_layernorm.weight", "ffn_norm.weight", true),
+    // DeepSeek-V3: the router's score-correction bias and the shared experts (MoE layers).
+    lt!("router_correction", "mlp.gate.e_score_correction_bias", "exp_probs_b.bias", false),
+    lt!("shared_gate", "mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight", false),
+    lt!("shared_up", "mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight", false),
+    lt!("shared_down", "mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight", false),
     // Gemma 3's sandwich norms: after attention (HF post_attention_layernorm, which Gemma names so
     // while its pre-MLP norm is pre_feedforward_layernorm; see `hf::gemma_name`) and after the MLP.
     lt!(
@@ -176,6 +181,18 @@ pub fn expert_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> 
 
 /// Expected shape of a layer tensor for `cfg`.
 pub fn layer_shape(cfg: &crate::ModelConfig, name: &str) -> Option<Vec<usize>> {
+    if let Some(m) = &cfg.mla {
+        if let Some(s) = crate::mla_import::mla_shape(m, cfg.num_heads, cfg.hidden_size, name) {
+            return Some(s);
+        }
+    }
+    let shared = cfg.moe.as_ref().map_or(0, |m| m.shared_intermediate);
+    match name {
+        "router_correction" => return Some(vec![cfg.moe.as_ref()?.experts]),
+        "shared_gate" | "shared_up" => return Some(vec![shared, cfg.hidden_size]),
+        "shared_down" => return Some(vec![cfg.hidden_size, shared]),
+        _ => {}
+    }
     let (h, q, kv, f, hd) =
         (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
     Some(match name {

@@ -4,6 +4,7 @@
 //! importer that writes the per-layer store every other layerstream process reads.
 
 mod config;
+pub mod config_mla;
 mod error;
 pub mod generation;
 pub mod gguf;
@@ -16,6 +17,7 @@ mod hf_stacked;
 pub mod import;
 pub mod kv_blocks;
 pub mod layout;
+pub mod mla_import;
 pub mod plan;
 pub mod prequant;
 mod request_error;
@@ -28,7 +30,7 @@ pub mod template_ext;
 pub mod tokenizer;
 pub mod tools;
 
-pub use config::{Arch, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
+pub use config::{Arch, GroupRouting, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generation::{check_chat, check_request, GenerateParams, SamplingParams};
 pub use layerstream_types::{dtype, mem, DType};

@@ -61,8 +61,9 @@ impl AssignmentExt for Assignment {
 /// the pools store them).
 pub fn kv_bytes_per_token_layer(m: &Manifest, dtype: DType) -> u64 {
     // The config comes from a file: a crafted width saturates rather than wraps.
-    let row = dtype.row_bytes(m.config.kv_dim()).unwrap_or(m.config.kv_dim().saturating_mul(4));
-    (row as u64).div_ceil(4).saturating_mul(8)
+    let (dim, rows) = m.config.kv_cache_rows();
+    let row = dtype.row_bytes(dim).unwrap_or(dim.saturating_mul(4));
+    (row as u64).div_ceil(4).saturating_mul(4 * rows as u64)
 }
 
 /// Device bytes one token of a step keeps alive at the peak of a layer's forward pass (f32): what

@@ -102,6 +102,7 @@ fn dense_config(
         bitlinear: false,
         full_attention_layers: Vec::new(),
         attn_sinks: false,
+        mla: None,
     }
 }
 

@@ -210,6 +210,22 @@ pub fn golden_args(g: &crate::Golden, n: usize) -> Vec<String> {
     ]
 }
 
+/// Submits every golden of model `name` to `stack` for its comparable steps and asserts
+/// transformers' greedy tokens; returns each job's stats.
+pub fn greedy_goldens_through(stack: &Stack, name: &str) -> Vec<serde_json::Value> {
+    crate::goldens(name)
+        .iter()
+        .map(|g| {
+            let n = crate::comparable_steps(g).min(g.greedy_ids.len());
+            let args = golden_args(g, n);
+            let out = submit(stack.addr(), &args.iter().map(String::as_str).collect::<Vec<_>>());
+            let got: Vec<u32> = serde_json::from_value(out["output_ids"].clone()).unwrap();
+            crate::assert_greedy(name, g, &got);
+            out["stats"].clone()
+        })
+        .collect()
+}
+
 /// The spans of `traces` a receiver wrote to `file`, once they are whole: processes flush at
 /// shutdown, each in its own time, so this waits until every parent and link target they name has
 /// arrived and the loader's reads are there (or 30 s pass).

@@ -54,6 +54,8 @@ pub struct LayerCtx {
     pub(crate) relu2: bool,
     pub(crate) act_quant: bool,
     pub(crate) embed_scale: Option<f32>,
+    /// Multi-head latent attention (DeepSeek-V3).
+    pub(crate) mla: Option<layerstream_model::config_mla::MlaConfig>,
 }
 
 impl LayerCtx {
@@ -66,6 +68,17 @@ impl LayerCtx {
         }
         let sliding: Vec<usize> =
             (0..cfg.num_layers).filter(|&l| cfg.window_at(l).is_some()).collect();
+        if let Some(m) = &cfg.mla {
+            // MLA's absorbed form: every head attends to one kv head of latent + RoPE key, which
+            // is also its value (the output's first `kv_lora_rank` columns).
+            shape = AttnShape {
+                n_kv_heads: 1,
+                head_dim: m.cache_dim(),
+                scale: m.softmax_scale as f32,
+                shared_kv: true,
+                ..shape
+            };
+        }
         let local = match (g, cfg.sliding_window) {
             (Some(g), _) => Some((
                 AttnShape { window: g.sliding_window, ..shape },
@@ -95,6 +108,7 @@ impl LayerCtx {
             act_quant: cfg.bitlinear,
             // transformers multiplies by √hidden cast to the activations' dtype (f32 here).
             embed_scale: g.map(|_| (cfg.hidden_size as f32).sqrt()),
+            mla: cfg.mla.clone(),
         }
     }
 
@@ -174,6 +188,32 @@ pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
         .collect()
 }
 
+/// Attention of a batch's q, k and v rows, sequence by sequence, each over its own blocks of
+/// `pool` (stacked back in `seqs` order).
+pub(crate) fn attend<B: Backend>(
+    b: &B,
+    (q, k, v): (&B::Tensor, &B::Tensor, &B::Tensor),
+    pool: &mut B::KvCache,
+    seqs: &[SeqRows],
+    shape: AttnShape,
+    sinks: Option<&[f32]>,
+) -> Result<B::Tensor> {
+    if seqs.len() == 1 {
+        let tree = seqs[0].tree.as_deref();
+        return Ok(b.attention(q, k, v, pool, kv_seq(&seqs[0]), shape, tree, sinks)?);
+    }
+    let mut parts = Vec::with_capacity(seqs.len());
+    let mut off = 0;
+    for s in seqs {
+        let (qs, ks, vs) =
+            (b.rows(q, off, s.rows)?, b.rows(k, off, s.rows)?, b.rows(v, off, s.rows)?);
+        let tree = s.tree.as_deref();
+        parts.push(b.attention(&qs, &ks, &vs, pool, kv_seq(s), shape, tree, sinks)?);
+        off += s.rows;
+    }
+    Ok(b.concat_rows(&parts)?)
+}
+
 /// Runs decoder layer `layer` in place on `x` (rows of all sequences, stacked in `seqs` order).
 /// `pool` is this layer's KV pool (each sequence's positions at its `blocks`); a mixture-of-experts
 /// layer takes its experts from `experts` and returns what they cost.
@@ -192,29 +232,21 @@ pub fn layer_forward<B: Backend>(
     let (shape, rope) = ctx.attn(layer);
     let h = quant(b, ctx, b.rms_norm(x, &w.attn_norm, ctx.eps)?)?;
     let (p, s) = (&w.perms, &w.oscales);
-    let mut q = proj(b, &h, &w.q, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
-    let mut k = proj(b, &h, &w.k, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;
-    let v = proj(b, &h, &w.v, w.v_bias.as_ref(), p.v.as_deref(), s.v)?;
-    if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-        q = b.rms_norm(&q, qn, ctx.eps)?;
-        k = b.rms_norm(&k, kn, ctx.eps)?;
-    }
-    b.rope(&mut q, &pos, rope)?;
-    b.rope(&mut k, &pos, rope)?;
-    let sinks = w.sinks.as_deref();
-    let attn = if seqs.len() == 1 {
-        b.attention(&q, &k, &v, pool, kv_seq(&seqs[0]), shape, seqs[0].tree.as_deref(), sinks)?
-    } else {
-        let mut parts = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in seqs {
-            let (qs, ks, vs) =
-                (b.rows(&q, off, s.rows)?, b.rows(&k, off, s.rows)?, b.rows(&v, off, s.rows)?);
-            let tree = s.tree.as_deref();
-            parts.push(b.attention(&qs, &ks, &vs, pool, kv_seq(s), shape, tree, sinks)?);
-            off += s.rows;
+    let attn = match (&w.qkv, &w.mla) {
+        (_, Some(mw)) => crate::mla::mla_attention(b, ctx, mw, &h, seqs, &pos, pool)?,
+        (Some([wq, wk, wv]), None) => {
+            let mut q = proj(b, &h, wq, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
+            let mut k = proj(b, &h, wk, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;
+            let v = proj(b, &h, wv, w.v_bias.as_ref(), p.v.as_deref(), s.v)?;
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                q = b.rms_norm(&q, qn, ctx.eps)?;
+                k = b.rms_norm(&k, kn, ctx.eps)?;
+            }
+            b.rope(&mut q, &pos, rope)?;
+            b.rope(&mut k, &pos, rope)?;
+            attend(b, (&q, &k, &v), pool, seqs, shape, w.sinks.as_deref())?
         }
-        b.concat_rows(&parts)?
+        (None, None) => return Err(Error::Weights(format!("layer {layer} has no attention"))),
     };
     let attn = match &w.attn_sub_norm {
         Some(n) => b.rms_norm(&attn, n, ctx.eps)?,
@@ -246,11 +278,18 @@ pub fn layer_forward<B: Backend>(
             let a = quant(b, ctx, a)?;
             (proj(b, &a, down, None, p.down.as_deref(), s.down)?, ExpertCounts::default())
         }
-        Mlp::Experts { router, router_bias } => {
+        Mlp::Experts { shared, .. } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {
                 Error::Weights(format!("layer {layer} has a router but the model has no experts"))
             })?;
-            moe_mlp(b, layer, &h2, (router, router_bias.as_ref()), m, experts)?
+            let router = w.mlp.router().expect("an experts layer has a router");
+            let (mut d, counts) = moe_mlp(b, layer, &h2, &router, m, experts)?;
+            if let Some([g, u, dn]) = shared {
+                // DeepSeek-V3's shared experts: every token's, beside the routed ones.
+                let a = b.silu_mul(&b.matmul(&h2, g)?, &b.matmul(&h2, u)?)?;
+                b.add(&mut d, &b.matmul(&a, dn)?)?;
+            }
+            (d, counts)
         }
     };
     if let Some(n) = &w.ffn_post_norm {

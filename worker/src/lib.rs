@@ -9,6 +9,7 @@ mod experts;
 mod forward;
 mod generate;
 mod handoff;
+mod mla;
 mod model;
 mod moe;
 pub use layerstream_kernels::nucleus;

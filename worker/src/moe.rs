@@ -212,25 +212,83 @@ pub fn by_expert(routes: &[Vec<(u32, f32)>]) -> BTreeMap<u32, (Vec<usize>, Vec<f
     g
 }
 
-/// A router's weight and, where the model has one, its bias.
-pub type Router<'a, B> = (&'a <B as Backend>::Weight, Option<&'a <B as Backend>::Weight>);
+/// A layer's router: its weight, the bias its logits add (gpt-oss), the correction its sigmoid
+/// scores add for the choice (DeepSeek-V3, on the host).
+pub struct Router<'a, B: Backend> {
+    pub weight: &'a B::Weight,
+    pub bias: Option<&'a B::Weight>,
+    pub correction: Option<&'a [f32]>,
+}
 
 /// The experts layer `layer`'s router picks for the rows of `h` (its input, already normed).
 pub fn choose<B: Backend>(
     b: &B,
     h: &B::Tensor,
-    (router, bias): Router<'_, B>,
+    r: &Router<'_, B>,
     m: &MoeConfig,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let mut logits = b.matmul(h, router)?;
-    if let Some(bias) = bias {
+    let mut logits = b.matmul(h, r.weight)?;
+    if let Some(bias) = r.bias {
         b.add_bias(&mut logits, bias)?;
     }
     let logits = b.to_host(&logits)?;
     if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
         return Err(Error::Stage(format!("router logit {i} is {}", logits[i])));
     }
-    Ok(route(&logits, m))
+    match (&m.groups, r.correction) {
+        (Some(g), Some(c)) if c.len() == m.experts => Ok(route_groups(&logits, m, g, c)),
+        (Some(_), _) => Err(Error::Stage(format!(
+            "group routing needs {} score corrections, the layer has {:?}",
+            m.experts,
+            r.correction.map(<[f32]>::len)
+        ))),
+        (None, _) => Ok(route(&logits, m)),
+    }
+}
+
+/// The `k` largest of `v` (their indices; ties to the lower index).
+fn top(v: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..v.len()).collect();
+    order.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// DeepSeek-V3's routing (transformers' `DeepseekV3TopkRouter`): sigmoid scores, `correction`
+/// added for the choice only; each group scored by its two best corrected scores, the best
+/// `topk_group` groups eligible, their top-k chosen; weights are the chosen experts' plain scores,
+/// renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+pub fn route_groups(
+    logits: &[f32],
+    m: &MoeConfig,
+    g: &layerstream_model::GroupRouting,
+    correction: &[f32],
+) -> Vec<Vec<(u32, f32)>> {
+    let per = m.experts / g.n_group;
+    logits
+        .chunks_exact(m.experts)
+        .map(|row| {
+            let scores: Vec<f32> = row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+            let choice: Vec<f32> = scores.iter().zip(correction).map(|(s, c)| s + c).collect();
+            let group_score: Vec<f32> = choice
+                .chunks_exact(per)
+                .map(|grp| top(grp, 2.min(per)).iter().map(|&i| grp[i]).sum())
+                .collect();
+            let groups = top(&group_score, g.topk_group);
+            let masked: Vec<f32> = (0..m.experts)
+                .map(|e| if groups.contains(&(e / per)) { choice[e] } else { f32::NEG_INFINITY })
+                .collect();
+            let chosen = top(&masked, m.top_k);
+            let sum: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+            chosen
+                .iter()
+                .map(|&e| {
+                    let w = if m.norm_topk_prob { scores[e] / sum } else { scores[e] };
+                    (e as u32, w * g.routed_scaling_factor)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The mixture-of-experts MLP on `h` (the post-attention-normed rows): each expert computes once
@@ -239,7 +297,7 @@ pub fn moe_mlp<B: Backend>(
     b: &B,
     layer: u32,
     h: &B::Tensor,
-    router: Router<'_, B>,
+    router: &Router<'_, B>,
     m: &MoeConfig,
     source: &mut dyn ExpertSource<B>,
 ) -> Result<(B::Tensor, ExpertCounts)> {
@@ -279,6 +337,32 @@ mod tests {
             expert_intermediate: 4,
             norm_topk_prob: norm,
             ..Default::default()
+        }
+    }
+
+    /// DeepSeek-V3's routing as transformers computes it, worked by hand: 8 experts in 4 groups of
+    /// 2, top-2 groups, top-3 experts; the correction moves the choice, not the weights.
+    #[test]
+    fn group_routing_follows_deepseek() {
+        let g = layerstream_model::GroupRouting {
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 2.5,
+        };
+        let m = MoeConfig { groups: Some(g), ..cfg(8, 3, true) };
+        let logits = [2.0f32, 1.0, -1.0, 3.0, 0.5, 0.4, -2.0, -3.0];
+        // A correction that lifts group 3 (experts 6, 7) over group 0's second best.
+        let corr = [0.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 1.5, 1.5];
+        let r = route_groups(&logits, &m, &g, &corr);
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // Group sums: g0 = s(2)+s(1) = 1.61, g1 = s(-1)+s(3) = 1.22, g2 = 1.22, g3 = 0.17+0.05+3.
+        // Best two groups: 3 and 0; their corrected scores: e6 1.62, e7 1.55, e0 0.88, e1 0.73.
+        let ids: Vec<u32> = r[0].iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![6, 7, 0]);
+        let sum = s(-2.0) + s(-3.0) + s(2.0);
+        for (e, w) in &r[0] {
+            let want = s(logits[*e as usize]) / sum * 2.5;
+            assert!((w - want).abs() < 1e-6, "expert {e}");
         }
     }
 

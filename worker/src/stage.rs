@@ -11,7 +11,6 @@ use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
-use crate::weights::Mlp;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout};
 use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
@@ -537,17 +536,11 @@ impl<B: Backend + 'static> LayerPass<'_, B> {
         let (Some(c), Some(m)) = (self.experts.as_ref(), self.ctx.moe.as_ref()) else {
             return Ok(());
         };
-        let (true, Mlp::Experts { router, router_bias }) = (c.predicts(), &w.mlp) else {
-            return Ok(());
-        };
+        let (true, Some(router)) = (c.predicts(), w.mlp.router()) else { return Ok(()) };
         let _p = info_span!(parent: span, "predict experts", layer = layer as i64).entered();
         let h = self.b.rms_norm(x, &w.ffn_norm, self.ctx.eps)?;
         let ids: std::collections::BTreeSet<u32> =
-            choose(self.b, &h, (router, router_bias.as_ref()), m)?
-                .into_iter()
-                .flatten()
-                .map(|(e, _)| e)
-                .collect();
+            choose(self.b, &h, &router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
         c.predict(layer, &ids.into_iter().collect::<Vec<_>>(), TraceParent::of(span));
         Ok(())
     }

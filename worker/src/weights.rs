@@ -9,9 +9,9 @@ use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
 /// One decoder layer's weights on a device.
 pub struct LayerWeights<B: Backend> {
     pub(crate) attn_norm: B::Weight,
-    pub(crate) q: B::Weight,
-    pub(crate) k: B::Weight,
-    pub(crate) v: B::Weight,
+    /// The q, k and v projections (`None` under multi-head latent attention: `mla`).
+    pub(crate) qkv: Option<[B::Weight; 3]>,
+    pub(crate) mla: Option<crate::mla::MlaWeights<B>>,
     pub(crate) o: B::Weight,
     pub(crate) q_bias: Option<B::Weight>,
     pub(crate) k_bias: Option<B::Weight>,
@@ -123,8 +123,33 @@ fn perm(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<u32>>>
 
 /// A layer's feed-forward: one dense MLP, or a router over experts kept in their own files.
 pub enum Mlp<B: Backend> {
-    Dense { gate: B::Weight, up: B::Weight, down: B::Weight },
-    Experts { router: B::Weight, router_bias: Option<B::Weight> },
+    Dense {
+        gate: B::Weight,
+        up: B::Weight,
+        down: B::Weight,
+    },
+    Experts {
+        router: B::Weight,
+        router_bias: Option<B::Weight>,
+        /// DeepSeek-V3's score-correction bias, kept on the host (routing runs there).
+        correction: Option<Vec<f32>>,
+        /// DeepSeek-V3's shared experts (gate, up, down), every token's.
+        shared: Option<[B::Weight; 3]>,
+    },
+}
+
+impl<B: Backend> Mlp<B> {
+    /// A mixture-of-experts layer's router.
+    pub fn router(&self) -> Option<crate::moe::Router<'_, B>> {
+        match self {
+            Mlp::Experts { router, router_bias, correction, .. } => Some(crate::moe::Router {
+                weight: router,
+                bias: router_bias.as_ref(),
+                correction: correction.as_deref(),
+            }),
+            Mlp::Dense { .. } => None,
+        }
+    }
 }
 
 /// Uploads tensor `name` of `file`, checking its shape when `want` is given.
@@ -165,6 +190,7 @@ impl<B: Backend> LayerWeights<B> {
         if let Some(t) = entry.tensors.iter().find(|t| {
             ![ROUTER, ROUTER_BIAS].contains(&t.name.as_str())
                 && !LAYER_TENSORS.iter().any(|k| k.name == t.name)
+                && !layerstream_model::mla_import::MLA_TENSORS.contains(&t.name.as_str())
         }) {
             return Err(Error::Weights(format!("{}: unknown tensor {}", entry.name, t.name)));
         }
@@ -191,11 +217,17 @@ impl<B: Backend> LayerWeights<B> {
             opt(name)?
                 .ok_or_else(|| Error::Weights(format!("{}: missing tensor {name}", entry.name)))
         };
+        let mla = match &cfg.mla {
+            Some(m) => Some(crate::mla::MlaWeights::from_blob(b, cfg, m, entry, blob, &opt)?),
+            None => None,
+        };
         let w = LayerWeights {
             attn_norm: req("attn_norm")?,
-            q: req("q")?,
-            k: req("k")?,
-            v: req("v")?,
+            qkv: match mla {
+                Some(_) => None,
+                None => Some([req("q")?, req("k")?, req("v")?]),
+            },
+            mla,
             o: req("o")?,
             q_bias: opt("q_bias")?,
             k_bias: opt("k_bias")?,
@@ -207,7 +239,15 @@ impl<B: Backend> LayerWeights<B> {
             attn_post_norm: opt("attn_post_norm")?,
             ffn_post_norm: opt("ffn_post_norm")?,
             mlp: match opt(ROUTER)? {
-                Some(router) => Mlp::Experts { router, router_bias: opt(ROUTER_BIAS)? },
+                Some(router) => Mlp::Experts {
+                    router,
+                    router_bias: opt(ROUTER_BIAS)?,
+                    correction: f32_values(entry, bytes, "router_correction")?,
+                    shared: match opt("shared_gate")? {
+                        Some(g) => Some([g, req("shared_up")?, req("shared_down")?]),
+                        None => None,
+                    },
+                },
                 None => Mlp::Dense { gate: req("gate")?, up: req("up")?, down: req("down")? },
             },
             perms: Perms::read("_perm", |n| perm(entry, bytes, n))?,
@@ -249,13 +289,19 @@ impl<B: Backend> LayerWeights<B> {
             )));
         }
         if let Some(m) = moe_layer {
-            if let Mlp::Experts { router_bias, .. } = &w.mlp {
-                if m.bias != router_bias.is_some() {
-                    return Err(Error::Weights(format!(
-                        "{}: router_bias {} by the config",
-                        entry.name,
-                        if m.bias { "required" } else { "not expected" }
-                    )));
+            if let Mlp::Experts { router_bias, correction, shared, .. } = &w.mlp {
+                for (name, want, got) in [
+                    ("router_bias", m.bias, router_bias.is_some()),
+                    ("router_correction", m.groups.is_some(), correction.is_some()),
+                    ("shared_gate", m.shared_intermediate > 0, shared.is_some()),
+                ] {
+                    if want != got {
+                        return Err(Error::Weights(format!(
+                            "{}: {name} {} by the config",
+                            entry.name,
+                            if want { "required" } else { "not expected" }
+                        )));
+                    }
                 }
             }
         }

@@ -19,12 +19,23 @@ pub struct CpuKv {
     /// 4-byte words so that f32 rows are read in place.
     k: Vec<f32>,
     v: Vec<f32>,
+    /// Keys only: the values are the keys (`AttnShape::shared_kv`); `v` stays empty.
+    keys_only: bool,
 }
 
 impl CpuKv {
-    /// An empty pool for rows of `kv_dim` values.
-    pub fn new(layout: KvLayout, kv_dim: usize) -> CpuKv {
-        CpuKv { layout, kv_dim, k: Vec::new(), v: Vec::new() }
+    /// An empty pool for rows of `kv_dim` values (keys only: see `AttnShape::shared_kv`).
+    pub fn new(layout: KvLayout, kv_dim: usize, keys_only: bool) -> CpuKv {
+        CpuKv { layout, kv_dim, k: Vec::new(), v: Vec::new(), keys_only }
+    }
+
+    /// The stored buffers: keys, then values unless the values are the keys.
+    fn bufs(&self) -> usize {
+        if self.keys_only {
+            1
+        } else {
+            2
+        }
     }
 
     fn words(&self) -> usize {
@@ -36,11 +47,12 @@ impl CpuKv {
         (self.k.len() + self.v.len()) * 4
     }
 
-    /// Block `b`'s keys then values as bytes (zeros where nothing was written yet).
+    /// Block `b`'s keys then values (keys only when they are shared) as bytes (zeros where nothing
+    /// was written yet).
     pub fn read_block(&self, b: usize) -> Vec<u8> {
         let n = self.layout.block * self.words();
         let mut out = Vec::with_capacity(8 * n);
-        for buf in [&self.k, &self.v] {
+        for buf in [&self.k, &self.v].into_iter().take(self.bufs()) {
             let words = buf.get(b * n..(b + 1) * n).unwrap_or(&[]);
             out.extend(words.iter().flat_map(|x| x.to_le_bytes()));
             out.resize(out.len() + 4 * (n - words.len()), 0);
@@ -51,17 +63,18 @@ impl CpuKv {
     /// Writes `read_block`'s bytes into block `b`; an error names a size that does not fit.
     pub fn write_block(&mut self, b: usize, bytes: &[u8]) -> Result<(), String> {
         let n = self.layout.block * self.words();
-        if bytes.len() != 8 * n || b >= self.layout.blocks {
+        let size = 4 * n * self.bufs();
+        if bytes.len() != size || b >= self.layout.blocks {
             return Err(format!(
-                "{} bytes for block {b} of a pool of {} blocks of {} bytes",
+                "{} bytes for block {b} of a pool of {} blocks of {size} bytes",
                 bytes.len(),
                 self.layout.blocks,
-                8 * n
             ));
         }
         self.reach(b);
         let (k, v) = bytes.split_at(4 * n);
-        for (buf, src) in [(&mut self.k, k), (&mut self.v, v)] {
+        let parts = [(&mut self.k, k), (&mut self.v, v)];
+        for (buf, src) in parts.into_iter().take(if self.keys_only { 1 } else { 2 }) {
             for (w, c) in buf[b * n..(b + 1) * n].iter_mut().zip(src.chunks_exact(4)) {
                 *w = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
@@ -74,7 +87,9 @@ impl CpuKv {
         let n = (b + 1) * self.layout.block * self.words();
         if self.k.len() < n {
             self.k.resize(n, 0.0);
-            self.v.resize(n, 0.0);
+            if !self.keys_only {
+                self.v.resize(n, 0.0);
+            }
         }
     }
 
@@ -126,18 +141,20 @@ pub fn attention(
     for i in 0..m {
         let slot = seq.slot(start + i, bs);
         let (ki, vi) = (&k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
-        if rot > 0 {
-            store_row(dtype, &rotated(ki), CpuKv::row_mut(&mut pool.k, slot, words));
-            store_row(dtype, &rotated(vi), CpuKv::row_mut(&mut pool.v, slot, words));
-        } else {
-            store_row(dtype, ki, CpuKv::row_mut(&mut pool.k, slot, words));
-            store_row(dtype, vi, CpuKv::row_mut(&mut pool.v, slot, words));
+        let rows = [(ki, &mut pool.k), (vi, &mut pool.v)];
+        for (x, buf) in rows.into_iter().take(if s.shared_kv { 1 } else { 2 }) {
+            if rot > 0 {
+                store_row(dtype, &rotated(x), CpuKv::row_mut(buf, slot, words));
+            } else {
+                store_row(dtype, x, CpuKv::row_mut(buf, slot, words));
+            }
         }
     }
     let end = start + m;
     // The earliest position any row sees.
     let lo = if s.window > 0 { (start + 1).saturating_sub(s.window) } else { 0 };
-    let (pk, pv) = (&pool.k, &pool.v);
+    // Shared keys and values (MLA): the values are read from the keys.
+    let (pk, pv) = (&pool.k, if s.shared_kv { &pool.k } else { &pool.v });
     if dtype == DType::F32 {
         let slot = |t: usize| seq.slot(t, bs) * words;
         attend(
@@ -221,7 +238,11 @@ mod tests {
     }
 
     fn pool(dtype: DType, block: usize, s: AttnShape) -> CpuKv {
-        CpuKv::new(KvLayout::new(dtype, block, 16, s).unwrap(), s.n_kv_heads * s.head_dim)
+        CpuKv::new(
+            KvLayout::new(dtype, block, 16, s).unwrap(),
+            s.n_kv_heads * s.head_dim,
+            s.shared_kv,
+        )
     }
 
     /// Feeds rows `range` of (q, k, v) at their positions.
@@ -349,6 +370,29 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert!((x - y * ratio).abs() < 1e-5, "row {r}");
             }
+        }
+    }
+
+    /// Shared keys and values (MLA's latent) equal attention fed the keys as values, from a pool
+    /// holding half the bytes; its blocks read out and back hold keys only.
+    #[test]
+    fn shared_kv_reads_values_from_the_keys() {
+        let s = AttnShape::new(4, 1, 32);
+        let shared = AttnShape { shared_kv: true, ..s };
+        let (q, k) = (gen(9 * 128, 7), gen(9 * 32, 5));
+        for d in [DType::F32, DType::Q8_0] {
+            let want = feed(&mut pool(d, 4, s), &[0, 1, 2], (&q, &k, &k), 0..9, s, None);
+            let mut p = pool(d, 4, shared);
+            let ignored = vec![f32::NAN; k.len()];
+            let got = feed(&mut p, &[0, 1, 2], (&q, &k, &ignored), 0..9, shared, None);
+            assert_eq!(got, want, "{d:?}");
+            let mut full = pool(d, 4, s);
+            feed(&mut full, &[0, 1, 2], (&q, &k, &k), 0..9, s, None);
+            assert_eq!(2 * p.bytes(), full.bytes());
+            assert_eq!(2 * p.read_block(1).len(), full.read_block(1).len());
+            let mut back = pool(d, 4, shared);
+            back.write_block(1, &p.read_block(1)).unwrap();
+            assert_eq!(back.read_block(1), p.read_block(1));
         }
     }
 

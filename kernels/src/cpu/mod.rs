@@ -303,7 +303,7 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, shape: AttnShape, layout: KvLayout) -> Result<CpuKv> {
-        Ok(CpuKv::new(layout, shape.n_kv_heads * shape.head_dim))
+        Ok(CpuKv::new(layout, shape.n_kv_heads * shape.head_dim, shape.shared_kv))
     }
 
     fn kv_read(&self, cache: &CpuKv, block: u32) -> Result<Vec<u8>> {

@@ -110,9 +110,17 @@ impl CudaBlob {
 /// allocated whole when the pool is made (its bytes are in the plan's budget).
 pub struct CudaKv {
     k: Option<DevBuf>,
+    /// `None` in an empty pool, or where the values are the keys (`AttnShape::shared_kv`).
     v: Option<DevBuf>,
     layout: KvLayout,
     stride: usize,
+}
+
+impl CudaKv {
+    /// The stored buffers: keys, then values unless the values are the keys (empty: no pool).
+    fn bufs(&self) -> Vec<&DevBuf> {
+        self.k.iter().chain(&self.v).collect()
+    }
 }
 
 use super::source::{dtype_code, matvec32_align, matvec_q8_supports};
@@ -479,6 +487,29 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn cols(&self, t: &CudaTensor, start: usize, n: usize) -> Result<CudaTensor> {
+        ensure(start + n <= t.cols, "cols", || {
+            format!("columns {start}..{} of {}", start + n, t.cols)
+        })?;
+        self.gpu.bind()?;
+        let out = self.tensor(t.rows, n)?;
+        self.copy_cols(t, start, &out, 0)?;
+        Ok(out)
+    }
+
+    fn concat_cols(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        ensure(parts.iter().all(|p| p.rows == rows), "concat_cols", || "row counts differ".into())?;
+        self.gpu.bind()?;
+        let out = self.tensor(rows, parts.iter().map(|p| p.cols).sum())?;
+        let mut off = 0;
+        for p in parts {
+            self.copy_cols(p, 0, &out, off)?;
+            off += p.cols;
+        }
+        Ok(out)
+    }
+
     fn gather_rows(&self, t: &CudaTensor, idx: &[usize]) -> Result<CudaTensor> {
         crate::host::check_gather(t.rows, idx)?;
         self.gpu.bind()?;
@@ -713,10 +744,12 @@ impl Backend for CudaBackend {
         self.gpu.bind()?;
         let stride = layout.row_stride(shape.n_kv_heads * shape.head_dim);
         let bytes = layout.positions() * stride;
-        let (k, v) = if bytes > 0 {
-            (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?))
-        } else {
-            (None, None)
+        let (k, v) = match (bytes > 0, shape.shared_kv) {
+            (false, _) => (None, None),
+            (true, true) => (Some(DevBuf::ordered(&self.gpu, bytes)?), None),
+            (true, false) => {
+                (Some(DevBuf::ordered(&self.gpu, bytes)?), Some(DevBuf::ordered(&self.gpu, bytes)?))
+            }
         };
         Ok(CudaKv { k, v, layout, stride })
     }
@@ -727,12 +760,11 @@ impl Backend for CudaBackend {
         ensure((block as usize) < cache.layout.blocks, "kv_read", || {
             format!("block {block} of a pool of {}", cache.layout.blocks)
         })?;
-        let mut out = vec![0u8; 2 * n];
-        if let (Some(k), Some(v)) = (&cache.k, &cache.v) {
-            let at = (block as usize * n) as u64;
-            let (ko, vo) = out.split_at_mut(n);
-            self.read(k.ptr + at, ko)?;
-            self.read(v.ptr + at, vo)?;
+        let bufs = cache.bufs();
+        let mut out = vec![0u8; bufs.len().max(1) * n];
+        let at = (block as usize * n) as u64;
+        for (buf, o) in bufs.iter().zip(out.chunks_exact_mut(n.max(1))) {
+            self.read(buf.ptr + at, o)?;
         }
         Ok(out)
     }
@@ -740,22 +772,23 @@ impl Backend for CudaBackend {
     fn kv_write(&self, cache: &mut CudaKv, block: u32, bytes: &[u8]) -> Result<()> {
         self.gpu.bind()?;
         let n = cache.layout.block * cache.stride;
-        ensure((block as usize) < cache.layout.blocks && bytes.len() == 2 * n, "kv_write", || {
+        let bufs = cache.bufs();
+        let size = bufs.len().max(1) * n;
+        ensure((block as usize) < cache.layout.blocks && bytes.len() == size, "kv_write", || {
             format!(
-                "{} bytes for block {block} of a pool of {} blocks of {} bytes",
+                "{} bytes for block {block} of a pool of {} blocks of {size} bytes",
                 bytes.len(),
                 cache.layout.blocks,
-                2 * n
             )
         })?;
-        if let (Some(k), Some(v)) = (&cache.k, &cache.v) {
-            let at = (block as usize * n) as u64;
-            for (dst, src) in [(k.ptr + at, &bytes[..n]), (v.ptr + at, &bytes[n..])] {
-                // SAFETY: `dst` holds `n` bytes inside the pool (block < blocks); pageable `src` is
-                // staged by the driver before the call returns.
-                unsafe { result::memcpy_htod_async(dst, src, self.gpu.compute) }
-                    .map_err(derr("copying to the device"))?;
-            }
+        let at = (block as usize * n) as u64;
+        for (buf, src) in bufs.iter().zip(bytes.chunks_exact(n.max(1))) {
+            // SAFETY: `buf` holds `n` bytes at `at` inside the pool (block < blocks); pageable `src`
+            // is staged by the driver before the call returns.
+            unsafe { result::memcpy_htod_async(buf.ptr + at, src, self.gpu.compute) }
+                .map_err(derr("copying to the device"))?;
+        }
+        if !bufs.is_empty() {
             self.gpu.sync_compute()?;
         }
         Ok(())
@@ -781,7 +814,9 @@ impl Backend for CudaBackend {
         seq.check(&cache.layout, m)?;
         self.gpu.bind()?;
         let out = self.tensor(m, qd)?;
-        let (Some(kp), Some(vp)) = (&cache.k, &cache.v) else { return Ok(out) };
+        let Some(kp) = &cache.k else { return Ok(out) };
+        // Shared keys and values (MLA): the kernel reads the values from the keys.
+        let vp = cache.v.as_ref().unwrap_or(kp);
         if m == 0 {
             return Ok(out);
         }
@@ -792,7 +827,7 @@ impl Backend for CudaBackend {
         // Quantized pools hold each head rotated (kv::rotation): kv_store rotates, attention
         // rotates the query and the output back.
         let rot = i(crate::kv::rotation(cache.layout.dtype, s.head_dim) as i32);
-        for (src, pool) in [(k, kp), (v, vp)] {
+        for (src, pool) in [(k, kp), (v, vp)].into_iter().take(if s.shared_kv { 1 } else { 2 }) {
             let args = [
                 src.buf.ptr,
                 pool.ptr,
@@ -847,6 +882,32 @@ impl CudaBackend {
         up: &CudaTensor,
     ) -> Result<CudaTensor> {
         self.gated_with(kernel, gate, up, &[])
+    }
+
+    /// Copies `dst.cols`-or-fewer columns: `src`'s from `src_off` into `dst`'s from `dst_off`, as
+    /// many as fit both (`cols`: all of `dst`; `concat_cols`: all of `src`).
+    fn copy_cols(
+        &self,
+        src: &CudaTensor,
+        src_off: usize,
+        dst: &CudaTensor,
+        dst_off: usize,
+    ) -> Result<()> {
+        let n = (src.cols - src_off).min(dst.cols - dst_off);
+        if n == 0 || src.rows == 0 {
+            return Ok(());
+        }
+        let args = [
+            src.buf.ptr,
+            i(src.cols as i32),
+            i(src_off as i32),
+            dst.buf.ptr,
+            i(dst.cols as i32),
+            i(dst_off as i32),
+            i(src.rows as i32),
+            i(n as i32),
+        ];
+        self.gpu.launch("copy_cols", (blocks(src.rows * n, 256), 1, 1), 256, 0, &args)
     }
 
     /// `gated` with the kernel's extra arguments after the element count.

@@ -77,6 +77,7 @@ pub fn kernel_names() -> Vec<String> {
         "gelu_tanh_mul",
         "relu2_mul",
         "swiglu_clamp_mul",
+        "copy_cols",
         "quant_rows_8bit",
         "permute_cols",
         "gather_rows",

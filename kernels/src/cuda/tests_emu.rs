@@ -342,6 +342,23 @@ fn emulated_elementwise_kernels_match_cpu() {
     let want = c.quant_rows_8bit(&t(&x)).unwrap().data;
     let got = f32s(&emu.run(&args("quant_rows_8bit", [rows, cols]), &bytes_of(&[&x])));
     assert_eq!(got, want, "quant_rows_8bit");
+    // MLA's per-head column slices and their concatenation: a slice, then two parts side by side.
+    let want = c.cols(&t(&x), 7, 40).unwrap().data;
+    let zeros = vec![0f32; rows * 40];
+    let got =
+        f32s(&emu.run(&args("copy_cols", [rows, cols, 7, 40, 0, 40]), &bytes_of(&[&x, &zeros])));
+    assert_eq!(got, want, "copy_cols as cols");
+    let (a, b2) = (t(&x), c.from_host(&want, rows, 40).unwrap());
+    let want = c.concat_cols(&[&a, &b2]).unwrap().data;
+    let dst = vec![0f32; rows * (cols + 40)];
+    let first = f32s(
+        &emu.run(&args("copy_cols", [rows, cols, 0, cols + 40, 0, cols]), &bytes_of(&[&x, &dst])),
+    );
+    let got = f32s(&emu.run(
+        &args("copy_cols", [rows, 40, 0, cols + 40, cols, 40]),
+        &bytes_of(&[&b2.data, &first]),
+    ));
+    assert_eq!(got, want, "copy_cols as concat_cols");
     // A GPTQ act-order weight's input order: the columns reversed in pairs.
     let perm: Vec<u32> = (0..cols as u32).map(|j| (cols as u32 - 1 - j) ^ 1).collect();
     let want = c.permute_cols(&t(&x), &perm).unwrap().data;

@@ -160,6 +160,11 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
         "swiglu_clamp_mul"
     );
     assert_eq!(
+        g.to_host(&g.concat_cols(&[&g.cols(&xg, 3, 17).unwrap(), &yg]).unwrap()).unwrap(),
+        c.concat_cols(&[&c.cols(&xc, 3, 17).unwrap(), &yc]).unwrap().data,
+        "cols, concat_cols"
+    );
+    assert_eq!(
         g.to_host(&g.quant_rows_8bit(&xg).unwrap()).unwrap(),
         c.quant_rows_8bit(&xc).unwrap().data,
         "quant_rows_8bit"
