@@ -6,12 +6,13 @@
 #
 #   benchmarks/moe-experts.sh [--layers 4] [--shapes "qwen3-30b-a3b mixtral-8x7b"] [--caches 16,64,all]
 #                             [--batches 1,8,32] [--gen 8] [--threads N] [--device cuda:0]
+#                             [--dtype q4_k]   (gpt-oss: mxfp4 — its 2880-wide rows are not 256-blocks)
 #
 # Random weights route almost uniformly (real models' experts are skewed and their routers agree
 # from one layer to the next), so the hit and prediction rates here are a floor, not a forecast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-layers=4 shapes="qwen3-30b-a3b mixtral-8x7b" caches=16,64,all batches=1,8,32 gen=8 threads=()
+layers=4 shapes="qwen3-30b-a3b mixtral-8x7b" caches=16,64,all batches=1,8,32 gen=8 threads=() dtype=q4_k
 while [ $# -gt 0 ]; do
     case "$1" in
         --layers) layers=$2; shift 2 ;;
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
         --gen) gen=$2; shift 2 ;;
         --threads) threads+=(--threads "$2"); shift 2 ;;
         --device) threads+=(--device "$2"); shift 2 ;;
+        --dtype) dtype=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -29,8 +31,8 @@ ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}/stores
 mkdir -p "$cache"
 for shape in $shapes; do
-    store=$cache/synth-$shape-$layers
-    [ -f "$store/manifest.json" ] || "$ls" synth --shape "$shape" --layers "$layers" --dtype q4_k "$store"
+    store=$cache/synth-$shape-$layers-$dtype
+    [ -f "$store/manifest.json" ] || "$ls" synth --shape "$shape" --layers "$layers" --dtype "$dtype" "$store"
     echo "== $shape ($layers layers)"
     "$ls" bench --model "$store" --expert-caches "$caches" --expert-batches "$batches" \
         --max-new-tokens "$gen" --prompt-tokens 16 --temperature 1.0 "${threads[@]}"

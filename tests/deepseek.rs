@@ -8,10 +8,34 @@ use layerstream_tests::*;
 
 const NAME: &str = "tiny-deepseek-v3";
 
+/// llama.cpp's `deepseek2` file of the tiny checkpoint (bf16; tests/fixtures/gguf/gen.sh).
+fn converted() -> std::path::PathBuf {
+    fixtures().join("gguf").join("tiny-deepseek-v3-bf16.gguf")
+}
+
 #[test]
 fn tiny_deepseek_v3_matches_transformers() {
+    check(&model_dir(NAME));
+}
+
+/// The GGUF's metadata maps back to the HF config's fields (parsed by the same code), its split
+/// `attn_k_b`/`attn_v_b` are the importer's `k_b`/`v_b`: the same store, transformers' tokens.
+#[test]
+fn deepseek_v3_gguf_from_llama_cpp_matches_transformers() {
     let dir = tempfile::tempdir().unwrap();
-    let store = import(&model_dir(NAME), dir.path());
+    let hf = import(&model_dir(NAME), &dir.path().join("hf")).manifest.config;
+    let gguf = check(&converted()).manifest.config;
+    // The converter does not record the MTP layer the HF config declares (neither imports it).
+    let no_mtp = |m: Option<layerstream_model::config_mla::MlaConfig>| {
+        m.map(|m| layerstream_model::config_mla::MlaConfig { mtp_layers_skipped: 0, ..m })
+    };
+    assert_eq!(no_mtp(gguf.mla), no_mtp(hf.mla));
+    assert_eq!((gguf.moe, gguf.rope), (hf.moe, hf.rope));
+}
+
+fn check(src: &std::path::Path) -> layerstream_model::Store {
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(src, dir.path());
     store.verify().unwrap();
     let cfg = &store.manifest.config;
     let mla = cfg.mla.clone().expect("MLA");
@@ -33,16 +57,44 @@ fn tiny_deepseek_v3_matches_transformers() {
     }
     assert!(store.manifest.file(&layerstream_model::layout::expert_file(0, 0)).is_none());
     check_model_against_goldens(NAME, &store);
+    store
 }
 
-/// Two workers, a device expert cache smaller than a layer's 16 experts: transformers' tokens.
+/// Two workers, a device expert cache smaller than a layer's 16 experts: transformers' tokens,
+/// from HF and from the GGUF.
 #[test]
 fn deepseek_v3_streams_experts_over_two_workers() {
+    streamed(&model_dir(NAME));
+}
+
+#[test]
+fn deepseek_v3_gguf_streams_experts_over_two_workers() {
+    streamed(&converted());
+}
+
+fn streamed(src: &std::path::Path) {
     let dir = tempfile::tempdir().unwrap();
-    let store = import(&model_dir(NAME), dir.path());
+    let store = import(src, dir.path());
     let stack = Stack::up(&store.dir, &["--workers", "2", "--expert-cache", "6"]);
     for st in greedy_goldens_through(&stack, NAME) {
         assert!(st["experts_missed"].as_u64().unwrap() > 0, "{st}");
     }
     stack.shutdown();
+}
+
+/// Inconsistent ranks or head sizes, impossible groups: refused at import naming the field or the
+/// tensor, nothing left behind.
+#[test]
+fn bad_deepseek_configs_name_the_field_or_tensor() {
+    for (field, value, want) in [
+        ("topk_group", serde_json::json!(5), "topk_group"),
+        ("n_group", serde_json::json!(3), "n_group"),
+        ("kv_lora_rank", serde_json::json!(24), "kv_a_proj_with_mqa"),
+        ("qk_nope_head_dim", serde_json::json!(24), "qk_head_dim"),
+        ("v_head_dim", serde_json::json!(16), "kv_b_proj"),
+        ("q_lora_rank", serde_json::json!(40), "q_a_proj"),
+    ] {
+        let err = import_error_with(NAME, field, value);
+        assert!(err.contains(want), "{field}: {err}");
+    }
 }

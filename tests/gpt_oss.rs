@@ -103,20 +103,7 @@ fn bad_gpt_oss_configs_name_the_field() {
             "original_max_position_embeddings",
         ),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let hf = dir.path().join("hf");
-        std::fs::create_dir_all(&hf).unwrap();
-        for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"] {
-            std::fs::copy(model_dir(NAME).join(f), hf.join(f)).unwrap();
-        }
-        let cfg_path = hf.join("config.json");
-        let mut cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
-        cfg[field] = value;
-        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
-        let dst = dir.path().join("s");
-        let err = layerstream_model::import::import(&hf, &dst, false).unwrap_err().to_string();
+        let err = import_error_with(NAME, field, value);
         assert!(err.contains(want), "{field}: {err}");
-        assert!(!dir.path().join("s").exists() && !dir.path().join("s.partial").exists());
     }
 }

@@ -13,6 +13,29 @@ fn whole_layer_bytes(m: &layerstream_model::Manifest) -> u64 {
     m.files.iter().filter(|f| f.name.starts_with("layer_")).map(|f| f.size).sum()
 }
 
+/// The KV cache one token costs a layer (f16), and under MLA what the same heads would cost
+/// stored in full (every head's keys and values).
+fn kv_line(cfg: &layerstream_model::ModelConfig) -> String {
+    let (dim, rows) = cfg.kv_cache_rows();
+    let bytes = dim * rows * 2;
+    match &cfg.mla {
+        Some(m) => {
+            let full = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2;
+            format!(
+                "KV cache per token and layer (f16): {bytes} B as MLA's latent + RoPE key; the same \
+                 {} heads in full would take {full} B ({:.1}×); {:.1} KB per token over {} layers",
+                cfg.num_heads,
+                full as f64 / bytes as f64,
+                (bytes * cfg.num_layers) as f64 / 1e3,
+                cfg.num_layers
+            )
+        }
+        None => {
+            format!("KV cache per token and layer (f16): {bytes} B ({dim} keys + {dim} values)")
+        }
+    }
+}
+
 /// Runs every (batch, cache) configuration and prints the table.
 pub fn compare(a: &BenchArgs, model_dir: &Path, vocab: usize) -> Result<()> {
     let store = layerstream_model::Store::open(model_dir)?;
@@ -21,6 +44,7 @@ pub fn compare(a: &BenchArgs, model_dir: &Path, vocab: usize) -> Result<()> {
         bail!("--expert-caches needs a mixture-of-experts store; {} has none", model_dir.display());
     };
     let whole = whole_layer_bytes(&store.manifest);
+    let moe_layers = (0..cfg.num_layers).filter(|&l| cfg.moe_at(l).is_some()).count().max(1);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let model = model_dir.display().to_string();
     let mut rows: Vec<(usize, String, Row)> = Vec::new();
@@ -59,6 +83,7 @@ pub fn compare(a: &BenchArgs, model_dir: &Path, vocab: usize) -> Result<()> {
         store.manifest.max_expert_bytes() as f64 / 1e6,
         whole as f64 / 1e6
     );
+    println!("{}", kv_line(cfg));
     println!(
         "workload: batch × {} tokens after a {} prompt, {} worker(s), {} thread(s)\n",
         a.max_new_tokens,
@@ -78,7 +103,7 @@ pub fn compare(a: &BenchArgs, model_dir: &Path, vocab: usize) -> Result<()> {
             r.decode_tok_s,
             per_token / 1e6,
             r.bytes_streamed_per_step / whole as f64,
-            needed as f64 / r.steps.max(1) as f64 / cfg.num_layers as f64,
+            needed as f64 / r.steps.max(1) as f64 / moe_layers as f64,
             pct(hit),
             pct(pre),
             pct(missed),

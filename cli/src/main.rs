@@ -148,6 +148,13 @@ fn main() -> Result<()> {
                 bytes as f64 / 1e6,
                 dst.display()
             );
+            if let Some(n) = m.config.mla.as_ref().map(|x| x.mtp_layers_skipped).filter(|&n| n > 0)
+            {
+                println!(
+                    "note: {n} multi-token-prediction layer(s) (num_nextn_predict_layers) not \
+                     imported: transformers does not run them either (for drafting, see --spec)"
+                );
+            }
         }
         Cmd::Verify { store } => {
             let s = layerstream_model::Store::open(&store)?;

@@ -158,8 +158,9 @@ pub struct SchedulerFlags {
     pub queue_size: usize,
     /// Seconds a worker may take for one step before it counts as stalled (and, when it does not
     /// answer within the same time again, is reported in the error of the jobs it held). Default:
-    /// derived from measured steps — 10 × the slowest of the last 64, at least 30 s (300 s before
-    /// the first step has been measured).
+    /// derived from measured steps — 10 × the slowest of the last 64 (for a step of more rows, such
+    /// as a burst of prompts, up to 10 × the slowest time per row × its rows, at most 300 s), at
+    /// least 30 s (300 s before the first step has been measured).
     #[arg(long = "step-timeout", env = "LAYERSTREAM_STEP_TIMEOUT")]
     pub step_timeout_s: Option<u64>,
     /// How many times in a row the coordinator recovers from a failed step (re-assigning restarted

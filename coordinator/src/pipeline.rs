@@ -34,11 +34,12 @@ pub struct Stage {
     pub(crate) host: String,
 }
 
-/// The step deadline: fixed by `--step-timeout`, or derived from measured steps.
+/// The step deadline: fixed by `--step-timeout`, or derived from measured steps (each with the
+/// rows it carried).
 #[derive(Debug, Clone)]
 pub struct Deadline {
     fixed: Option<Duration>,
-    recent: VecDeque<Duration>,
+    recent: VecDeque<(Duration, usize)>,
 }
 
 impl Deadline {
@@ -54,23 +55,30 @@ impl Deadline {
         Deadline { fixed, recent: VecDeque::new() }
     }
 
-    /// The deadline now: the fixed one, or 10 × the slowest recent step, at least `FLOOR`.
-    pub fn current(&self) -> Duration {
+    /// The deadline of a step of `rows` rows: the fixed one, or 10 × the slowest recent step —
+    /// or, for a step carrying more rows than those did (a burst of prompts after single-token
+    /// steps: on a CPU, a large model's batched prefill takes many decode steps' time), up to
+    /// 10 × the slowest recent time per row × `rows`, capped at `UNMEASURED` — at least `FLOOR`.
+    pub fn current(&self, rows: usize) -> Duration {
         if let Some(f) = self.fixed {
             return f;
         }
-        match self.recent.iter().max() {
-            Some(&slowest) => (slowest * 10).max(Self::FLOOR),
-            None => Self::UNMEASURED,
-        }
+        let Some(&(slowest, _)) = self.recent.iter().max_by_key(|r| r.0) else {
+            return Self::UNMEASURED;
+        };
+        let per_row =
+            self.recent.iter().map(|&(t, n)| t / n.max(1) as u32).max().unwrap_or_default();
+        let scaled =
+            (per_row.saturating_mul(rows.min(u32::MAX as usize) as u32) * 10).min(Self::UNMEASURED);
+        (slowest * 10).max(scaled).max(Self::FLOOR)
     }
 
-    /// Remembers a completed step's duration.
-    pub fn record(&mut self, took: Duration) {
+    /// Remembers a completed step's duration and rows.
+    pub fn record(&mut self, took: Duration, rows: usize) {
         if self.recent.len() == Self::WINDOW {
             self.recent.pop_front();
         }
-        self.recent.push_back(took);
+        self.recent.push_back((took, rows));
     }
 }
 
@@ -411,13 +419,13 @@ impl Pipeline {
         Ok(false)
     }
 
-    /// What a step needs to run detached from the pipeline (several can be in flight): the stages,
-    /// one FIFO lock per worker, and the step deadline as it is now.
-    pub fn runner(&self) -> Runner {
+    /// What a step of `rows` rows needs to run detached from the pipeline (several can be in
+    /// flight): the stages, one FIFO lock per worker, and its deadline as it is now.
+    pub fn runner(&self, rows: usize) -> Runner {
         Runner {
             stages: self.stages.clone().into(),
             locks: self.locks.clone(),
-            timeout: self.deadline.current(),
+            timeout: self.deadline.current(rows),
             shm_handoff: self.shm_handoff,
         }
     }
@@ -534,7 +542,7 @@ impl Pipeline {
         for st in &self.stages {
             let mut c = st.client.clone();
             let fail = |msg: String| Error::Worker { worker: st.addr.clone(), msg };
-            let r = tokio::time::timeout(self.deadline.current(), c.swap(req.clone()))
+            let r = tokio::time::timeout(self.deadline.current(1), c.swap(req.clone()))
                 .await
                 .map_err(|_| fail("swapping KV blocks timed out".into()))?
                 .map_err(|e| fail(format!("swapping KV blocks: {}", e.message())))?
@@ -566,16 +574,21 @@ mod tests {
     #[test]
     fn the_derived_deadline_follows_the_slowest_recent_step_with_a_floor() {
         let fixed = Deadline::new(Some(Duration::from_secs(3)));
-        assert_eq!(fixed.current(), Duration::from_secs(3));
+        assert_eq!(fixed.current(512), Duration::from_secs(3));
         let mut d = Deadline::new(None);
-        assert_eq!(d.current(), Deadline::UNMEASURED);
-        d.record(Duration::from_millis(20));
-        assert_eq!(d.current(), Deadline::FLOOR, "fast steps: the floor");
-        d.record(Duration::from_secs(7));
-        assert_eq!(d.current(), Duration::from_secs(70));
+        assert_eq!(d.current(1), Deadline::UNMEASURED);
+        d.record(Duration::from_millis(20), 1);
+        assert_eq!(d.current(1), Deadline::FLOOR, "fast steps: the floor");
+        d.record(Duration::from_secs(7), 1);
+        assert_eq!(d.current(1), Duration::from_secs(70));
         for _ in 0..Deadline::WINDOW {
-            d.record(Duration::from_secs(1));
+            d.record(Duration::from_secs(1), 1);
         }
-        assert_eq!(d.current(), Deadline::FLOOR, "the slow step left the window");
+        assert_eq!(d.current(1), Deadline::FLOOR, "the slow step left the window");
+        // A burst of 20 prompt rows after one-row steps of 1 s each: 10 × 1 s × 20; of 512: the cap.
+        assert_eq!(d.current(20), Duration::from_secs(200));
+        assert_eq!(d.current(512), Deadline::UNMEASURED);
+        d.record(Duration::from_secs(40), 512);
+        assert_eq!(d.current(1), Duration::from_secs(400), "the slowest step");
     }
 }

@@ -484,7 +484,7 @@ impl Scheduler {
 
     /// Brings the workers back to a known state after a fault (see `Pipeline::recover`).
     async fn resync_now(&mut self) -> crate::Result<()> {
-        match self.pipeline.recover(self.pipeline.deadline.current(), true).await {
+        match self.pipeline.recover(self.pipeline.deadline.current(1), true).await {
             Ok(()) => {
                 self.resync = false;
                 self.reset_blocks(&mut []);
@@ -535,7 +535,7 @@ impl Scheduler {
         // and only a later resync plans around it if it still does not answer.
         let (wait, replan) = match e {
             crate::Error::StepTimeout { .. } => (Duration::ZERO, false),
-            _ => (self.pipeline.deadline.current(), true),
+            _ => (self.pipeline.deadline.current(1), true),
         };
         match self.pipeline.recover(wait, replan).await {
             Ok(()) => {
@@ -649,7 +649,7 @@ impl Scheduler {
             for s in &spans[1..] {
                 layerstream_telemetry::link(s, &spans[0]);
             }
-            let runner = self.pipeline.runner();
+            let runner = self.pipeline.runner(rows);
             let release = std::mem::take(&mut fl.release);
             self.metrics.launched(fl.busy.iter().filter(|&&b| b).count());
             fl.busy[lane] = true;
@@ -689,7 +689,8 @@ impl Scheduler {
             }
         };
         let took = done.started.elapsed();
-        self.pipeline.deadline.record(took);
+        let rows = done.seqs.iter().map(|s| s.token_ids.len()).sum();
+        self.pipeline.deadline.record(took, rows);
         if fl.fault.is_none() {
             self.failures = 0;
         }

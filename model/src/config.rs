@@ -40,7 +40,8 @@ pub enum Arch {
 /// The HF class names accepted, for error messages.
 pub const SUPPORTED_ARCHS: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
      Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForCausalLM, \
-     BitNetForCausalLM, GptOssForCausalLM, DeepseekV3ForCausalLM (GGUF: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss)";
+     BitNetForCausalLM, GptOssForCausalLM, DeepseekV3ForCausalLM (GGUF: llama, qwen2, qwen3, \
+     qwen3moe, gemma3, gpt-oss, deepseek2)";
 
 impl Arch {
     /// Parses an HF `architectures` entry.

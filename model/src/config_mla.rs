@@ -24,6 +24,14 @@ pub struct MlaConfig {
     /// The checkpoint's RoPE rows hold interleaved pairs (the importer reorders them).
     #[serde(default)]
     pub rope_interleave: bool,
+    /// Multi-token-prediction layers the checkpoint declares (`num_nextn_predict_layers`), not
+    /// imported: transformers does not run them either.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_layers_skipped: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 impl MlaConfig {
@@ -84,6 +92,8 @@ pub fn parse_mla(v: &Value) -> Result<MlaConfig> {
         v_head_dim: usize_of(v, "v_head_dim")?,
         softmax_scale: scale,
         rope_interleave: v.get("rope_interleave").and_then(Value::as_bool).unwrap_or(true),
+        mtp_layers_skipped: v.get("num_nextn_predict_layers").and_then(Value::as_u64).unwrap_or(0)
+            as usize,
     })
 }
 

@@ -294,6 +294,7 @@ impl GgufFile {
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "gemma3" => Ok(Arch::Gemma3),
             "gpt-oss" => Ok(Arch::GptOss),
+            "deepseek2" => Ok(Arch::DeepseekV3),
             other => Err(Error::UnsupportedArch {
                 got: format!("GGUF {other}"),
                 supported: crate::config::SUPPORTED_ARCHS.into(),
@@ -304,6 +305,11 @@ impl GgufFile {
     /// Builds the model config from the `<architecture>.*` metadata.
     pub fn config(&self) -> Result<ModelConfig> {
         let arch = self.arch()?;
+        if arch == Arch::DeepseekV3 {
+            let cfg = self.deepseek2_config()?;
+            self.check_block_count(&cfg, "deepseek2")?;
+            return Ok(cfg);
+        }
         let p = match arch {
             Arch::Llama | Arch::Mistral | Arch::Mixtral => "llama",
             Arch::Qwen2 => "qwen2",
@@ -311,7 +317,7 @@ impl GgufFile {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Gemma3 => "gemma3",
             Arch::GptOss => "gpt-oss",
-            // Not read from GGUF yet (llama.cpp's `deepseek2`): refused as unknown below.
+            // BitNet has no GGUF architecture here; DeepSeek-V3 is read above.
             Arch::BitNet | Arch::DeepseekV3 => {
                 return Err(Error::UnsupportedArch {
                     got: format!("{arch:?}"),

@@ -69,9 +69,14 @@ fn transpose(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
     Ok(SourceTensor { dtype: t.dtype, shape: vec![cols, rows], data })
 }
 
-/// Reads tensor `name` (this format's spelling) and checks it is `[rows, cols]`.
+/// Reads tensor `name` (this format's spelling) and checks it is `[rows, cols]` (a GGUF
+/// `[heads, rows, cols]` stack is read as its heads' rows one after another).
 fn read(ck: &dyn Checkpoint, name: &str, shape: [usize; 2]) -> Result<SourceTensor> {
-    let t = ck.tensor(name)?.ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))?;
+    let mut t =
+        ck.tensor(name)?.ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))?;
+    if let [n, r, c] = t.shape[..] {
+        t.shape = vec![n * r, c];
+    }
     if t.shape != shape || t.shape[0] == 0 || !t.data.len().is_multiple_of(t.shape[0]) {
         return Err(Error::tensor(
             name,
@@ -84,7 +89,9 @@ fn read(ck: &dyn Checkpoint, name: &str, shape: [usize; 2]) -> Result<SourceTens
     Ok(t)
 }
 
-/// Every MLA tensor of layer `prefix` of an HF DeepSeek-V3 checkpoint, as the store keeps them.
+/// Every MLA tensor of layer `prefix` of a DeepSeek-V3 checkpoint (HF, or llama.cpp's `deepseek2`
+/// GGUF, whose converter already split `kv_b_proj` into `attn_k_b` — transposed — and `attn_v_b`),
+/// as the store keeps them.
 pub fn mla_tensors(
     ck: &dyn Checkpoint,
     m: &MlaConfig,
@@ -101,43 +108,42 @@ pub fn mla_tensors(
         let rows = t.shape[0];
         SourceTensor { data: crate::gguf::unpermute_rows(&t.data, rows, n_heads), ..t }
     };
+    let name = |hf: &str, gguf: &str| format!("{prefix}{}", ck.pick_name(hf, gguf));
+    // A vector of `n` values (a norm).
+    let vector = |tn: &str, n: usize, what: &str| -> Result<SourceTensor> {
+        let t = ck.tensor(tn)?.ok_or_else(|| Error::tensor(tn, "missing from the checkpoint"))?;
+        if t.shape != [n] {
+            return Err(Error::tensor(tn, format!("shape {:?}, expected [{n}] ({what})", t.shape)));
+        }
+        Ok(t)
+    };
     let mut out = Vec::new();
     let q_full = match m.q_lora_rank {
         Some(q) => {
-            out.push((
-                "q_a".into(),
-                read(ck, &format!("{prefix}self_attn.q_a_proj.weight"), [q, hidden])?,
-            ));
-            let n = format!("{prefix}self_attn.q_a_layernorm.weight");
-            let t =
-                ck.tensor(&n)?.ok_or_else(|| Error::tensor(&n, "missing from the checkpoint"))?;
-            if t.shape != [q] {
-                return Err(Error::tensor(
-                    &n,
-                    format!("shape {:?}, expected [{q}] (q_lora_rank)", t.shape),
-                ));
-            }
-            out.push(("q_a_norm".into(), t));
-            read(ck, &format!("{prefix}self_attn.q_b_proj.weight"), [heads * qk, q])?
+            let qa = read(ck, &name("self_attn.q_a_proj.weight", "attn_q_a.weight"), [q, hidden])?;
+            out.push(("q_a".into(), qa));
+            let n = name("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight");
+            out.push(("q_a_norm".into(), vector(&n, q, "q_lora_rank")?));
+            read(ck, &name("self_attn.q_b_proj.weight", "attn_q_b.weight"), [heads * qk, q])?
         }
-        None => read(ck, &format!("{prefix}self_attn.q_proj.weight"), [heads * qk, hidden])?,
+        None => read(ck, &name("self_attn.q_proj.weight", "attn_q.weight"), [heads * qk, hidden])?,
     };
     out.push(("q_nope_b".into(), rows_of(&q_full, qk, 0, nope)));
     out.push(("q_rope_b".into(), half(rows_of(&q_full, qk, nope, rope), heads)));
-    let kv_a =
-        read(ck, &format!("{prefix}self_attn.kv_a_proj_with_mqa.weight"), [r + rope, hidden])?;
+    let kv_a_name = name("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight");
+    let kv_a = read(ck, &kv_a_name, [r + rope, hidden])?;
     out.push(("kv_a".into(), rows_of(&kv_a, r + rope, 0, r)));
     out.push(("k_rope_a".into(), half(rows_of(&kv_a, r + rope, r, rope), 1)));
-    let n = format!("{prefix}self_attn.kv_a_layernorm.weight");
-    let norm = ck.tensor(&n)?.ok_or_else(|| Error::tensor(&n, "missing from the checkpoint"))?;
-    if norm.shape != [r] {
-        return Err(Error::tensor(
-            &n,
-            format!("shape {:?}, expected [{r}] (kv_lora_rank)", norm.shape),
-        ));
+    let n = name("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight");
+    out.push(("kv_a_norm".into(), vector(&n, r, "kv_lora_rank")?));
+    // llama.cpp's converter already split kv_b_proj (`attn_k_b` transposed per head, `attn_v_b`).
+    let (k_name, v_name) = (name("", "attn_k_b.weight"), name("", "attn_v_b.weight"));
+    if k_name != prefix && ck.tensor(&k_name)?.is_some() {
+        out.push(("k_b".into(), read(ck, &k_name, [heads * r, nope])?));
+        out.push(("v_b".into(), read(ck, &v_name, [heads * v, r])?));
+        return Ok(out);
     }
-    out.push(("kv_a_norm".into(), norm));
-    let kv_b_name = format!("{prefix}self_attn.kv_b_proj.weight");
+    let kv_b_name = name("self_attn.kv_b_proj.weight", "attn_kv_b.weight");
     let kv_b = read(ck, &kv_b_name, [heads * (nope + v), r])?;
     let k_heads = rows_of(&kv_b, nope + v, 0, nope);
     let mut k_b =

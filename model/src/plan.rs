@@ -70,10 +70,15 @@ pub fn kv_bytes_per_token_layer(m: &Manifest, dtype: DType) -> u64 {
 /// `layer_forward` holds until it returns — the residual, both norms' outputs, o and down (5 × hidden),
 /// q, the attention output and its per-sequence pieces (3 × q width), k and v and their pieces
 /// (4 × kv width), gate, up and SiLU·up (3 × intermediate) — plus a GEMM input's f16 copy (half the
-/// intermediate width in f32 terms).
+/// intermediate width in f32 terms). Under MLA a head's query and output are as wide as the cached
+/// row (latent + RoPE key), and the projections before them count twice.
 pub fn activation_bytes_per_token(cfg: &ModelConfig) -> u64 {
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let floats = 5 * h + 3 * cfg.num_heads * cfg.head_dim + 4 * cfg.kv_dim() + 3 * i + i / 2;
+    let (q, kv) = match &cfg.mla {
+        Some(m) => (2 * cfg.num_heads * m.cache_dim(), 2 * m.cache_dim()),
+        None => (cfg.num_heads * cfg.head_dim, cfg.kv_dim()),
+    };
+    let floats = 5 * h + 3 * q + 4 * kv + 3 * i + i / 2;
     floats as u64 * 4
 }
 

@@ -5,7 +5,8 @@ use crate::config::{Arch, ModelConfig, RopeConfig};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{
-    expert_file, expert_shape, layer_file, layer_shape, EXPERT_TENSORS, LAYER_TENSORS, ROUTER,
+    expert_file, expert_shape, expert_tensors, layer_file, layer_shape, LAYER_TENSORS, ROUTER,
+    ROUTER_BIAS,
 };
 use crate::source::SourceTensor;
 use crate::store::{Manifest, StoreWriter};
@@ -32,6 +33,9 @@ pub const MOE_SHAPES: &[(&str, usize, usize, usize, usize, usize, usize, usize, 
 
 /// The config of a named shape with `layers` layers (default: the real count).
 pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
+    if let Some(cfg) = crate::synth_arch::arch_config(name, layers) {
+        return cfg;
+    }
     if let Some(&(_, h, nh, nkv, hd, vocab, nl, experts, top_k, f)) =
         MOE_SHAPES.iter().find(|s| s.0 == name)
     {
@@ -61,6 +65,7 @@ pub fn shape_config(name: &str, layers: Option<usize>) -> Result<ModelConfig> {
                     .iter()
                     .map(|s| s.0)
                     .chain(MOE_SHAPES.iter().map(|s| s.0))
+                    .chain(crate::synth_arch::ARCH_SHAPES)
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -114,6 +119,25 @@ fn random_tensor(rng: &mut Rng, dtype: DType, shape: &[usize]) -> Result<SourceT
     Ok(SourceTensor { dtype, shape: shape.to_vec(), data })
 }
 
+/// A layer tensor: norms are f32 ones, other vectors (biases, sinks, score corrections) small
+/// random f32 values, matrices random in `dtype` — except an MLA matrix whose rows are not whole
+/// `dtype` blocks (DeepSeek's 128-wide `k_b` under a 256-value K-quant): Q8_0, else f16.
+fn layer_tensor(rng: &mut Rng, dtype: DType, name: &str, shape: &[usize]) -> Result<SourceTensor> {
+    match shape {
+        [n] if name.ends_with("norm") => Ok(ones(*n)),
+        [_] => random_tensor(rng, DType::F32, shape),
+        [_, cols] if crate::mla_import::MLA_TENSORS.contains(&name) => {
+            let fits = |d: DType| cols.is_multiple_of(d.block_elems());
+            let d = [dtype, DType::Q8_0, DType::F16]
+                .into_iter()
+                .find(|&d| fits(d))
+                .unwrap_or(DType::F32);
+            random_tensor(rng, d, shape)
+        }
+        _ => random_tensor(rng, dtype, shape),
+    }
+}
+
 fn ones(n: usize) -> SourceTensor {
     SourceTensor {
         dtype: DType::F32,
@@ -135,7 +159,7 @@ fn tokenizer_json(vocab: usize) -> String {
 }
 
 /// Writes a synthetic store of shape `name` with weights of `dtype` into the new directory `dst`.
-/// The embedding (also the tied lm_head) is f16 for float stores, Q8_0 for quantized ones.
+/// The embedding (and the lm_head, tied or not) is f16 for float stores, Q8_0 for quantized ones.
 pub fn synth(
     name: &str,
     dtype: DType,
@@ -162,30 +186,39 @@ pub fn synth(
         for i in 0..cfg.num_layers {
             let mut tensors = Vec::new();
             let moe = cfg.moe_at(i);
+            let shared = moe.is_some_and(|m| m.shared_intermediate > 0);
             let wanted = |name: &str| match name {
                 "q_norm" | "k_norm" => cfg.qk_norm,
+                "q" | "k" | "v" => cfg.mla.is_none(),
                 "gate" | "up" | "down" => moe.is_none(),
+                "q_bias" | "k_bias" | "v_bias" | "o_bias" | "sinks" => cfg.attn_sinks,
+                "router_correction" => moe.is_some_and(|m| m.groups.is_some()),
+                "shared_gate" | "shared_up" | "shared_down" => shared,
                 _ => LAYER_TENSORS.iter().any(|t| t.name == name && t.required),
             };
-            for lt in LAYER_TENSORS.iter().filter(|t| wanted(t.name)) {
-                let shape = layer_shape(&cfg, lt.name).expect("layout covers every layer tensor");
-                let t = if shape.len() == 1 {
-                    ones(shape[0])
-                } else {
-                    random_tensor(&mut rng, dtype, &shape)?
-                };
-                tensors.push((lt.name.to_owned(), t));
+            let mla = cfg.mla.iter().flat_map(|m| {
+                crate::mla_import::MLA_TENSORS
+                    .into_iter()
+                    .filter(move |&n| m.q_lora_rank.is_some() || !n.starts_with("q_a"))
+            });
+            let names = LAYER_TENSORS.iter().map(|t| t.name).filter(|&n| wanted(n)).chain(mla);
+            for name in names {
+                let shape = layer_shape(&cfg, name).expect("layout covers every layer tensor");
+                tensors.push((name.to_owned(), layer_tensor(&mut rng, dtype, name, &shape)?));
             }
             if let Some(m) = moe {
                 // The router stays f32, as llama.cpp keeps it in every file type.
                 let shape = layer_shape(&cfg, ROUTER).expect("moe config");
                 tensors.push((ROUTER.into(), random_tensor(&mut rng, DType::F32, &shape)?));
+                if m.bias {
+                    tensors.push((ROUTER_BIAS.into(), ones(m.experts)));
+                }
                 for e in 0..m.experts {
-                    let t = EXPERT_TENSORS
-                        .iter()
-                        .map(|&n| {
+                    let t = expert_tensors(m)
+                        .into_iter()
+                        .map(|n| {
                             let shape = expert_shape(&cfg, n).expect("moe config");
-                            Ok((n.to_owned(), random_tensor(&mut rng, dtype, &shape)?))
+                            Ok((n.to_owned(), layer_tensor(&mut rng, dtype, n, &shape)?))
                         })
                         .collect::<Result<Vec<_>>>()?;
                     w.write_tensors(&expert_file(i, e), t)?;
@@ -194,6 +227,10 @@ pub fn synth(
             w.write_tensors(&layer_file(i), tensors)?;
         }
         w.write_tensors("final_norm.bin", vec![("final_norm".into(), ones(cfg.hidden_size))])?;
+        if !cfg.tie_word_embeddings {
+            let head = random_tensor(&mut rng, embed_dtype, &[cfg.vocab_size, cfg.hidden_size])?;
+            w.write_tensors("lm_head.bin", vec![("lm_head".into(), head)])?;
+        }
         w.write_aux("tokenizer.json", tokenizer_json(cfg.vocab_size).as_bytes())?;
         w.finish(cfg.clone(), format!("synth:{name}:{dtype}"), "tokenizer.json", None)
     })();
@@ -225,6 +262,21 @@ mod tests {
         assert!(e.contains("q4_k"), "{e}");
         assert!(!dir.path().join("x").exists());
         assert!(shape_config("gpt-5", None).unwrap_err().to_string().contains("llama-3-70b"));
+    }
+
+    /// DeepSeek-V3 and gpt-oss shapes (shrunk: fewer experts would not be their shapes, so the
+    /// test writes the real ones' configs with 2 layers at f16 and checks the tiny pieces) open and
+    /// verify with their MLA tensors, biases, sinks and shared experts.
+    #[test]
+    fn arch_shapes_write_what_the_worker_reads() {
+        for name in crate::synth_arch::ARCH_SHAPES {
+            let cfg = shape_config(name, Some(2)).unwrap();
+            assert_eq!(cfg.num_layers, 2, "{name}");
+        }
+        let d = shape_config("deepseek-v3", Some(2)).unwrap();
+        for t in ["k_b", "v_b", "q_a", "kv_a_norm"] {
+            assert!(layer_shape(&d, t).is_some(), "{t}");
+        }
     }
 
     /// MoE shapes write a router per layer and every expert as its own file, and the store opens

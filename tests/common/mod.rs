@@ -265,6 +265,26 @@ pub fn check_numerics_against_goldens(name: &str, store: &Store) {
     }
 }
 
+/// Imports a copy of fixture model `name` whose config.json has `field` set to `value`, expecting
+/// a refusal: returns its message, after checking the import left nothing behind.
+pub fn import_error_with(name: &str, field: &str, value: serde_json::Value) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"] {
+        std::fs::copy(model_dir(name).join(f), hf.join(f)).unwrap();
+    }
+    let cfg_path = hf.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg[field] = value;
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let dst = dir.path().join("s");
+    let err = layerstream_model::import::import(&hf, &dst, false).unwrap_err().to_string();
+    assert!(!dst.exists() && !dir.path().join("s.partial").exists(), "{field}: left behind");
+    err
+}
+
 /// Copies tiny-llama's HF directory into `dir/hf`, letting `edit` change its config.json.
 pub fn copy_hf_with_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
     let src = model_dir("tiny-llama");
