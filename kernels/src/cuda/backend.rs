@@ -22,7 +22,8 @@ const MATVEC_ROWS: usize = 8;
 pub(super) const SCRATCH_ELEMS: usize = 32 << 20;
 use super::ATTENTION_THREADS;
 /// Largest head dimension the attention kernel takes (ATT_DIMS_PER_THREAD × ATTENTION_THREADS).
-const ATTENTION_MAX_HEAD_DIM: usize = 4 * ATTENTION_THREADS as usize;
+/// `ATT_DIMS_PER_THREAD` of attention.cu per thread: 640, room for MLA's 576-wide rows.
+const ATTENTION_MAX_HEAD_DIM: usize = 5 * ATTENTION_THREADS as usize;
 // The GEMM scratch (f32 at most) and 64 MiB for cuBLAS and the logits fit beside the activations.
 const _: () = assert!(
     SCRATCH_ELEMS as u64 * 4 + super::ACTIVATION_RESERVE + (64 << 20) <= super::RUNTIME_RESERVE

@@ -206,7 +206,8 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     let mut rng = Rng(31);
     // Attention: prefill after a cached prefix, decode, and contexts over several 128-position tiles
     // (the online softmax rescales); head_dim 64 (a dimension per thread, half the threads idle), 320
-    // (three per thread, the last partly) and 512 (the most the backend accepts: four per thread).
+    // (three per thread, the last partly), 512 (four per thread) and 576 (DeepSeek-V3's MLA row: five
+    // per thread, the most the backend accepts being 640).
     // Then sliding windows (Gemma: some rows see the whole context, some only its end) with a
     // score scale other than 1/√head_dim.
     // Every KV dtype, through a block table that is neither in order nor starting at 0.
@@ -218,6 +219,7 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         (300, 2, 64, 0, 64),
         (130, 2, 320, 0, 320),
         (40, 1, 512, 0, 512),
+        (33, 2, 576, 0, 192),
         (0, 9, 64, 4, 48),
         (150, 3, 64, 140, 48),
     ]

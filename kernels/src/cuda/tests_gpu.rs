@@ -231,6 +231,39 @@ fn norms_rope_activations_embedding_and_argmax_match_cpu() {
     assert!(e.contains("non-finite") && e.contains("row 1"), "{e}");
 }
 
+/// MLA's keys-only pools (`shared_kv`: the values are the keys' first columns) on the GPU equal
+/// the CPU's, f32 and q8_0 (rotated), prefill then decode; a block read back holds keys only.
+#[test]
+fn shared_kv_attention_matches_cpu() {
+    let Some(g) = gpu(GemmPrecision::F32) else { return };
+    let c = CpuBackend::default();
+    let s = AttnShape { shared_kv: true, ..AttnShape::new(8, 1, 576) };
+    let (qd, kvd) = (8 * 576, 576);
+    let mut rng = Rng(11);
+    let table: Vec<u32> = (0..6).map(|b| (b * 5 + 1) % 7).collect();
+    for dtype in [DType::F32, DType::Q8_0] {
+        let layout = crate::KvLayout::new(dtype, 16, 7, s).unwrap();
+        let (mut kc, mut kg) = (c.kv_cache(s, layout).unwrap(), g.kv_cache(s, layout).unwrap());
+        let mut start = 0;
+        for m in [70, 1, 1, 2] {
+            let (q, k) = (rng.vec(m * qd), rng.vec(m * kvd));
+            let seq = crate::KvSeq { table: &table, start };
+            let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
+            let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
+            let (ck, gk) = (ct(&k, kvd), gt(&k, kvd));
+            let want = c.attention(&ct(&q, qd), &ck, &ck, &mut kc, seq, s, None, None).unwrap();
+            let got = g.attention(&gt(&q, qd), &gk, &gk, &mut kg, seq, s, None, None).unwrap();
+            let e = rel(&g.to_host(&got).unwrap(), &want.data);
+            assert!(e < 1e-5, "{dtype:?} shared-kv attention m={m} at {start}: {e:e}");
+            start += m;
+        }
+        assert_eq!(
+            g.kv_read(&kg, table[1]).unwrap().len(),
+            c.kv_read(&kc, table[1]).unwrap().len()
+        );
+    }
+}
+
 /// Paged attention on the GPU equals the CPU's for every KV dtype: a 250-position prefill, then
 /// single tokens across block boundaries, through a scrambled block table.
 #[test]
