@@ -98,3 +98,25 @@ fn bad_deepseek_configs_name_the_field_or_tensor() {
         assert!(err.contains(want), "{field}: {err}");
     }
 }
+
+/// DeepSeek-V3 as deepseek-ai publishes it: FP8 e4m3 weights with 128×128 `weight_scale_inv`
+/// blocks (tests/fixtures/deepseek/gen_fp8.py). Every projection stays FP8 as stored, except the key
+/// blocks of `kv_b_proj`, which the absorbed form needs transposed (decoded to f32 first); the
+/// tokens equal transformers' on the blocks' values.
+#[test]
+fn deepseek_v3_fp8_checkpoint_matches_transformers() {
+    let name = "tiny-deepseek-v3-fp8";
+    let dir = tempfile::tempdir().unwrap();
+    let store = import(&model_dir(name), dir.path());
+    let layer = store.manifest.file(&layerstream_model::layout::layer_file(1)).unwrap();
+    let dtype = |t: &str| layer.tensor(t).unwrap().dtype;
+    use layerstream_model::DType;
+    assert_eq!(
+        (dtype("q_nope_b"), dtype("v_b"), dtype("o")),
+        (DType::Fp8E4m3B128, DType::Fp8E4m3B128, DType::Fp8E4m3B128)
+    );
+    assert_eq!(dtype("k_b"), DType::F32);
+    let expert = store.manifest.file(&layerstream_model::layout::expert_file(1, 3)).unwrap();
+    assert_eq!(expert.tensor("down").unwrap().dtype, DType::Fp8E4m3B128);
+    check_model_against_goldens(name, &store);
+}

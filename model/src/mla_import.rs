@@ -51,14 +51,38 @@ fn rows_of(t: &SourceTensor, group: usize, start: usize, n: usize) -> SourceTens
     SourceTensor { dtype: t.dtype, shape: vec![rows / group * n, t.shape[1]], data }
 }
 
-/// The transpose of a float `[rows, cols]` tensor.
-fn transpose(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
-    if !matches!(t.dtype, DType::F32 | DType::F16 | DType::Bf16) {
-        return Err(Error::tensor(
-            name,
-            format!("stored as {}: MLA's absorbed keys need it in f32, f16 or bf16", t.dtype),
-        ));
+/// A pre-quantized FP8 or INT8 tensor (rows of 128-value runs behind an f32 scale) as f32.
+fn dequant_b128(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
+    let decode: fn(u8) -> f32 = match t.dtype {
+        DType::Fp8E4m3B128 => layerstream_types::fp8::e4m3,
+        DType::Int8B128 => |b| b as i8 as f32,
+        other => {
+            return Err(Error::tensor(
+                name,
+                format!(
+                    "stored as {other}: MLA's absorbed keys need it in f32, f16, bf16, FP8 or INT8"
+                ),
+            ))
+        }
+    };
+    let mut data = Vec::with_capacity(t.data.len() / 132 * 128 * 4);
+    for block in t.data.chunks_exact(132) {
+        let s = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
+        data.extend(block[4..].iter().flat_map(|&b| (decode(b) * s).to_le_bytes()));
     }
+    Ok(SourceTensor { dtype: DType::F32, shape: t.shape.clone(), data })
+}
+
+/// The transpose of a `[rows, cols]` tensor (pre-quantized FP8/INT8 dequantized to f32 first: a
+/// transpose cuts across its 128-value runs).
+fn transpose(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
+    let deq;
+    let t = if matches!(t.dtype, DType::F32 | DType::F16 | DType::Bf16) {
+        t
+    } else {
+        deq = dequant_b128(name, t)?;
+        &deq
+    };
     let (rows, cols, es) = (t.shape[0], t.shape[1], t.dtype.block_bytes());
     let mut data = Vec::with_capacity(t.data.len());
     for c in 0..cols {
@@ -146,11 +170,13 @@ pub fn mla_tensors(
     let kv_b_name = name("self_attn.kv_b_proj.weight", "attn_kv_b.weight");
     let kv_b = read(ck, &kv_b_name, [heads * (nope + v), r])?;
     let k_heads = rows_of(&kv_b, nope + v, 0, nope);
+    // Pre-quantized rows come out of the transpose as f32.
     let mut k_b =
         SourceTensor { dtype: kv_b.dtype, shape: vec![heads * r, nope], data: Vec::new() };
     for h in 0..heads {
-        let one = rows_of(&k_heads, heads * nope, h * nope, nope);
-        k_b.data.extend(transpose(&kv_b_name, &one)?.data);
+        let one = transpose(&kv_b_name, &rows_of(&k_heads, heads * nope, h * nope, nope))?;
+        k_b.dtype = one.dtype;
+        k_b.data.extend(one.data);
     }
     out.push(("k_b".into(), k_b));
     out.push(("v_b".into(), rows_of(&kv_b, nope + v, nope, v)));
@@ -185,5 +211,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("attn_kv_b"));
+        // FP8 rows (scale 0.5; bytes 0x38 = 1.0, 0xC0 = -2.0) transpose to their f32 values.
+        let mut fp8 = 0.5f32.to_le_bytes().to_vec();
+        fp8.extend((0..128).map(|i| if i % 2 == 0 { 0x38u8 } else { 0xC0 }));
+        let t8 = SourceTensor { dtype: DType::Fp8E4m3B128, shape: vec![1, 128], data: fp8 };
+        let tr = transpose("kv_b", &t8).unwrap();
+        assert_eq!((tr.dtype, tr.shape.clone()), (DType::F32, vec![128, 1]));
+        assert_eq!(&vals(&tr)[..4], &[0.5, -1.0, 0.5, -1.0]);
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod dtype;
+pub mod fp8;
 pub mod mem;
 pub mod random;
 pub mod rope;
