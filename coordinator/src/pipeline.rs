@@ -68,9 +68,11 @@ impl Deadline {
         };
         let per_row =
             self.recent.iter().map(|&(t, n)| t / n.max(1) as u32).max().unwrap_or_default();
-        let scaled =
-            (per_row.saturating_mul(rows.min(u32::MAX as usize) as u32) * 10).min(Self::UNMEASURED);
-        (slowest * 10).max(scaled).max(Self::FLOOR)
+        let scaled = per_row
+            .saturating_mul(rows.min(u32::MAX as usize) as u32)
+            .saturating_mul(10)
+            .min(Self::UNMEASURED);
+        slowest.saturating_mul(10).max(scaled).max(Self::FLOOR)
     }
 
     /// Remembers a completed step's duration and rows.

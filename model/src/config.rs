@@ -304,12 +304,7 @@ fn parse_gemma(arch: Arch, v: &Value) -> Result<Option<GemmaConfig>> {
     }
     let layers = get_usize(v, "num_hidden_layers")?;
     let global_layers = match v.get("layer_types").and_then(Value::as_array) {
-        Some(t) => t
-            .iter()
-            .enumerate()
-            .filter(|(_, k)| k.as_str() == Some("full_attention"))
-            .map(|(i, _)| i)
-            .collect(),
+        Some(t) => of_type(t, "full_attention"),
         None => {
             let pattern = v.get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6);
             (0..layers).filter(|i| ((i + 1) as u64).is_multiple_of(pattern.max(1))).collect()
@@ -348,11 +343,14 @@ fn layer_types(v: &Value, kind: &str) -> Result<Vec<usize>> {
                 format!("{} entries for {layers} layers", t.len()),
             ))
         }
-        Some(t) => {
-            t.iter().enumerate().filter(|(_, k)| k.as_str() == Some(kind)).map(|(i, _)| i).collect()
-        }
+        Some(t) => of_type(t, kind),
         None => (1..layers).step_by(2).collect(),
     })
+}
+
+/// The indices of the `layer_types` entries equal to `kind`.
+fn of_type(types: &[Value], kind: &str) -> Vec<usize> {
+    types.iter().enumerate().filter(|(_, k)| k.as_str() == Some(kind)).map(|(i, _)| i).collect()
 }
 
 /// The experts section of a Qwen3-MoE or Mixtral config (`None` for dense architectures).
@@ -641,7 +639,7 @@ impl ModelConfig {
 }
 
 /// The largest size a config may give (far from overflowing the byte counts it multiplies into).
-const MAX_DIM: usize = 1 << 24;
+pub(crate) const MAX_DIM: usize = 1 << 24;
 
 /// A float field that must be finite and positive.
 fn positive(field: &str, v: f64) -> Result<()> {

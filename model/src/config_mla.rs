@@ -1,7 +1,7 @@
 //! DeepSeek-V3's departures from the Llama layer, as `config.json` describes them: multi-head latent
 //! attention (`MlaConfig`) and the router's group-limited sigmoid scores (`MoeConfig::groups`).
 
-use crate::config::{GroupRouting, MoeConfig};
+use crate::config::{GroupRouting, MoeConfig, MAX_DIM};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -41,12 +41,14 @@ impl MlaConfig {
     }
 }
 
+/// A positive size no larger than `config::MAX_DIM` (the products of these sizes — heads × ranks,
+/// shared experts × width — must stay far from overflowing).
 fn usize_of(v: &Value, field: &str) -> Result<usize> {
     v.get(field)
         .and_then(Value::as_u64)
+        .filter(|&x| x > 0 && x <= MAX_DIM as u64)
         .map(|x| x as usize)
-        .filter(|&x| x > 0)
-        .ok_or_else(|| Error::config(field, "missing or not a positive integer"))
+        .ok_or_else(|| Error::config(field, format!("missing or not an integer in 1..={MAX_DIM}")))
 }
 
 /// The MLA section of a DeepSeek-V3 config; `num_heads` checks `qk_nope_head_dim` against
@@ -131,7 +133,14 @@ pub fn parse_deepseek_moe(v: &Value) -> Result<MoeConfig> {
         return Err(Error::config("scoring_func", "only \"sigmoid\" (DeepSeek-V3) is supported"));
     }
     let inter = usize_of(v, "moe_intermediate_size")?;
-    let shared = v.get("n_shared_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
+    let shared = match v.get("n_shared_experts").and_then(Value::as_u64) {
+        None | Some(0) => 0,
+        Some(_) => usize_of(v, "n_shared_experts")?,
+    };
+    let shared_intermediate =
+        shared.checked_mul(inter).filter(|&w| w <= MAX_DIM).ok_or_else(|| {
+            Error::config("n_shared_experts", format!("{shared} × {inter} is too wide"))
+        })?;
     let dense = v.get("first_k_dense_replace").and_then(Value::as_u64).unwrap_or(0) as usize;
     Ok(MoeConfig {
         experts,
@@ -147,7 +156,7 @@ pub fn parse_deepseek_moe(v: &Value) -> Result<MoeConfig> {
                 .and_then(Value::as_f64)
                 .unwrap_or(1.0) as f32,
         }),
-        shared_intermediate: shared * inter,
+        shared_intermediate,
         ..MoeConfig::default()
     })
 }
@@ -180,6 +189,8 @@ mod tests {
             ("n_group", json!(3), "n_group"),
             ("qk_head_dim", json!(40), "qk_head_dim"),
             ("num_experts_per_tok", json!(9), "num_experts_per_tok"),
+            ("kv_lora_rank", json!(1u64 << 62), "kv_lora_rank"),
+            ("n_shared_experts", json!(1u64 << 40), "n_shared_experts"),
         ] {
             let mut w = v.clone();
             w[field] = bad;

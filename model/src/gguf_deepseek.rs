@@ -37,8 +37,7 @@ impl GgufFile {
         };
         match get("expert_gating_func").and_then(G::as_u64) {
             Some(2) => {}
-            None if self.tensor("blk.0.exp_probs_b.bias").is_some()
-                || self.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) => {}
+            None if self.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) => {}
             other => {
                 return Err(Error::config(
                     key("expert_gating_func"),

@@ -99,7 +99,8 @@ fn read(ck: &dyn Checkpoint, name: &str, shape: [usize; 2]) -> Result<SourceTens
     let mut t =
         ck.tensor(name)?.ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))?;
     if let [n, r, c] = t.shape[..] {
-        t.shape = vec![n * r, c];
+        let rows = n.checked_mul(r).ok_or_else(|| Error::tensor(name, "shape overflows"))?;
+        t.shape = vec![rows, c];
     }
     if t.shape != shape || t.shape[0] == 0 || !t.data.len().is_multiple_of(t.shape[0]) {
         return Err(Error::tensor(
@@ -162,7 +163,8 @@ pub fn mla_tensors(
     out.push(("kv_a_norm".into(), vector(&n, r, "kv_lora_rank")?));
     // llama.cpp's converter already split kv_b_proj (`attn_k_b` transposed per head, `attn_v_b`).
     let (k_name, v_name) = (name("", "attn_k_b.weight"), name("", "attn_v_b.weight"));
-    if k_name != prefix && ck.tensor(&k_name)?.is_some() {
+    // (An HF checkpoint has no such name: `pick_name` leaves the bare prefix, which is no tensor.)
+    if ck.tensor(&k_name)?.is_some() {
         out.push(("k_b".into(), read(ck, &k_name, [heads * r, nope])?));
         out.push(("v_b".into(), read(ck, &v_name, [heads * v, r])?));
         return Ok(out);

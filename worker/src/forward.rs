@@ -233,7 +233,9 @@ pub fn layer_forward<B: Backend>(
     let h = quant(b, ctx, b.rms_norm(x, &w.attn_norm, ctx.eps)?)?;
     let (p, s) = (&w.perms, &w.oscales);
     let attn = match (&w.qkv, &w.mla) {
-        (_, Some(mw)) => crate::mla::mla_attention(b, ctx, mw, &h, seqs, &pos, pool)?,
+        (_, Some(mw)) => {
+            crate::mla::mla_attention(b, ctx, mw, &h, seqs, (&pos, shape, rope), pool)?
+        }
         (Some([wq, wk, wv]), None) => {
             let mut q = proj(b, &h, wq, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
             let mut k = proj(b, &h, wk, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;

@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Result};
 use crate::forward::{attend, LayerCtx, SeqRows};
-use layerstream_kernels::Backend;
+use layerstream_kernels::{AttnShape, Backend, RopeTable};
 use layerstream_model::config_mla::MlaConfig;
 use layerstream_model::{FileEntry, ModelConfig};
 
@@ -71,7 +71,8 @@ impl<B: Backend> MlaWeights<B> {
     }
 }
 
-/// MLA over the normed rows `h` of a batch: stores each row's latent + RoPE key in `pool` and
+/// MLA over the normed rows `h` of a batch (at positions `pos`, with the layer's attention shape
+/// and RoPE table): stores each row's latent + RoPE key in `pool` and
 /// returns every head's output side by side (`[rows, heads · v_head_dim]`, before `o`).
 pub fn mla_attention<B: Backend>(
     b: &B,
@@ -79,11 +80,10 @@ pub fn mla_attention<B: Backend>(
     w: &MlaWeights<B>,
     h: &B::Tensor,
     seqs: &[SeqRows],
-    pos: &[usize],
+    (pos, shape, rope): (&[usize], AttnShape, &RopeTable),
     pool: &mut B::KvCache,
 ) -> Result<B::Tensor> {
     let m = ctx.mla.as_ref().ok_or_else(|| Error::Weights("MLA weights, no MLA config".into()))?;
-    let (shape, rope) = ctx.attn(0);
     let (r, nope, rd) = (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim);
     let q_low = match &w.q_a {
         Some((a, norm)) => Some(b.rms_norm(&b.matmul(h, a)?, norm, ctx.eps)?),

@@ -184,17 +184,15 @@ pub fn route(logits: &[f32], m: &MoeConfig) -> Vec<Vec<(u32, f32)>> {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let exp: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
             let sum: f32 = exp.iter().sum();
-            let mut order: Vec<u32> = (0..m.experts as u32).collect();
-            order.sort_by(|&a, &b| exp[b as usize].total_cmp(&exp[a as usize]).then(a.cmp(&b)));
-            let mut top: Vec<(u32, f32)> =
-                order[..m.top_k].iter().map(|&e| (e, exp[e as usize] / sum)).collect();
+            let mut chosen: Vec<(u32, f32)> =
+                top(&exp, m.top_k).into_iter().map(|e| (e as u32, exp[e] / sum)).collect();
             if m.norm_topk_prob {
-                let s: f32 = top.iter().map(|t| t.1).sum();
-                for t in &mut top {
+                let s: f32 = chosen.iter().map(|t| t.1).sum();
+                for t in &mut chosen {
                     t.1 /= s;
                 }
             }
-            top
+            chosen
         })
         .collect()
 }

@@ -44,17 +44,16 @@ fn f32_values(entry: &FileEntry, bytes: &[u8], name: &str) -> Result<Option<Vec<
     use layerstream_model::DType;
     let Some(t) = entry.tensor(name) else { return Ok(None) };
     let raw = bytes.get(t.offset as usize..(t.offset + t.size) as usize);
-    let two = |c: &[u8]| [c[0], c[1]];
-    match (raw, t.dtype) {
-        (Some(raw), DType::F32) => Ok(Some(
-            raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        )),
-        (Some(raw), DType::F16) => {
-            Ok(Some(raw.chunks_exact(2).map(|c| half::f16::from_le_bytes(two(c)).into()).collect()))
+    let n = t.dtype.block_bytes();
+    match raw {
+        Some(raw)
+            if matches!(t.dtype, DType::F32 | DType::F16 | DType::Bf16)
+                && raw.len().is_multiple_of(n) =>
+        {
+            let mut out = vec![0f32; raw.len() / n];
+            layerstream_kernels::quant::dequant_row(t.dtype, raw, &mut out);
+            Ok(Some(out))
         }
-        (Some(raw), DType::Bf16) => Ok(Some(
-            raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes(two(c)).into()).collect(),
-        )),
         _ => Err(Error::Weights(format!(
             "{}: tensor {name} is not float values inside its file",
             entry.name

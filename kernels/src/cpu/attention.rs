@@ -73,8 +73,8 @@ impl CpuKv {
         }
         self.reach(b);
         let (k, v) = bytes.split_at(4 * n);
-        let parts = [(&mut self.k, k), (&mut self.v, v)];
-        for (buf, src) in parts.into_iter().take(if self.keys_only { 1 } else { 2 }) {
+        let bufs = self.bufs();
+        for (buf, src) in [(&mut self.k, k), (&mut self.v, v)].into_iter().take(bufs) {
             for (w, c) in buf[b * n..(b + 1) * n].iter_mut().zip(src.chunks_exact(4)) {
                 *w = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
@@ -176,7 +176,10 @@ pub fn attention(
             }
             out
         };
-        let (gk, gv) = (gather(pk), gather(pv));
+        // Shared keys and values (MLA): one gather serves both.
+        let gk = gather(pk);
+        let own_v = (!s.shared_kv).then(|| gather(pv));
+        let gv = own_v.as_ref().unwrap_or(&gk);
         let at = |t: usize| (t - lo) * kvd..(t - lo + 1) * kvd;
         // Scores against rotated keys need the rotated query; the output comes back rotated.
         let mut out = attend(&rotated(q), m, start, s, mask, |t| &gk[at(t)], |t| &gv[at(t)]);
