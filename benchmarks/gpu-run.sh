@@ -12,6 +12,10 @@
 #   sampling  host sampling bench                    are here), SmolLM2 shapes and llama-3-70b shapes
 #   stream    streamed vs resident vs prefetch off (BATCHES)
 #   prefill   long prompts (PREFILL_BATCHES)       sampled   T 0.7 top-p 0.9 decode (SAMPLED_BATCHES)
+#   spec      speculative decoding: 70B-shaped streamed target, 1B-shaped draft, pass time by
+#             positions and tok/s projected at ACCEPTANCE (default 0.5,0.6,0.7,0.8)
+#   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
+#   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
 #   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
 #             ninja and nvcc) vs resident layerstream on the very same weights (`synth --gguf`) of
 #             LLAMA_SHAPES (llama-3-8b llama-3-70b; LLAMA_LAYERS each, default all / LAYERS70;
@@ -25,7 +29,7 @@
 # LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES, KEEP.
 set -uo pipefail
 OUT=$1; shift; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
-SECTIONS=" ${*:-kernels cuda matvec h2d run sampling stream prefill sampled} "
+SECTIONS=" ${*:-kernels cuda matvec h2d run sampling stream prefill sampled spec moe prequant} "
 on() { [[ "$SECTIONS" == *" $1 "* ]]; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KEEP=${KEEP:-/tmp/ls-keep}; mkdir -p "$KEEP"
@@ -89,6 +93,29 @@ sec_stream() { for b in ${BATCHES-1 8 32 64 128}; do bench "batch $b" bench-b$b 
 sec_prefill() { for b in ${PREFILL_BATCHES-1 4}; do bench "prefill, batch $b, ${PROMPT_TOKENS:-512}-token prompts" bench-prefill-b$b --batch $b --max-new-tokens 4 --prompt-tokens ${PROMPT_TOKENS:-512}; done; }
 # Sampled decode (logits come back to the host, 128k vocabulary) vs the greedy rows (device argmax).
 sec_sampled() { for b in ${SAMPLED_BATCHES-64}; do bench "sampled (T 0.7, top-p 0.9), batch $b" bench-sampled-b$b --batch $b --max-new-tokens ${TOKENS:-8} --prompt "$FOX" --temperature 0.7 --top-p 0.9; done; }
+# Speculative decoding (#28): a 70B-shaped streamed Q4_K target with a 1B-shaped resident draft
+# (synth llama-3.2-1b, same vocabulary): the time of a pass of 1/16/64/256 positions against the
+# link, the draft's time per token, and tok/s projected at ACCEPTANCE (the per-token rates the real
+# CPU pair measured; a synthetic draft accepts nothing).
+sec_spec() {
+  local d=/tmp/ls-1b
+  [ -d $d ] || "$LS" synth --shape llama-3.2-1b --dtype q4_k $d >/dev/null
+  RUST_LOG=${RUST_LOG:-warn} "$LS" bench --speculative --model $S70 --draft-model $d --device $DEV \
+    --memory-budget ${BUDGET:-4G} --loader-slots ${LAYERS70:-20} --streaming-buffers ${BUFFERS:-2} \
+    --batch 1 --spec-max 64 --pass-positions 1,16,64,256 --acceptance ${ACCEPTANCE:-0.5,0.6,0.7,0.8} \
+    2>&1 | grep -E "^\||^target|^Projected" | tee "$OUT/spec.txt"
+}
+# Mixture-of-experts streaming (#32, #33): DeepSeek-V3 and gpt-oss-120b shapes expert by expert.
+sec_moe() {
+  LAYERSTREAM_BIN="$LS" bash "$ROOT/benchmarks/moe-experts.sh" --device $DEV --layers ${MOE_LAYERS:-4} \
+    --shapes "${MOE_SHAPES:-deepseek-v3}" --batches ${MOE_BATCHES:-1,32} 2>&1 | tee "$OUT/moe.md" | tail -20
+  LAYERSTREAM_BIN="$LS" bash "$ROOT/benchmarks/moe-experts.sh" --device $DEV --layers ${MOE_LAYERS:-4} \
+    --shapes gpt-oss-120b --dtype mxfp4 --batches ${MOE_BATCHES:-1,32} 2>&1 | tee -a "$OUT/moe.md" | tail -20
+}
+# Pre-quantized checkpoints' formats (#31) streamed at the link's own speed and resident.
+sec_prequant() {
+  DEVICE=$DEV LAYERSTREAM_BIN="$LS" LINK_GBPS= bash "$ROOT/benchmarks/prequant-formats.sh" 2>&1 | tee "$OUT/prequant.md" | tail -20
+}
 sec_llama() {
   local src=$KEEP/llama-src bld=${LLAMA_BUILD:-$KEEP/llama-build} cuda=OFF
   command -v nvcc >/dev/null && cuda=ON
@@ -132,6 +159,6 @@ PY
     done
   done
 }
-for s in kernels cuda matvec h2d run sampling stream prefill sampled llama; do
+for s in kernels cuda matvec h2d run sampling stream prefill sampled spec moe prequant llama; do
   on $s && { echo "== $s"; timed sec_$s; }
 done

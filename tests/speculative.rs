@@ -314,3 +314,36 @@ fn sampled_tokens_follow_the_plain_distribution() {
     assert!((chi2_p(11.0705, 5) - 0.05).abs() < 1e-3);
     assert!((chi2_p(3.0, 4) - 0.5578).abs() < 1e-3);
 }
+
+/// `bench --speculative --acceptance` on a synthetic pair (random weights, which accept nothing):
+/// it times passes of each `--pass-positions` and a draft token, then projects tokens/s per rate —
+/// never lower at a higher rate on the same costs; rates outside [0, 1) and a missing draft model
+/// are refused naming the flag.
+#[test]
+fn bench_projects_a_synthetic_pair_at_given_acceptance_rates() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, d) = (dir.path().join("t"), dir.path().join("d"));
+    let (t, d) = (t.to_str().unwrap(), d.to_str().unwrap());
+    layerstream(&["synth", "--shape", "tiny", "--dtype", "q4_k", "--layers", "4", t]);
+    layerstream(&["synth", "--shape", "tiny", "--dtype", "q4_k", "--layers", "1", d]);
+    let base = ["bench", "--speculative", "--model", t, "--batch", "1", "--resident-layers", "0"];
+    let out = layerstream(
+        &[&base[..], &["--draft-model", d, "--pass-positions", "1,4", "--acceptance", "0.6,0.9"]]
+            .concat(),
+    );
+    let rows: Vec<Vec<f64>> = out
+        .lines()
+        .filter(|l| l.starts_with("| 0."))
+        .map(|l| l.split('|').filter_map(|c| c.trim().parse().ok()).collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(out.contains("| 1 |") && out.contains("| 4 |"), "the pass times: {out}");
+    // | acceptance | best chain | tokens/pass | tok/s | ÷ plain |
+    assert_eq!((rows[0][0], rows[1][0]), (0.6, 0.9), "{out}");
+    assert!(rows.iter().all(|r| r.len() == 5 && r[2] >= 1.0 && r[4] >= 1.0), "{out}");
+    assert!(rows[1][3] >= rows[0][3], "a higher rate projected slower: {out}");
+    let e = layerstream_fails(&[&base[..], &["--draft-model", d, "--acceptance", "1.5"]].concat());
+    assert!(e.contains("--acceptance takes rates in [0, 1), got 1.5"), "{e}");
+    let e = layerstream_fails(&[&base[..], &["--acceptance", "0.5"]].concat());
+    assert!(e.contains("give --draft-model"), "{e}");
+}

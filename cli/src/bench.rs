@@ -117,6 +117,15 @@ pub struct BenchArgs {
     /// The width of the draft model's token trees in `--speculative` (its tree configuration).
     #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 3)]
     pub spec_width: u32,
+    /// Positions of the weight passes `--speculative` times (the cost of verifying).
+    #[arg(long, env = "LAYERSTREAM_BENCH_PASS_POSITIONS", value_delimiter = ',', default_values_t = [1usize, 4, 16, 64])]
+    pub pass_positions: Vec<usize>,
+    /// With `--speculative` and `--draft-model`: instead of the workloads, measure the pass times
+    /// and the draft model's time per drafted token, and project tokens/s at these per-token
+    /// acceptance rates (for a synthetic pair — random weights accept nothing — with the rates a
+    /// real pair measured).
+    #[arg(long, env = "LAYERSTREAM_BENCH_ACCEPTANCE", value_delimiter = ',')]
+    pub acceptance: Vec<f64>,
 }
 
 /// One configuration's result.

@@ -1,15 +1,15 @@
 //! `layerstream bench --speculative`: plain decoding, prompt lookup and a draft model (chains and
 //! trees) side by side,
 //! each on a fresh `layerstream up` stack with the same plan, over three chat workloads; then the
-//! cost of verifying — the time of a weight pass as it carries 1, 4, 16 and 64 positions.
+//! cost of verifying — the time of a weight pass as it carries 1, 4, 16 and 64 positions
+//! (`--pass-positions`). With `--acceptance`, only the costs are measured and the speed at those
+//! acceptance rates projected (`bench_spec_cost`).
 
 use crate::bench::{stack_args, BenchArgs};
 use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
-use layerstream_rpc::v1::{
-    generate_event, generate_request, GenerateRequest, Sampling, Stats, TokenIds,
-};
+use layerstream_rpc::v1::{generate_event, GenerateRequest, Sampling, Stats};
 use std::time::Instant;
 
 /// (name, chat message): a chat answer, a code edit (prompt lookup's home ground: the answer
@@ -64,7 +64,7 @@ fn chat(text: &str, a: &BenchArgs) -> GenerateRequest {
 }
 
 /// Sends `batch` copies of `req` at once; returns (outputs, stats, wall seconds).
-async fn send(
+pub(crate) async fn send(
     addr: &str,
     req: GenerateRequest,
     batch: usize,
@@ -126,35 +126,8 @@ fn run_config(
     Ok(rows)
 }
 
-/// The time of one weight pass carrying `k` positions: a prompt of 16·k token ids prefilled in
-/// chunks of k (`--max-step-tokens k`), its prefill time over its 16 steps.
-fn pass_ms(
-    model: &str,
-    vocab: usize,
-    k: usize,
-    a: &BenchArgs,
-    rt: &tokio::runtime::Runtime,
-) -> Result<f64> {
-    let mut extra = plan_args(a);
-    extra.extend(["--max-step-tokens".to_owned(), k.to_string()]);
-    let mut children = Children(Vec::new());
-    let one = BenchArgs { batch: 1, ..a.clone() };
-    let addr = spawn_quiet(&mut children, "pass", &stack_args(model, &one, &extra))?.addr;
-    let ids =
-        |n: usize| -> Vec<u32> { (0..n).map(|i| (1 + (i * 7919) % (vocab - 1)) as u32).collect() };
-    let req = |n: usize| GenerateRequest {
-        input: Some(generate_request::Input::TokenIds(TokenIds { ids: ids(n) })),
-        max_new_tokens: 1,
-        ..Default::default()
-    };
-    rt.block_on(send(&addr, req(k), 1))?;
-    let (_, stats, _) = rt.block_on(send(&addr, req(16 * k), 1))?;
-    let st = &stats[0];
-    Ok(st.first_token_ms / st.steps.max(1) as f64)
-}
-
 /// The plan flags of every stack of this bench.
-fn plan_args(a: &BenchArgs) -> Vec<String> {
+pub(crate) fn plan_args(a: &BenchArgs) -> Vec<String> {
     let mut v = a.plan.to_args();
     if let Some(b) = a.device.memory_budget {
         v.extend(["--memory-budget".to_owned(), b.to_string()]);
@@ -167,6 +140,9 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
     let vocab =
         layerstream_model::Store::open(std::path::Path::new(model))?.manifest.config.vocab_size;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    if !a.acceptance.is_empty() {
+        return project_only(a, model, vocab, &rt);
+    }
     let spec = |mode: &str| {
         let mut v = plan_args(a);
         v.extend(["--spec".to_owned(), mode.into(), "--spec-max".into(), a.spec_max.to_string()]);
@@ -215,20 +191,46 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
             if r.same_tokens { "yes" } else { "NO" }
         );
     }
-    println!("\n| positions per pass | pass ms | ÷ 1 position |\n|---|---|---|");
-    let mut base = 0.0;
-    for k in [1usize, 4, 16, 64] {
-        let ms = pass_ms(model, vocab, k, a, &rt).with_context(|| format!("pass of {k}"))?;
-        if k == 1 {
-            base = ms;
-        }
-        println!("| {k} | {ms:.1} | {:.2} |", ms / base);
-    }
+    crate::bench_spec_cost::pass_curve(model, vocab, a, &rt)?;
     if let Some(p) = &a.json_out {
         std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
     }
     if rows.iter().any(|r| !r.same_tokens) {
         bail!("a speculative configuration changed the tokens");
     }
+    Ok(())
+}
+
+/// `--acceptance`: the pass curve and the draft model's time per level measured, then tokens per
+/// second projected at each acceptance rate (for a synthetic pair, whose drafts are never accepted).
+fn project_only(
+    a: &BenchArgs,
+    model: &str,
+    vocab: usize,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
+    let Some(draft) = &a.draft_model else {
+        bail!("--acceptance projects a draft model's speed: give --draft-model");
+    };
+    if let Some(bad) = a.acceptance.iter().find(|x| !(0.0..1.0).contains(*x)) {
+        bail!("--acceptance takes rates in [0, 1), got {bad}");
+    }
+    layerstream_model::spec::check_draft(
+        &layerstream_model::Store::open(std::path::Path::new(model))?,
+        &layerstream_model::Store::open(draft)?,
+    )?;
+    println!(
+        "target {model}, draft {} (resident, alone on {}); {} worker(s); plan: {}; link: {}",
+        draft.display(),
+        a.device.device,
+        a.workers,
+        plan_args(a).join(" "),
+        a.device
+            .link_gbps
+            .map_or("as fast as it goes".to_owned(), |g| format!("paced to {g} GB/s"))
+    );
+    let curve = crate::bench_spec_cost::pass_curve(model, vocab, a, rt)?;
+    let level = crate::bench_spec_cost::draft_level_ms(draft, a)?;
+    crate::bench_spec_cost::print_projections(a, &curve, level);
     Ok(())
 }

@@ -9,6 +9,7 @@ mod bench_kv;
 mod bench_matvec;
 mod bench_pipeline;
 mod bench_spec;
+mod bench_spec_cost;
 mod fetch;
 mod flags_doc;
 mod health;
@@ -49,8 +50,9 @@ enum Cmd {
     },
     /// Write a store with random weights of a real model's shapes (for speed measurements).
     Synth {
-        /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b; mixtures of experts (every expert in
-        /// its own file): tiny-moe, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b.
+        /// Shape: tiny, smollm2-135m, llama-3-8b, llama-3-70b, llama-3.2-1b (the 70B's draft);
+        /// mixtures of experts (every expert in its own file): tiny-moe, qwen3-30b-a3b,
+        /// qwen3-235b-a22b, mixtral-8x7b; deepseek-v3, gpt-oss-120b, gpt-oss-20b.
         #[arg(long, env = "LAYERSTREAM_SYNTH_SHAPE")]
         shape: String,
         /// Weight type of the layers: any stored format (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,

@@ -109,7 +109,7 @@ fn generate_on<B: Backend>(
         positions,
     };
     let draft = match (mode, draft) {
-        (SpecMode::Draft, Some(d)) => Some(Model::load_kv(backend.clone(), d, kv)?),
+        (SpecMode::Draft, Some(d)) => Some(Model::load_kv(backend.clone(), d, kv)?.into_draft()),
         _ => None,
     };
     let model = Model::load_kv(backend, store, kv)?;

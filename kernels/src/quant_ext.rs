@@ -88,15 +88,9 @@ pub fn q2_k(b: &[u8], out: &mut [f32]) {
 /// Q3_K (256 values): 32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of packed 6-bit
 /// scales, `d`; value = `d·(scale − 32)·(q − (high bit ? 0 : 4))` per 16-value sub-block.
 pub fn q3_k(b: &[u8], out: &mut [f32]) {
-    let (hm, qs, packed) = (&b[0..32], &b[32..96], &b[96..108]);
+    let (hm, qs) = (&b[0..32], &b[32..96]);
     let d = f16_at(b, 108);
-    // The 16 six-bit scales: low nibbles in bytes 0..8, high two bits in 8..12.
-    let mut scales = [0i32; 16];
-    for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 { packed[i] & 0xF } else { packed[i - 8] >> 4 };
-        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-        *s = (low | (high << 4)) as i32 - 32;
-    }
+    let scales = q3k_scales(&b[96..108]);
     let mut is = 0;
     let mut y = 0;
     let mut m = 1u8;
@@ -115,6 +109,18 @@ pub fn q3_k(b: &[u8], out: &mut [f32]) {
             m <<= 1;
         }
     }
+}
+
+/// Q3_K's 16 six-bit scales, offset removed (−32..31), from its 12 packed bytes: low nibbles in
+/// bytes 0..8, high two bits in 8..12.
+pub fn q3k_scales(packed: &[u8]) -> [i32; 16] {
+    let mut scales = [0i32; 16];
+    for (i, s) in scales.iter_mut().enumerate() {
+        let low = if i < 8 { packed[i] & 0xF } else { packed[i - 8] >> 4 };
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        *s = (low | (high << 4)) as i32 - 32;
+    }
+    scales
 }
 
 /// The 6-bit scale and min of sub-block `j` of the K formats' 12 packed bytes.

@@ -19,6 +19,8 @@ pub const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize)] = &[
     ("smollm2-135m", 576, 1536, 9, 3, 49152, 30),
     ("llama-3-8b", 4096, 14336, 32, 8, 128256, 32),
     ("llama-3-70b", 8192, 28672, 64, 8, 128256, 80),
+    // The 70B's draft: Llama 3.2 1B (its vocabulary; head_dim 64).
+    ("llama-3.2-1b", 2048, 8192, 32, 8, 128256, 16),
 ];
 
 /// Mixture-of-experts shapes: (name, hidden, heads, kv heads, head dim, vocab, layers, experts,

@@ -56,6 +56,10 @@ pub struct LayerCtx {
     pub(crate) embed_scale: Option<f32>,
     /// Multi-head latent attention (DeepSeek-V3).
     pub(crate) mla: Option<layerstream_model::config_mla::MlaConfig>,
+    /// A speculative draft model: 8-bit activations everywhere, its vocabulary projection included
+    /// (`int8::approximate`), whatever the process uses — its near-ties cost at most a rejected
+    /// token, never a changed output.
+    pub(crate) draft: bool,
 }
 
 impl LayerCtx {
@@ -109,6 +113,7 @@ impl LayerCtx {
             // transformers multiplies by √hidden cast to the activations' dtype (f32 here).
             embed_scale: g.map(|_| (cfg.hidden_size as f32).sqrt()),
             mla: cfg.mla.clone(),
+            draft: false,
         }
     }
 
@@ -321,7 +326,11 @@ pub fn head_tensor<B: Backend>(
     }
     let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
     let h = b.rms_norm(&last, norm, ctx.eps)?;
-    // f32 activations for the vocabulary projection whatever the layers use (see `int8::exact`).
+    // f32 activations for the vocabulary projection whatever the layers use (see `int8::exact`),
+    // but in a draft model.
+    if ctx.draft {
+        return Ok(b.matmul(&h, lm_head)?);
+    }
     Ok(layerstream_kernels::cpu::int8::exact(|| b.matmul(&h, lm_head))?)
 }
 

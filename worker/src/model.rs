@@ -109,6 +109,14 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// This model as a speculative-decoding draft: 8-bit activations in every product, the
+    /// vocabulary projection included, even under `--exact` (`int8::approximate`) — a draft's
+    /// arithmetic only proposes tokens (SmolLM2-135M's CPU head: 2.4 → 0.7 ms a token).
+    pub fn into_draft(mut self) -> Self {
+        self.ctx.draft = true;
+        self
+    }
+
     /// A fresh sequence, holding no blocks yet.
     pub fn new_sequence(&self) -> SeqState {
         SeqState { blocks: SeqBlocks::default(), pool: self.blocks.clone(), len: 0 }
@@ -178,6 +186,11 @@ impl<B: Backend> Model<B> {
         trees: Vec<Option<Vec<u64>>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
+        if self.ctx.draft && !layerstream_kernels::cpu::int8::int8_activations() {
+            return layerstream_kernels::cpu::int8::approximate(|| {
+                self.forward_here(batch, trees, tails)
+            });
+        }
         let (x, seqs) = self.layers_with(batch, trees)?;
         head_logits(
             &self.backend,

@@ -203,7 +203,7 @@ impl<B: Backend + 'static> Stage<B> {
             let d = Store::open(std::path::Path::new(&plan.draft_model))?;
             layerstream_model::spec::check_draft(&store, &d)?;
             let opts = KvOptions { dtype: kv.dtype, block: kv.block, positions: kv.positions() };
-            let m = Model::load_kv(backend.clone(), &d, opts)?;
+            let m = Model::load_kv(backend.clone(), &d, opts)?.into_draft();
             tracing::info!(draft = %plan.draft_model, layers = m.cfg.num_layers, "draft model loaded");
             Some(m)
         } else {

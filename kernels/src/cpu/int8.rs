@@ -5,11 +5,13 @@
 //! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
 //! in-process tests get the f32 path):
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
-//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K / int8_b128 / int4_g128 / MXFP4 weight blocks are dotted with them in integer arithmetic, one scale
+//! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / int8_b128 / int4_g128 /
+//! MXFP4 weight blocks are dotted with them in integer arithmetic, one scale
 //! product per block. Faster than dequantizing every weight to f32, at the cost of the exact parity
 //! with transformers the f32 path keeps (tokens are checked against llama.cpp's own output instead:
 //! benchmarks/vs-llama-cpp-cpu-2core.md). Other formats keep the f32 path.
 
+use super::int8_kq;
 use crate::quant::f16_at;
 use layerstream_types::DType;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,9 +28,25 @@ thread_local! {
     static SUSPENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Whether 8-bit activations are on (and not suspended on this thread by `exact`).
+thread_local! {
+    /// Set while `approximate` runs on this thread.
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether 8-bit activations are on — for the process, or on this thread by `approximate` — and
+/// not suspended on this thread by `exact`.
 pub fn int8_activations() -> bool {
-    ENABLED.load(Ordering::Relaxed) && !SUSPENDED.with(|s| s.get())
+    (ENABLED.load(Ordering::Relaxed) || FORCED.with(|f| f.get())) && !SUSPENDED.with(|s| s.get())
+}
+
+/// Runs `f` with 8-bit activations on this thread even where the process has them off
+/// (`--exact`): a speculative draft model's forward pass, whose arithmetic only proposes tokens —
+/// verification by the target decides every output. `exact` inside still turns them off.
+pub fn approximate<R>(f: impl FnOnce() -> R) -> R {
+    let was = FORCED.with(|s| s.replace(true));
+    let r = f();
+    FORCED.with(|s| s.set(was));
+    r
 }
 
 /// Runs `f` with 8-bit activations off on this thread: the vocabulary projection, whose argmax
@@ -51,7 +69,10 @@ pub fn supports(dtype: DType) -> bool {
             | DType::Q4_1
             | DType::Q5_0
             | DType::Q5_1
+            | DType::Q2K
+            | DType::Q3K
             | DType::Q4K
+            | DType::Q5K
             | DType::Q6K
             | DType::Int8B128
             | DType::Int4G128
@@ -170,8 +191,17 @@ fn block_offset(dtype: DType, b: &[u8]) -> f32 {
 
 /// Scalar reference: Σ over blocks of the weight row `w` (whole blocks of `dtype`) · `x`.
 pub fn dot_scalar(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
-    if dtype == DType::Q4K {
-        return w.chunks_exact(144).enumerate().map(|(s, b)| q4k_scalar(b, x, 8 * s)).sum();
+    let super_blocks = |f: &dyn Fn(&[u8], usize) -> f32| -> f32 {
+        w.chunks_exact(dtype.block_bytes()).enumerate().map(|(s, b)| f(b, 8 * s)).sum()
+    };
+    match dtype {
+        DType::Q2K => return super_blocks(&|b, first| int8_kq::q2k_scalar(b, x, first)),
+        DType::Q3K => return super_blocks(&|b, first| int8_kq::q3k_scalar(b, x, first)),
+        DType::Q4K | DType::Q5K => {
+            let fifth = dtype == DType::Q5K;
+            return super_blocks(&|b, first| int8_kq::q45k_scalar(b, x, first, fifth));
+        }
+        _ => {}
     }
     if dtype == DType::Q6K {
         return w.chunks_exact(210).enumerate().map(|(s, b)| q6k_scalar(b, x, 8 * s)).sum();
@@ -186,23 +216,6 @@ pub fn dot_scalar(dtype: DType, w: &[u8], x: &Q8Row) -> f32 {
         let (dx, qx) = (x.d[i], &x.q[i * QK..(i + 1) * QK]);
         let s = block_isum(dtype, b, qx) as f32;
         acc += block_scale(dtype, b) * dx * s + block_offset(dtype, b) * x.ds[i];
-    }
-    acc
-}
-
-/// One Q4_K super-block (256 values in 8 sub-blocks of 32, value = d·scale·q − dmin·min) against
-/// activation blocks `first..first + 8`: per sub-block d·scale·dx·Σq·qx − dmin·min·(dx·Σqx).
-fn q4k_scalar(b: &[u8], x: &Q8Row, first: usize) -> f32 {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let mut acc = 0f32;
-    for j in 0..8 {
-        let (sc, m) = crate::quant_ext::scale_min_k4(j, &b[4..16]);
-        let qs = &b[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-        let (dx, qx, ds) = x.block(first + j);
-        let shift = 4 * (j % 2);
-        let isum: i32 =
-            qs.iter().zip(qx).map(|(&w, &q)| ((w >> shift) & 0xF) as i32 * q as i32).sum();
-        acc += d * sc * dx * isum as f32 - dmin * m * ds;
     }
     acc
 }
@@ -319,13 +332,16 @@ mod tests {
     use crate::quant::{dequant_row, dot as f32_dot};
 
     /// Every format with an 8-bit dot.
-    const TYPES: [DType; 10] = [
+    const TYPES: [DType; 13] = [
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
         DType::Q4K,
+        DType::Q5K,
         DType::Q6K,
         DType::Int8B128,
         DType::Int4G128,

@@ -108,7 +108,10 @@ pub unsafe fn dot_rows(dtype: DType, w: &[u8], rb: usize, x: &Q8Row, out: &mut [
     match dtype {
         DType::Q5_0
         | DType::Q5_1
+        | DType::Q2K
+        | DType::Q3K
         | DType::Q4K
+        | DType::Q5K
         | DType::Q6K
         | DType::Int8B128
         | DType::Int4G128

@@ -15,7 +15,7 @@ const A: usize = 4;
 
 /// Activation block `i` of row `x`: (scale, 32 values, scale·Σ values).
 #[inline(always)]
-unsafe fn xblock(x: &Q8Row, i: usize) -> (f32, __m256i, f32) {
+pub(super) unsafe fn xblock(x: &Q8Row, i: usize) -> (f32, __m256i, f32) {
     let (d, q, ds) = x.block(i);
     (d, _mm256_loadu_si256(q.as_ptr() as *const __m256i), ds)
 }
@@ -169,18 +169,23 @@ unsafe fn five_bits(p: *const u8) -> __m256i {
     _mm256_or_si256(nibbles(p.add(4)), _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
 }
 
-/// One Q4_K row (`nsb` super-blocks) against `xs`: per 32-value sub-block d·scale·dx·Σq·qx −
-/// dmin·min·dx·Σqx.
+/// One Q4_K row (`nsb` super-blocks of 144 bytes) or, `FIFTH`, Q5_K row (176: 32 bytes of fifth
+/// bits before the nibbles) against `xs`: per 32-value sub-block d·scale·dx·Σq·qx − dmin·min·dx·Σqx.
 #[inline(always)]
-unsafe fn q4k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
+pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
+    w: *const u8,
+    nsb: usize,
+    xs: [&Q8Row; N],
+) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let mut off = [_mm256_setzero_ps(); N];
-    let low = _mm256_set1_epi8(0x0F);
+    let (low, one) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
+    let (bb, qs) = if FIFTH { (176, 48) } else { (144, 16) };
     for s in 0..nsb {
-        prefetch(w.add(s * 144));
-        prefetch(w.add(s * 144 + 64));
-        prefetch(w.add(s * 144 + 128));
-        let b = std::slice::from_raw_parts(w.add(s * 144), 144);
+        for line in (0..bb).step_by(64) {
+            prefetch(w.add(s * bb + line));
+        }
+        let b = std::slice::from_raw_parts(w.add(s * bb), bb);
         let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
         // The eight sub-blocks' d·scale and −dmin·min as vectors, times each activation row's
         // eight block scales (and d·Σq for the offsets) at once: one lane per sub-block.
@@ -195,12 +200,22 @@ unsafe fn q4k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32
             off[a] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(ds.as_ptr()), off[a]);
             _mm256_mul_ps(dsc, _mm256_loadu_ps(dx.as_ptr()))
         });
+        let qh = if FIFTH {
+            _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
         for j in 0..4 {
-            let raw = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * j) as *const __m256i);
+            let raw = _mm256_loadu_si256(b.as_ptr().add(qs + 32 * j) as *const __m256i);
             let halves =
                 [_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)];
-            for (h, u) in halves.into_iter().enumerate() {
+            for (h, mut u) in halves.into_iter().enumerate() {
                 let sub = 2 * j + h;
+                if FIFTH {
+                    // Bit `sub` of each fifth-bit byte, moved to bit 4.
+                    let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
+                }
                 let lane = _mm256_set1_epi32(sub as i32);
                 for a in 0..N {
                     let (_, qx, _) = xblock(xs[a], 8 * s + sub);
@@ -279,7 +294,10 @@ pub(super) unsafe fn row<const N: usize>(
         DType::Q5_0 => row32::<N, true, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
         DType::Q5_1 => row32::<N, false, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
         DType::Mxfp4 => row32::<N, true, _>(w, 17, rb / 17, xs, &|b| mxfp4(b)),
-        DType::Q4K => q4k::<N>(w, rb / 144, xs),
+        DType::Q4K => q45k::<N, false>(w, rb / 144, xs),
+        DType::Q5K => q45k::<N, true>(w, rb / 176, xs),
+        DType::Q2K => super::int8_kq_avx2::q2k::<N>(w, rb / 84, xs),
+        DType::Q3K => super::int8_kq_avx2::q3k::<N>(w, rb / 110, xs),
         DType::Int8B128 => units::<N, true, _>(rb / 132 * 4, xs, &|i| int8_b128(w, i)),
         DType::Int4G128 => units::<N, false, _>(rb / 69 * 4, xs, &|i| int4_g128(w, i)),
         _ => q6k::<N>(w, rb / 210, xs),

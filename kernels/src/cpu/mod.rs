@@ -7,6 +7,9 @@ pub mod int8;
 mod int8_avx2;
 #[cfg(target_arch = "x86_64")]
 mod int8_batch;
+mod int8_kq;
+#[cfg(target_arch = "x86_64")]
+mod int8_kq_avx2;
 mod matmul;
 mod pool;
 pub mod rows;
