@@ -1,5 +1,6 @@
 //! `--int8-activations` numerics against transformers: the file types it computes in integers
-//! (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K: their files and Q4_K_M), each prompt fed one token per step (so every
+//! (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: their files and the K-quant mixes
+//! Q2_K, Q3_K_M, Q4_K_M and Q5_K_M), each prompt fed one token per step (so every
 //! matmul takes the 8-bit path), last-position logits against transformers' on the weights gguf-py
 //! dequantizes from the same file. 8-bit activations round each 32-value block to 1/254 of its
 //! largest value, so the logits move by a bounded fraction of their spread, not to the f32 path's
@@ -17,7 +18,8 @@ const REL_TOL: f32 = 0.03;
 #[test]
 fn int8_logits_stay_within_three_percent_of_the_logit_range_of_transformers() {
     layerstream_kernels::cpu::int8::set_int8_activations(true);
-    for t in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q6_K"] {
+    for t in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K"]
+    {
         let dir = tempfile::tempdir().unwrap();
         let gguf = fixtures().join("gguf").join("quant").join(format!("tiny-llama-{t}.gguf"));
         let store = import(&gguf, dir.path());
