@@ -347,3 +347,46 @@ fn bench_projects_a_synthetic_pair_at_given_acceptance_rates() {
     let e = layerstream_fails(&[&base[..], &["--acceptance", "0.5"]].concat());
     assert!(e.contains("give --draft-model"), "{e}");
 }
+
+/// A draft tree grown over two passes (`Model::forward_grow`: the second pass's rows see the
+/// cached history and their own ancestors among the first pass's rows) gives every node the
+/// logits of its path fed causally on its own, on a real (tiny) model; a mask that does not name
+/// its own row is refused.
+#[test]
+fn a_tree_grown_over_two_passes_gives_each_node_its_paths_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = layerstream_model::Store::open(&tiny_store(dir.path())).unwrap();
+    let model = Model::load(CpuBackend::default(), &store).unwrap();
+    let history = [1u32, 17, 305, 42];
+    // Nodes: 0 and 1 children of the root (the last history token); 2 and 3 children of node 0,
+    // 4 a child of node 1; 5 a child of node 3. Passes: nodes 0-1, then 2-4, then 5.
+    let (tokens, parents) = ([7u32, 9, 11, 13, 15, 19], [0u32, 0, 1, 1, 2, 4]);
+    let mut masks = vec![0u64; tokens.len()];
+    for i in 0..tokens.len() {
+        let p = parents[i] as usize;
+        masks[i] = (if p == 0 { 0 } else { masks[p - 1] }) | 1 << i;
+    }
+    let mut seq = model.new_sequence();
+    model.forward(&mut [(&history[..], &mut seq)]).unwrap();
+    let mut got = Vec::new();
+    for (from, to) in [(0, 2), (2, 5), (5, 6)] {
+        let rows = model.forward_grow(&tokens[from..to], &mut seq, masks[from..to].to_vec(), from);
+        got.extend(rows.unwrap());
+    }
+    assert_eq!(got.len(), tokens.len());
+    for (i, logits) in got.iter().enumerate() {
+        let mut path = vec![i];
+        while parents[*path.last().unwrap()] != 0 {
+            let p = parents[*path.last().unwrap()] as usize - 1;
+            path.push(p);
+        }
+        let ids: Vec<u32> =
+            history.iter().copied().chain(path.iter().rev().map(|&n| tokens[n])).collect();
+        let want = prefill_logits(&model, &ids);
+        let d = max_abs_diff(logits, &want);
+        assert!(d < 1e-4, "node {i} (path {path:?}): {d}");
+    }
+    // A mask that does not name the node itself is refused, naming the tree.
+    let e = model.forward_grow(&[3], &mut seq, vec![0b1], 6).unwrap_err().to_string();
+    assert!(e.contains("token tree"), "{e}");
+}

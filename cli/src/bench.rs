@@ -115,7 +115,7 @@ pub struct BenchArgs {
     #[arg(long, env = "LAYERSTREAM_BENCH_CONSTRAINED")]
     pub constrained: Option<usize>,
     /// The width of the draft model's token trees in `--speculative` (its tree configuration).
-    #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 3)]
+    #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 2)]
     pub spec_width: u32,
     /// Positions of the weight passes `--speculative` times (the cost of verifying).
     #[arg(long, env = "LAYERSTREAM_BENCH_PASS_POSITIONS", value_delimiter = ',', default_values_t = [1usize, 4, 16, 64])]

@@ -203,9 +203,10 @@ pub struct SpecFlags {
     /// A smaller store with the target's vocabulary that drafts tokens (`--spec draft` or `auto`).
     #[arg(long, env = "LAYERSTREAM_DRAFT_MODEL")]
     pub draft_model: Option<std::path::PathBuf>,
-    /// Token trees: at each step of its greedy chain the draft model also proposes its next
-    /// `N - 1` most likely tokens, and one pass verifies every branch with a tree attention mask
-    /// (1 = a chain; at most 4; full-context models).
+    /// Token trees: the draft model grows a tree best first — the N most likely continuations of
+    /// every node are candidates, scored by the draft's probability of their whole path, and each
+    /// draft pass adds the N best — and one pass verifies every branch with a tree attention mask
+    /// (1 = a greedy chain; at most 4; full-context models).
     #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=layerstream_model::spec::MAX_WIDTH as i64))]
     pub spec_width: u32,

@@ -100,8 +100,9 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
 }
 
 // window > 0: a row attends only to the last `window` positions of its context (itself included).
-// anc != 0: the new rows are a token tree (at most 64: gridDim.y of them): row r attends
-// to the positions before `start` and to the new rows whose bit is set in anc[r].
+// anc != 0: the new rows are (the end of) a token tree: row r attends to the positions before
+// `tree_from` and to the tree's positions `tree_from + j` whose bit j is set in anc[r] (rows an
+// earlier call cached from `tree_from` to `start`, then the new ones; at most 64 in all).
 // rot > 1: keys and values are stored rotated in chunks of `rot` (see fwht): the query is rotated
 // before the scores and the output rotated back.
 // sinks != 0: head h's softmax counts exp(sinks[h]) in its denominator (gpt-oss): the online
@@ -109,7 +110,7 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
 extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp, const unsigned* table, int bs,
                                      long long stride, int dt, int rot, float* out, int start, int n_heads,
                                      int n_kv_heads, int hd, float scale, int window,
-                                     const unsigned long long* anc, const float* sinks) {
+                                     const unsigned long long* anc, const float* sinks, int tree_from) {
     __shared__ float p[ATT_MAX_THREADS];
     __shared__ float rq[ATT_DIMS_PER_THREAD * ATT_MAX_THREADS];
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
@@ -134,7 +135,7 @@ extern "C" __global__ void attention(const float* q, const u8* kp, const u8* vp,
     for (int t0 = first; t0 < n_ctx; t0 += nt) {
         const int t = t0 + tid;
         float s = -3.0e38f;
-        const bool seen = t < n_ctx && (!anc || t < start || ((mask >> (t - start)) & 1ULL));
+        const bool seen = t < n_ctx && (!anc || t < tree_from || ((mask >> (t - tree_from)) & 1ULL));
         if (seen) {
             const u8* kr = kv_row(kp, table, bs, stride, t);
             float d = 0.0f;

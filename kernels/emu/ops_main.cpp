@@ -1,6 +1,6 @@
 // Runs the kernels of kernels/cuda/ops.cu and attention.cu under the host emulator, with the launch
 // shapes of kernels/src/cuda/backend.rs. All data f32 unless said; T is a DT_* code of common.cuh.
-//   ops-emu attention START M NH NKV HD THREADS WINDOW SCALAR BS T NB TREE SINKS IN OUT
+//   ops-emu attention START M NH NKV HD THREADS WINDOW SCALAR BS T NB TREE SINKS TREE_FROM IN OUT
 //                                                (scale 1/√SCALAR; a pool of blocks of BS positions
 //                                                in dtype T; the sequence's table names NB blocks)
 //                                                IN: q (M×NH·HD), k and v rows ((START+M)×NKV·HD),
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     FILE* in = fopen(argv[argc - 2], "rb");
     if (!in) return 3;
     const char* out = argv[argc - 1];
-    if (op == "attention" && a.size() == 13) {
+    if (op == "attention" && a.size() == 14) {
         const int start = a[0], m = a[1], nh = a[2], nkv = a[3], hd = a[4], threads = a[5], window = a[6];
         const int bs = a[8], dt = a[9], nb = a[10], tree = a[11], has_sinks = a[12], ctx = start + m, kvd = nkv * hd;
         std::vector<float> q((size_t)m * nh * hd), k((size_t)ctx * kvd), v(k.size()), sinks(has_sinks ? nh : 0);
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
         }
         std::vector<float> o(q.size(), NAN);
         const float scale = 1.0f / sqrtf((float)a[7]);
-        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, rot, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr, has_sinks ? sinks.data() : nullptr); });
+        launch2(nh, m, threads, [&] { attention(q.data(), kp.data(), vp.data(), table.data(), bs, stride, dt, rot, o.data(), start, nh, nkv, hd, scale, window, tree ? anc.data() : nullptr, has_sinks ? sinks.data() : nullptr, a[13]); });
         return write_out(out, o);
     }
     if (op == "rms_norm" && a.size() == 3) {

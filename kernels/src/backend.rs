@@ -50,15 +50,16 @@ impl AttnShape {
         )
     }
 
-    /// Checks q/k/v (`(rows, cols)` each) and a token tree's ancestor masks (one per row, at most
-    /// 64, each row its own ancestor and none after it; full-context layers only) against this
-    /// shape for one `attention` call; returns `(q_dim, kv_dim)`.
+    /// Checks q/k/v (`(rows, cols)` each) and a token tree's ancestor masks (one per new row, each
+    /// over the `cached` tree rows an earlier call stored and the new rows: row i is its own
+    /// ancestor — bit `cached + i` — and sees none after it; at most 64 rows in all; full-context
+    /// layers only) against this shape for one `attention` call; returns `(q_dim, kv_dim)`.
     pub fn check(
         &self,
         q: (usize, usize),
         k: (usize, usize),
         v: (usize, usize),
-        tree: Option<&[u64]>,
+        tree: Option<(&[u64], usize)>,
     ) -> crate::Result<(usize, usize)> {
         let (qd, kvd) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
         crate::error::ensure(
@@ -71,16 +72,16 @@ impl AttnShape {
             "attention",
             || format!("{self:?}: heads not a multiple of kv heads"),
         )?;
-        if let Some(anc) = tree {
-            let ok = q.0 <= 64
+        if let Some((anc, cached)) = tree {
+            let ok = cached + q.0 <= 64
                 && anc.len() == q.0
                 && self.window == 0
-                && anc
-                    .iter()
-                    .enumerate()
-                    .all(|(i, &a)| a >> i & 1 == 1 && (i == 63 || a >> (i + 1) == 0));
+                && anc.iter().enumerate().all(|(i, &a)| {
+                    let me = cached + i;
+                    a >> me & 1 == 1 && (me == 63 || a >> (me + 1) == 0)
+                });
             crate::error::ensure(ok, "attention", || {
-                format!("a token tree of {} rows with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", q.0, self.window)
+                format!("a token tree of {} new rows after {cached} cached ones with masks {anc:x?} (window {}): each row must be its own ancestor, see none after it, at most 64 rows, no window", q.0, self.window)
             })?;
         }
         Ok((qd, kvd))

@@ -67,14 +67,34 @@ impl KvLayout {
 }
 
 /// One sequence's place in a pool: its block table (block `i` holds positions
-/// `i * block .. (i + 1) * block`) and how many positions it had cached before this call.
+/// `i * block .. (i + 1) * block`) and how many positions it had cached before this call; for a
+/// token tree, the position its ancestor masks' bit 0 names (`tree_from` ≤ `start`: a tree whose
+/// first rows were cached by an earlier call — a draft model growing its tree — else `start`).
 #[derive(Debug, Clone, Copy)]
 pub struct KvSeq<'a> {
     pub table: &'a [u32],
     pub start: usize,
+    pub tree_from: usize,
+}
+
+impl<'a> KvSeq<'a> {
+    /// New rows after `start` cached positions; a tree among the new rows only.
+    pub fn new(table: &'a [u32], start: usize) -> Self {
+        KvSeq { table, start, tree_from: start }
+    }
 }
 
 impl KvSeq<'_> {
+    /// A tree's rows cached before this call (`start − tree_from`), with its masks for `check`.
+    pub fn tree<'t>(&self, masks: Option<&'t [u64]>) -> Result<Option<(&'t [u64], usize)>> {
+        let Some(m) = masks else { return Ok(None) };
+        let cached = self.start.checked_sub(self.tree_from);
+        crate::error::ensure(cached.is_some(), "attention", || {
+            format!("a tree from position {} after only {} cached", self.tree_from, self.start)
+        })?;
+        Ok(Some((m, cached.unwrap_or(0))))
+    }
+
     /// Checks that the table covers `start + m` positions with blocks of the pool.
     pub fn check(&self, layout: &KvLayout, m: usize) -> Result<()> {
         let need = (self.start + m).div_ceil(layout.block);
@@ -256,9 +276,9 @@ mod tests {
     #[test]
     fn tables_must_cover_the_positions() {
         let l = KvLayout { dtype: DType::F32, block: 4, blocks: 3 };
-        assert!(KvSeq { table: &[2, 0], start: 5 }.check(&l, 3).is_ok());
-        assert!(KvSeq { table: &[2, 0], start: 5 }.check(&l, 4).is_err());
-        assert!(KvSeq { table: &[3], start: 0 }.check(&l, 1).is_err());
-        assert_eq!(KvSeq { table: &[2, 0], start: 0 }.slot(5, 4), 1);
+        assert!(KvSeq::new(&[2, 0], 5).check(&l, 3).is_ok());
+        assert!(KvSeq::new(&[2, 0], 5).check(&l, 4).is_err());
+        assert!(KvSeq::new(&[3], 0).check(&l, 1).is_err());
+        assert_eq!(KvSeq::new(&[2, 0], 0).slot(5, 4), 1);
     }
 }

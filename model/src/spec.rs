@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 /// KV cache can roll back (`KV_ROLLBACK` in the kernels, 256).
 pub const MAX_DRAFT: usize = 64;
 
-/// Most candidates a draft tree branches on at each step of its chain (`--spec-width`).
+/// Most continuations per node, and nodes per draft pass, of a best-first draft tree
+/// (`--spec-width`).
 pub const MAX_WIDTH: usize = 4;
 
 /// Longest and shortest n-grams prompt lookup matches (longest first).

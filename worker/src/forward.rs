@@ -11,13 +11,15 @@ use layerstream_model::ModelConfig;
 
 /// One sequence's share of a batch: how many rows it contributes, the position of the first, and
 /// the KV blocks its positions live in (every layer's pool alike); for a token tree (speculative
-/// decoding), every row's ancestor mask among its rows (row i at position `start_pos` + its depth,
-/// attending to the cache and its ancestors).
+/// decoding), every row's ancestor mask over the tree's positions from `tree_from` (= `start_pos`,
+/// or earlier where a draft model grows a tree it cached in part), a row at `tree_from` + its
+/// depth − 1, attending to the cache before `tree_from` and to its ancestors.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqRows {
     pub(crate) rows: usize,
     pub(crate) start_pos: usize,
     pub(crate) tree: Option<Vec<u64>>,
+    pub(crate) tree_from: usize,
     pub(crate) blocks: Vec<u32>,
 }
 
@@ -180,7 +182,7 @@ fn quant<B: Backend>(b: &B, ctx: &LayerCtx, x: B::Tensor) -> Result<B::Tensor> {
 
 /// Where a sequence's rows go in a layer's KV pool.
 fn kv_seq(s: &SeqRows) -> KvSeq<'_> {
-    KvSeq { table: &s.blocks, start: s.start_pos }
+    KvSeq { table: &s.blocks, start: s.start_pos, tree_from: s.tree_from }
 }
 
 /// Positions of every row of a batch, in order (a tree row's: the first row's plus its depth).
@@ -188,7 +190,7 @@ pub fn positions(seqs: &[SeqRows]) -> Vec<usize> {
     seqs.iter()
         .flat_map(|s| match &s.tree {
             None => (s.start_pos..s.start_pos + s.rows).collect::<Vec<_>>(),
-            Some(anc) => anc.iter().map(|a| s.start_pos + a.count_ones() as usize - 1).collect(),
+            Some(anc) => anc.iter().map(|a| s.tree_from + a.count_ones() as usize - 1).collect(),
         })
         .collect()
 }
@@ -366,9 +368,17 @@ mod tests {
         // 5 (child of node 3).
         let anc = tree_masks(6, &[0, 0, 1]).unwrap();
         assert_eq!(anc, vec![0b1, 0b11, 0b111, 0b1111, 0b10111, 0b101111]);
-        let s = SeqRows { rows: 6, start_pos: 10, tree: Some(anc), blocks: Vec::new() };
-        let chain = SeqRows { rows: 2, start_pos: 3, tree: None, blocks: Vec::new() };
-        assert_eq!(positions(&[s, chain]), vec![10, 11, 12, 13, 13, 14, 3, 4]);
+        let s = SeqRows { rows: 6, start_pos: 10, tree: Some(anc), tree_from: 10, blocks: vec![] };
+        let chain = SeqRows { rows: 2, start_pos: 3, tree: None, tree_from: 3, blocks: vec![] };
+        // A tree's last two nodes fed after its first four were cached: masks from position 10.
+        let grown = SeqRows {
+            rows: 2,
+            start_pos: 14,
+            tree: Some(vec![0b10111, 0b101111]),
+            tree_from: 10,
+            blocks: vec![],
+        };
+        assert_eq!(positions(&[s, chain, grown]), vec![10, 11, 12, 13, 13, 14, 3, 4, 13, 14]);
         assert!(tree_masks(3, &[]).is_none());
     }
 }

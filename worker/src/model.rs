@@ -138,7 +138,22 @@ impl<B: Backend> Model<B> {
         parents: &[u32],
         tail: usize,
     ) -> Result<Vec<Vec<f32>>> {
-        let tree = crate::forward::tree_masks(tokens.len(), parents);
+        let tree = crate::forward::tree_masks(tokens.len(), parents).map(|m| (m, 0));
+        self.backend.run_step(|| self.forward_here(&mut [(tokens, seq)], vec![tree], &[tail]))
+    }
+
+    /// Feeds `tokens` to `seq` as the next nodes of a token tree whose first `cached` nodes an
+    /// earlier call fed (a draft model growing its tree): `masks[i]` is node i's ancestors among
+    /// the tree's nodes, bit `cached + i` itself; returns every new node's logits.
+    pub fn forward_grow(
+        &self,
+        tokens: &[u32],
+        seq: &mut SeqState,
+        masks: Vec<u64>,
+        cached: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let tail = tokens.len();
+        let tree = Some((masks, cached));
         self.backend.run_step(|| self.forward_here(&mut [(tokens, seq)], vec![tree], &[tail]))
     }
 
@@ -183,7 +198,7 @@ impl<B: Backend> Model<B> {
     fn forward_here(
         &self,
         batch: &mut [(&[u32], &mut SeqState)],
-        trees: Vec<Option<Vec<u64>>>,
+        trees: Vec<Option<(Vec<u64>, usize)>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
         if self.ctx.draft && !layerstream_kernels::cpu::int8::int8_activations() {
@@ -204,12 +219,12 @@ impl<B: Backend> Model<B> {
     }
 
     /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens;
-    /// `trees[i]`: sequence i's tree masks, None: causal); returns the last layer's output and the
-    /// rows of each sequence.
+    /// `trees[i]`: sequence i's tree masks and how many of the tree's nodes its cache already
+    /// holds, None: causal); returns the last layer's output and the rows of each sequence.
     fn layers_with(
         &self,
         batch: &mut [(&[u32], &mut SeqState)],
-        trees: Vec<Option<Vec<u64>>>,
+        trees: Vec<Option<(Vec<u64>, usize)>>,
     ) -> Result<(B::Tensor, Vec<SeqRows>)> {
         let b = &self.backend;
         let ids: Vec<u32> = batch.iter().flat_map(|(t, _)| t.iter().copied()).collect();
@@ -232,11 +247,15 @@ impl<B: Backend> Model<B> {
         let seqs: Vec<SeqRows> = batch
             .iter()
             .zip(trees)
-            .map(|((t, s), tree)| SeqRows {
-                rows: t.len(),
-                start_pos: s.len,
-                tree,
-                blocks: s.blocks.table.clone(),
+            .map(|((t, s), tree)| {
+                let cached = tree.as_ref().map_or(0, |t| t.1);
+                SeqRows {
+                    rows: t.len(),
+                    start_pos: s.len,
+                    tree_from: s.len.saturating_sub(cached),
+                    tree: tree.map(|t| t.0),
+                    blocks: s.blocks.table.clone(),
+                }
             })
             .collect();
         let mut x = crate::forward::embed(b, &self.ctx, &self.embed, &ids)?;

@@ -379,6 +379,7 @@ impl<B: Backend + 'static> Stage<B> {
                 rows: s.tokens.len(),
                 start_pos: s.start_pos,
                 tree: crate::forward::tree_masks(s.tokens.len(), &s.tree_parents),
+                tree_from: s.start_pos,
                 blocks: s.blocks.clone(),
             })
             .collect();

@@ -111,7 +111,8 @@ impl CpuKv {
 /// causally over the sequence's positions (over the last `s.window` positions of each row's
 /// context when a window is set), scores scaled by `s.scale`. With a token tree's ancestor masks
 /// (`tree`, at most 64 rows, full-context layers only) row i attends to the positions before
-/// `seq.start` and to the new rows whose bit is set in `tree[i]` instead. `sinks`: one logit per
+/// `seq.tree_from` and to the tree rows — cached ones from `tree_from`, then the new — whose bit is
+/// set in `tree[i]` instead. `sinks`: one logit per
 /// head in each softmax's denominator. Quantized rows are dequantized here; f32 rows are read in
 /// place. `seq` has been checked against the pool.
 #[allow(clippy::too_many_arguments)]
@@ -160,7 +161,7 @@ pub fn attention(
         attend(
             q,
             m,
-            start,
+            (start, seq.tree_from),
             s,
             mask,
             |t| &pk[slot(t)..slot(t) + kvd],
@@ -182,7 +183,8 @@ pub fn attention(
         let gv = own_v.as_ref().unwrap_or(&gk);
         let at = |t: usize| (t - lo) * kvd..(t - lo + 1) * kvd;
         // Scores against rotated keys need the rotated query; the output comes back rotated.
-        let mut out = attend(&rotated(q), m, start, s, mask, |t| &gk[at(t)], |t| &gv[at(t)]);
+        let mut out =
+            attend(&rotated(q), m, (start, seq.tree_from), s, mask, |t| &gk[at(t)], |t| &gv[at(t)]);
         hadamard(&mut out, rot);
         out
     }
@@ -191,11 +193,12 @@ pub fn attention(
 /// A token tree's ancestor masks and the heads' sinks, if any.
 pub type Mask<'a> = (Option<&'a [u64]>, Option<&'a [f32]>);
 
-/// The attention itself over positions read through `key(t)` / `value(t)` (a full kv row each).
+/// The attention itself over positions read through `key(t)` / `value(t)` (a full kv row each);
+/// a tree's mask bit j names position `tree_from + j`.
 fn attend<'a>(
     q: &[f32],
     m: usize,
-    start: usize,
+    (start, tree_from): (usize, usize),
     s: AttnShape,
     (tree, sinks): Mask<'_>,
     key: impl Fn(usize) -> &'a [f32] + Sync,
@@ -213,8 +216,10 @@ fn attend<'a>(
         // The positions this row sees: causal, or the cached ones and its ancestors in a tree.
         let seen: Vec<usize> = match tree {
             None => (first..n_ctx).collect(),
-            Some(a) => (first..start)
-                .chain((0..m).filter(|&j| a[row] >> j & 1 == 1).map(|j| start + j))
+            Some(a) => (first..tree_from)
+                .chain(
+                    (0..n_ctx - tree_from).filter(|&j| a[row] >> j & 1 == 1).map(|j| tree_from + j),
+                )
                 .collect(),
         };
         let mut scores: Vec<f32> =
@@ -260,7 +265,7 @@ mod tests {
     ) -> Vec<f32> {
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let (a, b) = (range.start, range.end);
-        let seq = KvSeq { table, start: a };
+        let seq = KvSeq::new(table, a);
         attention(
             &q[a * qd..b * qd],
             &k[a * kvd..b * kvd],
@@ -347,6 +352,34 @@ mod tests {
         }
     }
 
+    /// A tree grown over two calls (its first rows cached by the first, masks of the second over
+    /// all of them from `tree_from`) gives the rows of the second call what one call gives them;
+    /// a `tree_from` past `start` is refused.
+    #[test]
+    fn a_tree_grown_over_two_calls_equals_one_call() {
+        let s = AttnShape::new(2, 1, 4);
+        let (q, k, v) = (gen(8 * 8, 7), gen(8 * 4, 5), gen(8 * 4, 3));
+        // Two cached positions, then 0 → {1, 2}, 1 → 3, 2 → 4: rows 0-2 in one call, 3-4 later.
+        let anc: Vec<u64> = vec![0b1, 0b11, 0b101, 0b1011, 0b10101];
+        let mut one = pool(DType::F32, 4, s);
+        feed(&mut one, &[5, 6], (&q, &k, &v), 0..2, s, None);
+        let whole = feed(&mut one, &[5, 6], (&q, &k, &v), 2..7, s, Some(&anc));
+        let mut two = pool(DType::F32, 4, s);
+        feed(&mut two, &[1, 3], (&q, &k, &v), 0..2, s, None);
+        feed(&mut two, &[1, 3], (&q, &k, &v), 2..5, s, Some(&anc[..3]));
+        let (qd, kvd) = (8, 4);
+        let seq = KvSeq { table: &[1, 3], start: 5, tree_from: 2 };
+        let (q2, k2, v2) = (&q[5 * qd..7 * qd], &k[5 * kvd..7 * kvd], &v[5 * kvd..7 * kvd]);
+        let grown = attention(q2, k2, v2, 2, &mut two, seq, s, (Some(&anc[3..]), None));
+        for (a, b) in grown.iter().zip(&whole[3 * qd..]) {
+            assert!((a - b).abs() < 1e-6, "{grown:?} vs {:?}", &whole[3 * qd..]);
+        }
+        let late = KvSeq { table: &[1, 3], start: 5, tree_from: 6 };
+        assert!(late.tree(Some(&anc[3..])).is_err());
+        let bad_own_bit = s.check((2, 8), (2, 4), (2, 4), seq.tree(Some(&anc[1..3])).unwrap());
+        assert!(bad_own_bit.is_err());
+    }
+
     /// A sink joins each head's softmax denominator only: a row that sees one position gets that
     /// value times σ(score − sink), and every output shrinks by the sink's share.
     #[test]
@@ -355,7 +388,7 @@ mod tests {
         let (q, k, v) = (gen(5 * 8, 7), gen(5 * 4, 5), gen(5 * 4, 3));
         let sinks = [0.7f32, -1.3];
         let plain = feed(&mut pool(DType::F32, 4, s), &[0, 1], (&q, &k, &v), 0..5, s, None);
-        let seq = KvSeq { table: &[0, 1], start: 0 };
+        let seq = KvSeq::new(&[0, 1], 0);
         let mut p = pool(DType::F32, 4, s);
         let got = attention(&q, &k, &v, 5, &mut p, seq, s, (None, Some(&sinks)));
         for h in 0..2 {

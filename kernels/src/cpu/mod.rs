@@ -328,7 +328,8 @@ impl Backend for CpuBackend {
         tree: Option<&[u64]>,
         sinks: Option<&[f32]>,
     ) -> Result<CpuTensor> {
-        let (qd, _) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        let (qd, _) =
+            s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), seq.tree(tree)?)?;
         s.check_sinks(sinks)?;
         seq.check(&cache.layout, q.rows)?;
         let data =

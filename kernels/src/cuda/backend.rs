@@ -806,7 +806,8 @@ impl Backend for CudaBackend {
         tree: Option<&[u64]>,
         sinks: Option<&[f32]>,
     ) -> Result<CudaTensor> {
-        let (qd, kvd) = s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), tree)?;
+        let (qd, kvd) =
+            s.check((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), seq.tree(tree)?)?;
         s.check_sinks(sinks)?;
         ensure(s.head_dim <= ATTENTION_MAX_HEAD_DIM, "attention", || {
             format!("head_dim {} exceeds the CUDA kernel's {ATTENTION_MAX_HEAD_DIM}", s.head_dim)
@@ -862,6 +863,7 @@ impl Backend for CudaBackend {
             i(s.window as i32),
             anc_buf.as_ref().map_or(0, |b| b.ptr),
             sink_buf.as_ref().map_or(0, |b| b.ptr),
+            i(seq.tree_from as i32),
         ];
         self.gpu.launch(
             "attention",

@@ -169,6 +169,7 @@ fn paged(
     dtype: DType,
     scalar: usize,
     (tree, sinks): (Option<&[u64]>, Option<&[f32]>),
+    tree_from: usize,
 ) -> f64 {
     let (qd, kvd, bs) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 16);
     let nb = (start + m).div_ceil(bs);
@@ -178,13 +179,13 @@ fn paged(
     let (pk, pv) = (rng.vec(start * kvd), rng.vec(start * kvd));
     let t = |d: &[f32], rows, cols| c.from_host(d, rows, cols).unwrap();
     if start > 0 {
-        let seq = crate::KvSeq { table: &table, start: 0 };
+        let seq = crate::KvSeq::new(&table, 0);
         let pq = rng.vec(start * qd);
         let (q, k, v) = (t(&pq, start, qd), t(&pk, start, kvd), t(&pv, start, kvd));
         c.attention(&q, &k, &v, &mut pool, seq, s, None, sinks).unwrap();
     }
     let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
-    let seq = crate::KvSeq { table: &table, start };
+    let seq = crate::KvSeq { table: &table, start, tree_from };
     let (tq, tk, tv) = (t(&q, m, qd), t(&k, m, kvd), t(&v, m, kvd));
     let want = c.attention(&tq, &tk, &tv, &mut pool, seq, s, tree, sinks).unwrap().data;
     let mut input = bytes_of(&[&q, &pk, &k, &pv, &v]);
@@ -193,9 +194,18 @@ fn paged(
     input.extend(sinks.unwrap_or(&[]).iter().flat_map(|a| a.to_le_bytes()));
     let code = dtype_code(dtype) as usize;
     let nums = [start, m, s.n_heads, s.n_kv_heads, s.head_dim, super::ATTENTION_THREADS as usize];
-    let more = [s.window, scalar, bs, code, nb, tree.is_some() as usize, sinks.is_some() as usize];
+    let more = [
+        s.window,
+        scalar,
+        bs,
+        code,
+        nb,
+        tree.is_some() as usize,
+        sinks.is_some() as usize,
+        tree_from,
+    ];
     let all: Vec<usize> = nums.iter().chain(&more).copied().collect();
-    let got = f32s(&emu.run(&args::<13>("attention", all.try_into().unwrap()), &input));
+    let got = f32s(&emu.run(&args::<14>("attention", all.try_into().unwrap()), &input));
     rel(&got, &want)
 }
 
@@ -231,7 +241,8 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         // Every other case with gpt-oss's attention sinks (one logit per head).
         let sinks = [0.5f32, -2.0, 1.5, 0.0];
         let sinks = (n % 2 == 1).then_some(&sinks[..]);
-        let e = paged(&emu, &c, &mut rng, s, (start, m), dtypes[n % 5], scalar, (None, sinks));
+        let e =
+            paged(&emu, &c, &mut rng, s, (start, m), dtypes[n % 5], scalar, (None, sinks), start);
         assert!(e < 1e-5, "attention start={start} m={m} sinks {sinks:?}: relative error {e:e}");
     }
     // A token tree after a cached prefix: 0 → {1, 2}, 1 → {3, 5}, 2 → 4 (ancestor masks).
@@ -248,9 +259,14 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
         .collect();
     for (n, (start, hd)) in [(0, 64), (37, 64), (140, 320)].into_iter().enumerate() {
         let s = AttnShape::new(4, 2, hd);
-        let e =
-            paged(&emu, &c, &mut rng, s, (start, anc.len()), dtypes[4 - n], hd, (Some(&anc), None));
+        let t = (Some(&anc[..]), None);
+        let e = paged(&emu, &c, &mut rng, s, (start, anc.len()), dtypes[4 - n], hd, t, start);
         assert!(e < 1e-5, "tree attention start={start}: relative error {e:e}");
+        // The same tree grown by a later call (a draft model's): its first 3 rows cached from
+        // `start − 3`, the last 3 new, masks over all six.
+        let t = (Some(&anc[3..]), None);
+        let e = paged(&emu, &c, &mut rng, s, (start + 3, 3), dtypes[n], hd, t, start);
+        assert!(e < 1e-5, "tree grown after 3 cached rows, start={start}: relative error {e:e}");
     }
     // RMSNorm over whole rows (256 threads) and per head (64 threads).
     let (rows, cols) = (3, 512);

@@ -247,7 +247,7 @@ fn shared_kv_attention_matches_cpu() {
         let mut start = 0;
         for m in [70, 1, 1, 2] {
             let (q, k) = (rng.vec(m * qd), rng.vec(m * kvd));
-            let seq = crate::KvSeq { table: &table, start };
+            let seq = crate::KvSeq::new(&table, start);
             let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
             let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
             let (ck, gk) = (ct(&k, kvd), gt(&k, kvd));
@@ -283,7 +283,7 @@ fn paged_attention_prefill_then_decode_matches_cpu_for_every_kv_dtype() {
         let mut start = 0;
         for m in [250, 1, 1, 1, 1, 1, 1, 1, 1, 3] {
             let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
-            let seq = crate::KvSeq { table: &table, start };
+            let seq = crate::KvSeq::new(&table, start);
             let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
             let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
             let want = c
