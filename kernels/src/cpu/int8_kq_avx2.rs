@@ -66,9 +66,13 @@ pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
         let b = w.add(s * 110);
         prefetch(b);
         prefetch(b.add(64));
-        let d = h2f(b.add(108));
+        let d = _mm256_set1_ps(h2f(b.add(108)));
         let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
         let hm = _mm256_loadu_si256(b as *const __m256i);
+        // d times each activation row's eight block scales: one lane per 32-value block.
+        let scale: [__m256; N] = std::array::from_fn(|a| {
+            _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()))
+        });
         for half in 0..2 {
             let raw = _mm256_loadu_si256(b.add(32 + 32 * half) as *const __m256i);
             for k in 0..4 {
@@ -78,11 +82,13 @@ pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
                 let v = _mm256_sub_epi8(two_bits(raw, k), _mm256_andnot_si256(high, four));
                 let u = _mm256_sign_epi8(v, v);
                 let scales = pair(sc[2 * c] as i16, sc[2 * c + 1] as i16);
+                let lane = _mm256_set1_epi32(c as i32);
                 for a in 0..N {
-                    let (dx, qx, _) = xblock(xs[a], 8 * s + c);
+                    let (_, qx, _) = xblock(xs[a], 8 * s + c);
                     let pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(qx, v));
                     let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
-                    acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), isum, acc[a]);
+                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
+                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
                 }
             }
         }
