@@ -1,7 +1,8 @@
 //! Speculative decoding as users run it: `layerstream run` and a 2-worker `up` with prompt lookup
 //! (`--spec ngram`) and a draft model (chains and token trees) give the same greedy and seeded tokens
 //! as without speculation
-//! on the real SmolLM2, while drafting and accepting tokens (stats, Prometheus); bad drafts and bad
+//! on the real SmolLM2 (on the exact f32 path and on the CPU's default 8-bit one), while drafting and
+//! accepting tokens (stats, Prometheus); bad drafts and bad
 //! limits are refused naming what is wrong; and over 2,000 seeded draws the sampled tokens follow
 //! the plain sampler's distribution (chi-square).
 
@@ -68,6 +69,29 @@ fn run_speculates_without_changing_the_tokens() {
         }
     }
     assert!(accepted > 0 && drafted >= accepted, "prompt lookup: {accepted} of {drafted} accepted");
+}
+
+/// On the CPU's default 8-bit path (`--int8-activations`, which the harness's `--exact` yields
+/// to) the greedy tokens are the same with and without speculation: a decode step's drafted rows
+/// take the path its plain decode takes, and a row's 8-bit product is the same bits alone or
+/// batched.
+#[test]
+fn the_8_bit_path_speculates_without_changing_the_tokens() {
+    let store = default_store().expect("the default model");
+    let dir = tempfile::tempdir().unwrap();
+    let draft = tiny_store(dir.path());
+    let d = draft.to_str().unwrap();
+    for prompt in PROMPTS {
+        let plain = run_json(&store, prompt, &["--int8-activations"]);
+        for spec in [
+            &["--spec", "ngram", "--spec-max", "8"][..],
+            &["--spec", "draft", "--draft-model", d],
+            &["--spec", "draft", "--draft-model", d, "--spec-width", "2"],
+        ] {
+            let got = run_json(&store, prompt, &[&["--int8-activations"][..], spec].concat());
+            assert_eq!(ids(&got), ids(&plain), "{prompt:?} {spec:?}");
+        }
+    }
 }
 
 /// Drafts that cannot work and limits out of range are refused before anything loads, naming why.

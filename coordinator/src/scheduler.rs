@@ -615,6 +615,7 @@ impl Scheduler {
                         allowed: Vec::new(),
                         score_ids: Vec::new(),
                         score_top: 0,
+                        decoding: a.pos >= a.req.input_ids.len(),
                     }
                 })
                 .collect();

@@ -111,7 +111,11 @@ pub fn generate<B: Backend>(
         };
         let feed = [next.as_slice(), &draft].concat();
         let t0 = Instant::now();
-        let rows = model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)?;
+        // A decode step's rows (its drafts too) take the 8-bit CPU path its plain decode takes.
+        let limit = crate::stage::decode_rows(1, history.len() > input.len());
+        let rows = layerstream_kernels::cpu::int8::with_row_limit(limit, || {
+            model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)
+        })?;
         if history.len() == input.len() {
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();

@@ -39,6 +39,62 @@ pub fn int8_activations() -> bool {
     (ENABLED.load(Ordering::Relaxed) || FORCED.with(|f| f.get())) && !SUSPENDED.with(|s| s.get())
 }
 
+thread_local! {
+    /// The most activation rows a product takes the 8-bit path with on this thread.
+    static ROW_LIMIT: std::cell::Cell<usize> = const { std::cell::Cell::new(MAX_ROWS) };
+}
+
+/// The most activation rows a product takes the 8-bit path with on this thread: `MAX_ROWS`, or
+/// what `with_row_limit` set.
+pub fn row_limit() -> usize {
+    ROW_LIMIT.with(|l| l.get())
+}
+
+/// Runs `f` with 8-bit products for up to `limit` activation rows on this thread: a decode step
+/// of at most `MAX_ROWS` sequences whose drafted positions (speculative decoding) take it past
+/// `MAX_ROWS` rows computes them on the path its plain decode takes, so speculation does not
+/// change its tokens.
+pub fn with_row_limit<R>(limit: usize, f: impl FnOnce() -> R) -> R {
+    let was = ROW_LIMIT.with(|l| l.replace(limit));
+    let r = f();
+    ROW_LIMIT.with(|l| l.set(was));
+    r
+}
+
+/// This thread's choices of path (`exact`, `approximate`, `with_row_limit`), carried to the
+/// thread that runs a step (`threads::in_pool`).
+#[derive(Clone, Copy)]
+pub(crate) struct ThreadChoices {
+    suspended: bool,
+    forced: bool,
+    row_limit: usize,
+}
+
+impl ThreadChoices {
+    /// This thread's choices.
+    pub(crate) fn current() -> Self {
+        ThreadChoices {
+            suspended: SUSPENDED.with(|s| s.get()),
+            forced: FORCED.with(|f| f.get()),
+            row_limit: row_limit(),
+        }
+    }
+
+    /// Runs `f` with these choices on this thread, restoring its own afterwards.
+    pub(crate) fn apply<R>(self, f: impl FnOnce() -> R) -> R {
+        let mine = ThreadChoices::current();
+        let set = |c: ThreadChoices| {
+            SUSPENDED.with(|s| s.set(c.suspended));
+            FORCED.with(|f| f.set(c.forced));
+            ROW_LIMIT.with(|l| l.set(c.row_limit));
+        };
+        set(self);
+        let r = f();
+        set(mine);
+        r
+    }
+}
+
 /// Runs `f` with 8-bit activations on this thread even where the process has them off
 /// (`--exact`): a speculative draft model's forward pass, whose arithmetic only proposes tokens —
 /// verification by the target decides every output. `exact` inside still turns them off.

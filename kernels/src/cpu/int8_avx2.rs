@@ -25,16 +25,6 @@ pub(super) unsafe fn h2f(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// The sums of the eight lanes of each of four vectors.
-#[inline(always)]
-unsafe fn hsum4(a: [__m256; 4]) -> [f32; 4] {
-    let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), s);
-    out
-}
-
 /// Rows `0..R` at `w` (rows of `rb` bytes) against `x`, each the sum over `nb` blocks of `bb` bytes;
 /// `blk` unpacks a block as `int8_batch::Unpacked` (signs applied to the activations when `SIGNED`).
 #[inline(always)]
@@ -60,18 +50,10 @@ unsafe fn group<const R: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked
             off[r] = c.mul_add(ds, off[r]);
         }
     }
-    let mut out = [0f32; R];
-    if R == 4 {
-        let s = hsum4([acc[0], acc[1 % R], acc[2 % R], acc[3 % R]]);
-        for r in 0..R {
-            out[r] = s[r] + off[r];
-        }
-    } else {
-        for r in 0..R {
-            out[r] = hsum(acc[r]) + off[r];
-        }
-    }
-    out
+    // Each row summed as the batched kernels sum it (`int8_batch::hsum`), so a row's result is
+    // the same bits whether its step had one activation row or several (a decode step alone or
+    // with drafted rows to verify: speculation must not change the tokens).
+    std::array::from_fn(|r| hsum(acc[r]) + off[r])
 }
 
 /// Every row of `w` (rows of `rb` bytes) against `x` into `out`, `G` (1, 2 or 4) at a time.

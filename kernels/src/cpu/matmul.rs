@@ -29,7 +29,12 @@ pub fn matmul(
     m: usize,
 ) -> Vec<f32> {
     let row_bytes = w.len() / n.max(1);
-    if m >= GEMM_MIN_ROWS {
+    let int8 = crate::cpu::int8::int8_activations()
+        && m <= crate::cpu::int8::row_limit()
+        && crate::cpu::int8::supports(dtype)
+        && wf32.is_none()
+        && k.is_multiple_of(32);
+    if m >= GEMM_MIN_ROWS && !int8 {
         let mut out = vec![0f32; m * n];
         if let Some(f) = wf32 {
             gemm_f32(x, f, &mut out, m, n, k);
@@ -53,12 +58,7 @@ pub fn matmul(
     // Transposed result [n, m]: each task owns whole weight rows, two at a time (each activation
     // row then loaded once for both).
     let mut t = vec![0f32; n * m];
-    if crate::cpu::int8::int8_activations()
-        && m <= crate::cpu::int8::MAX_ROWS
-        && crate::cpu::int8::supports(dtype)
-        && wf32.is_none()
-        && k.is_multiple_of(32)
-    {
+    if int8 {
         // Opt-in: activations quantized to 8 bits once, integer dots per weight block.
         let xq: Vec<_> = x.chunks_exact(k).take(m).map(crate::cpu::int8::quantize_row).collect();
         t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
@@ -184,7 +184,8 @@ mod tests {
     #[test]
     fn rows_are_independent_of_the_batch_and_match_a_naive_reference() {
         let (n, k) = (70, 512);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q6K, DType::Bf16] {
+        let types = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q2K, DType::Q3K, DType::Q4K];
+        for dtype in types.into_iter().chain([DType::Q5K, DType::Q6K, DType::Bf16]) {
             let mut seed = 3u64;
             let mut rnd = || {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -213,6 +214,25 @@ mod tests {
                         (single[j] as f64 - naive).abs() < 1e-3 * naive.abs().max(1.0),
                         "{dtype}"
                     );
+                }
+            }
+            // On the 8-bit path (`approximate`: this thread only) with the row limit raised, as a
+            // decode step verifying drafts computes: each row the same bits alone and batched.
+            if crate::cpu::int8::supports(dtype) {
+                use crate::cpu::int8::{approximate, with_row_limit};
+                let many = approximate(|| {
+                    with_row_limit(usize::MAX, || matmul(dtype, &w, None, n, k, &x, 5))
+                });
+                for r in 0..5 {
+                    let one =
+                        approximate(|| matmul(dtype, &w, None, n, k, &x[r * k..(r + 1) * k], 1));
+                    for j in 0..n {
+                        assert_eq!(
+                            many[r * n + j].to_bits(),
+                            one[j].to_bits(),
+                            "{dtype} 8-bit row {r}"
+                        );
+                    }
                 }
             }
             // The GEMM path agrees with the row path to rounding.

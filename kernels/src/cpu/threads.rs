@@ -42,7 +42,8 @@ impl ComputePool {
 
     /// Runs `f` with every kernel inside it on this pool's threads.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.0.install(f)
+        let choices = crate::cpu::int8::ThreadChoices::current();
+        self.0.install(move || choices.apply(f))
     }
 }
 
@@ -54,6 +55,9 @@ impl ComputePool {
 /// woke a sleeping thread first, and on a 2-vCPU VM that made 2 threads only 1.3-1.7× one
 /// (benchmarks/vs-llama-cpp-cpu-2core.md).
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // The caller's choices of path (`int8::exact`, `approximate`, `with_row_limit`) go with `f`
+    // to the pool thread that runs it.
+    let choices = crate::cpu::int8::ThreadChoices::current();
     let done = &AtomicBool::new(false);
     rayon::scope(|s| {
         let me = rayon::current_thread_index();
@@ -85,7 +89,7 @@ pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                 }
             });
         }
-        let r = f();
+        let r = choices.apply(f);
         done.store(true, Ordering::Release);
         r
     })
@@ -103,6 +107,20 @@ mod tests {
     #[test]
     fn zero_threads_is_refused() {
         assert!(set_cpu_threads(0).is_err());
+    }
+
+    /// A step run in the pool keeps its caller's choices of path, on whatever thread runs it.
+    #[test]
+    fn work_in_the_pool_keeps_the_callers_choices() {
+        use crate::cpu::int8::{
+            approximate, int8_activations, row_limit, with_row_limit, MAX_ROWS,
+        };
+        let (limit, int8) =
+            with_row_limit(40, || approximate(|| in_pool(|| (row_limit(), int8_activations()))));
+        assert_eq!((limit, int8), (40, true));
+        assert_eq!(in_pool(row_limit), MAX_ROWS);
+        let pool = ComputePool::new(2).unwrap();
+        assert_eq!(with_row_limit(9, || pool.run(|| in_pool(row_limit))), 9);
     }
 
     #[test]

@@ -196,6 +196,7 @@ mod tests {
             allowed: Vec::new(),
             score_ids: Vec::new(),
             score_top: 0,
+            decoding: false,
         }
     }
 
