@@ -2,6 +2,10 @@
 //! 32-value block's integer products are summed in 16-bit pairs (`maddubs`) and multiplied by its
 //! two scales in one `madd` (low half of the vector: the first scale, high half: the second).
 //! The same integer sums as the scalar references in `int8_kq`.
+//!
+//! Safety, for every function here: the CPU has AVX2, FMA and F16C, `w` points at `nsb` whole
+//! super-blocks and every activation row holds `8 · nsb` blocks of 32 — what `int8::dot_rows`
+//! asserts before it calls `int8_batch::row`, the only caller.
 
 use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::h2f;
@@ -67,6 +71,7 @@ pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
         prefetch(b);
         prefetch(b.add(64));
         let d = _mm256_set1_ps(h2f(b.add(108)));
+        // SAFETY: bytes 96..108 of the 110-byte super-block at `b` (see the module's safety note).
         let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
         let hm = _mm256_loadu_si256(b as *const __m256i);
         // d times each activation row's eight block scales: one lane per 32-value block.
