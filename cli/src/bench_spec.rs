@@ -126,6 +126,11 @@ fn run_config(
     Ok(rows)
 }
 
+/// The link the streamed copies run at, as the headers print it (`--link-gbps`).
+fn link(a: &BenchArgs) -> String {
+    a.device.link_gbps.map_or("as fast as it goes".to_owned(), |g| format!("paced to {g} GB/s"))
+}
+
 /// The plan flags of every stack of this bench.
 pub(crate) fn plan_args(a: &BenchArgs) -> Vec<String> {
     let mut v = a.plan.to_args();
@@ -137,11 +142,11 @@ pub(crate) fn plan_args(a: &BenchArgs) -> Vec<String> {
 
 /// Runs the comparison and prints it.
 pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
-    let vocab =
-        layerstream_model::Store::open(std::path::Path::new(model))?.manifest.config.vocab_size;
+    let store = layerstream_model::Store::open(std::path::Path::new(model))?;
+    let vocab = store.manifest.config.vocab_size;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if !a.acceptance.is_empty() {
-        return project_only(a, model, vocab, &rt);
+        return project_only(a, (model, &store), &rt);
     }
     let spec = |mode: &str| {
         let mut v = plan_args(a);
@@ -172,7 +177,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         a.temperature,
         a.workers,
         plan_args(a).join(" "),
-        a.device.link_gbps.map_or("as fast as it goes".to_owned(), |g| format!("paced to {g} GB/s"))
+        link(a)
     );
     println!("\n| config | workload | tok/s | ÷ plain | drafted | accepted | acceptance | tokens/pass | same tokens |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -205,8 +210,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
 /// second projected at each acceptance rate (for a synthetic pair, whose drafts are never accepted).
 fn project_only(
     a: &BenchArgs,
-    model: &str,
-    vocab: usize,
+    (model, store): (&str, &layerstream_model::Store),
     rt: &tokio::runtime::Runtime,
 ) -> Result<()> {
     let Some(draft) = &a.draft_model else {
@@ -215,20 +219,16 @@ fn project_only(
     if let Some(bad) = a.acceptance.iter().find(|x| !(0.0..1.0).contains(*x)) {
         bail!("--acceptance takes rates in [0, 1), got {bad}");
     }
-    layerstream_model::spec::check_draft(
-        &layerstream_model::Store::open(std::path::Path::new(model))?,
-        &layerstream_model::Store::open(draft)?,
-    )?;
+    layerstream_model::spec::check_draft(store, &layerstream_model::Store::open(draft)?)?;
     println!(
         "target {model}, draft {} (resident, alone on {}); {} worker(s); plan: {}; link: {}",
         draft.display(),
         a.device.device,
         a.workers,
         plan_args(a).join(" "),
-        a.device
-            .link_gbps
-            .map_or("as fast as it goes".to_owned(), |g| format!("paced to {g} GB/s"))
+        link(a)
     );
+    let vocab = store.manifest.config.vocab_size;
     let curve = crate::bench_spec_cost::pass_curve(model, vocab, a, rt)?;
     let level = crate::bench_spec_cost::draft_level_ms(draft, a)?;
     crate::bench_spec_cost::print_projections(a, &curve, level);

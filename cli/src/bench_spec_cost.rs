@@ -100,7 +100,7 @@ pub(crate) fn interpolate(curve: &[(usize, f64)], k: usize) -> f64 {
 }
 
 /// A projection at one acceptance rate: the chain length that maximises tokens per second.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Projection {
     pub(crate) acceptance: f64,
     pub(crate) draft: usize,

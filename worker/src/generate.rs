@@ -112,8 +112,9 @@ pub fn generate<B: Backend>(
         let feed = [next.as_slice(), &draft].concat();
         let t0 = Instant::now();
         // A decode step's rows (its drafts too) take the 8-bit CPU path its plain decode takes.
-        let limit = crate::stage::decode_rows(1, history.len() > input.len());
-        let rows = layerstream_kernels::cpu::int8::with_row_limit(limit, || {
+        use layerstream_kernels::cpu::int8::{step_row_limit, with_row_limit};
+        let limit = step_row_limit(1, history.len() > input.len());
+        let rows = with_row_limit(limit, || {
             model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)
         })?;
         if history.len() == input.len() {

@@ -201,21 +201,16 @@ impl<B: Backend> Model<B> {
         trees: Vec<Option<(Vec<u64>, usize)>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
-        if self.ctx.draft && !layerstream_kernels::cpu::int8::int8_activations() {
-            return layerstream_kernels::cpu::int8::approximate(|| {
-                self.forward_here(batch, trees, tails)
-            });
+        let run = || {
+            let (x, seqs) = self.layers_with(batch, trees)?;
+            let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+            head_logits(&self.backend, &self.ctx, &x, &seqs, tails, &self.norm, lm)
+        };
+        if self.ctx.draft {
+            layerstream_kernels::cpu::int8::approximate(run)
+        } else {
+            run()
         }
-        let (x, seqs) = self.layers_with(batch, trees)?;
-        head_logits(
-            &self.backend,
-            &self.ctx,
-            &x,
-            &seqs,
-            tails,
-            &self.norm,
-            self.lm_head.as_ref().unwrap_or(&self.embed),
-        )
     }
 
     /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens;

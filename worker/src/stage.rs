@@ -54,21 +54,8 @@ pub struct StepSeq {
     /// alternatives to return with each.
     pub(crate) score_ids: Vec<u32>,
     pub(crate) score_top: usize,
-    /// Every row follows the prompt (see `decode_rows`).
+    /// Every row follows the prompt (see `int8::step_row_limit`).
     pub(crate) decoding: bool,
-}
-
-/// The most activation rows a step multiplies on the 8-bit CPU path (`int8::with_row_limit`): any
-/// number in a step of at most `int8::MAX_ROWS` sequences that all decode — its drafted rows then
-/// take the path the same sequences' plain decode takes, so speculation does not change their
-/// tokens —, else `int8::MAX_ROWS`.
-pub fn decode_rows(seqs: usize, all_decoding: bool) -> usize {
-    use layerstream_kernels::cpu::int8::MAX_ROWS;
-    if all_decoding && seqs <= MAX_ROWS {
-        usize::MAX
-    } else {
-        MAX_ROWS
-    }
 }
 
 /// Timing of one layer in one step.
@@ -365,10 +352,9 @@ impl<B: Backend + 'static> Stage<B> {
     /// (streamed groups arriving from the copy thread), then samples (last stage) or returns hidden.
     pub fn step(&mut self, batch: &[StepSeq], hidden: &[f32], step_span: &Span) -> Result<StepOut> {
         let b = self.backend.clone();
-        let rows = decode_rows(batch.len(), batch.iter().all(|s| s.decoding));
-        layerstream_kernels::cpu::int8::with_row_limit(rows, || {
-            b.run_step(|| self.step_here(batch, hidden, step_span))
-        })
+        use layerstream_kernels::cpu::int8::{step_row_limit, with_row_limit};
+        let rows = step_row_limit(batch.len(), batch.iter().all(|s| s.decoding));
+        with_row_limit(rows, || b.run_step(|| self.step_here(batch, hidden, step_span)))
     }
 
     /// `step` on the calling thread.

@@ -55,10 +55,18 @@ pub fn row_limit() -> usize {
 /// `MAX_ROWS` rows computes them on the path its plain decode takes, so speculation does not
 /// change its tokens.
 pub fn with_row_limit<R>(limit: usize, f: impl FnOnce() -> R) -> R {
-    let was = ROW_LIMIT.with(|l| l.replace(limit));
-    let r = f();
-    ROW_LIMIT.with(|l| l.set(was));
-    r
+    scoped(&ROW_LIMIT, limit, f)
+}
+
+/// The row limit of a step of `sequences` (`with_row_limit`): any number of rows when at most
+/// `MAX_ROWS` sequences all decode — their drafted rows then take the path the same sequences'
+/// plain decode takes, so speculation does not change their tokens —, else `MAX_ROWS`.
+pub fn step_row_limit(sequences: usize, all_decoding: bool) -> usize {
+    if all_decoding && sequences <= MAX_ROWS {
+        usize::MAX
+    } else {
+        MAX_ROWS
+    }
 }
 
 /// This thread's choices of path (`exact`, `approximate`, `with_row_limit`), carried to the
@@ -82,16 +90,9 @@ impl ThreadChoices {
 
     /// Runs `f` with these choices on this thread, restoring its own afterwards.
     pub(crate) fn apply<R>(self, f: impl FnOnce() -> R) -> R {
-        let mine = ThreadChoices::current();
-        let set = |c: ThreadChoices| {
-            SUSPENDED.with(|s| s.set(c.suspended));
-            FORCED.with(|f| f.set(c.forced));
-            ROW_LIMIT.with(|l| l.set(c.row_limit));
-        };
-        set(self);
-        let r = f();
-        set(mine);
-        r
+        scoped(&SUSPENDED, self.suspended, || {
+            scoped(&FORCED, self.forced, || scoped(&ROW_LIMIT, self.row_limit, f))
+        })
     }
 }
 
@@ -99,10 +100,7 @@ impl ThreadChoices {
 /// (`--exact`): a speculative draft model's forward pass, whose arithmetic only proposes tokens —
 /// verification by the target decides every output. `exact` inside still turns them off.
 pub fn approximate<R>(f: impl FnOnce() -> R) -> R {
-    let was = FORCED.with(|s| s.replace(true));
-    let r = f();
-    FORCED.with(|s| s.set(was));
-    r
+    scoped(&FORCED, true, f)
 }
 
 /// Runs `f` with 8-bit activations off on this thread: the vocabulary projection, whose argmax
@@ -110,9 +108,18 @@ pub fn approximate<R>(f: impl FnOnce() -> R) -> R {
 /// −1.88 against "L" at −1.96, and 8-bit activations in the head swapped them). A matmul decides its
 /// path on the calling thread, so this covers every kernel `f` launches.
 pub fn exact<R>(f: impl FnOnce() -> R) -> R {
-    let was = SUSPENDED.with(|s| s.replace(true));
+    scoped(&SUSPENDED, true, f)
+}
+
+/// Runs `f` with this thread's `cell` set to `value`, then puts the cell's value back.
+fn scoped<T: Copy, R>(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    let was = cell.with(|c| c.replace(value));
     let r = f();
-    SUSPENDED.with(|s| s.set(was));
+    cell.with(|c| c.set(was));
     r
 }
 
