@@ -10,6 +10,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .extern_path(".layerstream.v1", "::layerstream_proto::v1")
+        // prost's codec, with requests that do not decode blamed on the caller (codec.rs).
+        .codec_path("crate::codec::ProtoCodec")
         .file_descriptor_set_path(out.join("layerstream_descriptor.bin"))
         .compile_protos(
             &[

@@ -28,6 +28,10 @@ pub struct SubmitArgs {
     /// The coordinator's API key (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (its first line) instead: a key on the command line is
+    /// readable by every local user in `/proc/<pid>/cmdline`.
+    #[arg(long, env = "LAYERSTREAM_API_KEY_FILE")]
+    pub api_key_file: Option<std::path::PathBuf>,
     /// PEM CA certificate to trust for an `https://` coordinator.
     #[arg(long, env = "LAYERSTREAM_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
@@ -43,6 +47,15 @@ pub struct SubmitArgs {
     /// Constrain the output to this Lark grammar (a file; llguidance's dialect).
     #[arg(long, env = "LAYERSTREAM_GRAMMAR", group = "format")]
     pub grammar: Option<std::path::PathBuf>,
+}
+
+/// The key to send: `--api-key-file`'s first, else `--api-key` / `LAYERSTREAM_API_KEY`.
+fn api_key(a: &SubmitArgs) -> Result<Option<String>> {
+    let argv: Vec<String> = std::env::args().collect();
+    let keys =
+        layerstream_rpc::auth::api_keys(a.api_key.as_deref(), a.api_key_file.as_deref(), &argv)
+            .map_err(anyhow::Error::msg)?;
+    Ok(keys.into_iter().next())
 }
 
 /// The output format the flags ask for (None: free text).
@@ -132,7 +145,7 @@ pub(crate) fn no_server(addr: &str, e: &tonic::transport::Error) -> anyhow::Erro
 pub async fn run(a: SubmitArgs) -> Result<()> {
     let req = request(&a)?;
     let bearer =
-        Bearer::new(a.api_key.as_deref()).map_err(|m| anyhow::anyhow!("--api-key: {m}"))?;
+        Bearer::new(api_key(&a)?.as_deref()).map_err(|m| anyhow::anyhow!("--api-key: {m}"))?;
     let tls = layerstream_rpc::transport::client_tls(a.tls_ca.as_deref())
         .map_err(|m| anyhow::anyhow!("--tls-ca: {m}"))?;
     let channel = layerstream_rpc::transport::endpoint(&a.addr, tls.as_ref())?

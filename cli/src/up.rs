@@ -54,14 +54,20 @@ pub struct UpArgs {
     /// API key of the job API (clients send `authorization: Bearer <key>`); unset: none.
     #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (its first line) instead: a key on the command line is
+    /// readable by every local user in `/proc/<pid>/cmdline`.
+    #[arg(long, env = "LAYERSTREAM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Serve the job API over TLS with this PEM certificate chain (with `--tls-key`).
     #[arg(long, env = "LAYERSTREAM_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The PEM private key of `--tls-cert`.
     #[arg(long, env = "LAYERSTREAM_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Times each child (loader, worker, coordinator) is restarted after it dies before `up` gives
-    /// up and stops everything.
+    /// Times each child (loader, worker, coordinator) is restarted at once after it dies; past
+    /// that it is retried after pauses doubling from 1 s to 60 s while the rest of the stack keeps
+    /// serving (a one-shot `up` with an input gives up and stops instead). A child that ran a
+    /// minute before dying starts a fresh count.
     #[arg(long, env = "LAYERSTREAM_MAX_RESTARTS", default_value_t = 5)]
     pub max_restarts: u32,
 }
@@ -163,22 +169,34 @@ fn spawn_logged(
     children.0.push((name.to_owned(), child));
     let mut lines = BufReader::new(stdout).lines();
     let first = lines.next();
-    let listening = match first.as_ref().and_then(|l| l.as_deref().ok()).and_then(Listening::parse)
-    {
-        Some(l) => l,
-        None => match log {
+    let Some(listening) = first.as_ref().and_then(|l| l.as_deref().ok()).and_then(Listening::parse)
+    else {
+        // How it ended (waited for briefly: its stdout closed as it exited).
+        let child = &mut children.0.last_mut().expect("pushed above").1;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut status = None;
+        while status.is_none() && Instant::now() < deadline {
+            status = child.try_wait().ok().flatten();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let how = match (status, &first) {
+            (Some(s), _) => crate::exits::describe(s),
+            (None, Some(Ok(line))) => format!("printed {line:?} instead of its address"),
+            (None, _) => "closed its output without an address".to_owned(),
+        };
+        match log {
             Some(p) => {
                 let text = std::fs::read_to_string(p).unwrap_or_default();
                 let tail: Vec<&str> =
                     text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
                 bail!(
-                    "{name} exited before it was ready ({first:?}); its log ({}) ends:\n{}",
+                    "{name} {how} before it was ready; its log ({}) ends:\n{}",
                     p.display(),
                     tail.join("\n")
                 )
             }
-            None => bail!("{name} exited before it was ready ({first:?}); see its log above"),
-        },
+            None => bail!("{name} {how} before it was ready; see its log above"),
+        }
     };
     std::thread::spawn(move || for _ in lines {});
     Ok(listening)
@@ -188,10 +206,32 @@ fn opt(flag: &str, v: &Option<impl ToString>) -> Vec<String> {
     v.as_ref().map(|v| vec![flag.to_owned(), v.to_string()]).unwrap_or_default()
 }
 
-/// A child `up` keeps running: how to start it again, and how often it was.
+/// A child `up` keeps running: how to start it again, how often it was (since it last ran for
+/// `HEALTHY_FOR`), when it last started, and when it is due to start again (after a pause).
 struct Supervised {
     args: Vec<String>,
     restarts: u32,
+    started: Instant,
+    due: Option<Instant>,
+}
+
+impl Supervised {
+    fn new(args: Vec<String>) -> Self {
+        Supervised { args, restarts: 0, started: Instant::now(), due: None }
+    }
+}
+
+/// A child that ran this long before it died starts again with a clean count.
+const HEALTHY_FOR: Duration = Duration::from_secs(60);
+
+/// The pause before the `restarts`-th restart of a child: none for the first `max` (as before),
+/// then 1 s doubling to at most 60 s — a part that keeps failing is retried without end while the
+/// rest of the stack goes on serving.
+fn restart_delay(restarts: u32, max: u32) -> Duration {
+    match restarts.checked_sub(max + 1) {
+        None => Duration::ZERO,
+        Some(over) => Duration::from_secs(1u64 << over.min(6)).min(Duration::from_secs(60)),
+    }
 }
 
 /// Replaces the dead child `i` by a new one started with the same arguments (same address, same
@@ -243,7 +283,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .context("the private runtime directory for the loader's socket")?
         .display()
         .to_string();
-    share_secrets(&a);
+    let api_key = share_secrets(&a)?;
     let slots = slot_count(&a, &store);
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
@@ -267,7 +307,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     let (spec, listening) = stack.start_coordinator(&mut children, &addrs)?;
     specs.push(spec);
     // With an input: the request runs on its own thread while this one supervises the children.
-    let job = a.prompt.is_given().then(|| submit_in_thread(&a, &listening.addr));
+    let job = a.prompt.is_given().then(|| submit_in_thread(&a, &listening.addr, &api_key));
     if job.is_none() {
         listening.announce();
         let web = listening.http.as_ref().map_or(String::new(), |h| {
@@ -288,15 +328,28 @@ pub fn run(a: UpArgs) -> Result<()> {
 
 /// The internal APIs' secret: given, or generated for this stack. Children inherit it from the
 /// environment (a command line would show it in `ps`). The API key travels the same way.
-fn share_secrets(a: &UpArgs) {
+fn share_secrets(a: &UpArgs) -> Result<Option<String>> {
     let token = std::env::var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV)
         .ok()
         .filter(|t| !t.trim().is_empty())
         .unwrap_or_else(layerstream_rpc::auth::random_hex);
     std::env::set_var(layerstream_rpc::auth::INTERNAL_TOKEN_ENV, &token);
-    if let Some(k) = &a.api_key {
-        std::env::set_var("LAYERSTREAM_API_KEY", k);
+    // The keys reach the children (and `up`'s own submit) through the environment only: the
+    // key itself, or the file's path (several keys).
+    let argv: Vec<String> = std::env::args().collect();
+    let keys =
+        layerstream_rpc::auth::api_keys(a.api_key.as_deref(), a.api_key_file.as_deref(), &argv)
+            .map_err(anyhow::Error::msg)?;
+    match (&a.api_key_file, keys.first()) {
+        (Some(f), _) => std::env::set_var(
+            "LAYERSTREAM_API_KEY_FILE",
+            std::fs::canonicalize(f).unwrap_or_else(|_| f.clone()),
+        ),
+        (None, Some(k)) => std::env::set_var("LAYERSTREAM_API_KEY", k),
+        (None, None) => std::env::remove_var("LAYERSTREAM_API_KEY"),
     }
+    let key = keys.into_iter().next();
+    Ok(key)
 }
 
 /// The loader's slots: what RAM can hold (`default_slots`), never less than the workers'
@@ -311,13 +364,18 @@ fn slot_count(a: &UpArgs, store: &layerstream_model::Store) -> usize {
 }
 
 /// Submits `up`'s input to the coordinator at `addr` on its own thread.
-fn submit_in_thread(a: &UpArgs, addr: &str) -> std::thread::JoinHandle<Result<()>> {
+fn submit_in_thread(
+    a: &UpArgs,
+    addr: &str,
+    api_key: &Option<String>,
+) -> std::thread::JoinHandle<Result<()>> {
     let sub = crate::submit::SubmitArgs {
         addr: addr.to_owned(),
         prompt: a.prompt.clone(),
         sampling: a.sampling.clone(),
         json: a.json,
-        api_key: a.api_key.clone(),
+        api_key: api_key.clone(),
+        api_key_file: None,
         // A self-signed certificate is its own CA.
         tls_ca: a.tls_cert.clone(),
         json_schema: None,
@@ -362,7 +420,7 @@ impl StackSpec<'_> {
         args.extend(pool.to_args());
         args.extend(self.otlp());
         spawn(children, "loader-daemon", &args)?;
-        Ok(Supervised { args, restarts: 0 })
+        Ok(Supervised::new(args))
     }
 
     /// Starts worker `i` on a free port; returns how to restart it (on the same address, where the
@@ -382,7 +440,7 @@ impl StackSpec<'_> {
         args.extend(self.otlp());
         let addr = spawn(children, &format!("worker {i}"), &args)?.addr;
         let bound = addr.trim_start_matches("http://").to_owned();
-        Ok((Supervised { args: with_flag(args, "--listen", &bound), restarts: 0 }, addr))
+        Ok((Supervised::new(with_flag(args, "--listen", &bound)), addr))
     }
 
     /// Starts the coordinator over `workers`; returns how to restart it (on the same addresses,
@@ -417,11 +475,13 @@ impl StackSpec<'_> {
         if let Some(h) = &l.http {
             args = with_flag(args, "--http-listen", h.split("://").last().unwrap_or(h));
         }
-        Ok((Supervised { args, restarts: 0 }, l))
+        Ok((Supervised::new(args), l))
     }
 }
 
-/// Waits for a signal (or the end of `job`), restarting children that die.
+/// Waits for a signal (or the end of `job`), restarting children that die: at once `max_restarts`
+/// times, then after growing pauses (`restart_delay`) while the rest keeps serving. Only a
+/// one-shot `up` (with `job`, which nothing else serves) gives up after `max_restarts`.
 fn supervise(
     children: &mut Children,
     specs: &mut [Supervised],
@@ -437,22 +497,48 @@ fn supervise(
         if job.is_some_and(|j| j.is_finished()) {
             return Ok(());
         }
-        let dead = children
-            .0
-            .iter_mut()
-            .enumerate()
-            .find_map(|(i, (_, c))| c.try_wait().ok().flatten().map(|s| (i, s)));
+        for (i, spec) in specs.iter_mut().enumerate() {
+            if spec.due.is_some_and(|d| Instant::now() >= d) {
+                spec.due = None;
+                spec.started = Instant::now();
+                let name = children.0[i].0.clone();
+                if let Err(e) = respawn(children, i, &spec.args) {
+                    eprintln!("layerstream up: restarting {name} failed: {e:#}");
+                }
+            }
+        }
+        let dead = children.0.iter_mut().enumerate().find_map(|(i, (_, c))| {
+            if specs[i].due.is_some() {
+                return None;
+            }
+            c.try_wait().ok().flatten().map(|s| (i, s))
+        });
         let Some((i, status)) = dead else { continue };
         let name = children.0[i].0.clone();
-        if specs[i].restarts >= max_restarts {
-            bail!("{name} exited ({status}) after {max_restarts} restarts (--max-restarts); stopped the rest");
+        let how = crate::exits::describe(status);
+        let spec = &mut specs[i];
+        if spec.started.elapsed() >= HEALTHY_FOR {
+            spec.restarts = 0;
         }
-        specs[i].restarts += 1;
-        eprintln!(
-            "layerstream up: {name} exited ({status}); restarting it ({} of {max_restarts})",
-            specs[i].restarts
-        );
-        respawn(children, i, &specs[i].args).with_context(|| format!("restarting {name}"))?;
+        spec.restarts += 1;
+        if job.is_some() && spec.restarts > max_restarts {
+            bail!("{name} {how} after {max_restarts} restarts (--max-restarts); stopped the rest");
+        }
+        let delay = restart_delay(spec.restarts, max_restarts);
+        if delay.is_zero() {
+            eprintln!(
+                "layerstream up: {name} {how}; restarting it ({} of {max_restarts})",
+                spec.restarts
+            );
+        } else {
+            eprintln!(
+                "layerstream up: {name} {how} again ({} restarts); the rest of the stack keeps \
+                 serving without it; next try in {} s",
+                spec.restarts,
+                delay.as_secs()
+            );
+        }
+        spec.due = Some(Instant::now() + delay);
     }
 }
 
@@ -510,4 +596,21 @@ fn wait_signal(set: &mut libc::sigset_t, timeout: Duration) -> Option<i32> {
     // SAFETY: set is a valid signal set; a null info pointer is allowed; ts is a valid timeout.
     let r = unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &ts) };
     (r > 0).then_some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first restarts are immediate; then pauses double from 1 s to at most 60 s.
+    #[test]
+    fn restarts_back_off_without_end() {
+        assert_eq!(restart_delay(1, 5), Duration::ZERO);
+        assert_eq!(restart_delay(5, 5), Duration::ZERO);
+        assert_eq!(restart_delay(6, 5), Duration::from_secs(1));
+        assert_eq!(restart_delay(7, 5), Duration::from_secs(2));
+        assert_eq!(restart_delay(12, 5), Duration::from_secs(60));
+        assert_eq!(restart_delay(1000, 5), Duration::from_secs(60));
+        assert_eq!(restart_delay(1, 0), Duration::from_secs(1));
+    }
 }

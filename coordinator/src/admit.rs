@@ -3,6 +3,7 @@
 //! RESOURCE_EXHAUSTED), journaled when the coordinator keeps a journal, and found again by their
 //! idempotency key.
 
+use crate::formats::FormatError;
 use crate::jobs::JobRecord;
 use crate::journal::Unfinished;
 use crate::scheduler::SeqRequest;
@@ -110,29 +111,53 @@ impl CoordinatorService {
 
     /// Validates, registers and queues a job; returns (job id, trace id). A job submitted with an
     /// idempotency key the coordinator already holds is that job (nothing new is queued). A refusal
-    /// is counted in the metrics by its code.
-    pub(crate) fn submit(
+    /// is counted in the metrics by its code. Output formats compile first, on the format pool
+    /// (never on the runtime's threads).
+    pub(crate) async fn submit(
         &self,
         requests: &[GenerateRequest],
         key: Option<&str>,
+        tenant: Option<usize>,
     ) -> crate::Result<(String, String)> {
-        let _one_at_a_time =
-            key.map(|_| self.keyed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         if let Some(found) = key.and_then(|k| self.jobs.by_key(k)) {
             info!(job_id = %found.0, "idempotency key of a job already held: the same job");
             return Ok(found);
         }
-        let entry = Entry { requests, key, resumed: None };
-        self.submit_checked(entry).inspect_err(|e| self.metrics.rejected(e.reject_reason()))
+        let extras = match self.compile_all(requests).await {
+            Ok(x) => x,
+            Err(e) => {
+                self.metrics.rejected(e.reject_reason());
+                return Err(e);
+            }
+        };
+        let _one_at_a_time =
+            key.map(|_| self.keyed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if let Some(found) = key.and_then(|k| self.jobs.by_key(k)) {
+            return Ok(found);
+        }
+        let entry = Entry { requests, key, resumed: None, tenant };
+        self.submit_checked(entry, extras).inspect_err(|e| self.metrics.rejected(e.reject_reason()))
     }
 
-    /// Queues again, under their ids, the jobs a journal held when the coordinator stopped; their
-    /// requests run from the start (greedy and seeded sampling give the same tokens again, which
-    /// the journal's tokens check).
-    pub(crate) fn resume(&self, jobs: Vec<Unfinished>) {
+    /// Queues again, under their ids, the jobs a journal held when the coordinator stopped; each
+    /// request continues from the tokens the journal holds (its prompt and those tokens are
+    /// prefilled, their events shown again as they were, then it goes on): a reconnecting client
+    /// is never given a second answer stitched to the first.
+    pub(crate) async fn resume(&self, jobs: Vec<Unfinished>) {
         for u in jobs {
-            let entry = Entry { requests: &u.requests, key: u.key.as_deref(), resumed: Some(&u) };
-            match self.submit_checked(entry) {
+            // (The API key a job came with is not journaled: a resumed job's prefix blocks are
+            // scoped by its cache_salt alone, under no key, which no live keyed request shares.)
+            let entry = Entry {
+                requests: &u.requests,
+                key: u.key.as_deref(),
+                resumed: Some(&u),
+                tenant: None,
+            };
+            let queued = match self.compile_all(&u.requests).await {
+                Ok(extras) => self.submit_checked(entry, extras),
+                Err(e) => Err(e),
+            };
+            match queued {
                 Ok((id, _)) => tracing::warn!(job_id = %id, "job resumed from the journal"),
                 Err(e) => {
                     tracing::error!(job_id = %u.job_id, error = %e, "a journaled job could not be resumed; dropped");
@@ -142,6 +167,31 @@ impl CoordinatorService {
                 }
             }
         }
+    }
+
+    /// Each request's output constraint compiled (on the format pool) and its tool-call format.
+    async fn compile_all(&self, requests: &[GenerateRequest]) -> crate::Result<Vec<Extras>> {
+        let mut out = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            let (format, tools) = self.format_of(r).map_err(|e| e.in_request(i))?;
+            let constraint = match format {
+                None => None,
+                Some((f, field)) => {
+                    let g = self.grammars().map_err(|e| e.in_request(i))?;
+                    match self.formats.compile(&g, &f).await {
+                        Ok(c) => Some(Box::new(c)),
+                        Err(FormatError::Invalid(m)) => {
+                            return Err(RequestError::new(field, m).in_request(i).into())
+                        }
+                        Err(FormatError::Busy(m)) => {
+                            return Err(crate::Error::Busy(format!("output formats: {m}")))
+                        }
+                    }
+                }
+            };
+            out.push(Extras { constraint, tools });
+        }
+        Ok(out)
     }
 
     /// How this model's template writes tool calls.
@@ -163,12 +213,14 @@ impl CoordinatorService {
             })
     }
 
-    /// The request's output constraint (its `format`, or a required tool call) compiled, and the
-    /// tool-call format its output is parsed in (None: no tools, or `tool_choice` "none").
-    fn constraint(
+    /// The request's output constraint (its `format`, or a required tool call) with the field it
+    /// comes from, and the tool-call format its output is parsed in (None: no tools, or
+    /// `tool_choice` "none").
+    #[allow(clippy::type_complexity)]
+    fn format_of(
         &self,
         r: &GenerateRequest,
-    ) -> Result<(Option<Box<Constraint>>, Option<ToolFormat>), RequestError> {
+    ) -> Result<(Option<(Format, Field)>, Option<ToolFormat>), RequestError> {
         let funcs = request_functions(r)?;
         // (Token ids are taken as a chat the caller rendered with the tools, as the HTTP door does.)
         if !funcs.is_empty() && matches!(r.input, Some(generate_request::Input::Prompt(_))) {
@@ -213,23 +265,16 @@ impl CoordinatorService {
             }
             (None, true) => None,
         };
-        let constraint = match format {
-            Some(f) => {
-                let field = if forced.is_empty() { Field::Format } else { Field::Tools };
-                Some(Box::new(
-                    self.grammars()?.compile(&f).map_err(|e| RequestError::new(field, e))?,
-                ))
-            }
-            None => None,
-        };
+        let field = if forced.is_empty() { Field::Format } else { Field::Tools };
         let parse = (!funcs.is_empty() && choice != "none").then_some(tool_format);
-        Ok((constraint, parse))
+        Ok((format.map(|f| (f, field)), parse))
     }
 
     /// One request checked against the model: its token ids, parameters and what goes with them.
     fn prepare(
         &self,
         r: &GenerateRequest,
+        extras: Extras,
     ) -> Result<(Vec<u32>, GenerateParams, Extras), RequestError> {
         let ids = self.input_ids(r)?;
         let mut p = Self::params(r);
@@ -245,25 +290,28 @@ impl CoordinatorService {
                 ),
             ));
         }
-        let (constraint, tools) = self.constraint(r)?;
         // What the head worker needs to apply OpenAI's penalties and min_tokens.
         p.sampling.prompt_len = ids.len();
         p.sampling.eos_ids = self.eos.clone();
-        if constraint.is_some() || p.prompt_logprobs.is_some() {
+        if extras.constraint.is_some() || p.prompt_logprobs.is_some() {
             // Drafts are not masked, and prompt scores need a plain prefill: no speculation.
             p.speculative.n_max = Some(0);
         }
-        Ok((ids, p, Extras { constraint, tools }))
+        Ok((ids, p, extras))
     }
 
-    fn submit_checked(&self, entry: Entry<'_>) -> crate::Result<(String, String)> {
+    fn submit_checked(
+        &self,
+        entry: Entry<'_>,
+        extras: Vec<Extras>,
+    ) -> crate::Result<(String, String)> {
         let requests = entry.requests;
         if requests.is_empty() {
             return Err(RequestError::new(Field::Requests, "a job needs at least one").into());
         }
         let mut prepared = Vec::with_capacity(requests.len());
-        for (i, r) in requests.iter().enumerate() {
-            prepared.push(self.prepare(r).map_err(|e| e.in_request(i))?);
+        for (i, (r, x)) in requests.iter().zip(extras).enumerate() {
+            prepared.push(self.prepare(r, x).map_err(|e| e.in_request(i))?);
         }
         let n = prepared.len();
         let before = self.waiting.fetch_add(n, Ordering::SeqCst);
@@ -282,10 +330,17 @@ impl CoordinatorService {
             None => layerstream_telemetry::trace_id(&span),
         };
         // Journaled (durably) before the client learns the id: a crash from here on resumes it.
+        // A journal that cannot be written (a full disk, say) refuses the jobs that asked to be
+        // found again (an idempotency key); others run without surviving a restart.
         if let (Some(j), None) = (&self.journal, entry.resumed) {
             if let Err(e) = j.record_job(&job_id, &trace_id, entry.key, requests) {
-                self.waiting.fetch_sub(n, Ordering::SeqCst);
-                return Err(crate::Error::Aborted(e.to_string()));
+                if entry.key.is_some() {
+                    self.waiting.fetch_sub(n, Ordering::SeqCst);
+                    return Err(crate::Error::Unavailable(format!(
+                        "{e}; a job with an idempotency key must be journaled: retry later"
+                    )));
+                }
+                tracing::warn!(%job_id, error = %e, "job not journaled: it will not survive a restart");
             }
         }
         let cancels: Vec<Arc<AtomicBool>> =
@@ -318,6 +373,12 @@ impl CoordinatorService {
                 queued: std::time::Instant::now(),
                 constraint: extras.constraint,
                 tools: extras.tools,
+                salt: crate::flags::cache_salt(
+                    self.cache_scope,
+                    entry.tenant,
+                    &requests[i].cache_salt,
+                ),
+                journaled: journaled(entry.resumed, i),
             };
             if self.queue.try_send(seq).is_err() {
                 // The ones already sent are cancelled and leave the count in the scheduler.
@@ -334,12 +395,12 @@ impl CoordinatorService {
                 journal: self.journal.clone(),
                 job: job_id.clone(),
                 index: i as u32,
-                journaled: entry.resumed.and_then(|u| u.tokens.get(i).cloned()).unwrap_or_default(),
+                replayed: journaled(entry.resumed, i).len(),
             };
             tokio::spawn(async move {
                 let mut recorder = recorder;
                 while let Some(ev) = rx.recv().await {
-                    recorder.record(ev);
+                    recorder.record(ev).await;
                 }
             });
         }
@@ -418,31 +479,39 @@ struct Entry<'a> {
     key: Option<&'a str>,
     /// Set when the job comes back from the journal (same id, trace id and key).
     resumed: Option<&'a Unfinished>,
+    /// The API key the job came with (its tenant, for the prefix cache's scope).
+    tenant: Option<usize>,
 }
 
-/// Records one request's events: into the job (for watchers) and the journal (its tokens, and the
-/// job's end); a resumed request's tokens are checked against the ones the journal kept.
+/// The events request `i` of a resumed job had produced (empty for a new job).
+fn journaled(resumed: Option<&Unfinished>, i: usize) -> Vec<Vec<u32>> {
+    resumed.and_then(|u| u.tokens.get(i).cloned()).unwrap_or_default()
+}
+
+/// Longest a token event waits for the journal before it is shown anyway (a slow disk never holds
+/// a stream back for long; a failing one not at all).
+const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Records one request's events: into the journal first (its tokens, and the job's end), then
+/// into the job for watchers — so a client never sees a token that a restart would not resume
+/// from. A resumed request's first events are the journal's own, replayed: not written again.
 struct Recorder {
     jobs: crate::jobs::Jobs,
     journal: Option<Arc<crate::journal::Journal>>,
     job: String,
     index: u32,
-    /// What the journal held for this request when it was resumed; checked, then emptied.
-    journaled: Vec<u32>,
+    /// Token events still to come back from the journal (a resumed request's replay).
+    replayed: usize,
 }
 
 impl Recorder {
-    fn record(&mut self, ev: GenerateEvent) {
+    async fn record(&mut self, ev: GenerateEvent) {
         if let (Some(j), Some(generate_event::Event::Token(t))) = (&self.journal, &ev.event) {
-            j.tokens(&self.job, self.index, &t.ids);
-            if !self.journaled.is_empty() {
-                let n = t.ids.len().min(self.journaled.len());
-                if t.ids[..n] != self.journaled[..n] {
-                    tracing::warn!(job_id = %self.job, request = self.index, "a resumed request produced other tokens than before the restart");
-                    self.journaled.clear();
-                } else {
-                    self.journaled.drain(..n);
-                }
+            if self.replayed > 0 {
+                self.replayed -= 1;
+            } else {
+                let _ =
+                    tokio::time::timeout(ACK_WAIT, j.tokens(&self.job, self.index, &t.ids)).await;
             }
         }
         let finished = self.jobs.record(&self.job, ev);

@@ -29,6 +29,9 @@ pub enum Error {
     /// No job by that id (never made, or forgotten).
     #[error("no job {0}")]
     NoJob(String),
+    /// The stack cannot take this now (its journal cannot be written, say): retry later.
+    #[error("{0}")]
+    Unavailable(String),
     /// A job's request ended in error after it was queued.
     #[error("{0}")]
     Aborted(String),
@@ -79,7 +82,9 @@ impl From<Error> for tonic::Status {
             Error::NoJob(_) => tonic::Status::not_found(e.to_string()),
             Error::Aborted(_) => tonic::Status::aborted(e.to_string()),
             Error::StepTimeout { .. } => tonic::Status::deadline_exceeded(e.to_string()),
-            Error::Worker { .. } | Error::Transport(_) => tonic::Status::unavailable(e.to_string()),
+            Error::Worker { .. } | Error::Transport(_) | Error::Unavailable(_) => {
+                tonic::Status::unavailable(e.to_string())
+            }
             Error::Corrupt { .. } => tonic::Status::data_loss(e.to_string()),
             _ => tonic::Status::internal(e.to_string()),
         }

@@ -183,6 +183,43 @@ pub struct SchedulerFlags {
     /// default they go through a shared-memory region of the sending worker).
     #[arg(long, env = "LAYERSTREAM_HIDDEN_OVER_GRPC")]
     pub hidden_over_grpc: bool,
+    /// Which requests share cached prompt blocks: `key` — only those sent with the same API key
+    /// (each key a tenant; with no key set, every request alike) — or `global`. A request's
+    /// `cache_salt` narrows either further.
+    #[arg(long, env = "LAYERSTREAM_PREFIX_CACHE_SCOPE", default_value = "key")]
+    pub prefix_cache_scope: CacheScope,
+}
+
+/// `--prefix-cache-scope`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheScope {
+    /// Per API key.
+    Key,
+    /// Every request alike (only `cache_salt` separates).
+    Global,
+}
+
+impl CacheScope {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheScope::Key => "key",
+            CacheScope::Global => "global",
+        }
+    }
+}
+
+/// A request's prefix-cache salt: its API key's index under `key` scope (None: no key in use)
+/// and its `cache_salt`; 0 (shared by all) when neither applies.
+pub fn cache_salt(scope: CacheScope, key: Option<usize>, salt: &str) -> u64 {
+    let tenant = match (scope, key) {
+        (CacheScope::Key, Some(i)) => format!("key{i}"),
+        _ => String::new(),
+    };
+    if tenant.is_empty() && salt.is_empty() {
+        return 0;
+    }
+    layerstream_model::kv_blocks::salt_of(&format!("{tenant}\0{salt}"))
 }
 
 /// Speculative decoding (`coordinator`, `up`, `run`).
@@ -273,6 +310,7 @@ impl SchedulerFlags {
             flag("job-retention", self.job_retention_s),
             flag("max-job-records", self.max_job_records),
             flag("micro-batches", self.micro_batches),
+            flag("prefix-cache-scope", self.prefix_cache_scope.name()),
         ]
         .concat();
         if let Some(t) = self.step_timeout_s {
@@ -379,5 +417,18 @@ mod tests {
             (given.plan, given.sched, given.http, given.spec)
         );
         assert_eq!(Cli::parse_from(["x"]).http.listen(), Some(DEFAULT_HTTP_LISTEN));
+    }
+
+    /// Tenants and salts separate; the same tenant and salt meet; global scope ignores the key.
+    #[test]
+    fn cache_salts_follow_scope_key_and_salt() {
+        use CacheScope::*;
+        assert_eq!(cache_salt(Key, None, ""), 0);
+        assert_eq!(cache_salt(Global, Some(3), ""), 0);
+        assert_ne!(cache_salt(Key, Some(0), ""), cache_salt(Key, Some(1), ""));
+        assert_eq!(cache_salt(Key, Some(1), "s"), cache_salt(Key, Some(1), "s"));
+        assert_ne!(cache_salt(Key, Some(1), "s"), cache_salt(Key, Some(1), "t"));
+        assert_eq!(cache_salt(Global, Some(0), "s"), cache_salt(Global, Some(1), "s"));
+        assert_ne!(cache_salt(Global, None, "s"), 0);
     }
 }

@@ -4,6 +4,7 @@
 mod admit;
 mod error;
 mod flags;
+mod formats;
 mod http;
 mod jobs;
 mod journal;
@@ -12,6 +13,7 @@ mod metrics;
 mod pipeline;
 mod planner;
 mod scheduler;
+mod seen;
 mod service;
 mod start;
 mod stats;
@@ -51,6 +53,10 @@ pub struct CoordinatorArgs {
     /// connection that sends nothing for 30 s is closed.
     #[arg(long, env = "LAYERSTREAM_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
     pub grpc_max_connections: usize,
+    /// Most connections one client address may hold open on each of the gRPC and HTTP ports
+    /// (default: half of that port's cap), so one client cannot lock out the others.
+    #[arg(long, env = "LAYERSTREAM_MAX_CONNECTIONS_PER_PEER")]
+    pub max_connections_per_peer: Option<usize>,
     /// Journal every accepted job in this file (a redb database, created if absent): after a crash
     /// the coordinator resumes the jobs that did not finish, under their ids, and a client that
     /// resubmits with the same `idempotency-key` gets the same job. `up` keeps one per stack.
@@ -66,6 +72,10 @@ pub struct CoordinatorArgs {
     /// calls without it get UNAUTHENTICATED. Unset: no key (health and reflection are always open).
     #[arg(long, env = "LAYERSTREAM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (its first line) instead: a key on the command line is
+    /// readable by every local user in `/proc/<pid>/cmdline`.
+    #[arg(long, env = "LAYERSTREAM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Shared secret sent to the workers' internal API (`up` generates one).
     #[arg(long, env = "LAYERSTREAM_INTERNAL_TOKEN", hide_env_values = true)]
     pub internal_token: Option<String>,
@@ -78,4 +88,15 @@ pub struct CoordinatorArgs {
     /// PEM CA certificate to trust for `https://` workers (workers started with `--tls-cert`).
     #[arg(long, env = "LAYERSTREAM_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+}
+
+/// The tiny test models' tokenizer (SmolLM2's), for unit tests of what reads text.
+#[cfg(test)]
+pub(crate) fn test_tokenizer() -> std::sync::Arc<layerstream_model::Tokenizer> {
+    let json = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/models/tiny-llama/tokenizer.json"
+    ))
+    .unwrap();
+    std::sync::Arc::new(layerstream_model::Tokenizer::from_json(&json, None, None, None).unwrap())
 }

@@ -49,6 +49,12 @@ pub struct SeqRequest {
     pub(crate) constraint: Option<Box<layerstream_model::grammar::Constraint>>,
     /// Its output is parsed for tool calls written this way (a request with tools).
     pub(crate) tools: Option<layerstream_model::tools::ToolFormat>,
+    /// Its prefix-cache scope (`kv_blocks::salt_of` of its `cache_salt` and tenant; 0: global):
+    /// it shares cached blocks only with requests of the same salt.
+    pub(crate) salt: u64,
+    /// A job resumed from the journal: the events (token ids) this request had produced, fed to
+    /// its stop criteria and format and shown again before it continues.
+    pub(crate) journaled: Vec<Vec<u32>>,
 }
 
 struct Active {
@@ -339,7 +345,10 @@ impl Scheduler {
             // `n` > 1: a choice waits while its sibling prefills the same prompt, then finds the
             // prompt's blocks in the prefix cache (computed once).
             if !waiting.front().is_some_and(|r| self.sibling_prefilling(r, &active)) {
-                needs.extend(waiting.iter().map(|r| self.blocks_to_admit(r.input_ids.len())));
+                needs.extend(waiting.iter().map(|r| {
+                    let resumed: usize = r.journaled.iter().map(Vec::len).sum();
+                    self.blocks_to_admit(r.input_ids.len() + resumed)
+                }));
             }
             // What the running sequences' next steps take is not free for newcomers (else a
             // newcomer would be preempted as soon as it is admitted).
@@ -352,7 +361,7 @@ impl Scheduler {
                         let req = waiting.pop_front().expect("admitted from the queue");
                         self.waiting_count.fetch_sub(1, Ordering::SeqCst);
                         let stopper = Stopper::new(&req.params, &self.eos);
-                        Active {
+                        let mut a = Active {
                             req,
                             pos: 0,
                             stopper,
@@ -368,7 +377,14 @@ impl Scheduler {
                             forced: 0,
                             scores: Vec::new(),
                             scores_sent: false,
+                        };
+                        if let Some((r, err)) = output::replay(&self.tokenizer, &mut a).await {
+                            let mut ev = finish(&self.metrics, &a, r, err);
+                            output::tool_calls(&self.tokenizer, &a, &mut ev);
+                            let _ = a.req.events.send(ev).await;
+                            continue;
                         }
+                        a
                     }
                 };
                 self.resume(&mut a);

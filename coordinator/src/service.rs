@@ -5,6 +5,7 @@
 use crate::jobs::Jobs;
 use crate::scheduler::SeqRequest;
 use layerstream_model::Tokenizer;
+use layerstream_rpc::auth::KeyIndex;
 use layerstream_rpc::v1::coordinator_server::Coordinator;
 use layerstream_rpc::v1::*;
 use std::pin::Pin;
@@ -14,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
-use tracing::{info, info_span, instrument};
+use tracing::{info, info_span, instrument, Instrument};
 
 /// State behind the API.
 pub struct CoordinatorService {
@@ -45,6 +46,10 @@ pub struct CoordinatorService {
     /// The grammar compiler over this tokenizer, built by the first constrained request.
     pub(crate) grammars:
         std::sync::OnceLock<Result<Arc<layerstream_model::grammar::Grammars>, String>>,
+    /// The threads output formats compile on, and their cache.
+    pub(crate) formats: crate::formats::FormatPool,
+    /// `--prefix-cache-scope`: whether API keys separate prefix caches.
+    pub(crate) cache_scope: crate::flags::CacheScope,
 }
 
 /// The span of a job-creating call: the root of the request's trace, or a child of the trace
@@ -90,11 +95,11 @@ impl CoordinatorService {
         out
     }
 
-    /// Streams a job's events in order until it finishes, skipping the first `seen[i]` events of
-    /// request `i` (a client that reconnects continues after what it saw: each request's events
-    /// come again in the same order when a job is resumed after a restart, though the requests'
-    /// events may interleave differently); `cancel_on_drop` cancels the job if the client goes away
-    /// first. A request that ends in error is followed by an ABORTED status.
+    /// Streams a job's events in order until it finishes, leaving out the first `seen[i]` tokens
+    /// of request `i` (a client that reconnects continues after what it saw: a job resumed after a
+    /// restart continues from its journaled tokens and shows their events again as they were, so
+    /// what a client saw is always a prefix of what comes); `cancel_on_drop` cancels the job if
+    /// the client goes away first. A request that ends in error is followed by an ABORTED status.
     pub(crate) fn watch(
         &self,
         job_id: &str,
@@ -108,7 +113,7 @@ impl CoordinatorService {
         let (tx, rx) = mpsc::channel(256);
         let jobs = self.jobs.clone();
         let id = job_id.to_owned();
-        let mut skip: Vec<u32> = seen.to_vec();
+        let mut skip = crate::seen::Seen::new(seen, self.tokenizer.clone());
         tokio::spawn(async move {
             let mut seen = 0usize;
             loop {
@@ -119,10 +124,7 @@ impl CoordinatorService {
                     .unwrap_or_default();
                 for ev in new {
                     seen += 1;
-                    if let Some(n) = skip.get_mut(ev.index as usize).filter(|n| **n > 0) {
-                        *n -= 1;
-                        continue;
-                    }
+                    let Some(ev) = skip.pass(ev) else { continue };
                     let err = match &ev.event {
                         Some(generate_event::Event::Done(d))
                             if d.finish_reason() == FinishReason::Error =>
@@ -170,9 +172,12 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let span = rpc_span("generate", r.metadata());
         let key = idempotency_key(r.metadata());
+        let tenant = r.extensions().get::<KeyIndex>().map(|k| k.0);
         // One request per call: its errors name fields of that request, not of a job.
-        let (job_id, trace_id) = span
-            .in_scope(|| self.submit(std::slice::from_ref(r.get_ref()), key.as_deref()))
+        let (job_id, trace_id) = self
+            .submit(std::slice::from_ref(r.get_ref()), key.as_deref(), tenant)
+            .instrument(span)
+            .await
             .map_err(crate::Error::single)?;
         let rx = self.watch(&job_id, true, &[])?;
         let mut resp = Response::new(Box::pin(ReceiverStream::new(rx)) as Self::GenerateStream);
@@ -190,8 +195,9 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<SubmitJobResponse>, Status> {
         let span = rpc_span("submit_job", r.metadata());
         let key = idempotency_key(r.metadata());
+        let tenant = r.extensions().get::<KeyIndex>().map(|k| k.0);
         let (job_id, trace_id) =
-            span.in_scope(|| self.submit(&r.get_ref().requests, key.as_deref()))?;
+            self.submit(&r.get_ref().requests, key.as_deref(), tenant).instrument(span).await?;
         Ok(Response::new(SubmitJobResponse { job_id, trace_id }))
     }
 

@@ -31,7 +31,12 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
     let workers = register(&args, &store, &security).await?;
     let svc = plan_and_schedule(&args, &store, workers).await?;
     if let Some(j) = &svc.journal {
-        svc.resume(j.unfinished()?);
+        match j.unfinished() {
+            Ok(jobs) => svc.resume(jobs).await,
+            Err(e) => {
+                tracing::error!(error = %e, "the journal cannot be read now; nothing resumed")
+            }
+        }
     }
     serve(&args, svc, security).await?;
     tracing_guard.flush();
@@ -66,10 +71,17 @@ struct Security {
 
 impl Security {
     fn from_args(args: &CoordinatorArgs) -> Result<Self> {
+        let argv: Vec<String> = std::env::args().collect();
+        let api_keys = layerstream_rpc::auth::api_keys(
+            args.api_key.as_deref(),
+            args.api_key_file.as_deref(),
+            &argv,
+        )
+        .map_err(Error::Setup)?;
         Ok(Security {
             bearer: Bearer::new(args.internal_token.as_deref())
                 .map_err(|m| Error::Setup(format!("--internal-token: {m}")))?,
-            api_guard: RequireBearer::new(args.api_key.as_deref(), "API key")
+            api_guard: RequireBearer::keys(&api_keys, "API key")
                 .map_err(|m| Error::Setup(format!("--api-key: {m}")))?,
             tls: transport::server_tls(args.tls_cert.as_deref(), args.tls_key.as_deref())
                 .map_err(Error::Setup)?,
@@ -249,6 +261,9 @@ async fn plan_and_schedule(
         keyed: std::sync::Mutex::new(()),
         eos: store.manifest.config.eos_token_ids.clone(),
         grammars: std::sync::OnceLock::new(),
+        formats: crate::formats::FormatPool::for_host()
+            .map_err(|e| Error::Setup(format!("starting the format compile threads: {e}")))?,
+        cache_scope: args.sched.prefix_cache_scope,
     }))
 }
 
@@ -290,12 +305,19 @@ async fn serve(
         });
         tracing::info!(addr = %l.local_addr()?, "OpenAI API, /metrics and the live page served over HTTP");
         let idle = Duration::from_secs(args.http.http_idle_timeout_s.max(1));
-        let gate = Gate::new("HTTP", args.http.http_max_connections, idle);
+        let mut gate = Gate::new("HTTP", args.http.http_max_connections, idle);
+        if let Some(n) = args.max_connections_per_peer {
+            gate = gate.per_peer(n);
+        }
         tokio::spawn(async move {
             if let Err(e) = http::serve(l, h, gate, idle, transport::shutdown_signal()).await {
                 tracing::error!(error = %e, "the HTTP server stopped");
             }
         });
+    }
+    let mut grpc_gate = Gate::new("gRPC", args.grpc_max_connections, GRPC_FIRST_BYTE);
+    if let Some(n) = args.max_connections_per_peer {
+        grpc_gate = grpc_gate.per_peer(n);
     }
     let (_health, health_svc) =
         transport::health::<CoordinatorServer<service::CoordinatorService>>().await;
@@ -308,10 +330,7 @@ async fn serve(
         .add_service(transport::reflection())
         .add_service(transport::reflection_v1alpha())
         .add_service(InterceptedService::new(CoordinatorServer::from_arc(svc), security.api_guard))
-        .serve_with_incoming_shutdown(
-            Gate::new("gRPC", args.grpc_max_connections, GRPC_FIRST_BYTE).incoming(listener),
-            transport::shutdown_signal(),
-        )
+        .serve_with_incoming_shutdown(grpc_gate.incoming(listener), transport::shutdown_signal())
         .await?;
     Ok(())
 }

@@ -43,6 +43,29 @@ pub struct Daemon {
     broken_reported: AtomicBool,
 }
 
+/// `n` slots under a fresh random instance id; a name found taken (someone created it first) is
+/// retried under a new instance, never fatal.
+fn create_slots(ns: &str, n: usize, slot_size: usize) -> crate::Result<Vec<ShmRegion>> {
+    let mut tries = 0;
+    'instance: loop {
+        let instance = layerstream_shm::random_tag();
+        let mut slots = Vec::with_capacity(n);
+        for i in 0..n {
+            let name = slot_name(ns, &instance, i);
+            match ShmRegion::create(&name, slot_size) {
+                Ok(r) => slots.push(r),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 8 => {
+                    tries += 1;
+                    warn!(%name, "shared-memory name already taken; retrying under a new instance id");
+                    continue 'instance; // the slots made so far unlink as they drop
+                }
+                Err(source) => return Err(crate::Error::Shm { name, bytes: slot_size, source }),
+            }
+        }
+        return Ok(slots);
+    }
+}
+
 impl Daemon {
     /// Creates `n` slots of `slot_size` bytes in namespace `ns` (stale ones removed first).
     pub fn new(
@@ -57,14 +80,8 @@ impl Daemon {
             warn!(removed, ns, "removed stale shared-memory regions of a previous instance");
         }
         let slot_size = slot_size.div_ceil(4096) * 4096;
-        let instance = &layerstream_rpc::auth::random_hex()[..8];
-        let mut slots = Vec::with_capacity(n);
-        for i in 0..n {
-            let name = slot_name(ns, instance, i);
-            slots.push(ShmRegion::create(&name, slot_size).map_err(|source| {
-                crate::Error::Shm { name: name.clone(), bytes: slot_size, source }
-            })?);
-        }
+        crate::pool::check_shm_room(n, slot_size, layerstream_shm::free_bytes())?;
+        let slots = create_slots(ns, n, slot_size)?;
         let first = store.dir.join(layer_file(0));
         let direct = crate::read::direct_supported(&first);
         if !direct {

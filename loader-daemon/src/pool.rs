@@ -150,6 +150,20 @@ impl Pool {
     }
 }
 
+/// Whether `/dev/shm` (`free` bytes, None when unknown) holds `n` slots of `slot_size` bytes; the
+/// error names what is needed and how to give it.
+pub fn check_shm_room(n: usize, slot_size: usize, free: Option<u64>) -> crate::Result<()> {
+    let need = n as u64 * slot_size as u64;
+    match free {
+        Some(free) if free < need => Err(crate::Error::Config(format!(
+            "/dev/shm has {free} bytes free; the slot pool needs {need} ({n} slots × {slot_size} \
+             bytes): give the container more shared memory (compose `shm_size`, `docker run \
+             --shm-size`, a Kubernetes emptyDir with medium Memory) or use fewer slots (--slots)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,5 +249,16 @@ mod tests {
         assert_eq!(run(false), 100, "LRU over a cyclic order misses every read");
         let misses = run(true);
         assert!(misses <= 100 - 27, "next-use eviction: {misses} misses of 100");
+    }
+
+    #[test]
+    fn a_pool_larger_than_dev_shm_is_refused_with_its_sizes() {
+        check_shm_room(8, 1 << 20, Some(8 << 20)).unwrap();
+        check_shm_room(8, 1 << 20, None).unwrap();
+        let e = check_shm_room(8, 1 << 20, Some(5 << 20)).unwrap_err().to_string();
+        assert!(
+            e.contains("5242880 bytes free") && e.contains("8388608") && e.contains("shm_size"),
+            "{e}"
+        );
     }
 }

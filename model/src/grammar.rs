@@ -5,6 +5,7 @@
 //! samples within it), after the step it advances by the chosen token, and tokens the format forces
 //! (only one continuation possible) are emitted without sampling.
 
+use crate::grammar_limits::{check_format, FormatLimits};
 use crate::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -52,6 +53,7 @@ pub struct Grammars {
     factory: ParserFactory,
     eos: Vec<u32>,
     vocab: usize,
+    limits: FormatLimits,
 }
 
 impl Grammars {
@@ -69,7 +71,13 @@ impl Grammars {
         let env: TokEnv = Arc::new(Env { trie, tok });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory, eos: eos.to_vec(), vocab })
+        Ok(Grammars { factory, eos: eos.to_vec(), vocab, limits: FormatLimits::default() })
+    }
+
+    /// The same compiler under other format limits.
+    pub fn with_limits(mut self, limits: FormatLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Tokens in the vocabulary the masks cover.
@@ -80,8 +88,9 @@ impl Grammars {
     /// Compiles `format` for one request. JSON is written compactly as `json.dumps` does (`", "`
     /// and `": "`, no other whitespace) unless the schema sets llguidance's `x-guidance` options;
     /// the error names what cannot be compiled (an invalid schema, an unsupported keyword, a regex
-    /// or grammar that does not parse).
+    /// or grammar that does not parse, or the limit a format exceeds: `grammar_limits`).
     pub fn compile(&self, format: &Format) -> Result<Constraint, String> {
+        check_format(format, &self.limits)?;
         let compact = |mut schema: Value| {
             if let Some(o) = schema.as_object_mut() {
                 o.entry("x-guidance").or_insert_with(|| {
@@ -263,6 +272,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// pydantic writes nested models as `$defs` with `#/$defs/…` references: embedded in the call
+    /// grammar they still resolve (the probe got "Reference segment '$defs' not found").
+    #[test]
+    fn tool_parameters_with_defs_compile() {
+        use crate::tools::{call_grammar, functions, parse, ToolFormat};
+        let t = tok();
+        let g = Grammars::new(t.clone(), &[0]).unwrap();
+        let params = json!({"type": "object", "$defs": {"City": {"type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"],
+            "additionalProperties": false}},
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+            "additionalProperties": false});
+        let funcs = functions(vec![("pick".into(), String::new(), Some(params))]).unwrap();
+        let lark = call_grammar(ToolFormat::Hermes, &funcs.iter().collect::<Vec<_>>(), false);
+        let text = drive(&g, &t, &Format::Lark(lark), |i| (i % 89) as i64);
+        let (_, calls) = parse(ToolFormat::Hermes, &text).unwrap_or_else(|| panic!("{text:?}"));
+        assert!(calls[0].arguments["city"]["name"].is_string(), "{text}");
+    }
+
+    /// The probe's crashing formats are refused by their limits before llguidance sees them.
+    #[test]
+    fn formats_over_the_limits_are_refused() {
+        let g = Grammars::new(tok(), &[0]).unwrap();
+        let mut lark = String::from("start: r0\n");
+        for i in 0..700 {
+            lark.push_str(&format!("r{i}: r{}\n", i + 1));
+        }
+        lark.push_str("r700: \"end\"\n");
+        let e = g.compile(&Format::Lark(lark)).err().unwrap();
+        assert!(e.contains("chain of rules") && e.contains("limit of 64"), "{e}");
     }
 
     #[test]

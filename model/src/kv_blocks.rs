@@ -2,7 +2,8 @@
 //! of a pipeline follows, a single-process run holds its own): which blocks each sequence's
 //! positions live in, which are free, and — prefix caching — which full blocks hold a known token
 //! prefix. A full block is keyed by a hash chained over the tokens of every block before it and its
-//! own (xxh3), so equal keys mean equal prefixes; blocks are shared by reference count, and a
+//! own (xxh3), so equal keys mean equal prefixes; the chain starts from a salt (a request's
+//! `cache_salt`, its tenant), so sequences only ever share blocks within one salt; blocks are shared by reference count, and a
 //! cached block no sequence uses is evicted least recently used first, only when a fresh block is
 //! needed. Only full blocks are shared, and a sequence always computes at least its last prompt
 //! token itself, so no shared block is ever written again (no copy-on-write needed).
@@ -187,17 +188,18 @@ impl BlockPool {
     /// A new sequence for `tokens` (its prompt): its longest cached prefix of full blocks, shared,
     /// leaving at least the last token to compute. Returns the sequence and the positions cached.
     pub fn lookup(&mut self, tokens: &[u32]) -> (SeqBlocks, usize) {
-        let (seq, cached, _) = self.lookup_tiered(tokens, |_| None);
+        let (seq, cached, _) = self.lookup_tiered(tokens, 0, |_| None);
         (seq, cached)
     }
 
     /// `lookup`, continued past the device's cached blocks into a host tier: `host(key)` takes a
     /// block's slot out of the tier when it holds that key. Such a block gets a fresh device block
     /// (keyed again); the third value lists (host slot, device block) copies to make before the
-    /// sequence's first step.
+    /// sequence's first step. Only blocks committed under the same `salt` are found.
     pub fn lookup_tiered(
         &mut self,
         tokens: &[u32],
+        salt: u64,
         mut host: impl FnMut(u64) -> Option<u32>,
     ) -> (SeqBlocks, usize, Vec<(u32, u32)>) {
         let mut seq = SeqBlocks::default();
@@ -207,7 +209,7 @@ impl BlockPool {
         }
         self.counts.queries += 1;
         self.counts.queried_tokens += tokens.len() as u64;
-        let mut h = 0;
+        let mut h = salt;
         for chunk in tokens[..tokens.len().saturating_sub(1)].chunks_exact(self.block) {
             h = key(h, chunk);
             let b = match self.by_hash.get(&h) {
@@ -245,8 +247,9 @@ impl BlockPool {
     }
 
     /// Keys the blocks of `seq` that `tokens` (its committed tokens, from position 0) fill, so later
-    /// sequences can share them. A block whose prefix another block already holds stays private.
-    pub fn commit(&mut self, seq: &mut SeqBlocks, tokens: &[u32]) {
+    /// sequences can share them (those looking up with the same `salt`). A block whose prefix
+    /// another block already holds stays private.
+    pub fn commit(&mut self, seq: &mut SeqBlocks, salt: u64, tokens: &[u32]) {
         if !self.caching {
             return;
         }
@@ -254,7 +257,7 @@ impl BlockPool {
         while seq.hashes.len() < full {
             let i = seq.hashes.len();
             let h = key(
-                seq.hashes.last().copied().unwrap_or(0),
+                seq.hashes.last().copied().unwrap_or(salt),
                 &tokens[i * self.block..(i + 1) * self.block],
             );
             let b = seq.table[i];
@@ -264,6 +267,15 @@ impl BlockPool {
             }
             seq.hashes.push(h);
         }
+    }
+}
+
+/// The salt of a request's `cache_salt` text (0, no salt, for an empty one).
+pub fn salt_of(text: &str) -> u64 {
+    if text.is_empty() {
+        0
+    } else {
+        xxhash_rust::xxh3::xxh3_64_with_seed(text.as_bytes(), 0x5a17)
     }
 }
 
@@ -312,7 +324,7 @@ mod tests {
         p.grow(&mut a, 12).unwrap();
         let output: Vec<u32> = prompt.iter().copied().chain([50, 51]).collect();
         assert!(p.needs_commit(&a, output.len()));
-        p.commit(&mut a, &output);
+        p.commit(&mut a, 0, &output);
         assert_eq!(p.cached_blocks(), 3);
         // Keyed: nothing new until another block fills.
         assert!(!p.needs_commit(&a, output.len()) && !p.needs_commit(&a, 15));
@@ -345,14 +357,14 @@ mod tests {
         let prompt = [1, 2, 3, 4, 5];
         let (mut a, _) = p.lookup(&prompt);
         p.grow(&mut a, 5).unwrap();
-        p.commit(&mut a, &prompt);
+        p.commit(&mut a, 0, &prompt);
         p.release(&mut a);
         assert_eq!((p.free_now(), p.cached_blocks()), (1, 2));
         let evicted = p.evict_idle(5);
         assert_eq!((evicted.len(), p.free_now(), p.cached_blocks()), (2, 3, 0));
         let tier: std::collections::HashMap<u64, u32> =
             evicted.iter().enumerate().map(|(i, &(_, h))| (h, 10 + i as u32)).collect();
-        let (b, cached, restore) = p.lookup_tiered(&prompt, |h| tier.get(&h).copied());
+        let (b, cached, restore) = p.lookup_tiered(&prompt, 0, |h| tier.get(&h).copied());
         assert_eq!((cached, restore.len()), (4, 2));
         assert_eq!(restore.iter().map(|r| r.1).collect::<Vec<_>>(), b.table);
         assert_eq!(p.cached_blocks(), 2, "restored blocks are keyed again");
@@ -364,8 +376,24 @@ mod tests {
         let mut p = BlockPool::new(4, 2, false);
         let (mut a, _) = p.lookup(&[1, 2, 3, 4, 5]);
         p.grow(&mut a, 5).unwrap();
-        p.commit(&mut a, &[1, 2, 3, 4, 5]);
+        p.commit(&mut a, 0, &[1, 2, 3, 4, 5]);
         assert_eq!(p.lookup(&[1, 2, 3, 4, 5]).1, 0);
         assert_eq!(p.counts.queries, 0);
+    }
+
+    /// Blocks committed under one salt are found only under that salt: another tenant's lookup
+    /// (another salt, or none) of the same prompt finds nothing cached.
+    #[test]
+    fn salts_keep_prefixes_apart() {
+        let mut p = BlockPool::new(8, 4, true);
+        let prompt: Vec<u32> = (0..13).collect();
+        let (a_salt, b_salt) = (salt_of("tenant-a"), salt_of("tenant-b"));
+        assert_eq!(salt_of(""), 0);
+        let (mut a, _, _) = p.lookup_tiered(&prompt, a_salt, |_| None);
+        p.grow(&mut a, prompt.len()).unwrap();
+        p.commit(&mut a, a_salt, &prompt);
+        assert_eq!(p.lookup_tiered(&prompt, a_salt, |_| None).1, 12, "same tenant: cached");
+        assert_eq!(p.lookup_tiered(&prompt, b_salt, |_| None).1, 0, "another tenant");
+        assert_eq!(p.lookup(&prompt).1, 0, "no salt");
     }
 }

@@ -13,6 +13,7 @@ pub mod gguf_export;
 mod gguf_spm;
 mod gguf_tokenizer;
 pub mod grammar;
+pub mod grammar_limits;
 mod hf;
 mod hf_stacked;
 pub mod import;

@@ -164,9 +164,12 @@ pub fn call_grammar(format: ToolFormat, funcs: &[&Function], parallel: bool) -> 
         .iter()
         .enumerate()
         .map(|(i, f)| {
+            // The parameters sit under properties.<key> of the call's schema: their local
+            // references (pydantic's `#/$defs/…`) are made to point there.
+            let params = relocate_refs(&f.parameters, &format!("#/properties/{key}"));
             let schema = json!({
                 "type": "object",
-                "properties": {"name": {"const": f.name}, key: f.parameters},
+                "properties": {"name": {"const": f.name}, key: params},
                 "required": ["name", key],
                 "additionalProperties": false,
                 "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
@@ -193,6 +196,31 @@ pub fn call_grammar(format: ToolFormat, funcs: &[&Function], parallel: bool) -> 
         ),
     };
     format!("{start}\n{call}\nobj: {obj}\n{}", alts.concat())
+}
+
+/// `schema` with every local `$ref` (`#…`) rewritten to point below `base`, where it will be
+/// embedded (refs to other documents are left alone).
+fn relocate_refs(schema: &Value, base: &str) -> Value {
+    match schema {
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, v)| match (k.as_str(), v) {
+                    ("$ref", Value::String(r)) if r.starts_with('#') => {
+                        let rest = r[1..].trim_start_matches('/');
+                        let to = if rest.is_empty() {
+                            base.to_owned()
+                        } else {
+                            format!("{base}/{rest}")
+                        };
+                        (k.clone(), Value::String(to))
+                    }
+                    _ => (k.clone(), relocate_refs(v, base)),
+                })
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(|v| relocate_refs(v, base)).collect()),
+        other => other.clone(),
+    }
 }
 
 /// One call from a JSON object `{"name": …, "arguments"|"parameters": {…}}`.

@@ -58,43 +58,63 @@ impl Interceptor for Bearer {
     }
 }
 
-/// Server side: refuses calls whose `authorization` is not `Bearer <token>` when a token is set.
+/// Server side: refuses calls whose `authorization` is not `Bearer <token>` for one of its tokens
+/// when any is set. Each accepted call carries the index of the token it matched (`KeyIndex`, a
+/// request extension): with several API keys, each is a tenant.
 #[derive(Clone)]
 pub struct RequireBearer {
-    token: Option<Arc<[u8]>>,
+    tokens: Arc<[Arc<[u8]>]>,
     /// What the token guards, for the error message ("API key", "internal token").
     what: &'static str,
 }
 
+/// Which of the server's tokens a call presented (a request extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyIndex(pub usize);
+
 impl RequireBearer {
     /// A server interceptor for `token` (`None` or empty: lets every call through).
     pub fn new(token: Option<&str>, what: &'static str) -> Result<RequireBearer, String> {
-        let token = match non_empty(token) {
-            Some(t) => {
-                check_token(t)?;
-                Some(Arc::from(t.as_bytes()))
-            }
-            None => None,
-        };
-        Ok(RequireBearer { token, what })
+        let keys: Vec<String> = non_empty(token).map(str::to_owned).into_iter().collect();
+        Self::keys(&keys, what)
+    }
+
+    /// A server interceptor accepting any of `tokens` (none: lets every call through).
+    pub fn keys(tokens: &[String], what: &'static str) -> Result<RequireBearer, String> {
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            check_token(t)?;
+            out.push(Arc::from(t.as_bytes()));
+        }
+        Ok(RequireBearer { tokens: out.into(), what })
     }
 
     /// Whether a token is required.
     pub fn enabled(&self) -> bool {
-        self.token.is_some()
+        !self.tokens.is_empty()
     }
 
-    /// Whether `header` (an `authorization` value) carries the token. The scheme is
+    /// Whether `header` (an `authorization` value) carries a token. The scheme is
     /// case-insensitive (RFC 7235: `bearer`, `BEARER`), the token is not.
     pub fn accepts(&self, header: Option<&[u8]>) -> bool {
-        let Some(want) = &self.token else { return true };
-        let Some(got) = header.and_then(bearer_token) else { return false };
-        // Constant time over the expected token's length: no early exit on the first difference.
-        let mut diff = (got.len() != want.len()) as u8;
-        for (i, &w) in want.iter().enumerate() {
-            diff |= w ^ got.get(i).copied().unwrap_or(0);
+        !self.enabled() || self.key_of(header).is_some()
+    }
+
+    /// Which token `header` carries (None: none of them, or no tokens are set). Every token is
+    /// compared in full, in constant time over its length: no early exit on a difference.
+    pub fn key_of(&self, header: Option<&[u8]>) -> Option<usize> {
+        let got = header.and_then(bearer_token)?;
+        let mut found = None;
+        for (k, want) in self.tokens.iter().enumerate() {
+            let mut diff = (got.len() != want.len()) as u8;
+            for (i, &w) in want.iter().enumerate() {
+                diff |= w ^ got.get(i).copied().unwrap_or(0);
+            }
+            if diff == 0 && found.is_none() {
+                found = Some(k);
+            }
         }
-        diff == 0
+        found
     }
 }
 
@@ -109,9 +129,13 @@ fn bearer_token(header: &[u8]) -> Option<&[u8]> {
 }
 
 impl Interceptor for RequireBearer {
-    fn call(&mut self, r: Request<()>) -> Result<Request<()>, Status> {
+    fn call(&mut self, mut r: Request<()>) -> Result<Request<()>, Status> {
         let header = r.metadata().get("authorization").map(|v| v.as_bytes());
-        if self.accepts(header) {
+        if !self.enabled() {
+            return Ok(r);
+        }
+        if let Some(k) = self.key_of(header) {
+            r.extensions_mut().insert(KeyIndex(k));
             Ok(r)
         } else if header.is_none() {
             let msg = format!("missing {}: send `authorization: Bearer <token>`", self.what);
@@ -120,6 +144,41 @@ impl Interceptor for RequireBearer {
             Err(crate::Error::Unauthenticated(format!("wrong {}", self.what)).into())
         }
     }
+}
+
+/// The API keys a process runs with: `--api-key-file` (one key per line, `#` comments; secrets
+/// stay out of `/proc/<pid>/cmdline`; several keys are several tenants), else `--api-key` /
+/// `LAYERSTREAM_API_KEY`. A key given as a command-line argument is accepted with a warning naming
+/// the safer ways.
+pub fn api_keys(
+    key: Option<&str>,
+    file: Option<&std::path::Path>,
+    argv: &[String],
+) -> Result<Vec<String>, String> {
+    if let Some(path) = file {
+        let bad = |e: String| format!("--api-key-file {}: {e}", path.display());
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let keys: Vec<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_owned)
+            .collect();
+        if keys.is_empty() {
+            return Err(bad("holds no key".into()));
+        }
+        for k in &keys {
+            check_token(k).map_err(bad)?;
+        }
+        return Ok(keys);
+    }
+    if argv.iter().any(|a| a == "--api-key" || a.starts_with("--api-key=")) {
+        tracing::warn!(
+            "--api-key on the command line is readable by every local user in /proc/<pid>/cmdline; \
+             use --api-key-file or the LAYERSTREAM_API_KEY environment variable"
+        );
+    }
+    Ok(non_empty(key).map(str::to_owned).into_iter().collect())
 }
 
 /// 128 random bits from the kernel, as 32 hex digits (job ids, generated secrets).
@@ -172,5 +231,30 @@ mod tests {
         assert!(e.message().contains("missing internal token"), "{}", e.message());
         assert_eq!(random_hex().len(), 32);
         assert_ne!(random_hex(), random_hex());
+    }
+
+    /// A key file's lines are the keys (comments and blank lines skipped); a file that cannot be
+    /// read or holds no valid token is an error naming it; without a file the flag or variable is
+    /// used. Each key presented is told apart.
+    #[test]
+    fn api_keys_come_from_a_file_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("key");
+        std::fs::write(&f, "# tenants\nsk-a\n\nsk-b\n").unwrap();
+        let keys = api_keys(Some("sk-flag"), Some(&f), &[]).unwrap();
+        assert_eq!(keys, ["sk-a", "sk-b"]);
+        assert_eq!(api_keys(Some("sk-flag"), None, &[]).unwrap(), ["sk-flag"]);
+        assert!(api_keys(Some("  "), None, &[]).unwrap().is_empty());
+        let guard = RequireBearer::keys(&keys, "API key").unwrap();
+        assert_eq!(guard.key_of(Some(b"Bearer sk-b")), Some(1));
+        assert_eq!(guard.key_of(Some(b"Bearer sk-a")), Some(0));
+        assert_eq!(guard.key_of(Some(b"Bearer sk-c")), None);
+        assert!(!guard.accepts(None) && guard.accepts(Some(b"bearer sk-a")));
+        std::fs::write(&f, "two words\n").unwrap();
+        assert!(api_keys(None, Some(&f), &[]).unwrap_err().contains("printable ASCII"));
+        std::fs::write(&f, "# nothing\n").unwrap();
+        assert!(api_keys(None, Some(&f), &[]).unwrap_err().contains("holds no key"));
+        let missing = dir.path().join("absent");
+        assert!(api_keys(None, Some(&missing), &[]).unwrap_err().contains("absent"));
     }
 }

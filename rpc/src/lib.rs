@@ -3,6 +3,7 @@
 //! reflection. The messages themselves are `layerstream-proto`'s, re-exported in `v1`.
 
 pub mod auth;
+pub mod codec;
 mod error;
 pub mod handshake;
 pub mod limits;

@@ -1,13 +1,16 @@
 //! Bounds on what clients can hold open, shared by every TCP server (gRPC and HTTP): at most
 //! `max` connections at once (one more is closed as it is accepted, so the ones already accepted
-//! are never starved), a connection that sends nothing within `first_byte` is closed, the process's
+//! are never starved), at most half of them from one peer address (so one client holding
+//! connections open cannot lock out the others), a connection that sends nothing within `first_byte` is closed, the process's
 //! open-file limit raised to what the system allows, and a warning when connections near the cap.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -41,6 +44,10 @@ pub struct Gate {
     what: &'static str,
     /// When the last "near the cap" warning was logged (seconds since the Unix epoch).
     warned_at: Arc<AtomicU64>,
+    /// Most connections one peer address may hold.
+    per_peer: usize,
+    /// Connections open per peer address.
+    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
 }
 
 impl Gate {
@@ -56,7 +63,16 @@ impl Gate {
             first_byte,
             what,
             warned_at: Arc::default(),
+            per_peer: max.div_ceil(2),
+            peers: Arc::default(),
         }
+    }
+
+    /// The same gate letting one peer address hold at most `n` connections (default: half the
+    /// cap; at least one, at most the cap).
+    pub fn per_peer(mut self, n: usize) -> Self {
+        self.per_peer = n.clamp(1, self.max);
+        self
     }
 
     /// The connection cap in force.
@@ -64,8 +80,27 @@ impl Gate {
         self.max
     }
 
-    /// Admits `io` (None: the cap is reached, and dropping `io` closes it).
-    pub fn admit<T>(&self, io: T) -> Option<Limited<T>> {
+    /// Admits `io` from `peer` (None: the cap, or the peer's share of it, is reached, and
+    /// dropping `io` closes it).
+    pub fn admit<T>(&self, io: T, peer: Option<IpAddr>) -> Option<Limited<T>> {
+        let slot = match peer {
+            Some(ip) => {
+                let mut peers =
+                    self.peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let held = peers.entry(ip).or_insert(0);
+                if *held >= self.per_peer {
+                    drop(peers);
+                    self.warn(format!(
+                        "{ip} holds {} connections (the most one peer may): refusing its new ones",
+                        self.per_peer
+                    ));
+                    return None;
+                }
+                *held += 1;
+                Some(PeerSlot { peers: self.peers.clone(), ip })
+            }
+            None => None,
+        };
         let Ok(permit) = self.permits.clone().try_acquire_owned() else {
             self.warn(format!("{} connections open (the cap): refusing new ones", self.max));
             return None;
@@ -75,7 +110,7 @@ impl Gate {
             self.warn(format!("{open} of at most {} connections open", self.max));
         }
         let first = Some(Box::pin(tokio::time::sleep(self.first_byte)));
-        Some(Limited { io, _permit: permit, first_byte: first })
+        Some(Limited { io, _permit: permit, _peer: slot, first_byte: first })
     }
 
     /// Logs `msg` at most once a minute.
@@ -102,7 +137,10 @@ impl Gate {
     ) -> impl tokio_stream::Stream<Item = io::Result<Limited<TcpStream>>> + Send + 'static {
         use tokio_stream::StreamExt;
         crate::transport::tcp_incoming(listener).filter_map(move |conn| match conn {
-            Ok(s) => self.admit(s).map(Ok),
+            Ok(s) => {
+                let peer = s.peer_addr().ok().map(|a| a.ip());
+                self.admit(s, peer).map(Ok)
+            }
             Err(e) => Some(Err(e)),
         })
     }
@@ -113,8 +151,27 @@ impl Gate {
 pub struct Limited<T> {
     io: T,
     _permit: OwnedSemaphorePermit,
+    _peer: Option<PeerSlot>,
     /// Until the first byte arrives.
     first_byte: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// One connection's place in its peer's share; given back when the connection drops.
+struct PeerSlot {
+    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    ip: IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut peers = self.peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = peers.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                peers.remove(&self.ip);
+            }
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Limited<T> {
@@ -196,9 +253,9 @@ mod tests {
         let (a, _ka) = tokio::io::duplex(64);
         let (b, mut kb) = tokio::io::duplex(64);
         let (c, _kc) = tokio::io::duplex(64);
-        let mut a = gate.admit(a).expect("first");
-        let mut b = gate.admit(b).expect("second");
-        assert!(gate.admit(c).is_none(), "the third is over the cap");
+        let mut a = gate.admit(a, None).expect("first");
+        let mut b = gate.admit(b, None).expect("second");
+        assert!(gate.admit(c, None).is_none(), "the third is over the cap");
         kb.write_all(b"hi").await.unwrap();
         let mut buf = [0u8; 2];
         b.read_exact(&mut buf).await.unwrap();
@@ -206,11 +263,31 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         drop(a);
         let (d, _kd) = tokio::io::duplex(64);
-        assert!(gate.admit(d).is_some(), "a closed connection frees its place");
+        assert!(gate.admit(d, None).is_some(), "a closed connection frees its place");
         // The one that spoke is past its deadline and still readable.
         tokio::time::sleep(Duration::from_millis(300)).await;
         kb.write_all(b"ok").await.unwrap();
         b.read_exact(&mut buf).await.unwrap();
         assert_eq!(&buf, b"ok");
+    }
+
+    /// One peer holding its share cannot lock out another; its places come back as it closes.
+    #[tokio::test]
+    async fn one_peer_cannot_take_every_place() {
+        let gate = Gate::new("test", 4, Duration::from_secs(5));
+        let (greedy, other): (IpAddr, IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(gate.admit(tokio::io::duplex(8).0, Some(greedy)).expect("within its share"));
+        }
+        assert!(gate.admit(tokio::io::duplex(8).0, Some(greedy)).is_none(), "past half the cap");
+        let o = gate.admit(tokio::io::duplex(8).0, Some(other)).expect("another peer gets in");
+        held.pop();
+        assert!(gate.admit(tokio::io::duplex(8).0, Some(greedy)).is_some(), "a place came back");
+        drop(o);
+        let one = Gate::new("test", 4, Duration::from_secs(5)).per_peer(1);
+        let _x = one.admit(tokio::io::duplex(8).0, Some(other)).unwrap();
+        assert!(one.admit(tokio::io::duplex(8).0, Some(other)).is_none());
     }
 }

@@ -40,8 +40,9 @@ fn map(fd: i32, len: usize, writable: bool) -> io::Result<*mut u8> {
 }
 
 impl ShmRegion {
-    /// Creates a new region of `len` bytes (failing if it exists), mode 0600, and touches every page
-    /// so first-touch allocation happens now, not during a read.
+    /// Creates a new region of `len` bytes (failing if it exists), mode 0600, allocated
+    /// (`posix_fallocate`: a /dev/shm too small is an error here, not a SIGBUS later) and with every
+    /// page touched so first-touch mapping happens now, not during a read.
     pub fn create(name: &str, len: usize) -> io::Result<ShmRegion> {
         let c = cname(name)?;
         // SAFETY: c is a valid NUL-terminated name; flags and mode are plain integers.
@@ -55,6 +56,13 @@ impl ShmRegion {
             // SAFETY: fd is the descriptor just opened.
             if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
                 return Err(io::Error::last_os_error());
+            }
+            // Allocated now, so a full /dev/shm is this error (ENOSPC) and never a SIGBUS when a
+            // page is first written later.
+            // SAFETY: fd is open and sized; posix_fallocate returns an errno, not -1.
+            let r = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+            if r != 0 {
+                return Err(io::Error::from_raw_os_error(r));
             }
             map(fd, len, true)
         })();
@@ -76,6 +84,20 @@ impl ShmRegion {
             }
         }
         Ok(region)
+    }
+
+    /// Creates a region under the first free name `name_of(tag)` gives for a fresh unguessable tag
+    /// (`random_tag`): a name someone else already holds (another user pre-creating names, say) is
+    /// skipped, never fatal.
+    pub fn create_unique(name_of: impl Fn(&str) -> String, len: usize) -> io::Result<ShmRegion> {
+        let mut last = None;
+        for _ in 0..8 {
+            match ShmRegion::create(&name_of(&random_tag()), len) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+                other => return other,
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no free shared-memory name")))
     }
 
     /// Maps an existing region read-only (worker side).
@@ -165,6 +187,18 @@ pub fn list(prefix: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Bytes free in `/dev/shm` (None when it cannot be read).
+pub fn free_bytes() -> Option<u64> {
+    let path = CString::new("/dev/shm").ok()?;
+    // SAFETY: a zeroed statvfs buffer filled by statvfs on a valid path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: path is NUL-terminated; st is a valid out-pointer.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 /// Removes stale regions of namespace `ns` (left by a crashed instance); returns how many.
 pub fn remove_stale(ns: &str) -> usize {
     list(&format!("{PREFIX}{ns}-")).iter().filter(|n| unlink(n).is_ok()).count()
@@ -191,6 +225,21 @@ mod tests {
         drop(r);
         assert!(list(&format!("{PREFIX}{ns}-")).is_empty());
         assert_eq!(ro.bytes()[100], 42, "an existing mapping outlives the unlink");
+    }
+
+    /// A name another user already holds is skipped: `create_unique` takes a new tag.
+    #[test]
+    fn taken_names_are_skipped() {
+        let pid = std::process::id();
+        let a = ShmRegion::create_unique(|t| format!("{PREFIX}uniq{pid}-{t}"), 4096).unwrap();
+        let b = ShmRegion::create_unique(|t| format!("{PREFIX}uniq{pid}-{t}"), 4096).unwrap();
+        assert_ne!(a.name, b.name);
+        // Every tag taken (a name that ignores the tag): an AlreadyExists error, not a panic.
+        let fixed = format!("{PREFIX}uniq{pid}-fixed");
+        let _held = ShmRegion::create(&fixed, 4096).unwrap();
+        let e = ShmRegion::create_unique(|_| fixed.clone(), 4096).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert!(free_bytes().is_some_and(|b| b > 0));
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! back, and whether the process a name belongs to is still alive. Every region is
 //! `layerstream-…` in `/dev/shm`:
 //! - loader slots `layerstream-<ns>-<instance>-slot-NNN` (`<ns>` is `up<pid>` under `up`),
-//! - hidden-state hand-offs `layerstream-hidden-<pid>-<n>`.
+//! - hidden-state hand-offs `layerstream-hidden-<pid>-<tag>`.
+//!
+//! The `<instance>` and `<tag>` parts are random (64 bits from the kernel): another local user
+//! cannot guess a name to take it first, and a name found taken anyway is retried under a new one.
 
 /// Prefix of every region layerstream creates.
 pub const PREFIX: &str = "layerstream-";
@@ -27,9 +30,18 @@ pub fn slot_pool(name: &str) -> Option<&str> {
     name.rsplit_once(SLOT_SEP).map(|(pool, _)| pool)
 }
 
-/// Hand-off region `n` of the worker with process id `pid`.
-pub fn hidden_name(pid: u32, n: u64) -> String {
-    format!("{HIDDEN_PREFIX}{pid}-{n}")
+/// A hand-off region of the worker with process id `pid`, `tag` from `random_tag`.
+pub fn hidden_name(pid: u32, tag: &str) -> String {
+    format!("{HIDDEN_PREFIX}{pid}-{tag}")
+}
+
+/// 16 hex digits from the kernel's random source: the unguessable part of a name.
+pub fn random_tag() -> String {
+    let mut b = [0u8; 8];
+    // SAFETY: b is a valid 8-byte buffer; getrandom fills at most that many bytes.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    assert_eq!(n, 8, "reading the kernel's random source");
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The process id a hand-off region's name carries (None: not a hand-off region).
@@ -74,7 +86,9 @@ mod tests {
         assert_eq!(slot_pool(&slot), Some("layerstream-up42-i7"));
         assert_eq!(up_region_owner(&slot), Some(42));
         assert_eq!(up_region_owner(&slot_name("mine", "i7", 0)), None);
-        let h = hidden_name(1234, 5);
+        let h = hidden_name(1234, &random_tag());
+        assert_eq!(h.len(), HIDDEN_PREFIX.len() + 5 + 16);
+        assert_ne!(h, hidden_name(1234, &random_tag()));
         assert_eq!(hidden_owner(&h), Some(1234));
         assert_eq!(hidden_owner(&slot), None);
         assert_eq!(slot_pool(&h), None);

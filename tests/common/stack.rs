@@ -31,9 +31,16 @@ pub struct Proc {
 impl Proc {
     /// Starts `layerstream <args>` and waits for its address.
     pub fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut child = crate::cmd()
-            .args(args)
-            .envs(envs.iter().copied())
+        let mut cmd = crate::cmd();
+        cmd.args(args).envs(envs.iter().copied());
+        Self::spawn(cmd)
+    }
+
+    /// Starts `cmd` (which runs `layerstream`, perhaps through a wrapper such as `unshare`) and
+    /// waits for its address.
+    pub fn spawn(mut cmd: std::process::Command) -> Proc {
+        let args = format!("{cmd:?}");
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -44,7 +51,7 @@ impl Proc {
         let Some(l) = first.as_ref().and_then(|l| l.as_deref().ok()).and_then(Listening::parse)
         else {
             let _ = child.kill();
-            panic!("layerstream {args:?} did not start: {first:?}");
+            panic!("{args} did not start: {first:?}");
         };
         std::thread::spawn(move || for _ in lines {});
         Proc { child, addr: l.addr, http: l.http }

@@ -3,14 +3,14 @@
 //! that micro-batch and answers with the region's name; the next worker maps it read-only and copies
 //! the rows out. One region per micro-batch, so a region is rewritten only by the same micro-batch's
 //! next step, which the coordinator sends only after the next worker has answered for this one.
-//! Regions are `layerstream-hidden-<pid>-<n>` (mode 0600), replaced by a larger one under a new name
+//! Regions are `layerstream-hidden-<pid>-<random tag>` (mode 0600, unguessable, a taken name
+//! retried under a new tag), replaced by a larger one under a new name
 //! when a step outgrows them, unlinked when the worker stops, and removed by the next worker to start
 //! on the host when their process died without doing so.
 
 use layerstream_rpc::v1::HiddenRef;
 use layerstream_shm::{self as shm, ShmRegion};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Smallest region created (grown to the next power of two above what a step needs).
@@ -32,7 +32,6 @@ pub fn host_id() -> String {
 /// This worker's hand-off regions, one per micro-batch.
 pub struct Handoff {
     regions: Mutex<HashMap<u32, ShmRegion>>,
-    created: AtomicU64,
 }
 
 impl Default for Handoff {
@@ -49,7 +48,7 @@ impl Handoff {
                 let _ = shm::unlink(&name);
             }
         }
-        Handoff { regions: Mutex::default(), created: AtomicU64::new(0) }
+        Handoff { regions: Mutex::default() }
     }
 
     /// Writes `hidden` into micro-batch `lane`'s region (made or grown as needed) and names it.
@@ -59,11 +58,14 @@ impl Handoff {
         if regions.get(&lane).is_none_or(|r| r.len() < len) {
             // The old region (if any) is unlinked as it drops; its reader finished with it.
             regions.remove(&lane);
-            let n = self.created.fetch_add(1, Ordering::Relaxed);
-            let name = shm::hidden_name(std::process::id(), n);
             let size = len.next_power_of_two().max(MIN_BYTES);
-            let r = ShmRegion::create(&name, size)
-                .map_err(|e| format!("creating shared-memory region {name} ({size} bytes): {e}"))?;
+            let pid = std::process::id();
+            let r =
+                ShmRegion::create_unique(|tag| shm::hidden_name(pid, tag), size).map_err(|e| {
+                    format!(
+                        "creating a shared-memory hand-off region of {size} bytes in /dev/shm: {e}"
+                    )
+                })?;
             regions.insert(lane, r);
         }
         let r = &regions[&lane];
@@ -139,10 +141,24 @@ mod tests {
         assert!(!host_id().is_empty(), "Linux has a boot id and an IPC namespace");
     }
 
+    /// The probe pre-created the names a worker would use next (as another user): with random
+    /// tags no name is predictable, and a taken one is skipped.
+    #[test]
+    fn names_taken_by_others_do_not_stop_hand_offs() {
+        let pid = std::process::id();
+        let squatted: Vec<ShmRegion> = (0..40)
+            .map(|_| ShmRegion::create(&shm::hidden_name(pid, &shm::random_tag()), 4096).unwrap())
+            .collect();
+        let h = Handoff::new();
+        let r = h.write(0, &[1.0, 2.0]).unwrap();
+        assert!(squatted.iter().all(|s| s.name != r.name));
+        assert_eq!(read(&r).unwrap(), [1.0, 2.0]);
+    }
+
     #[test]
     fn regions_of_dead_workers_are_removed_at_start() {
         // A pid that cannot be alive (above the kernel's maximum).
-        let name = shm::hidden_name(99999999, 0);
+        let name = shm::hidden_name(99999999, &shm::random_tag());
         // Left behind as a killed worker leaves it: never unlinked by this value.
         std::mem::forget(ShmRegion::create(&name, 4096).unwrap());
         let _h = Handoff::new();

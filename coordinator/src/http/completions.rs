@@ -18,6 +18,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 /// Which endpoint: the names and shapes of its objects differ.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -307,8 +308,11 @@ pub async fn run(
     // The request's span is the root of its trace; the job span goes under it.
     let span =
         tracing::info_span!(parent: None, "http request", method = "POST", path = kind.path());
-    let (job_id, trace_id) = span
-        .in_scope(|| h.svc.submit(&requests, shape.idempotency_key.as_deref()))
+    let (job_id, trace_id) = h
+        .svc
+        .submit(&requests, shape.idempotency_key.as_deref(), shape.key)
+        .instrument(span)
+        .await
         .map_err(|e| ApiError::from_error(&e, chat))?;
     let rx = h.svc.watch(&job_id, true, &[]).map_err(|e| ApiError::from_error(&e, chat))?;
     let a = Answer {

@@ -89,7 +89,8 @@ pub async fn serve(
         // Token chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
         // back until the client's delayed ACK (tens of milliseconds per token).
         let _ = tcp.set_nodelay(true);
-        let Some(io) = gate.admit(tcp) else { continue };
+        let peer = tcp.peer_addr().ok().map(|a| a.ip());
+        let Some(io) = gate.admit(tcp, peer) else { continue };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), svc).into_owned();
         let conn = graceful.watch(conn);
@@ -206,6 +207,7 @@ async fn chat(
     h.check_model(r.common.model.as_deref())?;
     let (g, mut shape) = r.to_generate()?;
     shape.idempotency_key = idempotency_key(&headers);
+    shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
     completions::run(h, Kind::Chat, g, shape).await
 }
 
@@ -218,6 +220,7 @@ async fn complete(
     h.check_model(r.common.model.as_deref())?;
     let (g, mut shape) = r.to_generate()?;
     shape.idempotency_key = idempotency_key(&headers);
+    shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
     completions::run(h, Kind::Completion, g, shape).await
 }
 

@@ -85,6 +85,8 @@ pub struct Common {
     pub(crate) min_tokens: Option<i64>,
     pub(crate) stop_token_ids: Option<Vec<u32>>,
     pub(crate) prompt_logprobs: Option<i64>,
+    /// vLLM's prefix-cache salt: only requests with the same salt share cached prompt blocks.
+    pub(crate) cache_salt: Option<String>,
     #[serde(flatten)]
     pub(crate) guided: Guided,
 }
@@ -149,6 +151,8 @@ pub struct Shape {
     pub(crate) prompt_logprobs: Option<usize>,
     /// The request has tools: the output may come back as tool calls (streamed at the end).
     pub(crate) tools: bool,
+    /// Which of the server's API keys the request presented (its tenant; None: no keys).
+    pub(crate) key: Option<usize>,
 }
 
 fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
@@ -265,6 +269,7 @@ impl Common {
             echo: false,
             prompt_logprobs: prompt_logprobs.map(|k| k as usize),
             tools: false,
+            key: None,
         };
         Ok((sampling, shape))
     }
@@ -298,6 +303,7 @@ impl Common {
             tools: Vec::new(),
             tool_choice: String::new(),
             parallel_tool_calls: None,
+            cache_salt: self.cache_salt.clone().unwrap_or_default(),
         })
     }
 }

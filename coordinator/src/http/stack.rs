@@ -20,8 +20,14 @@ pub async fn health(State(h): State<Arc<Http>>) -> Response {
     let workers = h.svc.probe_workers().await;
     let down: Vec<&str> =
         workers.iter().filter(|(w, _)| !w.healthy).map(|(w, _)| w.address.as_str()).collect();
+    let journal = h.svc.journal.as_ref().and_then(|j| j.failing());
     if down.is_empty() && !workers.is_empty() {
-        axum::Json(json!({"status": "ok", "workers": workers.len()})).into_response()
+        // Serving, but jobs are not durable while the journal cannot be written.
+        let body = match journal {
+            Some(e) => json!({"status": "degraded", "workers": workers.len(), "journal": e}),
+            None => json!({"status": "ok", "workers": workers.len()}),
+        };
+        axum::Json(body).into_response()
     } else {
         let body = json!({"status": "unavailable", "workers_down": down});
         (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()

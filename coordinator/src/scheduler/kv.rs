@@ -77,7 +77,8 @@ impl Scheduler {
             return;
         }
         let (pool, tier) = (&mut self.blocks, &mut self.host_prefixes);
-        let (blocks, cached, restore) = pool.lookup_tiered(&a.req.input_ids, |h| tier.remove(&h));
+        let (blocks, cached, restore) =
+            pool.lookup_tiered(&a.req.input_ids, a.req.salt, |h| tier.remove(&h));
         // Blocks found in the host tier are copied back before the sequence's first step.
         self.host_emptied.extend(restore.iter().map(|r| r.0));
         self.swaps.1.extend(restore);
@@ -216,7 +217,7 @@ impl Scheduler {
         // not on every step.
         if self.blocks.needs_commit(&a.blocks, a.pos) {
             let known = a.history();
-            self.blocks.commit(&mut a.blocks, &known[..a.pos.min(known.len())]);
+            self.blocks.commit(&mut a.blocks, a.req.salt, &known[..a.pos.min(known.len())]);
         }
         self.kv_gauges();
     }

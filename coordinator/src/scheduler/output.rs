@@ -6,7 +6,9 @@
 
 use super::{Active, Scheduler};
 use layerstream_model::{FinishReason, Tokenizer};
-use layerstream_rpc::v1::{generate_event, GenerateEvent, StepSeq, TokenLogprobs, ToolCall};
+use layerstream_rpc::v1::{
+    generate_event, GenerateEvent, StepSeq, TokenEvent, TokenLogprobs, ToolCall,
+};
 use std::time::Instant;
 
 impl Scheduler {
@@ -117,6 +119,34 @@ pub(super) fn push(
         }
     }
     reason
+}
+
+/// A request resumed from the journal: its journaled events' tokens are fed to the stop criteria
+/// and format (as if it had just produced them) and shown again event by event, with the text
+/// they completed; it then continues as a sequence replayed after a fault does (its prompt and
+/// output prefilled). Returns how the output ended, when the journal held its end already.
+pub(super) async fn replay(tok: &Tokenizer, a: &mut Active) -> Option<(FinishReason, String)> {
+    for ids in std::mem::take(&mut a.req.journaled) {
+        let mut text = String::new();
+        let mut reason = None;
+        for &id in &ids {
+            reason = reason.or(push(tok, a, id, &mut text));
+        }
+        let ev = GenerateEvent {
+            index: a.req.index,
+            event: Some(generate_event::Event::Token(TokenEvent {
+                ids,
+                text,
+                logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
+            })),
+        };
+        let _ = a.req.events.send(ev).await;
+        if reason.is_some() {
+            return reason;
+        }
+    }
+    None
 }
 
 /// Feeds one output token to the stop criteria only.
