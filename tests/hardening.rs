@@ -448,3 +448,72 @@ fn a_dev_shm_too_small_is_named_at_start() {
     assert!(err.contains("/dev/shm has") && err.contains("shm_size"), "{err}");
     assert!(!err.contains("SIGBUS"), "{err}");
 }
+
+/// The probe's three determinism cases on the path the docs promise it (`--exact`, SmolLM2): a
+/// seeded request alone and under load (12 others: past the 8 rows of the 8-bit path), `n` = 16
+/// against 16 single requests with `seed + i`, and a
+/// greedy prompt before and after it is prefix-cached — the same text each time.
+#[test]
+fn exact_outputs_do_not_depend_on_batching_n_or_the_prefix_cache() {
+    let store = match default_store() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("SKIPPED: the default model is not available: {e}");
+            return;
+        }
+    };
+    let stack = Stack::up(&store, &["--workers", "1", "--served-model-name", "m", "--exact"]);
+    let long = "The loader daemon reads each layer file from disk into shared memory before the \
+        workers need it, so the copy to the device overlaps the compute of the previous layer. \
+        Explain what happens when the disk is slower than the link.";
+    let ask = |temperature: f32, seed: u64, n: usize| -> (Vec<String>, u64) {
+        let body = chat(
+            long,
+            serde_json::json!({"max_tokens": 12, "temperature": temperature,
+            "seed": seed, "n": n}),
+        );
+        let (code, text) = post(&stack, "/v1/chat/completions", &body, &[]);
+        assert_eq!(code, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let texts = v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["message"]["content"].as_str().unwrap().to_owned())
+            .collect();
+        (texts, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+    };
+    // Cached or not (greedy).
+    let (cold, cached0) = ask(0.0, 0, 1);
+    let (warm, cached1) = ask(0.0, 0, 1);
+    assert_eq!((cached0, cold), (0, warm), "cached {cached1} tokens the second time");
+    assert!(cached1 >= 16);
+    // n = 16 against single requests seeded seed + i.
+    let (together, _) = ask(0.9, 100, 16);
+    for (i, t) in together.iter().enumerate() {
+        assert_eq!(&ask(0.9, 100 + i as u64, 1).0[0], t, "choice {i}");
+    }
+    // Alone against under load: twelve other requests running at once.
+    let (alone, _) = ask(0.9, 7, 1);
+    let load: Vec<_> = (0..12)
+        .map(|i| {
+            let body = chat(
+                &format!("Count to {i}0."),
+                serde_json::json!({"max_tokens": 24,
+                "temperature": 0.7, "seed": i}),
+            );
+            let mut c = Command::new("curl");
+            c.args(["-s", "-o", "/dev/null", "-H", "content-type: application/json", "-d"])
+                .arg(body.to_string())
+                .arg(format!("{}/v1/chat/completions", stack.http()));
+            c.spawn().unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let (loaded, _) = ask(0.9, 7, 1);
+    for mut c in load {
+        c.wait().unwrap();
+    }
+    assert_eq!(alone, loaded, "alone vs under load");
+    stack.shutdown();
+}

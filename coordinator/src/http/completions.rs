@@ -305,6 +305,16 @@ pub async fn run(
             r
         })
         .collect();
+    // A reconnecting stream continues only the job it was watching (found by its key): never
+    // the tail of another generation after the part it has.
+    let known = shape.idempotency_key.as_deref().is_some_and(|k| h.svc.jobs.by_key(k).is_some());
+    if !shape.resume.is_empty() && !known {
+        return Err(ApiError::bad(
+            "Last-Event-ID",
+            "Last-Event-ID: no job with this Idempotency-Key is held to continue; send the request \
+             again without Last-Event-ID",
+        ));
+    }
     // The request's span is the root of its trace; the job span goes under it.
     let span =
         tracing::info_span!(parent: None, "http request", method = "POST", path = kind.path());
@@ -314,7 +324,8 @@ pub async fn run(
         .instrument(span)
         .await
         .map_err(|e| ApiError::from_error(&e, chat))?;
-    let rx = h.svc.watch(&job_id, true, &[]).map_err(|e| ApiError::from_error(&e, chat))?;
+    let rx =
+        h.svc.watch(&job_id, true, &shape.resume).map_err(|e| ApiError::from_error(&e, chat))?;
     let a = Answer {
         id: format!("{}{}", kind.id_prefix(), job_id.trim_start_matches("job-")),
         h,
@@ -368,11 +379,20 @@ async fn whole(a: Answer, mut rx: Events) -> Result<Response, ApiError> {
 fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
     let (tx, out) = mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
-        let send = |v: Value| {
+        let send_id = |v: Value, id: Option<String>| {
             let tx = tx.clone();
-            async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
+            let mut ev = Event::default().data(v.to_string());
+            if let Some(id) = id {
+                ev = ev.id(id);
+            }
+            async move { tx.send(Ok(ev)).await.is_ok() }
         };
+        let send = |v: Value| send_id(v, None);
         let mut choices: Vec<Choice> = (0..a.shape.n).map(|_| Choice::default()).collect();
+        // Each choice's tokens sent so far (with those a resumed client had): the `id:` of every
+        // chunk that carries tokens, which a client sends back as `Last-Event-ID` to continue.
+        let mut counts = a.shape.resume.clone();
+        counts.resize(a.shape.n, 0);
         // The first chunk of each choice names the role (chat), as OpenAI's does.
         if a.kind == Kind::Chat {
             for i in 0..a.shape.n {
@@ -395,6 +415,7 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
             let Some(c) = choices.get_mut(i) else { continue };
             let ok = match ev.event {
                 Some(generate_event::Event::Token(t)) => {
+                    counts[i] += t.ids.len() as u32;
                     let first = !std::mem::replace(&mut c.started, true);
                     let echo = (first && a.shape.echo).then_some(&t.prompt_logprobs[..]);
                     let (ids, lps, text) = if a.echo_only {
@@ -412,7 +433,8 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                         // Nothing to say while a stop string or a multi-byte character is pending.
                         true
                     } else {
-                        send(a.chunk(i, json!({"content": text}), lp, None)).await
+                        let id = counts.iter().map(u32::to_string).collect::<Vec<_>>().join(".");
+                        send_id(a.chunk(i, json!({"content": text}), lp, None), Some(id)).await
                     }
                 }
                 Some(generate_event::Event::Done(f)) => {

@@ -208,6 +208,7 @@ async fn chat(
     let (g, mut shape) = r.to_generate()?;
     shape.idempotency_key = idempotency_key(&headers);
     shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
+    shape.resume = last_event_id(&headers);
     completions::run(h, Kind::Chat, g, shape).await
 }
 
@@ -221,10 +222,20 @@ async fn complete(
     let (g, mut shape) = r.to_generate()?;
     shape.idempotency_key = idempotency_key(&headers);
     shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
+    shape.resume = last_event_id(&headers);
     completions::run(h, Kind::Completion, g, shape).await
 }
 
 /// The `Idempotency-Key` header (as Stripe and OpenAI's clients send it), when it is text.
+/// A reconnecting SSE client's `Last-Event-ID`: the per-choice token counts of the last chunk it
+/// got (`12.9`), as the stream's `id:` lines give them; anything else is no resume.
+fn last_event_id(headers: &HeaderMap) -> Vec<u32> {
+    let Some(v) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) else {
+        return Vec::new();
+    };
+    v.trim().split('.').map(str::parse).collect::<Result<Vec<u32>, _>>().unwrap_or_default()
+}
+
 fn idempotency_key(headers: &HeaderMap) -> Option<String> {
     let v = headers.get("idempotency-key")?.to_str().ok()?.trim();
     (!v.is_empty()).then(|| v.to_owned())

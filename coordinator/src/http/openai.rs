@@ -153,6 +153,9 @@ pub struct Shape {
     pub(crate) tools: bool,
     /// Which of the server's API keys the request presented (its tenant; None: no keys).
     pub(crate) key: Option<usize>,
+    /// A streaming client reconnecting (`Last-Event-ID`, with the job's `Idempotency-Key`): the
+    /// tokens of each choice it has, left out of the stream.
+    pub(crate) resume: Vec<u32>,
 }
 
 fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
@@ -270,6 +273,7 @@ impl Common {
             prompt_logprobs: prompt_logprobs.map(|k| k as usize),
             tools: false,
             key: None,
+            resume: Vec::new(),
         };
         Ok((sampling, shape))
     }
