@@ -181,7 +181,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
     }
 
     // Capacity: the f32 pool's bytes, held in each dtype.
-    let f32_positions = a.plan.kv_capacity;
+    let f32_positions = a.plan.kv_capacity.unwrap_or(8192);
     let kv_dim_bytes = 4.0;
     println!("\n## Capacity: a KV budget of {f32_positions} f32 positions per worker, 2048-token sequences (2040 prompt + 8), two more sent at once than the pool holds, prefix cache off\n");
     println!("| KV dtype | positions in the budget | sent | most holding KV at once | ÷ f32 | most in one step | preemptions |\n|---|---|---|---|---|---|---|");
@@ -191,7 +191,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         let positions = (f32_positions as f64 * kv_dim_bytes / per) as usize;
         let mut p = a.plan.clone();
         p.no_prefix_cache = true;
-        p.kv_capacity = positions;
+        p.kv_capacity = Some(positions);
         p.kv.kv_dtype = d.name().into();
         // Two more than fit, so the pool, not the count sent, is the limit.
         let count = positions / 2048 + 2;

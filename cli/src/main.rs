@@ -12,6 +12,7 @@ mod bench_spec;
 mod bench_spec_cost;
 mod exits;
 mod fetch;
+mod fit;
 mod flags_doc;
 mod health;
 mod hf_export;

@@ -251,8 +251,9 @@ fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
 /// (or `--threads`) for the first, and its share, cores ÷ workers (at least one), as
 /// `--concurrent-threads` for the second (sharing the cores out while workers run one after
 /// another only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
-fn worker_device(a: &UpArgs) -> layerstream_worker::DeviceFlags {
+fn worker_device(a: &UpArgs, shares: &crate::fit::Shares) -> layerstream_worker::DeviceFlags {
     let mut d = a.device.clone();
+    d.memory_budget = d.memory_budget.or(shares.worker_budget);
     if d.concurrent_threads.is_none() && d.device == "cpu" && a.workers > 1 {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         d.concurrent_threads = Some((cores / a.workers).max(1).min(d.threads.unwrap_or(cores)));
@@ -284,7 +285,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .display()
         .to_string();
     let api_key = share_secrets(&a)?;
-    let slots = slot_count(&a, &store);
+    let shares = memory_shares(&a, &store)?;
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
@@ -295,7 +296,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         socket,
         journal: journal.clone(),
         ns: ns.clone(),
-        slots,
+        shares: shares.clone(),
     };
     let mut specs = vec![stack.start_loader(&mut children)?];
     let mut addrs = Vec::new();
@@ -313,7 +314,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         let web = listening.http.as_ref().map_or(String::new(), |h| {
             format!("; OpenAI API at {h}/v1 (OPENAI_BASE_URL), live page at {h}/, metrics at {h}/metrics")
         });
-        eprintln!("layerstream up: {} worker(s), loader with {slots} slots; coordinator at {}{web}; Ctrl-C stops everything", a.workers, listening.addr);
+        eprintln!("layerstream up: {} worker(s), loader with {} slots; coordinator at {}{web}; Ctrl-C stops everything", a.workers, shares.slots, listening.addr);
     }
     let outcome = supervise(&mut children, &mut specs, &mut set, a.max_restarts, job.as_ref());
     drop(children);
@@ -352,15 +353,29 @@ fn share_secrets(a: &UpArgs) -> Result<Option<String>> {
     Ok(key)
 }
 
-/// The loader's slots: what RAM can hold (`default_slots`), never less than the workers'
-/// streaming buffers and read-ahead need; `--slots` when given.
-fn slot_count(a: &UpArgs, store: &layerstream_model::Store) -> usize {
+/// The memory ledger read once and shared out (`fit::shares`): the loader's slots (never fewer
+/// than the workers' streaming buffers and read-ahead need), each CPU worker's budget and each
+/// worker's host KV tier; flags the user gave are kept. Logged with what each part got.
+fn memory_shares(a: &UpArgs, store: &layerstream_model::Store) -> Result<crate::fit::Shares> {
     let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
-    a.pool.slots.unwrap_or_else(|| {
-        let layers = store.manifest.config.num_layers;
-        let floor = (a.workers * per_worker).max(4).min(layers.max(4));
-        layerstream_loader::default_slots(layers, store.manifest.max_unit_bytes(), floor)
-    })
+    let layers = store.manifest.config.num_layers;
+    let shape = crate::fit::Shape {
+        layers,
+        slot_size: store.manifest.max_unit_bytes(),
+        floor: (a.workers * per_worker).max(4).min(layers.max(4)),
+        workers: a.workers,
+        cpu: a.device.device == "cpu",
+    };
+    let fixed = crate::fit::Fixed {
+        slots: a.pool.slots,
+        worker_budget: a.device.memory_budget,
+        kv_host_bytes: a.plan.kv_host_bytes,
+    };
+    let ledger = layerstream_model::mem::Ledger::read();
+    let shares = crate::fit::shares(ledger.usable(), ledger.shm_free, shape, fixed)
+        .map_err(|e| anyhow::anyhow!("{e} ({})", ledger.describe()))?;
+    eprintln!("layerstream up: {}", crate::fit::describe(&ledger, &shares, a.workers));
+    Ok(shares)
 }
 
 /// Submits `up`'s input to the coordinator at `addr` on its own thread.
@@ -398,7 +413,7 @@ struct StackSpec<'a> {
     socket: String,
     journal: std::path::PathBuf,
     ns: String,
-    slots: usize,
+    shares: crate::fit::Shares,
 }
 
 impl StackSpec<'_> {
@@ -408,7 +423,7 @@ impl StackSpec<'_> {
 
     /// Starts the loader daemon on the stack's socket and namespace.
     fn start_loader(&self, children: &mut Children) -> Result<Supervised> {
-        let pool = SlotFlags { slots: Some(self.slots), ..self.a.pool.clone() };
+        let pool = SlotFlags { slots: Some(self.shares.slots), ..self.a.pool.clone() };
         let mut args: Vec<String> =
             vec!["loader-daemon".into(), "--model".into(), self.model.clone()];
         args.extend([
@@ -433,7 +448,7 @@ impl StackSpec<'_> {
             "--loader-socket".into(),
             self.socket.clone(),
         ]);
-        args.extend(worker_device(self.a).to_args());
+        args.extend(worker_device(self.a, &self.shares).to_args());
         if self.a.pool.no_verify {
             args.push("--no-verify".into());
         }
@@ -456,7 +471,8 @@ impl StackSpec<'_> {
         args.extend(["--listen".into(), a.listen.clone(), "--worker".into(), workers.join(",")]);
         // Jobs survive a restarted coordinator: `up` keeps a journal per stack (removed at exit).
         args.extend(["--journal".into(), self.journal.display().to_string()]);
-        args.extend(a.plan.to_args());
+        let plan = PlanFlags { kv_host_bytes: Some(self.shares.kv_host_bytes), ..a.plan.clone() };
+        args.extend(plan.to_args());
         args.extend(a.sched.to_args());
         args.extend(a.spec.to_args());
         // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.

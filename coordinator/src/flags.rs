@@ -22,9 +22,10 @@ pub struct PlanFlags {
     pub no_prefetch: bool,
     /// KV cache positions per worker (on every layer of its range), in blocks of `--kv-block`
     /// shared by all sequences: each takes blocks as it grows; a request longer than this is
-    /// refused.
-    #[arg(long, env = "LAYERSTREAM_KV_CAPACITY", default_value_t = 8192)]
-    pub kv_capacity: usize,
+    /// refused. Default: the model's context, at most 8192, halved (to 256 at least) until every
+    /// worker's memory budget holds a streaming plan with it.
+    #[arg(long, env = "LAYERSTREAM_KV_CAPACITY")]
+    pub kv_capacity: Option<usize>,
     /// Mixture-of-experts models: experts each worker keeps on its device (an LRU cache fed from
     /// the loader, next layers' experts predicted and copied ahead); default: every expert when the
     /// budget holds them, else what the budget leaves after the resident layers.
@@ -275,13 +276,15 @@ impl PlanFlags {
         let mut a: Vec<String> = [
             flag("layer-group-size", self.layer_group_size),
             flag("streaming-buffers", self.streaming_buffers),
-            flag("kv-capacity", self.kv_capacity),
             flag("kv-dtype", &self.kv.kv_dtype),
             flag("kv-block", self.kv.kv_block),
         ]
         .concat();
         if let Some(k) = self.resident_layers {
             a.extend(flag("resident-layers", k));
+        }
+        if let Some(c) = self.kv_capacity {
+            a.extend(flag("kv-capacity", c));
         }
         if let Some(n) = self.expert_cache {
             a.extend(flag("expert-cache", n));

@@ -37,6 +37,37 @@ pub struct PlanOptions {
     pub(crate) kv_host_blocks: u32,
 }
 
+/// KV positions planned when `--kv-capacity` is not given and the budgets hold them.
+pub const DEFAULT_KV_CAPACITY: usize = 8192;
+/// The fewest positions an automatic capacity goes down to (then the plan's own error says why).
+pub const MIN_KV_CAPACITY: usize = 256;
+
+/// The KV capacity to plan with: `flag` when given; else the model's context (at most
+/// `DEFAULT_KV_CAPACITY`), halved until every worker's budget holds a streaming plan with it (so
+/// a KV cache never makes a model that fits unplannable; resident layers then take what is left),
+/// down to `MIN_KV_CAPACITY`. Whole KV blocks.
+pub fn kv_capacity_that_fits(
+    m: &Manifest,
+    workers: &[WorkerSpec],
+    o: &PlanOptions,
+    flag: Option<usize>,
+) -> usize {
+    if let Some(c) = flag {
+        return c;
+    }
+    let block = o.kv_block.max(1);
+    let whole = |c: usize| (c / block).max(1) * block;
+    let mut c = whole(m.config.max_position_embeddings.clamp(MIN_KV_CAPACITY, DEFAULT_KV_CAPACITY));
+    while c > MIN_KV_CAPACITY {
+        let trial = PlanOptions { kv_capacity: c, resident_layers: Some(0), ..o.clone() };
+        if plan(m, workers, &trial).is_ok() {
+            return c;
+        }
+        c = whole(c / 2).max(MIN_KV_CAPACITY);
+    }
+    c
+}
+
 /// The bytes a draft model takes on its worker: every store file, and f32 keys and values for
 /// `kv_capacity` positions on every layer.
 /// The draft's config comes from a file: a crafted size saturates (and then exceeds every budget)
@@ -398,5 +429,29 @@ mod tests {
         for l in 0..12u32 {
             assert!(r.iter().any(|&x| x <= l));
         }
+    }
+
+    /// Without `--kv-capacity` the capacity is the largest (context, at most 8192, halved) whose
+    /// streaming plan the budget holds; a roomy budget keeps the context; a given flag is kept.
+    #[test]
+    fn the_kv_capacity_shrinks_to_what_the_budget_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let w = |budget| [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() }];
+        let context = m.config.max_position_embeddings.min(DEFAULT_KV_CAPACITY);
+        assert_eq!(kv_capacity_that_fits(&m, &w(1 << 40), &opts(None), None), context);
+        assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), Some(333)), 333);
+        // A budget that holds the streaming plan with 512 positions but not with the context.
+        let at = |c| {
+            let p =
+                plan(&m, &w(1 << 40), &PlanOptions { kv_capacity: c, ..opts(Some(0)) }).unwrap();
+            p[0].bytes_needed
+        };
+        if context > 512 {
+            let c = kv_capacity_that_fits(&m, &w(at(512)), &opts(None), None);
+            assert!((512..context).contains(&c), "{c}");
+            plan(&m, &w(at(512)), &PlanOptions { kv_capacity: c, ..opts(None) }).unwrap();
+        }
+        assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), None), MIN_KV_CAPACITY);
     }
 }

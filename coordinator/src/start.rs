@@ -51,7 +51,8 @@ fn draft_model(args: &CoordinatorArgs, store: &Store) -> Result<Option<(String, 
         (Some(d), layerstream_model::spec::SpecMode::Draft) => {
             let draft = Store::open(d)?;
             layerstream_model::spec::check_draft(store, &draft)?;
-            let bytes = planner::draft_bytes(&draft.manifest, args.plan.kv_capacity);
+            let positions = args.plan.kv_capacity.unwrap_or(planner::DEFAULT_KV_CAPACITY);
+            let bytes = planner::draft_bytes(&draft.manifest, positions);
             let dir = std::fs::canonicalize(d).unwrap_or_else(|_| d.clone());
             Ok(Some((dir.display().to_string(), bytes)))
         }
@@ -159,17 +160,27 @@ async fn plan_and_schedule(
     store: &Store,
     workers: Vec<RegisteredWorker>,
 ) -> Result<Arc<service::CoordinatorService>> {
-    let opts = planner::PlanOptions {
+    let mut opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
         group_size: args.plan.layer_group_size,
         buffers: args.plan.streaming_buffers,
-        kv_capacity: args.plan.kv_capacity,
+        kv_capacity: planner::DEFAULT_KV_CAPACITY,
         prefetch: !args.plan.no_prefetch,
         expert_cache: args.plan.expert_cache,
         draft: draft_model(args, store)?,
         kv_block: args.plan.kv.kv_block,
         kv_host_blocks: kv_host_blocks(args, store)?,
     };
+    let specs: Vec<_> = workers.iter().map(|w| w.spec.clone()).collect();
+    let kv_capacity =
+        planner::kv_capacity_that_fits(&store.manifest, &specs, &opts, args.plan.kv_capacity);
+    if args.plan.kv_capacity.is_none() {
+        tracing::info!(
+            kv_capacity,
+            "KV capacity: what the workers' budgets hold (--kv-capacity sets it)"
+        );
+    }
+    opts.kv_capacity = kv_capacity;
     let num_layers = store.manifest.config.num_layers as u32;
     let current = Arc::new(std::sync::RwLock::new(Plan {
         assignments: vec![],
@@ -222,7 +233,7 @@ async fn plan_and_schedule(
         args.journal.as_deref().map(crate::journal::Journal::open).transpose()?.map(Arc::new);
     let limits = scheduler::Limits {
         max_batch: args.sched.max_batch.max(1),
-        kv_capacity: args.plan.kv_capacity,
+        kv_capacity,
         max_step_tokens: step_tokens,
         kv_block: args.plan.kv.kv_block,
         host_blocks: kv_host_blocks(args, store)? as usize,
@@ -252,7 +263,7 @@ async fn plan_and_schedule(
         tokenizer,
         vocab: store.manifest.config.vocab_size,
         context: store.manifest.config.max_position_embeddings,
-        kv_capacity: args.plan.kv_capacity,
+        kv_capacity,
         plan: current,
         workers,
         next_seq: AtomicU64::new(1),

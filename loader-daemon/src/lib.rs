@@ -13,6 +13,7 @@ pub use daemon::{Daemon, LoaderService};
 pub use error::{Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::v1::loader_server::LoaderServer;
+pub use pool::check_shm_room;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -49,26 +50,14 @@ impl SlotFlags {
     }
 }
 
-/// The default pool size: every one of `layers` files of `slot_size` bytes when half of the host's
-/// MemAvailable and half of /dev/shm's free space hold them (the other halves are the stated margin
-/// left to workers and the rest of the host), else as many as fit there, at least `floor`.
+/// The default pool size: every one of `layers` files of `slot_size` bytes when half of what the
+/// memory ledger allows (`mem::Ledger`: MemAvailable, the memory cgroup's room, /dev/shm's free
+/// space) holds them (the other half is the stated margin left to workers and the rest of the
+/// host), else as many as fit there, at least `floor`.
 pub fn default_slots(layers: usize, slot_size: u64, floor: usize) -> usize {
-    let memory = layerstream_model::mem::host_available_bytes() / 2;
-    let fit = (memory.min(shm_free_bytes() / 2) / slot_size.max(1)) as usize;
+    let room = layerstream_model::mem::Ledger::read().shm_usable() / 2;
+    let fit = (room / slot_size.max(1)) as usize;
     fit.min(layers).max(floor)
-}
-
-/// Free bytes in /dev/shm (u64::MAX if it cannot be asked).
-fn shm_free_bytes() -> u64 {
-    let path = std::ffi::CString::new("/dev/shm").expect("no NUL");
-    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
-            return u64::MAX;
-        }
-        (st.f_bavail as u64).saturating_mul(st.f_frsize as u64)
-    }
 }
 
 /// Flags of the loader daemon.

@@ -189,14 +189,7 @@ pub fn list(prefix: &str) -> Vec<String> {
 
 /// Bytes free in `/dev/shm` (None when it cannot be read).
 pub fn free_bytes() -> Option<u64> {
-    let path = CString::new("/dev/shm").ok()?;
-    // SAFETY: a zeroed statvfs buffer filled by statvfs on a valid path.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: path is NUL-terminated; st is a valid out-pointer.
-    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    layerstream_types::mem::fs_free_bytes("/dev/shm")
 }
 
 /// Removes stale regions of namespace `ns` (left by a crashed instance); returns how many.

@@ -1,9 +1,125 @@
-//! The host's memory as the kernel reports it: what worker budgets and the loader's RAM tier are
-//! sized from.
+//! The host's memory as this process may use it: the one ledger every default size is drawn from.
+//! What the stack may use is the least of the kernel's MemAvailable and the memory cgroup's limit
+//! less its usage at every level from this process's cgroup up (v2 `memory.max`/`memory.current`,
+//! v1 `memory.limit_in_bytes`/`memory.usage_in_bytes`) — a compose service, a Kubernetes pod or a
+//! systemd slice has a limit /proc/meminfo does not show — and, for shared-memory slots,
+//! /dev/shm's free space. The readers take their roots as arguments so crafted trees test them.
 
-/// The host's MemAvailable (from /proc/meminfo), or 8 GiB where it cannot be read.
+use std::path::Path;
+
+/// What the ledger read, each part when it could be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ledger {
+    /// The kernel's MemAvailable.
+    pub mem_available: Option<u64>,
+    /// The tightest memory cgroup level: its limit and usage (None: no finite limit).
+    pub cgroup: Option<Cgroup>,
+    /// Free bytes in /dev/shm.
+    pub shm_free: Option<u64>,
+}
+
+/// One memory cgroup level's limit and usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cgroup {
+    pub limit: u64,
+    pub usage: u64,
+}
+
+impl Ledger {
+    /// The ledger of this process now.
+    pub fn read() -> Ledger {
+        let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        Ledger {
+            mem_available: meminfo("MemAvailable:"),
+            cgroup: cgroup_headroom(&cgroups, Path::new("/sys/fs/cgroup")),
+            shm_free: fs_free_bytes("/dev/shm"),
+        }
+    }
+
+    /// Bytes the stack may use in memory: the least of MemAvailable and the cgroup's headroom (8 GiB
+    /// when neither can be read).
+    pub fn usable(&self) -> u64 {
+        let room = self.cgroup.map(|c| c.limit.saturating_sub(c.usage));
+        match (self.mem_available, room) {
+            (Some(a), Some(r)) => a.min(r),
+            (Some(a), None) => a,
+            (None, Some(r)) => r,
+            (None, None) => 8 << 30,
+        }
+    }
+
+    /// Bytes shared-memory slots may take: `usable`, and no more than /dev/shm holds.
+    pub fn shm_usable(&self) -> u64 {
+        self.usable().min(self.shm_free.unwrap_or(u64::MAX))
+    }
+
+    /// One line for logs: each part and what is usable.
+    pub fn describe(&self) -> String {
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let opt = |b: Option<u64>| b.map_or("unknown".into(), gib);
+        let cg = self.cgroup.map_or("no limit".into(), |c| {
+            format!("limit {} with {} in use", gib(c.limit), gib(c.usage))
+        });
+        format!(
+            "MemAvailable {}, memory cgroup {cg}, /dev/shm free {}: {} usable",
+            opt(self.mem_available),
+            opt(self.shm_free),
+            gib(self.usable())
+        )
+    }
+}
+
+/// The tightest finite memory limit on the cgroup path of `proc_self_cgroup` (the text of
+/// /proc/self/cgroup) under `root` (normally /sys/fs/cgroup), from the process's cgroup up to the
+/// root: v2 (`0::/path`, `memory.max` "max" or bytes, `memory.current`) or v1 (`N:…memory…:/path`
+/// under `root/memory`, `memory.limit_in_bytes`, where "no limit" is a number near 2^63, and
+/// `memory.usage_in_bytes`). The tightest level is the one with the least room.
+pub fn cgroup_headroom(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
+    let mut best: Option<Cgroup> = None;
+    for line in proc_self_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (dir, files) = if controllers.is_empty() {
+            (root.to_path_buf(), ("memory.max", "memory.current"))
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (root.join("memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        } else {
+            continue;
+        };
+        let mut level = dir.join(path.trim_start_matches('/'));
+        loop {
+            if let Some(c) = read_level(&level, files) {
+                if best.is_none_or(|b| {
+                    c.limit.saturating_sub(c.usage) < b.limit.saturating_sub(b.usage)
+                }) {
+                    best = Some(c);
+                }
+            }
+            if level == dir || !level.pop() {
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// One level's finite limit and usage (None: no such files, or no limit).
+fn read_level(dir: &Path, (limit, usage): (&str, &str)) -> Option<Cgroup> {
+    let text = std::fs::read_to_string(dir.join(limit)).ok()?;
+    let limit: u64 = text.trim().parse().ok()?; // "max" does not parse: no limit
+    if limit >= 1 << 60 {
+        return None;
+    }
+    let usage = std::fs::read_to_string(dir.join(usage)).ok()?.trim().parse().ok()?;
+    Some(Cgroup { limit, usage })
+}
+
+/// What the stack may use (`Ledger::read().usable()`).
 pub fn host_available_bytes() -> u64 {
-    meminfo("MemAvailable:").unwrap_or(8 << 30)
+    Ledger::read().usable()
 }
 
 /// The host's MemTotal (from /proc/meminfo), if it can be read.
@@ -16,6 +132,18 @@ fn meminfo(key: &str) -> Option<u64> {
     let kib =
         m.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse::<u64>().ok()?;
     Some(kib << 10)
+}
+
+/// Free bytes of the filesystem at `path` (None when it cannot be asked).
+pub fn fs_free_bytes(path: &str) -> Option<u64> {
+    let c = std::ffi::CString::new(path).ok()?;
+    // SAFETY: a zeroed statvfs buffer filled by statvfs on a valid NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; st is a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// Parses "123", "64K", "512M", "8G" (powers of 1024).
@@ -31,4 +159,60 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .parse::<f64>()
         .map(|v| (v * mul as f64) as u64)
         .map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(root: &Path, rel: &str, files: &[(&str, &str)]) {
+        let d = root.join(rel);
+        std::fs::create_dir_all(&d).unwrap();
+        for (f, v) in files {
+            std::fs::write(d.join(f), v).unwrap();
+        }
+    }
+
+    #[test]
+    fn v2_limits_are_read_up_the_hierarchy_and_max_is_no_limit() {
+        let t = tempfile::tempdir().unwrap();
+        let r = t.path();
+        write(r, "", &[("memory.max", "max\n"), ("memory.current", "9000000000\n")]);
+        write(r, "pod", &[("memory.max", "4294967296\n"), ("memory.current", "1073741824\n")]);
+        write(r, "pod/ctr", &[("memory.max", "max\n"), ("memory.current", "536870912\n")]);
+        let c = cgroup_headroom("0::/pod/ctr\n", r).unwrap();
+        assert_eq!(c, Cgroup { limit: 4 << 30, usage: 1 << 30 }, "the pod's limit binds");
+        // A tighter child wins.
+        write(r, "pod/ctr", &[("memory.max", "1610612736\n"), ("memory.current", "536870912\n")]);
+        let c = cgroup_headroom("0::/pod/ctr\n", r).unwrap();
+        assert_eq!(c.limit - c.usage, 1 << 30);
+        assert_eq!(cgroup_headroom("0::/\n", r), None, "the root: no finite limit");
+        let l =
+            Ledger { mem_available: Some(20 << 30), cgroup: Some(c), shm_free: Some(512 << 20) };
+        assert_eq!(l.usable(), 1 << 30);
+        assert_eq!(l.shm_usable(), 512 << 20);
+        assert!(l.describe().contains("limit 1.50 GiB"), "{}", l.describe());
+    }
+
+    #[test]
+    fn v1_limits_are_read_and_unlimited_is_a_huge_number() {
+        let t = tempfile::tempdir().unwrap();
+        let r = t.path();
+        let none = "9223372036854771712\n";
+        write(r, "memory", &[("memory.limit_in_bytes", none), ("memory.usage_in_bytes", "1\n")]);
+        write(
+            r,
+            "memory/box",
+            &[("memory.limit_in_bytes", "3758096384\n"), ("memory.usage_in_bytes", "104857600\n")],
+        );
+        let cg = "9:name=systemd:/\n4:memory:/box\n3:cpuset:/\n0::/\n";
+        assert_eq!(cgroup_headroom(cg, r), Some(Cgroup { limit: 3584 << 20, usage: 100 << 20 }));
+        assert_eq!(cgroup_headroom("4:cpu,memory:/\n", r), None);
+        assert_eq!(cgroup_headroom("garbage", r), None);
+        let l =
+            Ledger { mem_available: Some(1 << 30), cgroup: cgroup_headroom(cg, r), shm_free: None };
+        assert_eq!(l.usable(), 1 << 30, "MemAvailable binds when it is smaller");
+        let unknown = Ledger { mem_available: None, cgroup: None, shm_free: None };
+        assert_eq!(unknown.usable(), 8 << 30);
+    }
 }

@@ -80,6 +80,22 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
         "plan": assignments,
         "queue": {"waiting": m.waiting.get(), "running": m.running.get()},
         "steps": m.recent(),
+        "memory": memory(&h.svc),
     }))
     .into_response()
+}
+
+/// The memory ledger of the coordinator's host now (what the stack may use, and why), with the KV
+/// capacity planned from it.
+fn memory(svc: &crate::service::CoordinatorService) -> serde_json::Value {
+    let l = layerstream_model::mem::Ledger::read();
+    json!({
+        "mem_available": l.mem_available,
+        "cgroup_limit": l.cgroup.map(|c| c.limit),
+        "cgroup_usage": l.cgroup.map(|c| c.usage),
+        "shm_free": l.shm_free,
+        "usable": l.usable(),
+        "kv_capacity": svc.kv_capacity,
+        "summary": l.describe(),
+    })
 }

@@ -1,0 +1,142 @@
+//! How `up` shares the host's memory among the parts of one stack: the memory ledger
+//! (`mem::Ledger`: MemAvailable, the memory cgroup's room, /dev/shm) is read once, here, and each
+//! part gets its share — the loader's slots (shared memory counts against the cgroup too), each
+//! CPU worker's budget, the host KV tier — so that together they fit, where each used to size
+//! itself from the whole host. A flag the user gives is taken as it is.
+
+use layerstream_model::mem::Ledger;
+
+/// What each part of the stack may use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shares {
+    /// Loader slots (shared memory), each `slot_size` bytes.
+    pub slots: usize,
+    pub slot_size: u64,
+    /// Each CPU worker's memory budget (None: a GPU worker, sized by its device).
+    pub worker_budget: Option<u64>,
+    /// Each worker's host-RAM KV tier (every worker keeps one).
+    pub kv_host_bytes: u64,
+    /// Left for the processes themselves (runtimes, tokenizer, activations, page cache).
+    pub margin: u64,
+}
+
+/// What the user fixed (None: `up` chooses).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fixed {
+    pub slots: Option<usize>,
+    pub worker_budget: Option<u64>,
+    pub kv_host_bytes: Option<u64>,
+}
+
+/// The stack's shape: `layers` slot-sized files, at least `floor` slots (the workers' streaming
+/// buffers and read-ahead), `workers` workers, CPU ones or not.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub layers: usize,
+    pub slot_size: u64,
+    pub floor: usize,
+    pub workers: usize,
+    pub cpu: bool,
+}
+
+/// Shares of `usable` memory (`shm`: /dev/shm's free bytes, when known): a margin of 128 MiB + 5%, then — when
+/// half of the rest holds every layer — a slot for each (a RAM tier: the model is read from disk
+/// once) and host KV tiers of an eighth; past that, the slots a quarter holds (at least `floor`)
+/// and no host tier; the CPU workers split what remains. An error names each part's bytes when even the streaming
+/// minimum does not fit.
+pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<Shares, String> {
+    let margin = (128 << 20) + usable / 20;
+    let pool = usable.saturating_sub(margin);
+    let slot = s.slot_size.max(1);
+    let workers = s.workers.max(1) as u64;
+    // Past RAM (the layers do not fit half the pool) the workers' streaming plans come first: a
+    // quarter for slots beyond the floor, no host KV tier (a preempted sequence is replayed).
+    let roomy = slot.saturating_mul(s.layers as u64) <= pool / 2;
+    let share = if roomy { pool / 2 } else { pool / 4 };
+    let fit = share.min(shm.unwrap_or(u64::MAX)) / slot;
+    let slots = fixed.slots.unwrap_or((fit as usize).min(s.layers).max(s.floor));
+    let slot_bytes = slots as u64 * slot;
+    let kv_host_bytes = fixed.kv_host_bytes.unwrap_or(if roomy { pool / 8 / workers } else { 0 });
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    layerstream_loader::check_shm_room(slots, slot as usize, shm).map_err(|e| e.to_string())?;
+    let left = pool.checked_sub(slot_bytes + kv_host_bytes * workers);
+    let worker_budget = match (s.cpu, fixed.worker_budget, left) {
+        (false, b, _) => b,
+        (true, Some(b), _) => Some(b),
+        (true, None, Some(left)) if left > 0 => Some(left / workers),
+        (true, None, _) => {
+            return Err(format!(
+                "this host lets the stack use {}: a margin of {} for the processes, the loader's \
+                 {slots} slots of {slot} bytes ({}) and host KV tiers of {} each leave nothing for \
+                 the {} worker(s); raise the memory limit, or give --slots / --kv-host-bytes / \
+                 --memory-budget",
+                gib(usable),
+                gib(margin),
+                gib(slot_bytes),
+                gib(kv_host_bytes),
+                s.workers
+            ))
+        }
+    };
+    Ok(Shares { slots, slot_size: slot, worker_budget, kv_host_bytes, margin })
+}
+
+/// The ledger and the shares, for `up`'s log.
+pub fn describe(l: &Ledger, s: &Shares, workers: usize) -> String {
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let budget = s.worker_budget.map_or("its device's".into(), gib);
+    format!(
+        "memory: {}; the loader's {} slots {}, {workers} worker(s) {budget} each, host KV tier {} \
+         each, {} left to the processes",
+        l.describe(),
+        s.slots,
+        gib(s.slots as u64 * s.slot_size),
+        gib(s.kv_host_bytes),
+        gib(s.margin)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn llama8b(workers: usize) -> Shape {
+        // 32 layers of ~131 MB Q4_K, 4 slots a worker at least.
+        Shape { layers: 32, slot_size: 131 * MIB, floor: 4 * workers, workers, cpu: true }
+    }
+
+    #[test]
+    fn a_cgroup_smaller_than_the_model_gets_a_streaming_plan_that_fits() {
+        let usable = 3584 * MIB;
+        let s = shares(usable, Some(64 << 30), llama8b(1), Fixed::default()).unwrap();
+        let total =
+            s.slots as u64 * s.slot_size + s.kv_host_bytes + s.worker_budget.unwrap() + s.margin;
+        assert!(total <= usable, "{s:?}");
+        assert!(s.slots >= 4 && s.slots < 8, "{s:?}");
+        assert_eq!(s.kv_host_bytes, 0, "past RAM: no host KV tier");
+        assert!(s.worker_budget.unwrap() > 2 << 30, "{s:?}");
+    }
+
+    #[test]
+    fn a_roomy_host_keeps_every_layer_in_slots_and_splits_the_rest() {
+        let s = shares(20 << 30, Some(10 << 30), llama8b(2), Fixed::default()).unwrap();
+        assert_eq!(s.slots, 32);
+        let left = (20u64 << 30) - s.margin - 32 * 131 * MIB - 2 * s.kv_host_bytes;
+        assert_eq!(s.worker_budget, Some(left / 2));
+    }
+
+    #[test]
+    fn flags_are_kept_and_impossible_shares_name_their_parts() {
+        let fixed = Fixed { slots: Some(6), worker_budget: Some(MIB), kv_host_bytes: Some(0) };
+        let s = shares(4 << 30, None, llama8b(1), fixed).unwrap();
+        assert_eq!((s.slots, s.worker_budget, s.kv_host_bytes), (6, Some(MIB), 0));
+        let e = shares(600 * MIB, Some(64 << 30), llama8b(1), Fixed::default()).unwrap_err();
+        assert!(e.contains("4 slots") && e.contains("leave nothing"), "{e}");
+        let e = shares(8 << 30, Some(256 * MIB), llama8b(1), Fixed::default()).unwrap_err();
+        assert!(e.contains("/dev/shm") && e.contains("shm_size"), "{e}");
+        let gpu = Shape { cpu: false, ..llama8b(1) };
+        assert_eq!(shares(8 << 30, None, gpu, Fixed::default()).unwrap().worker_budget, None);
+    }
+}
