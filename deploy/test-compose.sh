@@ -14,7 +14,7 @@ export LAYERSTREAM_IMAGE="layerstream:test-$$"
 work=$(mktemp -d)
 export LAYERSTREAM_MODELS="$work/models" LAYERSTREAM_SPANS_DIR="$work/spans"
 export LAYERSTREAM_PORT=$(free_port) LAYERSTREAM_HTTP_PORT=$(free_port) JAEGER_UI_PORT=$(free_port) JAEGER_OTLP_PORT=$(free_port)
-export LAYERSTREAM_SLOTS=8 LAYERSTREAM_RESIDENT_LAYERS=4
+export LAYERSTREAM_RESIDENT_LAYERS=4
 files=(-f deploy/compose.yaml -f deploy/compose.test.yaml)
 profile=cpu
 trap cleanup EXIT

@@ -2,8 +2,8 @@
 //! here) with a 460 MB store and a 448 MiB limit answers with no size flags — the memory ledger
 //! sees the limit, the loader's slots, the worker's budget and the KV capacity are drawn from it,
 //! the layers are streamed — and is not OOM-killed; a limit that cannot hold even a streaming plan
-//! is refused before anything loads, naming each part's bytes. Skipped, saying why, where no
-//! memory cgroup can be made.
+//! is refused before anything loads, naming each part's bytes; `plan` shows the streamed tiers
+//! first. Skipped, saying why, where no memory cgroup can be made.
 
 use layerstream_tests::*;
 use std::path::{Path, PathBuf};
@@ -102,6 +102,15 @@ fn a_model_larger_than_the_memory_limit_runs_with_no_size_flags() {
     assert_eq!(v["output_ids"].as_array().map(Vec::len), Some(4), "{v}");
     assert!(v["stats"]["bytes_streamed"].as_u64().unwrap_or(0) > 0, "layers were streamed: {v}");
     assert!(!cg.oom_killed(), "the OOM killer acted");
+    // `plan` in the same limit says so before anything starts: layers streamed, most read from
+    // disk each pass, the disk measured, a disk-bound prediction.
+    let out = cg.command(&["plan", "--model", s, "--workers", "1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let p = last_json(&String::from_utf8_lossy(&out.stdout));
+    assert!(p["tiers"]["disk"]["layers"].as_u64().unwrap() > 0, "{p}");
+    assert!(p["disk"]["gbps"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["predicted"]["tokens_per_s"]["1"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["kv_capacity"].as_u64().unwrap() >= 256, "{p}");
     drop(cg);
     // 160 MiB cannot hold even a streaming plan: refused before anything loads, naming the parts.
     let cg =

@@ -18,6 +18,7 @@ mod health;
 mod hf_export;
 mod otlp_sink;
 mod perplexity;
+mod plan;
 mod prompt;
 mod run;
 mod submit;
@@ -106,6 +107,10 @@ enum Cmd {
     Perplexity(perplexity::PerplexityArgs),
     /// Start the loader daemon, N workers and the coordinator; stop them all on Ctrl-C.
     Up(up::UpArgs),
+    /// What `up` would place where on this machine (memory shares, resident and streamed layers,
+    /// KV capacity, the tiers a pass reads, the disk measured, predicted tokens/s), before
+    /// anything starts.
+    Plan(up::UpArgs),
     /// Send one request to a running coordinator and stream the answer.
     Submit(submit::SubmitArgs),
     /// Run the loader daemon (as the `loader-daemon` binary does).
@@ -209,6 +214,7 @@ fn main() -> Result<()> {
         Cmd::Run(args) => run::run(args)?,
         Cmd::Perplexity(args) => perplexity::run(args)?,
         Cmd::Up(args) => up::run(args)?,
+        Cmd::Plan(args) => plan::run(args)?,
         Cmd::Submit(args) => block_on(submit::run(args))?,
         Cmd::LoaderDaemon(args) => block_on(async { Ok(layerstream_loader::run(args).await?) })?,
         Cmd::Worker(args) => block_on(async { Ok(layerstream_worker::run(args).await?) })?,

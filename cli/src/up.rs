@@ -285,7 +285,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .display()
         .to_string();
     let api_key = share_secrets(&a)?;
-    let shares = memory_shares(&a, &store)?;
+    let (_, shares) = memory_shares(&a, &store)?;
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
@@ -356,7 +356,10 @@ fn share_secrets(a: &UpArgs) -> Result<Option<String>> {
 /// The memory ledger read once and shared out (`fit::shares`): the loader's slots (never fewer
 /// than the workers' streaming buffers and read-ahead need), each CPU worker's budget and each
 /// worker's host KV tier; flags the user gave are kept. Logged with what each part got.
-fn memory_shares(a: &UpArgs, store: &layerstream_model::Store) -> Result<crate::fit::Shares> {
+pub(crate) fn memory_shares(
+    a: &UpArgs,
+    store: &layerstream_model::Store,
+) -> Result<(layerstream_model::mem::Ledger, crate::fit::Shares)> {
     let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
     let layers = store.manifest.config.num_layers;
     let shape = crate::fit::Shape {
@@ -375,7 +378,7 @@ fn memory_shares(a: &UpArgs, store: &layerstream_model::Store) -> Result<crate::
     let shares = crate::fit::shares(ledger.usable(), ledger.shm_free, shape, fixed)
         .map_err(|e| anyhow::anyhow!("{e} ({})", ledger.describe()))?;
     eprintln!("layerstream up: {}", crate::fit::describe(&ledger, &shares, a.workers));
-    Ok(shares)
+    Ok((ledger, shares))
 }
 
 /// Submits `up`'s input to the coordinator at `addr` on its own thread.

@@ -22,6 +22,7 @@ use clap::Args;
 pub use error::{Error, Result};
 pub use flags::{HttpFlags, KvFlags, PlanFlags, SchedulerFlags, SpecFlags};
 pub use lanes::MicroBatches;
+pub use planner::plan_for;
 pub use start::run;
 use std::path::PathBuf;
 

@@ -37,6 +37,39 @@ pub struct PlanOptions {
     pub(crate) kv_host_blocks: u32,
 }
 
+/// The plan the coordinator would make over `budgets` (one worker each, `device` for the KV
+/// dtype) with `flags` and no draft model: each worker's assignment and the KV capacity (for
+/// `layerstream plan`, which shows it before anything starts).
+pub fn plan_for(
+    m: &Manifest,
+    budgets: &[u64],
+    device: &str,
+    flags: &crate::PlanFlags,
+) -> Result<(Vec<Assignment>, usize)> {
+    let workers: Vec<WorkerSpec> = budgets
+        .iter()
+        .enumerate()
+        .map(|(i, &budget)| WorkerSpec {
+            address: format!("worker {i}"),
+            budget,
+            kv_dtype: flags.kv.dtype_for(device),
+        })
+        .collect();
+    let mut o = PlanOptions {
+        resident_layers: flags.resident_layers,
+        group_size: flags.layer_group_size,
+        buffers: flags.streaming_buffers,
+        kv_capacity: DEFAULT_KV_CAPACITY,
+        prefetch: !flags.no_prefetch,
+        expert_cache: flags.expert_cache,
+        draft: None,
+        kv_block: flags.kv.kv_block,
+        kv_host_blocks: 0,
+    };
+    o.kv_capacity = kv_capacity_that_fits(m, &workers, &o, flags.kv_capacity);
+    Ok((plan(m, &workers, &o)?, o.kv_capacity))
+}
+
 /// KV positions planned when `--kv-capacity` is not given and the budgets hold them.
 pub const DEFAULT_KV_CAPACITY: usize = 8192;
 /// The fewest positions an automatic capacity goes down to (then the plan's own error says why).

@@ -14,6 +14,7 @@ pub use error::{Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::v1::loader_server::LoaderServer;
 pub use pool::check_shm_room;
+pub use read::{measure_disk, DiskFigures};
 use std::path::PathBuf;
 use std::sync::Arc;
 

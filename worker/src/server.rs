@@ -24,8 +24,9 @@ pub struct DeviceFlags {
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Bytes a worker may use for weights, streaming buffers and KV cache (suffixes K, M, G);
-    /// default: what the device has available (host MemAvailable on the CPU, free memory on a GPU),
-    /// less the GPU runtime reserve.
+    /// default: what the device has available — on the CPU what the memory ledger allows (the
+    /// least of MemAvailable and the memory cgroup's limit less its usage; `up` gives each worker
+    /// its share), on a GPU its free memory less the runtime reserve.
     #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
     /// Compute threads of a CPU worker (default: every core; `up --threads N` passes it to every

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# A model larger than the memory limit, side by side (issue #40): the same synthetic Llama-3-8B Q4_K
+# (4.2 GB) as a layer store and a GGUF, in a memory cgroup this script makes (v1 or v2; it says why
+# when it cannot), the page cache dropped before each run:
+#   - layerstream: `up` with no size flags (the memory ledger sizes everything), decode tokens/s of
+#     one request, and of 8 at once (aggregate);
+#   - llama.cpp: `llama-bench --repack 0 -mmp 1` (mmap, as it runs past RAM), and
+#     `llama-batched-bench` with 8 parallel sequences;
+#   - the disk's O_DIRECT GB/s over the store's layer files, and each run's tokens/s ÷ the
+#     disk-bound ideal (disk GB/s ÷ the bytes of one pass over every layer and the head).
+# Needs root (cgroups, drop_caches). Prints a markdown table; commit it under benchmarks/.
+#
+#   benchmarks/memory-limit-vs-llama-cpp.sh                 # limits 3584 and 2560 MiB, 8 tokens
+#   LIMITS="3584" GEN=16 benchmarks/memory-limit-vs-llama-cpp.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LIMITS=${LIMITS:-"3584 2560"}
+GEN=${GEN:-8}
+WORK=${WORK:-/tmp/layerstream-memlimit}
+BIN=${LAYERSTREAM_BIN:-target/release/layerstream}
+[ -x "$BIN" ] || cargo build --release -q -p layerstream
+bench=$(benchmarks/llama-cpp-tool.sh llama-bench)
+batched=$(benchmarks/llama-cpp-tool.sh llama-batched-bench)
+mkdir -p "$WORK"
+store=$WORK/llama-3-8b-q4k
+gguf=$WORK/llama-3-8b-q4k.gguf
+[ -f "$store/manifest.json" ] || "$BIN" synth --shape llama-3-8b --dtype q4_k --gguf "$gguf" "$store" >&2
+
+# The cgroup: v1 memory controller, else v2.
+cg=""
+if [ -w /sys/fs/cgroup/memory ]; then
+    cg=/sys/fs/cgroup/memory/layerstream-bench; limit_file=memory.limit_in_bytes; peak_file=memory.max_usage_in_bytes
+elif [ -f /sys/fs/cgroup/cgroup.controllers ] && grep -qw memory /sys/fs/cgroup/cgroup.controllers; then
+    cg=/sys/fs/cgroup/layerstream-bench; limit_file=memory.max; peak_file=memory.peak
+else
+    echo "no writable memory cgroup (v1 /sys/fs/cgroup/memory or v2 with the memory controller): run as root on a host with cgroups" >&2
+    exit 1
+fi
+mkdir -p "$cg"
+trap 'rmdir "$cg" 2>/dev/null || true' EXIT
+in_cg() { sh -c "echo \$\$ > $cg/cgroup.procs && exec \"\$0\" \"\$@\"" "$@"; }
+fresh() { sync; echo 3 > /proc/sys/vm/drop_caches; [ "$peak_file" = memory.max_usage_in_bytes ] && echo 0 > "$cg/$peak_file" || true; }
+peak_gib() { awk '{printf "%.2f", $1 / 2^30}' "$cg/$peak_file" 2>/dev/null || echo "?"; }
+
+# Disk: O_DIRECT over the layer files.
+fresh
+pass_bytes=$(du -cb "$store"/layer_*.bin "$store"/lm_head.bin 2>/dev/null | tail -1 | cut -f1)
+t0=$(date +%s.%N)
+for f in "$store"/layer_*.bin; do dd if="$f" of=/dev/null bs=64M iflag=direct status=none; done
+t1=$(date +%s.%N)
+layer_bytes=$(du -cb "$store"/layer_*.bin | tail -1 | cut -f1)
+disk=$(echo "$layer_bytes / ($t1 - $t0) / 1e9" | bc -l)
+ideal=$(echo "$disk * 1e9 / $pass_bytes" | bc -l)
+printf 'disk (O_DIRECT, layer files): %.2f GB/s; one pass over every layer and the head: %.2f GB; disk-bound ideal %.3f tok/s\n\n' "$disk" "$(echo "$pass_bytes/1e9" | bc -l)" "$ideal"
+
+echo "| limit | engine | batch | decode tok/s | ÷ ideal | peak GiB | note |"
+echo "|---|---|---|---|---|---|---|"
+for mib in $LIMITS; do
+    echo $((mib << 20)) > "$cg/$limit_file"
+    # layerstream: one stack, one request then 8 at once.
+    fresh
+    port=$((20000 + RANDOM % 20000))
+    in_cg "$BIN" up --model "$store" --workers 1 --listen 127.0.0.1:$port --http-listen off > "$WORK/up.out" 2> "$WORK/up.err" &
+    up=$!
+    for _ in $(seq 600); do grep -q LISTENING "$WORK/up.out" 2>/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 0.5; done
+    if ! grep -q LISTENING "$WORK/up.out" 2>/dev/null; then
+        echo "| $mib MiB | layerstream | 1 | — | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
+    else
+        one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
+        tps=$(echo "$one" | python3 -c 'import json,sys; print(json.load(sys.stdin)["stats"]["decode_tokens_per_s"])')
+        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1) |"
+        t0=$(date +%s.%N)
+        pids=()
+        for i in $(seq 8); do
+            "$BIN" submit --addr http://127.0.0.1:$port --prompt "Story $i begins" --max-new-tokens "$GEN" --ignore-eos --json > "$WORK/b8-$i.json" &
+            pids+=($!)
+        done
+        wait "${pids[@]}" || true
+        t1=$(date +%s.%N)
+        toks=$(cat "$WORK"/b8-*.json | grep '^{' | python3 -c 'import json,sys; print(sum(len(json.loads(l)["output_ids"]) for l in sys.stdin))')
+        tps8=$(echo "$toks / ($t1 - $t0)" | bc -l)
+        echo "| $mib MiB | layerstream | 8 | $(printf %.3f "$tps8") (wall, prefill included) | $(printf %.2f "$(echo "$tps8 / $ideal" | bc -l)") | $(peak_gib) | |"
+    fi
+    kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
+    # llama.cpp: mmap, no repack; then 8 parallel sequences.
+    fresh
+    if out=$(in_cg "$bench" -m "$gguf" -p 0 -n "$GEN" -r 1 -t "$(nproc)" --repack 0 -mmp 1 -o json 2>"$WORK/llama.err"); then
+        tps=$(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)[-1]["avg_ts"])')
+        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -mmp 1 |"
+    else
+        echo "| $mib MiB | llama.cpp | 1 | — | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
+    fi
+    fresh
+    if out=$(in_cg "$batched" -m "$gguf" -c 2048 -npp 8 -ntg "$GEN" -npl 8 -t "$(nproc)" 2>"$WORK/llama8.err"); then
+        tps=$(echo "$out" | grep '^|' | tail -1 | awk -F'|' '{print $(NF-3)}' | tr -d ' ')
+        echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
+    else
+        echo "| $mib MiB | llama.cpp | 8 | — | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
+    fi
+done
