@@ -45,6 +45,11 @@ pub struct Shape {
 /// and no host tier; the CPU workers split what remains. An error names each part's bytes when even the streaming
 /// minimum does not fit.
 pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<Shares, String> {
+    if let Some(b) = fixed.kv_host_bytes.filter(|&b| b > usable) {
+        return Err(format!(
+            "--kv-host-bytes {b} is more than this host's memory allows the stack ({usable} bytes)"
+        ));
+    }
     let margin = (128 << 20) + usable / 20;
     let pool = usable.saturating_sub(margin);
     let slot = s.slot_size.max(1);
@@ -134,6 +139,9 @@ mod tests {
         assert_eq!((s.slots, s.worker_budget, s.kv_host_bytes), (6, Some(MIB), 0));
         let e = shares(600 * MIB, Some(64 << 30), llama8b(1), Fixed::default()).unwrap_err();
         assert!(e.contains("4 slots") && e.contains("leave nothing"), "{e}");
+        let huge = Fixed { kv_host_bytes: Some(100 << 30), ..Fixed::default() };
+        let e = shares(8 << 30, None, llama8b(1), huge).unwrap_err();
+        assert!(e.contains("--kv-host-bytes") && e.contains("more than this host's memory"), "{e}");
         let e = shares(8 << 30, Some(256 * MIB), llama8b(1), Fixed::default()).unwrap_err();
         assert!(e.contains("/dev/shm") && e.contains("shm_size"), "{e}");
         let gpu = Shape { cpu: false, ..llama8b(1) };

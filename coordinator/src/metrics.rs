@@ -114,8 +114,11 @@ pub struct Metrics {
     device_bytes: Family<Labels, Gauge>,
     loader_hits: Family<Labels, Counter>,
     loader_misses: Family<Labels, Counter>,
-    /// Per loader namespace: the last (hits, misses) seen, to add only what is new.
-    loaders: Mutex<HashMap<String, (u64, u64)>>,
+    loader_disk_bytes: Family<Labels, Counter>,
+    loader_disk_seconds: Family<Labels, FCounter>,
+    /// Per loader namespace: the last (hits, misses, disk bytes, disk seconds) seen, to add only
+    /// what is new.
+    loaders: Mutex<HashMap<String, (u64, u64, u64, f64)>>,
     recent: Mutex<VecDeque<StepView>>,
 }
 
@@ -176,6 +179,8 @@ impl Metrics {
             device_bytes: Family::default(),
             loader_hits: Family::default(),
             loader_misses: Family::default(),
+            loader_disk_bytes: Family::default(),
+            loader_disk_seconds: Family::default(),
             loaders: Mutex::default(),
             recent: Mutex::default(),
             registry: Registry::default(),
@@ -362,6 +367,16 @@ impl Metrics {
             "Layer files the loader read from disk",
             self.loader_misses.clone(),
         );
+        r.register(
+            "loader_disk_read_bytes",
+            "Bytes the loader read from disk (the disk tier; ÷ the seconds: its GB/s)",
+            self.loader_disk_bytes.clone(),
+        );
+        r.register(
+            "loader_disk_read_seconds",
+            "Seconds the loader's disk reads took",
+            self.loader_disk_seconds.clone(),
+        );
     }
 
     /// A request refused before it was queued.
@@ -541,7 +556,11 @@ impl Metrics {
         let ll = vec![("loader", ld.namespace.clone())];
         self.loader_hits.get_or_create(&ll).inc_by(add(ld.hits, last.0));
         self.loader_misses.get_or_create(&ll).inc_by(add(ld.misses, last.1));
-        *last = (ld.hits, ld.misses);
+        self.loader_disk_bytes.get_or_create(&ll).inc_by(add(ld.disk_bytes, last.2));
+        let secs =
+            if ld.disk_seconds >= last.3 { ld.disk_seconds - last.3 } else { ld.disk_seconds };
+        self.loader_disk_seconds.get_or_create(&ll).inc_by(secs);
+        *last = (ld.hits, ld.misses, ld.disk_bytes, ld.disk_seconds);
     }
 
     /// The exposition text (OpenMetrics, which Prometheus reads).
@@ -585,7 +604,14 @@ mod tests {
         };
         m.step(2, 5, 10.0, &[w0]);
         let mut info = InfoResponse {
-            loader: Some(LoaderStats { namespace: "ns".into(), hits: 5, misses: 2, pinned: 0 }),
+            loader: Some(LoaderStats {
+                namespace: "ns".into(),
+                hits: 5,
+                misses: 2,
+                pinned: 0,
+                disk_bytes: 3000,
+                disk_seconds: 0.5,
+            }),
             ..Default::default()
         };
         m.worker_info("w0", Some(&info), true);
@@ -605,6 +631,8 @@ mod tests {
         has("layerstream_worker_up{worker=\"w1\"} 0");
         has("layerstream_loader_cache_hits_total{loader=\"ns\"} 9");
         has("layerstream_loader_cache_misses_total{loader=\"ns\"} 2");
+        has("layerstream_loader_disk_read_bytes_total{loader=\"ns\"} 3000");
+        has("layerstream_loader_disk_read_seconds_total{loader=\"ns\"} 0.5");
         has("layerstream_time_per_output_token_seconds_count 1");
         assert_eq!(m.recent().len(), 1);
         assert!(text.ends_with("# EOF\n"));

@@ -37,6 +37,9 @@ pub struct Daemon {
     /// layer files read from disk (misses: on demand or ahead), since start.
     hits: AtomicU64,
     misses: AtomicU64,
+    /// Bytes read from disk and the nanoseconds the reads took (the disk tier's figures).
+    disk_bytes: AtomicU64,
+    disk_ns: AtomicU64,
     /// Set when a panic interrupted an update of the pool: its pins may be wrong, so the daemon
     /// reports NOT_SERVING (and is restarted) instead of handing out slots it cannot vouch for.
     broken: AtomicBool,
@@ -98,6 +101,8 @@ impl Daemon {
             orders: Mutex::new(HashMap::new()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            disk_bytes: AtomicU64::new(0),
+            disk_ns: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             broken_reported: AtomicBool::new(false),
         })
@@ -197,6 +202,8 @@ impl Daemon {
             });
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let n = r.map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
+            me.disk_bytes.fetch_add(n as u64, Ordering::Relaxed);
+            me.disk_ns.fetch_add((ms * 1e6) as u64, Ordering::Relaxed);
             s2.record("bytes", n as i64);
             s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
             if me.store.verify {
@@ -347,6 +354,8 @@ impl Loader for LoaderService {
             },
             hits: d.hits.load(Ordering::Relaxed),
             misses: d.misses.load(Ordering::Relaxed),
+            disk_bytes: d.disk_bytes.load(Ordering::Relaxed),
+            disk_seconds: d.disk_ns.load(Ordering::Relaxed) as f64 / 1e9,
         }))
     }
 

@@ -68,6 +68,8 @@ async fn loader_stats(s: &WorkerState) -> Option<LoaderStats> {
             hits: d.hits,
             misses: d.misses,
             pinned: d.pinned,
+            disk_bytes: d.disk_bytes,
+            disk_seconds: d.disk_seconds,
         })
     };
     tokio::time::timeout(std::time::Duration::from_secs(1), ask).await.ok().flatten()
