@@ -4,7 +4,7 @@
 # when it cannot), the page cache dropped before each run:
 #   - layerstream: `up` with no size flags (the memory ledger sizes everything), decode tokens/s of
 #     one request, and of 8 at once (aggregate);
-#   - llama.cpp: `llama-bench --repack 0 -mmp 1` (mmap, as it runs past RAM), and
+#   - llama.cpp: `llama-bench --repack 0 -lm mmap` (mmap, as it runs past RAM), and
 #     `llama-batched-bench` with 8 parallel sequences;
 #   - the disk's O_DIRECT GB/s over the store's layer files, and each run's tokens/s ÷ the
 #     disk-bound ideal (disk GB/s ÷ the bytes of one pass over every layer and the head).
@@ -38,20 +38,24 @@ else
 fi
 mkdir -p "$cg"
 trap 'rmdir "$cg" 2>/dev/null || true' EXIT
-in_cg() { sh -c "echo \$\$ > $cg/cgroup.procs && exec \"\$0\" \"\$@\"" "$@"; }
+# (exec: a backgrounded call's pid is the program's own, so it can be stopped.)
+in_cg() { exec sh -c "echo \$\$ > $cg/cgroup.procs && exec \"\$0\" \"\$@\"" "$@"; }
 fresh() { sync; echo 3 > /proc/sys/vm/drop_caches; [ "$peak_file" = memory.max_usage_in_bytes ] && echo 0 > "$cg/$peak_file" || true; }
 peak_gib() { awk '{printf "%.2f", $1 / 2^30}' "$cg/$peak_file" 2>/dev/null || echo "?"; }
 
 # Disk: O_DIRECT over the layer files.
 fresh
-pass_bytes=$(du -cb "$store"/layer_*.bin "$store"/lm_head.bin 2>/dev/null | tail -1 | cut -f1)
+head_file=$store/lm_head.bin
+[ -f "$head_file" ] || head_file=$store/embed.bin   # tied: the embedding is the head
+pass_bytes=$(du -cb "$store"/layer_*.bin "$head_file" | tail -1 | cut -f1)
 t0=$(date +%s.%N)
 for f in "$store"/layer_*.bin; do dd if="$f" of=/dev/null bs=64M iflag=direct status=none; done
 t1=$(date +%s.%N)
 layer_bytes=$(du -cb "$store"/layer_*.bin | tail -1 | cut -f1)
-disk=$(echo "$layer_bytes / ($t1 - $t0) / 1e9" | bc -l)
-ideal=$(echo "$disk * 1e9 / $pass_bytes" | bc -l)
-printf 'disk (O_DIRECT, layer files): %.2f GB/s; one pass over every layer and the head: %.2f GB; disk-bound ideal %.3f tok/s\n\n' "$disk" "$(echo "$pass_bytes/1e9" | bc -l)" "$ideal"
+disk=$(echo "$layer_bytes / ($t1 - $t0) / 1000000000" | bc -l)
+ideal=$(echo "$disk * 1000000000 / $pass_bytes" | bc -l)
+printf 'disk (O_DIRECT, layer files): %.2f GB/s; one pass over every layer and the head: %.2f GB; disk-bound ideal %.3f tok/s\n\n' \
+    "$disk" "$(echo "$pass_bytes / 1000000000" | bc -l)" "$ideal"
 
 echo "| limit | engine | batch | decode tok/s | ÷ ideal | peak GiB | note |"
 echo "|---|---|---|---|---|---|---|"
@@ -82,16 +86,18 @@ for mib in $LIMITS; do
         echo "| $mib MiB | layerstream | 8 | $(printf %.3f "$tps8") (wall, prefill included) | $(printf %.2f "$(echo "$tps8 / $ideal" | bc -l)") | $(peak_gib) | |"
     fi
     kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
+    # Nothing of it may stay in the cgroup (or hold memory) while llama.cpp runs.
+    for _ in $(seq 100); do [ -z "$(cat "$cg/cgroup.procs")" ] && break; sleep 0.2; done
     # llama.cpp: mmap, no repack; then 8 parallel sequences.
     fresh
-    if out=$(in_cg "$bench" -m "$gguf" -p 0 -n "$GEN" -r 1 -t "$(nproc)" --repack 0 -mmp 1 -o json 2>"$WORK/llama.err"); then
+    if out=$(in_cg "$bench" -m "$gguf" -p 0 -n "$GEN" -r 1 -t "$(nproc)" --repack 0 -lm mmap -o json 2>"$WORK/llama.err"); then
         tps=$(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)[-1]["avg_ts"])')
-        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -mmp 1 |"
+        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -lm mmap |"
     else
         echo "| $mib MiB | llama.cpp | 1 | — | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
     fi
     fresh
-    if out=$(in_cg "$batched" -m "$gguf" -c 2048 -npp 8 -ntg "$GEN" -npl 8 -t "$(nproc)" 2>"$WORK/llama8.err"); then
+    if out=$(in_cg "$batched" -m "$gguf" -c 2048 -npp 8 -ntg "$GEN" -npl 8 -t "$(nproc)" --no-repack -lm mmap 2>"$WORK/llama8.err"); then
         tps=$(echo "$out" | grep '^|' | tail -1 | awk -F'|' '{print $(NF-3)}' | tr -d ' ')
         echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
     else

@@ -106,15 +106,25 @@ pub fn cgroup_headroom(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
     best
 }
 
-/// One level's finite limit and usage (None: no such files, or no limit).
+/// One level's finite limit and usage (None: no such files, or no limit). Usage is the working
+/// set, as the kubelet counts it: the page cache the kernel can drop at once (`inactive_file` in
+/// `memory.stat`, v1 `total_inactive_file`) is not in use — a file read before, even by another
+/// program in the same cgroup, must not make the stack think it has no room.
 fn read_level(dir: &Path, (limit, usage): (&str, &str)) -> Option<Cgroup> {
     let text = std::fs::read_to_string(dir.join(limit)).ok()?;
     let limit: u64 = text.trim().parse().ok()?; // "max" does not parse: no limit
     if limit >= 1 << 60 {
         return None;
     }
-    let usage = std::fs::read_to_string(dir.join(usage)).ok()?.trim().parse().ok()?;
-    Some(Cgroup { limit, usage })
+    let usage: u64 = std::fs::read_to_string(dir.join(usage)).ok()?.trim().parse().ok()?;
+    let stat = std::fs::read_to_string(dir.join("memory.stat")).unwrap_or_default();
+    let inactive = stat
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .find(|(k, _)| *k == "total_inactive_file" || *k == "inactive_file")
+        .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    Some(Cgroup { limit, usage: usage.saturating_sub(inactive) })
 }
 
 /// What the stack may use (`Ledger::read().usable()`).
@@ -203,7 +213,12 @@ mod tests {
         write(
             r,
             "memory/box",
-            &[("memory.limit_in_bytes", "3758096384\n"), ("memory.usage_in_bytes", "104857600\n")],
+            &[
+                ("memory.limit_in_bytes", "3758096384\n"),
+                ("memory.usage_in_bytes", "1178599424\n"),
+                // 1 GiB of it is page cache the kernel can drop: not in use.
+                ("memory.stat", "cache 1073741824\ntotal_inactive_file 1073741824\n"),
+            ],
         );
         let cg = "9:name=systemd:/\n4:memory:/box\n3:cpuset:/\n0::/\n";
         assert_eq!(cgroup_headroom(cg, r), Some(Cgroup { limit: 3584 << 20, usage: 100 << 20 }));
