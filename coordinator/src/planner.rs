@@ -4,7 +4,7 @@
 //! error before anything is loaded.
 
 use crate::error::{Error, Result};
-use layerstream_model::plan::{layer_bytes, range_experts, usage, Assignment};
+use layerstream_model::plan::{layer_bytes, range_experts, usage_with, Assignment};
 use layerstream_model::Manifest;
 
 /// A worker as the planner sees it.
@@ -14,6 +14,9 @@ pub struct WorkerSpec {
     pub(crate) budget: u64,
     /// The KV dtype it stores (resolved from `--kv-dtype` for its device).
     pub(crate) kv_dtype: String,
+    /// It computes streamed layers where the loader put them (a CPU worker): its streaming buffers
+    /// take no memory of its own.
+    pub(crate) in_place: bool,
 }
 
 /// Planner options (from the coordinator's flags).
@@ -53,6 +56,7 @@ pub fn plan_for(
             address: format!("worker {i}"),
             budget,
             kv_dtype: flags.kv.dtype_for(device),
+            in_place: layerstream_model::plan::streams_in_place(device),
         })
         .collect();
     let mut o = PlanOptions {
@@ -180,6 +184,9 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
             ..w.clone()
         };
         let w = &spec;
+        // What an assignment takes on this worker: a CPU worker's streaming buffers are the
+        // loader's slots themselves.
+        let usage = |m: &Manifest, a: &Assignment| usage_with(m, a, w.in_place);
         let mut p = Assignment {
             worker: w.address.clone(),
             layer_start: range.start,
@@ -251,6 +258,7 @@ pub fn plan(m: &Manifest, workers: &[WorkerSpec], o: &PlanOptions) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use layerstream_model::plan::usage;
 
     #[test]
     fn split_is_proportional_and_covers_every_layer() {
@@ -329,8 +337,18 @@ mod tests {
         let m = manifest(dir.path());
         let ws = |b: u64| {
             vec![
-                WorkerSpec { address: "a".into(), budget: b, kv_dtype: "f32".into() },
-                WorkerSpec { address: "b".into(), budget: b, kv_dtype: "f32".into() },
+                WorkerSpec {
+                    address: "a".into(),
+                    budget: b,
+                    kv_dtype: "f32".into(),
+                    in_place: false,
+                },
+                WorkerSpec {
+                    address: "b".into(),
+                    budget: b,
+                    kv_dtype: "f32".into(),
+                    in_place: false,
+                },
             ]
         };
         let big = 1 << 40;
@@ -354,8 +372,8 @@ mod tests {
         for extra_layers in [0u64, 2, 5, 20] {
             let budget = usage(&m, &streaming_plan(0..4)).total() + extra_layers * layer;
             let w = [
-                WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() },
-                WorkerSpec { address: "b".into(), budget, kv_dtype: "f32".into() },
+                WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false },
+                WorkerSpec { address: "b".into(), budget, kv_dtype: "f32".into(), in_place: false },
             ];
             let plans = plan(&m, &w, &opts(None)).unwrap();
             assert_eq!(
@@ -395,7 +413,12 @@ mod tests {
         let one = |budget: u64| {
             plan(
                 &m,
-                &[WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() }],
+                &[WorkerSpec {
+                    address: "a".into(),
+                    budget,
+                    kv_dtype: "f32".into(),
+                    in_place: false,
+                }],
                 &opts(None),
             )
             .unwrap()
@@ -424,7 +447,12 @@ mod tests {
         let forced = PlanOptions { expert_cache: Some(3), ..opts(None) };
         let p = plan(
             &m,
-            &[WorkerSpec { address: "a".into(), budget: 1 << 40, kv_dtype: "f32".into() }],
+            &[WorkerSpec {
+                address: "a".into(),
+                budget: 1 << 40,
+                kv_dtype: "f32".into(),
+                in_place: false,
+            }],
             &forced,
         )
         .unwrap();
@@ -435,16 +463,30 @@ mod tests {
     fn budgets_that_cannot_fit_are_errors_naming_the_worker() {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
-        let w = [WorkerSpec { address: "http://w0".into(), budget: 1000, kv_dtype: "f32".into() }];
+        let w = [WorkerSpec {
+            address: "http://w0".into(),
+            budget: 1000,
+            kv_dtype: "f32".into(),
+            in_place: false,
+        }];
         let e = plan(&m, &w, &opts(None)).unwrap_err().to_string();
         assert!(e.contains("http://w0") && e.contains("cannot hold"), "{e}");
-        let big =
-            [WorkerSpec { address: "http://w0".into(), budget: 1 << 40, kv_dtype: "f32".into() }];
+        let big = [WorkerSpec {
+            address: "http://w0".into(),
+            budget: 1 << 40,
+            kv_dtype: "f32".into(),
+            in_place: false,
+        }];
         assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
         let tight = usage(&m, &streaming_plan(0..8)).total();
         let e = plan(
             &m,
-            &[WorkerSpec { address: "http://w0".into(), budget: tight, kv_dtype: "f32".into() }],
+            &[WorkerSpec {
+                address: "http://w0".into(),
+                budget: tight,
+                kv_dtype: "f32".into(),
+                in_place: false,
+            }],
             &opts(Some(8)),
         )
         .unwrap_err()
@@ -470,7 +512,9 @@ mod tests {
     fn the_kv_capacity_shrinks_to_what_the_budget_holds() {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
-        let w = |budget| [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into() }];
+        let w = |budget| {
+            [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false }]
+        };
         let context = m.config.max_position_embeddings.min(DEFAULT_KV_CAPACITY);
         assert_eq!(kv_capacity_that_fits(&m, &w(1 << 40), &opts(None), None), context);
         assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), Some(333)), 333);
@@ -486,5 +530,25 @@ mod tests {
             plan(&m, &w(at(512)), &PlanOptions { kv_capacity: c, ..opts(None) }).unwrap();
         }
         assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), None), MIN_KV_CAPACITY);
+    }
+
+    /// A CPU worker computes streamed layers in the loader's slots: its plan does not count
+    /// streaming buffers, so a budget that holds everything else is enough there and not on a GPU.
+    #[test]
+    fn in_place_workers_need_no_streaming_buffers() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let gpu = |budget| {
+            [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false }]
+        };
+        let full = plan(&m, &gpu(1 << 40), &opts(Some(0))).unwrap()[0].bytes_needed;
+        let first = &plan(&m, &gpu(1 << 40), &opts(Some(0))).unwrap()[0];
+        let buffers = usage(&m, first).streaming;
+        assert!(buffers > 0);
+        let tight = full - buffers;
+        assert!(plan(&m, &gpu(tight), &opts(Some(0))).is_err());
+        let cpu = [WorkerSpec { in_place: true, ..gpu(tight)[0].clone() }];
+        let p = plan(&m, &cpu, &opts(Some(0))).unwrap();
+        assert_eq!(p[0].bytes_needed, tight);
     }
 }

@@ -124,6 +124,7 @@ async fn register(
                 address: addr.clone(),
                 budget: info.memory_budget,
                 kv_dtype: args.plan.kv.dtype_for(&info.device),
+                in_place: layerstream_model::plan::streams_in_place(&info.device),
             },
             device: info.device,
             host_id: info.host_id,

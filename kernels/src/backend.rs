@@ -5,6 +5,7 @@ use crate::error::Result;
 use crate::kv::{KvLayout, KvSeq};
 use crate::rope::RopeTable;
 use layerstream_types::DType;
+use std::sync::Arc;
 
 /// Attention geometry of a layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -97,6 +98,11 @@ pub struct RowPick<'a> {
 }
 
 /// A compute device.
+/// Bytes someone else owns and keeps unchanged while this value lives (`Backend::map_blob`).
+pub trait MappedBytes: Send + Sync + std::fmt::Debug {
+    fn bytes(&self) -> &[u8];
+}
+
 pub trait Backend: Send + Sync + Clone {
     /// Row-major f32 activations `[rows, cols]` on the device.
     type Tensor: Send;
@@ -131,6 +137,17 @@ pub trait Backend: Send + Sync + Clone {
     /// of the reusable streaming buffers (`stream_buffers`) rather than a new allocation. Returns the
     /// blob and, where the device times it, the transfer's own milliseconds.
     fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Self::Blob, Option<f64>)>;
+    /// A whole file the device computes from where it lies — host memory another owner maps and
+    /// keeps unchanged until `bytes` drops (a loader slot, pinned) — instead of a copy: the CPU
+    /// does, so a streamed layer costs no second copy and no second memory. None: the device must
+    /// copy (`upload_blob`).
+    fn map_blob(&self, _bytes: Arc<dyn MappedBytes>) -> Option<Self::Blob> {
+        None
+    }
+    /// Whether `map_blob` maps (the device computes from host memory).
+    fn maps_host(&self) -> bool {
+        false
+    }
     /// A weight stored at `range` of `blob` (no copy where the device allows).
     fn weight_in(
         &self,

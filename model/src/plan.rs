@@ -152,6 +152,22 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
     Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
 }
 
+/// Whether a worker on `device` computes streamed layers where the loader put them (the CPU: its
+/// weights point into the pinned shm slot), so its streaming buffers take no memory of its own.
+pub fn streams_in_place(device: &str) -> bool {
+    device == "cpu"
+}
+
+/// `usage` on a worker that streams in place (`streams_in_place`) or not: one rule for the planner
+/// and for the worker that checks an assignment against its budget.
+pub fn usage_with(m: &Manifest, a: &Assignment, in_place: bool) -> Usage {
+    let mut u = usage(m, a);
+    if in_place {
+        u.streaming = 0;
+    }
+    u
+}
+
 /// Every expert of `a`'s mixture-of-experts layers: (count, total bytes, largest file's bytes).
 pub fn range_experts(m: &Manifest, a: &Assignment) -> (usize, u64, u64) {
     let sizes: Vec<u64> = a

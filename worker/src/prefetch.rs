@@ -41,6 +41,15 @@ impl<B: Backend> LayerSource<B> {
     ) -> Result<(LayerWeights<B>, u64, Option<f64>)> {
         let b = &self.backend;
         let name = layer_file(layer as usize);
+        if streamed && b.maps_host() {
+            // Computed where the loader put it: the slot stays pinned while the weights live.
+            let (entry, pinned) = link.pin_file(layer, &self.store.manifest, &name, span)?;
+            let pinned: Arc<dyn layerstream_kernels::MappedBytes> = Arc::new(pinned);
+            if let Some(blob) = b.map_blob(pinned.clone()) {
+                let w = LayerWeights::from_blob(b, &self.cfg, &entry, &blob, pinned.bytes())?;
+                return Ok((w, entry.size, None));
+            }
+        }
         let (w, ms, size) =
             link.with_file(layer, &self.store.manifest, &name, span, |entry, region, bytes| {
                 if !streamed && self.store.verify {

@@ -1,5 +1,7 @@
 //! The worker's side of the loader: acquire a layer's shm slot, hand its bytes to the copy, release
-//! the slot. Slot mappings are opened once and reused (and registered with the device once).
+//! the slot — or, for a device that computes from host memory (the CPU), keep the slot pinned for
+//! as long as the layer's weights live (`pin_file`: no second copy). Slot mappings are opened once
+//! and reused (and registered with the device once).
 
 use crate::error::{Error, Result};
 use layerstream_rpc::auth::Authed;
@@ -8,6 +10,7 @@ use layerstream_rpc::v1::{AcquireRequest, SetOrderRequest, SlotRelease};
 use layerstream_shm::ShmRegion;
 use layerstream_telemetry::traced_request;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// A connection to the loader daemon plus the slot regions mapped so far.
 pub struct LoaderLink {
@@ -15,7 +18,8 @@ pub struct LoaderLink {
     worker: String,
     /// The order last declared, sent again to a loader that no longer knows it (restarted).
     order: Vec<u32>,
-    regions: HashMap<String, ShmRegion>,
+    /// Shared with the pinned files computed from in place, which keep their mapping alive.
+    regions: HashMap<String, Arc<ShmRegion>>,
     rt: tokio::runtime::Handle,
 }
 
@@ -67,6 +71,46 @@ impl LoaderLink {
         span: &tracing::Span,
         use_slot: impl FnOnce(&[u8], usize) -> Result<R>,
     ) -> Result<R> {
+        let (region, len) = self.acquire(layer, span)?;
+        let out = use_slot(region.bytes(), len);
+        let rel = SlotRelease { worker: self.worker.clone(), layer };
+        let mut c = self.client.clone();
+        self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
+        out
+    }
+
+    /// Acquires file `name` (unit `unit`) and keeps its slot pinned until the returned value drops
+    /// (its release then goes to the loader in the background): a device that computes from host
+    /// memory reads the layer where the loader put it. The length is checked against the manifest.
+    pub fn pin_file(
+        &mut self,
+        unit: u32,
+        manifest: &layerstream_model::Manifest,
+        name: &str,
+        span: &tracing::Span,
+    ) -> Result<(layerstream_model::FileEntry, PinnedFile)> {
+        let entry = manifest
+            .file(name)
+            .ok_or_else(|| Error::Weights(format!("no {name} in the manifest")))?
+            .clone();
+        let (region, len) = self.acquire(unit, span)?;
+        let pinned = PinnedFile {
+            region,
+            len,
+            release: Some((self.client.clone(), self.worker.clone(), unit, self.rt.clone())),
+        };
+        if len as u64 != entry.size {
+            return Err(Error::Weights(format!(
+                "{name}: loader delivered {len} bytes, manifest says {}",
+                entry.size
+            )));
+        }
+        Ok((entry, pinned))
+    }
+
+    /// Acquires layer `layer`'s slot (pinned until released) and maps it once: the mapping and the
+    /// layer's length.
+    fn acquire(&mut self, layer: u32, span: &tracing::Span) -> Result<(Arc<ShmRegion>, usize)> {
         let mut c = self.client.clone();
         let req = traced_request(
             span,
@@ -81,21 +125,20 @@ impl LoaderLink {
         if !self.regions.contains_key(&a.shm_name) {
             let r = ShmRegion::open_readonly(&a.shm_name)
                 .map_err(|e| Error::Stage(format!("mapping /dev/shm/{}: {e}", a.shm_name)))?;
-            self.regions.insert(a.shm_name.clone(), r);
+            self.regions.insert(a.shm_name.clone(), Arc::new(r));
         }
-        let region = self.regions[&a.shm_name].bytes();
+        let region = self.regions[&a.shm_name].clone();
         let len = a.len as usize;
         if len > region.len() {
+            let rel = SlotRelease { worker: self.worker.clone(), layer };
+            let _ = self.rt.block_on(c.release(rel));
             return Err(Error::Stage(format!(
                 "loader slot {} holds {} bytes, layer {layer} claims {len}",
                 a.shm_name,
                 region.len()
             )));
         }
-        let out = use_slot(region, len);
-        let rel = SlotRelease { worker: self.worker.clone(), layer };
-        self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
-        out
+        Ok((region, len))
     }
 
     /// `with_slot` for unit `unit` whose store file is `name`: the manifest entry is looked up and
@@ -125,6 +168,39 @@ impl LoaderLink {
 
     /// Every slot mapping opened so far.
     pub fn regions(&self) -> impl Iterator<Item = &[u8]> {
-        self.regions.values().map(ShmRegion::bytes)
+        self.regions.values().map(|r| r.bytes())
+    }
+}
+
+/// A layer file in a loader slot kept pinned while this lives: its mapping stays (shared with the
+/// link), the loader never rewrites the slot, and dropping it releases the pin in the background.
+pub struct PinnedFile {
+    region: Arc<ShmRegion>,
+    len: usize,
+    release: Option<(LoaderClient<Authed>, String, u32, tokio::runtime::Handle)>,
+}
+
+impl std::fmt::Debug for PinnedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedFile({}, {} bytes)", self.region.name, self.len)
+    }
+}
+
+impl layerstream_kernels::MappedBytes for PinnedFile {
+    fn bytes(&self) -> &[u8] {
+        &self.region.bytes()[..self.len]
+    }
+}
+
+impl Drop for PinnedFile {
+    fn drop(&mut self) {
+        if let Some((mut c, worker, layer, rt)) = self.release.take() {
+            // Not block_on: the last holder may drop it on a runtime thread.
+            rt.spawn(async move {
+                if let Err(e) = c.release(SlotRelease { worker, layer }).await {
+                    tracing::warn!(layer, error = %e, "releasing a pinned loader slot");
+                }
+            });
+        }
     }
 }

@@ -104,11 +104,9 @@ impl CpuWeight {
     }
 }
 
-/// The CPU device. Clones share its streaming buffers.
+/// The CPU device (it computes streamed layers where the loader put them: `map_blob`).
 #[derive(Debug, Clone, Default)]
-pub struct CpuBackend {
-    pool: Arc<pool::Pool>,
-}
+pub struct CpuBackend {}
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
@@ -126,12 +124,23 @@ impl Backend for CpuBackend {
     }
 
     fn upload_blob(&self, bytes: &[u8], streamed: bool) -> Result<(Arc<CpuBlob>, Option<f64>)> {
-        let blob = if streamed { self.pool.lend(bytes) } else { CpuBlob::owned(bytes) };
+        // A streamed layer is mapped in place (`map_blob`); a copy asked for is an owned one.
+        let _ = streamed;
+        let blob = CpuBlob::owned(bytes);
         Ok((Arc::new(blob), None))
     }
 
-    fn stream_buffers(&self, count: usize, bytes: usize) -> Result<()> {
-        self.pool.fill(count, bytes);
+    fn map_blob(&self, bytes: Arc<dyn crate::MappedBytes>) -> Option<Arc<CpuBlob>> {
+        Some(Arc::new(CpuBlob::mapped(bytes)))
+    }
+
+    fn maps_host(&self) -> bool {
+        true
+    }
+
+    fn stream_buffers(&self, _count: usize, _bytes: usize) -> Result<()> {
+        // Streamed layers are computed where the loader put them (`map_blob`): no buffers to
+        // allocate. (A streamed copy, should one be asked for, takes a fresh allocation.)
         Ok(())
     }
 
