@@ -292,7 +292,7 @@ fn one_peer_cannot_lock_out_the_others() {
 
 /// Two API keys in a 0600 file (`--api-key-file`): neither appears on any process's command line;
 /// each key is served, no key is refused; each key is a tenant of the prefix cache, and
-/// `cache_salt` narrows it further — a prompt cached under one is not found (nor timed) under
+/// `cache_salt` narrows it further — a prompt cached under one is not found under
 /// another, and is under the same.
 #[test]
 fn keys_stay_off_command_lines_and_tenants_do_not_share_prefixes() {

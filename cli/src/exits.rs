@@ -1,6 +1,7 @@
 //! How a child process ended, in words a user can act on: its exit code or the signal that killed
-//! it, and for SIGKILL under a memory limit, the memory cgroup's limit and peak (the kernel's OOM
-//! killer sends SIGKILL and says nothing else). Never a bare "(None)".
+//! it, and for SIGKILL under a memory limit, the memory cgroup's limit and peak as the memory
+//! ledger reads them (the kernel's OOM killer sends SIGKILL and says nothing else). Never a bare
+//! "(None)".
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -52,31 +53,11 @@ fn signal_name(sig: i32) -> &'static str {
     }
 }
 
-/// This process's memory cgroup limit and peak usage: v2 (`memory.max`, `memory.peak`) or v1
-/// (`memory.limit_in_bytes`, `memory.max_usage_in_bytes`); None without a finite limit.
+/// This process's memory cgroup limit and peak usage (its usage now where the kernel keeps no
+/// peak), as the memory ledger reads them; None without a finite limit.
 fn memory_cgroup() -> Option<(u64, u64)> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let read = |dir: &str, file: &str| -> Option<u64> {
-            std::fs::read_to_string(format!("{dir}{path}/{file}")).ok()?.trim().parse().ok()
-        };
-        let found = if controllers.is_empty() {
-            let dir = "/sys/fs/cgroup";
-            read(dir, "memory.max").zip(read(dir, "memory.peak").or(read(dir, "memory.current")))
-        } else if controllers.split(',').any(|c| c == "memory") {
-            let dir = "/sys/fs/cgroup/memory";
-            read(dir, "memory.limit_in_bytes").zip(read(dir, "memory.max_usage_in_bytes"))
-        } else {
-            None
-        };
-        // v1 writes "no limit" as a number near 2^63.
-        if let Some((limit, peak)) = found.filter(|(l, _)| *l < 1 << 60) {
-            return Some((limit, peak));
-        }
-    }
-    None
+    let c = layerstream_model::mem::Ledger::read().cgroup?;
+    Some((c.limit, c.peak.unwrap_or(c.usage)))
 }
 
 #[cfg(test)]

@@ -18,11 +18,13 @@ pub struct Ledger {
     pub shm_free: Option<u64>,
 }
 
-/// One memory cgroup level's limit and usage.
+/// One memory cgroup level's limit, usage (its working set) and, where the kernel keeps it, the
+/// peak usage since the cgroup was made (what an OOM report names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cgroup {
     pub limit: u64,
     pub usage: u64,
+    pub peak: Option<u64>,
 }
 
 impl Ledger {
@@ -71,9 +73,9 @@ impl Ledger {
 
 /// The tightest finite memory limit on the cgroup path of `proc_self_cgroup` (the text of
 /// /proc/self/cgroup) under `root` (normally /sys/fs/cgroup), from the process's cgroup up to the
-/// root: v2 (`0::/path`, `memory.max` "max" or bytes, `memory.current`) or v1 (`N:…memory…:/path`
-/// under `root/memory`, `memory.limit_in_bytes`, where "no limit" is a number near 2^63, and
-/// `memory.usage_in_bytes`). The tightest level is the one with the least room.
+/// root: v2 (`0::/path`, `memory.max` "max" or bytes, `memory.current`, `memory.peak`) or v1
+/// (`N:…memory…:/path` under `root/memory`, `memory.limit_in_bytes`, where "no limit" is a number
+/// near 2^63, `memory.usage_in_bytes`, `memory.max_usage_in_bytes`). The tightest level is the one with the least room.
 pub fn cgroup_headroom(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
     let mut best: Option<Cgroup> = None;
     for line in proc_self_cgroup.lines() {
@@ -83,9 +85,12 @@ pub fn cgroup_headroom(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
             continue;
         };
         let (dir, files) = if controllers.is_empty() {
-            (root.to_path_buf(), ("memory.max", "memory.current"))
+            (root.to_path_buf(), ("memory.max", "memory.current", "memory.peak"))
         } else if controllers.split(',').any(|c| c == "memory") {
-            (root.join("memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+            (
+                root.join("memory"),
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
+            )
         } else {
             continue;
         };
@@ -110,7 +115,7 @@ pub fn cgroup_headroom(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
 /// set, as the kubelet counts it: the page cache the kernel can drop at once (`inactive_file` in
 /// `memory.stat`, v1 `total_inactive_file`) is not in use — a file read before, even by another
 /// program in the same cgroup, must not make the stack think it has no room.
-fn read_level(dir: &Path, (limit, usage): (&str, &str)) -> Option<Cgroup> {
+fn read_level(dir: &Path, (limit, usage, peak): (&str, &str, &str)) -> Option<Cgroup> {
     let text = std::fs::read_to_string(dir.join(limit)).ok()?;
     let limit: u64 = text.trim().parse().ok()?; // "max" does not parse: no limit
     if limit >= 1 << 60 {
@@ -124,7 +129,8 @@ fn read_level(dir: &Path, (limit, usage): (&str, &str)) -> Option<Cgroup> {
         .find(|(k, _)| *k == "total_inactive_file" || *k == "inactive_file")
         .and_then(|(_, v)| v.trim().parse::<u64>().ok())
         .unwrap_or(0);
-    Some(Cgroup { limit, usage: usage.saturating_sub(inactive) })
+    let peak = std::fs::read_to_string(dir.join(peak)).ok().and_then(|t| t.trim().parse().ok());
+    Some(Cgroup { limit, usage: usage.saturating_sub(inactive), peak })
 }
 
 /// What the stack may use (`Ledger::read().usable()`).
@@ -191,7 +197,11 @@ mod tests {
         write(r, "pod", &[("memory.max", "4294967296\n"), ("memory.current", "1073741824\n")]);
         write(r, "pod/ctr", &[("memory.max", "max\n"), ("memory.current", "536870912\n")]);
         let c = cgroup_headroom("0::/pod/ctr\n", r).unwrap();
-        assert_eq!(c, Cgroup { limit: 4 << 30, usage: 1 << 30 }, "the pod's limit binds");
+        assert_eq!(
+            c,
+            Cgroup { limit: 4 << 30, usage: 1 << 30, peak: None },
+            "the pod's limit binds"
+        );
         // A tighter child wins.
         write(r, "pod/ctr", &[("memory.max", "1610612736\n"), ("memory.current", "536870912\n")]);
         let c = cgroup_headroom("0::/pod/ctr\n", r).unwrap();
@@ -218,10 +228,14 @@ mod tests {
                 ("memory.usage_in_bytes", "1178599424\n"),
                 // 1 GiB of it is page cache the kernel can drop: not in use.
                 ("memory.stat", "cache 1073741824\ntotal_inactive_file 1073741824\n"),
+                ("memory.max_usage_in_bytes", "3145728000\n"),
             ],
         );
         let cg = "9:name=systemd:/\n4:memory:/box\n3:cpuset:/\n0::/\n";
-        assert_eq!(cgroup_headroom(cg, r), Some(Cgroup { limit: 3584 << 20, usage: 100 << 20 }));
+        assert_eq!(
+            cgroup_headroom(cg, r),
+            Some(Cgroup { limit: 3584 << 20, usage: 100 << 20, peak: Some(3000 << 20) })
+        );
         assert_eq!(cgroup_headroom("4:cpu,memory:/\n", r), None);
         assert_eq!(cgroup_headroom("garbage", r), None);
         let l =
