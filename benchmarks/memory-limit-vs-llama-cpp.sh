@@ -7,7 +7,12 @@
 #   - llama.cpp: `llama-bench --repack 0 -lm mmap` (mmap, as it runs past RAM), and
 #     `llama-batched-bench` with 8 parallel sequences;
 #   - the disk's O_DIRECT GB/s over the store's layer files, and each run's tokens/s ÷ the
-#     disk-bound ideal (disk GB/s ÷ the bytes of one pass over every layer and the head).
+#     disk-bound ideal (disk GB/s ÷ the bytes of one pass over every layer and the head);
+#   - `layerstream plan --json` in the same cgroup first: the cost model's predicted tokens/s at
+#     batch 1 and 8 beside the measured ones, and layerstream's own disk-bound ideal (disk GB/s ÷
+#     the bytes its plan reads from disk per pass).
+# Batch 8 for layerstream: Σ of the 8 requests' decode tokens/s (they decode in the same passes),
+# comparable with llama-batched-bench's S_TG; the wall figure (prefill included) beside it.
 # Needs root (cgroups, drop_caches). Prints a markdown table; commit it under benchmarks/.
 #
 #   benchmarks/memory-limit-vs-llama-cpp.sh                 # limits 3584 and 2560 MiB, 8 tokens
@@ -57,22 +62,36 @@ ideal=$(echo "$disk * 1000000000 / $pass_bytes" | bc -l)
 printf 'disk (O_DIRECT, layer files): %.2f GB/s; one pass over every layer and the head: %.2f GB; disk-bound ideal %.3f tok/s\n\n' \
     "$disk" "$(echo "$pass_bytes / 1000000000" | bc -l)" "$ideal"
 
-echo "| limit | engine | batch | decode tok/s | ÷ ideal | peak GiB | note |"
-echo "|---|---|---|---|---|---|---|"
+echo "| limit | engine | batch | decode tok/s | predicted | ÷ ideal | peak GiB | note |"
+echo "|---|---|---|---|---|---|---|---|"
 for mib in $LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     # layerstream: one stack, one request then 8 at once.
+    fresh
+    in_cg "$BIN" plan --model "$store" --workers 1 --json > "$WORK/plan.json" 2> "$WORK/plan.err" || true
+    read -r p1 p8 own < <(python3 -c '
+import json,sys
+p=json.load(open(sys.argv[1])); t={x["rows"]: x["tokens_per_s"] for x in p["predicted"]}
+d=p["tiers"]["disk"]["bytes_per_pass"]; g=p["calibration"]["disk_gbps"]
+print(f"{t[1]:.3f} {t[8]:.3f}", f"{g*1e9/d:.3f}" if d else "inf")' "$WORK/plan.json" 2>/dev/null || echo "? ? ?")
     fresh
     port=$((20000 + RANDOM % 20000))
     in_cg "$BIN" up --model "$store" --workers 1 --listen 127.0.0.1:$port --http-listen off > "$WORK/up.out" 2> "$WORK/up.err" &
     up=$!
     for _ in $(seq 600); do grep -q LISTENING "$WORK/up.out" 2>/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 0.5; done
     if ! grep -q LISTENING "$WORK/up.out" 2>/dev/null; then
-        echo "| $mib MiB | layerstream | 1 | — | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
+        echo "| $mib MiB | layerstream | 1 | — | $p1 | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
     else
         one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
         tps=$(echo "$one" | python3 -c 'import json,sys; print(json.load(sys.stdin)["stats"]["decode_tokens_per_s"])')
-        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1) |"
+        placed=$(python3 - "$WORK/plan.json" <<'PY' 2>/dev/null || echo "plan: see plan.err"
+import json, sys
+p = json.load(open(sys.argv[1])); w = p["workers"][0]; t = p["tiers"]
+print(f'{len(w["resident"])} resident, RAM tier {t["ram"]["layers"]}, disk {t["disk"]["layers"]} layers a pass; KV {w["kv_capacity"]} {w["kv_dtype"]}')
+PY
+)
+        vs_own=$(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$tps" "$own" 2>/dev/null || echo "?")
+        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed |"
         t0=$(date +%s.%N)
         pids=()
         for i in $(seq 8); do
@@ -82,8 +101,9 @@ for mib in $LIMITS; do
         wait "${pids[@]}" || true
         t1=$(date +%s.%N)
         toks=$(cat "$WORK"/b8-*.json | grep '^{' | python3 -c 'import json,sys; print(sum(len(json.loads(l)["output_ids"]) for l in sys.stdin))')
+        dec8=$(cat "$WORK"/b8-*.json | grep '^{' | python3 -c 'import json,sys; print(sum(json.loads(l)["stats"]["decode_tokens_per_s"] for l in sys.stdin))')
         tps8=$(echo "$toks / ($t1 - $t0)" | bc -l)
-        echo "| $mib MiB | layerstream | 8 | $(printf %.3f "$tps8") (wall, prefill included) | $(printf %.2f "$(echo "$tps8 / $ideal" | bc -l)") | $(peak_gib) | |"
+        echo "| $mib MiB | layerstream | 8 | $(printf %.3f "$dec8") (Σ decode; wall $(printf %.3f "$tps8") with prefill) | $p8 | $(printf %.2f "$(echo "$dec8 / $ideal" | bc -l)") | $(peak_gib) | |"
     fi
     kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
     # Nothing of it may stay in the cgroup (or hold memory) while llama.cpp runs.
@@ -92,15 +112,15 @@ for mib in $LIMITS; do
     fresh
     if out=$(in_cg "$bench" -m "$gguf" -p 0 -n "$GEN" -r 1 -t "$(nproc)" --repack 0 -lm mmap -o json 2>"$WORK/llama.err"); then
         tps=$(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)[-1]["avg_ts"])')
-        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -lm mmap |"
+        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -lm mmap |"
     else
-        echo "| $mib MiB | llama.cpp | 1 | — | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
+        echo "| $mib MiB | llama.cpp | 1 | — | | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
     fi
     fresh
     if out=$(in_cg "$batched" -m "$gguf" -c 2048 -npp 8 -ntg "$GEN" -npl 8 -t "$(nproc)" --no-repack -lm mmap 2>"$WORK/llama8.err"); then
         tps=$(echo "$out" | grep '^|' | tail -1 | awk -F'|' '{print $(NF-3)}' | tr -d ' ')
-        echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
+        echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
     else
-        echo "| $mib MiB | llama.cpp | 8 | — | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
+        echo "| $mib MiB | llama.cpp | 8 | — | | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
     fi
 done

@@ -102,15 +102,27 @@ fn a_model_larger_than_the_memory_limit_runs_with_no_size_flags() {
     assert_eq!(v["output_ids"].as_array().map(Vec::len), Some(4), "{v}");
     assert!(v["stats"]["bytes_streamed"].as_u64().unwrap_or(0) > 0, "layers were streamed: {v}");
     assert!(!cg.oom_killed(), "the OOM killer acted");
-    // `plan` in the same limit says so before anything starts: layers streamed, most read from
-    // disk each pass, the disk measured, a disk-bound prediction.
+    assert!(err.contains("predicted") && err.contains("batch 8:"), "up logs its prediction: {err}");
+    // `plan` in the same limit says so before anything starts: layers streamed, some read from
+    // disk each pass, the calibration (disk, a layer's compute at 1, 8 and 64 rows), a prediction
+    // per batch size that grows with the batch, and the KV cache halved past memory.
     let out = cg.command(&["plan", "--model", s, "--workers", "1", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let p = last_json(&String::from_utf8_lossy(&out.stdout));
     assert!(p["tiers"]["disk"]["layers"].as_u64().unwrap() > 0, "{p}");
-    assert!(p["disk"]["gbps"].as_f64().unwrap() > 0.0, "{p}");
-    assert!(p["predicted"]["tokens_per_s"]["1"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["calibration"]["disk_gbps"].as_f64().unwrap() > 0.0, "{p}");
+    assert_eq!(p["calibration"]["cached"], true, "up calibrated this host and store: {p}");
+    let rows: Vec<u64> = p["calibration"]["layer_s"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x[0].as_u64().unwrap())
+        .collect();
+    assert_eq!(rows, [1, 8, 64], "{p}");
+    let tps = |i: usize| p["predicted"][i]["tokens_per_s"].as_f64().unwrap();
+    assert!(tps(0) > 0.0 && tps(2) > tps(0), "{p}");
     assert!(p["kv_capacity"].as_u64().unwrap() >= 256, "{p}");
+    assert_eq!(p["workers"][0]["kv_dtype"], "f32", "--exact keeps an f32 cache: {p}");
     drop(cg);
     // 160 MiB cannot hold even a streaming plan: refused before anything loads, naming the parts.
     let cg =

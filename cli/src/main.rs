@@ -10,6 +10,7 @@ mod bench_matvec;
 mod bench_pipeline;
 mod bench_spec;
 mod bench_spec_cost;
+mod calibration;
 mod exits;
 mod fetch;
 mod fit;

@@ -1,14 +1,14 @@
 //! `layerstream plan --model STORE [up's flags]`: what `up` would place where on this machine,
 //! before anything starts — the memory ledger and each part's share, each worker's layers (resident
-//! on its device, or streamed), the KV capacity, the three tiers a pass reads from (device, the
-//! loader's RAM tier, the disk) with their bytes, the store's disk measured (O_DIRECT GB/s and
-//! latency), and the disk-bound pass time and tokens/s at batch 1, 8 and 64. `--json` prints it as
-//! one JSON object. Compute per layer is not measured yet: the figures are upper bounds where the
-//! disk is the limit.
+//! on its device, or streamed), the KV capacity, where each layer of a pass comes from (the device,
+//! the loader's RAM tier, the disk: the slot pool's own decisions replayed) with their bytes, the
+//! calibration (`calibration.rs`: disk, link, compute per layer) and the cost model's predicted
+//! pass time and tokens/s at batch 1, 8 and 64 with what bounds each. `--json` prints it as one
+//! JSON object; `up` logs the same prediction.
 
 use anyhow::{bail, Result};
-use layerstream_model::layout::layer_file;
-use layerstream_model::plan::layer_bytes;
+use layerstream_coordinator::cost::{predict, Figures, Prediction, Source};
+use layerstream_model::plan::{layer_bytes, Assignment};
 use serde_json::json;
 
 /// Layers a pass reads from each tier, and their bytes.
@@ -19,25 +19,68 @@ pub struct Tiers {
     pub disk: (usize, u64),
 }
 
-/// Where each layer of a pass comes from: resident layers from the device; of the `streamed`
-/// ones (each `bytes`), the loader's `slots` keep all when they hold them, else — the layers
-/// cycle, and the pool evicts the one needed furthest ahead — `slots - 1` stay from pass to pass
-/// and the rest are read from disk each pass.
-pub fn tiers(resident: (usize, u64), streamed: &[u64], slots: usize) -> Tiers {
-    let n = streamed.len();
-    let kept = if slots >= n { n } else { slots.saturating_sub(1) };
-    let (ram, disk) = streamed.split_at(kept.min(n));
-    Tiers {
-        device: resident,
-        ram: (ram.len(), ram.iter().sum()),
-        disk: (disk.len(), disk.iter().sum()),
+/// Sums layers by source.
+pub fn tiers(layers: &[(Source, u64)]) -> Tiers {
+    let mut t = Tiers::default();
+    for &(s, b) in layers {
+        let e = match s {
+            Source::Device => &mut t.device,
+            Source::Ram => &mut t.ram,
+            Source::Disk => &mut t.disk,
+        };
+        *e = (e.0 + 1, e.1 + b);
     }
+    t
 }
 
-pub fn run(a: crate::up::UpArgs) -> Result<()> {
-    let model = crate::run::model_dir(&a.model)?;
-    let store = layerstream_model::Store::open(&model)?;
-    let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
+/// Where each layer of a pass comes from (in pass order): resident layers from the device; the
+/// streamed ones (every worker's, in turn) from the loader's slots or, where the pool
+/// (`disk_reads_per_pass`: `slots` slots, `depth` read ahead) reads them again each pass, the disk.
+pub fn sources(
+    m: &layerstream_model::Manifest,
+    plans: &[Assignment],
+    slots: usize,
+    depth: usize,
+) -> Vec<(Source, u64)> {
+    let order: Vec<u32> = plans
+        .iter()
+        .flat_map(|p| (p.layer_start..p.layer_end).filter(|l| !p.resident.contains(l)))
+        .collect();
+    let disk = layerstream_loader::disk_reads_per_pass(&order, slots, depth);
+    plans
+        .iter()
+        .flat_map(|p| p.layer_start..p.layer_end)
+        .map(|l| {
+            let s = if plans.iter().any(|p| p.resident.contains(&l)) {
+                Source::Device
+            } else if disk.contains(&l) {
+                Source::Disk
+            } else {
+                Source::Ram
+            };
+            (s, layer_bytes(m, l))
+        })
+        .collect()
+}
+
+/// What `up` would do, and what it would deliver.
+pub struct Placement {
+    pub plans: Vec<Assignment>,
+    pub kv_capacity: usize,
+    pub budget: u64,
+    pub layers: Vec<(Source, u64)>,
+    pub figures: Figures,
+    pub cached: bool,
+    pub predicted: Vec<Prediction>,
+}
+
+/// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts batch 1, 8
+/// and 64.
+pub fn placement(
+    a: &crate::up::UpArgs,
+    store: &layerstream_model::Store,
+    shares: &crate::fit::Shares,
+) -> Result<Placement> {
     let budget = match (shares.worker_budget, a.device.memory_budget) {
         (Some(b), _) | (None, Some(b)) => b,
         (None, None) => {
@@ -46,56 +89,93 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
     };
     let budgets = vec![budget; a.workers.max(1)];
     let m = &store.manifest;
-    let (plans, kv_capacity) =
-        layerstream_coordinator::plan_for(m, &budgets, &a.device.device, &a.plan)?;
-    let mut streamed = Vec::new();
-    let mut resident = (0usize, 0u64);
-    for p in &plans {
-        for l in p.layer_start..p.layer_end {
-            if p.resident.contains(&l) {
-                resident = (resident.0 + 1, resident.1 + layer_bytes(m, l));
-            } else {
-                streamed.push(layer_bytes(m, l));
-            }
-        }
-    }
-    let t = tiers(resident, &streamed, shares.slots);
-    let files: Vec<_> = (0..m.config.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
-    let disk = layerstream_loader::measure_disk(&files, 1 << 30)?;
-    let pass_s = t.disk.1 as f64 / (disk.gbps * 1e9).max(1.0);
-    let tps = |b: f64| if pass_s > 0.0 { Some(b / pass_s) } else { None };
-    let workers: Vec<_> = plans
+    let (plans, kv_capacity) = layerstream_coordinator::plan_for(
+        m,
+        &budgets,
+        &a.device.device,
+        !layerstream_worker::int8_by_default(
+            &a.device.device,
+            a.device.int8_activations,
+            a.device.exact,
+        ),
+        &a.plan,
+    )?;
+    // The loader reads `depth` layers past the one a worker takes, which it takes while the one
+    // before computes: one more read in flight than the depth.
+    let depth = a.pool.prefetch_depth + 1;
+    let layers = sources(m, &plans, shares.slots, depth);
+    let (figures, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
+    let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
+    let predicted = crate::calibration::ROWS
         .iter()
+        .map(|&r| predict(&figures, &layers, r, depth, buffers))
+        .collect();
+    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted })
+}
+
+/// One line per batch size: tokens/s, pass time, what bounds it.
+pub fn describe_predictions(p: &[Prediction]) -> String {
+    p.iter()
         .map(|p| {
-            let u = layerstream_model::plan::usage(m, p);
-            json!({"layers": [p.layer_start, p.layer_end], "resident": p.resident,
-                "budget": budget, "needs": u.total(), "kv_capacity": p.kv_capacity,
-                "streaming_buffers": p.streaming_buffers, "expert_cache": p.expert_cache})
+            format!(
+                "batch {}: {:.2} tok/s (a pass {:.2} s: compute {:.2} s, disk {:.2} s, link {:.2} \
+                 s; bound by {})",
+                p.rows, p.tokens_per_s, p.pass_s, p.compute_s, p.disk_s, p.link_s, p.bound
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n  ")
+}
+
+pub fn run(a: crate::up::UpArgs) -> Result<()> {
+    let model = crate::run::model_dir(&a.model)?;
+    let store = layerstream_model::Store::open(&model)?;
+    let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
+    let p = placement(&a, &store, &shares)?;
+    let m = &store.manifest;
+    let t = tiers(&p.layers);
+    let workers: Vec<_> = p
+        .plans
+        .iter()
+        .map(|w| {
+            let u = layerstream_model::plan::usage(m, w);
+            json!({"layers": [w.layer_start, w.layer_end], "resident": w.resident,
+                "budget": p.budget, "needs": u.total(), "kv_capacity": w.kv_capacity,
+                "kv_dtype": w.kv_dtype, "streaming_buffers": w.streaming_buffers,
+                "expert_cache": w.expert_cache})
         })
         .collect();
+    let source = |s: Source| match s {
+        Source::Device => "device",
+        Source::Ram => "ram",
+        Source::Disk => "disk",
+    };
+    let f = &p.figures;
     let v = json!({
         "memory": {"usable": ledger.usable(), "summary": ledger.describe()},
-        "shares": {"slots": shares.slots, "slot_bytes": shares.slot_size, "worker_budget": budget,
+        "shares": {"slots": shares.slots, "slot_bytes": shares.slot_size, "worker_budget": p.budget,
             "kv_host_bytes": shares.kv_host_bytes, "margin": shares.margin},
         "workers": workers,
-        "kv_capacity": kv_capacity,
+        "kv_capacity": p.kv_capacity,
+        "layers": p.layers.iter().map(|&(s, _)| source(s)).collect::<Vec<_>>(),
         "tiers": {"device": {"layers": t.device.0, "bytes": t.device.1},
             "ram": {"layers": t.ram.0, "bytes_per_pass": t.ram.1},
             "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1}},
-        "disk": {"gbps": disk.gbps, "latency_ms": disk.latency_ms, "direct": disk.direct},
-        "predicted": {"pass_s": pass_s, "bound": if pass_s > 0.0 { "disk" } else { "memory/compute (not measured)" },
-            "tokens_per_s": {"1": tps(1.0), "8": tps(8.0), "64": tps(64.0)}},
+        "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
+            "disk_latency_ms": f.disk_latency_ms, "link_gbps": f.link_gbps,
+            "layer_s": f.layer_s, "head_s": f.head_s},
+        "predicted": p.predicted,
     });
     if a.json {
         println!("{v}");
         return Ok(());
     }
     let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
-    for (i, p) in plans.iter().enumerate() {
-        let k = p.resident.len();
-        let n = (p.layer_end - p.layer_start) as usize;
-        println!("worker {i}: layers {}..{}: {k} resident on its device, {} streamed; budget {}, KV capacity {} positions",
-            p.layer_start, p.layer_end, n - k, gb(budget), p.kv_capacity);
+    for (i, w) in p.plans.iter().enumerate() {
+        let k = w.resident.len();
+        let n = (w.layer_end - w.layer_start) as usize;
+        println!("worker {i}: layers {}..{}: {k} resident on its device, {} streamed; budget {}, KV capacity {} positions ({})",
+            w.layer_start, w.layer_end, n - k, gb(p.budget), w.kv_capacity, w.kv_dtype);
     }
     println!(
         "a pass reads: device {} layers ({}), RAM tier {} layers ({}), disk {} layers ({})",
@@ -106,16 +186,19 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
         t.disk.0,
         gb(t.disk.1)
     );
+    let ms = |v: &[(usize, f64)]| {
+        v.iter().map(|(r, s)| format!("{:.1} ms at {r}", s * 1e3)).collect::<Vec<_>>().join(", ")
+    };
     println!(
-        "disk: {:.2} GB/s{}, a 4 KiB read {:.2} ms",
-        disk.gbps,
-        if disk.direct { " (O_DIRECT)" } else { " (buffered)" },
-        disk.latency_ms
+        "calibration{}: disk {:.2} GB/s (a 4 KiB read {:.2} ms){}; a layer {}; the head {}",
+        if p.cached { " (cached; --recalibrate measures again)" } else { "" },
+        f.disk_gbps,
+        f.disk_latency_ms,
+        f.link_gbps.map_or(String::new(), |g| format!(", link {g:.1} GB/s")),
+        ms(&f.layer_s),
+        ms(&f.head_s)
     );
-    match (tps(1.0), tps(8.0), tps(64.0)) {
-        (Some(a), Some(b), Some(c)) => println!("predicted, disk-bound: a pass {pass_s:.2} s → at most {a:.2} tok/s at batch 1, {b:.2} at 8, {c:.1} at 64 (compute per layer not measured yet)"),
-        _ => println!("predicted: nothing read from disk per pass; the bound is memory or compute (not measured yet)"),
-    }
+    println!("predicted:\n  {}", describe_predictions(&p.predicted));
     Ok(())
 }
 
@@ -124,17 +207,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn streamed_layers_come_from_ram_while_the_slots_hold_them_then_from_disk() {
-        let layers = [10u64; 8];
-        assert_eq!(
-            tiers((2, 20), &layers, 8),
-            Tiers { device: (2, 20), ram: (8, 80), disk: (0, 0) }
-        );
-        assert_eq!(
-            tiers((0, 0), &layers, 5),
-            Tiers { device: (0, 0), ram: (4, 40), disk: (4, 40) }
-        );
-        assert_eq!(tiers((0, 0), &layers, 0).disk, (8, 80));
-        assert_eq!(tiers((3, 30), &[], 4).ram, (0, 0));
+    fn tiers_sum_each_source() {
+        let l = [(Source::Device, 5), (Source::Disk, 7), (Source::Ram, 3), (Source::Disk, 7)];
+        assert_eq!(tiers(&l), Tiers { device: (1, 5), ram: (1, 3), disk: (2, 14) });
+        assert_eq!(tiers(&[]), Tiers::default());
     }
 }

@@ -70,6 +70,10 @@ pub struct UpArgs {
     /// minute before dying starts a fresh count.
     #[arg(long, env = "LAYERSTREAM_MAX_RESTARTS", default_value_t = 5)]
     pub max_restarts: u32,
+    /// Measure the calibration again (disk, link, a layer's compute) instead of reading this host's
+    /// and store's cached figures.
+    #[arg(long, env = "LAYERSTREAM_RECALIBRATE")]
+    pub recalibrate: bool,
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
@@ -286,6 +290,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .to_string();
     let api_key = share_secrets(&a)?;
     let (_, shares) = memory_shares(&a, &store)?;
+    log_prediction(&a, &store, &shares);
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
@@ -379,6 +384,24 @@ pub(crate) fn memory_shares(
         .map_err(|e| anyhow::anyhow!("{e} ({})", ledger.describe()))?;
     eprintln!("layerstream up: {}", crate::fit::describe(&ledger, &shares, a.workers));
     Ok((ledger, shares))
+}
+
+/// Logs what the cost model predicts for this stack (`layerstream plan`'s figures; calibrated once
+/// per host and store). CPU workers only: calibrating a GPU here would hold a device context in
+/// this process for the stack's life (`layerstream plan` predicts for a GPU). A prediction that
+/// cannot be made is said and skipped: the coordinator's own plan decides whether the stack runs.
+fn log_prediction(a: &UpArgs, store: &layerstream_model::Store, shares: &crate::fit::Shares) {
+    if a.device.device != "cpu" {
+        return;
+    }
+    match crate::plan::placement(a, store, shares) {
+        Ok(p) => eprintln!(
+            "layerstream up: predicted{}:\n  {}",
+            if p.cached { "" } else { " (calibrated now)" },
+            crate::plan::describe_predictions(&p.predicted)
+        ),
+        Err(e) => eprintln!("layerstream up: no prediction: {e:#}"),
+    }
 }
 
 /// Submits `up`'s input to the coordinator at `addr` on its own thread.

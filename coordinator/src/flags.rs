@@ -47,7 +47,8 @@ pub struct PlanFlags {
 /// How the paged KV cache stores keys and values (`coordinator`, `up`, `run`).
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct KvFlags {
-    /// How the KV cache stores keys and values: `auto` (f16 on a GPU, f32 — exact — on the CPU),
+    /// How the KV cache stores keys and values: `auto` (f16 on a GPU, f32 — exact — on the CPU;
+    /// f16 on a CPU worker not under `--exact` whose budget cannot keep every layer resident),
     /// `f32`, `f16`, `bf16`, `q8_0` or `q4_0` (8/4-bit blocks of 32, dequantized inside attention).
     #[arg(long, env = "LAYERSTREAM_KV_DTYPE", default_value = "auto", value_parser = kv_dtype_flag)]
     pub kv_dtype: String,

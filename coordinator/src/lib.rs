@@ -2,6 +2,7 @@
 //! over the worker pipeline, and serves the public job API with per-job stats and traces.
 
 mod admit;
+pub mod cost;
 mod error;
 mod flags;
 mod formats;

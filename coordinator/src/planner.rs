@@ -17,6 +17,28 @@ pub struct WorkerSpec {
     /// It computes streamed layers where the loader put them (a CPU worker): its streaming buffers
     /// take no memory of its own.
     pub(crate) in_place: bool,
+    /// Its dtype came from `--kv-dtype auto` and may be halved past RAM (`auto_kv_dtypes`).
+    pub(crate) kv_auto: bool,
+}
+
+impl WorkerSpec {
+    /// A worker on `device` (`exact`: it keeps f32 activations) with `flags`' KV dtype.
+    pub(crate) fn new(
+        address: String,
+        budget: u64,
+        device: &str,
+        exact: bool,
+        kv: &crate::KvFlags,
+    ) -> Self {
+        let in_place = layerstream_model::plan::streams_in_place(device);
+        WorkerSpec {
+            address,
+            budget,
+            kv_dtype: kv.dtype_for(device),
+            in_place,
+            kv_auto: kv.kv_dtype == "auto" && in_place && !exact,
+        }
+    }
 }
 
 /// Planner options (from the coordinator's flags).
@@ -47,16 +69,14 @@ pub fn plan_for(
     m: &Manifest,
     budgets: &[u64],
     device: &str,
+    exact: bool,
     flags: &crate::PlanFlags,
 ) -> Result<(Vec<Assignment>, usize)> {
-    let workers: Vec<WorkerSpec> = budgets
+    let mut workers: Vec<WorkerSpec> = budgets
         .iter()
         .enumerate()
-        .map(|(i, &budget)| WorkerSpec {
-            address: format!("worker {i}"),
-            budget,
-            kv_dtype: flags.kv.dtype_for(device),
-            in_place: layerstream_model::plan::streams_in_place(device),
+        .map(|(i, &budget)| {
+            WorkerSpec::new(format!("worker {i}"), budget, device, exact, &flags.kv)
         })
         .collect();
     let mut o = PlanOptions {
@@ -70,18 +90,44 @@ pub fn plan_for(
         kv_block: flags.kv.kv_block,
         kv_host_blocks: 0,
     };
+    auto_kv_dtypes(m, &mut workers, &o);
     o.kv_capacity = kv_capacity_that_fits(m, &workers, &o, flags.kv_capacity);
     Ok((plan(m, &workers, &o)?, o.kv_capacity))
 }
 
+/// Whether a worker's budget cannot keep its whole range resident (`plans`: a plan with as many
+/// resident layers as fit; None: not even that plans) — the model streams past its memory.
+fn past_memory(plans: Option<&Vec<Assignment>>, i: usize) -> bool {
+    plans
+        .and_then(|p| p.get(i))
+        .is_none_or(|p| p.resident.len() < (p.layer_end - p.layer_start) as usize)
+}
+
+/// `--kv-dtype auto` on a CPU worker not under `--exact` is f32 (as transformers computes) while
+/// its budget keeps every layer of its range resident with the smallest KV cache; past that the KV
+/// cache takes bytes from resident layers — each one a layer more read per pass — and f16 halves it.
+pub fn auto_kv_dtypes(m: &Manifest, workers: &mut [WorkerSpec], o: &PlanOptions) {
+    let trial = PlanOptions { kv_capacity: MIN_KV_CAPACITY, resident_layers: None, ..o.clone() };
+    let plans = plan(m, workers, &trial).ok();
+    for (i, w) in workers.iter_mut().enumerate() {
+        if w.kv_auto && past_memory(plans.as_ref(), i) {
+            w.kv_dtype = "f16".into();
+        }
+    }
+}
+
 /// KV positions planned when `--kv-capacity` is not given and the budgets hold them.
 pub const DEFAULT_KV_CAPACITY: usize = 8192;
+/// Past memory, the KV cache's most: this fraction of a worker's budget.
+pub const PAST_MEMORY_KV_SHARE: u64 = 8;
 /// The fewest positions an automatic capacity goes down to (then the plan's own error says why).
 pub const MIN_KV_CAPACITY: usize = 256;
 
 /// The KV capacity to plan with: `flag` when given; else the model's context (at most
 /// `DEFAULT_KV_CAPACITY`), halved until every worker's budget holds a streaming plan with it (so
-/// a KV cache never makes a model that fits unplannable; resident layers then take what is left),
+/// a KV cache never makes a model that fits unplannable; resident layers then take what is left)
+/// and, on a worker that cannot keep all its layers resident, the cache takes at most
+/// `1 / PAST_MEMORY_KV_SHARE` of its budget (every byte more is read from disk on every pass),
 /// down to `MIN_KV_CAPACITY`. Whole KV blocks.
 pub fn kv_capacity_that_fits(
     m: &Manifest,
@@ -97,7 +143,15 @@ pub fn kv_capacity_that_fits(
     let mut c = whole(m.config.max_position_embeddings.clamp(MIN_KV_CAPACITY, DEFAULT_KV_CAPACITY));
     while c > MIN_KV_CAPACITY {
         let trial = PlanOptions { kv_capacity: c, resident_layers: Some(0), ..o.clone() };
-        if plan(m, workers, &trial).is_ok() {
+        let fitted = PlanOptions { kv_capacity: c, resident_layers: None, ..o.clone() };
+        let most = plan(m, workers, &fitted).ok();
+        let small_enough = |(i, w): (usize, &WorkerSpec)| {
+            let kv = most
+                .as_ref()
+                .map_or(u64::MAX, |p| layerstream_model::plan::usage_with(m, &p[i], w.in_place).kv);
+            !past_memory(most.as_ref(), i) || kv <= w.budget / PAST_MEMORY_KV_SHARE
+        };
+        if plan(m, workers, &trial).is_ok() && workers.iter().enumerate().all(small_enough) {
             return c;
         }
         c = whole(c / 2).max(MIN_KV_CAPACITY);
@@ -301,6 +355,17 @@ mod tests {
         assert_eq!(draft_bytes(&m, 1 << 20), u64::MAX);
     }
 
+    /// Worker "a" with f32 KV that copies streamed layers into buffers of its own (a GPU's way).
+    fn copying_worker(budget: u64) -> WorkerSpec {
+        WorkerSpec {
+            address: "a".into(),
+            budget,
+            kv_dtype: "f32".into(),
+            in_place: false,
+            kv_auto: false,
+        }
+    }
+
     fn streaming_plan(r: std::ops::Range<u32>) -> Assignment {
         Assignment {
             layer_start: r.start,
@@ -336,20 +401,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
         let ws = |b: u64| {
-            vec![
-                WorkerSpec {
-                    address: "a".into(),
-                    budget: b,
-                    kv_dtype: "f32".into(),
-                    in_place: false,
-                },
-                WorkerSpec {
-                    address: "b".into(),
-                    budget: b,
-                    kv_dtype: "f32".into(),
-                    in_place: false,
-                },
-            ]
+            vec![copying_worker(b), WorkerSpec { address: "b".into(), ..copying_worker(b) }]
         };
         let big = 1 << 40;
         let plain = plan(&m, &ws(big), &opts(None)).unwrap();
@@ -372,8 +424,8 @@ mod tests {
         for extra_layers in [0u64, 2, 5, 20] {
             let budget = usage(&m, &streaming_plan(0..4)).total() + extra_layers * layer;
             let w = [
-                WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false },
-                WorkerSpec { address: "b".into(), budget, kv_dtype: "f32".into(), in_place: false },
+                copying_worker(budget),
+                WorkerSpec { address: "b".into(), ..copying_worker(budget) },
             ];
             let plans = plan(&m, &w, &opts(None)).unwrap();
             assert_eq!(
@@ -410,20 +462,7 @@ mod tests {
             &dir.path().join("moe"),
         )
         .unwrap();
-        let one = |budget: u64| {
-            plan(
-                &m,
-                &[WorkerSpec {
-                    address: "a".into(),
-                    budget,
-                    kv_dtype: "f32".into(),
-                    in_place: false,
-                }],
-                &opts(None),
-            )
-            .unwrap()
-            .remove(0)
-        };
+        let one = |budget: u64| plan(&m, &[copying_worker(budget)], &opts(None)).unwrap().remove(0);
         let full = usage(&m, &Assignment { resident: vec![0, 1, 2, 3], ..streaming_plan(0..4) });
         let everything = full.total() + full.embed_head; // embed + head counted by the real plan
         assert_eq!(one(everything * 2).expert_cache, 0, "everything fits: every expert kept");
@@ -445,17 +484,7 @@ mod tests {
             last = p.expert_cache;
         }
         let forced = PlanOptions { expert_cache: Some(3), ..opts(None) };
-        let p = plan(
-            &m,
-            &[WorkerSpec {
-                address: "a".into(),
-                budget: 1 << 40,
-                kv_dtype: "f32".into(),
-                in_place: false,
-            }],
-            &forced,
-        )
-        .unwrap();
+        let p = plan(&m, &[copying_worker(1 << 40)], &forced).unwrap();
         assert_eq!(p[0].expert_cache, 3, "the flag wins");
     }
 
@@ -468,6 +497,7 @@ mod tests {
             budget: 1000,
             kv_dtype: "f32".into(),
             in_place: false,
+            kv_auto: false,
         }];
         let e = plan(&m, &w, &opts(None)).unwrap_err().to_string();
         assert!(e.contains("http://w0") && e.contains("cannot hold"), "{e}");
@@ -476,6 +506,7 @@ mod tests {
             budget: 1 << 40,
             kv_dtype: "f32".into(),
             in_place: false,
+            kv_auto: false,
         }];
         assert_eq!(plan(&m, &big, &opts(Some(3))).unwrap()[0].resident, vec![0, 2, 5]);
         let tight = usage(&m, &streaming_plan(0..8)).total();
@@ -486,6 +517,7 @@ mod tests {
                 budget: tight,
                 kv_dtype: "f32".into(),
                 in_place: false,
+                kv_auto: false,
             }],
             &opts(Some(8)),
         )
@@ -507,29 +539,76 @@ mod tests {
     }
 
     /// Without `--kv-capacity` the capacity is the largest (context, at most 8192, halved) whose
-    /// streaming plan the budget holds; a roomy budget keeps the context; a given flag is kept.
+    /// plan the budget holds — every layer resident, or past memory a streaming plan with the cache
+    /// at most an eighth of the budget; a roomy budget keeps the context; a given flag is kept.
     #[test]
     fn the_kv_capacity_shrinks_to_what_the_budget_holds() {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
-        let w = |budget| {
-            [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false }]
-        };
+        let w = |budget| [copying_worker(budget)];
         let context = m.config.max_position_embeddings.min(DEFAULT_KV_CAPACITY);
+        assert!(context > 512, "the tiny model's context: {context}");
         assert_eq!(kv_capacity_that_fits(&m, &w(1 << 40), &opts(None), None), context);
         assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), Some(333)), 333);
-        // A budget that holds the streaming plan with 512 positions but not with the context.
-        let at = |c| {
-            let p =
-                plan(&m, &w(1 << 40), &PlanOptions { kv_capacity: c, ..opts(Some(0)) }).unwrap();
-            p[0].bytes_needed
+        let needs = |c, resident| {
+            let o = PlanOptions { kv_capacity: c, ..opts(resident) };
+            plan(&m, &w(1 << 40), &o).unwrap()[0].bytes_needed
         };
-        if context > 512 {
-            let c = kv_capacity_that_fits(&m, &w(at(512)), &opts(None), None);
-            assert!((512..context).contains(&c), "{c}");
-            plan(&m, &w(at(512)), &PlanOptions { kv_capacity: c, ..opts(None) }).unwrap();
+        // A budget that keeps every layer resident with 512 positions but not with the context.
+        let c = kv_capacity_that_fits(&m, &w(needs(512, None)), &opts(None), None);
+        assert!((512..context).contains(&c), "{c}");
+        let p = plan(&m, &w(needs(512, None)), &PlanOptions { kv_capacity: c, ..opts(None) });
+        assert_eq!(p.unwrap()[0].resident.len(), 8, "every layer stays resident");
+        // From a budget that barely streams to one that keeps everything: the plan fits, and a
+        // worker past memory gives its cache at most an eighth of the budget. (Layers made large
+        // beside the tiny model's cache, as an 8B model's are: the planner reads their sizes.)
+        let mut m = m.clone();
+        for f in m.files.iter_mut().filter(|f| f.name.starts_with("layer")) {
+            f.size *= 1000;
         }
+        let needs = |c, resident| {
+            let o = PlanOptions { kv_capacity: c, ..opts(resident) };
+            plan(&m, &w(1 << 40), &o).unwrap()[0].bytes_needed
+        };
+        let (low, high) = (needs(MIN_KV_CAPACITY, Some(0)), needs(context, None));
+        let mut capped = 0;
+        for i in 0..=40 {
+            let budget = low + (high - low) / 40 * i;
+            let c = kv_capacity_that_fits(&m, &w(budget), &opts(None), None);
+            let p =
+                &plan(&m, &w(budget), &PlanOptions { kv_capacity: c, ..opts(None) }).unwrap()[0];
+            let kv = usage(&m, p).kv;
+            if p.resident.len() < 8 && c > MIN_KV_CAPACITY {
+                assert!(kv <= budget / PAST_MEMORY_KV_SHARE, "{budget}: {c} positions, {kv} bytes");
+                capped += 1;
+            }
+        }
+        assert!(capped > 0, "some budget streams with more than the fewest positions");
         assert_eq!(kv_capacity_that_fits(&m, &w(1), &opts(None), None), MIN_KV_CAPACITY);
+    }
+
+    /// `--kv-dtype auto` halves a CPU worker's cache past memory, and only then, and only where it
+    /// came from `auto` (not a given dtype, not under `--exact`).
+    #[test]
+    fn auto_kv_dtype_is_f16_past_memory_on_the_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifest(dir.path());
+        let kv = crate::KvFlags { kv_dtype: "auto".into(), kv_block: 16 };
+        let spec = |budget, exact| WorkerSpec::new("a".into(), budget, "cpu", exact, &kv);
+        let resident = |budget| plan(&m, &[spec(budget, false)], &opts(None)).unwrap();
+        let roomy = resident(1 << 40)[0].bytes_needed;
+        let dtypes = |budget, exact| {
+            let mut w = [spec(budget, exact)];
+            auto_kv_dtypes(&m, &mut w, &opts(None));
+            w[0].kv_dtype.clone()
+        };
+        assert_eq!(dtypes(roomy * 2, false), "f32");
+        assert_eq!(dtypes(roomy / 2, false), "f16");
+        assert_eq!(dtypes(roomy / 2, true), "f32", "--exact keeps f32");
+        let gpu = WorkerSpec::new("g".into(), roomy / 2, "cuda:0", false, &kv);
+        assert_eq!((gpu.kv_dtype.as_str(), gpu.kv_auto), ("f16", false));
+        let given = crate::KvFlags { kv_dtype: "f32".into(), kv_block: 16 };
+        assert!(!WorkerSpec::new("a".into(), 1, "cpu", false, &given).kv_auto);
     }
 
     /// A CPU worker computes streamed layers in the loader's slots: its plan does not count
@@ -538,9 +617,7 @@ mod tests {
     fn in_place_workers_need_no_streaming_buffers() {
         let dir = tempfile::tempdir().unwrap();
         let m = manifest(dir.path());
-        let gpu = |budget| {
-            [WorkerSpec { address: "a".into(), budget, kv_dtype: "f32".into(), in_place: false }]
-        };
+        let gpu = |budget| [copying_worker(budget)];
         let full = plan(&m, &gpu(1 << 40), &opts(Some(0))).unwrap()[0].bytes_needed;
         let first = &plan(&m, &gpu(1 << 40), &opts(Some(0))).unwrap()[0];
         let buffers = usage(&m, first).streaming;

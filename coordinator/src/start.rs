@@ -120,12 +120,13 @@ async fn register(
         }
         tracing::info!(worker = %addr, device = %info.device, budget = info.memory_budget, "worker registered");
         workers.push(RegisteredWorker {
-            spec: planner::WorkerSpec {
-                address: addr.clone(),
-                budget: info.memory_budget,
-                kv_dtype: args.plan.kv.dtype_for(&info.device),
-                in_place: layerstream_model::plan::streams_in_place(&info.device),
-            },
+            spec: planner::WorkerSpec::new(
+                addr.clone(),
+                info.memory_budget,
+                &info.device,
+                info.exact,
+                &args.plan.kv,
+            ),
             device: info.device,
             host_id: info.host_id,
             conn: c,
@@ -159,7 +160,7 @@ fn kv_host_blocks(args: &CoordinatorArgs, store: &Store) -> Result<u32> {
 async fn plan_and_schedule(
     args: &CoordinatorArgs,
     store: &Store,
-    workers: Vec<RegisteredWorker>,
+    mut workers: Vec<RegisteredWorker>,
 ) -> Result<Arc<service::CoordinatorService>> {
     let mut opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
@@ -172,7 +173,14 @@ async fn plan_and_schedule(
         kv_block: args.plan.kv.kv_block,
         kv_host_blocks: kv_host_blocks(args, store)?,
     };
-    let specs: Vec<_> = workers.iter().map(|w| w.spec.clone()).collect();
+    let mut specs: Vec<_> = workers.iter().map(|w| w.spec.clone()).collect();
+    planner::auto_kv_dtypes(&store.manifest, &mut specs, &opts);
+    for (w, s) in workers.iter_mut().zip(&specs) {
+        if w.spec.kv_dtype != s.kv_dtype {
+            tracing::info!(worker = %s.address, kv_dtype = %s.kv_dtype, "KV dtype: its budget cannot keep every layer resident, so --kv-dtype auto halves the cache (--kv-dtype f32 keeps it)");
+        }
+        w.spec = s.clone();
+    }
     let kv_capacity =
         planner::kv_capacity_that_fits(&store.manifest, &specs, &opts, args.plan.kv_capacity);
     if args.plan.kv_capacity.is_none() {

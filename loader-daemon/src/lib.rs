@@ -13,7 +13,7 @@ pub use daemon::{Daemon, LoaderService};
 pub use error::{Error, Result};
 use layerstream_model::Store;
 use layerstream_rpc::v1::loader_server::LoaderServer;
-pub use pool::check_shm_room;
+pub use pool::{check_shm_room, disk_reads_per_pass};
 pub use read::{measure_disk, DiskFigures};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -150,6 +150,56 @@ impl Pool {
     }
 }
 
+/// The layers of `order` (one worker's streamed layers, cycled) that a pool of `slots` slots reads
+/// from disk on every pass once it has settled, when the loader reads `depth` layers ahead and the
+/// worker holds the layer it computes and the one it takes next: this pool's own decisions replayed
+/// over three passes (reads finishing at once). The rest of `order` stays in slots from pass to pass
+/// (the RAM tier). For `layerstream plan`'s cost model.
+pub fn disk_reads_per_pass(order: &[u32], slots: usize, depth: usize) -> Vec<u32> {
+    let n = order.len();
+    if n == 0 || slots == 0 {
+        return order.to_vec();
+    }
+    let mut p = Pool::new(slots);
+    let mut read = Vec::new();
+    for pass in 0..3 {
+        for (pos, &layer) in order.iter().enumerate() {
+            let next_use = |l: u32| {
+                order.iter().position(|&x| x == l).map_or(usize::MAX, |i| (i + n - pos) % n)
+            };
+            let mut load = |p: &mut Pool, slot: usize, l: u32| {
+                p.loaded(slot, true);
+                if pass == 2 {
+                    read.push(l);
+                }
+            };
+            loop {
+                match p.acquire(layer, &next_use) {
+                    Acquire::Hit(_) => break,
+                    Acquire::Load(slot) => load(&mut p, slot, layer),
+                    // Every slot pinned: the worker lets go of the layer it held.
+                    Acquire::Wait | Acquire::Full => {
+                        let prev = order[(pos + n - 1) % n];
+                        if !p.release(prev) {
+                            return order.to_vec();
+                        }
+                    }
+                }
+            }
+            let ahead: Vec<u32> = (1..=depth.min(n - 1)).map(|d| order[(pos + d) % n]).collect();
+            for &l in &ahead {
+                if let Some(slot) = p.start_prefetch(l, &ahead, &next_use) {
+                    load(&mut p, slot, l);
+                }
+            }
+            p.release(order[(pos + n - 1) % n]);
+        }
+    }
+    read.sort_unstable();
+    read.dedup();
+    read
+}
+
 /// Whether `/dev/shm` (`free` bytes, None when unknown) holds `n` slots of `slot_size` bytes; the
 /// error names what is needed and how to give it.
 pub fn check_shm_room(n: usize, slot_size: usize, free: Option<u64>) -> crate::Result<()> {
@@ -260,5 +310,25 @@ mod tests {
             e.contains("5242880 bytes free") && e.contains("8388608") && e.contains("shm_size"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_pool_that_holds_every_layer_reads_none_per_pass_and_a_small_one_reads_the_rest() {
+        let order: Vec<u32> = (0..10).collect();
+        assert!(disk_reads_per_pass(&order, 10, 2).is_empty());
+        assert!(disk_reads_per_pass(&order, 12, 2).is_empty());
+        // Fewer slots than layers: the layers read ahead and the one computing cycle through the
+        // slots that are not kept; more slots, no more reads, and never fewer than the layers that
+        // do not fit.
+        let mut last = order.len();
+        for slots in 3..10 {
+            let r = disk_reads_per_pass(&order, slots, 2);
+            assert!(r.len() >= order.len() - slots && r.len() <= last, "{slots} slots: {r:?}");
+            last = r.len();
+        }
+        assert!(last <= 5, "9 slots keep most of 10 layers: {last} read");
+        assert_eq!(disk_reads_per_pass(&order, 4, 2).len(), 10, "4 slots: all in flight");
+        assert_eq!(disk_reads_per_pass(&order, 0, 2), order);
+        assert!(disk_reads_per_pass(&[], 4, 2).is_empty());
     }
 }

@@ -2,6 +2,7 @@
 //! sampling and generation (used by `layerstream run`), and the pipeline stage served over gRPC
 //! that streams layer groups from the loader daemon while it computes.
 
+mod calibrate;
 mod device;
 mod draft;
 mod error;
@@ -24,6 +25,7 @@ mod verify;
 mod weights;
 mod wire;
 
+pub use calibrate::{measure as measure_compute, measure_link, ComputeFigures, Probe};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use generate::{generate, Generation, Speculation, Timings};

@@ -187,6 +187,7 @@ impl Worker for WorkerService {
                 .clone(),
             loader,
             host_id: s.host_id.clone(),
+            exact: !layerstream_kernels::cpu::int8::int8_activations(),
         }))
     }
 

@@ -65,7 +65,7 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
                 "bytes": a.bytes_needed,
                 "budget": w.map(|w| w.memory_budget),
                 "sequences": info.map(|i| i.sequences),
-                "loader": info.and_then(|i| i.loader.as_ref()).map(|l| json!({"hits": l.hits, "misses": l.misses})),
+                "loader": info.and_then(|i| i.loader.as_ref()).map(tiers),
             })
         })
         .collect();
@@ -83,6 +83,20 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
         "memory": memory(&h.svc),
     }))
     .into_response()
+}
+
+/// The loader's tiers as the page shows them: acquires served from a slot (the RAM tier) and read
+/// from disk, the hit rate, and the disk's bytes, seconds and GB/s since start.
+fn tiers(l: &layerstream_rpc::v1::LoaderStats) -> serde_json::Value {
+    let acquires = l.hits + l.misses;
+    json!({
+        "hits": l.hits,
+        "misses": l.misses,
+        "hit_rate": (acquires > 0).then(|| l.hits as f64 / acquires as f64),
+        "disk_bytes": l.disk_bytes,
+        "disk_seconds": l.disk_seconds,
+        "disk_gbps": (l.disk_seconds > 0.0).then(|| l.disk_bytes as f64 / l.disk_seconds / 1e9),
+    })
 }
 
 /// The memory ledger of the coordinator's host now (what the stack may use, and why), with the KV

@@ -1,0 +1,153 @@
+//! Calibration at start: the figures the cost model predicts from — the store's disk (O_DIRECT GB/s
+//! and a 4 KiB read's latency), the host→device link where the worker copies, and one layer's and
+//! the head's compute at 1, 8 and 64 rows on the worker's device — measured once and cached per host
+//! and store under the cache root (`calibration/<key>.json`). The key names everything that changes
+//! the figures (host, CPU, cores, device, threads, precision, the store's files, the store's
+//! filesystem, this build); a changed key or `--recalibrate` measures again.
+
+use anyhow::{Context, Result};
+use layerstream_coordinator::cost::Figures;
+use layerstream_model::layout::layer_file;
+use layerstream_model::Store;
+use layerstream_worker::DeviceFlags;
+use serde::{Deserialize, Serialize};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+
+/// Row counts one layer's compute is measured at.
+pub const ROWS: [usize; 3] = [1, 8, 64];
+
+/// A cache file: the key it was measured under and the figures.
+#[derive(Serialize, Deserialize)]
+struct Cached {
+    key: String,
+    figures: Figures,
+}
+
+/// What the figures depend on, as one line.
+pub fn key(store: &Store, device: &DeviceFlags) -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_owned))
+        .unwrap_or_default();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut files = std::collections::hash_map::DefaultHasher::new();
+    for f in &store.manifest.files {
+        (&f.name, &f.checksum).hash(&mut files);
+    }
+    let fs = std::fs::metadata(&store.dir).map_or(0, |m| std::os::unix::fs::MetadataExt::dev(&m));
+    let int8 =
+        layerstream_worker::int8_by_default(&device.device, device.int8_activations, device.exact);
+    format!(
+        "host={} cpu={} cores={cores} device={} threads={:?} int8={int8} store={:016x} fs={fs} \
+         build={}",
+        host.trim(),
+        cpu.split(':').nth(1).unwrap_or("").trim(),
+        device.device,
+        device.threads,
+        files.finish(),
+        env!("CARGO_PKG_VERSION"),
+    )
+}
+
+fn path_for(key: &str) -> PathBuf {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    layerstream_types::cache_dir().join("calibration").join(format!("{:016x}.json", h.finish()))
+}
+
+/// The figures for `store` on `device`: from the cache when its key matches and `recalibrate` is
+/// off, else measured (and cached; a cache that cannot be written is only a warning). Returns
+/// whether they came from the cache.
+pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
+    let key = key(store, device);
+    let path = path_for(&key);
+    if !recalibrate {
+        let cached =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Cached>(&b).ok());
+        if let Some(c) = cached.filter(|c| c.key == key) {
+            return Ok((c.figures, true));
+        }
+    }
+    let f = measure(store, device)?;
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(path.parent().expect("a file in a directory"))?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let c = Cached { key: key.clone(), figures: f.clone() };
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&c).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, &path)
+    };
+    if let Err(e) = write() {
+        eprintln!("layerstream: calibration not cached ({}): {e}", path.display());
+    }
+    Ok((f, false))
+}
+
+/// Measures the figures: the disk over the layer files (at most 1 GiB), the link (a GPU), the
+/// middle layer's and the head's compute.
+fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
+    let cfg = &store.manifest.config;
+    let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
+    let disk = layerstream_loader::measure_disk(&files, 1 << 30)
+        .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
+    device.apply_threads()?;
+    let dev = layerstream_worker::Device::open(&device.device)?;
+    let kv = layerstream_model::DType::F32;
+    let layer = (cfg.num_layers / 2) as u32;
+    let probe = layerstream_worker::Probe { layer, rows: &ROWS, kv_dtype: kv, reps: 2 };
+    let c = layerstream_worker::measure_compute(&dev, store, &probe)
+        .context("measuring a layer's compute")?;
+    Ok(Figures {
+        disk_gbps: disk.gbps,
+        disk_latency_ms: disk.latency_ms,
+        link_gbps: layerstream_worker::measure_link(&dev, 256 << 20)?,
+        layer_s: c.layer_s,
+        head_s: c.head_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Figures are measured once, then read back while the key holds; `--recalibrate` measures
+    /// again; a different store is a different key.
+    #[test]
+    fn figures_are_cached_per_store_and_remeasured_on_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = dir.path().join("cache");
+        std::env::set_var("LAYERSTREAM_CACHE", &cache);
+        let synth = |name: &str, seed| {
+            let d = dir.path().join(name);
+            layerstream_model::synth::synth(
+                "tiny",
+                layerstream_model::DType::Q8_0,
+                Some(4),
+                seed,
+                &d,
+            )
+            .unwrap();
+            Store::open(&d).unwrap()
+        };
+        let (a, b) = (synth("a", 1), synth("b", 2));
+        let dev = DeviceFlags {
+            device: "cpu".into(),
+            memory_budget: None,
+            threads: None,
+            concurrent_threads: None,
+            int8_activations: false,
+            exact: false,
+            link_gbps: None,
+        };
+        let (f, cached) = figures(&a, &dev, false).unwrap();
+        assert!(!cached && f.disk_gbps > 0.0 && f.link_gbps.is_none());
+        assert_eq!(f.layer_s.iter().map(|p| p.0).collect::<Vec<_>>(), ROWS);
+        let (again, cached) = figures(&a, &dev, false).unwrap();
+        assert!(cached && again == f, "read back from the cache");
+        assert!(!figures(&a, &dev, true).unwrap().1, "--recalibrate measures again");
+        assert!(!figures(&b, &dev, false).unwrap().1, "another store, another key");
+        assert_ne!(key(&a, &dev), key(&b, &dev));
+        assert_eq!(std::fs::read_dir(cache.join("calibration")).unwrap().count(), 2);
+    }
+}

@@ -1,0 +1,225 @@
+//! The cost model: what a placement delivers, predicted from measured figures — the store's disk
+//! (O_DIRECT GB/s), the host→device link (none where a worker computes in place), and one layer's
+//! and the head's compute at a few row counts. A pass is replayed layer by layer as the stack runs
+//! it: the loader reads the disk tier's layers in order, at most `depth` ahead of the layer being
+//! computed; a worker that copies (a GPU) takes each non-resident layer over the link into one of
+//! its `buffers`, at most that many ahead; compute takes the layers in order, waiting for what it
+//! needs, then the head. The third of three passes is the steady state (the next pass's first
+//! reads overlap this one's tail). Pure: `layerstream plan` and `bench` feed it.
+
+use serde::{Deserialize, Serialize};
+
+/// Where a layer's weights come from in a pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Resident on the worker's device.
+    Device,
+    /// Kept in a loader slot from pass to pass (host RAM).
+    Ram,
+    /// Read from disk every pass.
+    Disk,
+}
+
+/// Measured figures of one host, store and device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Figures {
+    /// The store's disk: O_DIRECT GB/s over its layer files.
+    pub disk_gbps: f64,
+    /// A 4 KiB read, ms.
+    pub disk_latency_ms: f64,
+    /// Pinned host→device GB/s; None where the worker computes from the slot in place (the CPU).
+    pub link_gbps: Option<f64>,
+    /// Seconds one decoder layer takes at each measured row count (ascending rows).
+    pub layer_s: Vec<(usize, f64)>,
+    /// Seconds the head (final norm and vocabulary projection) takes at each row count.
+    pub head_s: Vec<(usize, f64)>,
+}
+
+/// `points` (ascending x) at `x`: linear between points, proportional past the last, the first's
+/// value below it.
+pub fn interpolate(points: &[(usize, f64)], x: usize) -> f64 {
+    let Some(&(x0, y0)) = points.first() else { return 0.0 };
+    if x <= x0 {
+        return y0;
+    }
+    for w in points.windows(2) {
+        let ((a, ya), (b, yb)) = (w[0], w[1]);
+        if x <= b {
+            return ya + (yb - ya) * (x - a) as f64 / (b - a).max(1) as f64;
+        }
+    }
+    let (xl, yl) = points[points.len() - 1];
+    yl * x as f64 / xl.max(1) as f64
+}
+
+/// What a placement delivers at one batch size.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Sequences per pass (each gets one token).
+    pub rows: usize,
+    pub pass_s: f64,
+    pub tokens_per_s: f64,
+    /// Each resource's busy seconds in a pass: compute (layers and head), disk reads, link copies.
+    pub compute_s: f64,
+    pub disk_s: f64,
+    pub link_s: f64,
+    /// The resource the pass waits on most: "compute", "disk", "link"; "read-ahead" when the pass
+    /// takes 15% longer than its busiest resource (too few slots or buffers to overlap).
+    pub bound: &'static str,
+}
+
+/// Predicts a pass over `layers` (each its source and bytes) at `rows` sequences.
+pub fn predict(
+    f: &Figures,
+    layers: &[(Source, u64)],
+    rows: usize,
+    depth: usize,
+    buffers: usize,
+) -> Prediction {
+    let compute = interpolate(&f.layer_s, rows);
+    let head = interpolate(&f.head_s, rows);
+    let rate = |gbps: f64| (gbps * 1e9).max(1.0);
+    let read: Vec<f64> = layers
+        .iter()
+        .map(|&(s, b)| if s == Source::Disk { b as f64 / rate(f.disk_gbps) } else { 0.0 })
+        .collect();
+    let copy: Vec<f64> = layers
+        .iter()
+        .map(|&(s, b)| match (s, f.link_gbps) {
+            (Source::Device, _) | (_, None) => 0.0,
+            (_, Some(g)) => b as f64 / rate(g),
+        })
+        .collect();
+    let pass_s = replay(layers, &read, &copy, compute, head, depth.max(1), buffers.max(1));
+    let compute_s = compute * layers.len() as f64 + head;
+    let (disk_s, link_s) = (read.iter().sum::<f64>(), copy.iter().sum::<f64>());
+    let busiest = compute_s.max(disk_s).max(link_s);
+    let bound = if pass_s > busiest * 1.15 {
+        "read-ahead"
+    } else if busiest == disk_s {
+        "disk"
+    } else if busiest == link_s {
+        "link"
+    } else {
+        "compute"
+    };
+    let tokens_per_s = if pass_s > 0.0 { rows as f64 / pass_s } else { 0.0 };
+    Prediction { rows, pass_s, tokens_per_s, compute_s, disk_s, link_s, bound }
+}
+
+/// The steady-state seconds of one pass (see the module doc): three passes replayed, the third
+/// timed.
+fn replay(
+    layers: &[(Source, u64)],
+    read: &[f64],
+    copy: &[f64],
+    compute: f64,
+    head: f64,
+    depth: usize,
+    buffers: usize,
+) -> f64 {
+    let n = layers.len();
+    let (mut disk_free, mut link_free, mut done) = (0.0f64, 0.0f64, 0.0f64);
+    // Compute-end times of past reads and copies, in order (a read holds its slot, a copy its
+    // buffer, until its layer is computed).
+    let (mut reads, mut copies): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    let mut pass_start = 0.0;
+    for pass in 0..3 {
+        if pass == 2 {
+            pass_start = done;
+        }
+        for i in 0..n {
+            let mut ready = 0.0f64;
+            if layers[i].0 == Source::Disk {
+                let slot_free = reads.len().checked_sub(depth).map_or(0.0, |k| reads[k]);
+                disk_free = disk_free.max(slot_free) + read[i];
+                ready = disk_free;
+            }
+            if copy[i] > 0.0 {
+                let buffer_free = copies.len().checked_sub(buffers).map_or(0.0, |k| copies[k]);
+                link_free = link_free.max(buffer_free).max(ready) + copy[i];
+                ready = link_free;
+            }
+            done = done.max(ready) + compute;
+            if layers[i].0 == Source::Disk {
+                reads.push(done);
+            }
+            if copy[i] > 0.0 {
+                copies.push(done);
+            }
+        }
+        done += head;
+    }
+    done - pass_start
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(layer: f64, head: f64, disk_gbps: f64, link: Option<f64>) -> Figures {
+        Figures {
+            disk_gbps,
+            disk_latency_ms: 0.1,
+            link_gbps: link,
+            layer_s: vec![(1, layer), (8, layer * 2.0), (64, layer * 10.0)],
+            head_s: vec![(1, head), (8, head * 2.0), (64, head * 10.0)],
+        }
+    }
+
+    #[test]
+    fn interpolation_is_linear_between_points_and_proportional_past_the_last() {
+        let p = [(1, 1.0), (8, 2.0), (64, 10.0)];
+        assert_eq!(interpolate(&p, 1), 1.0);
+        assert_eq!(interpolate(&p, 0), 1.0);
+        assert!((interpolate(&p, 36) - 6.0).abs() < 1e-9);
+        assert_eq!(interpolate(&p, 128), 20.0);
+        assert_eq!(interpolate(&[], 5), 0.0);
+    }
+
+    #[test]
+    fn resident_layers_cost_their_compute_only() {
+        let f = figures(0.01, 0.05, 1.0, None);
+        let p = predict(&f, &[(Source::Device, 1 << 30); 10], 1, 2, 2);
+        assert!((p.pass_s - 0.15).abs() < 1e-9, "{p:?}");
+        assert_eq!((p.bound, p.disk_s, p.link_s), ("compute", 0.0, 0.0));
+        assert!((p.tokens_per_s - 1.0 / 0.15).abs() < 1e-6);
+        let p8 = predict(&f, &[(Source::Device, 1 << 30); 10], 8, 2, 2);
+        assert!((p8.pass_s - 0.30).abs() < 1e-9 && p8.tokens_per_s > p.tokens_per_s * 3.0);
+    }
+
+    /// Reads overlap compute: a pass is bound by the disk when reading takes longer, by compute
+    /// when computing does, and one slot of read-ahead cannot overlap at all.
+    #[test]
+    fn disk_reads_overlap_compute_as_deep_as_the_read_ahead() {
+        // 10 layers of 100 MB from a 1 GB/s disk: 0.1 s each to read.
+        let layers = [(Source::Disk, 100_000_000); 10];
+        let slow_disk = predict(&figures(0.02, 0.0, 1.0, None), &layers, 1, 2, 2);
+        assert!((slow_disk.pass_s - 1.0).abs() < 0.03, "{slow_disk:?}");
+        assert_eq!(slow_disk.bound, "disk");
+        let slow_compute = predict(&figures(0.3, 0.0, 1.0, None), &layers, 1, 2, 2);
+        assert!((slow_compute.pass_s - 3.0).abs() < 0.05, "{slow_compute:?}");
+        assert_eq!(slow_compute.bound, "compute");
+        let serial = predict(&figures(0.1, 0.0, 1.0, None), &layers, 1, 1, 2);
+        assert!((serial.pass_s - 2.0).abs() < 1e-6, "read, compute, read…: {serial:?}");
+        assert_eq!(serial.bound, "read-ahead");
+        // Half of the layers resident: the disk's half overlaps the resident compute.
+        let mixed: Vec<_> = (0..10)
+            .map(|i| if i % 2 == 0 { (Source::Device, 0) } else { (Source::Disk, 100_000_000) })
+            .collect();
+        let m = predict(&figures(0.1, 0.0, 1.0, None), &mixed, 1, 2, 2);
+        assert!((m.pass_s - 1.0).abs() < 0.05 && m.disk_s == 0.5, "{m:?}");
+    }
+
+    #[test]
+    fn a_copying_worker_pays_the_link_for_ram_and_disk_layers_not_resident_ones() {
+        let layers = [(Source::Ram, 1_000_000_000), (Source::Device, 1_000_000_000)];
+        let f = figures(0.01, 0.0, 1.0, Some(10.0));
+        let p = predict(&f, &layers, 1, 2, 2);
+        assert!((p.link_s - 0.1).abs() < 1e-9 && p.disk_s == 0.0, "{p:?}");
+        assert_eq!(p.bound, "link");
+        let in_place = predict(&figures(0.01, 0.0, 1.0, None), &layers, 1, 2, 2);
+        assert_eq!(in_place.link_s, 0.0);
+        assert!(in_place.pass_s < p.pass_s);
+    }
+}

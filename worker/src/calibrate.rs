@@ -1,0 +1,145 @@
+//! Calibration: one decoder layer's compute and the head's, measured on a device at the row counts a
+//! cost model needs (1, 8 and 64 sequences decoding one token each), on the real weights of a store,
+//! with the precision the worker would use. The layer is loaded as a resident one; its KV cache holds
+//! one block per sequence. The figures feed `layerstream plan`'s prediction.
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::forward::{head_tensor, layer_forward, LayerCtx, SeqRows};
+use crate::moe::ResidentExperts;
+use crate::weights::{upload, LayerWeights};
+use layerstream_kernels::cpu::int8::{step_row_limit, with_row_limit};
+use layerstream_kernels::{Backend, KvLayout};
+use layerstream_model::layout::layer_file;
+use layerstream_model::{DType, Store};
+use std::time::Instant;
+
+/// Seconds per call at each row count: one decoder layer's, and the head's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ComputeFigures {
+    pub layer_s: Vec<(usize, f64)>,
+    pub head_s: Vec<(usize, f64)>,
+}
+
+/// What to measure: layer `layer` and the head at each of `rows` (sequences of one decode row
+/// each; KV in `kv_dtype`), each figure the fastest of `reps` timed runs after one untimed.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe<'a> {
+    pub layer: u32,
+    pub rows: &'a [usize],
+    pub kv_dtype: DType,
+    pub reps: usize,
+}
+
+/// Measures `probe` on `device` with `store`'s weights.
+pub fn measure(device: &Device, store: &Store, probe: &Probe) -> Result<ComputeFigures> {
+    match device {
+        Device::Cpu(b) => measure_on(b, store, probe),
+        Device::Cuda(b) => measure_on(b, store, probe),
+    }
+}
+
+/// The pinned host→device link in GB/s: `bytes` registered with the device and copied twice, the
+/// faster copy timed on the device where it can. None on the CPU (it computes from host memory).
+pub fn measure_link(device: &Device, bytes: usize) -> Result<Option<f64>> {
+    let Device::Cuda(b) = device else { return Ok(None) };
+    let host = vec![1u8; bytes.max(1)];
+    b.register_host(&host)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let t = Instant::now();
+        let (_blob, ms) = b.upload_blob(&host, false)?; // freed after the timing
+        let secs = ms.map_or(t.elapsed().as_secs_f64(), |ms| ms / 1e3);
+        best = best.min(secs);
+    }
+    b.unregister_host(&host);
+    Ok(Some(host.len() as f64 / best.max(1e-9) / 1e9))
+}
+
+fn measure_on<B: Backend>(b: &B, store: &Store, probe: &Probe) -> Result<ComputeFigures> {
+    let Probe { layer, rows, kv_dtype, reps } = *probe;
+    let cfg = &store.manifest.config;
+    if layer as usize >= cfg.num_layers {
+        return Err(Error::invalid("layer", format!("the model has {} layers", cfg.num_layers)));
+    }
+    let ctx = LayerCtx::new(cfg);
+    let w = LayerWeights::load(b, cfg, &store.load(&layer_file(layer as usize))?)?;
+    let experts = ResidentExperts::load(b, store, layer..layer + 1)?;
+    let head_file = if cfg.tie_word_embeddings { "embed.bin" } else { "lm_head.bin" };
+    let head_name = if cfg.tie_word_embeddings { "embed" } else { "lm_head" };
+    let missing = |f: &str, t: &str| Error::Weights(format!("{f}: missing tensor {t}"));
+    let lm = upload(b, &store.load(head_file)?, head_name, None)?
+        .ok_or_else(|| missing(head_file, head_name))?;
+    let norm = upload(b, &store.load("final_norm.bin")?, "final_norm", None)?
+        .ok_or_else(|| missing("final_norm.bin", "final_norm"))?;
+    let most = rows.iter().copied().max().unwrap_or(1).max(1);
+    let layout = KvLayout::new(kv_dtype, 16, most, ctx.shape)?;
+    let mut pool = b.kv_cache(ctx.attn(layer).0, layout)?;
+    let h = cfg.hidden_size;
+    let (mut layer_s, mut head_s) = (Vec::new(), Vec::new());
+    for &r in rows {
+        let seqs: Vec<SeqRows> = (0..r.max(1))
+            .map(|i| SeqRows {
+                rows: 1,
+                start_pos: 0,
+                tree: None,
+                tree_from: 0,
+                blocks: vec![i as u32],
+            })
+            .collect();
+        let x0: Vec<f32> = (0..seqs.len() * h).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect();
+        let limit = step_row_limit(seqs.len(), true);
+        let time = |f: &mut (dyn FnMut() -> Result<()> + Send)| -> Result<f64> {
+            let mut best = f64::INFINITY;
+            for i in 0..=reps.max(1) {
+                let t = Instant::now();
+                with_row_limit(limit, || b.run_step(&mut *f))?;
+                if i > 0 {
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+            }
+            Ok(best)
+        };
+        let mut x = b.from_host(&x0, seqs.len(), h)?;
+        let l = time(&mut || {
+            let mut ex = &experts;
+            layer_forward(b, &ctx, layer, &w, &mut x, &seqs, &mut pool, &mut ex)?;
+            b.to_host(&b.rows(&x, 0, 1)?)?; // waits for the device
+            Ok(())
+        })?;
+        let mut x = b.from_host(&x0, seqs.len(), h)?;
+        // Moved in whole: a tensor need only be Send.
+        let (xr, c, sq, nm, lmr) = (&mut x, &ctx, &seqs, &norm, &lm);
+        let hd = time(&mut move || {
+            let logits = head_tensor(b, c, &*xr, sq, &[], nm, lmr)?;
+            b.to_host(&b.rows(&logits, 0, 1)?)?;
+            Ok(())
+        })?;
+        layer_s.push((seqs.len(), l));
+        head_s.push((seqs.len(), hd));
+    }
+    Ok(ComputeFigures { layer_s, head_s })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny model's layer and head are timed at each row count, and more rows take longer
+    /// than one (64 rows do 64 times the multiply-adds).
+    #[test]
+    fn a_layer_and_the_head_are_timed_at_each_row_count() {
+        let dir = tempfile::tempdir().unwrap();
+        layerstream_model::synth::synth("tiny", DType::Q8_0, Some(64), 1, dir.path()).unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let dev = Device::open("cpu").unwrap();
+        let probe = Probe { layer: 0, rows: &[1, 8, 64], kv_dtype: DType::F32, reps: 2 };
+        let f = measure(&dev, &store, &probe).unwrap();
+        let rows: Vec<usize> = f.layer_s.iter().map(|p| p.0).collect();
+        assert_eq!(rows, [1, 8, 64]);
+        assert!(f.layer_s.iter().chain(&f.head_s).all(|p| p.1 > 0.0 && p.1.is_finite()), "{f:?}");
+        assert!(f.head_s[2].1 > f.head_s[0].1, "{f:?}");
+        let e = measure(&dev, &store, &Probe { layer: 99, ..probe }).unwrap_err().to_string();
+        assert!(e.contains("layer"), "{e}");
+    }
+}
