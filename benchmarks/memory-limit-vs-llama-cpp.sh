@@ -68,7 +68,7 @@ for mib in $LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     # layerstream: one stack, one request then 8 at once.
     fresh
-    in_cg "$BIN" plan --model "$store" --workers 1 --json > "$WORK/plan.json" 2> "$WORK/plan.err" || true
+    (in_cg "$BIN" plan --model "$store" --workers 1 --json) > "$WORK/plan.json" 2> "$WORK/plan.err" || true
     read -r p1 p8 own < <(python3 -c '
 import json,sys
 p=json.load(open(sys.argv[1])); t={x["rows"]: x["tokens_per_s"] for x in p["predicted"]}
@@ -76,13 +76,15 @@ d=p["tiers"]["disk"]["bytes_per_pass"]; g=p["calibration"]["disk_gbps"]
 print(f"{t[1]:.3f} {t[8]:.3f}", f"{g*1e9/d:.3f}" if d else "inf")' "$WORK/plan.json" 2>/dev/null || echo "? ? ?")
     fresh
     port=$((20000 + RANDOM % 20000))
-    in_cg "$BIN" up --model "$store" --workers 1 --listen 127.0.0.1:$port --http-listen off > "$WORK/up.out" 2> "$WORK/up.err" &
+    in_cg "$BIN" up --model "$store" --workers 1 --listen 127.0.0.1:$port --http-listen 127.0.0.1:$((port + 1)) > "$WORK/up.out" 2> "$WORK/up.err" &
     up=$!
     for _ in $(seq 600); do grep -q LISTENING "$WORK/up.out" 2>/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 0.5; done
     if ! grep -q LISTENING "$WORK/up.out" 2>/dev/null; then
         echo "| $mib MiB | layerstream | 1 | — | $p1 | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
     else
         one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
+        # What the loader's disk tier delivered while it ran (its own counters).
+        achieved=$(curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_disk_read_seconds_total/ {s += $2} END {if (s > 0) printf "the loader read %.2f GB from disk, %.2f GB/s per read", b / 1e9, b / s / 1e9}')
         tps=$(echo "$one" | python3 -c 'import json,sys; print(json.load(sys.stdin)["stats"]["decode_tokens_per_s"])')
         placed=$(python3 - "$WORK/plan.json" <<'PY' 2>/dev/null || echo "plan: see plan.err"
 import json, sys
@@ -91,7 +93,7 @@ print(f'{len(w["resident"])} resident, RAM tier {t["ram"]["layers"]}, disk {t["d
 PY
 )
         vs_own=$(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$tps" "$own" 2>/dev/null || echo "?")
-        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed |"
+        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed; $achieved |"
         t0=$(date +%s.%N)
         pids=()
         for i in $(seq 8); do

@@ -168,6 +168,9 @@ pub(crate) struct Row {
     loader_misses: u64,
     /// The first request's experts: needed, hit, prefetched, missed (mixture-of-experts stores).
     pub(crate) experts: [u64; 4],
+    /// Decode tokens/s `layerstream plan`'s cost model predicts for this stack at this batch (CPU
+    /// workers; `predict_rows`).
+    pub(crate) predicted_decode_tok_s: Option<f64>,
 }
 
 /// What one workload measured: tokens generated, wall seconds, and every request's stats.
@@ -317,6 +320,7 @@ pub(crate) fn run_config(
         loader_hits,
         loader_misses,
         experts: [st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed],
+        predicted_decode_tok_s: None,
     })
 }
 
@@ -401,6 +405,32 @@ pub(crate) fn tables(rows: &[Row]) -> String {
         );
     }
     t
+}
+
+/// Fills each row's `predicted_decode_tok_s` from the cost model (`plan::predict_stack`, the same
+/// `up` command line) and prints predicted beside measured. CPU workers only: calibrating a GPU
+/// here would hold a device context beside the stacks (`layerstream plan` predicts for a GPU).
+fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
+    if a.device.device != "cpu" {
+        return;
+    }
+    for (r, extra) in rows.iter_mut().zip(extras) {
+        match crate::plan::predict_stack(&stack_args(model, a, extra), a.batch) {
+            Ok(p) => {
+                r.predicted_decode_tok_s = Some(p.tokens_per_s);
+                println!(
+                    "{}: decode {:.2} tok/s measured, {:.2} predicted by plan's cost model \
+                     (measured ÷ predicted {:.2}; bound by {})",
+                    r.config,
+                    r.decode_tok_s,
+                    p.tokens_per_s,
+                    r.decode_tok_s / p.tokens_per_s.max(1e-9),
+                    p.bound
+                );
+            }
+            Err(e) => println!("{}: no prediction ({e:#})", r.config),
+        }
+    }
 }
 
 /// The flags of a streamed configuration: the plan flags with `--resident-layers` 0 unless given
@@ -501,6 +531,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "streamed runs: {streamed_as}, group {}, streaming buffers {}",
         a.plan.layer_group_size, a.plan.streaming_buffers
     );
+    predict_rows(&mut rows[..2], &model, &a, [&streamed, &resident_args()]);
     print!("{}", tables(&rows));
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
@@ -569,6 +600,7 @@ mod tests {
             loader_misses: 0,
             experts: [0; 4],
             steps: 1,
+            predicted_decode_tok_s: None,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");

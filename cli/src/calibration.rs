@@ -58,10 +58,15 @@ fn path_for(key: &str) -> PathBuf {
 }
 
 /// The figures for `store` on `device`: from the cache when its key matches and `recalibrate` is
-/// off, else measured (and cached; a cache that cannot be written is only a warning). Returns
+/// off, else measured (the disk `readers` files at a time) and cached ( a cache that cannot be written is only a warning). Returns
 /// whether they came from the cache.
-pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
-    let key = key(store, device);
+pub fn figures(
+    store: &Store,
+    device: &DeviceFlags,
+    readers: usize,
+    recalibrate: bool,
+) -> Result<(Figures, bool)> {
+    let key = format!("{} readers={readers}", key(store, device));
     let path = path_for(&key);
     if !recalibrate {
         let cached =
@@ -70,7 +75,7 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
             return Ok((c.figures, true));
         }
     }
-    let f = measure(store, device)?;
+    let f = measure(store, device, readers)?;
     let write = || -> std::io::Result<()> {
         std::fs::create_dir_all(path.parent().expect("a file in a directory"))?;
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -84,12 +89,12 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
     Ok((f, false))
 }
 
-/// Measures the figures: the disk over the layer files (at most 1 GiB), the link (a GPU), the
-/// middle layer's and the head's compute.
-fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
+/// Measures the figures: the disk over the layer files (at most 1 GiB, `readers` at a time as the
+/// loader's read-ahead reads them), the link (a GPU), the middle layer's and the head's compute.
+fn measure(store: &Store, device: &DeviceFlags, readers: usize) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
-    let disk = layerstream_loader::measure_disk(&files, 1 << 30)
+    let disk = layerstream_loader::measure_disk(&files, 1 << 30, readers)
         .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
     device.apply_threads()?;
     let dev = layerstream_worker::Device::open(&device.device)?;
@@ -140,13 +145,13 @@ mod tests {
             exact: false,
             link_gbps: None,
         };
-        let (f, cached) = figures(&a, &dev, false).unwrap();
+        let (f, cached) = figures(&a, &dev, 2, false).unwrap();
         assert!(!cached && f.disk_gbps > 0.0 && f.link_gbps.is_none());
         assert_eq!(f.layer_s.iter().map(|p| p.0).collect::<Vec<_>>(), ROWS);
-        let (again, cached) = figures(&a, &dev, false).unwrap();
+        let (again, cached) = figures(&a, &dev, 2, false).unwrap();
         assert!(cached && again == f, "read back from the cache");
-        assert!(!figures(&a, &dev, true).unwrap().1, "--recalibrate measures again");
-        assert!(!figures(&b, &dev, false).unwrap().1, "another store, another key");
+        assert!(!figures(&a, &dev, 2, true).unwrap().1, "--recalibrate measures again");
+        assert!(!figures(&b, &dev, 2, false).unwrap().1, "another store, another key");
         assert_ne!(key(&a, &dev), key(&b, &dev));
         assert_eq!(std::fs::read_dir(cache.join("calibration")).unwrap().count(), 2);
     }

@@ -74,12 +74,13 @@ pub struct Placement {
     pub predicted: Vec<Prediction>,
 }
 
-/// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts batch 1, 8
-/// and 64.
+/// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
+/// each of `rows` sequences.
 pub fn placement(
     a: &crate::up::UpArgs,
     store: &layerstream_model::Store,
     shares: &crate::fit::Shares,
+    rows: &[usize],
 ) -> Result<Placement> {
     let budget = match (shares.worker_budget, a.device.memory_budget) {
         (Some(b), _) | (None, Some(b)) => b,
@@ -104,12 +105,9 @@ pub fn placement(
     // before computes: one more read in flight than the depth.
     let depth = a.pool.prefetch_depth + 1;
     let layers = sources(m, &plans, shares.slots, depth);
-    let (figures, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
+    let (figures, cached) = crate::calibration::figures(store, &a.device, depth, a.recalibrate)?;
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
-    let predicted = crate::calibration::ROWS
-        .iter()
-        .map(|&r| predict(&figures, &layers, r, depth, buffers))
-        .collect();
+    let predicted = rows.iter().map(|&r| predict(&figures, &layers, r, depth, buffers)).collect();
     Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted })
 }
 
@@ -127,11 +125,26 @@ pub fn describe_predictions(p: &[Prediction]) -> String {
         .join("\n  ")
 }
 
+/// The cost model's decode tokens/s for the stack `up_args` (an `up` command line) would run, at
+/// `rows` sequences: what `bench` prints beside what it measures.
+pub fn predict_stack(up_args: &[String], rows: usize) -> Result<Prediction> {
+    #[derive(clap::Parser)]
+    struct Up {
+        #[command(flatten)]
+        up: crate::up::UpArgs,
+    }
+    let a = <Up as clap::Parser>::try_parse_from(up_args)?.up;
+    let store = layerstream_model::Store::open(&crate::run::model_dir(&a.model)?)?;
+    let (_, shares) = crate::up::memory_shares(&a, &store)?;
+    let mut p = placement(&a, &store, &shares, &[rows])?;
+    Ok(p.predicted.remove(0))
+}
+
 pub fn run(a: crate::up::UpArgs) -> Result<()> {
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
-    let p = placement(&a, &store, &shares)?;
+    let p = placement(&a, &store, &shares, &crate::calibration::ROWS)?;
     let m = &store.manifest;
     let t = tiers(&p.layers);
     let workers: Vec<_> = p

@@ -394,7 +394,7 @@ fn log_prediction(a: &UpArgs, store: &layerstream_model::Store, shares: &crate::
     if a.device.device != "cpu" {
         return;
     }
-    match crate::plan::placement(a, store, shares) {
+    match crate::plan::placement(a, store, shares, &crate::calibration::ROWS) {
         Ok(p) => eprintln!(
             "layerstream up: predicted{}:\n  {}",
             if p.cached { "" } else { " (calibrated now)" },

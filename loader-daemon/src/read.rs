@@ -54,26 +54,60 @@ pub struct DiskFigures {
 }
 
 /// Reads `files` (until `max_bytes`) as the loader does — O_DIRECT where the filesystem allows it,
-/// into one page-aligned buffer (an anonymous shared-memory region) — and times it; then times a
-/// 4 KiB read at the start of the first file. Run with the page cache dropped for the disk's own
-/// figures (O_DIRECT bypasses it anyway).
-pub fn measure_disk(files: &[std::path::PathBuf], max_bytes: u64) -> io::Result<DiskFigures> {
+/// into page-aligned buffers (anonymous shared-memory regions), `readers` files at a time as its
+/// read-ahead keeps that many reads in flight — and times it; then times a 4 KiB read at the start
+/// of the first file. Run with the page cache dropped for the disk's own figures (O_DIRECT bypasses
+/// it anyway).
+pub fn measure_disk(
+    files: &[std::path::PathBuf],
+    max_bytes: u64,
+    readers: usize,
+) -> io::Result<DiskFigures> {
     let first = files.first().ok_or_else(|| io::Error::other("no file to read"))?;
     let direct = direct_supported(first);
     let largest =
         files.iter().filter_map(|f| f.metadata().ok()).map(|m| m.len()).max().unwrap_or(0);
     let len = (largest.div_ceil(4096) * 4096).max(4096) as usize;
-    let name = format!("layerstream-calibrate-{}", std::process::id());
-    let buf = layerstream_shm::ShmRegion::create(&name, len)?;
-    // SAFETY: the region was just created by this function and nobody else maps it.
-    let dst = unsafe { buf.bytes_mut() };
-    let (mut bytes, t0) = (0u64, std::time::Instant::now());
+    // The files to read: whole ones, until `max_bytes`.
+    let (mut take, mut bytes) = (Vec::new(), 0u64);
     for f in files {
         if bytes >= max_bytes {
             break;
         }
-        bytes += read_into(f, dst, direct)? as u64;
+        bytes += f.metadata()?.len();
+        take.push(f.clone());
     }
+    let readers = readers.clamp(1, take.len().max(1));
+    let bufs = (0..readers)
+        .map(|i| {
+            let name = format!("layerstream-calibrate-{}-{i}", std::process::id());
+            layerstream_shm::ShmRegion::create(&name, len)
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bufs
+            .iter()
+            .map(|buf| {
+                let (next, take) = (&next, &take);
+                s.spawn(move || -> io::Result<u64> {
+                    // SAFETY: each region was just created by this function and only this thread
+                    // writes it.
+                    let dst = unsafe { buf.bytes_mut() };
+                    let mut n = 0u64;
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(f) = take.get(i) else { return Ok(n) };
+                        n += read_into(f, dst, direct)? as u64;
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().try_fold(0u64, |a, h| {
+            Ok::<_, io::Error>(a + h.join().map_err(|_| io::Error::other("a reader panicked"))??)
+        })
+    })?;
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
@@ -81,6 +115,8 @@ pub fn measure_disk(files: &[std::path::PathBuf], max_bytes: u64) -> io::Result<
         opts.custom_flags(libc::O_DIRECT);
     }
     let mut f = opts.open(first)?;
+    // SAFETY: as above; the readers are done.
+    let dst = unsafe { bufs[0].bytes_mut() };
     let t1 = std::time::Instant::now();
     f.read_exact(&mut dst[..4096])?;
     let latency_ms = t1.elapsed().as_secs_f64() * 1e3;
@@ -101,9 +137,10 @@ mod tests {
                 p
             })
             .collect();
-        let d = measure_disk(&files, 2 << 20).unwrap();
+        let d = measure_disk(&files, 2 << 20, 1).unwrap();
         assert_eq!(d.bytes, 2 << 20, "stops once max_bytes are read");
         assert!(d.gbps > 0.0 && d.latency_ms >= 0.0);
-        assert!(measure_disk(&[], 1).is_err());
+        assert_eq!(measure_disk(&files, 64 << 20, 2).unwrap().bytes, 3 << 20, "two at a time");
+        assert!(measure_disk(&[], 1, 1).is_err());
     }
 }
