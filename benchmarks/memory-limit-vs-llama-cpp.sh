@@ -126,3 +126,52 @@ PY
         echo "| $mib MiB | llama.cpp | 8 | — | | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
     fi
 done
+
+# The MoE row (MOE_LIMITS, MiB; empty skips it): a synthetic qwen3-30b-a3b Q4_K store (~17 GB)
+# in a limit below its size, `up` with no size flags; one request of GEN tokens. Per token: the
+# bytes the loader read from disk ÷ what streaming whole layers (every expert) would read, and
+# each tier's share of the experts the steps needed — the worker's expert cache (device tier), the
+# loader's slots (RAM tier), the disk.
+MOE_LIMITS=${MOE_LIMITS:-}
+[ -n "$MOE_LIMITS" ] || exit 0
+moe=$WORK/qwen3-30b-a3b-q4k
+[ -f "$moe/manifest.json" ] || "$BIN" synth --shape qwen3-30b-a3b --dtype q4_k "$moe" >&2
+whole=$(du -cb "$moe"/layer_*.bin | tail -1 | cut -f1)   # layer files and every expert file
+echo
+echo "MoE: $(du -sh "$moe" | cut -f1) store, whole-layer streaming reads $(echo "$whole / 1000000000" | bc -l | cut -c1-5) GB a token"
+echo
+echo "| limit | decode tok/s | predicted | disk GB/pass | ÷ whole layers | tiers: the worker's expert cache; the loader's slots and disk (every file it served) | peak GiB |"
+echo "|---|---|---|---|---|---|---|"
+for mib in $MOE_LIMITS; do
+    echo $((mib << 20)) > "$cg/$limit_file"
+    fresh
+    (in_cg "$BIN" plan --model "$moe" --workers 1 --json) > "$WORK/moe-plan.json" 2> "$WORK/moe-plan.err" || true
+    p1=$(python3 -c 'import json,sys; print(f"{json.load(open(sys.argv[1]))["predicted"][0]["tokens_per_s"]:.3f}")' "$WORK/moe-plan.json" 2>/dev/null || echo "?")
+    fresh
+    port=$((20000 + RANDOM % 20000))
+    in_cg "$BIN" up --model "$moe" --workers 1 --listen 127.0.0.1:$port --http-listen 127.0.0.1:$((port + 1)) > "$WORK/up.out" 2> "$WORK/moe-up.err" &
+    up=$!
+    for _ in $(seq 1200); do grep -q LISTENING "$WORK/up.out" 2>/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 0.5; done
+    if ! grep -q LISTENING "$WORK/up.out" 2>/dev/null; then
+        echo "| $mib MiB | — | $p1 | — | — | did not start: $(grep -v INFO "$WORK/moe-up.err" | tail -1 | cut -c1-160) | $(peak_gib) |"
+        continue
+    fi
+    counters() { curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_cache_hits_total/ {h += $2} /^layerstream_loader_cache_misses_total/ {m += $2} END {printf "%d,%d,%d", b, h, m}'; }
+    before=$(counters)
+    one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
+    after=$(counters)
+    python3 - "$one" "$before" "$after" "$whole" "$mib" "$p1" "$(peak_gib)" <<'PY'
+import json, sys
+r = json.loads(sys.argv[1]); s = r["stats"]
+(b0, h0, m0), (b1, h1, m1) = ([int(x) for x in a.split(",")] for a in sys.argv[2:4])
+whole = int(sys.argv[4])
+tokens = max(s.get("steps", 0), 1)  # weight passes: one per decode token, one for the prompt
+need = max(s.get("experts_needed", 0), 1)
+hit, pre, miss = s.get("experts_hit", 0), s.get("experts_prefetched", 0), s.get("experts_missed", 0)
+disk = (b1 - b0) / tokens
+slots, reads = h1 - h0, m1 - m0
+print(f"| {sys.argv[5]} MiB | {s['decode_tokens_per_s']:.3f} | {sys.argv[6]} | {disk / 1e9:.3f} | {disk / whole:.3f} | "
+      f"worker: {100 * hit / need:.1f}% hit, {100 * pre / need:.1f}% prefetched, {100 * miss / need:.1f}% missed; loader: {slots} from slots, {reads} from disk ({100 * slots / max(slots + reads, 1):.0f}% hits), {(b1 - b0) / 1e9:.2f} GB over {tokens} passes | {sys.argv[7]} |")
+PY
+    kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
+done

@@ -32,21 +32,17 @@ pub fn key(store: &Store, device: &DeviceFlags) -> String {
         .unwrap_or_default();
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut files = std::collections::hash_map::DefaultHasher::new();
-    for f in &store.manifest.files {
-        (&f.name, &f.checksum).hash(&mut files);
-    }
     let fs = std::fs::metadata(&store.dir).map_or(0, |m| std::os::unix::fs::MetadataExt::dev(&m));
     let int8 =
         layerstream_worker::int8_by_default(&device.device, device.int8_activations, device.exact);
     format!(
-        "host={} cpu={} cores={cores} device={} threads={:?} int8={int8} store={:016x} fs={fs} \
+        "host={} cpu={} cores={cores} device={} threads={:?} int8={int8} store={} fs={fs} \
          build={}",
         host.trim(),
         cpu.split(':').nth(1).unwrap_or("").trim(),
         device.device,
         device.threads,
-        files.finish(),
+        store.identity(),
         env!("CARGO_PKG_VERSION"),
     )
 }
@@ -77,11 +73,9 @@ pub fn figures(
     }
     let f = measure(store, device, readers)?;
     let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(path.parent().expect("a file in a directory"))?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let c = Cached { key: key.clone(), figures: f.clone() };
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&c).map_err(std::io::Error::other)?)?;
-        std::fs::rename(&tmp, &path)
+        let bytes = serde_json::to_vec_pretty(&c).map_err(std::io::Error::other)?;
+        layerstream_types::cache::write_whole(&path, &bytes)
     };
     if let Err(e) = write() {
         eprintln!("layerstream: calibration not cached ({}): {e}", path.display());

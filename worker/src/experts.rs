@@ -7,8 +7,12 @@
 //! a copy thread that brings those experts onto the device while the step computes; a step that needs
 //! an expert the thread is copying waits for that copy instead of making another. A layer that needs
 //! more experts than the capacity holds them all while it computes (the cache shrinks back after).
+//! The hot set comes first: every expert a step needs is counted in the store's usage history
+//! (`expert_history`, kept across runs), a cache starts with the hottest experts of its layers
+//! loaded, and among the experts of the layer needed last it evicts the least routed-to first.
 
 use crate::error::{Error, Result};
+use crate::expert_history::History;
 use crate::moe::{ExpertCounts, ExpertSource, ExpertWeights};
 use crate::stream::LoaderLink;
 use layerstream_kernels::Backend;
@@ -68,9 +72,23 @@ struct State<B: Backend> {
     ahead: (u64, f64),
     stop: bool,
     parent: TraceParent,
+    /// Routing counts of the store's experts (saved at `history_path`; None: not kept, every
+    /// expert is on the device).
+    history: History,
+    history_path: Option<std::path::PathBuf>,
 }
 
 impl<B: Backend> State<B> {
+    /// The history to save now, when enough needs were recorded since the last save (`force`:
+    /// whatever was recorded); saving is the caller's, outside the lock.
+    fn history_to_save(&mut self, force: bool) -> Option<(History, std::path::PathBuf)> {
+        let path = self.history_path.clone()?;
+        let h = (self.history.due() || (force && self.history.unsaved() > 0))
+            .then(|| self.history.clone())?;
+        self.history.saved();
+        Some((h, path))
+    }
+
     /// Makes room for one more expert, never evicting one in `keep`. Layers run in a known cyclic
     /// order, so the expert evicted is the one whose layer comes back last counting from `now` (the
     /// layer being computed or copied for), the least recently used among those: plain LRU would
@@ -84,7 +102,10 @@ impl<B: Backend> State<B> {
                 .map
                 .iter()
                 .filter(|(k, _)| !keep.contains(k))
-                .max_by_key(|(k, v)| (ahead(k.0), std::cmp::Reverse(v.last_use)))
+                .max_by_key(|(k, v)| {
+                    let rare = std::cmp::Reverse(self.history.count(**k));
+                    (ahead(k.0), rare, std::cmp::Reverse(v.last_use))
+                })
                 .map(|(k, _)| *k);
             match victim {
                 Some(k) => {
@@ -148,12 +169,28 @@ impl<B: Backend + 'static> ExpertCache<B> {
             ahead: (0, 0.0),
             stop: false,
             parent: TraceParent::default(),
+            history: History::default(),
+            history_path: None,
         };
-        if all {
-            for &k in &every {
-                let (w, _) = copier.fetch(&mut link, k)?;
-                state.map.insert(k, Entry { weights: Arc::new(w), last_use: 0, predicted: false });
-            }
+        // Every expert, or the hottest the capacity holds by the store's usage history.
+        let first = if all {
+            every.clone()
+        } else {
+            let path = crate::expert_history::path_for(&copier.store);
+            state.history = History::load(&path);
+            state.history_path = Some(path);
+            state.history.hottest(&every, state.capacity)
+        };
+        for &k in &first {
+            let (w, _) = copier.fetch(&mut link, k)?;
+            state.map.insert(k, Entry { weights: Arc::new(w), last_use: 0, predicted: false });
+        }
+        if !all && !first.is_empty() {
+            tracing::info!(
+                experts = first.len(),
+                capacity = state.capacity,
+                "expert cache: the hottest experts by this store's usage history loaded"
+            );
         }
         let shared = Arc::new(Shared { state: Mutex::new(state), changed: Condvar::new() });
         let thread = if all || every.is_empty() {
@@ -255,6 +292,7 @@ impl<B: Backend + 'static> ExpertSource<B> for ExpertCache<B> {
         s.clock += 1;
         for &e in ids {
             let k = (layer, e);
+            s.history.record(k);
             // An expert the copy thread is bringing in now: wait for it rather than copy it twice.
             while s.copying == Some(k) {
                 s = self.shared.changed.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -286,12 +324,28 @@ impl<B: Backend + 'static> ExpertSource<B> for ExpertCache<B> {
         let (bytes, ms) = std::mem::take(&mut s.ahead);
         counts.bytes += bytes;
         counts.transfer_ms += ms;
+        let save = s.history_to_save(false);
+        drop(s);
+        if let Some((h, path)) = save {
+            save_history(&h, &path);
+        }
         Ok((out, counts))
+    }
+}
+
+/// Saves a usage history; a failure is logged (the history only speeds the next start).
+fn save_history(h: &History, path: &std::path::Path) {
+    if let Err(e) = h.save(path) {
+        tracing::warn!(path = %path.display(), error = %e, "expert usage history not saved");
     }
 }
 
 impl<B: Backend> Drop for ExpertCache<B> {
     fn drop(&mut self) {
+        let save = self.shared.lock().history_to_save(true);
+        if let Some((h, path)) = save {
+            save_history(&h, &path);
+        }
         self.shared.lock().stop = true;
         self.shared.changed.notify_all();
         let ahead = self.thread.take().and_then(|t| t.join().ok());

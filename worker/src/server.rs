@@ -239,8 +239,11 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
             layerstream_rpc::transport::shutdown_signal(),
         )
         .await?;
-    // Whatever still holds the state, the hand-off regions go now.
+    // Whatever still holds the state, the hand-off regions go now, and the stage (an expert cache
+    // saves its usage history as it goes).
     state.handoff.clear();
+    let stage = state.stage.lock().map(|mut s| s.take());
+    drop(stage);
     Ok(())
 }
 

@@ -56,6 +56,20 @@ impl LoadedFile {
 }
 
 impl Store {
+    /// What the store holds, as 16 hex digits: its files' names and checksums hashed (xxh3), so two
+    /// stores with the same weights share it and any changed file changes it. Caches of what was
+    /// measured or learned about a store (calibration, expert usage) are keyed by it.
+    pub fn identity(&self) -> String {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for f in &self.manifest.files {
+            h.update(f.name.as_bytes());
+            h.update(&[0]);
+            h.update(f.checksum.as_bytes());
+            h.update(&[0]);
+        }
+        format!("{:016x}", h.digest())
+    }
+
     /// Opens `dir`: parses the manifest, checks that it is consistent (`Manifest::check`) and that
     /// every file exists as a regular file with its recorded size.
     pub fn open(dir: &Path) -> Result<Store> {

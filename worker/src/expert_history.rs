@@ -1,0 +1,149 @@
+//! How often each expert was routed to, kept per store across runs: the expert cache counts every
+//! expert a step needs, saves the counts under the cache root (`expert-usage/<store identity>.json`,
+//! written whole and renamed) every `SAVE_EVERY` needs and when it is dropped, and at the next start
+//! loads the hottest experts of its layers before the first step and evicts the least used first.
+//! Counts are halved when they grow large, so the history follows a changing workload.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// (layer, expert).
+pub type Key = (u32, u32);
+
+/// Needs recorded between saves.
+pub const SAVE_EVERY: u64 = 4096;
+/// A count past this halves every count.
+const AGE_AT: u64 = 1 << 40;
+
+/// Routing counts of one store's experts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct History {
+    counts: HashMap<Key, u64>,
+    /// Needs recorded since the last save.
+    unsaved: u64,
+}
+
+impl History {
+    /// Counts one routing of `key`.
+    pub fn record(&mut self, key: Key) {
+        let c = self.counts.entry(key).or_insert(0);
+        *c += 1;
+        self.unsaved += 1;
+        if *c >= AGE_AT {
+            self.counts.values_mut().for_each(|v| *v /= 2);
+            self.counts.retain(|_, v| *v > 0);
+        }
+    }
+
+    /// How often `key` was routed to.
+    pub fn count(&self, key: Key) -> u64 {
+        self.counts.get(&key).copied().unwrap_or(0)
+    }
+
+    /// The `n` most routed-to of `candidates` (ties: lower layer, then lower expert), never one
+    /// that was not routed to at all.
+    pub fn hottest(&self, candidates: &[Key], n: usize) -> Vec<Key> {
+        let mut hot: Vec<(u64, Key)> =
+            candidates.iter().map(|&k| (self.count(k), k)).filter(|&(c, _)| c > 0).collect();
+        hot.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        hot.into_iter().take(n).map(|(_, k)| k).collect()
+    }
+
+    /// Whether enough needs were recorded since the last save to save again.
+    pub fn due(&self) -> bool {
+        self.unsaved >= SAVE_EVERY
+    }
+
+    /// The history saved at `path`; empty when there is none or it cannot be read (a history only
+    /// speeds a start up: a damaged one is started afresh, and said).
+    pub fn load(path: &Path) -> History {
+        let Ok(bytes) = std::fs::read(path) else { return History::default() };
+        match serde_json::from_slice::<Vec<(u32, u32, u64)>>(&bytes) {
+            Ok(v) => {
+                History { counts: v.into_iter().map(|(l, e, c)| ((l, e), c)).collect(), unsaved: 0 }
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "expert usage history unreadable; starting afresh");
+                History::default()
+            }
+        }
+    }
+
+    /// Needs recorded since the last save.
+    pub fn unsaved(&self) -> u64 {
+        self.unsaved
+    }
+
+    /// Notes that the counts as they are now were saved (`save` took a copy).
+    pub fn saved(&mut self) {
+        self.unsaved = 0;
+    }
+
+    /// Writes the history to `path` (a temporary file renamed over it), merged with what another
+    /// process (another worker of the same store) saved there since: the larger count of each
+    /// expert wins.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let mut merged = History::load(path).counts;
+        for (&k, &c) in &self.counts {
+            let v = merged.entry(k).or_insert(0);
+            *v = (*v).max(c);
+        }
+        let mut v: Vec<(u32, u32, u64)> = merged.into_iter().map(|((l, e), c)| (l, e, c)).collect();
+        v.sort_unstable();
+        let bytes = serde_json::to_vec(&v).map_err(std::io::Error::other)?;
+        layerstream_types::cache::write_whole(path, &bytes)
+    }
+}
+
+/// Where a store's history lives.
+pub fn path_for(store: &layerstream_model::Store) -> PathBuf {
+    layerstream_types::cache_dir().join("expert-usage").join(format!("{}.json", store.identity()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hottest_experts_are_kept_across_a_save_and_a_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.json");
+        let mut h = History::default();
+        for (k, n) in [((0, 3), 5), ((0, 1), 2), ((1, 7), 9), ((1, 2), 2)] {
+            (0..n).for_each(|_| h.record(k));
+        }
+        let all = [(0, 0), (0, 1), (0, 3), (1, 2), (1, 7)];
+        assert_eq!(h.hottest(&all, 3), [(1, 7), (0, 3), (0, 1)], "by count, ties by key");
+        assert_eq!(h.hottest(&all, 10).len(), 4, "never an expert not routed to");
+        assert_eq!(h.hottest(&[(0, 0)], 1), Vec::<Key>::new());
+        h.save(&path).unwrap();
+        h.saved();
+        assert!(!h.due());
+        let back = History::load(&path);
+        assert_eq!(back.hottest(&all, 3), h.hottest(&all, 3));
+        // Another worker's save merges: the larger count of each wins.
+        let mut other = History::default();
+        (0..20).for_each(|_| other.record((0, 0)));
+        other.save(&path).unwrap();
+        let merged = History::load(&path);
+        assert_eq!((merged.count((0, 0)), merged.count((1, 7))), (20, 9));
+        // A damaged file is a fresh history, not an error.
+        std::fs::write(&path, b"{not json").unwrap();
+        assert_eq!(History::load(&path), History::default());
+        assert_eq!(History::load(&dir.path().join("absent.json")), History::default());
+    }
+
+    #[test]
+    fn saves_come_due_and_counts_age() {
+        let mut h = History::default();
+        (0..SAVE_EVERY).for_each(|_| h.record((0, 0)));
+        assert!(h.due());
+        h.saved();
+        assert!(!h.due());
+        h.counts.insert((0, 1), AGE_AT - 1);
+        h.counts.insert((0, 2), 1);
+        h.record((0, 1));
+        assert_eq!(h.count((0, 1)), AGE_AT / 2);
+        assert_eq!(h.count((0, 2)), 0, "halved away");
+    }
+}
