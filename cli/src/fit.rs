@@ -28,7 +28,8 @@ pub struct Fixed {
     pub kv_host_bytes: Option<u64>,
 }
 
-/// The stack's shape: `layers` slot-sized files, at least `floor` slots (the workers' streaming
+/// The stack's shape: `layers` slot-sized files (layer files, and expert files where the store has
+/// them), at least `floor` slots (the workers' streaming
 /// buffers and read-ahead), `workers` workers, CPU ones or not.
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {

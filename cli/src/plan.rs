@@ -63,6 +63,41 @@ pub fn sources(
         .collect()
 }
 
+/// `layers` (as `sources` gives them) with each mixture-of-experts layer's expected expert reads at
+/// `rows` sequences added (`cost::expert_reads`: the experts a step needs that the worker's cache
+/// does not hold are read from disk), in pass order.
+pub fn with_experts(
+    m: &layerstream_model::Manifest,
+    plans: &[Assignment],
+    layers: &[(Source, u64)],
+    rows: usize,
+) -> Vec<(Source, u64)> {
+    let mut out = layers.to_vec();
+    let mut i = 0;
+    for p in plans {
+        let (n, total, _) = layerstream_model::plan::range_experts(m, p);
+        let held = if p.expert_cache == 0 { 1.0 } else { p.expert_cache as f64 / n.max(1) as f64 };
+        let each = total / n.max(1) as u64;
+        for l in p.layer_start..p.layer_end {
+            if let Some(moe) = m.config.moe_at(l as usize) {
+                let bytes = layerstream_coordinator::cost::expert_reads(
+                    moe.experts,
+                    moe.top_k,
+                    rows,
+                    held,
+                    each,
+                );
+                let (s, b) = out[i];
+                if bytes > 0 {
+                    out[i] = (Source::Disk, bytes + if s == Source::Disk { b } else { 0 });
+                }
+            }
+            i += 1;
+        }
+    }
+    out
+}
+
 /// What `up` would do, and what it would deliver.
 pub struct Placement {
     pub plans: Vec<Assignment>,
@@ -107,7 +142,10 @@ pub fn placement(
     let layers = sources(m, &plans, shares.slots, depth);
     let (figures, cached) = crate::calibration::figures(store, &a.device, depth, a.recalibrate)?;
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
-    let predicted = rows.iter().map(|&r| predict(&figures, &layers, r, depth, buffers)).collect();
+    let predicted = rows
+        .iter()
+        .map(|&r| predict(&figures, &with_experts(m, &plans, &layers, r), r, depth, buffers))
+        .collect();
     Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted })
 }
 
@@ -164,6 +202,11 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
         Source::Disk => "disk",
     };
     let f = &p.figures;
+    // Expected expert reads per pass (mixture-of-experts stores) at each batch size.
+    let expert_bytes: Vec<u64> = crate::calibration::ROWS
+        .iter()
+        .map(|&r| tiers(&with_experts(m, &p.plans, &p.layers, r)).disk.1 - t.disk.1)
+        .collect();
     let v = json!({
         "memory": {"usable": ledger.usable(), "summary": ledger.describe()},
         "shares": {"slots": shares.slots, "slot_bytes": shares.slot_size, "worker_budget": p.budget,
@@ -173,7 +216,8 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
         "layers": p.layers.iter().map(|&(s, _)| source(s)).collect::<Vec<_>>(),
         "tiers": {"device": {"layers": t.device.0, "bytes": t.device.1},
             "ram": {"layers": t.ram.0, "bytes_per_pass": t.ram.1},
-            "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1}},
+            "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1},
+            "experts_from_disk_bytes_per_pass": expert_bytes},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
             "disk_latency_ms": f.disk_latency_ms, "link_gbps": f.link_gbps,
             "layer_s": f.layer_s, "head_s": f.head_s},
@@ -199,6 +243,16 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
         t.disk.0,
         gb(t.disk.1)
     );
+    if expert_bytes.iter().any(|&b| b > 0) {
+        let caches: Vec<String> = p.plans.iter().map(|w| w.expert_cache.to_string()).collect();
+        println!(
+            "experts: a cache of {} per worker; expected from disk a pass {} at batch 1, {} at 8, {} at 64",
+            caches.join(", "),
+            gb(expert_bytes[0]),
+            gb(expert_bytes[1]),
+            gb(expert_bytes[2])
+        );
+    }
     let ms = |v: &[(usize, f64)]| {
         v.iter().map(|(r, s)| format!("{:.1} ms at {r}", s * 1e3)).collect::<Vec<_>>().join(", ")
     };

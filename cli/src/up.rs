@@ -367,8 +367,10 @@ pub(crate) fn memory_shares(
 ) -> Result<(layerstream_model::mem::Ledger, crate::fit::Shares)> {
     let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
     let layers = store.manifest.config.num_layers;
+    // Every streamable unit: layer files and, in a mixture-of-experts store, each expert file.
+    let experts = store.manifest.files.iter().filter(|f| f.name.contains("_expert_")).count();
     let shape = crate::fit::Shape {
-        layers,
+        layers: layers + experts,
         slot_size: store.manifest.max_unit_bytes(),
         floor: (a.workers * per_worker).max(4).min(layers.max(4)),
         workers: a.workers,

@@ -68,6 +68,24 @@ pub struct Prediction {
     pub bound: &'static str,
 }
 
+/// Distinct experts one mixture-of-experts layer's step routes `rows` rows to, each row choosing
+/// `k` of `e`, with routing spread evenly (a usage history that is skewed only lowers it):
+/// e·(1 − (1 − k/e)^rows).
+pub fn experts_needed(e: usize, k: usize, rows: usize) -> f64 {
+    if e == 0 {
+        return 0.0;
+    }
+    let miss_one = 1.0 - (k.min(e) as f64 / e as f64);
+    e as f64 * (1.0 - miss_one.powi(rows.min(i32::MAX as usize) as i32))
+}
+
+/// Bytes a pass reads for one MoE layer's experts: the experts needed (`experts_needed`) that the
+/// worker's cache does not hold — it holds a share `held` (0..=1) of the layer's experts — each
+/// `expert_bytes`.
+pub fn expert_reads(e: usize, k: usize, rows: usize, held: f64, expert_bytes: u64) -> u64 {
+    (experts_needed(e, k, rows) * (1.0 - held.clamp(0.0, 1.0)) * expert_bytes as f64) as u64
+}
+
 /// Predicts a pass over `layers` (each its source and bytes) at `rows` sequences.
 pub fn predict(
     f: &Figures,
@@ -165,6 +183,18 @@ mod tests {
             layer_s: vec![(1, layer), (8, layer * 2.0), (64, layer * 10.0)],
             head_s: vec![(1, head), (8, head * 2.0), (64, head * 10.0)],
         }
+    }
+
+    #[test]
+    fn experts_needed_grow_with_rows_to_every_expert_and_a_cache_saves_its_share() {
+        assert_eq!(experts_needed(128, 8, 1), 8.0);
+        let at8 = experts_needed(128, 8, 8);
+        assert!(at8 > 8.0 && at8 < 64.0, "{at8}");
+        assert!((experts_needed(128, 8, 1000) - 128.0).abs() < 1e-6);
+        assert_eq!(experts_needed(0, 8, 4), 0.0);
+        assert_eq!(expert_reads(128, 8, 1, 0.0, 1000), 8000);
+        assert_eq!(expert_reads(128, 8, 1, 0.75, 1000), 2000);
+        assert_eq!(expert_reads(128, 8, 1, 1.0, 1000), 0);
     }
 
     #[test]

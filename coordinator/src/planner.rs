@@ -95,12 +95,13 @@ pub fn plan_for(
     Ok((plan(m, &workers, &o)?, o.kv_capacity))
 }
 
-/// Whether a worker's budget cannot keep its whole range resident (`plans`: a plan with as many
-/// resident layers as fit; None: not even that plans) — the model streams past its memory.
+/// Whether a worker's budget cannot keep its whole range resident, experts included (`plans`: a
+/// plan with as many resident layers as fit; None: not even that plans) — the model streams past
+/// its memory.
 fn past_memory(plans: Option<&Vec<Assignment>>, i: usize) -> bool {
-    plans
-        .and_then(|p| p.get(i))
-        .is_none_or(|p| p.resident.len() < (p.layer_end - p.layer_start) as usize)
+    plans.and_then(|p| p.get(i)).is_none_or(|p| {
+        p.resident.len() < (p.layer_end - p.layer_start) as usize || p.expert_cache > 0
+    })
 }
 
 /// `--kv-dtype auto` on a CPU worker not under `--exact` is f32 (as transformers computes) while
