@@ -19,7 +19,7 @@
 #   LIMITS="3584" GEN=16 benchmarks/memory-limit-vs-llama-cpp.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LIMITS=${LIMITS:-"3584 2560"}
+LIMITS=${LIMITS-"3584 2560"}   # empty: only the MoE rows
 GEN=${GEN:-8}
 WORK=${WORK:-/tmp/layerstream-memlimit}
 BIN=${LAYERSTREAM_BIN:-target/release/layerstream}
@@ -146,7 +146,7 @@ for mib in $MOE_LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     fresh
     (in_cg "$BIN" plan --model "$moe" --workers 1 --json) > "$WORK/moe-plan.json" 2> "$WORK/moe-plan.err" || true
-    p1=$(python3 -c 'import json,sys; print(f"{json.load(open(sys.argv[1]))["predicted"][0]["tokens_per_s"]:.3f}")' "$WORK/moe-plan.json" 2>/dev/null || echo "?")
+    p1=$(python3 -c 'import json,sys; p = json.load(open(sys.argv[1])); print("%.3f" % p["predicted"][0]["tokens_per_s"])' "$WORK/moe-plan.json" 2>/dev/null || echo "?")
     fresh
     port=$((20000 + RANDOM % 20000))
     in_cg "$BIN" up --model "$moe" --workers 1 --listen 127.0.0.1:$port --http-listen 127.0.0.1:$((port + 1)) > "$WORK/up.out" 2> "$WORK/moe-up.err" &

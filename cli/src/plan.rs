@@ -65,18 +65,29 @@ pub fn sources(
 
 /// `layers` (as `sources` gives them) with each mixture-of-experts layer's expected expert reads at
 /// `rows` sequences added (`cost::expert_reads`: the experts a step needs that the worker's cache
-/// does not hold are read from disk), in pass order.
+/// does not hold are read from disk), in pass order. The share of routings a worker's cache serves
+/// is what its hottest experts took in the store's usage history (`history`), else its share of
+/// the experts (routing spread evenly).
 pub fn with_experts(
     m: &layerstream_model::Manifest,
     plans: &[Assignment],
     layers: &[(Source, u64)],
     rows: usize,
+    history: &layerstream_worker::expert_history::History,
 ) -> Vec<(Source, u64)> {
     let mut out = layers.to_vec();
     let mut i = 0;
     for p in plans {
         let (n, total, _) = layerstream_model::plan::range_experts(m, p);
-        let held = if p.expert_cache == 0 { 1.0 } else { p.expert_cache as f64 / n.max(1) as f64 };
+        let keys: Vec<(u32, u32)> = (p.layer_start..p.layer_end)
+            .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l, x.experts as u32)))
+            .flat_map(|(l, e)| (0..e).map(move |e| (l, e)))
+            .collect();
+        let cache = p.expert_cache as usize;
+        let held = match cache {
+            0 => 1.0,
+            c => history.coverage(&keys, c).unwrap_or(c as f64 / n.max(1) as f64),
+        };
         let each = total / n.max(1) as u64;
         for l in p.layer_start..p.layer_end {
             if let Some(moe) = m.config.moe_at(l as usize) {
@@ -107,6 +118,8 @@ pub struct Placement {
     pub figures: Figures,
     pub cached: bool,
     pub predicted: Vec<Prediction>,
+    /// The store's expert usage history (empty without one).
+    pub history: layerstream_worker::expert_history::History,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
@@ -142,11 +155,16 @@ pub fn placement(
     let layers = sources(m, &plans, shares.slots, depth);
     let (figures, cached) = crate::calibration::figures(store, &a.device, depth, a.recalibrate)?;
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
+    let history = layerstream_worker::expert_history::History::load(
+        &layerstream_worker::expert_history::path_for(store),
+    );
     let predicted = rows
         .iter()
-        .map(|&r| predict(&figures, &with_experts(m, &plans, &layers, r), r, depth, buffers))
+        .map(|&r| {
+            predict(&figures, &with_experts(m, &plans, &layers, r, &history), r, depth, buffers)
+        })
         .collect();
-    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted })
+    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted, history })
 }
 
 /// One line per batch size: tokens/s, pass time, what bounds it.
@@ -205,7 +223,7 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
     // Expected expert reads per pass (mixture-of-experts stores) at each batch size.
     let expert_bytes: Vec<u64> = crate::calibration::ROWS
         .iter()
-        .map(|&r| tiers(&with_experts(m, &p.plans, &p.layers, r)).disk.1 - t.disk.1)
+        .map(|&r| tiers(&with_experts(m, &p.plans, &p.layers, r, &p.history)).disk.1 - t.disk.1)
         .collect();
     let v = json!({
         "memory": {"usable": ledger.usable(), "summary": ledger.describe()},

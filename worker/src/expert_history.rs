@@ -49,6 +49,14 @@ impl History {
         hot.into_iter().take(n).map(|(_, k)| k).collect()
     }
 
+    /// The share of `candidates`' routings that their `n` hottest took (what a cache holding them
+    /// would have served); None without a history of them.
+    pub fn coverage(&self, candidates: &[Key], n: usize) -> Option<f64> {
+        let total: u64 = candidates.iter().map(|&k| self.count(k)).sum();
+        let hot: u64 = self.hottest(candidates, n).iter().map(|&k| self.count(k)).sum();
+        (total > 0).then(|| hot as f64 / total as f64)
+    }
+
     /// Whether enough needs were recorded since the last save to save again.
     pub fn due(&self) -> bool {
         self.unsaved >= SAVE_EVERY
@@ -116,6 +124,9 @@ mod tests {
         assert_eq!(h.hottest(&all, 3), [(1, 7), (0, 3), (0, 1)], "by count, ties by key");
         assert_eq!(h.hottest(&all, 10).len(), 4, "never an expert not routed to");
         assert_eq!(h.hottest(&[(0, 0)], 1), Vec::<Key>::new());
+        assert_eq!(h.coverage(&all, 1), Some(9.0 / 18.0));
+        assert_eq!(h.coverage(&all, 10), Some(1.0));
+        assert_eq!(h.coverage(&[(0, 0)], 1), None);
         h.save(&path).unwrap();
         h.saved();
         assert!(!h.due());

@@ -6,7 +6,7 @@ mod calibrate;
 mod device;
 mod draft;
 mod error;
-mod expert_history;
+pub mod expert_history;
 mod experts;
 mod forward;
 mod generate;
