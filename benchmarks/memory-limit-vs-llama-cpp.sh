@@ -156,7 +156,7 @@ for mib in $MOE_LIMITS; do
         echo "| $mib MiB | — | $p1 | — | — | did not start: $(grep -v INFO "$WORK/moe-up.err" | tail -1 | cut -c1-160) | $(peak_gib) |"
         continue
     fi
-    counters() { curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_cache_hits_total/ {h += $2} /^layerstream_loader_cache_misses_total/ {m += $2} END {printf "%d,%d,%d", b, h, m}'; }
+    counters() { curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_cache_hits_total/ {h += $2} /^layerstream_loader_cache_misses_total/ {m += $2} END {printf "%.0f,%.0f,%.0f", b, h, m}   # (not %d: mawk caps it at 2^31)'; }
     before=$(counters)
     one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
     after=$(counters)
