@@ -117,9 +117,10 @@ pub struct Placement {
     pub layers: Vec<(Source, u64)>,
     pub figures: Figures,
     pub cached: bool,
+    /// For each batch size asked for: the pass as the cost model saw it (`layers` with the expert
+    /// reads of that batch, `with_experts`) and what it predicts.
+    pub passes: Vec<Vec<(Source, u64)>>,
     pub predicted: Vec<Prediction>,
-    /// The store's expert usage history (empty without one).
-    pub history: layerstream_worker::expert_history::History,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
@@ -158,13 +159,14 @@ pub fn placement(
     let history = layerstream_worker::expert_history::History::load(
         &layerstream_worker::expert_history::path_for(store),
     );
+    let passes: Vec<_> =
+        rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
     let predicted = rows
         .iter()
-        .map(|&r| {
-            predict(&figures, &with_experts(m, &plans, &layers, r, &history), r, depth, buffers)
-        })
+        .zip(&passes)
+        .map(|(&r, pass)| predict(&figures, pass, r, depth, buffers))
         .collect();
-    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, predicted, history })
+    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, passes, predicted })
 }
 
 /// One line per batch size: tokens/s, pass time, what bounds it.
@@ -221,10 +223,8 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
     };
     let f = &p.figures;
     // Expected expert reads per pass (mixture-of-experts stores) at each batch size.
-    let expert_bytes: Vec<u64> = crate::calibration::ROWS
-        .iter()
-        .map(|&r| tiers(&with_experts(m, &p.plans, &p.layers, r, &p.history)).disk.1 - t.disk.1)
-        .collect();
+    let expert_bytes: Vec<u64> =
+        p.passes.iter().map(|pass| tiers(pass).disk.1 - t.disk.1).collect();
     let v = json!({
         "memory": {"usable": ledger.usable(), "summary": ledger.describe()},
         "shares": {"slots": shares.slots, "slot_bytes": shares.slot_size, "worker_budget": p.budget,
