@@ -3,7 +3,11 @@
 //! validate (20 schemas), required tool calls that validate against the function's schema (50
 //! seeded samples, streamed and not), a tool round trip, `n` equal to single requests with each
 //! choice's seed, OpenAI's penalties, and `echo` with prompt log-probabilities equal to a
-//! log-softmax of the CPU backend's logits. Says SKIPPED without `openai` and `jsonschema`.
+//! log-softmax of the CPU backend's logits; what agent frameworks rely on besides
+//! (`clients/protocol_client.py`): tools beside a response format, `tool_choice`'s call counts, a
+//! cut call, batched completion prompts, `continuous_usage_stats`, the parameter policy,
+//! `text_offset`, and `/metrics`' negotiated format. Says SKIPPED without `openai` and
+//! `jsonschema` (fails instead under `LAYERSTREAM_REQUIRE_CLIENTS=1`, as in CI).
 
 use layerstream_kernels::CpuBackend;
 use layerstream_tests::stack::*;
@@ -16,13 +20,18 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
     l.iter().map(|&x| x as f64 - lse).collect()
 }
 
+/// Whether the `openai` and `jsonschema` packages are installed. Where they must be
+/// (`LAYERSTREAM_REQUIRE_CLIENTS=1`, as CI sets it) their absence fails the test instead.
 fn have_clients() -> bool {
     let ok = Command::new("python3")
         .args(["-c", "import openai, jsonschema"])
         .output()
         .is_ok_and(|o| o.status.success());
+    let why =
+        "the `openai` and `jsonschema` Python packages are missing (pip install openai jsonschema)";
+    assert!(ok || std::env::var("LAYERSTREAM_REQUIRE_CLIENTS").is_err(), "{why}");
     if !ok {
-        eprintln!("SKIPPED: the `openai` and `jsonschema` Python packages are missing (pip install openai jsonschema)");
+        eprintln!("SKIPPED: {why}");
     }
     ok
 }
@@ -196,4 +205,94 @@ fn agents_get_valid_json_tool_calls_n_penalties_and_prompt_logprobs() {
         let got = lps[i].as_f64().unwrap();
         assert!((got - want).abs() < 1e-4, "token {i}: {got} vs {want}");
     }
+}
+
+/// `curl -sD -` of `url` with extra arguments: the headers and the body.
+fn curl_with_headers(url: &str, args: &[&str]) -> String {
+    let o = Command::new("curl").args(["-sS", "-D", "-"]).args(args).arg(url).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// What agent frameworks rely on in the protocol, through the `openai` client on SmolLM2.
+#[test]
+fn frameworks_get_tool_semantics_batches_usage_and_the_parameter_policy() {
+    if !have_clients() {
+        return;
+    }
+    let store = default_store().expect("fetching the default model (needs PyPI)");
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let v = client("protocol_client.py", &[stack.http()]);
+    let metrics = format!("{}/metrics", stack.http());
+    let classic = curl_with_headers(&metrics, &[]);
+    let om =
+        curl_with_headers(&metrics, &["-H", "Accept: application/openmetrics-text; version=1.0.0"]);
+    stack.shutdown();
+    eprintln!("{v}");
+    for s in v["tools_with_format"].as_array().unwrap() {
+        assert_eq!(s["ok"], true, "a call or an answer in the format: {s}");
+    }
+    let tc = &v["tool_choice"];
+    for c in tc["named"].as_array().unwrap() {
+        assert_eq!(
+            (&c["calls"], &c["names"][0], &c["finish"]),
+            (&1.into(), &"City".into(), &"tool_calls".into()),
+            "{c}"
+        );
+    }
+    for c in tc["required_single"].as_array().unwrap() {
+        assert_eq!((&c["calls"], &c["finish"]), (&1.into(), &"tool_calls".into()), "{c}");
+    }
+    for c in tc["auto_single"].as_array().unwrap() {
+        assert!(c["calls"].as_u64().unwrap() <= 1 && c["markup"] == false, "{c}");
+    }
+    for how in ["whole", "stream"] {
+        let c = &v["cut"][how];
+        assert_eq!(
+            (&c["name"], &c["finish"]),
+            (&"get_weather".into(), &"length".into()),
+            "{how}: {c}"
+        );
+        let args = c["arguments"].as_str().unwrap();
+        assert!(
+            args.starts_with('{') && serde_json::from_str::<serde_json::Value>(args).is_err(),
+            "{how}: cut arguments {c}"
+        );
+        assert!(!c["content"].as_str().unwrap().contains("<tool_call>"), "{how}: {c}");
+    }
+    let b = &v["batch"];
+    assert_eq!(b["indexes"], serde_json::json!([0, 1, 2, 3, 4, 5]));
+    let texts = b["texts"].as_array().unwrap();
+    for (p, single) in b["singles"].as_array().unwrap().iter().enumerate() {
+        assert_eq!((&texts[2 * p], &texts[2 * p + 1]), (single, single), "prompt {p}: {b}");
+    }
+    assert_eq!(&b["streamed"], &b["texts"], "{b}");
+    let sum: u64 =
+        b["single_prompt_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
+    assert_eq!(b["prompt_tokens"].as_u64().unwrap(), sum, "{b}");
+    let usage: Vec<u64> = v["continuous_usage"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u.as_u64().expect("usage in every chunk"))
+        .collect();
+    assert!(usage.windows(2).all(|w| w[0] <= w[1]) && usage.last() == Some(&5), "{usage:?}");
+    let ignored = v["ignored_header"].as_str().unwrap_or_default();
+    assert!(ignored.contains("x_unknown") && ignored.contains("user"), "{v}");
+    assert_eq!(v["min_p"], "min_p");
+    let o = &v["offsets"];
+    assert_eq!(o["text"], "", "only special tokens: {o}");
+    assert!(
+        o["text_offset"].as_array().unwrap().iter().all(|x| x == 0),
+        "offsets into the text returned: {o}"
+    );
+    assert!(
+        classic.to_lowercase().contains("content-type: text/plain; version=0.0.4"),
+        "{classic}"
+    );
+    assert!(
+        !classic.contains("# EOF") && classic.contains("# TYPE layerstream_requests_total counter"),
+        "{classic}"
+    );
+    assert!(om.contains("application/openmetrics-text") && om.contains("# EOF"), "{om}");
 }

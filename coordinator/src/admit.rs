@@ -8,7 +8,7 @@ use crate::jobs::JobRecord;
 use crate::journal::Unfinished;
 use crate::scheduler::SeqRequest;
 use crate::service::CoordinatorService;
-use layerstream_model::grammar::{Constraint, Format, Grammars};
+use layerstream_model::grammar::{answer_rule, Constraint, Format, Grammars};
 use layerstream_model::spec::SpecLimits;
 use layerstream_model::tools::{self, ToolFormat};
 use layerstream_model::{
@@ -220,7 +220,7 @@ impl CoordinatorService {
     fn format_of(
         &self,
         r: &GenerateRequest,
-    ) -> Result<(Option<(Format, Field)>, Option<ToolFormat>), RequestError> {
+    ) -> Result<(Option<(Format, Field)>, Option<tools::Reading>), RequestError> {
         let funcs = request_functions(r)?;
         // (Token ids are taken as a chat the caller rendered with the tools, as the HTTP door does.)
         if !funcs.is_empty() && matches!(r.input, Some(generate_request::Input::Prompt(_))) {
@@ -251,22 +251,29 @@ impl CoordinatorService {
             return Err(RequestError::new(Field::ToolChoice, "requires tools"));
         }
         let tool_format = self.tool_format();
+        // A named function is called once; otherwise as many times as `parallel_tool_calls` lets.
+        let parallel = r.parallel_tool_calls.unwrap_or(true) && named.is_none();
+        let offered = !funcs.is_empty() && choice != "none";
         let format = match (&r.format, forced.is_empty()) {
-            (Some(_), false) => {
-                return Err(RequestError::new(
-                    Field::Format,
-                    "cannot be combined with a required tool call (tool_choice)",
-                ))
+            // Calls now; the response format is for the text answer after them.
+            (_, false) => Some(Format::Lark(tools::call_grammar(tool_format, &forced, parallel))),
+            // `auto`: a call, or a text answer in the format.
+            (Some(f), true) if offered => {
+                let answer = answer_rule(&output_format(f)?)
+                    .map_err(|m| RequestError::new(Field::Format, m))?;
+                let all: Vec<&tools::Function> = funcs.iter().collect();
+                Some(Format::Lark(tools::call_or_answer_grammar(
+                    tool_format,
+                    &all,
+                    parallel,
+                    &answer,
+                )))
             }
             (Some(f), true) => Some(output_format(f)?),
-            (None, false) => {
-                let parallel = r.parallel_tool_calls.unwrap_or(true);
-                Some(Format::Lark(tools::call_grammar(tool_format, &forced, parallel)))
-            }
             (None, true) => None,
         };
         let field = if forced.is_empty() { Field::Format } else { Field::Tools };
-        let parse = (!funcs.is_empty() && choice != "none").then_some(tool_format);
+        let parse = offered.then_some(tools::Reading { format: tool_format, one: !parallel });
         Ok((format.map(|f| (f, field)), parse))
     }
 
@@ -289,6 +296,12 @@ impl CoordinatorService {
                     self.kv_capacity
                 ),
             ));
+        }
+        // At most one call and no grammar to end it (`auto`): the first call's closing tag ends
+        // the output (a grammar ends the others).
+        let tagged = |f| matches!(f, ToolFormat::Hermes | ToolFormat::Generic);
+        if extras.constraint.is_none() && extras.tools.is_some_and(|t| t.one && tagged(t.format)) {
+            p.stop.push("</tool_call>".into());
         }
         // What the head worker needs to apply OpenAI's penalties and min_tokens.
         p.sampling.prompt_len = ids.len();
@@ -412,7 +425,7 @@ impl CoordinatorService {
 /// What a prepared request carries besides its ids and parameters.
 struct Extras {
     constraint: Option<Box<Constraint>>,
-    tools: Option<ToolFormat>,
+    tools: Option<tools::Reading>,
 }
 
 /// A wire chat message as the template sees it: an assistant's tool calls with their arguments

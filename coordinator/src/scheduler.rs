@@ -48,7 +48,7 @@ pub struct SeqRequest {
     /// Its output format (constrained decoding), followed token by token.
     pub(crate) constraint: Option<Box<layerstream_model::grammar::Constraint>>,
     /// Its output is parsed for tool calls written this way (a request with tools).
-    pub(crate) tools: Option<layerstream_model::tools::ToolFormat>,
+    pub(crate) tools: Option<layerstream_model::tools::Reading>,
     /// Its prefix-cache scope (`kv_blocks::salt_of` of its `cache_salt` and tenant; 0: global):
     /// it shares cached blocks only with requests of the same salt.
     pub(crate) salt: u64,

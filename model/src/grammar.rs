@@ -91,14 +91,6 @@ impl Grammars {
     /// or grammar that does not parse, or the limit a format exceeds: `grammar_limits`).
     pub fn compile(&self, format: &Format) -> Result<Constraint, String> {
         check_format(format, &self.limits)?;
-        let compact = |mut schema: Value| {
-            if let Some(o) = schema.as_object_mut() {
-                o.entry("x-guidance").or_insert_with(|| {
-                    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-                });
-            }
-            schema
-        };
         let grammar = match format {
             Format::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(json!({"type": "object"})))
@@ -132,6 +124,36 @@ impl Grammars {
         }
         Ok(c)
     }
+}
+
+/// `schema` with JSON written compactly as `json.dumps` does (`", "` and `": "`), unless it sets
+/// llguidance's `x-guidance` options itself.
+fn compact(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
+}
+
+/// `format` as the Lark rule `answer`, to be offered beside tool calls (`tools::call_or_answer_grammar`).
+/// A Lark grammar has a `start` of its own and is refused, naming what can be combined.
+pub fn answer_rule(format: &Format) -> Result<String, String> {
+    Ok(match format {
+        Format::JsonObject => format!("answer: %json {}", compact(json!({"type": "object"}))),
+        Format::JsonSchema(s) if s.is_object() => format!("answer: %json {}", compact(s.clone())),
+        Format::JsonSchema(_) => return Err("the schema must be a JSON object".into()),
+        Format::Regex(r) => {
+            regex_syntax::Parser::new().parse(r).map_err(|e| format!("the regex: {e}"))?;
+            format!("answer: /{}/", r.replace('/', "\\/"))
+        }
+        Format::Lark(_) => {
+            return Err("a grammar cannot be combined with tools under tool_choice auto (a JSON \
+                        schema, json_object, a regex or a choice can; or set tool_choice none)"
+                .into())
+        }
+    })
 }
 
 /// One sequence's position in its format.
@@ -272,6 +294,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Tools beside a response format under `auto`: every sentence is a call that parses back or
+    /// an answer in the format; a regex answer's `/` survives the embedding; a grammar is refused.
+    #[test]
+    fn a_call_or_an_answer_in_the_format() {
+        use crate::tools::{call_or_answer_grammar, functions, parse, ToolFormat};
+        let t = tok();
+        let g = Grammars::new(t.clone(), &[0]).unwrap();
+        let tz = json!({"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}},
+            "required": ["tz"], "additionalProperties": false});
+        let funcs = functions(vec![("get_time".into(), String::new(), Some(tz))]).unwrap();
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer",
+            "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": false});
+        let answer = answer_rule(&Format::JsonSchema(schema)).unwrap();
+        let lark = call_or_answer_grammar(ToolFormat::Hermes, &[&funcs[0]], false, &answer);
+        let (mut calls, mut answers) = (0, 0);
+        for k in [89, 7, 31, 113, 5, 61] {
+            let text = drive(&g, &t, &Format::Lark(lark.clone()), |i| (i % k) as i64);
+            match parse(ToolFormat::Hermes, &text) {
+                Some((_, c)) => {
+                    assert_eq!(c.len(), 1, "{text}");
+                    calls += 1;
+                }
+                None => {
+                    let v: Value =
+                        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                    assert!((0..=9).contains(&v["n"].as_i64().unwrap()), "{text}");
+                    answers += 1;
+                }
+            }
+        }
+        assert!(calls > 0 && answers > 0, "both ways are open: {calls} calls, {answers} answers");
+        let slash = answer_rule(&Format::Regex("a/b".into())).unwrap();
+        let lark = call_or_answer_grammar(ToolFormat::Hermes, &[&funcs[0]], false, &slash);
+        let text = drive(&g, &t, &Format::Lark(lark), |i| -((i % 13) as i64));
+        assert!(text == "a/b" || parse(ToolFormat::Hermes, &text).is_some(), "{text}");
+        assert!(answer_rule(&Format::Lark("start: \"x\"".into()))
+            .unwrap_err()
+            .contains("tool_choice"));
     }
 
     /// pydantic writes nested models as `$defs` with `#/$defs/…` references: embedded in the call

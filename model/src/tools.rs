@@ -156,9 +156,33 @@ pub fn prepare(
     (messages, None)
 }
 
+/// How a request's output is read back for tool calls: the template's format, and whether at
+/// most one call is kept (`parallel_tool_calls: false`, or a named function).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    pub format: ToolFormat,
+    pub one: bool,
+}
+
 /// A Lark grammar (llguidance's dialect) whose sentences are valid calls of `funcs` in `format`:
 /// one call, or with `parallel` one or more.
 pub fn call_grammar(format: ToolFormat, funcs: &[&Function], parallel: bool) -> String {
+    format!("start: calls\n{}", call_rules(format, funcs, parallel))
+}
+
+/// As `call_grammar`, or instead of calls a text answer: the rule `answer` that `answer_rules`
+/// defines (a response format offered beside tools under `tool_choice` auto).
+pub fn call_or_answer_grammar(
+    format: ToolFormat,
+    funcs: &[&Function],
+    parallel: bool,
+    answer_rules: &str,
+) -> String {
+    format!("start: calls | answer\n{answer_rules}\n{}", call_rules(format, funcs, parallel))
+}
+
+/// The Lark rules of `call_grammar` without `start`: `calls` derives the calls.
+fn call_rules(format: ToolFormat, funcs: &[&Function], parallel: bool) -> String {
     let key = format.args_key();
     let alts: Vec<String> = funcs
         .iter()
@@ -178,24 +202,24 @@ pub fn call_grammar(format: ToolFormat, funcs: &[&Function], parallel: bool) -> 
         })
         .collect();
     let obj = (0..funcs.len()).map(|i| format!("f{i}")).collect::<Vec<_>>().join(" | ");
-    let (start, call) = match format {
+    let (calls, call) = match format {
         ToolFormat::Hermes | ToolFormat::Generic => (
-            if parallel { "start: call (\"\\n\" call)*" } else { "start: call" },
+            if parallel { "calls: call (\"\\n\" call)*" } else { "calls: call" },
             "call: \"<tool_call>\\n\" obj \"\\n</tool_call>\"",
         ),
         ToolFormat::Llama3Json => {
-            (if parallel { "start: obj (\"; \" obj)*" } else { "start: obj" }, "")
+            (if parallel { "calls: obj (\"; \" obj)*" } else { "calls: obj" }, "")
         }
         ToolFormat::Mistral => (
             if parallel {
-                "start: \"[TOOL_CALLS][\" obj (\", \" obj)* \"]\""
+                "calls: \"[TOOL_CALLS][\" obj (\", \" obj)* \"]\""
             } else {
-                "start: \"[TOOL_CALLS][\" obj \"]\""
+                "calls: \"[TOOL_CALLS][\" obj \"]\""
             },
             "",
         ),
     };
-    format!("{start}\n{call}\nobj: {obj}\n{}", alts.concat())
+    format!("{calls}\n{call}\nobj: {obj}\n{}", alts.concat())
 }
 
 /// `schema` with every local `$ref` (`#…`) rewritten to point below `base`, where it will be
@@ -299,16 +323,102 @@ pub fn parse(format: ToolFormat, text: &str) -> Option<(String, Vec<Call>)> {
     }
 }
 
-/// As `parse`, for an output cut short: the calls completed before the cut (tagged formats;
-/// the others must parse whole).
-pub fn parse_complete(format: ToolFormat, text: &str) -> Option<(String, Vec<Call>)> {
-    match format {
-        ToolFormat::Hermes | ToolFormat::Generic => {
-            let end = text.rfind("</tool_call>")? + "</tool_call>".len();
-            parse(format, &text[..end])
-        }
-        _ => parse(format, text),
+/// A call as it goes out: its name and its arguments as text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallText {
+    pub name: String,
+    pub arguments: String,
+}
+
+impl From<Call> for CallText {
+    fn from(c: Call) -> Self {
+        CallText { name: c.name, arguments: c.arguments.to_string() }
     }
+}
+
+/// As `parse`, for an output that stopped inside a call (cut by its length, or malformed): the
+/// calls it holds, the last with the arguments written so far (as OpenAI returns a cut call), and
+/// the text before the first call's marker — never the markup itself. A call whose name was not
+/// written yet is left out. None when the output holds no call marker (it is plain text). A
+/// Llama 3 output counts as a call when it starts with `<|python_tag|>` or `{"name"`.
+pub fn parse_cut(format: ToolFormat, text: &str) -> Option<(String, Vec<CallText>)> {
+    let (content, mut rest) = match format {
+        ToolFormat::Hermes | ToolFormat::Generic => {
+            let at = text.find("<tool_call>")?;
+            (text[..at].trim(), &text[at..])
+        }
+        ToolFormat::Mistral => {
+            let at = text.find("[TOOL_CALLS]")?;
+            (text[..at].trim(), &text[at + "[TOOL_CALLS]".len()..])
+        }
+        ToolFormat::Llama3Json => {
+            let t = text.trim_start();
+            let tagged = t.strip_prefix("<|python_tag|>");
+            let body = tagged.unwrap_or(t).trim_start();
+            let named =
+                body.strip_prefix('{').is_some_and(|b| b.trim_start().starts_with("\"name\""));
+            if tagged.is_none() && !named {
+                return None;
+            }
+            ("", body)
+        }
+    };
+    let mut calls = Vec::new();
+    loop {
+        rest = skip_separators(rest);
+        if rest.is_empty() {
+            break;
+        }
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        match values.next() {
+            Some(Ok(v)) => match call_of(&v) {
+                Some(c) => calls.push(CallText::from(c)),
+                None => break,
+            },
+            _ => {
+                calls.extend(partial_call(rest));
+                break;
+            }
+        }
+        rest = &rest[values.byte_offset()..];
+    }
+    Some((content.to_owned(), calls))
+}
+
+/// `s` past the whitespace, tags and punctuation between calls.
+fn skip_separators(mut s: &str) -> &str {
+    loop {
+        let t = s.trim_start();
+        let next = ["<tool_call>", "</tool_call>", "[", "]", ",", ";"]
+            .iter()
+            .find_map(|m| t.strip_prefix(m));
+        match next {
+            Some(n) => s = n,
+            None => return t,
+        }
+    }
+}
+
+/// A call object cut short: its name (written whole) and its arguments so far.
+fn partial_call(s: &str) -> Option<CallText> {
+    let s = s.strip_prefix('{')?.trim_start().strip_prefix("\"name\"")?;
+    let s = s.trim_start().strip_prefix(':')?.trim_start();
+    let mut names = serde_json::Deserializer::from_str(s).into_iter::<String>();
+    let name = names.next()?.ok()?;
+    let s = s[names.byte_offset()..].trim_start().strip_prefix(',').unwrap_or("").trim_start();
+    let args = ["\"arguments\"", "\"parameters\""]
+        .iter()
+        .find_map(|k| s.strip_prefix(k))
+        .and_then(|a| a.trim_start().strip_prefix(':'))
+        .map_or("", str::trim_start);
+    // Whole arguments (only the call's closing brace was cut) go out as they would have.
+    let mut values = serde_json::Deserializer::from_str(args).into_iter::<Value>();
+    let arguments = match values.next() {
+        Some(Ok(Value::String(text))) => text,
+        Some(Ok(v)) => v.to_string(),
+        _ => args.trim_end().to_owned(),
+    };
+    Some(CallText { name, arguments })
 }
 
 #[cfg(test)]
@@ -350,7 +460,7 @@ mod tests {
         );
         let cut =
             "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na";
-        assert_eq!(parse_complete(ToolFormat::Hermes, cut).unwrap().1.len(), 1);
+        assert_eq!(parse_cut(ToolFormat::Hermes, cut).unwrap().1.len(), 1);
         assert!(
             parse(ToolFormat::Hermes, "<tool_call>{\"name\": \"x\", ").is_none(),
             "malformed: text"
@@ -368,6 +478,44 @@ mod tests {
         assert_eq!(calls[0].name, "w");
         let (_, calls) = parse(ToolFormat::Mistral, "[TOOL_CALLS]w[ARGS]{\"x\": 1}").unwrap();
         assert_eq!(calls[0].arguments, json!({"x": 1}));
+    }
+
+    /// A call cut short comes back as a call with the arguments written so far; the markup never
+    /// reaches the text.
+    #[test]
+    fn cut_calls_keep_their_arguments_so_far() {
+        let call = |n: &str, a: &str| CallText { name: n.into(), arguments: a.into() };
+        let text = "Sure.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {\"city\": \"Par";
+        let (content, calls) = parse_cut(ToolFormat::Hermes, text).unwrap();
+        assert_eq!(content, "Sure.");
+        assert_eq!(calls, vec![call("a", "{\"x\":1}"), call("b", "{\"city\": \"Par")]);
+        let (content, calls) = parse_cut(ToolFormat::Generic, "Hi <tool_call>\n{\"nam").unwrap();
+        assert_eq!((content.as_str(), calls.len()), ("Hi", 0), "no name yet: no call, no tags");
+        let whole_args = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"y\": [1, 2]}";
+        assert_eq!(
+            parse_cut(ToolFormat::Hermes, whole_args).unwrap().1,
+            [call("a", "{\"y\":[1,2]}")]
+        );
+        assert!(parse_cut(ToolFormat::Hermes, "plain text").is_none());
+        let m = "[TOOL_CALLS][{\"name\": \"w\", \"arguments\": {}}, {\"name\": \"v\", \"arguments\": {\"q";
+        assert_eq!(
+            parse_cut(ToolFormat::Mistral, m).unwrap().1,
+            [call("w", "{}"), call("v", "{\"q")]
+        );
+        let l = "<|python_tag|>{\"name\": \"w\", \"parameters\": {\"c\": ";
+        assert_eq!(parse_cut(ToolFormat::Llama3Json, l).unwrap().1, [call("w", "{\"c\":")]);
+        assert!(
+            parse_cut(ToolFormat::Llama3Json, "{\"city\": \"Paris\"}").is_none(),
+            "a JSON answer"
+        );
+    }
+
+    #[test]
+    fn a_call_or_an_answer() {
+        let funcs = functions(vec![("w".into(), String::new(), None)]).unwrap();
+        let g = call_or_answer_grammar(ToolFormat::Hermes, &[&funcs[0]], false, "answer: /[a-z]+/");
+        assert!(g.starts_with("start: calls | answer\nanswer: /[a-z]+/\ncalls: call\n"), "{g}");
+        assert!(call_grammar(ToolFormat::Mistral, &[&funcs[0]], true).contains("(\", \" obj)*"));
     }
 
     #[test]

@@ -69,11 +69,9 @@ struct Choice {
     lps: Vec<TokenLogprobs>,
     prompt: Vec<TokenLogprobs>,
     done: Option<FinalEvent>,
-    /// Streaming: the text offset of its next token (completions' logprobs), its first token
-    /// seen, and the text held back while it may still turn out to be tool calls.
+    /// Streaming: the text offset of its next token (completions' logprobs), its first token seen.
     offset: usize,
     started: bool,
-    held: String,
 }
 
 /// One request's answer being built: ids, the texts of its tokens, log-probabilities.
@@ -83,8 +81,8 @@ struct Answer {
     id: String,
     created: u64,
     shape: Shape,
-    /// The prompt's ids (echo, prompt log-probabilities).
-    prompt: Vec<u32>,
+    /// Each prompt's ids (echo, prompt log-probabilities); choice `i` answers prompt `i / n`.
+    prompts: Vec<Vec<u32>>,
     /// `echo` with `max_tokens` 0: the one token generated is not part of the answer.
     echo_only: bool,
 }
@@ -94,21 +92,42 @@ impl Answer {
         self.h.svc.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
-    /// The usage of every choice: the prompt counted once.
+    /// The length of a generated token's text as the client receives it (special tokens hidden).
+    fn shown_len(&self, id: u32) -> usize {
+        self.h.svc.tokenizer.decode(&[id], true).map_or(0, |t| t.len())
+    }
+
+    /// Choices in all: `n` per prompt.
+    fn total(&self) -> usize {
+        self.prompts.len() * self.shape.n
+    }
+
+    /// The prompt choice `i` answers.
+    fn prompt(&self, i: usize) -> &[u32] {
+        &self.prompts[i / self.shape.n.max(1)]
+    }
+
+    /// The usage of every choice: each prompt counted once.
     fn usage(&self, finals: &[&FinalEvent]) -> Value {
-        let p = self.prompt.len();
+        let p: usize = self.prompts.iter().map(Vec::len).sum();
         let c: usize =
             if self.echo_only { 0 } else { finals.iter().map(|f| f.output_ids.len()).sum() };
-        let cached = finals.first().and_then(|f| f.stats.as_ref()).map_or(0, |s| s.cached_tokens);
+        let cached: u64 = finals
+            .iter()
+            .step_by(self.shape.n.max(1))
+            .filter_map(|f| f.stats.as_ref())
+            .map(|s| s.cached_tokens as u64)
+            .sum();
         json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                "prompt_tokens_details": {"cached_tokens": cached}})
     }
 
     /// Log-probabilities of `ids` in the endpoint's format (chat: `content` entries; completions:
     /// the legacy parallel lists), `offset` being the text length before them. With `echo`, the
-    /// prompt (`prompt`: its scores, the first token's null) comes first.
+    /// prompt of choice `i` (`prompt`: its scores, the first token's null) comes first.
     fn logprobs(
         &self,
+        i: usize,
         ids: &[u32],
         lps: &[TokenLogprobs],
         prompt: Option<&[TokenLogprobs]>,
@@ -149,21 +168,23 @@ impl Answer {
                 };
                 let (mut tokens, mut values, mut tops, mut offsets) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                let mut add = |id: u32, lp: Option<&TokenLogprobs>| {
+                // Offsets count the text as returned: the echoed prompt with its special tokens,
+                // the output without.
+                let mut add = |id: u32, lp: Option<&TokenLogprobs>, echoed: bool| {
                     let t = self.token_text(id);
                     offsets.push(*offset);
-                    *offset += t.len();
+                    *offset += if echoed { t.len() } else { self.shown_len(id) };
                     tokens.push(t);
                     values.push(lp.map_or(Value::Null, |l| json!(l.logprob)));
                     tops.push(lp.map_or(Value::Null, top_map));
                 };
                 if let Some(scores) = prompt {
-                    for (i, &id) in self.prompt.iter().enumerate() {
-                        add(id, i.checked_sub(1).and_then(|j| scores.get(j)));
+                    for (j, &id) in self.prompt(i).iter().enumerate() {
+                        add(id, j.checked_sub(1).and_then(|j| scores.get(j)), true);
                     }
                 }
                 for (&id, lp) in ids.iter().zip(lps) {
-                    add(id, Some(lp));
+                    add(id, Some(lp), false);
                 }
                 json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                        "text_offset": offsets})
@@ -173,9 +194,9 @@ impl Answer {
 
     /// vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from the
     /// id (as text) to its log-probability, the prompt's token first and its alternatives after.
-    fn prompt_logprobs(&self, scores: &[TokenLogprobs]) -> Value {
+    fn prompt_logprobs(&self, i: usize, scores: &[TokenLogprobs]) -> Value {
         let mut out = vec![Value::Null];
-        for (&id, sc) in self.prompt.iter().skip(1).zip(scores) {
+        for (&id, sc) in self.prompt(i).iter().skip(1).zip(scores) {
             let mut m = serde_json::Map::new();
             let mut put = |t: u32, v: f32| {
                 m.entry(t.to_string())
@@ -190,9 +211,9 @@ impl Answer {
         Value::Array(out)
     }
 
-    /// The prompt's text (echo).
-    fn prompt_text(&self) -> String {
-        self.h.svc.tokenizer.decode(&self.prompt, false).unwrap_or_default()
+    /// The text of choice `i`'s prompt (echo).
+    fn prompt_text(&self, i: usize) -> String {
+        self.h.svc.tokenizer.decode(self.prompt(i), false).unwrap_or_default()
     }
 
     fn envelope(&self, chunk: bool, choices: Value) -> Value {
@@ -207,8 +228,16 @@ impl Answer {
     }
 
     /// A streamed chunk of choice `index`: `delta` (chat; completions: its `content` as `text`),
-    /// its log-probabilities; `finish` on the last one.
-    fn chunk(&self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) -> Value {
+    /// its log-probabilities; `finish` on the last one. `sent`: each choice's tokens so far (the
+    /// usage every chunk carries under `continuous_usage_stats`).
+    fn chunk(
+        &self,
+        index: usize,
+        delta: Value,
+        logprobs: Value,
+        finish: Option<&str>,
+        sent: &[u32],
+    ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
                 json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -219,7 +248,12 @@ impl Answer {
             }
         };
         let mut v = self.envelope(true, json!([choice]));
-        if self.shape.include_usage {
+        if self.shape.continuous_usage {
+            let p: usize = self.prompts.iter().map(Vec::len).sum();
+            let c: u64 = if self.echo_only { 0 } else { sent.iter().map(|&n| n as u64).sum() };
+            v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c,
+                                "total_tokens": p as u64 + c});
+        } else if self.shape.include_usage {
             v["usage"] = Value::Null;
         }
         v
@@ -229,7 +263,7 @@ impl Answer {
     fn choice(&self, i: usize, c: &Choice, f: &FinalEvent) -> Value {
         let (ids, lps) = if self.echo_only { (&[][..], &[][..]) } else { (&c.ids[..], &c.lps[..]) };
         let echo = (self.shape.echo && self.kind == Kind::Completion).then_some(&c.prompt[..]);
-        let logprobs = self.logprobs(ids, lps, echo, &mut 0);
+        let logprobs = self.logprobs(i, ids, lps, echo, &mut 0);
         let reason = if self.echo_only { "length" } else { finish_name(f.finish_reason()) };
         let mut choice = match self.kind {
             Kind::Chat => {
@@ -243,7 +277,7 @@ impl Answer {
                 json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
             }
             Kind::Completion => {
-                let mut text = if self.shape.echo { self.prompt_text() } else { String::new() };
+                let mut text = if self.shape.echo { self.prompt_text(i) } else { String::new() };
                 if !self.echo_only {
                     text.push_str(&f.text);
                 }
@@ -251,7 +285,7 @@ impl Answer {
             }
         };
         if self.shape.prompt_logprobs.is_some() {
-            choice["prompt_logprobs"] = self.prompt_logprobs(&c.prompt);
+            choice["prompt_logprobs"] = self.prompt_logprobs(i, &c.prompt);
         }
         choice
     }
@@ -271,11 +305,12 @@ impl Answer {
     }
 }
 
-/// Queues `g` (`n` times, choice i with the seed + i, as one job) and answers as `shape` asks.
+/// Queues each of `prompts` `n` times (choice i of prompt p with the seed + i, at index p·n + i),
+/// all as one job, and answers as `shape` asks.
 pub async fn run(
     h: Arc<Http>,
     kind: Kind,
-    mut g: GenerateRequest,
+    prompts: Vec<GenerateRequest>,
     shape: Shape,
 ) -> Result<Response, ApiError> {
     let echo_only = shape.echo && shape.max_tokens == Some(0);
@@ -286,25 +321,28 @@ pub async fn run(
         ));
     }
     let chat = kind == Kind::Chat;
-    let ids = h.svc.input_ids(&g).map_err(|r| {
-        let e = crate::Error::from(r);
-        h.svc.metrics.rejected(e.reject_reason());
-        ApiError::from_error(&e, chat)
-    })?;
-    // No limit given: whatever the context (and the KV cache) leaves after the prompt, as vLLM does.
-    let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
-    g.max_new_tokens = if echo_only { 1 } else { shape.max_tokens.unwrap_or(room as u32) };
-    g.input = Some(generate_request::Input::TokenIds(TokenIds { ids: ids.clone() }));
-    let seed = g.sampling.as_ref().map_or(0, |s| s.seed);
-    let requests: Vec<GenerateRequest> = (0..shape.n as u64)
-        .map(|i| {
+    let mut requests = Vec::with_capacity(prompts.len() * shape.n);
+    let mut ids_of = Vec::with_capacity(prompts.len());
+    for mut g in prompts {
+        let ids = h.svc.input_ids(&g).map_err(|r| {
+            let e = crate::Error::from(r);
+            h.svc.metrics.rejected(e.reject_reason());
+            ApiError::from_error(&e, chat)
+        })?;
+        // No limit given: what the context (and the KV cache) leaves after the prompt, as vLLM does.
+        let room = h.svc.context.min(h.svc.kv_capacity).saturating_sub(ids.len()).max(1);
+        g.max_new_tokens = if echo_only { 1 } else { shape.max_tokens.unwrap_or(room as u32) };
+        g.input = Some(generate_request::Input::TokenIds(TokenIds { ids: ids.clone() }));
+        let seed = g.sampling.as_ref().map_or(0, |s| s.seed);
+        requests.extend((0..shape.n as u64).map(|i| {
             let mut r = g.clone();
             if let Some(s) = r.sampling.as_mut() {
                 s.seed = seed.wrapping_add(i);
             }
             r
-        })
-        .collect();
+        }));
+        ids_of.push(ids);
+    }
     // A reconnecting stream continues only the job it was watching (found by its key): never
     // the tail of another generation after the part it has.
     let known = shape.idempotency_key.as_deref().is_some_and(|k| h.svc.jobs.by_key(k).is_some());
@@ -332,7 +370,7 @@ pub async fn run(
         kind,
         created: now_s(),
         shape,
-        prompt: ids,
+        prompts: ids_of,
         echo_only,
     };
     let mut resp =
@@ -346,8 +384,8 @@ pub async fn run(
 type Events = mpsc::Receiver<Result<GenerateEvent, tonic::Status>>;
 
 async fn whole(a: Answer, mut rx: Events) -> Result<Response, ApiError> {
-    let mut choices: Vec<Choice> = (0..a.shape.n).map(|_| Choice::default()).collect();
-    let mut left = a.shape.n;
+    let mut choices: Vec<Choice> = (0..a.total()).map(|_| Choice::default()).collect();
+    let mut left = a.total();
     while let Some(ev) = rx.recv().await {
         let ev = ev.map_err(|s| ApiError::failed(s.message()))?;
         let Some(c) = choices.get_mut(ev.index as usize) else { continue };
@@ -388,21 +426,21 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
             async move { tx.send(Ok(ev)).await.is_ok() }
         };
         let send = |v: Value| send_id(v, None);
-        let mut choices: Vec<Choice> = (0..a.shape.n).map(|_| Choice::default()).collect();
+        let mut choices: Vec<Choice> = (0..a.total()).map(|_| Choice::default()).collect();
         // Each choice's tokens sent so far (with those a resumed client had): the `id:` of every
         // chunk that carries tokens, which a client sends back as `Last-Event-ID` to continue.
         let mut counts = a.shape.resume.clone();
-        counts.resize(a.shape.n, 0);
+        counts.resize(a.total(), 0);
         // The first chunk of each choice names the role (chat), as OpenAI's does.
         if a.kind == Kind::Chat {
-            for i in 0..a.shape.n {
+            for i in 0..a.total() {
                 let delta = json!({"role": "assistant", "content": ""});
-                if !send(a.chunk(i, delta, Value::Null, None)).await {
+                if !send(a.chunk(i, delta, Value::Null, None, &counts)).await {
                     return;
                 }
             }
         }
-        let mut left = a.shape.n;
+        let mut left = a.total();
         while let Some(ev) = rx.recv().await {
             let ev = match ev {
                 Ok(ev) => ev,
@@ -423,18 +461,18 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                     } else {
                         (&t.ids[..], &t.logprobs[..], t.text.clone())
                     };
-                    let lp = a.logprobs(ids, lps, echo, &mut c.offset);
-                    let text = if echo.is_some() { a.prompt_text() + &text } else { text };
+                    let lp = a.logprobs(i, ids, lps, echo, &mut c.offset);
+                    let text = if echo.is_some() { a.prompt_text(i) + &text } else { text };
                     if a.shape.tools {
-                        // Held until the end: it may be a tool call.
-                        c.held.push_str(&text);
+                        // Held until the end (the final event's text): it may be a tool call.
                         true
                     } else if text.is_empty() && lp.is_null() {
                         // Nothing to say while a stop string or a multi-byte character is pending.
                         true
                     } else {
                         let id = counts.iter().map(u32::to_string).collect::<Vec<_>>().join(".");
-                        send_id(a.chunk(i, json!({"content": text}), lp, None), Some(id)).await
+                        let chunk = a.chunk(i, json!({"content": text}), lp, None, &counts);
+                        send_id(chunk, Some(id)).await
                     }
                 }
                 Some(generate_event::Event::Done(f)) => {
@@ -444,18 +482,18 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                     }
                     let mut ok = true;
                     if a.shape.tools {
-                        let deltas = if f.tool_calls.is_empty() {
-                            vec![json!({"content": std::mem::take(&mut c.held)})]
-                        } else {
-                            tools::delta_calls(&f.tool_calls)
-                        };
+                        // The text without any call markup, then the calls.
+                        let text = (!f.text.is_empty() || f.tool_calls.is_empty())
+                            .then(|| json!({"content": f.text}));
+                        let deltas = text.into_iter().chain(tools::delta_calls(&f.tool_calls));
                         for d in deltas {
-                            ok = ok && send(a.chunk(i, d, Value::Null, None)).await;
+                            ok = ok && send(a.chunk(i, d, Value::Null, None, &counts)).await;
                         }
                     }
                     let reason =
                         if a.echo_only { "length" } else { finish_name(f.finish_reason()) };
-                    ok = ok && send(a.chunk(i, json!({}), Value::Null, Some(reason))).await;
+                    let last = a.chunk(i, json!({}), Value::Null, Some(reason), &counts);
+                    ok = ok && send(last).await;
                     c.done = Some(f);
                     left -= 1;
                     if left == 0 {

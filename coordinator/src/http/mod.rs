@@ -5,8 +5,10 @@
 
 pub mod completions;
 pub mod error;
+pub mod exposition;
 pub mod guided;
 pub mod openai;
+pub mod params;
 pub mod stack;
 pub mod tools;
 
@@ -152,7 +154,10 @@ async fn cors(State(h): State<Arc<Http>>, req: Request, next: Next) -> Response 
         );
         hd.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
     }
-    hd.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("x-trace-id"));
+    hd.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        HeaderValue::from_static("x-trace-id, x-layerstream-ignored"),
+    );
     resp
 }
 
@@ -173,8 +178,13 @@ async fn count(State(h): State<Arc<Http>>, req: Request, next: Next) -> Response
     resp
 }
 
-/// Parses a JSON body, answering OpenAI's 400 when it is not one.
-fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
+/// Parses a JSON body of an endpoint whose own fields are `own`, answering OpenAI's 400 when it is
+/// not one or asks for what is not implemented (`params`); the parameters ignored.
+fn parse<T: DeserializeOwned>(
+    headers: &HeaderMap,
+    body: &Bytes,
+    own: &[&str],
+) -> Result<(T, Vec<String>), ApiError> {
     let json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -185,8 +195,13 @@ fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, Ap
             "the body must be JSON (Content-Type: application/json)",
         ));
     }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))
+    let bad = |e: serde_json::Error| ApiError::bad("body", format!("invalid request body: {e}"));
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(bad)?;
+    let ignored = match v.as_object() {
+        Some(o) => params::check(o, own)?,
+        None => return Err(ApiError::bad("body", "invalid request body: not a JSON object")),
+    };
+    Ok((serde_json::from_value(v).map_err(bad)?, ignored))
 }
 
 impl Http {
@@ -203,13 +218,10 @@ async fn chat(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let r: openai::ChatRequest = parse(&headers, &body)?;
+    let (r, ignored): (openai::ChatRequest, _) = parse(&headers, &body, params::CHAT)?;
     h.check_model(r.common.model.as_deref())?;
-    let (g, mut shape) = r.to_generate()?;
-    shape.idempotency_key = idempotency_key(&headers);
-    shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
-    shape.resume = last_event_id(&headers);
-    completions::run(h, Kind::Chat, g, shape).await
+    let (g, shape) = r.to_generate()?;
+    answer(h, Kind::Chat, vec![g], shape, &headers, ignored).await
 }
 
 async fn complete(
@@ -217,13 +229,33 @@ async fn complete(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let r: openai::CompletionRequest = parse(&headers, &body)?;
+    let (r, ignored): (openai::CompletionRequest, _) = parse(&headers, &body, params::COMPLETION)?;
     h.check_model(r.common.model.as_deref())?;
-    let (g, mut shape) = r.to_generate()?;
-    shape.idempotency_key = idempotency_key(&headers);
+    let (prompts, shape) = r.to_generate()?;
+    answer(h, Kind::Completion, prompts, shape, &headers, ignored).await
+}
+
+/// Runs a translated request with what its headers add, naming the parameters it ignored.
+async fn answer(
+    h: Arc<Http>,
+    kind: Kind,
+    prompts: Vec<layerstream_rpc::v1::GenerateRequest>,
+    mut shape: openai::Shape,
+    headers: &HeaderMap,
+    ignored: Vec<String>,
+) -> Result<Response, ApiError> {
+    shape.idempotency_key = idempotency_key(headers);
     shape.key = h.api_key.key_of(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes));
-    shape.resume = last_event_id(&headers);
-    completions::run(h, Kind::Completion, g, shape).await
+    shape.resume = last_event_id(headers);
+    let mut resp = completions::run(h, kind, prompts, shape).await?;
+    if !ignored.is_empty() {
+        let list = ignored.join(", ");
+        tracing::warn!(parameters = %list, "request parameters ignored (not implemented)");
+        if let Ok(v) = HeaderValue::from_str(&list) {
+            resp.headers_mut().insert("x-layerstream-ignored", v);
+        }
+    }
+    Ok(resp)
 }
 
 /// The `Idempotency-Key` header (as Stripe and OpenAI's clients send it), when it is text.

@@ -56,6 +56,9 @@ pub struct Msg {
 pub struct StreamOptions {
     #[serde(default)]
     pub(crate) include_usage: bool,
+    /// vLLM's: with `include_usage`, every chunk carries the usage so far.
+    #[serde(default)]
+    pub(crate) continuous_usage_stats: bool,
 }
 
 /// The sampling and length fields both endpoints share (vLLM's extensions included).
@@ -94,6 +97,9 @@ pub struct Common {
 /// Most choices one request may ask for (`n`).
 pub const MAX_N: usize = 16;
 
+/// Most prompts one `/v1/completions` request may batch.
+pub const MAX_PROMPTS: usize = 256;
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize, Clone)]
 pub struct ChatRequest {
@@ -109,7 +115,8 @@ pub struct ChatRequest {
     pub(crate) common: Common,
 }
 
-/// `prompt` of `/v1/completions`: text, token ids, or a list holding one of either.
+/// `prompt` of `/v1/completions`: text, token ids, or a list of either (a batch: each prompt gets
+/// its own `n` choices).
 #[derive(Debug, Deserialize, Clone)]
 #[serde(untagged)]
 pub enum Prompt {
@@ -137,6 +144,8 @@ pub struct CompletionRequest {
 pub struct Shape {
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: the usage so far in every chunk.
+    pub(crate) continuous_usage: bool,
     pub(crate) logprobs: Option<usize>,
     /// `max_tokens` was given (else the context that remains after the prompt is the limit).
     pub(crate) max_tokens: Option<u32>,
@@ -265,6 +274,10 @@ impl Common {
         let shape = Shape {
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            continuous_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
             logprobs,
             max_tokens: non_negative("max_tokens", self.max_tokens)?,
             idempotency_key: None,
@@ -396,30 +409,38 @@ impl ChatRequest {
 }
 
 impl CompletionRequest {
-    /// As `ChatRequest::to_generate`.
-    pub fn to_generate(&self) -> Result<(GenerateRequest, Shape), ApiError> {
+    /// As `ChatRequest::to_generate`, one GenerateRequest per prompt.
+    pub fn to_generate(&self) -> Result<(Vec<GenerateRequest>, Shape), ApiError> {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::bad("suffix", "suffix is not supported"));
         }
         let logprobs = non_negative("logprobs", self.logprobs)?.map(|k| k as usize);
         let (sampling, mut shape) = self.common.sampling(logprobs)?;
         shape.echo = self.echo;
-        let one = "prompt: one prompt per request is supported";
-        let input = match &self.prompt {
-            Prompt::Text(t) => generate_request::Input::Prompt(t.clone()),
-            Prompt::Ids(ids) => generate_request::Input::TokenIds(TokenIds { ids: ids.clone() }),
-            Prompt::Texts(v) if v.len() == 1 => generate_request::Input::Prompt(v[0].clone()),
-            Prompt::IdLists(v) if v.len() == 1 => {
-                generate_request::Input::TokenIds(TokenIds { ids: v[0].clone() })
-            }
-            _ => return Err(ApiError::bad("prompt", one)),
+        use generate_request::Input;
+        let ids = |v: &Vec<u32>| Input::TokenIds(TokenIds { ids: v.clone() });
+        let inputs: Vec<Input> = match &self.prompt {
+            Prompt::Text(t) => vec![Input::Prompt(t.clone())],
+            Prompt::Ids(v) => vec![ids(v)],
+            Prompt::Texts(v) => v.iter().map(|t| Input::Prompt(t.clone())).collect(),
+            Prompt::IdLists(v) => v.iter().map(ids).collect(),
         };
-        let mut g = self.common.request(input, sampling, shape.max_tokens)?;
-        if self.echo && logprobs.is_some() {
-            // The prompt's log-probabilities, with as many alternatives as the output's.
-            g.prompt_logprobs = g.prompt_logprobs.or(logprobs.map(|k| k as u32));
+        if inputs.is_empty() || inputs.len() > MAX_PROMPTS {
+            return Err(ApiError::bad(
+                "prompt",
+                format!("prompt: a list of 1..={MAX_PROMPTS} prompts, got {}", inputs.len()),
+            ));
         }
-        Ok((g, shape))
+        let mut out = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let mut g = self.common.request(input, sampling.clone(), shape.max_tokens)?;
+            if self.echo && logprobs.is_some() {
+                // The prompt's log-probabilities, with as many alternatives as the output's.
+                g.prompt_logprobs = g.prompt_logprobs.or(logprobs.map(|k| k as u32));
+            }
+            out.push(g);
+        }
+        Ok((out, shape))
     }
 }
 

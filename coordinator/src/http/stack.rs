@@ -34,10 +34,17 @@ pub async fn health(State(h): State<Arc<Http>>) -> Response {
     }
 }
 
-pub async fn metrics(State(h): State<Arc<Http>>) -> Response {
+pub async fn metrics(State(h): State<Arc<Http>>, headers: axum::http::HeaderMap) -> Response {
     // Liveness, device memory and the loaders' counters are read now, from every worker's Info.
     h.svc.probe_workers().await;
-    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], h.svc.metrics.encode()).into_response()
+    let text = h.svc.metrics.encode();
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    if super::exposition::wants_openmetrics(accept) {
+        ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
+    } else {
+        ([(header::CONTENT_TYPE, super::exposition::CLASSIC)], super::exposition::classic(&text))
+            .into_response()
+    }
 }
 
 pub async fn stack(State(h): State<Arc<Http>>) -> Response {

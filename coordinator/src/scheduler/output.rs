@@ -192,12 +192,14 @@ pub(super) fn follow_format(
     a.req.constraint.as_ref().filter(|c| c.finished()).map(|_| (FinishReason::Stop, String::new()))
 }
 
-/// A request with tools that stopped: the calls in its output become `tool_calls` (and the
-/// reason `tool_calls`), the text around them its text. An output whose calls do not parse
-/// stays text. One cut short by its length keeps the calls it completed (the reason stays
-/// `length`; a small model may repeat calls until then).
+/// A request with tools that stopped: the calls in its output become `tool_calls` (the reason
+/// `tool_calls`), the text before them its text; an output without calls stays text. One that
+/// ended inside a call (cut by its length, or malformed) keeps the calls it holds, the last with
+/// the arguments written so far (the reason stays `length`) — its markup never reaches the text.
+/// Where at most one call was asked for, only the first is kept.
 pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
-    let Some(format) = a.req.tools else { return };
+    use layerstream_model::tools::{parse, parse_cut, CallText, ToolFormat};
+    let Some(reading) = a.req.tools else { return };
     let Some(generate_event::Event::Done(f)) = ev.event.as_mut() else { return };
     let reason = f.finish_reason();
     if reason != FinishReason::Stop && reason != FinishReason::Length {
@@ -210,23 +212,27 @@ pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
         _ => out,
     };
     let Ok(raw) = tok.decode(body, false) else { return };
-    let parsed = match reason {
-        FinishReason::Length => layerstream_model::tools::parse_complete(format, &raw),
-        _ => layerstream_model::tools::parse(format, &raw),
-    };
-    let Some((content, calls)) = parsed else { return };
-    let mistral = format == layerstream_model::tools::ToolFormat::Mistral;
+    let format = reading.format;
+    let whole = (reason == FinishReason::Stop)
+        .then(|| parse(format, &raw))
+        .flatten()
+        .map(|(c, calls)| (c, calls.into_iter().map(CallText::from).collect::<Vec<_>>()));
+    let Some((content, mut calls)) = whole.or_else(|| parse_cut(format, &raw)) else { return };
+    if reading.one {
+        calls.truncate(1);
+    }
+    let mistral = format == ToolFormat::Mistral;
     f.tool_calls = calls
         .into_iter()
         .map(|c| {
             let hex = layerstream_rpc::auth::random_hex();
             // Mistral's templates take ids of exactly nine letters and digits.
             let id = if mistral { hex[..9].to_owned() } else { format!("call_{}", &hex[..24]) };
-            ToolCall { id, name: c.name, arguments: c.arguments.to_string() }
+            ToolCall { id, name: c.name, arguments: c.arguments }
         })
         .collect();
     f.text = content;
-    if reason == FinishReason::Stop {
+    if reason == FinishReason::Stop && !f.tool_calls.is_empty() {
         f.set_finish_reason(FinishReason::ToolCalls);
     }
 }
