@@ -296,3 +296,60 @@ fn frameworks_get_tool_semantics_batches_usage_and_the_parameter_policy() {
     );
     assert!(om.contains("application/openmetrics-text") && om.contains("# EOF"), "{om}");
 }
+
+/// Agent frameworks unchanged (`clients/frameworks_client.py`): openai-agents (an Agent with a
+/// function tool and an `output_type`), pydantic-ai (a tool and a `NativeOutput`), instructor
+/// (TOOLS and JSON_SCHEMA modes), langchain-openai (`bind_tools`, `with_structured_output` both
+/// ways) and smolagents (a ToolCallingAgent with one tool): the tool ran once, the output
+/// validates, nothing raised. A framework that is not installed is named SKIPPED (a failure under
+/// `LAYERSTREAM_REQUIRE_FRAMEWORKS=1`, which CI sets where it installed them).
+#[test]
+fn agent_frameworks_run_their_tool_and_structured_output_flows() {
+    if !have_clients() {
+        return;
+    }
+    let store = default_store().expect("fetching the default model (needs PyPI)");
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/frameworks_client.py");
+    let required = std::env::var("LAYERSTREAM_REQUIRE_FRAMEWORKS").is_ok();
+    let mut results = Vec::new();
+    for fw in ["openai-agents", "pydantic-ai", "instructor", "langchain", "smolagents"] {
+        let o = Command::new("python3").arg(&script).args([stack.http(), fw]).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        if o.status.code() == Some(3) {
+            assert!(!required, "{fw}: {err}");
+            eprintln!("SKIPPED {fw}: {err}");
+            continue;
+        }
+        assert!(o.status.success(), "{fw} failed:\n{err}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        results.push((fw, v));
+    }
+    stack.shutdown();
+    for (fw, v) in &results {
+        eprintln!("{fw}: {v}");
+        let outputs: Vec<&serde_json::Value> = match *fw {
+            "instructor" => vec![&v["tool_call"], &v["json_schema_mode"]],
+            "langchain" => {
+                assert_eq!(v["bind_tools"]["calls"], serde_json::json!(["get_weather"]), "{v}");
+                assert_eq!(v["bind_tools"]["args_valid"], true, "{v}");
+                vec![&v["function_calling"], &v["json_schema"]]
+            }
+            "smolagents" => {
+                assert!(!v["answer"].as_str().unwrap_or_default().is_empty(), "{v}");
+                vec![]
+            }
+            _ => vec![v],
+        };
+        for o in outputs {
+            assert_eq!(o["valid"], true, "{fw}: the output validates: {v}");
+            assert!(
+                ["France", "Italy", "Spain"].contains(&o["output"]["country"].as_str().unwrap())
+            );
+        }
+        if let Some(n) = v.get("tool_ran") {
+            assert_eq!(n, 1, "{fw}: the tool ran once: {v}");
+        }
+    }
+}

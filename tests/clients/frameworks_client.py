@@ -46,24 +46,31 @@ def openai_agents():
     from openai import AsyncOpenAI
     set_tracing_disabled(True)
     model = OpenAIChatCompletionsModel(model=model_id(), openai_client=AsyncOpenAI())
-    # The first turn must call the tool; after it tool_choice resets to auto (the SDK's default),
-    # where the answer is a call or text in the output type's schema.
+    # The first turn must call the tool; after it tool_choice resets to auto (the SDK's default)
+    # and the tool is disabled (the tiny model would call it again), so the answer is text in the
+    # output type's schema.
+    tool = function_tool(get_weather, is_enabled=lambda ctx, agent: not ran)
     agent = Agent(name="weather", instructions="Answer with the city.", model=model,
-                  tools=[function_tool(get_weather)], output_type=City,
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96))
+                  tools=[tool], output_type=City,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                               temperature=0, max_tokens=96))
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=6)
     out = result.final_output
     return {"tool_ran": len(ran), "output": out.model_dump(), "valid": isinstance(out, City)}
 
 
 def pydantic_ai():
-    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai import Agent, NativeOutput, Tool
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
     model = OpenAIChatModel(model_id(), provider=OpenAIProvider(base_url=base + "/v1", api_key="none"))
-    agent = Agent(model, output_type=NativeOutput(City), tools=[get_weather],
-                  model_settings=ModelSettings(temperature=0, max_tokens=96))
+    async def once(ctx, tool_def):
+        # Offered until it ran (the tiny model would call it again and again).
+        return None if ran else tool_def
+
+    agent = Agent(model, output_type=NativeOutput(City), tools=[Tool(get_weather, prepare=once)],
+                  model_settings=ModelSettings(temperature=0, max_tokens=96, parallel_tool_calls=False))
     r = agent.run_sync("What is the weather in Paris?")
     return {"tool_ran": len(ran), "output": r.output.model_dump(), "valid": isinstance(r.output, City)}
 
@@ -107,8 +114,14 @@ def smolagents_tool():
         return get_weather(city)
 
     model = OpenAIServerModel(model_id=model_id(), api_base=base + "/v1", api_key="none",
-                              temperature=0, max_tokens=96)
-    agent = ToolCallingAgent(tools=[weather], model=model, max_steps=3, verbosity_level=0)
+                              temperature=0, max_tokens=96, parallel_tool_calls=False)
+    def after(step, agent):
+        # Once the tool ran only final_answer is left (the tiny model would call it again).
+        if ran:
+            agent.tools.pop("weather", None)
+
+    agent = ToolCallingAgent(tools=[weather], model=model, max_steps=3, verbosity_level=0,
+                             step_callbacks=[after])
     answer = agent.run("What is the weather in Paris? Call weather, then give the final answer.")
     return {"tool_ran": len(ran), "answer": str(answer)}
 
