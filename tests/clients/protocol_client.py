@@ -9,8 +9,11 @@ Prints one JSON object with what it saw; the Rust test asserts on it.
 import json
 import sys
 
+from typing import Literal
+
 import jsonschema
 import openai
+import pydantic
 
 base = sys.argv[1]
 client = openai.OpenAI(base_url=base + "/v1", api_key="none")
@@ -143,4 +146,15 @@ r = client.completions.create(model=model, prompt="Hello", max_tokens=4, tempera
                               logit_bias={"0": 100}, extra_body={"ignore_eos": True})
 lp = r.choices[0].logprobs
 out["offsets"] = {"text": r.choices[0].text, "text_offset": lp.text_offset, "tokens": lp.tokens}
+# The client's own structured-output helper: a pydantic model as the response format, parsed back.
+class Town(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    country: Literal["France", "Italy", "Spain"]
+
+
+parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+p = parse(model=model, messages=[{"role": "user", "content": "Where is the Eiffel tower?"}],
+          response_format=Town, max_tokens=64, temperature=0)
+parsed = p.choices[0].message.parsed
+out["parse"] = parsed.model_dump() if isinstance(parsed, Town) else None
 print(json.dumps(out))
