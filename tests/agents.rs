@@ -267,6 +267,12 @@ fn frameworks_get_tool_semantics_batches_usage_and_the_parameter_policy() {
         assert_eq!((&texts[2 * p], &texts[2 * p + 1]), (single, single), "prompt {p}: {b}");
     }
     assert_eq!(&b["streamed"], &b["texts"], "{b}");
+    assert_eq!(
+        b["echo"],
+        serde_json::json!(["Once upon a time", "The capital of France is", "1, 2, 3,"]),
+        "{b}"
+    );
+    assert_eq!(b["echo_scores"], b["single_prompt_tokens"], "a score per prompt token: {b}");
     let sum: u64 =
         b["single_prompt_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).sum();
     assert_eq!(b["prompt_tokens"].as_u64().unwrap(), sum, "{b}");

@@ -273,7 +273,9 @@ impl CoordinatorService {
             (None, true) => None,
         };
         let field = if forced.is_empty() { Field::Format } else { Field::Tools };
-        let parse = offered.then_some(tools::Reading { format: tool_format, one: !parallel });
+        let names = funcs.iter().map(|f| f.name.clone()).collect();
+        let parse =
+            offered.then_some(tools::Reading { format: tool_format, one: !parallel, names });
         Ok((format.map(|f| (f, field)), parse))
     }
 
@@ -300,7 +302,9 @@ impl CoordinatorService {
         // At most one call and no grammar to end it (`auto`): the first call's closing tag ends
         // the output (a grammar ends the others).
         let tagged = |f| matches!(f, ToolFormat::Hermes | ToolFormat::Generic);
-        if extras.constraint.is_none() && extras.tools.is_some_and(|t| t.one && tagged(t.format)) {
+        if extras.constraint.is_none()
+            && extras.tools.as_ref().is_some_and(|t| t.one && tagged(t.format))
+        {
             p.stop.push("</tool_call>".into());
         }
         // What the head worker needs to apply OpenAI's penalties and min_tokens.

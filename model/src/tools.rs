@@ -156,12 +156,14 @@ pub fn prepare(
     (messages, None)
 }
 
-/// How a request's output is read back for tool calls: the template's format, and whether at
-/// most one call is kept (`parallel_tool_calls: false`, or a named function).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a request's output is read back for tool calls: the template's format, whether at most one
+/// call is kept (`parallel_tool_calls: false`, or a named function), and the functions offered (an
+/// untagged Llama 3 "call" of another — a JSON answer whose first key is `name` — is text).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reading {
     pub format: ToolFormat,
     pub one: bool,
+    pub names: Vec<String>,
 }
 
 /// A Lark grammar (llguidance's dialect) whose sentences are valid calls of `funcs` in `format`:

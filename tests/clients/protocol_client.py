@@ -37,7 +37,7 @@ def calls_of(r):
 # Tools and a response format together under auto: each answer is a call of a tool with valid
 # arguments, or text valid under the format (never markup, never a 400).
 seen = []
-for seed in range(8):
+for seed in range(6):
     r = client.chat.completions.create(
         model=model, messages=msgs, tools=TOOLS, max_tokens=64, temperature=1.0, seed=seed,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
@@ -59,7 +59,7 @@ out["tools_with_format"] = seen
 # tool_choice: a named function is called exactly once; required with parallel_tool_calls false
 # once; auto with it false at most once.
 counts = {"named": [], "required_single": [], "auto_single": []}
-for seed in range(6):
+for seed in range(4):
     for case, kw in [("named", {"tool_choice": {"type": "function", "function": {"name": "City"}}}),
                      ("required_single", {"tool_choice": "required", "parallel_tool_calls": False}),
                      ("auto_single", {"tool_choice": "auto", "parallel_tool_calls": False})]:
@@ -114,7 +114,11 @@ streamed = {}
 for c in client.completions.create(model=model, prompt=prompts, n=2, max_tokens=6, temperature=0, stream=True):
     for ch in c.choices:
         streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+echoed = client.completions.create(model=model, prompt=prompts, max_tokens=0, echo=True, logprobs=0,
+                                   temperature=0)
 out["batch"] = {
+    "echo": [c.text for c in sorted(echoed.choices, key=lambda c: c.index)],
+    "echo_scores": [len(c.logprobs.token_logprobs) for c in sorted(echoed.choices, key=lambda c: c.index)],
     "indexes": sorted(c.index for c in r.choices),
     "texts": [c.text for c in sorted(r.choices, key=lambda c: c.index)],
     "singles": [s.choices[0].text for s in singles],

@@ -9,7 +9,8 @@
 //! more experts than the capacity holds them all while it computes (the cache shrinks back after).
 //! The hot set comes first: every expert a step needs is counted in the store's usage history
 //! (`expert_history`, kept across runs), a cache starts with the hottest experts of its layers
-//! loaded, and among the experts of the layer needed last it evicts the least routed-to first.
+//! loaded, and among the experts of the layer needed last it evicts the least routed-to first. The
+//! copy thread saves the history when enough needs were counted (off the step's path).
 
 use crate::error::{Error, Result};
 use crate::expert_history::History;
@@ -245,6 +246,13 @@ fn copy_ahead<B: Backend>(
                 if s.stop {
                     return link;
                 }
+                // The usage history is saved here, off the step's path.
+                if let Some((h, path)) = s.history_to_save(false) {
+                    drop(s);
+                    save_history(&h, &path);
+                    s = shared.lock();
+                    continue;
+                }
                 if let Some(k) = s.queued.pop_front() {
                     if !s.map.contains_key(&k) {
                         s.copying = Some(k);
@@ -324,10 +332,11 @@ impl<B: Backend + 'static> ExpertSource<B> for ExpertCache<B> {
         let (bytes, ms) = std::mem::take(&mut s.ahead);
         counts.bytes += bytes;
         counts.transfer_ms += ms;
-        let save = s.history_to_save(false);
+        let due = s.history.due();
         drop(s);
-        if let Some((h, path)) = save {
-            save_history(&h, &path);
+        if due {
+            // The copy thread saves it (a history is kept only where there is one).
+            self.shared.changed.notify_all();
         }
         Ok((out, counts))
     }

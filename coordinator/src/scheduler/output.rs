@@ -199,7 +199,7 @@ pub(super) fn follow_format(
 /// Where at most one call was asked for, only the first is kept.
 pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
     use layerstream_model::tools::{parse, parse_cut, CallText, ToolFormat};
-    let Some(reading) = a.req.tools else { return };
+    let Some(reading) = &a.req.tools else { return };
     let Some(generate_event::Event::Done(f)) = ev.event.as_mut() else { return };
     let reason = f.finish_reason();
     if reason != FinishReason::Stop && reason != FinishReason::Length {
@@ -218,6 +218,11 @@ pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
         .flatten()
         .map(|(c, calls)| (c, calls.into_iter().map(CallText::from).collect::<Vec<_>>()));
     let Some((content, mut calls)) = whole.or_else(|| parse_cut(format, &raw)) else { return };
+    // Llama 3 calls have no tag: JSON that names no offered function (an answer whose first key
+    // is `name`) is text. Tagged calls stay calls, whatever they name (as vLLM returns them).
+    if format == ToolFormat::Llama3Json && calls.iter().any(|c| !reading.names.contains(&c.name)) {
+        return;
+    }
     if reading.one {
         calls.truncate(1);
     }
