@@ -35,13 +35,29 @@ def calls_of(r):
 
 
 # Tools and a response format together under auto: each answer is a call of a tool with valid
-# arguments, or text valid under the format (never markup, never a 400).
+# arguments, or text valid under the format (never markup, never a 400); streamed and not.
+def streamed_answer(**kw):
+    """A streamed chat's text, calls and finish reason."""
+    content, names, args, fin = "", {}, {}, None
+    for c in client.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            fin = ch.finish_reason or fin
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                names[tc.index] = tc.function.name or names.get(tc.index)
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+    return content or None, [(names[i], args[i]) for i in sorted(args)], fin
+
+
 seen = []
 for seed in range(6):
-    r = client.chat.completions.create(
-        model=model, messages=msgs, tools=TOOLS, max_tokens=64, temperature=1.0, seed=seed,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
-    m, calls = r.choices[0].message, calls_of(r)
+    kw = dict(model=model, messages=msgs, tools=TOOLS, max_tokens=64, temperature=1.0, seed=seed,
+              response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    if seed % 2:
+        content, calls, fin = streamed_answer(**kw)
+    else:
+        r = client.chat.completions.create(**kw)
+        content, calls, fin = r.choices[0].message.content, calls_of(r), r.choices[0].finish_reason
     try:
         if calls:
             for name, args in calls:
@@ -49,11 +65,11 @@ for seed in range(6):
                 jsonschema.validate(json.loads(args), CITY)
             kind = "call"
         else:
-            jsonschema.validate(json.loads(m.content), ANSWER)
+            jsonschema.validate(json.loads(content), ANSWER)
             kind = "text"
-        seen.append({"kind": kind, "finish": r.choices[0].finish_reason, "ok": True})
+        seen.append({"kind": kind, "finish": fin, "stream": seed % 2 == 1, "ok": True})
     except Exception as e:  # noqa: BLE001 - reported
-        seen.append({"kind": "bad", "content": m.content, "calls": calls, "error": str(e)[:200], "ok": False})
+        seen.append({"kind": "bad", "content": content, "calls": calls, "error": str(e)[:200], "ok": False})
 out["tools_with_format"] = seen
 
 # tool_choice: a named function is called exactly once; required with parallel_tool_calls false
