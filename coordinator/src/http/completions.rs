@@ -107,9 +107,14 @@ impl Answer {
         &self.prompts[i / self.shape.n.max(1)]
     }
 
+    /// The prompts' tokens, each prompt counted once.
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(Vec::len).sum()
+    }
+
     /// The usage of every choice: each prompt counted once.
     fn usage(&self, finals: &[&FinalEvent]) -> Value {
-        let p: usize = self.prompts.iter().map(Vec::len).sum();
+        let p = self.prompt_tokens();
         let c: usize =
             if self.echo_only { 0 } else { finals.iter().map(|f| f.output_ids.len()).sum() };
         let cached: u64 = finals
@@ -249,7 +254,7 @@ impl Answer {
         };
         let mut v = self.envelope(true, json!([choice]));
         if self.shape.continuous_usage {
-            let p: usize = self.prompts.iter().map(Vec::len).sum();
+            let p = self.prompt_tokens();
             let c: u64 = if self.echo_only { 0 } else { sent.iter().map(|&n| n as u64).sum() };
             v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c,
                                 "total_tokens": p as u64 + c});
