@@ -6,7 +6,10 @@
 # calls to one warm machine can bring them one at a time.
 # Usage: benchmarks/gpu-run.sh OUT_DIR [SECTION…]
 # Sections (default: all but llama, in this order):
-#   kernels   kernel-vs-CPU tests          cuda      worker-on-CUDA tests (CUDA_TESTS: test-binary args)
+#   hbm       device-to-device copy GB/s through the image's PyTorch (the matvec's measured ceiling)
+#   sanitize  compute-sanitizer memcheck and racecheck over kernel tests (SANITIZE_TESTS)
+#   kernels   kernel-vs-CPU tests (KERNEL_TESTS, a filter)    cuda      worker-on-CUDA tests (CUDA_TESTS: test-binary args)
+#   cudaq     every llama.cpp file type of the tiny Llama on the GPU against transformers
 #   matvec    decode matvec GB/s vs HBM peak per dtype, batch 1-8: wide loads vs element runs vs 8-bit
 #   h2d       link microbenchmark          run       resident `run` on SmolLM2 (real, when all its parts
 #   sampling  host sampling bench                    are here), SmolLM2 shapes and llama-3-70b shapes
@@ -14,6 +17,9 @@
 #   prefill   long prompts (PREFILL_BATCHES)       sampled   T 0.7 top-p 0.9 decode (SAMPLED_BATCHES)
 #   spec      speculative decoding: 70B-shaped streamed target, 1B-shaped draft, pass time by
 #             positions and tok/s projected at ACCEPTANCE (default 0.5,0.6,0.7,0.8)
+#   mixed     a CUDA worker and a CPU worker (`--device cuda:0,cpu --workers 2`, the CPU worker
+#             computing its layers from the loader's slots in RAM) against one CUDA worker streaming
+#             every layer, streamed runs only, at MIXED_BATCHES (default 1 8 64)
 #   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
 #   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
 #   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
@@ -25,21 +31,25 @@
 #             default list (its build takes minutes): name it.
 # Test binaries look for fixtures and the layerstream binary where they were built: BUILD_ROOT
 # (default /work/main) is pointed at this checkout.
+# DEADLINE (seconds from the start): a section whose estimate (EST_<section>, seconds) would run
+# past it is skipped, saying so, so one device call ends inside its limit with what mattered most.
 # Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
 # LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES, KEEP.
 set -uo pipefail
 OUT=$1; shift; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
-SECTIONS=" ${*:-kernels cuda matvec h2d run sampling stream prefill sampled spec moe prequant} "
-on() { [[ "$SECTIONS" == *" $1 "* ]]; }
+SECTIONS=" ${*:-hbm kernels cuda matvec h2d run sampling stream prefill sampled spec mixed moe prequant} "
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KEEP=${KEEP:-/tmp/ls-keep}; mkdir -p "$KEEP"
 for d in "$ROOT"/.dev/*/; do [ -d "$d" ] && { n=$(basename "$d"); rm -rf "${KEEP:?}/$n"; cp -r "$d" "$KEEP/$n"; }; done
 BIN=$KEEP/bin
+# Binaries may travel xz-compressed (gpu-prepare.sh XZ=1) to leave room for fixtures.
+for z in "$BIN"/*.xz; do [ -f "$z" ] && xz -d -f "$z" && chmod +x "${z%.xz}"; done
 [ -x "$BIN/layerstream" ] || { echo "no binaries in $BIN: carry .dev/bin (benchmarks/gpu-prepare.sh)" >&2; exit 2; }
 # The test fixtures travel compressed (.dev/fix) when the checkout is sent without them.
-if [ ! -f "$ROOT/tests/fixtures/models/tiny-llama/config.json" ] && [ -f "$KEEP/fix/fixtures.tar.xz" ]; then
-  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$KEEP/fix/fixtures.tar.xz" "$ROOT"
-fi
+# gpu-prepare.sh FIX_PIECES splits them over calls (.dev/fix-N): each call unpacks what it brought.
+for t in "$KEEP"/fix*/fixtures.tar.xz; do
+  [ -f "$t" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$t" "$ROOT"
+done
 BUILD_ROOT=${BUILD_ROOT:-/work/main}
 if [ "$ROOT" != "$BUILD_ROOT" ]; then mkdir -p "$(dirname "$BUILD_ROOT")"; ln -sfn "$ROOT" "$BUILD_ROOT"; fi
 mkdir -p "$ROOT/target/release" && cp "$BIN/layerstream" "$ROOT/target/release/layerstream"
@@ -60,15 +70,66 @@ fi
 [ -f "$SMOL_REAL/manifest.json" ] || SMOL_REAL=
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
 S70=/tmp/ls-70b; SSM=/tmp/ls-smol
-[ -d $S70 ] || "$LS" synth --shape llama-3-70b --dtype q4_k --layers ${LAYERS70:-20} $S70 >/dev/null
-[ -d $SSM ] || "$LS" synth --shape smollm2-135m --dtype q4_1 $SSM >/dev/null
-du -sh $S70 $SSM | tee "$OUT/stores.txt"
+stores() {  # the synthetic stores, written the first time a section needs them
+  [ -d $S70 ] || "$LS" synth --shape llama-3-70b --dtype q4_k --layers ${LAYERS70:-20} $S70 >/dev/null
+  [ -d $SSM ] || "$LS" synth --shape smollm2-135m --dtype q4_1 $SSM >/dev/null
+  du -sh $S70 $SSM | tee "$OUT/stores.txt"
+}
 timed() { local t=$SECONDS; "$@"; echo "   ($1: $((SECONDS - t)) s)"; }
-sec_kernels() { "$BIN/kernels-test" cuda --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
+declare -A EST=([hbm]=15 [sanitize]=120 [kernels]=90 [cuda]=200 [cudaq]=120 [matvec]=40 [h2d]=10 [run]=60 [sampling]=20 [stream]=100
+  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [moe]=120 [prequant]=90 [llama]=400)
+fits() {  # SECTION: whether its estimate ends before DEADLINE
+  local est; est=$(eval "echo \${EST_$1:-${EST[$1]:-60}}")
+  [ -z "${DEADLINE:-}" ] || [ $((SECONDS + est)) -le "$DEADLINE" ] && return 0
+  echo "   skipped: $((DEADLINE - SECONDS)) s left before the deadline, $1 needs ~$est s" | tee -a "$OUT/skipped.txt"
+  return 1
+}
+sec_hbm() {
+  [ "$DEV" = cpu ] && { echo "no GPU copy to time with DEVICE=cpu"; return; }
+  python3 - <<'PY' 2>&1 | tee "$OUT/hbm.txt"
+import torch
+n = 1 << 30  # 2 × 1 GiB read + written per copy: far past the L2
+a = torch.randn(n // 4, device="cuda"); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record()
+for _ in range(20): b.copy_(a)
+e.record(); torch.cuda.synchronize()
+print(f"device-to-device copy: {2 * n * 20 / (s.elapsed_time(e) / 1e3) / 1e9:.0f} GB/s (bytes read + written), {torch.cuda.get_device_name()}")
+PY
+}
+# A CUDA worker beside a CPU worker (each its half of the layers; the CPU computes from the slots)
+# against one CUDA worker streaming every layer: streamed runs, batch by batch.
+sec_mixed() {
+  for b in ${MIXED_BATCHES-1 8 64}; do
+    for d in "$DEV,cpu 2" "$DEV 1"; do
+      set -- $d
+      echo "-- batch $b, --device $1 --workers $2 (streamed)" | tee -a "$OUT/mixed.txt"
+      RUST_LOG=${RUST_LOG:-warn} "$LS" bench --model $S70 --device $1 --workers $2 --streamed-only --memory-budget ${BUDGET:-4G} \
+        --loader-slots ${LAYERS70:-20} --streaming-buffers ${BUFFERS:-2} --batch $b --max-new-tokens ${MIXED_TOKENS:-4} \
+        --prompt "$FOX" --json-out "$OUT/mixed-b$b-$2w.json" 2>&1 | grep -E "^\||workload|^note|rror" | tee -a "$OUT/mixed.txt"
+    done
+  done
+}
+sec_kernels() { "$BIN/kernels-test" ${KERNEL_TESTS:-cuda} --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
 sec_cuda() {
   # shellcheck disable=SC2086
-  "$BIN/cuda-test" --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | head -30
+  "$BIN/cuda-test" --include-ignored --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | tail -60
 }
+# compute-sanitizer's memcheck and racecheck over kernel tests (SANITIZE_TESTS, a filter; each tool
+# at most SANITIZE_S seconds).
+sec_sanitize() {
+  local cs; cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$cs" ] || { echo "no compute-sanitizer on this machine"; return; }
+  for tool in memcheck racecheck; do
+    echo "-- $tool" | tee -a "$OUT/sanitize.txt"
+    timeout "${SANITIZE_S:-60}" "$cs" --tool $tool --print-limit 5 "$BIN/kernels-test" ${SANITIZE_TESTS:-quantized_kv} --test-threads=1 2>&1 \
+      | tee -a "$OUT/sanitize.txt" | grep -vE "^ +(at|[0-9]+:) " | tail -25
+  done
+}
+# Every llama.cpp file type of the tiny Llama on the GPU against transformers (a long test: its own
+# section, so the benchmarks can come before it).
+sec_cudaq() { CUDA_TESTS=every_llama_cpp_file_type sec_cuda; }
 sec_matvec() { "$LS" matvec-bench --device $DEV 2>&1 | tee "$OUT/matvec.md"; }
 sec_h2d() { "$LS" h2d-bench --device $DEV --mib 64,256,1024 --iters 20 2>&1 | tee "$OUT/h2d.txt"; }
 sec_run() {
@@ -159,6 +220,10 @@ PY
     done
   done
 }
-for s in kernels cuda matvec h2d run sampling stream prefill sampled spec moe prequant llama; do
-  on $s && { echo "== $s"; timed sec_$s; }
+# In the order the command line names them.
+for s in $SECTIONS; do
+  declare -F "sec_$s" >/dev/null || { echo "no section $s" >&2; continue; }
+  echo "== $s (at $SECONDS s)"; fits $s || continue
+  case $s in run|stream|prefill|sampled|spec|mixed) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
+  timed sec_$s
 done

@@ -5,6 +5,11 @@
 //! (`LAYERSTREAM_REQUIRE_CLIENTS` / `LAYERSTREAM_REQUIRE_FRAMEWORKS`, as CI sets them after
 //! installing) its absence fails the build instead. A pip install changes site-packages, which
 //! makes the choice again.
+//!
+//! The same for the programs some tests drive (`have_prometheus`, `have_chromium`, `have_grpcurl`,
+//! `have_openssl`: found on PATH; installing one changes a PATH directory, which makes the choice
+//! again) and for a GPU (`have_gpu`: the CUDA driver's libcuda.so.1 in the linker cache or beside
+//! /dev/nvidia0), so a test that needs one is ignored, naming it, where it is missing.
 
 use std::process::Command;
 
@@ -24,7 +29,51 @@ fn python(code: &str) -> Option<String> {
     o.status.success().then(|| String::from_utf8_lossy(&o.stdout).trim().to_owned())
 }
 
+/// The (cfg, program names: any one will do) pairs.
+const PROGRAMS: [(&str, &[&str]); 4] = [
+    ("have_prometheus", &["prometheus"]),
+    ("have_chromium", &["chromium", "chromium-browser", "google-chrome"]),
+    ("have_grpcurl", &["grpcurl"]),
+    ("have_openssl", &["openssl"]),
+];
+
+/// Whether an executable `name` is in one of PATH's directories.
+fn on_path(name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).any(|d| {
+        std::fs::metadata(d.join(name))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
+/// Whether the CUDA driver is installed here: its library in the linker cache, or a GPU device node.
+fn have_gpu() -> bool {
+    let cached = Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .ok()
+        .is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so.1"));
+    cached || std::path::Path::new("/dev/nvidia0").exists()
+}
+
 fn main() {
+    println!("cargo::rerun-if-env-changed=PATH");
+    for d in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        if d.is_dir() {
+            println!("cargo::rerun-if-changed={}", d.display());
+        }
+    }
+    for (cfg, names) in PROGRAMS {
+        println!("cargo::rustc-check-cfg=cfg({cfg})");
+        if names.iter().any(|n| on_path(n)) {
+            println!("cargo::rustc-cfg={cfg}");
+        }
+    }
+    println!("cargo::rustc-check-cfg=cfg(have_gpu)");
+    if have_gpu() {
+        println!("cargo::rustc-cfg=have_gpu");
+    }
     println!("cargo::rerun-if-changed=build.rs");
     if let Some(dir) = python("import sysconfig; print(sysconfig.get_paths()['purelib'])") {
         println!("cargo::rerun-if-changed={dir}");

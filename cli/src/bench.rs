@@ -126,14 +126,18 @@ pub struct BenchArgs {
     /// real pair measured).
     #[arg(long, env = "LAYERSTREAM_BENCH_ACCEPTANCE", value_delimiter = ',')]
     pub acceptance: Vec<f64>,
+    /// Only the streamed (prefetch on) configuration: one stack instead of three (for comparing
+    /// placements, e.g. `--device cuda:0,cpu --workers 2` against `--device cuda:0`).
+    #[arg(long, env = "LAYERSTREAM_BENCH_STREAMED_ONLY")]
+    pub streamed_only: bool,
 }
 
 /// One configuration's result.
 #[derive(Debug, Clone, serde::Serialize)]
 pub(crate) struct Row {
     pub(crate) config: String,
-    tokens: u64,
-    wall_s: f64,
+    pub(crate) tokens: u64,
+    pub(crate) wall_s: f64,
     pub(crate) tokens_per_s: f64,
     /// Micro-batches in flight under the stack's plan (GetPlan).
     pub(crate) micro_batches: u32,
@@ -141,31 +145,31 @@ pub(crate) struct Row {
     pub(crate) workers_busy_pct: f64,
     /// Prompt tokens of every request over the time until the last request's first token: the batch's
     /// prefill throughput (queueing included, as a client sees it).
-    prefill_tok_s: f64,
+    pub(crate) prefill_tok_s: f64,
     /// The slowest time to first token.
-    first_token_ms: f64,
+    pub(crate) first_token_ms: f64,
     /// Tokens after each request's first over the wall time after the last first token.
     pub(crate) decode_tok_s: f64,
     /// Steps the first request rode.
     pub(crate) steps: u64,
     pub(crate) bytes_streamed_per_step: f64,
-    transfer_gbps: f64,
+    pub(crate) transfer_gbps: f64,
     /// Bytes streamed by the first request over the workload's wall time: the link speed achieved.
-    stream_gbps_wall: f64,
+    pub(crate) stream_gbps_wall: f64,
     /// The workers' layer-pass wall time over Σ max(transfer, compute) per layer, over the first
     /// request's steps: 1.0 is perfect copy/compute overlap (the issue's "step ≤ 1.10 × ideal").
-    step_over_ideal: f64,
+    pub(crate) step_over_ideal: f64,
     /// Share of the workload's wall time spent outside the workers' layer passes (embedding, head,
     /// sampling, gRPC, scheduling) for the first request (the workers of a pipeline run one after another).
-    outside_layers_pct: f64,
-    overlap_pct: f64,
-    transfer_ms: f64,
-    compute_ms: f64,
-    stall_ms: f64,
+    pub(crate) outside_layers_pct: f64,
+    pub(crate) overlap_pct: f64,
+    pub(crate) transfer_ms: f64,
+    pub(crate) compute_ms: f64,
+    pub(crate) stall_ms: f64,
     /// The loader's acquires over the whole run (warm-up included): served from a slot / read from
     /// disk.
-    loader_hits: u64,
-    loader_misses: u64,
+    pub(crate) loader_hits: u64,
+    pub(crate) loader_misses: u64,
     /// The first request's experts: needed, hit, prefetched, missed (mixture-of-experts stores).
     pub(crate) experts: [u64; 4],
     /// Decode tokens/s `layerstream plan`'s cost model predicts for this stack at this batch (CPU
@@ -373,66 +377,6 @@ async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
     Ok((d.hits, d.misses))
 }
 
-/// The results as two markdown tables, each under 120 columns: throughput, then where the time went.
-pub(crate) fn tables(rows: &[Row]) -> String {
-    let mut t = String::from("| config | tok/s | prefill tok/s | first token ms | decode tok/s | MB/step | GB/s | GB/s over wall |\n");
-    t += "|---|---|---|---|---|---|---|---|\n";
-    for r in rows {
-        t += &format!(
-            "| {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
-            r.config,
-            r.tokens_per_s,
-            r.prefill_tok_s,
-            r.first_token_ms,
-            r.decode_tok_s,
-            r.bytes_streamed_per_step / 1e6,
-            r.transfer_gbps,
-            r.stream_gbps_wall
-        );
-    }
-    t += "\n| config | pass / Σmax(transfer, compute) | overlap % | outside layers % | transfer ms | stall ms | compute ms |\n";
-    t += "|---|---|---|---|---|---|---|\n";
-    for r in rows {
-        t += &format!(
-            "| {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} |\n",
-            r.config,
-            r.step_over_ideal,
-            r.overlap_pct,
-            r.outside_layers_pct,
-            r.transfer_ms,
-            r.stall_ms,
-            r.compute_ms
-        );
-    }
-    t
-}
-
-/// Fills each row's `predicted_decode_tok_s` from the cost model (`plan::predict_stack`, the same
-/// `up` command line) and prints predicted beside measured. CPU workers only: calibrating a GPU
-/// here would hold a device context beside the stacks (`layerstream plan` predicts for a GPU).
-fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
-    if a.device.device != "cpu" {
-        return;
-    }
-    for (r, extra) in rows.iter_mut().zip(extras) {
-        match crate::plan::predict_stack(&stack_args(model, a, extra), a.batch) {
-            Ok(p) => {
-                r.predicted_decode_tok_s = Some(p.tokens_per_s);
-                println!(
-                    "{}: decode {:.2} tok/s measured, {:.2} predicted by plan's cost model \
-                     (measured ÷ predicted {:.2}; bound by {})",
-                    r.config,
-                    r.decode_tok_s,
-                    p.tokens_per_s,
-                    r.decode_tok_s / p.tokens_per_s.max(1e-9),
-                    p.bound
-                );
-            }
-            Err(e) => println!("{}: no prediction ({e:#})", r.config),
-        }
-    }
-}
-
 /// The flags of a streamed configuration: the plan flags with `--resident-layers` 0 unless given
 /// (everything streams), or the worker budget when one is given (the planner picks).
 pub(crate) fn streamed_args(a: &BenchArgs) -> Vec<String> {
@@ -462,7 +406,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
         bail!("--batch and --max-new-tokens must be > 0");
     }
-    crate::run::check_device(&a.device.device)?;
+    crate::run::check_devices(&a.device.device)?;
     let model_dir = crate::run::model_dir(&a.model)?;
     let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
     let model = model_dir.display().to_string();
@@ -500,9 +444,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let streamed = streamed_args(&a);
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
+    let first = run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
+        .context("streamed run")?;
+    if a.streamed_only {
+        print!("{}", tables(std::slice::from_ref(&first)));
+        if let Some(p) = &a.json_out {
+            std::fs::write(p, serde_json::to_string_pretty(&[first])?)?;
+        }
+        return Ok(());
+    }
     let mut rows = vec![
-        run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
-            .context("streamed run")?,
+        first,
         run_config("fully resident", &model, vocab, &resident_args(), &a, &rt)
             .context("resident run")?,
         run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt)
@@ -563,6 +515,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+use crate::bench_report::predict_rows;
+pub(crate) use crate::bench_report::tables;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -572,39 +527,6 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         a: BenchArgs,
-    }
-
-    /// The printed tables fit a 120-column terminal even with large figures.
-    #[test]
-    fn tables_fit_120_columns() {
-        let r = Row {
-            config: "streamed (prefetch off)".into(),
-            tokens: 1,
-            wall_s: 1.0,
-            tokens_per_s: 12345.6,
-            micro_batches: 2,
-            workers_busy_pct: 87.5,
-            prefill_tok_s: 123456.7,
-            first_token_ms: 123456.0,
-            decode_tok_s: 12345.6,
-            bytes_streamed_per_step: 9.63e9,
-            transfer_gbps: 55.12,
-            stream_gbps_wall: 54.1,
-            step_over_ideal: 1.07,
-            outside_layers_pct: 16.8,
-            overlap_pct: 92.9,
-            transfer_ms: 123456.0,
-            compute_ms: 123456.0,
-            stall_ms: 12345.0,
-            loader_hits: 0,
-            loader_misses: 0,
-            experts: [0; 4],
-            steps: 1,
-            predicted_decode_tok_s: None,
-        };
-        let t = tables(&[r.clone(), r]);
-        assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");
-        assert_eq!(t.lines().filter(|l| l.starts_with("| streamed")).count(), 4);
     }
 
     #[test]

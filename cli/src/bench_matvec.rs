@@ -3,6 +3,7 @@
 //! as a share of the device's peak (a GPU's from its memory clock and bus width; the CPU's when
 //! `--peak-gbps` says it). Side by side in one run, each against the default kernel: the
 //! element-run kernel the wide-load one replaced (CUDA) and 8-bit activations (`--int8-activations`).
+//! Each timing cycles through copies of the weight, 256 MiB or more in all, so no cache holds them.
 
 use anyhow::Result;
 use layerstream_kernels::{Backend, CpuBackend};
@@ -160,7 +161,12 @@ where
                 println!("| {dtype} | {n}x{k} | | not whole {dtype} blocks: skipped | | | | |");
                 continue;
             };
-            let w = b.weight("w", dtype, &[n, k], &bytes)?;
+            // Copies in turn, 256 MiB or more in all: several times a GPU's L2 (60 MB on an
+            // H200) or a CPU's last-level cache, so the timings read memory, not the cache.
+            let copies = (256usize << 20).div_ceil(bytes.len()).clamp(1, 64);
+            let w = (0..copies)
+                .map(|_| b.weight("w", dtype, &[n, k], &bytes))
+                .collect::<Result<Vec<_>, _>>()?;
             for &m in &a.rows {
                 let xs: Vec<f32> =
                     (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1e3 - 0.5).collect();
@@ -185,14 +191,16 @@ where
     Ok(())
 }
 
-/// Microseconds per `x · wᵀ`, over `iters` after two untimed ones, timed by the device's marks.
-fn time_us<B: Backend>(b: &B, x: &B::Tensor, w: &B::Weight, iters: usize) -> Result<f64> {
-    for _ in 0..2 {
+/// Microseconds per `x · wᵀ`, over `iters` (at least one round of the copies `w`) after one untimed
+/// round, timed by the device's marks.
+fn time_us<B: Backend>(b: &B, x: &B::Tensor, w: &[B::Weight], iters: usize) -> Result<f64> {
+    for w in w {
         b.matmul(x, w)?;
     }
+    let iters = iters.max(w.len());
     let start = b.mark()?;
-    for _ in 0..iters {
-        b.matmul(x, w)?;
+    for i in 0..iters {
+        b.matmul(x, &w[i % w.len()])?;
     }
     let end = b.mark()?;
     Ok(b.elapsed_ms(&start, &end)? * 1e3 / iters as f64)

@@ -8,6 +8,7 @@ mod bench_grammar;
 mod bench_kv;
 mod bench_matvec;
 mod bench_pipeline;
+mod bench_report;
 mod bench_spec;
 mod bench_spec_cost;
 mod calibration;

@@ -162,3 +162,8 @@ pub fn check_device(name: &str) -> Result<()> {
     Device::check(name).map_err(|e| anyhow::anyhow!("--device {name}: {e}"))?;
     Ok(())
 }
+
+/// `check_device` for each device of a stack's comma-separated list (`up --device cuda:0,cpu`).
+pub fn check_devices(list: &str) -> Result<()> {
+    list.split(',').try_for_each(|d| check_device(d.trim()))
+}

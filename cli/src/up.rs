@@ -250,17 +250,35 @@ fn respawn(children: &mut Children, i: usize, args: &[String]) -> Result<()> {
     started.map(|_| ())
 }
 
-/// The device flags each worker gets. CPU workers run one after another unless the plan keeps
+/// The device of each of `workers` workers: `--device` is one device for all (`cuda:0`) or a
+/// comma-separated list given out in turn (`cuda:0,cpu`: worker 0 on the GPU, worker 1 on the CPU,
+/// a third on the GPU again).
+pub(crate) fn worker_devices(device: &str, workers: usize) -> Vec<String> {
+    let list: Vec<&str> = device.split(',').map(str::trim).collect();
+    (0..workers).map(|i| list[i % list.len()].to_owned()).collect()
+}
+
+/// The device flags worker `i` gets. CPU workers run one after another unless the plan keeps
 /// micro-batches in flight (which the plan decides), and then all at once: each gets every core
-/// (or `--threads`) for the first, and its share, cores ÷ workers (at least one), as
+/// (or `--threads`) for the first, and its share, cores ÷ CPU workers (at least one), as
 /// `--concurrent-threads` for the second (sharing the cores out while workers run one after
-/// another only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×).
-fn worker_device(a: &UpArgs, shares: &crate::fit::Shares) -> layerstream_worker::DeviceFlags {
+/// another only slows each one: benchmarks/cpu-threads-2core.md, 0.55-0.71×). A CPU worker's
+/// budget defaults to its share of the ledger; a GPU worker's to what its device has free.
+fn worker_device(
+    a: &UpArgs,
+    shares: &crate::fit::Shares,
+    i: usize,
+) -> layerstream_worker::DeviceFlags {
+    let devices = worker_devices(&a.device.device, a.workers);
+    let cpus = devices.iter().filter(|d| *d == "cpu").count();
     let mut d = a.device.clone();
-    d.memory_budget = d.memory_budget.or(shares.worker_budget);
-    if d.concurrent_threads.is_none() && d.device == "cpu" && a.workers > 1 {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        d.concurrent_threads = Some((cores / a.workers).max(1).min(d.threads.unwrap_or(cores)));
+    d.device = devices[i].clone();
+    if d.device == "cpu" {
+        d.memory_budget = d.memory_budget.or(shares.worker_budget);
+        if d.concurrent_threads.is_none() && cpus > 1 {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            d.concurrent_threads = Some((cores / cpus).max(1).min(d.threads.unwrap_or(cores)));
+        }
     }
     d
 }
@@ -279,7 +297,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
-    crate::run::check_device(&a.device.device)?;
+    crate::run::check_devices(&a.device.device)?;
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     remove_orphans();
@@ -374,7 +392,7 @@ pub(crate) fn memory_shares(
         slot_size: store.manifest.max_unit_bytes(),
         floor: (a.workers * per_worker).max(4).min(layers.max(4)),
         workers: a.workers,
-        cpu: a.device.device == "cpu",
+        cpu: worker_devices(&a.device.device, a.workers).iter().any(|d| d == "cpu"),
     };
     let fixed = crate::fit::Fixed {
         slots: a.pool.slots,
@@ -476,7 +494,7 @@ impl StackSpec<'_> {
             "--loader-socket".into(),
             self.socket.clone(),
         ]);
-        args.extend(worker_device(self.a, &self.shares).to_args());
+        args.extend(worker_device(self.a, &self.shares, i).to_args());
         if self.a.pool.no_verify {
             args.push("--no-verify".into());
         }
@@ -656,5 +674,13 @@ mod tests {
         assert_eq!(restart_delay(12, 5), Duration::from_secs(60));
         assert_eq!(restart_delay(1000, 5), Duration::from_secs(60));
         assert_eq!(restart_delay(1, 0), Duration::from_secs(1));
+    }
+
+    /// One device serves every worker; a list is given out in turn.
+    #[test]
+    fn devices_are_given_out_in_turn() {
+        assert_eq!(worker_devices("cpu", 2), ["cpu", "cpu"]);
+        assert_eq!(worker_devices("cuda:0, cpu", 3), ["cuda:0", "cpu", "cuda:0"]);
+        assert_eq!(worker_devices("cuda:0,cuda:1,cpu", 2), ["cuda:0", "cuda:1"]);
     }
 }

@@ -79,16 +79,17 @@ extern "C" __global__ void kv_store(const float* src, u8* pool, const unsigned* 
             for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             u8* b = row + g * 34;
-            const u16 dh = f2h(d);
-            b[0] = (u8)dh; b[1] = (u8)(dh >> 8);
+            // One 16-bit store (blocks of 34 bytes in rows of even stride: 2-byte aligned, as ld_h
+            // reads it). Two byte stores of the halves left the low byte 0 on an H200 (NVRTC,
+            // CUDA 13, 2026-11-27) while the host emulator wrote it.
+            *(u16*)b = f2h(d);
             for (int l = 0; l < 32; l++) b[2 + l] = (u8)(signed char)roundf(v[l] * id);
         } else {  // DT_Q4_0: the value of largest magnitude, sign kept, maps to -8
             float mx = 0.0f;
             for (int l = 0; l < 32; l++) if (fabsf(v[l]) > fabsf(mx)) mx = v[l];
             const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             u8* b = row + g * 18;
-            const u16 dh = f2h(d);
-            b[0] = (u8)dh; b[1] = (u8)(dh >> 8);
+            *(u16*)b = f2h(d);  // as Q8_0's
             for (int l = 0; l < 16; l++) {
                 const int a = min(15, max(0, (int)(v[l] * id + 8.5f)));
                 const int c = min(15, max(0, (int)(v[l + 16] * id + 8.5f)));

@@ -20,7 +20,8 @@ const FIRST_BYTE: std::time::Duration = std::time::Duration::from_secs(30);
 /// and `bench`, which pass it on with `to_args`).
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct DeviceFlags {
-    /// Compute device: `cpu` (or `cuda:N` in a CUDA build).
+    /// Compute device: `cpu` (or `cuda:N` in a CUDA build). `up` and `bench` also take a
+    /// comma-separated list, given to their workers in turn (`cuda:0,cpu`: a GPU and a CPU worker).
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Bytes a worker may use for weights, streaming buffers and KV cache (suffixes K, M, G);

@@ -42,3 +42,18 @@ pub(crate) fn weight_bytes(dtype: DType, rows: usize, cols: usize, rng: &mut Rng
     }
     bytes
 }
+
+/// A token tree's ancestor masks (bit j of row i: row j is i or one of its ancestors) from each
+/// row's parent.
+pub(crate) fn ancestor_masks(parents: &[Option<usize>]) -> Vec<u64> {
+    (0..parents.len())
+        .map(|i| {
+            let (mut a, mut n) = (0u64, Some(i));
+            while let Some(x) = n {
+                a |= 1 << x;
+                n = parents[x];
+            }
+            a
+        })
+        .collect()
+}

@@ -247,16 +247,7 @@ fn emulated_attention_rms_norm_and_argmax_match_cpu() {
     }
     // A token tree after a cached prefix: 0 → {1, 2}, 1 → {3, 5}, 2 → 4 (ancestor masks).
     let parents = [None, Some(0), Some(0), Some(1), Some(2), Some(1)];
-    let anc: Vec<u64> = (0..parents.len())
-        .map(|i| {
-            let (mut a, mut n) = (0u64, Some(i));
-            while let Some(x) = n {
-                a |= 1 << x;
-                n = parents[x];
-            }
-            a
-        })
-        .collect();
+    let anc = super::test_data::ancestor_masks(&parents);
     for (n, (start, hd)) in [(0, 64), (37, 64), (140, 320)].into_iter().enumerate() {
         let s = AttnShape::new(4, 2, hd);
         let t = (Some(&anc[..]), None);

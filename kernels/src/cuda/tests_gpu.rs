@@ -11,6 +11,9 @@ use layerstream_types::{DType, RopeConfig, RopeScaling};
 fn gpu(p: GemmPrecision) -> Option<CudaBackend> {
     match CudaBackend::with_precision(0, p) {
         Ok(b) => Some(b),
+        Err(e) if std::env::var_os("LAYERSTREAM_REQUIRE_GPU").is_some() => {
+            panic!("LAYERSTREAM_REQUIRE_GPU is set but no CUDA device could be opened: {e}")
+        }
         Err(e) => {
             eprintln!("skipping CUDA kernel test: {e}");
             None
@@ -302,6 +305,85 @@ fn paged_attention_prefill_then_decode_matches_cpu_for_every_kv_dtype() {
         assert_eq!(g.kv_read(&kg, 11).unwrap(), bytes, "{dtype:?}");
         if dtype == DType::F32 {
             assert_eq!(bytes, c.kv_read(&kc, table[3]).unwrap(), "the CPU stored the same rows");
+        }
+    }
+}
+
+/// Rows stored into a quantized pool on the GPU (rotated, then quantized in blocks of 32) hold the
+/// CPU's bytes, block by block: a 37-row prefill then one row, for Q8_0 and Q4_0 (a mismatch names
+/// the first differing byte: kv_store, not attention, is then at fault).
+#[test]
+fn quantized_kv_rows_stored_on_the_gpu_hold_the_cpu_bytes() {
+    let Some(g) = gpu(GemmPrecision::F32) else { return };
+    let c = CpuBackend::default();
+    let s = AttnShape::new(4, 2, 64);
+    let (qd, kvd) = (256, 128);
+    let mut rng = Rng(23);
+    let table: Vec<u32> = vec![2, 0, 3, 1];
+    for dtype in [DType::Q8_0, DType::Q4_0] {
+        let layout = crate::KvLayout::new(dtype, 16, 4, s).unwrap();
+        let (mut kc, mut kg) = (c.kv_cache(s, layout).unwrap(), g.kv_cache(s, layout).unwrap());
+        for (at, m) in [(0, 37), (37, 1)] {
+            let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
+            let seq = crate::KvSeq::new(&table, at);
+            let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
+            let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
+            c.attention(&ct(&q, qd), &ct(&k, kvd), &ct(&v, kvd), &mut kc, seq, s, None, None)
+                .unwrap();
+            g.attention(&gt(&q, qd), &gt(&k, kvd), &gt(&v, kvd), &mut kg, seq, s, None, None)
+                .unwrap();
+        }
+        // The two full blocks (the third holds 6 rows; the rest of it was never written).
+        for b in &table[..2] {
+            let (want, got) = (c.kv_read(&kc, *b).unwrap(), g.kv_read(&kg, *b).unwrap());
+            assert_eq!(got.len(), want.len(), "{dtype:?} block {b}: sizes");
+            let diff: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+            assert!(
+                diff.is_empty(),
+                "{dtype:?} block {b}: {} of {} bytes differ, the first at {:?} (gpu {:?} cpu {:?})",
+                diff.len(),
+                got.len(),
+                diff.first(),
+                diff.first().map(|&i| got[i]),
+                diff.first().map(|&i| want[i])
+            );
+        }
+    }
+}
+
+/// Speculative verification's tree masks on the GPU equal the CPU's for every KV dtype: a token tree
+/// (0 → {1, 2}, 1 → {3, 5}, 2 → 4) after a cached prefix, then the same tree grown by a later call
+/// (its first 3 rows cached, the last 3 new, masks over all six).
+#[test]
+fn tree_attention_matches_cpu_for_every_kv_dtype() {
+    let Some(g) = gpu(GemmPrecision::F32) else { return };
+    let c = CpuBackend::default();
+    let parents = [None, Some(0), Some(0), Some(1), Some(2), Some(1)];
+    let anc = super::test_data::ancestor_masks(&parents);
+    let mut rng = Rng(17);
+    let table: Vec<u32> = (0..6).map(|b| (b * 3 + 1) % 8).collect();
+    for (hd, dtype) in [64, 64, 320, 64, 576].into_iter().zip(crate::kv::KV_DTYPES) {
+        let s = AttnShape::new(4, 2, hd);
+        let (qd, kvd) = (4 * hd, 2 * hd);
+        let layout = crate::KvLayout::new(dtype, 16, 8, s).unwrap();
+        let (mut kc, mut kg) = (c.kv_cache(s, layout).unwrap(), g.kv_cache(s, layout).unwrap());
+        let start = 37;
+        // (start, rows, masks): the prefix, the whole tree, then the tree's last 3 rows.
+        for (at, m, tree) in
+            [(0, start, None), (start, 6, Some(&anc[..])), (start + 3, 3, Some(&anc[3..]))]
+        {
+            let (q, k, v) = (rng.vec(m * qd), rng.vec(m * kvd), rng.vec(m * kvd));
+            let seq = crate::KvSeq { table: &table, start: at, tree_from: start.min(at) };
+            let ct = |d: &[f32], cols| c.from_host(d, m, cols).unwrap();
+            let gt = |d: &[f32], cols| g.from_host(d, m, cols).unwrap();
+            let want = c
+                .attention(&ct(&q, qd), &ct(&k, kvd), &ct(&v, kvd), &mut kc, seq, s, tree, None)
+                .unwrap();
+            let got = g
+                .attention(&gt(&q, qd), &gt(&k, kvd), &gt(&v, kvd), &mut kg, seq, s, tree, None)
+                .unwrap();
+            let e = rel(&g.to_host(&got).unwrap(), &want.data);
+            assert!(e < 1e-5, "{dtype:?} head_dim {hd} tree attention at {at}, {m} rows: {e:e}");
         }
     }
 }
