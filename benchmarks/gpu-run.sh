@@ -75,6 +75,9 @@ stores() {  # the synthetic stores, written the first time a section needs them
   [ -d $SSM ] || "$LS" synth --shape smollm2-135m --dtype q4_1 $SSM >/dev/null
   du -sh $S70 $SSM | tee "$OUT/stores.txt"
 }
+# The GPU tests are built as ignored on the (GPU-less) build machine: run them here, except in a dry
+# run (DEVICE=cpu), where they stay ignored.
+IGN=--include-ignored; [ "$DEV" = cpu ] && IGN=
 timed() { local t=$SECONDS; "$@"; echo "   ($1: $((SECONDS - t)) s)"; }
 declare -A EST=([hbm]=15 [sanitize]=120 [kernels]=90 [cuda]=200 [cudaq]=120 [matvec]=40 [h2d]=10 [run]=60 [sampling]=20 [stream]=100
   [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [moe]=120 [prequant]=90 [llama]=400)
@@ -111,10 +114,10 @@ sec_mixed() {
     done
   done
 }
-sec_kernels() { "$BIN/kernels-test" ${KERNEL_TESTS:-cuda} --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
+sec_kernels() { "$BIN/kernels-test" ${KERNEL_TESTS:-cuda} $IGN --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
 sec_cuda() {
   # shellcheck disable=SC2086
-  "$BIN/cuda-test" --include-ignored --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | tail -60
+  "$BIN/cuda-test" $IGN --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | tail -60
 }
 # compute-sanitizer's memcheck and racecheck over kernel tests (SANITIZE_TESTS, a filter; each tool
 # at most SANITIZE_S seconds).
@@ -123,7 +126,7 @@ sec_sanitize() {
   [ -n "$cs" ] || { echo "no compute-sanitizer on this machine"; return; }
   for tool in memcheck racecheck; do
     echo "-- $tool" | tee -a "$OUT/sanitize.txt"
-    timeout "${SANITIZE_S:-60}" "$cs" --tool $tool --print-limit 5 "$BIN/kernels-test" ${SANITIZE_TESTS:-quantized_kv} --test-threads=1 2>&1 \
+    timeout "${SANITIZE_S:-60}" "$cs" --tool $tool --print-limit 5 "$BIN/kernels-test" ${SANITIZE_TESTS:-quantized_kv} $IGN --test-threads=1 2>&1 \
       | tee -a "$OUT/sanitize.txt" | grep -vE "^ +(at|[0-9]+:) " | tail -25
   done
 }

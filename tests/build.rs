@@ -47,15 +47,7 @@ fn on_path(name: &str) -> bool {
     })
 }
 
-/// Whether the CUDA driver is installed here: its library in the linker cache, or a GPU device node.
-fn have_gpu() -> bool {
-    let cached = Command::new("ldconfig")
-        .arg("-p")
-        .output()
-        .ok()
-        .is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so.1"));
-    cached || std::path::Path::new("/dev/nvidia0").exists()
-}
+include!("../kernels/build_gpu.rs");
 
 fn main() {
     println!("cargo::rerun-if-env-changed=PATH");
@@ -70,10 +62,8 @@ fn main() {
             println!("cargo::rustc-cfg={cfg}");
         }
     }
-    println!("cargo::rustc-check-cfg=cfg(have_gpu)");
-    if have_gpu() {
-        println!("cargo::rustc-cfg=have_gpu");
-    }
+    println!("cargo::rerun-if-changed=../kernels/build_gpu.rs");
+    emit_have_gpu();
     println!("cargo::rerun-if-changed=build.rs");
     if let Some(dir) = python("import sysconfig; print(sysconfig.get_paths()['purelib'])") {
         println!("cargo::rerun-if-changed={dir}");
