@@ -3,6 +3,7 @@
 //! tokens/s (overall, prefill, decode), bytes streamed, transfer GB/s and overlap %, and the ratios
 //! between them.
 
+use crate::bench_report::{predict_rows, tables};
 use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -514,9 +515,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     Ok(())
 }
-
-use crate::bench_report::predict_rows;
-pub(crate) use crate::bench_report::tables;
 
 #[cfg(test)]
 mod tests {

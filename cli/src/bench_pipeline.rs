@@ -4,7 +4,8 @@
 //! states sent as gRPC bytes instead of through shared memory; prints tokens/s, the workers' busy
 //! share, `pipelined / sequential tokens/s` and the hand-off ratio.
 
-use crate::bench::{resident_args, run_config, streamed_args, tables, BenchArgs, Row};
+use crate::bench::{resident_args, run_config, streamed_args, BenchArgs, Row};
+use crate::bench_report::tables;
 use anyhow::{bail, Context, Result};
 use layerstream_coordinator::MicroBatches;
 
