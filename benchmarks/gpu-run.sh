@@ -20,6 +20,8 @@
 #   mixed     a CUDA worker and a CPU worker (`--device cuda:0,cpu --workers 2`, the CPU worker
 #             computing its layers from the loader's slots in RAM) against one CUDA worker streaming
 #             every layer, streamed runs only, at MIXED_BATCHES (default 1 8 64)
+#   tiers     plan's prediction vs bench's measurement on a TIER_BUDGET device budget: every streamed
+#             layer in the RAM tier, then TIER_SLOTS slots (disk), at TIER_BATCHES (#40)
 #   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
 #   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
 #   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
@@ -34,7 +36,7 @@
 # DEADLINE (seconds from the start): a section whose estimate (EST_<section>, seconds) would run
 # past it is skipped, saying so, so one device call ends inside its limit with what mattered most.
 # Knobs (environment): DEVICE (cuda:0; `cpu` for a dry run of this script on a build machine),
-# LAYERS70, BUDGET, BATCHES, BUFFERS, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES, KEEP.
+# LAYERS70, BUDGET, BATCHES, BUFFERS, TIER_BUDGET, TIER_SLOTS, TIER_BATCHES, TOKENS, PROMPT_TOKENS, PREFILL_BATCHES, SAMPLED_BATCHES, KEEP.
 set -uo pipefail
 OUT=$1; shift; mkdir -p "$OUT"; DEV=${DEVICE:-cuda:0}
 SECTIONS=" ${*:-hbm kernels cuda matvec h2d run sampling stream prefill sampled spec mixed moe prequant} "
@@ -80,7 +82,7 @@ stores() {  # the synthetic stores, written the first time a section needs them
 IGN=--include-ignored; [ "$DEV" = cpu ] && IGN=
 timed() { local t=$SECONDS; "$@"; echo "   ($1: $((SECONDS - t)) s)"; }
 declare -A EST=([hbm]=15 [sanitize]=120 [kernels]=90 [cuda]=200 [cudaq]=120 [matvec]=40 [h2d]=10 [run]=60 [sampling]=20 [stream]=100
-  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [moe]=120 [prequant]=90 [llama]=400)
+  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [tiers]=200 [moe]=120 [prequant]=90 [llama]=400)
 fits() {  # SECTION: whether its estimate ends before DEADLINE
   local est; est=$(eval "echo \${EST_$1:-${EST[$1]:-60}}")
   [ -z "${DEADLINE:-}" ] || [ $((SECONDS + est)) -le "$DEADLINE" ] && return 0
@@ -169,6 +171,27 @@ sec_spec() {
     --batch 1 --spec-max 64 --pass-positions 1,16,64,256 --acceptance ${ACCEPTANCE:-0.5,0.6,0.7,0.8} \
     2>&1 | grep -E "^\||^target|^Projected" | tee "$OUT/spec.txt"
 }
+# Three tiers on a GPU (#40): `plan`'s prediction beside `bench`'s measurement (bench prints both)
+# for the 70B-shaped store on a device budget of TIER_BUDGET (a small GPU): with no slot flag (the
+# memory ledger gives a GPU stack's host memory to the RAM tier: every streamed layer in a slot)
+# and with TIER_SLOTS slots (the pool re-reads most streamed layers from disk each pass), at
+# TIER_BATCHES. First `plan` with no size flags at all (the device's free memory is the budget).
+sec_tiers() {
+  echo "-- plan, no size flags" | tee -a "$OUT/tiers.txt"
+  "$LS" plan --model $S70 --device $DEV --workers 1 2>&1 | tee -a "$OUT/tiers.txt"
+  for cfg in "ram" "disk --loader-slots ${TIER_SLOTS:-6}"; do
+    set -- $cfg; local name=$1; shift
+    echo "-- $name: plan --memory-budget ${TIER_BUDGET:-4G} $*" | tee -a "$OUT/tiers.txt"
+    "$LS" plan --model $S70 --device $DEV --workers 1 --memory-budget ${TIER_BUDGET:-4G} "$@" \
+      --batches "$(echo ${TIER_BATCHES:-1 8 64} | tr ' ' ,)" 2>&1 | grep -vE "^ *$" | tee -a "$OUT/tiers.txt"
+    for b in ${TIER_BATCHES:-1 8 64}; do
+      echo "-- $name: bench batch $b" | tee -a "$OUT/tiers.txt"
+      RUST_LOG=${RUST_LOG:-warn} "$LS" bench --model $S70 --device $DEV --memory-budget ${TIER_BUDGET:-4G} "$@" \
+        --streamed-only --batch $b --max-new-tokens ${TOKENS:-8} --prompt "$FOX" --json-out "$OUT/tiers-$name-b$b.json" \
+        2>&1 | grep -E "^\||predicted|no prediction|workload|^note|rror" | tee -a "$OUT/tiers.txt"
+    done
+  done
+}
 # Mixture-of-experts streaming (#32, #33): DeepSeek-V3 and gpt-oss-120b shapes expert by expert.
 sec_moe() {
   LAYERSTREAM_BIN="$LS" bash "$ROOT/benchmarks/moe-experts.sh" --device $DEV --layers ${MOE_LAYERS:-4} \
@@ -227,6 +250,6 @@ PY
 for s in $SECTIONS; do
   declare -F "sec_$s" >/dev/null || { echo "no section $s" >&2; continue; }
   echo "== $s (at $SECONDS s)"; fits $s || continue
-  case $s in run|stream|prefill|sampled|spec|mixed) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
+  case $s in run|stream|prefill|sampled|spec|mixed|tiers) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
   timed sec_$s
 done

@@ -448,9 +448,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let first = run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
         .context("streamed run")?;
     if a.streamed_only {
-        print!("{}", tables(std::slice::from_ref(&first)));
+        let mut rows = [first];
+        predict_rows(&mut rows, &model, &a, [&streamed, &[]]);
+        print!("{}", tables(&rows));
         if let Some(p) = &a.json_out {
-            std::fs::write(p, serde_json::to_string_pretty(&[first])?)?;
+            std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
         }
         return Ok(());
     }

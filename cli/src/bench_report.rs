@@ -38,24 +38,20 @@ pub(crate) fn tables(rows: &[Row]) -> String {
 }
 
 /// Fills each row's `predicted_decode_tok_s` from the cost model (`plan::predict_stack`, the same
-/// `up` command line) and prints predicted beside measured. CPU workers only: calibrating a GPU
-/// here would hold a device context beside the stacks (`layerstream plan` predicts for a GPU).
+/// `up` command line, in a `layerstream plan` process of its own) and prints predicted beside
+/// measured.
 pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
-    if a.device.device != "cpu" {
-        return;
-    }
     for (r, extra) in rows.iter_mut().zip(extras) {
         match crate::plan::predict_stack(&crate::bench::stack_args(model, a, extra), a.batch) {
-            Ok(p) => {
-                r.predicted_decode_tok_s = Some(p.tokens_per_s);
+            Ok((tok_s, bound)) => {
+                r.predicted_decode_tok_s = Some(tok_s);
                 println!(
                     "{}: decode {:.2} tok/s measured, {:.2} predicted by plan's cost model \
-                     (measured ÷ predicted {:.2}; bound by {})",
+                     (measured ÷ predicted {:.2}; bound by {bound})",
                     r.config,
                     r.decode_tok_s,
-                    p.tokens_per_s,
-                    r.decode_tok_s / p.tokens_per_s.max(1e-9),
-                    p.bound
+                    tok_s,
+                    r.decode_tok_s / tok_s.max(1e-9),
                 );
             }
             Err(e) => println!("{}: no prediction ({e:#})", r.config),

@@ -40,11 +40,11 @@ pub struct Shape {
     pub cpu: bool,
 }
 
-/// Shares of `usable` memory (`shm`: /dev/shm's free bytes, when known): a margin of 128 MiB + 5%, then — when
-/// half of the rest holds every layer — a slot for each (a RAM tier: the model is read from disk
-/// once) and host KV tiers of an eighth; past that, the slots a quarter holds (at least `floor`)
-/// and no host tier; the CPU workers split what remains. An error names each part's bytes when even the streaming
-/// minimum does not fit.
+/// Shares of `usable` memory (`shm`: /dev/shm's free bytes, when known): a margin of 128 MiB + 5%
+/// (and `GPU_WORKER_HOST_BYTES` for each GPU worker), then the slots' share of the rest
+/// (`tier_share`: every layer with host KV tiers of an eighth when the model fits, else as many as
+/// the share holds, at least `floor`, and no host tier); CPU workers split what remains. An error
+/// names each part's bytes when even the streaming minimum does not fit.
 pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<Shares, String> {
     if let Some(b) = fixed.kv_host_bytes.filter(|&b| b > usable) {
         return Err(format!(
@@ -52,13 +52,13 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
         ));
     }
     let margin = (128 << 20) + usable / 20;
-    let pool = usable.saturating_sub(margin);
     let slot = s.slot_size.max(1);
     let workers = s.workers.max(1) as u64;
-    // Past RAM (the layers do not fit half the pool) the workers' streaming plans come first: a
-    // quarter for slots beyond the floor, no host KV tier (a preempted sequence is replayed).
-    let roomy = slot.saturating_mul(s.layers as u64) <= pool / 2;
-    let share = if roomy { pool / 2 } else { pool / 4 };
+    // GPU workers keep their weights on the device: host memory goes to the slots (the RAM tier),
+    // less what each GPU worker's process takes on the host (`GPU_WORKER_HOST_BYTES`).
+    let host = if s.cpu { 0 } else { GPU_WORKER_HOST_BYTES * workers };
+    let pool = usable.saturating_sub(margin + host);
+    let (roomy, share) = tier_share(pool, slot.saturating_mul(s.layers as u64), s.cpu);
     let fit = share.min(shm.unwrap_or(u64::MAX)) / slot;
     let slots = fixed.slots.unwrap_or((fit as usize).min(s.layers).max(s.floor));
     let slot_bytes = slots as u64 * slot;
@@ -67,24 +67,49 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
     layerstream_loader::check_shm_room(slots, slot as usize, shm).map_err(|e| e.to_string())?;
     let left = pool.checked_sub(slot_bytes + kv_host_bytes * workers);
     let worker_budget = match (s.cpu, fixed.worker_budget, left) {
-        (false, b, _) => b,
+        (false, b, Some(_)) => b,
         (true, Some(b), _) => Some(b),
         (true, None, Some(left)) if left > 0 => Some(left / workers),
-        (true, None, _) => {
+        _ => {
+            let rest = match s.cpu {
+                true => format!("leave nothing for the {} worker(s)", s.workers),
+                false => format!(
+                    "need more than the {} left beside the GPU workers' host side ({})",
+                    gib(pool),
+                    gib(host)
+                ),
+            };
             return Err(format!(
                 "this host lets the stack use {}: a margin of {} for the processes, the loader's \
-                 {slots} slots of {slot} bytes ({}) and host KV tiers of {} each leave nothing for \
-                 the {} worker(s); raise the memory limit, or give --slots / --kv-host-bytes / \
-                 --memory-budget",
+                 {slots} slots of {slot} bytes ({}) and host KV tiers of {} each {rest}; raise \
+                 the memory limit, or give --slots / --kv-host-bytes / --memory-budget",
                 gib(usable),
                 gib(margin),
                 gib(slot_bytes),
                 gib(kv_host_bytes),
-                s.workers
-            ))
+            ));
         }
     };
-    Ok(Shares { slots, slot_size: slot, worker_budget, kv_host_bytes, margin })
+    Ok(Shares { slots, slot_size: slot, worker_budget, kv_host_bytes, margin: margin + host })
+}
+
+/// What a GPU worker's process holds in host memory beside the slots it reads from: the CUDA
+/// runtime and cuBLAS, the tokenizer's and the embedding's host copies, a step's host buffers.
+pub const GPU_WORKER_HOST_BYTES: u64 = 1 << 30;
+
+/// Whether the model's slot-sized files (`all` bytes) fit the RAM tier whole, and the pool's share
+/// the slots get. CPU workers draw their budgets from the same pool: the slots hold every layer when
+/// half the pool does (else a quarter goes to slots and the workers keep the rest for resident
+/// layers). GPU workers draw nothing from it: the slots hold every layer when seven eighths of the
+/// pool do (an eighth left for the host KV tier), else they take the whole pool — every layer a
+/// slot keeps is a layer not read from disk each pass.
+fn tier_share(pool: u64, all: u64, cpu: bool) -> (bool, u64) {
+    match cpu {
+        true if all <= pool / 2 => (true, pool / 2),
+        true => (false, pool / 4),
+        false if all <= pool / 8 * 7 => (true, pool / 8 * 7),
+        false => (false, pool),
+    }
 }
 
 /// The ledger and the shares, for `up`'s log.
@@ -147,5 +172,31 @@ mod tests {
         assert!(e.contains("/dev/shm") && e.contains("shm_size"), "{e}");
         let gpu = Shape { cpu: false, ..llama8b(1) };
         assert_eq!(shares(8 << 30, None, gpu, Fixed::default()).unwrap().worker_budget, None);
+        let e = shares(1536 * MIB, None, gpu, Fixed::default()).unwrap_err();
+        assert!(e.contains("4 slots") && e.contains("GPU workers' host side"), "{e}");
+    }
+
+    /// A GPU stack's workers hold their layers on the device, so the host's memory is the RAM
+    /// tier: past half of it the slots still take all they can (a CPU stack gives its workers
+    /// three quarters), and a model that fits keeps every layer in a slot with a host KV tier.
+    #[test]
+    fn a_gpu_stack_gives_the_host_to_the_ram_tier() {
+        let gpu = |workers| Shape { cpu: false, ..llama8b(workers) };
+        let usable = 3584 * MIB;
+        let s = shares(usable, None, gpu(1), Fixed::default()).unwrap();
+        let c = shares(usable, None, llama8b(1), Fixed::default()).unwrap();
+        assert!(s.slots > 2 * c.slots, "GPU {} slots, CPU {}", s.slots, c.slots);
+        assert_eq!((s.worker_budget, s.kv_host_bytes), (None, 0));
+        let used = s.slots as u64 * s.slot_size + s.margin;
+        assert!(used <= usable && usable - used < s.slot_size, "{s:?}");
+        assert!(s.margin >= GPU_WORKER_HOST_BYTES, "the worker's host side is kept: {s:?}");
+        let roomy = shares(16 << 30, Some(16 << 30), gpu(2), Fixed::default()).unwrap();
+        assert_eq!(roomy.slots, 32);
+        assert!(roomy.kv_host_bytes > 0, "{roomy:?}");
+        let total = 32 * roomy.slot_size + 2 * roomy.kv_host_bytes + roomy.margin;
+        assert!(total <= 16 << 30, "{roomy:?}");
+        // /dev/shm caps the tier as it does a CPU stack's.
+        let shm = shares(16 << 30, Some(2 << 30), gpu(1), Fixed::default()).unwrap();
+        assert_eq!(shm.slots as u64, (2u64 << 30) / (131 * MIB));
     }
 }

@@ -112,7 +112,7 @@ enum Cmd {
     /// What `up` would place where on this machine (memory shares, resident and streamed layers,
     /// KV capacity, the tiers a pass reads, the disk measured, predicted tokens/s), before
     /// anything starts.
-    Plan(up::UpArgs),
+    Plan(plan::PlanArgs),
     /// Send one request to a running coordinator and stream the answer.
     Submit(submit::SubmitArgs),
     /// Run the loader daemon (as the `loader-daemon` binary does).

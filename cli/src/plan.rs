@@ -131,11 +131,18 @@ pub fn placement(
     shares: &crate::fit::Shares,
     rows: &[usize],
 ) -> Result<Placement> {
-    let budget = match (shares.worker_budget, a.device.memory_budget) {
-        (Some(b), _) | (None, Some(b)) => b,
-        (None, None) => {
-            bail!("a GPU worker's plan needs its budget: give --memory-budget (its free memory)")
+    let budget = match layerstream_worker::Device::check(&a.device.device) {
+        // One GPU for every worker: the budget each will report — its free memory (or the flag,
+        // never more) less the runtime reserve.
+        Ok(Some(_)) => {
+            layerstream_worker::Device::open(&a.device.device)?.budget(a.device.memory_budget)?
         }
+        _ => match shares.worker_budget {
+            Some(b) => b,
+            None => bail!(
+                "a stack over several devices needs each worker's budget: give --memory-budget"
+            ),
+        },
     };
     let budgets = vec![budget; a.workers.max(1)];
     let m = &store.manifest;
@@ -183,26 +190,48 @@ pub fn describe_predictions(p: &[Prediction]) -> String {
         .join("\n  ")
 }
 
-/// The cost model's decode tokens/s for the stack `up_args` (an `up` command line) would run, at
-/// `rows` sequences: what `bench` prints beside what it measures.
-pub fn predict_stack(up_args: &[String], rows: usize) -> Result<Prediction> {
-    #[derive(clap::Parser)]
-    struct Up {
-        #[command(flatten)]
-        up: crate::up::UpArgs,
+/// The cost model's decode tokens/s and bounding resource for the stack `up_args` (an `up`
+/// command line) would run, at `rows` sequences: what `bench` prints beside what it measures.
+/// `layerstream plan --json` answers it in a process of its own, so a GPU's calibration holds no
+/// device context beside the stacks `bench` starts.
+pub fn predict_stack(up_args: &[String], rows: usize) -> Result<(f64, String)> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .arg("plan")
+        .args(up_args.iter().skip(1))
+        .args(["--json", "--batches", &rows.to_string()])
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        bail!("layerstream plan: {}", err.lines().last().unwrap_or("failed"));
     }
-    let a = <Up as clap::Parser>::try_parse_from(up_args)?.up;
-    let store = layerstream_model::Store::open(&crate::run::model_dir(&a.model)?)?;
-    let (_, shares) = crate::up::memory_shares(&a, &store)?;
-    let mut p = placement(&a, &store, &shares, &[rows])?;
-    Ok(p.predicted.remove(0))
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let p = &v["predicted"][0];
+    match (p["tokens_per_s"].as_f64(), p["bound"].as_str()) {
+        (Some(t), Some(b)) => Ok((t, b.to_owned())),
+        _ => bail!("layerstream plan printed no prediction: {v}"),
+    }
 }
 
-pub fn run(a: crate::up::UpArgs) -> Result<()> {
+/// `layerstream plan`'s arguments: `up`'s, and the batch sizes to predict.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub up: crate::up::UpArgs,
+    /// Sequences per pass to predict decode at (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub batches: Vec<usize>,
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let a = args.up;
+    if args.batches.is_empty() || args.batches.contains(&0) {
+        bail!("--batches takes sequence counts of 1 or more, e.g. 1,8,64");
+    }
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
-    let p = placement(&a, &store, &shares, &crate::calibration::ROWS)?;
+    let p = placement(&a, &store, &shares, &args.batches)?;
     let m = &store.manifest;
     let t = tiers(&p.layers);
     let workers: Vec<_> = p
@@ -263,12 +292,13 @@ pub fn run(a: crate::up::UpArgs) -> Result<()> {
     );
     if expert_bytes.iter().any(|&b| b > 0) {
         let caches: Vec<String> = p.plans.iter().map(|w| w.expert_cache.to_string()).collect();
+        let at: Vec<String> = (expert_bytes.iter().zip(&args.batches))
+            .map(|(&b, r)| format!("{} at batch {r}", gb(b)))
+            .collect();
         println!(
-            "experts: a cache of {} per worker; expected from disk a pass {} at batch 1, {} at 8, {} at 64",
+            "experts: a cache of {} per worker; expected from disk a pass {}",
             caches.join(", "),
-            gb(expert_bytes[0]),
-            gb(expert_bytes[1]),
-            gb(expert_bytes[2])
+            at.join(", ")
         );
     }
     let ms = |v: &[(usize, f64)]| {
