@@ -21,7 +21,8 @@
 #             computing its layers from the loader's slots in RAM) against one CUDA worker streaming
 #             every layer, streamed runs only, at MIXED_BATCHES (default 1 8 64)
 #   tiers     plan's prediction vs bench's measurement on a TIER_BUDGET device budget: every streamed
-#             layer in the RAM tier, then TIER_SLOTS slots (disk), at TIER_BATCHES (#40)
+#             layer in the RAM tier, then TIER_SLOTS slots (disk), at TIER_BATCHES (#40); TIER_CONFIGS
+#             picks (ram disk), TIER_RECAL=1 calibrates afresh
 #   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
 #   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
 #   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
@@ -178,9 +179,10 @@ sec_spec() {
 # TIER_BATCHES. First `plan` with no size flags at all (the device's free memory is the budget).
 sec_tiers() {
   echo "-- plan, no size flags" | tee -a "$OUT/tiers.txt"
-  "$LS" plan --model $S70 --device $DEV --workers 1 2>&1 | tee -a "$OUT/tiers.txt"
-  for cfg in "ram" "disk --loader-slots ${TIER_SLOTS:-6}"; do
-    set -- $cfg; local name=$1; shift
+  "$LS" plan --model $S70 --device $DEV --workers 1 ${TIER_RECAL:+--recalibrate} 2>&1 | tee -a "$OUT/tiers.txt"
+  local cfg name; declare -A cfgs=([ram]="" [disk]="--loader-slots ${TIER_SLOTS:-6}")
+  for name in ${TIER_CONFIGS:-ram disk}; do
+    set -- ${cfgs[$name]}
     echo "-- $name: plan --memory-budget ${TIER_BUDGET:-4G} $*" | tee -a "$OUT/tiers.txt"
     "$LS" plan --model $S70 --device $DEV --workers 1 --memory-budget ${TIER_BUDGET:-4G} "$@" \
       --batches "$(echo ${TIER_BATCHES:-1 8 64} | tr ' ' ,)" 2>&1 | grep -vE "^ *$" | tee -a "$OUT/tiers.txt"
