@@ -193,6 +193,14 @@ fn curl_sees_raw_sse_and_a_client_that_hangs_up_cancels_its_job() {
     let text: String =
         chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(whole["choices"][0]["message"]["content"], text.as_str());
+    // `up` calibrated and predicted a decode pass: each decode step is set beside it, and counted.
+    let steps = json_of(&curl(&[&format!("{}/api/stack", stack.http())]))["steps"].clone();
+    let decode: Vec<&serde_json::Value> =
+        steps.as_array().unwrap().iter().filter(|s| s["rows"] == s["batch"]).collect();
+    assert!(!decode.is_empty(), "{steps}");
+    assert!(decode.iter().all(|s| s["predicted_ms"].as_f64().is_some_and(|p| p > 0.0)), "{steps}");
+    assert!(stack.metric("layerstream_decode_step_predicted_seconds_total") > 0.0);
+    assert!(stack.metric("layerstream_decode_step_seconds_total") > 0.0);
     // Errors in OpenAI's shape.
     let (code, b) = status(&[
         "-H",

@@ -190,15 +190,25 @@ pub fn describe_predictions(p: &[Prediction]) -> String {
         .join("\n  ")
 }
 
-/// The cost model's decode tokens/s and bounding resource for the stack `up_args` (an `up`
-/// command line) would run, at `rows` sequences: what `bench` prints beside what it measures.
-/// `layerstream plan --json` answers it in a process of its own, so a GPU's calibration holds no
-/// device context beside the stacks `bench` starts.
-pub fn predict_stack(up_args: &[String], rows: usize) -> Result<(f64, String)> {
+/// One batch size's prediction as `layerstream plan --json` prints it.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Predicted {
+    pub rows: usize,
+    pub pass_s: f64,
+    pub tokens_per_s: f64,
+    pub bound: String,
+}
+
+/// The cost model's prediction for the stack `up_args` (an `up` command line) would run, at each
+/// of `rows`: what `bench` prints beside what it measures, and what `up` hands the coordinator
+/// for a GPU stack. `layerstream plan --json` answers it in a process of its own, so a GPU's
+/// calibration holds no device context beside the stacks.
+pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<Vec<Predicted>> {
+    let batches: Vec<String> = rows.iter().map(usize::to_string).collect();
     let out = std::process::Command::new(std::env::current_exe()?)
         .arg("plan")
         .args(up_args.iter().skip(1))
-        .args(["--json", "--batches", &rows.to_string()])
+        .args(["--json", "--batches", &batches.join(",")])
         .stdin(std::process::Stdio::null())
         .output()?;
     if !out.status.success() {
@@ -206,10 +216,48 @@ pub fn predict_stack(up_args: &[String], rows: usize) -> Result<(f64, String)> {
         bail!("layerstream plan: {}", err.lines().last().unwrap_or("failed"));
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let p = &v["predicted"][0];
-    match (p["tokens_per_s"].as_f64(), p["bound"].as_str()) {
-        (Some(t), Some(b)) => Ok((t, b.to_owned())),
-        _ => bail!("layerstream plan printed no prediction: {v}"),
+    let p: Vec<Predicted> = serde_json::from_value(v["predicted"].clone())?;
+    if p.len() != rows.len() {
+        bail!("layerstream plan printed no prediction: {v}");
+    }
+    Ok(p)
+}
+
+/// What the cost model predicts for the stack `up` starts (`a`, over `shares`), logged, as the
+/// curve the coordinator sets each decode step beside. CPU workers are calibrated here; a GPU
+/// stack asks a `layerstream plan` process with `up`'s own command line (this process must hold
+/// no device context for the stack's life). A prediction that cannot be made is said and
+/// skipped: the coordinator's own plan decides whether the stack runs.
+pub fn for_up(
+    a: &crate::up::UpArgs,
+    store: &layerstream_model::Store,
+    shares: &crate::fit::Shares,
+) -> Option<layerstream_coordinator::cost::Curve> {
+    use layerstream_coordinator::cost::Curve;
+    let rows = crate::calibration::ROWS;
+    let curve = if a.device.device == "cpu" {
+        placement(a, store, shares, &rows).map(|p| Curve::of(&p.predicted))
+    } else {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.first().map(String::as_str) != Some("up") {
+            return None; // not started from a command line to hand on
+        }
+        predict_stack(&args, &rows).map(|p| Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect()))
+    };
+    match curve {
+        Ok(c) => {
+            let lines: Vec<String> = c
+                .0
+                .iter()
+                .map(|(r, s)| format!("batch {r}: {:.2} tok/s (a pass {s:.3} s)", *r as f64 / s))
+                .collect();
+            eprintln!("layerstream up: predicted decode:\n  {}", lines.join("\n  "));
+            Some(c)
+        }
+        Err(e) => {
+            eprintln!("layerstream up: no prediction: {e:#}");
+            None
+        }
     }
 }
 

@@ -308,7 +308,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .to_string();
     let api_key = share_secrets(&a)?;
     let (_, shares) = memory_shares(&a, &store)?;
-    log_prediction(&a, &store, &shares);
+    let predicted = crate::plan::for_up(&a, &store, &shares);
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
@@ -320,6 +320,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         journal: journal.clone(),
         ns: ns.clone(),
         shares: shares.clone(),
+        predicted,
     };
     let mut specs = vec![stack.start_loader(&mut children)?];
     let mut addrs = Vec::new();
@@ -406,24 +407,6 @@ pub(crate) fn memory_shares(
     Ok((ledger, shares))
 }
 
-/// Logs what the cost model predicts for this stack (`layerstream plan`'s figures; calibrated once
-/// per host and store). CPU workers only: calibrating a GPU here would hold a device context in
-/// this process for the stack's life (`layerstream plan` predicts for a GPU). A prediction that
-/// cannot be made is said and skipped: the coordinator's own plan decides whether the stack runs.
-fn log_prediction(a: &UpArgs, store: &layerstream_model::Store, shares: &crate::fit::Shares) {
-    if a.device.device != "cpu" {
-        return;
-    }
-    match crate::plan::placement(a, store, shares, &crate::calibration::ROWS) {
-        Ok(p) => eprintln!(
-            "layerstream up: predicted{}:\n  {}",
-            if p.cached { "" } else { " (calibrated now)" },
-            crate::plan::describe_predictions(&p.predicted)
-        ),
-        Err(e) => eprintln!("layerstream up: no prediction: {e:#}"),
-    }
-}
-
 /// Submits `up`'s input to the coordinator at `addr` on its own thread.
 fn submit_in_thread(
     a: &UpArgs,
@@ -460,6 +443,8 @@ struct StackSpec<'a> {
     journal: std::path::PathBuf,
     ns: String,
     shares: crate::fit::Shares,
+    /// The cost model's decode pass times, for the coordinator (`--predicted-pass`).
+    predicted: Option<layerstream_coordinator::cost::Curve>,
 }
 
 impl StackSpec<'_> {
@@ -521,6 +506,7 @@ impl StackSpec<'_> {
         args.extend(plan.to_args());
         args.extend(a.sched.to_args());
         args.extend(a.spec.to_args());
+        args.extend(self.predicted.iter().flat_map(|c| ["--predicted-pass".into(), c.to_string()]));
         // A one-shot `up` (with a prompt) answers and stops: no HTTP server unless asked for.
         let mut http_flags = a.http.clone();
         if a.prompt.is_given() && http_flags.http_listen.is_none() {

@@ -52,6 +52,56 @@ pub fn interpolate(points: &[(usize, f64)], x: usize) -> f64 {
     yl * x as f64 / xl.max(1) as f64
 }
 
+/// Predicted decode pass seconds at a few batch sizes (ascending), as `up` hands them to the
+/// coordinator (`--predicted-pass 1:0.094,8:0.107,64:0.116`, from `layerstream plan`'s cost model):
+/// each decode step's wall time is set beside `at` its batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Curve(pub Vec<(usize, f64)>);
+
+impl Curve {
+    /// The predictions' pass times.
+    pub fn of(p: &[Prediction]) -> Curve {
+        let mut v: Vec<(usize, f64)> = p.iter().map(|p| (p.rows, p.pass_s)).collect();
+        v.sort_by_key(|x| x.0);
+        Curve(v)
+    }
+
+    /// Predicted seconds of a decode pass over `batch` sequences (`interpolate`).
+    pub fn at(&self, batch: usize) -> f64 {
+        interpolate(&self.0, batch)
+    }
+}
+
+impl std::fmt::Display for Curve {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(|(r, s)| format!("{r}:{s:.6}")).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+impl std::str::FromStr for Curve {
+    type Err = String;
+
+    /// `rows:seconds,…` with rows ≥ 1 ascending and seconds finite and positive.
+    fn from_str(s: &str) -> Result<Curve, String> {
+        let bad = |p: &str| format!("{p:?}: expected rows:seconds (e.g. 1:0.094,8:0.107)");
+        let mut v = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (r, t) = part.split_once(':').ok_or_else(|| bad(part))?;
+            let r: usize = r.trim().parse().map_err(|_| bad(part))?;
+            let t: f64 = t.trim().parse().map_err(|_| bad(part))?;
+            if r == 0 || !(t.is_finite() && t > 0.0) || v.last().is_some_and(|&(q, _)| q >= r) {
+                return Err(format!("{}: rows ≥ 1 ascending, seconds > 0", bad(part)));
+            }
+            v.push((r, t));
+        }
+        if v.is_empty() {
+            return Err(bad(s));
+        }
+        Ok(Curve(v))
+    }
+}
+
 /// What a placement delivers at one batch size.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Prediction {
@@ -182,6 +232,21 @@ mod tests {
             link_gbps: link,
             layer_s: vec![(1, layer), (8, layer * 2.0), (64, layer * 10.0)],
             head_s: vec![(1, head), (8, head * 2.0), (64, head * 10.0)],
+        }
+    }
+
+    #[test]
+    fn a_curve_reads_back_what_it_writes_and_refuses_nonsense() {
+        let f = figures(0.01, 0.005, 1.0, None);
+        let p: Vec<Prediction> =
+            [8, 1, 64].iter().map(|&r| predict(&f, &[(Source::Ram, 1)], r, 1, 1)).collect();
+        let c = Curve::of(&p);
+        assert_eq!(c.0.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 8, 64]);
+        let back: Curve = c.to_string().parse().unwrap();
+        assert!(back.0.iter().zip(&c.0).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() < 1e-6));
+        assert!((back.at(4) - (c.0[0].1 + (c.0[1].1 - c.0[0].1) * 3.0 / 7.0)).abs() < 1e-6);
+        for bad in ["", "8", "0:1", "1:0", "1:x", "8:0.1,1:0.2", "1:NaN", "1:-2"] {
+            assert!(bad.parse::<Curve>().is_err(), "{bad:?}");
         }
     }
 

@@ -40,6 +40,12 @@ pub struct CoordinatorArgs {
     /// every address the name resolves to (e.g. the replicas of a compose service), sorted.
     #[arg(long = "worker", env = "LAYERSTREAM_WORKERS", value_delimiter = ',', required = true)]
     pub workers: Vec<String>,
+    /// The cost model's decode pass seconds by batch (`rows:seconds,…`, as `layerstream plan`
+    /// predicts them; `up` passes its own): each decode step's wall time is set beside it on the
+    /// page and in `/api/stack`, and both are counted (`layerstream_decode_step_seconds_total`,
+    /// `layerstream_decode_step_predicted_seconds_total`).
+    #[arg(long, env = "LAYERSTREAM_PREDICTED_PASS")]
+    pub predicted_pass: Option<cost::Curve>,
     /// With `dns://` workers: wait until at least this many addresses resolve.
     #[arg(long, env = "LAYERSTREAM_EXPECT_WORKERS", default_value_t = 1)]
     pub expect_workers: usize,

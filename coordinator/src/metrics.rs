@@ -3,14 +3,13 @@
 //! the loader's cache counters and worker liveness (from the workers' Info, read at scrape time), so
 //! one scrape of the coordinator sees every process. Also keeps the last steps for the live page.
 
-use layerstream_rpc::v1::{FinishReason, InfoResponse, LayerTiming};
+use layerstream_rpc::v1::{FinishReason, InfoResponse};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -19,54 +18,8 @@ type Labels = Vec<(&'static str, String)>;
 type FCounter = Counter<f64, AtomicU64>;
 type FGauge = Gauge<f64, AtomicU64>;
 
-/// Steps kept for the live page.
-pub const RECENT_STEPS: usize = 32;
-
-/// One step as the live page shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct StepView {
-    /// Milliseconds since the Unix epoch when the step ended.
-    pub(crate) at_ms: u64,
-    /// Sequences and token rows in the step.
-    pub(crate) batch: usize,
-    pub(crate) rows: usize,
-    /// Wall time of the whole step through every worker.
-    pub(crate) wall_ms: f64,
-    /// Per worker, in pipeline order.
-    pub(crate) workers: Vec<WorkerStepView>,
-}
-
-/// One worker's part of a step.
-#[derive(Debug, Clone, Serialize)]
-pub struct WorkerStepView {
-    pub(crate) worker: String,
-    pub(crate) wall_ms: f64,
-    pub(crate) layers: Vec<LayerView>,
-}
-
-/// One layer of a step: streamed or resident, and where its time went.
-#[derive(Debug, Clone, Serialize)]
-pub struct LayerView {
-    pub(crate) layer: u32,
-    pub(crate) resident: bool,
-    pub(crate) bytes: u64,
-    pub(crate) transfer_ms: f64,
-    pub(crate) compute_ms: f64,
-    pub(crate) stall_ms: f64,
-}
-
-impl From<&LayerTiming> for LayerView {
-    fn from(t: &LayerTiming) -> Self {
-        LayerView {
-            layer: t.layer,
-            resident: t.resident,
-            bytes: t.bytes,
-            transfer_ms: t.transfer_ms,
-            compute_ms: t.compute_ms,
-            stall_ms: t.stall_ms,
-        }
-    }
-}
+mod views;
+pub use views::{LayerView, StepView, WorkerStepView, RECENT_STEPS};
 
 /// Every metric of the stack.
 pub struct Metrics {
@@ -120,6 +73,11 @@ pub struct Metrics {
     /// what is new.
     loaders: Mutex<HashMap<String, (u64, u64, u64, f64)>>,
     recent: Mutex<VecDeque<StepView>>,
+    /// The cost model's decode pass time by batch (`--predicted-pass`), and the decode steps' wall
+    /// seconds beside their predicted seconds.
+    predicted: Option<crate::cost::Curve>,
+    decode_wall: FCounter,
+    decode_predicted: FCounter,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -139,6 +97,11 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers every metric under the `layerstream_` prefix.
     pub fn new() -> Self {
+        Self::predicting(None)
+    }
+
+    /// `new`, with the cost model's decode pass times set beside each decode step.
+    pub fn predicting(predicted: Option<crate::cost::Curve>) -> Self {
         let mut r = Registry::with_prefix("layerstream");
         let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 18));
         let m = Metrics {
@@ -183,6 +146,9 @@ impl Metrics {
             loader_disk_seconds: Family::default(),
             loaders: Mutex::default(),
             recent: Mutex::default(),
+            predicted,
+            decode_wall: FCounter::default(),
+            decode_predicted: FCounter::default(),
             registry: Registry::default(),
         };
         m.register_requests(&mut r);
@@ -297,6 +263,17 @@ impl Metrics {
             self.batch.clone(),
         );
         r.register("steps", "Forward steps (weight passes) run", self.steps.clone());
+        r.register(
+            "decode_step_seconds",
+            "Wall seconds of the decode steps (one row a sequence) the cost model predicted",
+            self.decode_wall.clone(),
+        );
+        r.register(
+            "decode_step_predicted_seconds",
+            "Seconds the cost model (layerstream plan) predicted for those steps: rate(measured) / \
+             rate(predicted) is how far off it is",
+            self.decode_predicted.clone(),
+        );
         r.register(
             "overlapped_steps",
             "Steps started while another micro-batch's step was in flight",
@@ -515,11 +492,20 @@ impl Metrics {
         let at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
+        let predicted_ms = (rows == batch && batch > 0)
+            .then_some(self.predicted.as_ref())
+            .flatten()
+            .map(|c| c.at(batch) * 1e3);
+        if let Some(p) = predicted_ms {
+            self.decode_wall.inc_by(wall_ms / 1e3);
+            self.decode_predicted.inc_by(p / 1e3);
+        }
         let view = StepView {
             at_ms,
             batch,
             rows,
             wall_ms,
+            predicted_ms,
             workers: workers
                 .iter()
                 .map(|w| WorkerStepView {
@@ -576,65 +562,4 @@ impl Metrics {
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use layerstream_rpc::v1::LoaderStats;
-
-    #[test]
-    fn exposition_names_are_prefixed_and_counts_add_up() {
-        let m = Metrics::new();
-        m.finished(FinishReason::Length, 7, 3, Some(0.5), 0.9);
-        m.generated(3);
-        let t = |tr, st| LayerTiming {
-            layer: 1,
-            resident: false,
-            bytes: 100,
-            transfer_ms: tr,
-            compute_ms: 2.0,
-            stall_ms: st,
-            experts_needed: 4,
-            experts_hit: 1,
-            experts_prefetched: 2,
-            experts_missed: 1,
-        };
-        let w0 = crate::pipeline::WorkerStep {
-            address: "w0".into(),
-            layers: vec![t(4.0, 1.0), t(4.0, 0.0)],
-            wall_ms: 9.0,
-        };
-        m.step(2, 5, 10.0, &[w0]);
-        let mut info = InfoResponse {
-            loader: Some(LoaderStats {
-                namespace: "ns".into(),
-                hits: 5,
-                misses: 2,
-                pinned: 0,
-                disk_bytes: 3000,
-                disk_seconds: 0.5,
-            }),
-            ..Default::default()
-        };
-        m.worker_info("w0", Some(&info), true);
-        // A second worker on the same loader reports the same counters: not counted twice.
-        m.worker_info("w1", Some(&info), false);
-        info.loader.as_mut().unwrap().hits = 9;
-        m.worker_info("w0", Some(&info), true);
-        let text = m.encode();
-        let has = |line: &str| assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
-        has("layerstream_requests_total{finish_reason=\"length\"} 1");
-        has("layerstream_prompt_tokens_total 7");
-        has("layerstream_generation_tokens_total 3");
-        has("layerstream_worker_bytes_streamed_total{worker=\"w0\"} 200");
-        has("layerstream_worker_experts_total{worker=\"w0\",outcome=\"prefetched\"} 4");
-        has("layerstream_worker_hidden_transfer_ratio{worker=\"w0\"} 0.875");
-        has("layerstream_worker_up{worker=\"w0\"} 1");
-        has("layerstream_worker_up{worker=\"w1\"} 0");
-        has("layerstream_loader_cache_hits_total{loader=\"ns\"} 9");
-        has("layerstream_loader_cache_misses_total{loader=\"ns\"} 2");
-        has("layerstream_loader_disk_read_bytes_total{loader=\"ns\"} 3000");
-        has("layerstream_loader_disk_read_seconds_total{loader=\"ns\"} 0.5");
-        has("layerstream_time_per_output_token_seconds_count 1");
-        assert_eq!(m.recent().len(), 1);
-        assert!(text.ends_with("# EOF\n"));
-    }
-}
+mod tests;

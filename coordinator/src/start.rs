@@ -236,7 +236,7 @@ async fn plan_and_schedule(
     let queue_size = args.sched.queue_size.max(1);
     let (queue, rx) = tokio::sync::mpsc::channel(queue_size);
     let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let metrics = Arc::new(metrics::Metrics::new());
+    let metrics = Arc::new(metrics::Metrics::predicting(args.predicted_pass.clone()));
     let tokenizer = Arc::new(store.tokenizer()?);
     let journal =
         args.journal.as_deref().map(crate::journal::Journal::open).transpose()?.map(Arc::new);
