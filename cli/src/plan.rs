@@ -267,7 +267,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub up: crate::up::UpArgs,
     /// Sequences per pass to predict decode at (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    #[arg(long, env = "LAYERSTREAM_PLAN_BATCHES", value_delimiter = ',', default_value = "1,8,64")]
     pub batches: Vec<usize>,
 }
 

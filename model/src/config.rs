@@ -6,6 +6,9 @@ pub use layerstream_types::rope::{RopeConfig, RopeScaling};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod rope;
+use rope::{parse_rope, rope_params, rope_with};
+
 /// Decoder-only architectures the forward pass implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Arch {
@@ -194,101 +197,6 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
         Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
         _ => Vec::new(),
     }
-}
-
-/// `rope_parameters`, or its `kind` entry where it holds one per attention kind (Gemma 3 in
-/// transformers 5: `full_attention`, `sliding_attention`).
-fn rope_params<'a>(v: &'a Value, kind: &str) -> Option<&'a Value> {
-    let p = v.get("rope_parameters").filter(|p| p.is_object())?;
-    Some(p.get(kind).filter(|k| k.is_object()).unwrap_or(p))
-}
-
-/// Parses the RoPE section: older `rope_theta` + `rope_scaling`, or newer `rope_parameters` (the
-/// `full_attention` entry where it has one per attention kind).
-fn parse_rope(v: &Value) -> Result<RopeConfig> {
-    let params = rope_params(v, "full_attention");
-    let scaling_obj = params.or_else(|| v.get("rope_scaling").filter(|p| p.is_object()));
-    let theta = params
-        .and_then(|p| get_f64(p, "rope_theta"))
-        .or_else(|| get_f64(v, "rope_theta"))
-        .unwrap_or(10000.0);
-    rope_with(theta, scaling_obj, get_f64(v, "max_position_embeddings"))
-}
-
-/// A RoPE config of base `theta`, scaled as `scaling_obj` says (`rope_type` default, llama3,
-/// linear, yarn; `max_pos`: the config's `max_position_embeddings`, YaRN's factor where it has none).
-fn rope_with(theta: f64, scaling_obj: Option<&Value>, max_pos: Option<f64>) -> Result<RopeConfig> {
-    let scaling = match scaling_obj {
-        None => None,
-        Some(s) => {
-            let kind = s
-                .get("rope_type")
-                .or_else(|| s.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
-            match kind {
-                "default" => None,
-                "llama3" => {
-                    let f = |name: &str| {
-                        get_f64(s, name)
-                            .ok_or_else(|| Error::config(format!("rope_scaling.{name}"), "missing"))
-                    };
-                    Some(RopeScaling::Llama3 {
-                        factor: f("factor")?,
-                        low_freq_factor: f("low_freq_factor")?,
-                        high_freq_factor: f("high_freq_factor")?,
-                        original_max_position_embeddings: f("original_max_position_embeddings")?,
-                    })
-                }
-                "linear" => Some(RopeScaling::Linear {
-                    factor: get_f64(s, "factor")
-                        .ok_or_else(|| Error::config("rope_scaling.factor", "missing"))?,
-                }),
-                "yarn" => Some(yarn(s, max_pos)?),
-                other => {
-                    return Err(Error::config(
-                        "rope_scaling.rope_type",
-                        format!("unsupported {other:?}; supported: default, llama3, linear, yarn"),
-                    ))
-                }
-            }
-        }
-    };
-    Ok(RopeConfig { theta, scaling })
-}
-
-/// YaRN's parameters as transformers reads them: `factor` (else max / original positions),
-/// `attention_factor` (else from `mscale` and `mscale_all_dim`, else 0.1·ln factor + 1), β fast and
-/// slow (32 and 1 when absent), `truncate` (true when absent).
-fn yarn(s: &Value, max_pos: Option<f64>) -> Result<RopeScaling> {
-    let old = get_f64(s, "original_max_position_embeddings")
-        .ok_or_else(|| Error::config("rope_scaling.original_max_position_embeddings", "missing"))?;
-    let factor = match (get_f64(s, "factor"), max_pos) {
-        (Some(f), _) => f,
-        (None, Some(m)) => m / old,
-        (None, None) => return Err(Error::config("rope_scaling.factor", "missing")),
-    };
-    if factor <= 0.0 || old <= 0.0 {
-        return Err(Error::config("rope_scaling.factor", "must be positive"));
-    }
-    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-    let nonzero = |name| get_f64(s, name).filter(|x| *x != 0.0);
-    let attention_factor = match (get_f64(s, "attention_factor"), nonzero("mscale")) {
-        (Some(a), _) => a,
-        (None, Some(m)) if nonzero("mscale_all_dim").is_some() => {
-            mscale(factor, m) / mscale(factor, get_f64(s, "mscale_all_dim").unwrap_or(0.0))
-        }
-        _ => mscale(factor, 1.0),
-    };
-    let beta = |name, default| nonzero(name).unwrap_or(default);
-    Ok(RopeScaling::Yarn {
-        factor,
-        original_max_position_embeddings: old,
-        beta_fast: beta("beta_fast", 32.0),
-        beta_slow: beta("beta_slow", 1.0),
-        truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
-        attention_factor,
-    })
 }
 
 /// Gemma 3's section: attention scalar, window, which layers are global (`layer_types`, else every
@@ -651,83 +559,4 @@ fn positive(field: &str, v: f64) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn base() -> Value {
-        json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
-               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "vocab_size": 100, "rms_norm_eps": 1e-5, "eos_token_id": [2, 3]})
-    }
-
-    #[test]
-    fn both_rope_styles_parse_the_same() {
-        let mut old = base();
-        old["rope_theta"] = json!(500000.0);
-        old["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
-        let mut new = base();
-        new["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
-        let a = ModelConfig::from_hf(&old).unwrap();
-        let b = ModelConfig::from_hf(&new).unwrap();
-        assert_eq!(a, b);
-        assert_eq!(a.rope.theta, 500000.0);
-        assert!(matches!(a.rope.scaling, Some(RopeScaling::Llama3 { .. })));
-        assert_eq!(a.eos_token_ids, vec![2, 3]);
-        assert_eq!(a.head_dim, 16);
-    }
-
-    #[test]
-    fn unknown_architecture_lists_supported() {
-        let mut v = base();
-        v["architectures"] = json!(["GPTNeoXForCausalLM"]);
-        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
-        assert!(e.contains("GPTNeoXForCausalLM") && e.contains("Qwen3ForCausalLM"), "{e}");
-    }
-
-    /// Qwen3-MoE: sparse layers are those not in `mlp_only_layers` with (i + 1) % step == 0, as in
-    /// transformers; Mixtral: every layer, renormalised; impossible expert counts are named.
-    #[test]
-    fn moe_sections_parse_as_transformers_reads_them() {
-        let mut v = base();
-        v["architectures"] = json!(["Qwen3MoeForCausalLM"]);
-        v["num_hidden_layers"] = json!(6);
-        v["num_experts"] = json!(8);
-        v["num_experts_per_tok"] = json!(2);
-        v["moe_intermediate_size"] = json!(32);
-        v["decoder_sparse_step"] = json!(2);
-        v["mlp_only_layers"] = json!([3]);
-        let c = ModelConfig::from_hf(&v).unwrap();
-        let m = c.moe.clone().unwrap();
-        assert_eq!(m.dense_layers, vec![0, 2, 3, 4], "odd layers sparse, but 3 is MLP-only");
-        assert!(!m.norm_topk_prob && c.qk_norm);
-        assert!(c.moe_at(1).is_some() && c.moe_at(3).is_none() && c.moe_at(5).is_some());
-        let mut huge = v.clone();
-        huge["num_experts"] = json!(4096);
-        huge["num_hidden_layers"] = json!(1 << 21);
-        huge["mlp_only_layers"] = json!([]);
-        let e = ModelConfig::from_hf(&huge).unwrap_err().to_string();
-        assert!(e.contains("too many files to number"), "{e}");
-        v["num_experts_per_tok"] = json!(9);
-        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
-        assert!(e.contains("num_experts_per_tok") && e.contains("1..=8"), "{e}");
-        let mut x = base();
-        x["architectures"] = json!(["MixtralForCausalLM"]);
-        x["num_local_experts"] = json!(4);
-        x["num_experts_per_tok"] = json!(2);
-        let m = ModelConfig::from_hf(&x).unwrap().moe.unwrap();
-        assert!(m.norm_topk_prob && m.dense_layers.is_empty() && m.expert_intermediate == 160);
-        x.as_object_mut().unwrap().remove("num_local_experts");
-        let e = ModelConfig::from_hf(&x).unwrap_err().to_string();
-        assert!(e.contains("num_local_experts"), "{e}");
-    }
-
-    #[test]
-    fn bad_gqa_is_rejected() {
-        let mut v = base();
-        v["num_key_value_heads"] = json!(3);
-        assert!(ModelConfig::from_hf(&v).unwrap_err().to_string().contains("num_key_value_heads"));
-    }
-}
+mod tests;
