@@ -23,6 +23,7 @@
 #   tiers     plan's prediction vs bench's measurement on a TIER_BUDGET device budget: every streamed
 #             layer in the RAM tier, then TIER_SLOTS slots (disk), at TIER_BATCHES (#40); TIER_CONFIGS
 #             picks (ram disk), TIER_RECAL=1 calibrates afresh
+#   uppred    `up` on the device: the cost model's prediction beside each decode step (1, then 8 at once)
 #   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
 #   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
 #   llama     llama.cpp CUDA (built here from the carried .dev/llama source: the image has CMake,
@@ -55,7 +56,10 @@ for t in "$KEEP"/fix*/fixtures.tar.xz; do
 done
 BUILD_ROOT=${BUILD_ROOT:-/work/main}
 if [ "$ROOT" != "$BUILD_ROOT" ]; then mkdir -p "$(dirname "$BUILD_ROOT")"; ln -sfn "$ROOT" "$BUILD_ROOT"; fi
-mkdir -p "$ROOT/target/release" && cp "$BIN/layerstream" "$ROOT/target/release/layerstream"
+# A dry run on the build machine (DEVICE=cpu) keeps the binary cargo built there.
+if [ "$DEV" != cpu ] || [ ! -x "$ROOT/target/release/layerstream" ]; then
+  mkdir -p "$ROOT/target/release" && cp "$BIN/layerstream" "$ROOT/target/release/layerstream"
+fi
 LS="$ROOT/target/release/layerstream"
 export LAYERSTREAM_BIN="$LS"   # the end-to-end tests run this binary instead of building one
 for lib in libnvrtc.so.13 libcublas.so.13; do
@@ -83,7 +87,7 @@ stores() {  # the synthetic stores, written the first time a section needs them
 IGN=--include-ignored; [ "$DEV" = cpu ] && IGN=
 timed() { local t=$SECONDS; "$@"; echo "   ($1: $((SECONDS - t)) s)"; }
 declare -A EST=([hbm]=15 [sanitize]=120 [kernels]=90 [cuda]=200 [cudaq]=120 [matvec]=40 [h2d]=10 [run]=60 [sampling]=20 [stream]=100
-  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [tiers]=200 [moe]=120 [prequant]=90 [llama]=400)
+  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [tiers]=200 [uppred]=60 [moe]=120 [prequant]=90 [llama]=400)
 fits() {  # SECTION: whether its estimate ends before DEADLINE
   local est; est=$(eval "echo \${EST_$1:-${EST[$1]:-60}}")
   [ -z "${DEADLINE:-}" ] || [ $((SECONDS + est)) -le "$DEADLINE" ] && return 0
@@ -194,6 +198,30 @@ sec_tiers() {
     done
   done
 }
+# `up` on the device with no prediction flag (#40 point 6): it asks a `plan` process for the cost
+# model's decode pass times and hands them to the coordinator; one request, then 8 at once, then
+# the steps' wall time beside the prediction (/api/stack) and the two counters (/metrics).
+sec_uppred() {
+  local port=${UP_PORT:-18000} url pid
+  url=http://127.0.0.1:$port
+  RUST_LOG=${RUST_LOG:-warn} "$LS" up --model $S70 --device $DEV --workers 1 --memory-budget ${TIER_BUDGET:-4G} \
+    --max-batch 8 --listen 127.0.0.1:0 --http-listen 127.0.0.1:$port > "$OUT/up.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do curl -sf $url/health >/dev/null && break; sleep 1; done
+  local model; model=$(curl -s $url/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
+  local body="{\"model\":\"$model\",\"prompt\":\"$FOX\",\"max_tokens\":${TOKENS:-8},\"ignore_eos\":true}"
+  curl -s $url/v1/completions -H 'content-type: application/json' -d "$body" >/dev/null
+  for _ in $(seq 1 8); do curl -s $url/v1/completions -H 'content-type: application/json' -d "$body" >/dev/null & done; wait_jobs=$(jobs -p | grep -v "^$pid$"); [ -n "$wait_jobs" ] && wait $wait_jobs
+  grep -A4 "predicted decode" "$OUT/up.log" | tee -a "$OUT/uppred.txt"
+  curl -s $url/api/stack | python3 -c "
+import json, sys
+for s in json.load(sys.stdin)['steps']:
+    p = s['predicted_ms']
+    print(f\"batch {s['batch']} rows {s['rows']}: {s['wall_ms']:.1f} ms\" + (f', predicted {p:.1f} ms, measured/predicted {s[\"wall_ms\"] / p:.2f}' if p else ''))
+" | tee -a "$OUT/uppred.txt"
+  curl -s $url/metrics | grep "^layerstream_decode_step" | tee -a "$OUT/uppred.txt"
+  kill -INT $pid; wait $pid
+}
 # Mixture-of-experts streaming (#32, #33): DeepSeek-V3 and gpt-oss-120b shapes expert by expert.
 sec_moe() {
   LAYERSTREAM_BIN="$LS" bash "$ROOT/benchmarks/moe-experts.sh" --device $DEV --layers ${MOE_LAYERS:-4} \
@@ -252,6 +280,6 @@ PY
 for s in $SECTIONS; do
   declare -F "sec_$s" >/dev/null || { echo "no section $s" >&2; continue; }
   echo "== $s (at $SECONDS s)"; fits $s || continue
-  case $s in run|stream|prefill|sampled|spec|mixed|tiers) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
+  case $s in run|stream|prefill|sampled|spec|mixed|tiers|uppred) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
   timed sec_$s
 done
