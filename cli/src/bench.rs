@@ -342,18 +342,8 @@ pub(crate) fn stack_args(model: &str, a: &BenchArgs, extra: &[String]) -> Vec<St
         a.workers.to_string(),
         "--max-batch".into(),
         a.batch.max(1).to_string(),
-        "--device".into(),
-        a.device.device.clone(),
     ];
-    if let Some(t) = a.device.threads {
-        args.extend(["--threads".into(), t.to_string()]);
-    }
-    if a.device.int8_activations {
-        args.push("--int8-activations".into());
-    }
-    if a.device.exact {
-        args.push("--exact".into());
-    }
+    args.extend(a.device.compute.to_args());
     if let Some(g) = a.device.link_gbps {
         args.extend(["--link-gbps".into(), g.to_string()]);
     }
@@ -407,7 +397,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.batch == 0 || a.max_new_tokens == 0 {
         bail!("--batch and --max-new-tokens must be > 0");
     }
-    crate::run::check_devices(&a.device.device)?;
+    crate::run::check_devices(&a.device.compute.device)?;
     let model_dir = crate::run::model_dir(&a.model)?;
     let vocab = layerstream_model::Store::open(&model_dir)?.manifest.config.vocab_size;
     let model = model_dir.display().to_string();

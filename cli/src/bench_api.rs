@@ -156,7 +156,7 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, rounds: usize) -> Resul
     ]);
     args.extend([
         "--device".into(),
-        a.device.device.clone(),
+        a.device.compute.device.clone(),
         "--memory-budget".into(),
         (1u64 << 40).to_string(),
     ]);

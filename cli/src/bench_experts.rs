@@ -89,7 +89,7 @@ pub fn compare(a: &BenchArgs, model_dir: &Path, vocab: usize) -> Result<()> {
         a.max_new_tokens,
         a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
         a.workers,
-        a.device.threads.map_or("default".to_owned(), |t| t.to_string())
+        a.device.compute.threads.map_or("default".to_owned(), |t| t.to_string())
     );
     let mut t = String::from("| batch | expert cache | tok/s | decode tok/s | MB/token | vs whole layers | experts/layer-step | hit % | prefetched % | missed % |\n");
     t += "|---|---|---|---|---|---|---|---|---|---|\n";

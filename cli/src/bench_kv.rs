@@ -176,7 +176,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
         later(&off) / later(&on).max(1e-9),
         if on_ids == off_ids { "yes" } else { "NO" }
     );
-    if !a.device.exact {
+    if !a.device.compute.exact {
         println!("(without --exact, cached blocks of earlier answers hold keys the decode path computed with 8-bit activations, where the uncached run prefills them in f32: answers may differ slightly)");
     }
 
@@ -205,7 +205,7 @@ pub fn compare(a: &BenchArgs, model: &str) -> Result<()> {
             peak as f64 / first.max(1.0)
         );
     }
-    if on_ids != off_ids && a.device.exact {
+    if on_ids != off_ids && a.device.compute.exact {
         bail!("the prefix cache changed the answers under --exact");
     }
     Ok(())

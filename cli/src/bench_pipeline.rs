@@ -42,7 +42,7 @@ pub fn compare(a: &BenchArgs, model: &str, vocab: usize, m: MicroBatches) -> Res
         a.max_new_tokens,
         a.prompt_tokens.map_or("text".to_owned(), |n| format!("{n}-token")),
         a.workers,
-        a.device.threads.map_or(
+        a.device.compute.threads.map_or(
             "default (every core; cores ÷ workers while micro-batches run them at once)".to_owned(),
             |t| t.to_string()
         ),

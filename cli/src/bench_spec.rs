@@ -223,7 +223,7 @@ fn project_only(
     println!(
         "target {model}, draft {} (resident, alone on {}); {} worker(s); plan: {}; link: {}",
         draft.display(),
-        a.device.device,
+        a.device.compute.device,
         a.workers,
         plan_args(a).join(" "),
         link(a)

@@ -68,8 +68,8 @@ pub(crate) fn draft_level_ms(draft: &Path, a: &BenchArgs) -> Result<f64> {
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["run", "--model"]).arg(draft);
     cmd.args(["--token-ids", "1,2,3,4", "--max-new-tokens", "33", "--ignore-eos", "--json"]);
-    cmd.args(["--device", &a.device.device]);
-    if let Some(t) = a.device.threads {
+    cmd.args(["--device", &a.device.compute.device]);
+    if let Some(t) = a.device.compute.threads {
         cmd.args(["--threads", &t.to_string()]);
     }
     let out = cmd.stderr(std::process::Stdio::inherit()).output().context("running the draft")?;

@@ -33,15 +33,14 @@ pub fn key(store: &Store, device: &DeviceFlags) -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let fs = std::fs::metadata(&store.dir).map_or(0, |m| std::os::unix::fs::MetadataExt::dev(&m));
-    let int8 =
-        layerstream_worker::int8_by_default(&device.device, device.int8_activations, device.exact);
+    let int8 = device.compute.int8();
     format!(
         "host={} cpu={} cores={cores} device={} threads={:?} int8={int8} store={} fs={fs} \
          build={}",
         host.trim(),
         cpu.split(':').nth(1).unwrap_or("").trim(),
-        device.device,
-        device.threads,
+        device.compute.device,
+        device.compute.threads,
         store.identity(),
         env!("CARGO_PKG_VERSION"),
     )
@@ -91,7 +90,7 @@ fn measure(store: &Store, device: &DeviceFlags, readers: usize) -> Result<Figure
     let disk = layerstream_loader::measure_disk(&files, 1 << 30, readers)
         .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
     device.apply_threads()?;
-    let dev = layerstream_worker::Device::open(&device.device)?;
+    let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;
     let layer = (cfg.num_layers / 2) as u32;
     let probe = layerstream_worker::Probe { layer, rows: &ROWS, kv_dtype: kv, reps: 2 };
@@ -131,12 +130,14 @@ mod tests {
         };
         let (a, b) = (synth("a", 1), synth("b", 2));
         let dev = DeviceFlags {
-            device: "cpu".into(),
+            compute: layerstream_worker::ComputeFlags {
+                device: "cpu".into(),
+                threads: None,
+                int8_activations: false,
+                exact: false,
+            },
             memory_budget: None,
-            threads: None,
             concurrent_threads: None,
-            int8_activations: false,
-            exact: false,
             link_gbps: None,
         };
         let (f, cached) = figures(&a, &dev, 2, false).unwrap();

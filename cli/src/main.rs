@@ -274,7 +274,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(
-            (up.sched.max_batch, up.pool.slots, up.device.device.as_str()),
+            (up.sched.max_batch, up.pool.slots, up.device.compute.device.as_str()),
             (3, Some(7), "cpu")
         );
     }

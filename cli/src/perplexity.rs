@@ -29,20 +29,8 @@ pub struct PerplexityArgs {
     /// Score at most this many windows (llama-perplexity's `--chunks`); default: every whole one.
     #[arg(long, env = "LAYERSTREAM_PPL_CHUNKS")]
     pub chunks: Option<usize>,
-    /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
-    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
-    pub device: String,
-    /// CPU compute threads (default: every core).
-    #[arg(long, env = "LAYERSTREAM_THREADS")]
-    pub threads: Option<usize>,
-    /// 8-bit activations in decode and short steps (at most 8 rows), as llama.cpp computes — the
-    /// CPU's default (see `--exact`); on a GPU only with this flag. Takes precedence over `--exact`.
-    #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
-    pub int8_activations: bool,
-    /// f32 activations everywhere: tokens reproduce transformers. Without it the CPU multiplies
-    /// quantized weights by 8-bit activations in decode and short steps.
-    #[arg(long, env = "LAYERSTREAM_EXACT")]
-    pub exact: bool,
+    #[command(flatten)]
+    pub compute: layerstream_worker::ComputeFlags,
     /// Score the second half of each window token by token, as generation decodes (one-row steps)
     /// instead of in one pass over its rows: the same number up to rounding, through the decode path.
     #[arg(long, env = "LAYERSTREAM_PPL_DECODE")]
@@ -85,14 +73,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.ctx < 4 {
         bail!("--ctx must be at least 4 (half of each window is context, half is scored)");
     }
-    if let Some(n) = args.threads {
-        layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
-    }
-    layerstream_kernels::cpu::int8::set_int8_activations(layerstream_worker::int8_by_default(
-        &args.device,
-        args.int8_activations,
-        args.exact,
-    ));
+    args.compute.apply()?;
     let store = Store::open(&crate::run::model_dir(&args.model)?)?;
     let context = store.manifest.config.max_position_embeddings;
     if args.ctx > context {
@@ -114,7 +95,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             args.ctx
         );
     }
-    crate::run::check_device(&args.device)?;
+    crate::run::check_device(&args.compute.device)?;
     let windows: Vec<Vec<u32>> = (0..windows)
         .map(|i| {
             let mut w = tokens[i * args.ctx..(i + 1) * args.ctx].to_vec();
@@ -124,7 +105,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             w
         })
         .collect();
-    match Device::open(&args.device)? {
+    match Device::open(&args.compute.device)? {
         Device::Cpu(b) => score_on(b, &store, &windows, &args),
         Device::Cuda(b) => score_on(b, &store, &windows, &args),
     }
@@ -137,7 +118,7 @@ fn score_on<B: Backend>(
     args: &PerplexityArgs,
 ) -> Result<()> {
     let kv = KvOptions {
-        dtype: layerstream_model::dtype::parse_kv_dtype(&args.kv.dtype_for(&args.device))
+        dtype: layerstream_model::dtype::parse_kv_dtype(&args.kv.dtype_for(&args.compute.device))
             .map_err(anyhow::Error::msg)?,
         block: args.kv.kv_block,
         positions: args.ctx,

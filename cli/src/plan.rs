@@ -131,12 +131,11 @@ pub fn placement(
     shares: &crate::fit::Shares,
     rows: &[usize],
 ) -> Result<Placement> {
-    let budget = match layerstream_worker::Device::check(&a.device.device) {
+    let budget = match layerstream_worker::Device::check(&a.device.compute.device) {
         // One GPU for every worker: the budget each will report — its free memory (or the flag,
         // never more) less the runtime reserve.
-        Ok(Some(_)) => {
-            layerstream_worker::Device::open(&a.device.device)?.budget(a.device.memory_budget)?
-        }
+        Ok(Some(_)) => layerstream_worker::Device::open(&a.device.compute.device)?
+            .budget(a.device.memory_budget)?,
         _ => match shares.worker_budget {
             Some(b) => b,
             None => bail!(
@@ -149,12 +148,8 @@ pub fn placement(
     let (plans, kv_capacity) = layerstream_coordinator::plan_for(
         m,
         &budgets,
-        &a.device.device,
-        !layerstream_worker::int8_by_default(
-            &a.device.device,
-            a.device.int8_activations,
-            a.device.exact,
-        ),
+        &a.device.compute.device,
+        !a.device.compute.int8(),
         &a.plan,
     )?;
     // The loader reads `depth` layers past the one a worker takes, which it takes while the one
@@ -235,7 +230,7 @@ pub fn for_up(
 ) -> Option<layerstream_coordinator::cost::Curve> {
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
-    let curve = if a.device.device == "cpu" {
+    let curve = if a.device.compute.device == "cpu" {
         placement(a, store, shares, &rows).map(|p| Curve::of(&p.predicted))
     } else {
         let args: Vec<String> = std::env::args().skip(1).collect();

@@ -27,20 +27,8 @@ pub struct RunArgs {
     pub spec: layerstream_coordinator::SpecFlags,
     #[command(flatten)]
     pub kv: layerstream_coordinator::KvFlags,
-    /// Compute device: `cpu` or `cuda:N` (a build with `--features cuda`).
-    #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
-    pub device: String,
-    /// CPU compute threads (default: every core).
-    #[arg(long, env = "LAYERSTREAM_THREADS")]
-    pub threads: Option<usize>,
-    /// 8-bit activations in decode and short steps (at most 8 rows), as llama.cpp computes — the
-    /// CPU's default (see `--exact`); on a GPU only with this flag. Takes precedence over `--exact`.
-    #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
-    pub int8_activations: bool,
-    /// f32 activations everywhere: tokens reproduce transformers. Without it the CPU multiplies
-    /// quantized weights by 8-bit activations in decode and short steps.
-    #[arg(long, env = "LAYERSTREAM_EXACT")]
-    pub exact: bool,
+    #[command(flatten)]
+    pub compute: layerstream_worker::ComputeFlags,
     /// Print one JSON object (input_ids, output_ids, text, timings) as the last line instead of text.
     #[arg(long, env = "LAYERSTREAM_JSON")]
     pub json: bool,
@@ -59,14 +47,7 @@ pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
 
 /// Runs the command.
 pub fn run(args: RunArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        layerstream_kernels::cpu::threads::set_cpu_threads(n)?;
-    }
-    layerstream_kernels::cpu::int8::set_int8_activations(layerstream_worker::int8_by_default(
-        &args.device,
-        args.int8_activations,
-        args.exact,
-    ));
+    args.compute.apply()?;
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
     let draft = match &args.spec.draft_model {
@@ -81,8 +62,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mode = args.spec.spec.resolve(draft.is_some()).map_err(anyhow::Error::msg)?;
     let tok = store.tokenizer()?;
     let input = args.prompt.input_ids(&tok)?;
-    check_device(&args.device)?;
-    match Device::open(&args.device)? {
+    check_device(&args.compute.device)?;
+    match Device::open(&args.compute.device)? {
         Device::Cpu(b) => generate_on(b, &store, draft.as_ref(), mode, &tok, &input, &args),
         Device::Cuda(b) => generate_on(b, &store, draft.as_ref(), mode, &tok, &input, &args),
     }
@@ -98,7 +79,7 @@ fn generate_on<B: Backend>(
     args: &RunArgs,
 ) -> Result<()> {
     let params = args.sampling.params();
-    let dtype = args.kv.dtype_for(&args.device);
+    let dtype = args.kv.dtype_for(&args.compute.device);
     // The prompt and every token it may generate (and a draft beyond them).
     let context = store.manifest.config.max_position_embeddings;
     let positions =

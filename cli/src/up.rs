@@ -272,15 +272,16 @@ fn worker_device(
     shares: &crate::fit::Shares,
     i: usize,
 ) -> layerstream_worker::DeviceFlags {
-    let devices = worker_devices(&a.device.device, a.workers);
+    let devices = worker_devices(&a.device.compute.device, a.workers);
     let cpus = devices.iter().filter(|d| *d == "cpu").count();
     let mut d = a.device.clone();
-    d.device = devices[i].clone();
-    if d.device == "cpu" {
+    d.compute.device = devices[i].clone();
+    if d.compute.device == "cpu" {
         d.memory_budget = d.memory_budget.or(shares.worker_budget);
         if d.concurrent_threads.is_none() && cpus > 1 {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            d.concurrent_threads = Some((cores / cpus).max(1).min(d.threads.unwrap_or(cores)));
+            let threads = d.compute.threads.unwrap_or(cores);
+            d.concurrent_threads = Some((cores / cpus).max(1).min(threads));
         }
     }
     d
@@ -300,7 +301,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
-    crate::run::check_devices(&a.device.device)?;
+    crate::run::check_devices(&a.device.compute.device)?;
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     remove_orphans();
@@ -396,7 +397,7 @@ pub(crate) fn memory_shares(
         slot_size: store.manifest.max_unit_bytes(),
         floor: (a.workers * per_worker).max(4).min(layers.max(4)),
         workers: a.workers,
-        cpu: worker_devices(&a.device.device, a.workers).iter().any(|d| d == "cpu"),
+        cpu: worker_devices(&a.device.compute.device, a.workers).iter().any(|d| d == "cpu"),
     };
     let fixed = crate::fit::Fixed {
         slots: a.pool.slots,

@@ -33,4 +33,4 @@ pub use generate::{generate, Generation, Speculation, Timings};
 pub use layerstream_model::GenerateParams;
 pub use model::{KvOptions, Model, SeqState};
 pub use sampling::{sample_batch, Sampler, SamplingParams};
-pub use server::{int8_by_default, run, DeviceFlags, WorkerArgs};
+pub use server::{int8_by_default, run, ComputeFlags, DeviceFlags, WorkerArgs};

@@ -16,28 +16,18 @@ const MAX_CONNECTIONS: usize = 1024;
 /// A connection that sends nothing for this long is closed.
 const FIRST_BYTE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Where a worker computes and how much memory it may use (shared by `worker`, `run`'s device, `up`
-/// and `bench`, which pass it on with `to_args`).
+/// Where a process computes and at what precision: shared by a worker's `DeviceFlags`, `run` and
+/// `perplexity`.
 #[derive(Args, Debug, Clone, PartialEq)]
-pub struct DeviceFlags {
+pub struct ComputeFlags {
     /// Compute device: `cpu` (or `cuda:N` in a CUDA build). `up` and `bench` also take a
     /// comma-separated list, given to their workers in turn (`cuda:0,cpu`: a GPU and a CPU worker).
     #[arg(long, env = "LAYERSTREAM_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Bytes a worker may use for weights, streaming buffers and KV cache (suffixes K, M, G);
-    /// default: what the device has available — on the CPU what the memory ledger allows (the
-    /// least of MemAvailable and the memory cgroup's limit less its usage; `up` gives each worker
-    /// its share), on a GPU its free memory less the runtime reserve.
-    #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
-    pub memory_budget: Option<u64>,
-    /// Compute threads of a CPU worker (default: every core; `up --threads N` passes it to every
+    /// Compute threads on the CPU (default: every core; `up --threads N` passes it to every
     /// worker).
     #[arg(long, env = "LAYERSTREAM_THREADS")]
     pub threads: Option<usize>,
-    /// Compute threads of a CPU worker while micro-batches keep every worker of its pipeline
-    /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
-    #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
-    pub concurrent_threads: Option<usize>,
     /// 8-bit activations in decode and short steps, as llama.cpp computes — the CPU's default (see
     /// `--exact`); on a GPU only with this flag: CPU for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K/MXFP4
     /// and int8_b128/int4_g128 weights, CUDA for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K. Takes precedence over
@@ -50,6 +40,56 @@ pub struct DeviceFlags {
     /// +0.24% perplexity on SmolLM2 Q4_1, +0.13% on Gemma 3 270M Q4_K_M).
     #[arg(long, env = "LAYERSTREAM_EXACT")]
     pub exact: bool,
+}
+
+impl ComputeFlags {
+    /// Whether this process uses 8-bit activations (`int8_by_default`).
+    pub fn int8(&self) -> bool {
+        int8_by_default(&self.device, self.int8_activations, self.exact)
+    }
+
+    /// Sizes this process's CPU compute pool from `--threads` and turns 8-bit activations on or
+    /// off, before any kernel runs.
+    pub fn apply(&self) -> crate::Result<()> {
+        layerstream_kernels::cpu::int8::set_int8_activations(self.int8());
+        match self.threads {
+            Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
+            None => Ok(()),
+        }
+    }
+
+    /// The same settings as command-line arguments (for a child process).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--device".to_owned(), self.device.clone()];
+        if let Some(t) = self.threads {
+            a.extend(["--threads".to_owned(), t.to_string()]);
+        }
+        if self.int8_activations {
+            a.push("--int8-activations".into());
+        }
+        if self.exact {
+            a.push("--exact".into());
+        }
+        a
+    }
+}
+
+/// Where a worker computes and how much memory it may use (shared by `worker`, `up` and `bench`,
+/// which pass it on with `to_args`).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct DeviceFlags {
+    #[command(flatten)]
+    pub compute: ComputeFlags,
+    /// Bytes a worker may use for weights, streaming buffers and KV cache (suffixes K, M, G);
+    /// default: what the device has available — on the CPU what the memory ledger allows (the
+    /// least of MemAvailable and the memory cgroup's limit less its usage; `up` gives each worker
+    /// its share), on a GPU its free memory less the runtime reserve.
+    #[arg(long, env = "LAYERSTREAM_MEMORY_BUDGET", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Compute threads of a CPU worker while micro-batches keep every worker of its pipeline
+    /// computing at once (default: as --threads); `up` sets cores ÷ workers for its CPU workers.
+    #[arg(long, env = "LAYERSTREAM_CONCURRENT_THREADS")]
+    pub concurrent_threads: Option<usize>,
     /// Simulates a slower link: every streamed layer copy takes at least its bytes ÷ this many GB/s
     /// (the copy thread waits out the rest). For measuring the link-bound regime on a machine whose
     /// own copies are faster (speculative decoding's benchmark); off by default.
@@ -60,21 +100,12 @@ pub struct DeviceFlags {
 impl DeviceFlags {
     /// The same settings as command-line arguments (for a child worker).
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec!["--device".to_owned(), self.device.clone()];
+        let mut a = self.compute.to_args();
         if let Some(b) = self.memory_budget {
             a.extend(["--memory-budget".to_owned(), b.to_string()]);
         }
-        if let Some(t) = self.threads {
-            a.extend(["--threads".to_owned(), t.to_string()]);
-        }
         if let Some(t) = self.concurrent_threads {
             a.extend(["--concurrent-threads".to_owned(), t.to_string()]);
-        }
-        if self.int8_activations {
-            a.push("--int8-activations".into());
-        }
-        if self.exact {
-            a.push("--exact".into());
         }
         if let Some(g) = self.link_gbps {
             a.extend(["--link-gbps".to_owned(), g.to_string()]);
@@ -82,18 +113,12 @@ impl DeviceFlags {
         a
     }
 
-    /// Sizes this process's CPU compute pool from `--threads` and turns 8-bit activations on or off
-    /// (`int8_by_default`; before any kernel runs).
+    /// `ComputeFlags::apply`, and the simulated link's speed.
     pub fn apply_threads(&self) -> crate::Result<()> {
-        let int8 = int8_by_default(&self.device, self.int8_activations, self.exact);
-        layerstream_kernels::cpu::int8::set_int8_activations(int8);
         if let Some(g) = self.link_gbps {
             crate::prefetch::set_link_gbps(g).map_err(|m| crate::Error::invalid("link_gbps", m))?;
         }
-        match self.threads {
-            Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
-            None => Ok(()),
-        }
+        self.compute.apply()
     }
 }
 
@@ -152,7 +177,7 @@ pub use layerstream_model::mem::parse_bytes;
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let _tracing = layerstream_telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
     args.device.apply_threads()?;
-    let backend = Device::open(&args.device.device)?;
+    let backend = Device::open(&args.device.compute.device)?;
     let budget = backend.budget(args.device.memory_budget)?;
     let free_at_start = match &backend {
         Device::Cuda(b) => Some(b.mem_info()?.0 as u64),
@@ -201,7 +226,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     };
     let state = Arc::new(WorkerState {
         id: id.clone(),
-        device: args.device.device.clone(),
+        device: args.device.compute.device.clone(),
         backend,
         budget,
         max_step_tokens,
@@ -220,7 +245,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     layerstream_rpc::handshake::Listening::new(id.clone()).announce();
     let threads = layerstream_kernels::cpu::threads::cpu_threads();
     let concurrent_threads = args.device.concurrent_threads.unwrap_or(threads);
-    tracing::info!(%id, device = %args.device.device, budget, max_step_tokens = ?max_step_tokens, threads, concurrent_threads, "worker ready");
+    tracing::info!(%id, device = %args.device.compute.device, budget, max_step_tokens = ?max_step_tokens, threads, concurrent_threads, "worker ready");
     let mut server = layerstream_rpc::transport::server();
     if let Some(t) = tls {
         server = server.tls_config(t)?;
