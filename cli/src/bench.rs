@@ -427,19 +427,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.speculative {
         return crate::bench_spec::compare(&a, &model);
     }
+    streaming(&a, &model, vocab)
+}
+
+/// The default comparison: streamed (prefetch on) against fully resident and prefetch off (and
+/// unverified with `--verify-cost`), or the streamed run alone (`--streamed-only`), each with the
+/// cost model's prediction beside it where it has one.
+fn streaming(a: &BenchArgs, model: &str, vocab: usize) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if a.plan.no_prefetch {
         bail!("bench runs the prefetch-off configuration itself; drop --no-prefetch");
     }
     let resident = a.plan.resident_layers.unwrap_or(0);
-    let streamed = streamed_args(&a);
+    let streamed = streamed_args(a);
     let mut off = streamed.clone();
     off.push("--no-prefetch".into());
-    let first = run_config("streamed (prefetch on)", &model, vocab, &streamed, &a, &rt)
+    let first = run_config("streamed (prefetch on)", model, vocab, &streamed, a, &rt)
         .context("streamed run")?;
     if a.streamed_only {
         let mut rows = [first];
-        predict_rows(&mut rows, &model, &a, [&streamed, &[]]);
+        predict_rows(&mut rows, model, a, [&streamed, &[]]);
         print!("{}", tables(&rows));
         if let Some(p) = &a.json_out {
             std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
@@ -448,16 +455,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let mut rows = vec![
         first,
-        run_config("fully resident", &model, vocab, &resident_args(), &a, &rt)
+        run_config("fully resident", model, vocab, &resident_args(), a, &rt)
             .context("resident run")?,
-        run_config("streamed (prefetch off)", &model, vocab, &off, &a, &rt)
+        run_config("streamed (prefetch off)", model, vocab, &off, a, &rt)
             .context("prefetch-off run")?,
     ];
     if a.verify_cost {
         let mut unverified = streamed.clone();
         unverified.push("--no-verify".into());
         rows.push(
-            run_config("streamed, no verify", &model, vocab, &unverified, &a, &rt)
+            run_config("streamed, no verify", model, vocab, &unverified, a, &rt)
                 .context("unverified run")?,
         );
     }
@@ -476,7 +483,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "streamed runs: {streamed_as}, group {}, streaming buffers {}",
         a.plan.layer_group_size, a.plan.streaming_buffers
     );
-    predict_rows(&mut rows[..2], &model, &a, [&streamed, &resident_args()]);
+    predict_rows(&mut rows[..2], model, a, [&streamed, &resident_args()]);
     print!("{}", tables(&rows));
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");
