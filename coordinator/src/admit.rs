@@ -130,8 +130,7 @@ impl CoordinatorService {
                 return Err(e);
             }
         };
-        let _one_at_a_time =
-            key.map(|_| self.keyed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let _one_at_a_time = key.map(|_| layerstream_model::sync::lock(&self.keyed));
         if let Some(found) = key.and_then(|k| self.jobs.by_key(k)) {
             return Ok(found);
         }

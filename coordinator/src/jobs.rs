@@ -4,7 +4,7 @@
 use layerstream_rpc::v1::{generate_event, FinishReason, GenerateEvent, Job, JobState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -93,7 +93,7 @@ impl Jobs {
     /// The map; a panic elsewhere while it was held leaves whole records behind, so a poisoned lock
     /// is taken over rather than failing every later request.
     fn lock(&self) -> MutexGuard<'_, HashMap<String, JobRecord>> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        layerstream_model::sync::lock(&self.inner)
     }
 
     /// Registers a job (and drops expired ones).

@@ -87,7 +87,7 @@ impl Handle {
     /// is recorded until a later use succeeds. A panic inside redb (its debug checks of a damaged
     /// file) is a damaged-file error, never this thread's end.
     fn with<T>(&self, f: impl FnOnce(&Database) -> Result<T, redb::Error>) -> Result<T, Failure> {
-        let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut st = layerstream_model::sync::lock(&self.state);
         let run = std::panic::AssertUnwindSafe(|| -> Result<T, redb::Error> {
             if st.db.is_none() {
                 st.db = Some(Database::create(&self.path)?);
@@ -171,8 +171,7 @@ impl Journal {
                 let aside = set_aside(path)?;
                 tracing::error!(journal = %path.display(), set_aside = %aside.display(), error = %e.msg,
                     "job journal damaged: set aside, starting a fresh one; the jobs it held are not resumed");
-                handle.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).failing =
-                    None;
+                layerstream_model::sync::lock(&handle.state).failing = None;
                 if let Err(e) = handle.with(|_| Ok(())) {
                     tracing::error!(error = %e.msg, "a fresh job journal cannot be started now");
                 }
@@ -189,7 +188,7 @@ impl Journal {
 
     /// The error in force since a write failed (None: the journal is writable).
     pub fn failing(&self) -> Option<String> {
-        self.db.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).failing.clone()
+        layerstream_model::sync::lock(&self.db.state).failing.clone()
     }
 
     /// Writes a job and commits it durably before returning; an error names the journal and why

@@ -3,6 +3,7 @@
 //! the loader's cache counters and worker liveness (from the workers' Info, read at scrape time), so
 //! one scrape of the coordinator sees every process. Also keeps the last steps for the live page.
 
+use layerstream_model::sync::lock;
 use layerstream_rpc::v1::{FinishReason, InfoResponse};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -12,7 +13,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
 
 type Labels = Vec<(&'static str, String)>;
 type FCounter = Counter<f64, AtomicU64>;
@@ -78,10 +79,6 @@ pub struct Metrics {
     predicted: Option<crate::cost::Curve>,
     decode_wall: FCounter,
     decode_predicted: FCounter,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn worker(addr: &str) -> Labels {

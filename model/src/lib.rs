@@ -36,7 +36,7 @@ pub mod tools;
 pub use config::{Arch, GroupRouting, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generation::{check_chat, check_request, GenerateParams, SamplingParams};
-pub use layerstream_types::{dtype, mem, DType};
+pub use layerstream_types::{dtype, mem, sync, DType};
 pub use request_error::{Field, RequestError};
 pub use stop::{FinishReason, Stopper};
 pub use store::{FileEntry, LoadedFile, Manifest, Store};

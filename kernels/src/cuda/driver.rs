@@ -146,7 +146,7 @@ impl Drop for Gpu {
         unsafe {
             let _ = result::stream::synchronize(self.compute);
             let _ = result::stream::synchronize(self.copy);
-            let _ = cublas::result::destroy_handle(*self.blas.lock().unwrap());
+            let _ = cublas::result::destroy_handle(*layerstream_types::sync::lock(&self.blas));
             let _ = result::stream::destroy(self.compute);
             let _ = result::stream::destroy(self.copy);
             let _ = result::module::unload(self.module);

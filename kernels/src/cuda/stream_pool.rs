@@ -10,6 +10,7 @@
 use super::driver::{derr, DevBuf, Event, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys};
+use layerstream_types::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -73,7 +74,7 @@ impl Drop for Lease {
             let _ = self.pool.1.sync_compute();
         }
         if let Some(pool) = self.pool.0.upgrade() {
-            let mut st = pool.state.lock().unwrap();
+            let mut st = lock(&pool.state);
             if st.generation == buf.generation {
                 st.free.push(buf);
             }
@@ -96,7 +97,7 @@ impl StreamPool {
 
     /// Replaces the buffers with `count` buffers of `bytes` each.
     pub fn configure(&self, count: usize, bytes: usize) -> Result<()> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = lock(&self.state);
         st.generation += 1;
         st.free.clear();
         st.count = 0;
@@ -130,7 +131,7 @@ impl StreamPool {
     /// Leases a free buffer (waiting for one) and copies a layer into it.
     pub fn upload(self: &Arc<Self>, bytes: &[u8]) -> Result<(Lease, f64)> {
         let buf = {
-            let mut st = self.state.lock().unwrap();
+            let mut st = lock(&self.state);
             if st.count == 0 {
                 return Err(Error::Device(
                     "no streaming buffers: stream_buffers was not called".into(),
@@ -140,7 +141,7 @@ impl StreamPool {
                 if let Some(b) = st.free.pop() {
                     break b;
                 }
-                st = self.cv.wait(st).unwrap();
+                st = self.cv.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner);
             }
         };
         let lease = Lease {
@@ -166,7 +167,7 @@ impl StreamPool {
     /// is remembered and copied from as pageable memory, with one notice on stderr.
     pub fn register(&self, bytes: &[u8]) -> Result<()> {
         let key = bytes.as_ptr() as usize;
-        let mut reg = self.registered.lock().unwrap();
+        let mut reg = lock(&self.registered);
         if reg.get(&key).is_some_and(|(len, _)| *len == bytes.len()) || bytes.is_empty() {
             return Ok(());
         }
@@ -191,7 +192,7 @@ impl StreamPool {
     /// Unregisters a mapping registered with `register`.
     pub fn unregister(&self, bytes: &[u8]) {
         let key = bytes.as_ptr() as usize;
-        if let Some((_, true)) = self.registered.lock().unwrap().remove(&key) {
+        if let Some((_, true)) = lock(&self.registered).remove(&key) {
             let _ = self.gpu.bind();
             // SAFETY: the pointer was registered by `register` and is still mapped.
             unsafe { sys::cuMemHostUnregister(key as *mut _) };
@@ -200,14 +201,14 @@ impl StreamPool {
 
     /// Bytes of host memory currently registered.
     pub fn registered_bytes(&self) -> usize {
-        self.registered.lock().unwrap().values().filter(|(_, ok)| *ok).map(|(len, _)| len).sum()
+        lock(&self.registered).values().filter(|(_, ok)| *ok).map(|(len, _)| len).sum()
     }
 }
 
 impl Drop for StreamPool {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
-        for (key, (_, ok)) in self.registered.lock().unwrap().drain() {
+        for (key, (_, ok)) in lock(&self.registered).drain() {
             if ok {
                 // SAFETY: registered by `register`; unregistering an address no longer mapped only
                 // returns an error, which is ignored.

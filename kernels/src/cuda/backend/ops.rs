@@ -96,7 +96,7 @@ impl CudaBackend {
         ldy: usize,
     ) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let h = self.gpu.blas.lock().unwrap();
+        let h = layerstream_types::sync::lock(&self.gpu.blas);
         // SAFETY: `a` holds nr×k and `x` m×k elements of `ty`, `y` has room for m rows of ldy floats from
         // this offset; all live on the compute stream the handle is bound to.
         unsafe {
