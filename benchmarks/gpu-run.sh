@@ -211,7 +211,9 @@ sec_uppred() {
   local model; model=$(curl -s $url/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
   local body="{\"model\":\"$model\",\"prompt\":\"$FOX\",\"max_tokens\":${TOKENS:-8},\"ignore_eos\":true}"
   curl -s $url/v1/completions -H 'content-type: application/json' -d "$body" >/dev/null
-  for _ in $(seq 1 8); do curl -s $url/v1/completions -H 'content-type: application/json' -d "$body" >/dev/null & done; wait_jobs=$(jobs -p | grep -v "^$pid$"); [ -n "$wait_jobs" ] && wait $wait_jobs
+  local asks=()
+  for _ in $(seq 1 8); do curl -s $url/v1/completions -H 'content-type: application/json' -d "$body" >/dev/null & asks+=($!); done
+  wait "${asks[@]}"
   grep -A4 "predicted decode" "$OUT/up.log" | tee -a "$OUT/uppred.txt"
   curl -s $url/api/stack | python3 -c "
 import json, sys

@@ -56,7 +56,7 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
     let workers = s.workers.max(1) as u64;
     // GPU workers keep their weights on the device: host memory goes to the slots (the RAM tier),
     // less what each GPU worker's process takes on the host (`GPU_WORKER_HOST_BYTES`).
-    let host = if s.cpu { 0 } else { GPU_WORKER_HOST_BYTES * workers };
+    let host = if s.cpu { 0 } else { GPU_WORKER_HOST_BYTES.saturating_mul(workers) };
     let pool = usable.saturating_sub(margin + host);
     let (roomy, share) = tier_share(pool, slot.saturating_mul(s.layers as u64), s.cpu);
     let fit = share.min(shm.unwrap_or(u64::MAX)) / slot;

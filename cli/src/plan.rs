@@ -230,24 +230,36 @@ pub fn for_up(
 ) -> Option<layerstream_coordinator::cost::Curve> {
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
-    let curve = if a.device.compute.device == "cpu" {
-        placement(a, store, shares, &rows).map(|p| Curve::of(&p.predicted))
+    let predicted = if a.device.compute.device == "cpu" {
+        placement(a, store, shares, &rows).map(|p| {
+            let each = |p: &Prediction| Predicted {
+                rows: p.rows,
+                pass_s: p.pass_s,
+                tokens_per_s: p.tokens_per_s,
+                bound: p.bound.to_owned(),
+            };
+            p.predicted.iter().map(each).collect::<Vec<_>>()
+        })
     } else {
         let args: Vec<String> = std::env::args().skip(1).collect();
         if args.first().map(String::as_str) != Some("up") {
             return None; // not started from a command line to hand on
         }
-        predict_stack(&args, &rows).map(|p| Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect()))
+        predict_stack(&args, &rows)
     };
-    match curve {
-        Ok(c) => {
-            let lines: Vec<String> = c
-                .0
+    match predicted {
+        Ok(p) => {
+            let lines: Vec<String> = p
                 .iter()
-                .map(|(r, s)| format!("batch {r}: {:.2} tok/s (a pass {s:.3} s)", *r as f64 / s))
+                .map(|p| {
+                    format!(
+                        "batch {}: {:.2} tok/s (a pass {:.3} s; bound by {})",
+                        p.rows, p.tokens_per_s, p.pass_s, p.bound
+                    )
+                })
                 .collect();
             eprintln!("layerstream up: predicted decode:\n  {}", lines.join("\n  "));
-            Some(c)
+            Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect()))
         }
         Err(e) => {
             eprintln!("layerstream up: no prediction: {e:#}");

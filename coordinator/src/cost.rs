@@ -59,13 +59,6 @@ pub fn interpolate(points: &[(usize, f64)], x: usize) -> f64 {
 pub struct Curve(pub Vec<(usize, f64)>);
 
 impl Curve {
-    /// The predictions' pass times.
-    pub fn of(p: &[Prediction]) -> Curve {
-        let mut v: Vec<(usize, f64)> = p.iter().map(|p| (p.rows, p.pass_s)).collect();
-        v.sort_by_key(|x| x.0);
-        Curve(v)
-    }
-
     /// Predicted seconds of a decode pass over `batch` sequences (`interpolate`).
     pub fn at(&self, batch: usize) -> f64 {
         interpolate(&self.0, batch)
@@ -238,10 +231,8 @@ mod tests {
     #[test]
     fn a_curve_reads_back_what_it_writes_and_refuses_nonsense() {
         let f = figures(0.01, 0.005, 1.0, None);
-        let p: Vec<Prediction> =
-            [8, 1, 64].iter().map(|&r| predict(&f, &[(Source::Ram, 1)], r, 1, 1)).collect();
-        let c = Curve::of(&p);
-        assert_eq!(c.0.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 8, 64]);
+        let p = |r| predict(&f, &[(Source::Ram, 1)], r, 1, 1).pass_s;
+        let c = Curve(vec![(1, p(1)), (8, p(8)), (64, p(64))]);
         let back: Curve = c.to_string().parse().unwrap();
         assert!(back.0.iter().zip(&c.0).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() < 1e-6));
         assert!((back.at(4) - (c.0[0].1 + (c.0[1].1 - c.0[0].1) * 3.0 / 7.0)).abs() < 1e-6);

@@ -489,10 +489,8 @@ impl Metrics {
         let at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        let predicted_ms = (rows == batch && batch > 0)
-            .then_some(self.predicted.as_ref())
-            .flatten()
-            .map(|c| c.at(batch) * 1e3);
+        let decode = rows == batch && batch > 0;
+        let predicted_ms = self.predicted.as_ref().filter(|_| decode).map(|c| c.at(batch) * 1e3);
         if let Some(p) = predicted_ms {
             self.decode_wall.inc_by(wall_ms / 1e3);
             self.decode_predicted.inc_by(p / 1e3);
