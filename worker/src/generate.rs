@@ -111,12 +111,7 @@ pub fn generate<B: Backend>(
         };
         let feed = [next.as_slice(), &draft].concat();
         let t0 = Instant::now();
-        // A decode step's rows (its drafts too) take the 8-bit CPU path its plain decode takes.
-        use layerstream_kernels::cpu::int8::{step_row_limit, with_row_limit};
-        let limit = step_row_limit(1, history.len() > input.len());
-        let rows = with_row_limit(limit, || {
-            model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)
-        })?;
+        let rows = model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)?;
         if history.len() == input.len() {
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();

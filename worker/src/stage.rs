@@ -54,8 +54,6 @@ pub struct StepSeq {
     /// alternatives to return with each.
     pub(crate) score_ids: Vec<u32>,
     pub(crate) score_top: usize,
-    /// Every row follows the prompt (see `int8::step_row_limit`).
-    pub(crate) decoding: bool,
 }
 
 /// Timing of one layer in one step.
@@ -352,9 +350,7 @@ impl<B: Backend + 'static> Stage<B> {
     /// (streamed groups arriving from the copy thread), then samples (last stage) or returns hidden.
     pub fn step(&mut self, batch: &[StepSeq], hidden: &[f32], step_span: &Span) -> Result<StepOut> {
         let b = self.backend.clone();
-        use layerstream_kernels::cpu::int8::{step_row_limit, with_row_limit};
-        let rows = step_row_limit(batch.len(), batch.iter().all(|s| s.decoding));
-        with_row_limit(rows, || b.run_step(|| self.step_here(batch, hidden, step_span)))
+        b.run_step(|| self.step_here(batch, hidden, step_span))
     }
 
     /// `step` on the calling thread.

@@ -22,7 +22,6 @@ impl From<v1::StepSeq> for StepSeq {
             allowed: s.allowed,
             score_ids: s.score_ids,
             score_top: (s.score_top as usize).min(layerstream_model::generation::MAX_TOP_LOGPROBS),
-            decoding: s.decoding,
         }
     }
 }

@@ -66,7 +66,6 @@ impl Scheduler {
                         allowed: Vec::new(),
                         score_ids: Vec::new(),
                         score_top: 0,
-                        decoding: a.pos >= a.req.input_ids.len(),
                     }
                 })
                 .collect();

@@ -1,6 +1,6 @@
-//! 8-bit activations for the CPU matvec path (a process-wide switch the CUDA backend's matvec also
-//! follows: kernels/cuda/int8.cu; steps of up to `MAX_ROWS` activation rows), as llama.cpp computes
-//! in the decoder layers (the vocabulary projection stays f32: `exact`)
+//! 8-bit activations for the CPU matmuls of every step, one row or many (a process-wide switch the
+//! CUDA backend's matvec also follows: kernels/cuda/int8.cu), as llama.cpp computes in the decoder
+//! layers (the vocabulary projection stays f32: `exact`)
 //! — the commands' default on the CPU (`layerstream_worker::int8_by_default`: off with `--exact`, on
 //! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
 //! in-process tests get the f32 path):
@@ -39,60 +39,23 @@ pub fn int8_activations() -> bool {
     (ENABLED.load(Ordering::Relaxed) || FORCED.with(|f| f.get())) && !SUSPENDED.with(|s| s.get())
 }
 
-thread_local! {
-    /// The most activation rows a product takes the 8-bit path with on this thread.
-    static ROW_LIMIT: std::cell::Cell<usize> = const { std::cell::Cell::new(MAX_ROWS) };
-}
-
-/// The most activation rows a product takes the 8-bit path with on this thread: `MAX_ROWS`, or
-/// what `with_row_limit` set.
-pub fn row_limit() -> usize {
-    ROW_LIMIT.with(|l| l.get())
-}
-
-/// Runs `f` with 8-bit products for up to `limit` activation rows on this thread: a decode step
-/// of at most `MAX_ROWS` sequences whose drafted positions (speculative decoding) take it past
-/// `MAX_ROWS` rows computes them on the path its plain decode takes, so speculation does not
-/// change its tokens.
-pub fn with_row_limit<R>(limit: usize, f: impl FnOnce() -> R) -> R {
-    scoped(&ROW_LIMIT, limit, f)
-}
-
-/// The row limit of a step of `sequences` (`with_row_limit`): any number of rows when at most
-/// `MAX_ROWS` sequences all decode — their drafted rows then take the path the same sequences'
-/// plain decode takes, so speculation does not change their tokens —, else `MAX_ROWS`.
-pub fn step_row_limit(sequences: usize, all_decoding: bool) -> usize {
-    if all_decoding && sequences <= MAX_ROWS {
-        usize::MAX
-    } else {
-        MAX_ROWS
-    }
-}
-
-/// This thread's choices of path (`exact`, `approximate`, `with_row_limit`), carried to the
+/// This thread's choices of path (`exact`, `approximate`), carried to the
 /// thread that runs a step (`threads::in_pool`).
 #[derive(Clone, Copy)]
 pub(crate) struct ThreadChoices {
     suspended: bool,
     forced: bool,
-    row_limit: usize,
 }
 
 impl ThreadChoices {
     /// This thread's choices.
     pub(crate) fn current() -> Self {
-        ThreadChoices {
-            suspended: SUSPENDED.with(|s| s.get()),
-            forced: FORCED.with(|f| f.get()),
-            row_limit: row_limit(),
-        }
+        ThreadChoices { suspended: SUSPENDED.with(|s| s.get()), forced: FORCED.with(|f| f.get()) }
     }
 
     /// Runs `f` with these choices on this thread, restoring its own afterwards.
     pub(crate) fn apply<R>(self, f: impl FnOnce() -> R) -> R {
-        scoped(&SUSPENDED, self.suspended, || {
-            scoped(&FORCED, self.forced, || scoped(&ROW_LIMIT, self.row_limit, f))
-        })
+        scoped(&SUSPENDED, self.suspended, || scoped(&FORCED, self.forced, f))
     }
 }
 
@@ -162,10 +125,6 @@ pub(crate) fn prefetch(p: *const u8) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
-
-/// Most activation rows a step may have for the 8-bit path (decode of a few sequences): with more,
-/// the f32 path's blocked kernels (`rows`, GEMM) are faster.
-pub const MAX_ROWS: usize = 8;
 
 /// Values per block of the quantized activations.
 const QK: usize = 32;
@@ -363,9 +322,59 @@ pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mu
     }
 }
 
+/// Activation rows of a step, quantized for the kernels: row by row, or sixteen rows to a
+/// register (`int8_lanes`, from `LANES_FROM` rows on where the CPU has AVX-512 VNNI).
+pub enum Acts {
+    Rows(Vec<Q8Row>),
+    #[cfg(target_arch = "x86_64")]
+    Lanes(super::int8_lanes::Q8Lanes),
+}
+
+/// From this many activation rows on, `quantize` lays them out for `int8_lanes` where the CPU has
+/// it: from 9 the lanes kernel (sixteen rows at once) beat the few-row kernels on every format
+/// measured, at 8 it did on some and not others (kernels/benches/many_rows.rs,
+/// benchmarks/prefill-int8-cpu-2core.md). Both give the same bits, so this moves only speed.
+pub const LANES_FROM: usize = 9;
+
+static LANES: AtomicBool = AtomicBool::new(true);
+
+/// Turns the many-row kernel (`int8_lanes`) on or off for this process (on by default; off, every
+/// step takes the few-row kernels: the same bits, for benchmarks side by side).
+pub fn set_lanes(on: bool) {
+    LANES.store(on, Ordering::Relaxed);
+}
+
+/// The rows `x` (`m` of `k` values, `k` a multiple of 32) quantized for `dot`.
+pub fn quantize(x: &[f32], k: usize, m: usize) -> Acts {
+    let rows: Vec<Q8Row> = x.chunks_exact(k).take(m).map(quantize_row).collect();
+    #[cfg(target_arch = "x86_64")]
+    if m >= LANES_FROM && LANES.load(Ordering::Relaxed) && super::int8_lanes::available() {
+        return Acts::Lanes(super::int8_lanes::Q8Lanes::new(&rows, k / QK));
+    }
+    Acts::Rows(rows)
+}
+
+/// `dot_rows` for activations as `quantize` left them: the same bits either way.
+pub fn dot(dtype: DType, w: &[u8], row_bytes: usize, xs: &Acts, out: &mut [f32]) {
+    match xs {
+        Acts::Rows(rows) => dot_rows(dtype, w, row_bytes, rows, out),
+        #[cfg(target_arch = "x86_64")]
+        Acts::Lanes(lanes) => {
+            let m = lanes.rows();
+            assert!(supports(dtype) && out.len().is_multiple_of(m));
+            assert!(w.len() >= out.len() / m * row_bytes);
+            let (bb, values) = (dtype.block_bytes(), dtype.block_elems());
+            assert!(row_bytes.is_multiple_of(bb) && row_bytes / bb * values == lanes.units() * QK);
+            // SAFETY: `Lanes` is only built where `int8_lanes::available()`; the asserts bound
+            // every weight row read, and each spans exactly the activations' units.
+            unsafe { super::int8_lanes::dot_lanes(dtype, w, row_bytes, lanes, out) }
+        }
+    }
+}
+
 /// Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C; detected once).
 #[cfg(target_arch = "x86_64")]
-fn simd() -> bool {
+pub(super) fn simd() -> bool {
     static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *DETECTED.get_or_init(|| {
         super::rows::avx2()

@@ -1,9 +1,10 @@
 //! AVX2 + FMA kernels of the 8-bit path for steps of several activation rows (`int8::dot_rows`:
-//! batched decode, short prefills): each weight block is unpacked once and dotted with the blocks
+//! batched decode, short prefills; every step on a CPU without AVX-512 VNNI, whose many-row steps
+//! `int8_lanes` takes otherwise): each weight block is unpacked once and dotted with the blocks
 //! of four activation rows at a time, where the one-row kernels (`int8_avx2`) would unpack it once
 //! per activation row. Same integer sums and scale products as `int8::dot_scalar`. Measured
 //! (llama-3-8b shape, Q4_K, 2 threads): a 4-token step 1.5× the f32 kernels, 8 tokens even, 64
-//! tokens 0.6× — so `int8::MAX_ROWS` stays 8.
+//! tokens 0.6× — the price of batch invariance on such a CPU.
 
 use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::{dot_u8_i8, h2f};
@@ -50,13 +51,13 @@ pub(super) unsafe fn q4_1(b: *const u8) -> Unpacked {
 }
 
 #[inline(always)]
-unsafe fn q5_0(b: *const u8) -> Unpacked {
+pub(super) unsafe fn q5_0(b: *const u8) -> Unpacked {
     let q = _mm256_sub_epi8(five_bits(b.add(2)), _mm256_set1_epi8(16));
     (_mm256_sign_epi8(q, q), q, h2f(b), 0.0)
 }
 
 #[inline(always)]
-unsafe fn q5_1(b: *const u8) -> Unpacked {
+pub(super) unsafe fn q5_1(b: *const u8) -> Unpacked {
     (five_bits(b.add(4)), _mm256_setzero_si256(), h2f(b), h2f(b.add(2)))
 }
 
@@ -115,7 +116,7 @@ unsafe fn f32_at(p: *const u8) -> f32 {
 
 /// Unit `i` (32 values) of an `int8_b128` row: block i/4's scale, its bytes 32·(i%4)…
 #[inline(always)]
-unsafe fn int8_b128(w: *const u8, i: usize) -> Unpacked {
+pub(super) unsafe fn int8_b128(w: *const u8, i: usize) -> Unpacked {
     let b = w.add(i / 4 * 132);
     prefetch(b);
     let q = _mm256_loadu_si256(b.add(4 + 32 * (i % 4)) as *const __m256i);
@@ -125,7 +126,7 @@ unsafe fn int8_b128(w: *const u8, i: usize) -> Unpacked {
 /// Unit `i` (32 values) of an `int4_g128` row: values 32·(i%4)… of block i/4 are the low (i%4 < 2)
 /// or high nibbles of its bytes 32·(i%2)…; w = s·(q − zero), so the offset coefficient is −s·zero.
 #[inline(always)]
-unsafe fn int4_g128(w: *const u8, i: usize) -> Unpacked {
+pub(super) unsafe fn int4_g128(w: *const u8, i: usize) -> Unpacked {
     let b = w.add(i / 4 * 69);
     prefetch(b);
     let raw = _mm256_loadu_si256(b.add(5 + 32 * (i % 2)) as *const __m256i);
@@ -138,7 +139,7 @@ unsafe fn int4_g128(w: *const u8, i: usize) -> Unpacked {
 /// An MXFP4 block (e8m0 byte, 16 bytes of nibbles): its doubled e2m1 values looked up as signed
 /// bytes (low nibbles first), the halved scale.
 #[inline(always)]
-unsafe fn mxfp4(b: *const u8) -> Unpacked {
+pub(super) unsafe fn mxfp4(b: *const u8) -> Unpacked {
     let table = _mm256_loadu_si256(
         [crate::quant_ext::MXFP4_VALUES, crate::quant_ext::MXFP4_VALUES].as_ptr() as *const __m256i,
     );
@@ -229,11 +230,31 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
     std::array::from_fn(|a| hsum(_mm256_add_ps(acc[a], off[a])))
 }
 
+/// The four quarters (32 values each) of half `n` of the Q6_K super-block at `b`, as signed
+/// values less 32 — the layout `quant::dequant_block` reads.
+#[inline(always)]
+pub(super) unsafe fn q6k_quarters(b: *const u8, n: usize) -> [__m256i; 4] {
+    let (m4, m2, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03), _mm256_set1_epi8(32));
+    let ql0 = _mm256_loadu_si256(b.add(64 * n) as *const __m256i);
+    let ql1 = _mm256_loadu_si256(b.add(64 * n + 32) as *const __m256i);
+    let qh = _mm256_loadu_si256(b.add(128 + 32 * n) as *const __m256i);
+    let high = |shift: i32| {
+        let h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2);
+        _mm256_slli_epi16(h, 4)
+    };
+    [
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+        _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+    ]
+    .map(|q| _mm256_sub_epi8(q, m32))
+}
+
 /// One Q6_K row (`nsb` super-blocks) against `xs`: signed 6-bit values, a scale per 16 values.
 #[inline(always)]
 unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
-    let (m4, m2, m32) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03), _mm256_set1_epi8(32));
     for s in 0..nsb {
         let b = w.add(s * 210);
         for line in 0..4 {
@@ -245,21 +266,7 @@ unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32
             _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()))
         });
         for n in 0..2 {
-            let ql0 = _mm256_loadu_si256(b.add(64 * n) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(b.add(64 * n + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(b.add(128 + 32 * n) as *const __m256i);
-            let high = |shift: i32| {
-                let h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2);
-                _mm256_slli_epi16(h, 4)
-            };
-            let quarters = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
-            ];
-            for (quarter, q) in quarters.into_iter().enumerate() {
-                let q = _mm256_sub_epi8(q, m32);
+            for (quarter, q) in q6k_quarters(b, n).into_iter().enumerate() {
                 let u = _mm256_sign_epi8(q, q);
                 let is = 192 + 8 * n + 2 * quarter;
                 let (sa, sb) = (*b.add(is) as i8 as i16, *b.add(is + 1) as i8 as i16);

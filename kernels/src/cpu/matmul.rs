@@ -1,6 +1,9 @@
-//! CPU matmul: dequantize each weight row and dot it with every activation row (`rows`, two weight
-//! rows at a time) below `GEMM_MIN_ROWS` rows (decode, batched decode, short prefills), dequantize
-//! tiles of weight rows and GEMM each from there.
+//! CPU matmul. With 8-bit activations (the default on the CPU) every step of a format with an
+//! 8-bit dot takes it, one row or many (`int8::dot`: the one-row, few-row or sixteen-lane kernels,
+//! which give a row the same bits whatever else its step holds). Otherwise (`--exact`, f32-only
+//! formats): dequantize each weight row and dot it with every activation row (`rows`, two weight
+//! rows at a time) below `GEMM_MIN_ROWS` rows, dequantize tiles of weight rows and GEMM each from
+//! there.
 
 use crate::cpu::int8::prefetch;
 use crate::cpu::rows::{dot_rows, dot_rows2};
@@ -30,7 +33,6 @@ pub fn matmul(
 ) -> Vec<f32> {
     let row_bytes = w.len() / n.max(1);
     let int8 = crate::cpu::int8::int8_activations()
-        && m <= crate::cpu::int8::row_limit()
         && crate::cpu::int8::supports(dtype)
         && wf32.is_none()
         && k.is_multiple_of(32);
@@ -60,11 +62,11 @@ pub fn matmul(
     let mut t = vec![0f32; n * m];
     if int8 {
         // Opt-in: activations quantized to 8 bits once, integer dots per weight block.
-        let xq: Vec<_> = x.chunks_exact(k).take(m).map(crate::cpu::int8::quantize_row).collect();
+        let xq = crate::cpu::int8::quantize(x, k, m);
         t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
             let r0 = c * ROWS_PER_TASK;
             let wr = &w[r0 * row_bytes..(r0 + block.len() / m) * row_bytes];
-            crate::cpu::int8::dot_rows(dtype, wr, row_bytes, &xq, block);
+            crate::cpu::int8::dot(dtype, wr, row_bytes, &xq, block);
         });
         return transpose(t, m, n);
     }
@@ -219,10 +221,8 @@ mod tests {
             // On the 8-bit path (`approximate`: this thread only) with the row limit raised, as a
             // decode step verifying drafts computes: each row the same bits alone and batched.
             if crate::cpu::int8::supports(dtype) {
-                use crate::cpu::int8::{approximate, with_row_limit};
-                let many = approximate(|| {
-                    with_row_limit(usize::MAX, || matmul(dtype, &w, None, n, k, &x, 5))
-                });
+                use crate::cpu::int8::approximate;
+                let many = approximate(|| matmul(dtype, &w, None, n, k, &x, 5));
                 for r in 0..5 {
                     let one =
                         approximate(|| matmul(dtype, &w, None, n, k, &x[r * k..(r + 1) * k], 1));

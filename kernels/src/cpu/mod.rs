@@ -10,13 +10,17 @@ mod int8_batch;
 mod int8_kq;
 #[cfg(target_arch = "x86_64")]
 mod int8_kq_avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod int8_lanes;
+#[cfg(target_arch = "x86_64")]
+mod int8_units;
 mod matmul;
 mod pool;
 pub mod rows;
 pub mod threads;
 
 pub use attention::CpuKv;
-pub use matmul::gemm_f32;
+pub use matmul::{gemm_f32, matmul};
 pub use pool::Blob as CpuBlob;
 
 use crate::backend::{AttnShape, Backend};

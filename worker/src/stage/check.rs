@@ -196,7 +196,6 @@ mod tests {
             allowed: Vec::new(),
             score_ids: Vec::new(),
             score_top: 0,
-            decoding: false,
         }
     }
 

@@ -1,0 +1,48 @@
+//! `cargo bench -p layerstream-kernels --bench many_rows`: one weight matrix of an 8B model's
+//! attention shape (4096 × 4096) against m activation rows through `cpu::matmul`, all threads,
+//! three ways side by side in one run — f32 activations (`--exact`: dequantized rows, GEMM from 256
+//! rows), 8-bit activations row by row (`int8_batch`: the few-row kernel, every m) and 8-bit
+//! activations sixteen rows to a register (`int8_lanes`, AVX-512 VNNI: the default from
+//! `int8::LANES_FROM` rows) — in activation rows per second, with the ratios; best of five.
+//! The 8-bit ways give the same bits; the f32 way does not.
+
+use layerstream_kernels::cpu::int8::{approximate, exact, set_lanes};
+use layerstream_kernels::cpu::matmul;
+use layerstream_types::DType;
+mod common;
+use common::best;
+
+fn main() {
+    let (n, k) = (4096usize, 4096usize);
+    println!("threads: {}", rayon::current_num_threads());
+    println!("| weights | rows m | f32 rows/s | int8 row-by-row rows/s | int8 lanes rows/s | lanes / f32 | lanes / row-by-row |");
+    println!("|---|---|---|---|---|---|---|");
+    for dtype in [DType::Q4K, DType::Q6K, DType::Q8_0, DType::Q4_1, DType::Q4_0, DType::Q5K] {
+        let w = layerstream_types::random::Rng::new(3).tensor(dtype, &[n, k]).unwrap();
+        for m in [1usize, 8, 16, 64, 256, 512] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
+            let run = || std::hint::black_box(matmul(dtype, &w, None, n, k, &x, m));
+            let f32_path = best(|| {
+                exact(run);
+            });
+            let int8 = |lanes: bool| {
+                set_lanes(lanes);
+                let t = best(|| {
+                    approximate(run);
+                });
+                set_lanes(true);
+                t
+            };
+            let (rows, lanes) = (int8(false), int8(true));
+            let r = |s: f64| m as f64 / s;
+            println!(
+                "| {dtype} | {m} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
+                r(f32_path),
+                r(rows),
+                r(lanes),
+                f32_path / lanes,
+                rows / lanes
+            );
+        }
+    }
+}
