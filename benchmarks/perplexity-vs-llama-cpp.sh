@@ -12,7 +12,6 @@
 # ratio and tokens/s. The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=11434.0.0
 gguf= text=benchmarks/ppl-text.txt ctx=512 threads=2 ls_flags=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -26,7 +25,7 @@ while [ $# -gt 0 ]; do
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 . benchmarks/llama-cpp.sh
-ppl=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-perplexity)
+ppl=$(llama_cpp_tool llama-perplexity)
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream
 if [ -z "$gguf" ]; then

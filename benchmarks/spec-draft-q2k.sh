@@ -10,7 +10,6 @@
 # The layerstream binary: $LAYERSTREAM_BIN, else target/release/layerstream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=11434.0.0
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream >&2
@@ -20,7 +19,7 @@ draft=$cache/SmolLM2-135M-Instruct.Q2_K.gguf
 store=$cache/stores/smollm2-135m-instruct-q2_k
 if [ ! -f "$draft" ]; then
     . benchmarks/llama-cpp.sh
-    quantize=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-quantize)
+    quantize=$(llama_cpp_tool llama-quantize)
     "$quantize" --allow-requantize "$target" "$draft" Q2_K >&2
 fi
 [ -f "$store/manifest.json" ] || $ls import "$draft" "$store" >&2

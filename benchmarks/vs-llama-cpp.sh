@@ -13,7 +13,6 @@
 # Default GGUF: the embedded SmolLM2-135M-Instruct Q4_1 (`layerstream fetch`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=11434.0.0
 gguf= threads=2 prompt=120 gen=64 rounds=3 build_only= ls_flags=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -29,7 +28,7 @@ while [ $# -gt 0 ]; do
 done
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 . benchmarks/llama-cpp.sh
-bench=$(LLAMA_CPP_SDIST_VERSION=$version llama_cpp_tool llama-bench llama-quantize)
+bench=$(llama_cpp_tool llama-bench llama-quantize)
 if [ -n "$build_only" ]; then
     dirname "$bench"
     exit 0

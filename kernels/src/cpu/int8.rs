@@ -292,18 +292,27 @@ fn q6k_scalar(b: &[u8], x: &Q8Row, first: usize) -> f32 {
     acc
 }
 
+/// Asserts what every 8-bit product needs of its weights — a format with an 8-bit dot, rows of
+/// whole blocks, as many rows in `w` as `out` (`m` outputs a row) takes — and returns the values
+/// of a weight row.
+fn check_rows(dtype: DType, w: &[u8], row_bytes: usize, m: usize, out: &[f32]) -> usize {
+    assert!(supports(dtype) && out.len().is_multiple_of(m));
+    assert!(w.len() >= out.len() / m * row_bytes);
+    let bb = dtype.block_bytes();
+    assert!(row_bytes.is_multiple_of(bb));
+    row_bytes / bb * dtype.block_elems()
+}
+
 /// `out[j·m + a]` = the dot of weight row `j` of `w` (rows of `row_bytes`, whole blocks of
 /// `dtype`) with activation row `a` of `xs` (`m` rows): `dot_scalar` per pair, with AVX2 + FMA where
 /// the CPU has them — one activation row: four weight rows at a time sharing each activation block;
-/// several: each weight block unpacked once for four activation rows. The integer sums are the
-/// same, the f32 sums of the blocks are added in another order.
+/// several: each weight block unpacked once for four activation rows. The integer sums are
+/// `dot_scalar`'s, its f32 sums of the blocks added in another order; the SIMD kernels give an
+/// output the same bits for one activation row or several (and `int8_lanes` for many).
 pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mut [f32]) {
     let m = xs.len().max(1);
-    assert!(supports(dtype) && out.len().is_multiple_of(m));
-    assert!(w.len() >= out.len() / m * row_bytes);
-    let (bb, values) = (dtype.block_bytes(), dtype.block_elems());
-    assert!(row_bytes.is_multiple_of(bb));
-    assert!(xs.iter().all(|x| x.d.len() * QK >= row_bytes / bb * values));
+    let values = check_rows(dtype, w, row_bytes, m, out);
+    assert!(xs.iter().all(|x| x.d.len() * QK >= values));
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time); the asserts above
@@ -360,11 +369,8 @@ pub fn dot(dtype: DType, w: &[u8], row_bytes: usize, xs: &Acts, out: &mut [f32])
         Acts::Rows(rows) => dot_rows(dtype, w, row_bytes, rows, out),
         #[cfg(target_arch = "x86_64")]
         Acts::Lanes(lanes) => {
-            let m = lanes.rows();
-            assert!(supports(dtype) && out.len().is_multiple_of(m));
-            assert!(w.len() >= out.len() / m * row_bytes);
-            let (bb, values) = (dtype.block_bytes(), dtype.block_elems());
-            assert!(row_bytes.is_multiple_of(bb) && row_bytes / bb * values == lanes.units() * QK);
+            let values = check_rows(dtype, w, row_bytes, lanes.rows(), out);
+            assert_eq!(values, lanes.units() * QK, "weight rows and activations differ in width");
             // SAFETY: `Lanes` is only built where `int8_lanes::available()`; the asserts bound
             // every weight row read, and each spans exactly the activations' units.
             unsafe { super::int8_lanes::dot_lanes(dtype, w, row_bytes, lanes, out) }

@@ -152,10 +152,11 @@ unsafe fn group<const FORM: u8>(units: &[Unit], g: &Group) -> [f32; LANES] {
         let dx = _mm512_load_ps(g.dx[i].0.as_ptr());
         let ds = _mm512_load_ps(g.ds[i].0.as_ptr());
         let vp = u.v.as_ptr() as *const i32;
+        let xv: [__m512i; 8] =
+            std::array::from_fn(|t| _mm512_load_si512((*x.add(t)).0.as_ptr() as *const __m512i));
         let p: [__m512i; 8] = std::array::from_fn(|t| {
-            let xt = _mm512_load_si512((*x.add(t)).0.as_ptr() as *const __m512i);
             let wt = _mm512_set1_epi32(std::ptr::read_unaligned(vp.add(t)));
-            _mm512_dpbusd_epi32(_mm512_set1_epi32(u.bias[t]), xt, wt)
+            _mm512_dpbusd_epi32(_mm512_set1_epi32(u.bias[t]), xv[t], wt)
         });
         match FORM {
             0 | 1 => {
@@ -178,9 +179,8 @@ unsafe fn group<const FORM: u8>(units: &[Unit], g: &Group) -> [f32; LANES] {
                 let (d, mdmin) = (_mm512_set1_ps(u.d), _mm512_set1_ps(u.c));
                 for t in 0..8 {
                     let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
-                    let xt = _mm512_load_si512((*x.add(t)).0.as_ptr() as *const __m512i);
                     // Σ of the four activations: Σ (q + 128) − 512.
-                    let sx = _mm512_dpbusd_epi32(_mm512_set1_epi32(-512), xt, ones);
+                    let sx = _mm512_dpbusd_epi32(_mm512_set1_epi32(-512), xv[t], ones);
                     let iq = _mm512_mullo_epi32(p[t], _mm512_set1_epi32(sc));
                     let im = _mm512_mullo_epi32(sx, _mm512_set1_epi32(mn));
                     let tt = _mm512_fmadd_ps(
