@@ -13,7 +13,7 @@ use layerstream_rpc::auth::Authed;
 use layerstream_rpc::v1::worker_client::WorkerClient;
 use layerstream_rpc::v1::{
     AssignResponse, Assignment, InfoRequest, InfoResponse, LayerTiming, Plan, ReleaseRequest,
-    StepRequest, StepSeq,
+    SeqResult, StepRequest, StepSeq,
 };
 use layerstream_telemetry::traced_request;
 use std::collections::VecDeque;
@@ -136,16 +136,10 @@ pub struct Runner {
 /// The result of a step.
 #[derive(Debug, Default)]
 pub struct StepResult {
-    /// Tokens per sequence: one, or after a draft the accepted drafts and the token after them.
-    pub(crate) tokens: Vec<Vec<u32>>,
-    /// Log-probabilities per sequence, one per token (empty when no sequence asked for them).
-    pub(crate) logprobs: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
-    /// Scores of the sequences' `score_ids` (prompt log-probabilities), per sequence (empty:
-    /// none asked).
-    pub(crate) scores: Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>,
-    /// The head's draft model's proposals per sequence for its next step (empty: none), and the
-    /// time the head spent drafting them.
-    pub(crate) drafts: Vec<(Vec<u32>, Vec<u32>)>,
+    /// Per sequence, in the step's order: its tokens (one, or after a draft the accepted drafts
+    /// and the token after them), log-probabilities, scores and the head's next draft.
+    pub(crate) seqs: Vec<SeqResult>,
+    /// The time the head spent drafting.
     pub(crate) draft_ms: f64,
     /// The head's estimate of one level of drafting (0: not measured yet).
     pub(crate) draft_level_ms: f64,
@@ -254,27 +248,8 @@ impl Runner {
                 wall_ms: resp.wall_ms,
             });
             if i == last {
-                (out.tokens, out.logprobs) =
-                    split_tokens(&seqs, resp.tokens, resp.token_counts, resp.logprobs)
-                        .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
-                out.drafts =
-                    split_drafts(&seqs, resp.drafts, resp.draft_counts, resp.draft_parents)
-                        .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
-                if !resp.score_counts.is_empty() {
-                    let counts: Vec<usize> =
-                        resp.score_counts.iter().map(|&c| c as usize).collect();
-                    let fits = counts.len() == seqs.len()
-                        && counts.iter().sum::<usize>() == resp.scores.len()
-                        && seqs.iter().zip(&counts).all(|(s, &c)| c == s.score_ids.len());
-                    if !fits {
-                        let msg = format!(
-                            "returned scores in counts {counts:?} for {} sequences",
-                            seqs.len()
-                        );
-                        return Err(Error::Worker { worker: st.addr.clone(), msg });
-                    }
-                    out.scores = split(resp.scores, &counts);
-                }
+                out.seqs = check_results(&seqs, resp.results)
+                    .map_err(|msg| Error::Worker { worker: st.addr.clone(), msg })?;
                 out.draft_ms = resp.draft_ms;
                 out.draft_level_ms = resp.draft_level_ms;
             } else {
@@ -286,67 +261,38 @@ impl Runner {
     }
 }
 
-/// The last worker's tokens split per sequence (`counts` empty: one each), each count checked
-/// against the sequence's draft (1 ..= draft + 1), log-probabilities split alike when present.
-#[allow(clippy::type_complexity)]
-fn split_tokens(
+/// The last worker's per-sequence results, checked against what the step sent: one per
+/// sequence in order, 1 ..= draft + 1 tokens, log-probabilities none or one per token, a draft
+/// within what was asked with a parent before each child, one score per id to score.
+pub(crate) fn check_results(
     seqs: &[StepSeq],
-    tokens: Vec<u32>,
-    counts: Vec<u32>,
-    logprobs: Vec<layerstream_rpc::v1::TokenLogprobs>,
-) -> std::result::Result<(Vec<Vec<u32>>, Vec<Vec<layerstream_rpc::v1::TokenLogprobs>>), String> {
-    let counts: Vec<usize> = if counts.is_empty() {
-        vec![1; seqs.len()]
-    } else {
-        counts.into_iter().map(|c| c as usize).collect()
-    };
-    let bad = counts.len() != seqs.len()
-        || counts.iter().sum::<usize>() != tokens.len()
-        || (!logprobs.is_empty() && logprobs.len() != tokens.len())
-        || seqs.iter().zip(&counts).any(|(s, &c)| c == 0 || c > s.draft_len as usize + 1);
-    if bad {
-        return Err(format!(
-            "returned {} tokens in counts {counts:?} for {} sequences",
-            tokens.len(),
-            seqs.len()
-        ));
+    results: Vec<SeqResult>,
+) -> std::result::Result<Vec<SeqResult>, String> {
+    if results.len() != seqs.len() {
+        return Err(format!("returned {} results for {} sequences", results.len(), seqs.len()));
     }
-    let lp = if logprobs.is_empty() { Vec::new() } else { split(logprobs, &counts) };
-    Ok((split(tokens, &counts), lp))
-}
-
-/// `items` cut into consecutive runs of `counts[i]` (their sum is its length: checked by callers).
-fn split<T>(items: Vec<T>, counts: &[usize]) -> Vec<Vec<T>> {
-    let mut it = items.into_iter();
-    counts.iter().map(|&c| it.by_ref().take(c).collect()).collect()
-}
-
-/// The head's draft proposals split per sequence with their tree parents, each count within what
-/// the step asked for, each parent before its child.
-#[allow(clippy::type_complexity)]
-fn split_drafts(
-    seqs: &[StepSeq],
-    drafts: Vec<u32>,
-    counts: Vec<u32>,
-    parents: Vec<u32>,
-) -> std::result::Result<Vec<(Vec<u32>, Vec<u32>)>, String> {
-    if counts.is_empty() && drafts.is_empty() {
-        return Ok(Vec::new());
+    for (s, r) in seqs.iter().zip(&results) {
+        let n = r.tokens.len();
+        let bad = if r.seq_id != s.seq_id {
+            format!("a result for sequence {} in place of {}", r.seq_id, s.seq_id)
+        } else if n == 0 || n > s.draft_len as usize + 1 {
+            format!("{n} tokens after a draft of {}", s.draft_len)
+        } else if !r.logprobs.is_empty() && r.logprobs.len() != n {
+            format!("{} log-probabilities for {n} tokens", r.logprobs.len())
+        } else if r.drafts.len() > s.draft_next as usize || r.draft_parents.len() != r.drafts.len()
+        {
+            let (d, p) = (r.drafts.len(), r.draft_parents.len());
+            format!("{d} drafted tokens with {p} parents where {} were asked", s.draft_next)
+        } else if r.draft_parents.iter().enumerate().any(|(i, &x)| x as usize > i) {
+            "a draft tree whose parent follows its child".into()
+        } else if r.scores.len() != s.score_ids.len() {
+            format!("{} scores for {} ids", r.scores.len(), s.score_ids.len())
+        } else {
+            continue;
+        };
+        return Err(format!("returned {bad} (sequence {})", s.seq_id));
     }
-    let bad = counts.len() != seqs.len()
-        || counts.iter().map(|&c| c as usize).sum::<usize>() != drafts.len()
-        || parents.len() != drafts.len()
-        || seqs.iter().zip(&counts).any(|(s, &c)| c > s.draft_next);
-    if bad {
-        return Err(format!("returned {} drafted tokens in counts {counts:?}", drafts.len()));
-    }
-    let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
-    let out: Vec<(Vec<u32>, Vec<u32>)> =
-        split(drafts, &counts).into_iter().zip(split(parents, &counts)).collect();
-    if out.iter().any(|(_, p)| p.iter().enumerate().any(|(i, &x)| x as usize > i)) {
-        return Err("returned a draft tree whose parent follows its child".into());
-    }
-    Ok(out)
+    Ok(results)
 }
 
 impl Pipeline {

@@ -7,27 +7,33 @@
 //! decode token per step, within that count). With micro-batches (`--micro-batches`), the running
 //! sequences are split into lanes whose steps are in flight at once, each lane refilled and started
 //! again as soon as its step comes back (see `lanes`).
+//!
+//! Every decision lives in `Core` (no I/O, unit-tested in `tests` with made-up step results);
+//! `Scheduler` is the shell around it: it receives requests, sends the core's lane steps through
+//! the workers (`Pipeline`), hands what comes back to `Core::apply`, recovers the workers after a
+//! fault, and delivers the events the core returns.
 
 use crate::pipeline::Pipeline;
-use crate::stats::Acc;
-use layerstream_model::kv_blocks::{BlockPool, SeqBlocks};
-use layerstream_model::spec::{levels, Acceptance, PassCost, SpecMode};
-use layerstream_model::{FinishReason, GenerateParams, Stopper, Tokenizer};
-use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq, TokenEvent};
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use layerstream_model::GenerateParams;
+use layerstream_rpc::v1::{GenerateEvent, StepSeq};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
-use tracing::{info_span, Span};
+use tracing::Span;
 
+mod active;
 mod batching;
+mod core;
 mod kv;
 mod output;
 mod speculate;
 mod step;
+#[cfg(test)]
+mod tests;
 
+pub use self::core::{Core, CoreParts, Event, LaneStep, Recovery, SpecConfig};
 pub use batching::{admit, step_tokens, Limits};
 
 /// How often an idle scheduler checks that the workers still hold their assignments.
@@ -58,114 +64,16 @@ pub struct SeqRequest {
     pub(crate) journaled: Vec<Vec<u32>>,
 }
 
-struct Active {
-    req: SeqRequest,
-    /// Tokens the workers' KV caches hold for it (0 again after a fault: it is replayed).
-    pos: usize,
-    /// Output tokens, their text, and the stop criteria.
-    stopper: Stopper,
-    acc: Acc,
-    started: Instant,
-    /// The micro-batch it rides (None: not placed yet, or waiting for a lane to come back).
-    lane: Option<usize>,
-    /// How often its drafted tokens were accepted (speculative decoding).
-    acceptance: Acceptance,
-    /// The head's draft model's proposal to follow its known tokens (for its next step), with its
-    /// tree parents.
-    next_draft: (Vec<u32>, Vec<u32>),
-    /// Its last step verified a token tree: the caches hold its tokens up to the one before the
-    /// tree, and the accepted branch goes in again with the next token.
-    refeed: bool,
-    /// Its KV blocks, and the position its first step on the workers starts at (the prompt tokens
-    /// found in the prefix cache; 0 without).
-    blocks: SeqBlocks,
-    base: usize,
-    /// Preempted to the host tier: the host slots holding its blocks, in table order (empty: not
-    /// swapped out).
-    swapped: Vec<u32>,
-    /// Output tokens its format forced (emitted without sampling: no draw).
-    forced: usize,
-    /// Its prompt's log-probabilities so far (a request with `prompt_logprobs`), and whether they
-    /// were sent.
-    scores: Vec<layerstream_rpc::v1::TokenLogprobs>,
-    scores_sent: bool,
-}
-
-impl Active {
-    /// Tokens known so far: the prompt, then every output token.
-    fn known(&self) -> usize {
-        self.req.input_ids.len() + self.stopper.output().len()
-    }
-
-    /// Where prefilling ends and decoding starts: the prompt's end, or — for a sequence replayed
-    /// after a fault — the last output token, which then goes in as a normal decode.
-    fn prefill_end(&self) -> usize {
-        if self.stopper.output().is_empty() {
-            self.req.input_ids.len()
-        } else if self.refeed {
-            // After a tree: the accepted branch and the new token go in as one chunk that samples.
-            self.known()
-        } else {
-            self.known() - 1
-        }
-    }
-
-    /// Every known token: the prompt, then the output.
-    fn history(&self) -> Vec<u32> {
-        [self.req.input_ids.as_slice(), self.stopper.output()].concat()
-    }
-
-    /// The `n` known tokens from `pos` on.
-    fn tokens(&self, n: usize) -> Vec<u32> {
-        let input = &self.req.input_ids;
-        (self.pos..self.pos + n)
-            .map(|i| {
-                input.get(i).copied().unwrap_or_else(|| self.stopper.output()[i - input.len()])
-            })
-            .collect()
-    }
-}
-
-/// KV block moves: (from, to) pairs of a device block and a host slot.
-type Moves = Vec<(u32, u32)>;
-
-/// The actor.
+/// The actor: the decisions (`Core`) and the I/O around them — the request channel, the workers
+/// (`Pipeline`), the steps in flight and the events' delivery.
 pub struct Scheduler {
     rx: mpsc::Receiver<SeqRequest>,
     pipeline: Pipeline,
-    tokenizer: Arc<Tokenizer>,
-    /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
-    waiting_count: Arc<std::sync::atomic::AtomicUsize>,
-    /// The model's end-of-sequence ids.
-    eos: Vec<u32>,
-    limits: Limits,
-    /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
-    max_recoveries: u32,
-    /// Failed steps since the last good one.
-    failures: u32,
+    core: Core,
+    /// The lanes' steps in flight.
+    flight: JoinSet<Landed>,
     /// A fault left the workers in an unknown state: recover before the next step.
     resync: bool,
-    /// Counters, latencies and the last steps (Prometheus `/metrics`, the live page).
-    metrics: Arc<crate::metrics::Metrics>,
-    /// The drafter (`Off`, `Ngram` or `Draft`), the most it drafts per sequence per step, and the
-    /// draft model's tree width.
-    spec: (SpecMode, usize, usize),
-    /// Measured step time by positions (what a longer draft costs), drafting excluded.
-    cost: PassCost,
-    /// The head's draft model's milliseconds per level of drafting (its own running estimate).
-    draft_ms: f64,
-    /// The paged KV cache's block manager (see `kv`).
-    blocks: BlockPool,
-    /// Sequences preempted for KV blocks, oldest first: admitted again before anything waiting.
-    preempted: VecDeque<Active>,
-    /// The host tier's free slots, the block moves to make before the next step (to host, to
-    /// device), and the slots those moves empty.
-    host_free: Vec<u32>,
-    swaps: (Moves, Moves),
-    host_emptied: Vec<u32>,
-    /// Prefix blocks evicted from the device into the host tier: key → slot, oldest first.
-    host_prefixes: std::collections::HashMap<u64, u32>,
-    host_prefix_order: VecDeque<u64>,
 }
 
 /// What a scheduler is made of; its own state (failure count, resync) starts fresh in `new`.
@@ -174,67 +82,10 @@ pub struct SchedulerParts {
     pub(crate) rx: mpsc::Receiver<SeqRequest>,
     /// The workers, planned and assigned.
     pub(crate) pipeline: Pipeline,
-    pub(crate) tokenizer: Arc<Tokenizer>,
-    /// Waiting sequences, shared with the service that admits requests against `--queue-size`.
-    pub(crate) waiting_count: Arc<std::sync::atomic::AtomicUsize>,
-    /// The model's end-of-sequence ids.
-    pub(crate) eos: Vec<u32>,
-    pub(crate) limits: Limits,
-    /// Recoveries in a row allowed before the sequences in flight fail (`--max-recoveries`).
-    pub(crate) max_recoveries: u32,
-    pub(crate) metrics: Arc<crate::metrics::Metrics>,
-    /// The drafter (`Off`, `Ngram` or `Draft`), `--spec-max` and `--spec-width`.
-    pub(crate) spec: (SpecMode, usize, usize),
+    pub(crate) core: CoreParts,
 }
 
-fn final_event(
-    req: &SeqRequest,
-    output: &[u32],
-    text: &str,
-    stats: layerstream_rpc::v1::Stats,
-    reason: FinishReason,
-    error: String,
-) -> GenerateEvent {
-    GenerateEvent {
-        index: req.index,
-        event: Some(generate_event::Event::Done(FinalEvent {
-            finish_reason: reason.into(),
-            input_ids: req.input_ids.clone(),
-            output_ids: output.to_vec(),
-            text: text.into(),
-            stats: Some(stats),
-            trace_id: req.trace_id.clone(),
-            error,
-            tool_calls: Vec::new(),
-        })),
-    }
-}
-
-fn finish(
-    m: &crate::metrics::Metrics,
-    a: &Active,
-    reason: FinishReason,
-    error: String,
-) -> GenerateEvent {
-    let output = a.stopper.output();
-    m.finished(
-        reason,
-        a.req.input_ids.len(),
-        output.len(),
-        a.acc.first_token.map(|d| d.as_secs_f64()),
-        a.req.queued.elapsed().as_secs_f64(),
-    );
-    let stats = a.acc.stats(
-        a.req.input_ids.len(),
-        output.len(),
-        a.started.elapsed(),
-        a.req.queued.elapsed(),
-    );
-    final_event(&a.req, output, &a.stopper.text, stats, reason, error)
-}
-
-/// A micro-batch's step, finished: its lane, what was sent (who rode it, with the tokens each
-/// brought), when it started, and what came back.
+/// A lane's step, finished: what was sent, when it started, and what came back.
 struct Landed {
     lane: usize,
     seqs: Vec<StepSeq>,
@@ -242,194 +93,93 @@ struct Landed {
     res: crate::Result<crate::pipeline::StepResult>,
 }
 
-/// The micro-batches in flight.
-#[derive(Default)]
-struct Flight {
-    set: JoinSet<Landed>,
-    /// Per lane: a step in flight.
-    busy: Vec<bool>,
-    /// A step failed: no new step starts until the others are back, then the pipeline recovers.
-    fault: Option<crate::Error>,
-    /// Sequences to free on the workers, carried by the next step (or freed directly when none).
-    release: Vec<u64>,
+/// Delivers events to their requests' streams, in order.
+async fn deliver(events: Vec<Event>) {
+    for e in events {
+        if e.try_only {
+            let _ = e.to.try_send(e.ev);
+        } else {
+            let _ = e.to.send(e.ev).await;
+        }
+    }
 }
 
 impl Scheduler {
     /// A scheduler over `p`, with no failures behind it.
     pub fn new(p: SchedulerParts) -> Self {
-        let mut s = Scheduler {
+        Scheduler {
             rx: p.rx,
             pipeline: p.pipeline,
-            tokenizer: p.tokenizer,
-            waiting_count: p.waiting_count,
-            eos: p.eos,
-            limits: p.limits,
-            max_recoveries: p.max_recoveries,
-            failures: 0,
+            core: Core::new(p.core),
+            flight: JoinSet::new(),
             resync: false,
-            metrics: p.metrics,
-            spec: p.spec,
-            cost: PassCost::default(),
-            draft_ms: 0.0,
-            blocks: BlockPool::new(0, 1, false),
-            preempted: VecDeque::new(),
-            host_free: Vec::new(),
-            swaps: Default::default(),
-            host_emptied: Vec::new(),
-            host_prefixes: Default::default(),
-            host_prefix_order: VecDeque::new(),
-        };
-        s.reset_blocks(&mut []);
-        s
+        }
     }
 
     /// Runs until every request sender is gone.
     pub async fn run(mut self) {
-        let mut active: Vec<Active> = Vec::new();
-        let mut waiting: VecDeque<SeqRequest> = VecDeque::new();
-        let mut fl = Flight::default();
         let mut closed = false;
         loop {
-            self.gauges(&active);
-            if active.is_empty()
-                && waiting.is_empty()
-                && self.preempted.is_empty()
-                && fl.set.is_empty()
-            {
-                self.flush_release(&mut fl).await;
+            self.core.gauges();
+            if self.core.idle() && self.flight.is_empty() {
+                self.flush_release().await;
                 if closed {
                     return;
                 }
-                // Idle: every few seconds check that the workers still hold their assignments, so
-                // a worker restarted while nothing ran is assigned again before a job needs it.
                 match tokio::time::timeout(IDLE_CHECK, self.rx.recv()).await {
-                    Ok(Some(r)) => waiting.push_back(r),
+                    Ok(Some(r)) => self.core.enqueue(r),
                     Ok(None) => return,
                     Err(_) => {
-                        if !self.pipeline.intact().await {
-                            self.resync = true;
-                            let _ = self.resync_now().await;
-                        }
-                        match self.pipeline.regrow().await {
-                            // A new plan: the workers' pools are new, nothing cached holds.
-                            Ok(true) => self.reset_blocks(&mut []),
-                            Ok(false) => {}
-                            Err(e) => {
-                                tracing::warn!(error = %e, "planning over every worker again failed")
-                            }
-                        }
+                        self.idle_check().await;
                         continue;
                     }
                 }
             }
             while let Ok(r) = self.rx.try_recv() {
-                waiting.push_back(r);
+                self.core.enqueue(r);
             }
-            while let Some(done) = fl.set.try_join_next() {
-                self.landed(done, &mut active, &mut fl).await;
+            while let Some(done) = self.flight.try_join_next() {
+                self.landed(done).await;
             }
-            if fl.fault.is_some() {
+            if self.core.fault_pending() {
                 // Wait for every micro-batch in flight, then recover and replay them all.
-                if let Some(done) = fl.set.join_next().await {
-                    self.landed(done, &mut active, &mut fl).await;
-                    continue;
+                if let Some(done) = self.flight.join_next().await {
+                    self.landed(done).await;
+                } else if let Some(e) = self.core.take_fault() {
+                    self.after_fault(e).await;
                 }
-                let e = fl.fault.take().expect("checked");
-                fl.busy.iter_mut().for_each(|b| *b = false);
-                fl.release.clear();
-                self.after_fault(&mut active, e).await;
                 continue;
             }
-            // Preempted sequences first (their prompt and output so far), then the queue.
-            let mut needs: Vec<usize> =
-                self.preempted.iter().map(|a| self.blocks_to_admit(a.known())).collect();
-            // `n` > 1: a choice waits while its sibling prefills the same prompt, then finds the
-            // prompt's blocks in the prefix cache (computed once).
-            if !waiting.front().is_some_and(|r| self.sibling_prefilling(r, &active)) {
-                needs.extend(waiting.iter().map(|r| {
-                    let resumed: usize = r.journaled.iter().map(Vec::len).sum();
-                    self.blocks_to_admit(r.input_ids.len() + resumed)
-                }));
-            }
-            // What the running sequences' next steps take is not free for newcomers (else a
-            // newcomer would be preempted as soon as it is admitted).
-            let growth: usize = active.iter().map(|a| self.next_growth(a)).sum();
-            let free = self.blocks.available().saturating_sub(growth);
-            for _ in 0..admit(active.len(), free, &needs, self.limits) {
-                let mut a = match self.preempted.pop_front() {
-                    Some(a) => a,
-                    None => {
-                        let req = waiting.pop_front().expect("admitted from the queue");
-                        self.waiting_count.fetch_sub(1, Ordering::SeqCst);
-                        let stopper = Stopper::new(&req.params, &self.eos);
-                        let mut a = Active {
-                            req,
-                            pos: 0,
-                            stopper,
-                            acc: Acc::default(),
-                            started: Instant::now(),
-                            lane: None,
-                            acceptance: Acceptance::default(),
-                            next_draft: Default::default(),
-                            refeed: false,
-                            blocks: SeqBlocks::default(),
-                            base: 0,
-                            swapped: Vec::new(),
-                            forced: 0,
-                            scores: Vec::new(),
-                            scores_sent: false,
-                        };
-                        if let Some((r, err)) = output::replay(&self.tokenizer, &mut a).await {
-                            let mut ev = finish(&self.metrics, &a, r, err);
-                            output::tool_calls(&self.tokenizer, &a, &mut ev);
-                            let _ = a.req.events.send(ev).await;
-                            continue;
-                        }
-                        a
-                    }
-                };
-                self.resume(&mut a);
-                self.start_sequence(&mut a);
-                active.push(a);
-            }
-            self.drop_cancelled(&mut active, &mut waiting, &mut fl);
-            self.gauges(&active);
-            if fl.set.is_empty() {
-                if active.is_empty() {
-                    self.flush_release(&mut fl).await;
+            deliver(self.core.admit()).await;
+            deliver(self.core.drop_cancelled()).await;
+            self.core.gauges();
+            if self.flight.is_empty() {
+                if self.core.running() == 0 {
+                    self.flush_release().await;
                     continue;
                 }
                 if self.resync {
                     if let Err(e) = self.resync_now().await {
-                        self.fail_all(&mut active, &e.to_string()).await;
+                        self.fail_all(&e.to_string()).await;
                         continue;
                     }
                 }
             }
-            let in_flight: Vec<bool> = active
-                .iter()
-                .map(|a| a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false)))
-                .collect();
-            for a in self.make_room(&mut active, &in_flight) {
-                if a.swapped.is_empty() {
-                    // Replayed from its prompt: the workers forget it.
-                    fl.release.push(a.req.seq_id);
-                }
-                self.preempted.push_front(a);
-            }
-            self.preempted.make_contiguous().sort_by_key(|a| a.req.seq_id);
+            self.core.make_room();
             if let Err(e) = self.flush_swaps().await {
-                fl.fault.get_or_insert(e);
+                self.core.failed(e);
                 continue;
             }
-            self.launch(&mut active, &mut fl);
-            if fl.set.is_empty() {
-                self.flush_release(&mut fl).await;
+            for step in self.core.plan(self.pipeline.micro_batches) {
+                self.send(step);
+            }
+            if self.flight.is_empty() {
+                self.flush_release().await;
             }
             tokio::select! {
-                Some(done) = fl.set.join_next() => self.landed(done, &mut active, &mut fl).await,
+                Some(done) = self.flight.join_next() => self.landed(done).await,
                 r = self.rx.recv(), if !closed => match r {
-                    Some(r) => waiting.push_back(r),
+                    Some(r) => self.core.enqueue(r),
                     None => closed = true,
                 },
                 else => {}
@@ -437,66 +187,63 @@ impl Scheduler {
         }
     }
 
-    /// Frees, directly, what no step in flight will carry.
-    async fn flush_release(&self, fl: &mut Flight) {
-        let ids = std::mem::take(&mut fl.release);
-        self.pipeline.release(ids).await;
-    }
-
-    fn gauges(&self, active: &[Active]) {
-        self.metrics.running.set(active.len() as i64);
-        self.metrics.waiting.set(self.waiting_count.load(Ordering::SeqCst) as i64);
-    }
-
-    /// Ends the waiting and running requests that were cancelled or whose client went away (a
-    /// running one only between its steps); their caches are freed by the next step.
-    fn drop_cancelled(
-        &mut self,
-        active: &mut Vec<Active>,
-        waiting: &mut VecDeque<SeqRequest>,
-        fl: &mut Flight,
-    ) {
-        waiting.retain(|r| {
-            let gone = r.cancel.load(Ordering::Relaxed) || r.events.is_closed();
-            if gone {
-                self.waiting_count.fetch_sub(1, Ordering::SeqCst);
-                let e2e = r.queued.elapsed().as_secs_f64();
-                self.metrics.finished(FinishReason::Cancelled, r.input_ids.len(), 0, None, e2e);
-                let _ = r.events.try_send(final_event(
-                    r,
-                    &[],
-                    "",
-                    Acc::default().stats(
-                        r.input_ids.len(),
-                        0,
-                        Default::default(),
-                        r.queued.elapsed(),
-                    ),
-                    FinishReason::Cancelled,
-                    String::new(),
-                ));
-            }
-            !gone
-        });
-        let mut i = 0;
-        while i < active.len() {
-            let a = &active[i];
-            let in_flight = a.lane.is_some_and(|l| fl.busy.get(l).copied().unwrap_or(false));
-            if !in_flight && (a.req.cancel.load(Ordering::Relaxed) || a.req.events.is_closed()) {
-                let mut a = active.remove(i);
-                self.free_blocks(&mut a);
-                let _ = a.req.events.try_send(finish(
-                    &self.metrics,
-                    &a,
-                    FinishReason::Cancelled,
-                    String::new(),
-                ));
-                tracing::info!(seq = a.req.seq_id, "sequence cancelled; freeing its KV cache");
-                fl.release.push(a.req.seq_id);
-            } else {
-                i += 1;
-            }
+    /// Idle: checks that the workers still hold their assignments, so a worker restarted while
+    /// nothing ran is assigned again before a job needs it, and plans over workers that came back.
+    async fn idle_check(&mut self) {
+        if !self.pipeline.intact().await {
+            self.resync = true;
+            let _ = self.resync_now().await;
         }
+        match self.pipeline.regrow().await {
+            // A new plan: the workers' pools are new, nothing cached holds.
+            Ok(true) => self.core.forget_workers(),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "planning over every worker again failed"),
+        }
+    }
+
+    /// Sends a lane's step through the workers.
+    fn send(&mut self, step: LaneStep) {
+        let runner = self.pipeline.runner(step.rows());
+        let LaneStep { lane, seqs, spans, release } = step;
+        self.flight.spawn(async move {
+            let started = Instant::now();
+            let res = runner.step(seqs.clone(), release, spans[0].clone(), lane).await;
+            drop(spans);
+            Landed { lane, seqs, started, res }
+        });
+    }
+
+    /// A lane's step came back: the deadline learns its time, the core its result.
+    async fn landed(&mut self, done: Result<Landed, tokio::task::JoinError>) {
+        let done = match done {
+            Ok(d) => d,
+            Err(e) => {
+                // Not seen in practice: a step task panicked. Recover like any failed step.
+                self.core.failed(crate::Error::Setup(format!("a step task failed: {e}")));
+                return;
+            }
+        };
+        let took = done.started.elapsed();
+        if done.res.is_ok() {
+            let rows = done.seqs.iter().map(|s| s.token_ids.len()).sum();
+            self.pipeline.deadline.record(took, rows);
+        }
+        deliver(self.core.apply(done.lane, &done.seqs, took, done.res)).await;
+    }
+
+    /// Makes the KV block moves decided since the last step on every worker.
+    async fn flush_swaps(&mut self) -> crate::Result<()> {
+        let Some((out, back)) = self.core.take_swaps() else { return Ok(()) };
+        let bytes = self.pipeline.swap(&out, &back).await?;
+        self.core.swapped((out.len(), back.len()), bytes);
+        Ok(())
+    }
+
+    /// Frees, directly, what no step in flight will carry.
+    async fn flush_release(&mut self) {
+        let ids = self.core.take_release();
+        self.pipeline.release(ids).await;
     }
 
     /// Brings the workers back to a known state after a fault (see `Pipeline::recover`).
@@ -504,7 +251,7 @@ impl Scheduler {
         match self.pipeline.recover(self.pipeline.deadline.current(1), true).await {
             Ok(()) => {
                 self.resync = false;
-                self.reset_blocks(&mut []);
+                self.core.forget_workers();
                 Ok(())
             }
             Err(e) => {
@@ -515,58 +262,36 @@ impl Scheduler {
     }
 
     /// Ends every active sequence with `error` and frees what the workers still hold of them.
-    async fn fail_all(&mut self, active: &mut Vec<Active>, error: &str) {
-        let ids: Vec<u64> = active.iter().map(|a| a.req.seq_id).collect();
-        self.reset_blocks(active);
-        for a in active.drain(..) {
-            let _ = a
-                .req
-                .events
-                .send(finish(&self.metrics, &a, FinishReason::Error, error.to_owned()))
-                .await;
-        }
+    async fn fail_all(&mut self, error: &str) {
+        let (events, ids) = self.core.fail_all(error);
+        deliver(events).await;
         self.pipeline.release(ids).await;
     }
 
     /// A step failed: recover the pipeline and replay every active sequence from position 0 (the
     /// coordinator holds their prompts and outputs), or, when that cannot help, fail them naming
     /// the worker and what happened.
-    async fn after_fault(&mut self, active: &mut Vec<Active>, e: crate::Error) {
-        self.failures += 1;
-        if e.is_permanent() || self.failures > self.max_recoveries {
-            tracing::error!(error = %e, failures = self.failures, "step failed; ending every active sequence");
-            let msg = if e.is_permanent() {
-                e.to_string()
-            } else {
-                format!("{e} (after {} recoveries in a row)", self.failures - 1)
-            };
-            self.failures = 0;
-            self.resync = true;
-            self.fail_all(active, &msg).await;
-            return;
-        }
-        tracing::warn!(error = %e, attempt = self.failures, sequences = active.len(), "step failed; recovering the workers and replaying the sequences in flight");
-        // A worker that missed a whole step deadline had its chance: one probe decides. Otherwise
-        // a dead worker gets one step deadline to be restarted (by `up`, or an orchestrator).
-        // A stalled worker may come back (SIGCONT, a long GC): its jobs fail within the deadline,
-        // and only a later resync plans around it if it still does not answer.
-        let (wait, replan) = match e {
-            crate::Error::StepTimeout { .. } => (Duration::ZERO, false),
-            _ => (self.pipeline.deadline.current(1), true),
-        };
-        match self.pipeline.recover(wait, replan).await {
-            Ok(()) => {
-                self.reset_blocks(active);
-                for a in active.iter_mut() {
-                    a.pos = 0;
-                    a.acc.replays += 1;
-                    a.next_draft = Default::default();
-                    a.refeed = false;
-                }
+    async fn after_fault(&mut self, e: crate::Error) {
+        let running = self.core.running();
+        let failures = self.core.failures + 1;
+        let (wait, replan) = match self.core.recovery(&e) {
+            Recovery::Fail(msg) => {
+                tracing::error!(error = %e, failures, "step failed; ending every active sequence");
+                self.resync = true;
+                self.fail_all(&msg).await;
+                return;
             }
+            // A stalled worker may come back (SIGCONT, a long GC): its jobs fail within the
+            // deadline, and only a later resync plans around it if it still does not answer.
+            Recovery::Replay { probe_only: true } => (Duration::ZERO, false),
+            Recovery::Replay { probe_only: false } => (self.pipeline.deadline.current(1), true),
+        };
+        tracing::warn!(error = %e, attempt = failures, sequences = running, "step failed; recovering the workers and replaying the sequences in flight");
+        match self.pipeline.recover(wait, replan).await {
+            Ok(()) => self.core.replay_all(),
             Err(e2) => {
                 self.resync = true;
-                self.fail_all(active, &format!("{e}; then {e2}")).await;
+                self.fail_all(&format!("{e}; then {e2}")).await;
             }
         }
     }

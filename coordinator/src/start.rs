@@ -248,21 +248,20 @@ async fn plan_and_schedule(
         host_blocks: kv_host_blocks(args, store)? as usize,
         prefix_cache: !args.plan.no_prefix_cache,
     };
-    let sched = scheduler::Scheduler::new(scheduler::SchedulerParts {
-        rx,
-        pipeline,
+    let core = scheduler::CoreParts {
         waiting_count: waiting.clone(),
         tokenizer: tokenizer.clone(),
         eos: store.manifest.config.eos_token_ids.clone(),
         limits,
         max_recoveries: args.sched.max_recoveries,
         metrics: metrics.clone(),
-        spec: (
-            args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?,
-            args.spec.spec_max as usize,
-            args.spec.spec_width as usize,
-        ),
-    });
+        spec: scheduler::SpecConfig {
+            mode: args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?,
+            max: args.spec.spec_max as usize,
+            width: args.spec.spec_width as usize,
+        },
+    };
+    let sched = scheduler::Scheduler::new(scheduler::SchedulerParts { rx, pipeline, core });
     tokio::spawn(sched.run());
     Ok(Arc::new(service::CoordinatorService {
         jobs,

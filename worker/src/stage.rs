@@ -73,24 +73,15 @@ pub struct LayerTiming {
 #[derive(Debug, Default)]
 pub struct StepOut {
     pub(crate) hidden: Vec<f32>,
-    pub(crate) tokens: Vec<u32>,
-    /// Tokens per sequence in `tokens` when a step verified drafts (empty: one each).
-    pub(crate) token_counts: Vec<u32>,
-    /// Log-probabilities per token (last worker; None where not asked for), in `tokens` order.
-    pub(crate) logprobs: Vec<Option<layerstream_rpc::v1::TokenLogprobs>>,
+    /// Per sequence (last worker): its tokens, log-probabilities, scores and next draft.
+    pub(crate) results: Vec<layerstream_rpc::v1::SeqResult>,
     pub(crate) layers: Vec<LayerTiming>,
     /// Wall time of the pass over the layer range (embedding, head and sampling excluded).
     pub(crate) layers_ms: f64,
-    /// The draft model's proposals per sequence (`draft_next`), their counts, and the time taken.
-    pub(crate) drafts: Vec<u32>,
-    pub(crate) draft_counts: Vec<u32>,
-    pub(crate) draft_parents: Vec<u32>,
+    /// The time the draft model took proposing the sequences' next drafts (`draft_next`).
     pub(crate) draft_ms: f64,
     /// The head's estimate of one level of drafting (0: not measured yet).
     pub(crate) draft_level_ms: f64,
-    /// The scores of the sequences' `score_ids`, sequence after sequence, and their counts.
-    pub(crate) scores: Vec<layerstream_rpc::v1::TokenLogprobs>,
-    pub(crate) score_counts: Vec<u32>,
 }
 
 struct Seq {

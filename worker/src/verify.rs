@@ -28,9 +28,8 @@ pub struct DraftRows<'a> {
     pub(crate) first_row: usize,
 }
 
-/// What verification emitted, sequence by sequence: the tokens, how many per sequence, and each
-/// token's log-probabilities where asked for.
-pub type Verified = (Vec<u32>, Vec<u32>, Vec<Option<TokenLogprobs>>);
+/// What verification emitted, per sequence: each token with its log-probabilities where asked for.
+pub type Verified = Vec<Vec<(u32, Option<TokenLogprobs>)>>;
 
 /// Verifies every sequence's draft against `logits` (`[Σ (draft + 1), vocab]`).
 pub fn verify<B: Backend>(
@@ -92,9 +91,7 @@ pub fn verify<B: Backend>(
         }
         alive = next;
     }
-    let counts = out.iter().map(|o| o.len() as u32).collect();
-    let (tokens, logprobs) = out.into_iter().flatten().unzip();
-    Ok((tokens, counts, logprobs))
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -102,6 +99,11 @@ mod tests {
     use super::*;
     use layerstream_kernels::CpuBackend;
     use layerstream_model::SamplingParams;
+
+    /// Each sequence's tokens, without their log-probabilities.
+    fn tokens(v: Verified) -> Vec<Vec<u32>> {
+        v.into_iter().map(|s| s.into_iter().map(|t| t.0).collect()).collect()
+    }
 
     /// A sequence's rows from `first_row`: its history ending in a draft of `n` tokens with these
     /// tree `parents` (empty: a chain).
@@ -143,15 +145,12 @@ mod tests {
         let h1 = [1];
         let seqs =
             vec![drafted(&mut s0, &h0, h0.len() - 2, &[], 0), drafted(&mut s1, &h1, 0, &[], 4)];
-        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
-        assert_eq!(tokens, vec![3, 4, 6, 2]);
-        assert_eq!(counts, vec![3, 1]);
+        assert_eq!(tokens(verify(&b, &logits, seqs).unwrap()), vec![vec![3, 4, 6], vec![2]]);
         // Every draft accepted: the bonus token from the last row follows.
         let mut s0 = Sampler::new(SamplingParams::default());
         let h0 = [1, 2, 3, 4, 6];
         let seqs = vec![drafted(&mut s0, &h0, h0.len() - 2, &[], 0)];
-        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
-        assert_eq!((tokens, counts), (vec![3, 4, 6, 7], vec![4]));
+        assert_eq!(tokens(verify(&b, &logits, seqs).unwrap()), vec![vec![3, 4, 6, 7]]);
     }
 
     /// A tree: the target's tokens follow the branch that agrees, whichever child it is; a leaf
@@ -174,10 +173,9 @@ mod tests {
         let h = [1, 2, 3, 5, 4, 6];
         let parents = [0, 0, 1, 2];
         let seqs = vec![drafted(&mut s, &h, h.len() - 2, &parents, 0)];
-        let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
         // Root row says 5: node 1 (row 2), whose row says 6: node 3 (row 4), whose row says 7,
         // which no child drafted.
-        assert_eq!((tokens, counts), (vec![5, 6, 7], vec![3]));
+        assert_eq!(tokens(verify(&b, &logits, seqs).unwrap()), vec![vec![5, 6, 7]]);
     }
 
     /// Sampled: the tokens equal sampling the rows one by one with the same seed, stopping at the
@@ -212,9 +210,7 @@ mod tests {
             let mut s = Sampler::new(params.clone());
             let history: Vec<u32> = [vec![9 % vocab as u32], draft.clone()].concat();
             let seqs = vec![drafted(&mut s, &history, draft.len(), &[], 0)];
-            let (tokens, counts, _) = verify(&b, &logits, seqs).unwrap();
-            assert_eq!(tokens, want, "draft {draft:?}");
-            assert_eq!(counts, vec![want.len() as u32]);
+            assert_eq!(tokens(verify(&b, &logits, seqs).unwrap()), vec![want], "draft {draft:?}");
         }
     }
 }

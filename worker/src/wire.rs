@@ -51,27 +51,15 @@ pub fn step_response(
     hidden_ref: Option<v1::HiddenRef>,
     wall_ms: f64,
 ) -> v1::StepResponse {
-    let logprobs = if out.logprobs.iter().any(Option::is_some) {
-        out.logprobs.into_iter().map(Option::unwrap_or_default).collect()
-    } else {
-        Vec::new()
-    };
     v1::StepResponse {
         hidden,
         hidden_ref,
-        tokens: out.tokens,
-        token_counts: out.token_counts,
-        drafts: out.drafts,
-        draft_counts: out.draft_counts,
-        draft_parents: out.draft_parents,
+        results: out.results,
         draft_ms: out.draft_ms,
         draft_level_ms: out.draft_level_ms,
         layers: out.layers.into_iter().map(Into::into).collect(),
         wall_ms,
         layers_ms: out.layers_ms,
-        logprobs,
-        scores: out.scores,
-        score_counts: out.score_counts,
     }
 }
 

@@ -6,36 +6,17 @@
 //! Cached prefix blocks the device must give up go to the host tier too, and a later prompt's
 //! lookup brings them back.
 
-use super::{Active, Scheduler, SeqRequest};
+use super::active::Active;
+use super::core::Core;
+use super::SeqRequest;
 use layerstream_model::kv_blocks::BlockPool;
 
-impl Scheduler {
+impl Core {
     /// A fresh block manager for the pool every worker holds (after a plan or a fault the workers'
     /// pools are new, so nothing cached survives).
     pub(super) fn fresh_blocks(&self) -> BlockPool {
         let block = self.limits.kv_block.max(1);
         BlockPool::new(self.limits.kv_capacity.div_ceil(block), block, self.limits.prefix_cache)
-    }
-
-    /// Forgets every block and the host tier (the workers' pools were replaced): active sequences
-    /// keep none, and swapped-out ones will be replayed.
-    pub(super) fn reset_blocks(&mut self, active: &mut [Active]) {
-        let counts = self.blocks.counts;
-        self.blocks = self.fresh_blocks();
-        self.blocks.counts = counts;
-        for a in active {
-            a.blocks = Default::default();
-            a.base = 0;
-        }
-        self.host_free = (0..self.limits.host_blocks as u32).rev().collect();
-        self.host_prefixes.clear();
-        self.host_prefix_order.clear();
-        (self.swaps, self.host_emptied) = (Default::default(), Vec::new());
-        for a in self.preempted.iter_mut().filter(|a| !a.swapped.is_empty()) {
-            a.swapped.clear();
-            (a.pos, a.base, a.refeed, a.next_draft) = (0, 0, false, Default::default());
-        }
-        self.kv_gauges();
     }
 
     /// A preempted sequence swapped to the host tier takes device blocks again and has its blocks
@@ -47,22 +28,21 @@ impl Scheduler {
         let mut fresh = Default::default();
         let ok = self.blocks.grow(&mut fresh, a.swapped.len() * self.blocks.block()).is_ok();
         debug_assert!(ok, "admission counted the blocks");
-        self.swaps.1.extend(a.swapped.iter().copied().zip(fresh.table.iter().copied()));
-        self.host_emptied.append(&mut a.swapped);
+        self.host.back.extend(a.swapped.iter().copied().zip(fresh.table.iter().copied()));
+        self.host.emptied.append(&mut a.swapped);
         a.blocks = fresh;
         self.kv_gauges();
     }
 
-    /// Makes the block moves decided since the last step on every worker.
-    pub(super) async fn flush_swaps(&mut self) -> crate::Result<()> {
-        if self.swaps.0.is_empty() && self.swaps.1.is_empty() {
-            return Ok(());
-        }
-        let (out, back) = std::mem::take(&mut self.swaps);
-        let (bytes_out, bytes_in) = self.pipeline.swap(&out, &back).await?;
-        self.host_free.append(&mut self.host_emptied);
-        self.metrics.swapped(out.len(), bytes_out, back.len(), bytes_in);
-        Ok(())
+    /// The block moves decided since the last step, taken to be made on every worker.
+    pub(crate) fn take_swaps(&mut self) -> Option<(super::core::Moves, super::core::Moves)> {
+        self.host.take_moves()
+    }
+
+    /// The moves taken were made: the slots they emptied are free.
+    pub(crate) fn swapped(&mut self, moved: (usize, usize), bytes: (u64, u64)) {
+        self.host.moved();
+        self.metrics.swapped(moved.0, bytes.0, moved.1, bytes.1);
     }
 
     /// Blocks a waiting request needs to start: its prompt and one generated token.
@@ -76,12 +56,12 @@ impl Scheduler {
         if a.pos > 0 || a.req.params.prompt_logprobs.is_some() {
             return;
         }
-        let (pool, tier) = (&mut self.blocks, &mut self.host_prefixes);
+        let (pool, tier) = (&mut self.blocks, &mut self.host.prefixes);
         let (blocks, cached, restore) =
             pool.lookup_tiered(&a.req.input_ids, a.req.salt, |h| tier.remove(&h));
         // Blocks found in the host tier are copied back before the sequence's first step.
-        self.host_emptied.extend(restore.iter().map(|r| r.0));
-        self.swaps.1.extend(restore);
+        self.host.emptied.extend(restore.iter().map(|r| r.0));
+        self.host.back.extend(restore);
         (a.blocks, a.pos, a.base) = (blocks, cached, cached);
         a.acc.cached_tokens = a.acc.cached_tokens.max(cached as u32);
         self.metrics.prefix(self.blocks.counts);
@@ -89,11 +69,11 @@ impl Scheduler {
 
     /// Whether `r` has a sibling (same job, same prompt) still prefilling a prompt long enough to
     /// share a block: `r` then waits, to find those blocks cached.
-    pub(super) fn sibling_prefilling(&self, r: &SeqRequest, active: &[Active]) -> bool {
+    pub(super) fn sibling_prefilling(&self, r: &SeqRequest) -> bool {
         self.blocks.caching()
             && r.params.prompt_logprobs.is_none()
             && r.input_ids.len() > self.blocks.block()
-            && active.iter().any(|a| {
+            && self.active.iter().any(|a| {
                 a.req.trace_id == r.trace_id
                     && a.req.input_ids == r.input_ids
                     && a.pos < a.req.input_ids.len()
@@ -106,43 +86,40 @@ impl Scheduler {
         let end = a.prefill_end();
         let bring = if a.pos < end {
             (end - a.pos).min(self.limits.max_step_tokens)
-        } else if self.spec.0 == layerstream_model::spec::SpecMode::Off {
+        } else if self.spec.mode == layerstream_model::spec::SpecMode::Off {
             1
         } else {
-            1 + a.req.params.speculative.max(self.spec.1)
+            1 + a.req.params.speculative.max(self.spec.max)
         };
         self.blocks.blocks_for(a.pos + bring).saturating_sub(a.blocks.table.len())
     }
 
-    /// Preempts the newest sequences not in flight until the others' next steps fit the pool;
-    /// returns them (their blocks given back, to be replayed). The oldest sequence is never
-    /// preempted for a newer one.
-    pub(super) fn make_room(
-        &mut self,
-        active: &mut Vec<Active>,
-        in_flight: &[bool],
-    ) -> Vec<Active> {
-        self.spill(active, in_flight);
-        let mut flight = in_flight.to_vec();
-        let mut out = Vec::new();
+    /// Preempts the newest sequences not in flight until the others' next steps fit the pool:
+    /// each goes to the host tier when it has room (its blocks copied out before anything reuses
+    /// them), else gives its blocks back to be replayed (the workers forget it). The oldest
+    /// sequence is never preempted for a newer one. Preempted sequences resume oldest first.
+    pub fn make_room(&mut self) {
+        let mut flight: Vec<bool> = self.active.iter().map(|a| self.in_flight(a)).collect();
+        self.spill(&flight);
         loop {
-            let want: usize = active
+            let want: usize = self
+                .active
                 .iter()
                 .zip(&flight)
                 .filter(|(_, &f)| !f)
                 .map(|(a, _)| self.next_growth(a))
                 .sum();
             if want <= self.blocks.available() {
-                return out;
+                break;
             }
-            let Some(i) = (1..active.len()).rev().find(|&i| !flight[i]) else { return out };
+            let Some(i) = (1..self.active.len()).rev().find(|&i| !flight[i]) else { break };
             flight.remove(i);
-            let mut a = active.remove(i);
+            let mut a = self.active.remove(i);
             let n = a.blocks.table.len();
-            if n > 0 && self.host_free.len() + self.host_prefixes.len() >= n {
-                // To the host tier: its blocks are copied out before anything reuses them.
-                let slots: Vec<u32> = (0..n).filter_map(|_| self.host_slot()).collect();
-                self.swaps.0.extend(a.blocks.table.iter().copied().zip(slots.iter().copied()));
+            if n > 0 && self.host.available() >= n {
+                let slots: Vec<u32> = (0..n).filter_map(|_| self.host.slot()).collect();
+                self.host.out.extend(a.blocks.table.iter().copied().zip(slots.iter().copied()));
+                self.blocks.release(&mut a.blocks);
                 a.swapped = slots;
                 tracing::info!(
                     seq = a.req.seq_id,
@@ -151,30 +128,32 @@ impl Scheduler {
                 );
             } else {
                 self.metrics.replayed_tokens.inc_by(a.pos as u64);
-                (a.pos, a.base) = (0, 0);
-                a.next_draft = Default::default();
-                a.refeed = false;
+                self.blocks.release(&mut a.blocks);
+                a.rewind();
+                self.release.push(a.req.seq_id);
                 tracing::info!(
                     seq = a.req.seq_id,
                     free = self.blocks.available(),
                     "KV pool full: sequence preempted, to be replayed"
                 );
             }
-            self.blocks.release(&mut a.blocks);
             a.lane = None;
             a.acc.preemptions += 1;
             self.metrics.preempted.inc();
-            out.push(a);
+            self.preempted.push_front(a);
         }
+        self.preempted.make_contiguous().sort_by_key(|a| a.req.seq_id);
+        self.kv_gauges();
     }
 
     /// Before the next steps take blocks: the cached prefix blocks they would evict from the device
     /// go to the host tier instead (when it is on), to come back on a later prompt's lookup.
-    fn spill(&mut self, active: &[Active], in_flight: &[bool]) {
+    fn spill(&mut self, in_flight: &[bool]) {
         if self.limits.host_blocks == 0 || !self.limits.prefix_cache {
             return;
         }
-        let want: usize = active
+        let want: usize = self
+            .active
             .iter()
             .zip(in_flight)
             .filter(|(_, &f)| !f)
@@ -182,24 +161,11 @@ impl Scheduler {
             .sum();
         let short = want.saturating_sub(self.blocks.free_now());
         for (block, key) in self.blocks.evict_idle(short) {
-            let Some(slot) = self.host_slot() else { break };
-            self.swaps.0.push((block, slot));
-            self.host_prefixes.insert(key, slot);
-            self.host_prefix_order.push_back(key);
+            let Some(slot) = self.host.slot() else { break };
+            self.host.out.push((block, slot));
+            self.host.prefixes.insert(key, slot);
+            self.host.prefix_order.push_back(key);
         }
-    }
-
-    /// A free host slot: a never-used or emptied one, else the oldest cached prefix block's.
-    fn host_slot(&mut self) -> Option<u32> {
-        if let Some(s) = self.host_free.pop() {
-            return Some(s);
-        }
-        while let Some(key) = self.host_prefix_order.pop_front() {
-            if let Some(s) = self.host_prefixes.remove(&key) {
-                return Some(s);
-            }
-        }
-        None
     }
 
     /// Gives `a` blocks for positions up to `end`; false when the pool cannot (it sits out).
@@ -228,7 +194,7 @@ impl Scheduler {
         self.kv_gauges();
     }
 
-    fn kv_gauges(&self) {
+    pub(super) fn kv_gauges(&self) {
         let used = self.blocks.blocks() - self.blocks.available();
         self.metrics.kv_blocks.set(used as i64);
         self.metrics.kv_cached_blocks.set(self.blocks.cached_blocks() as i64);

@@ -4,14 +4,15 @@
 //! log-probabilities (scored by the head while the prompt is prefilled) and the tool calls parsed
 //! from a finished output.
 
-use super::{Active, Scheduler};
+use super::active::Active;
+use super::core::{Core, Event};
 use layerstream_model::{FinishReason, Tokenizer};
 use layerstream_rpc::v1::{
     generate_event, GenerateEvent, StepSeq, TokenEvent, TokenLogprobs, ToolCall,
 };
 use std::time::Instant;
 
-impl Scheduler {
+impl Core {
     /// Fills each sampling member's format mask (on several threads when several are
     /// constrained) and each prefilling member's ids to score.
     pub(super) fn outputs(
@@ -125,7 +126,11 @@ pub(super) fn push(
 /// and format (as if it had just produced them) and shown again event by event, with the text
 /// they completed; it then continues as a sequence replayed after a fault does (its prompt and
 /// output prefilled). Returns how the output ended, when the journal held its end already.
-pub(super) async fn replay(tok: &Tokenizer, a: &mut Active) -> Option<(FinishReason, String)> {
+pub(super) fn replay(
+    tok: &Tokenizer,
+    a: &mut Active,
+    events: &mut Vec<Event>,
+) -> Option<(FinishReason, String)> {
     for ids in std::mem::take(&mut a.req.journaled) {
         let mut text = String::new();
         let mut reason = None;
@@ -141,7 +146,7 @@ pub(super) async fn replay(tok: &Tokenizer, a: &mut Active) -> Option<(FinishRea
                 prompt_logprobs: Vec::new(),
             })),
         };
-        let _ = a.req.events.send(ev).await;
+        events.push(Event { to: a.req.events.clone(), ev, try_only: false });
         if reason.is_some() {
             return reason;
         }

@@ -1,11 +1,12 @@
 //! Speculative decoding in the scheduler: which draft each decoding sequence of a step carries and
 //! how long it is (see `layerstream_model::spec::choose_draft`).
 
-use super::{Active, Scheduler};
+use super::active::Active;
+use super::core::Core;
 use layerstream_model::spec::{choose_draft, ngram_propose, tree_or_chain, DraftCost, SpecMode};
 use layerstream_rpc::v1::StepSeq;
 
-impl Scheduler {
+impl Core {
     /// Speculative decoding: appends a draft to each decoding sequence of a step — prompt lookup,
     /// or what the head's draft model proposed after its last step — each as long as maximises its
     /// expected tokens per millisecond (its acceptance so far, the measured step time by positions,
@@ -17,7 +18,7 @@ impl Scheduler {
         members: &[(usize, usize)],
         seqs: &mut [StepSeq],
     ) {
-        let mode = self.spec.0;
+        let mode = self.spec.mode;
         if mode == SpecMode::Off {
             return;
         }
@@ -34,13 +35,13 @@ impl Scheduler {
             // Tokens still to come after this step's first.
             let remaining = p.max_new_tokens.saturating_sub(a.stopper.output().len() + 1);
             let budget = self.limits.max_step_tokens.saturating_sub(rows);
-            let max = p.speculative.max(self.spec.1).min(remaining);
+            let max = p.speculative.max(self.spec.max).min(remaining);
             let min = p.speculative.n_min;
             if max == 0 || min > max {
                 continue;
             }
             let (draft_cost, width) = match mode {
-                SpecMode::Draft => (DraftCost::of_model(self.draft_ms), self.spec.2),
+                SpecMode::Draft => (DraftCost::of_model(self.draft_ms), self.spec.width),
                 _ => (DraftCost::Free, 1),
             };
             // A token tree's rows fit a 64-bit ancestor mask.
@@ -62,7 +63,7 @@ impl Scheduler {
                 continue;
             }
             let (mut draft, mut parents) = match mode {
-                SpecMode::Draft => proposed,
+                SpecMode::Draft => (proposed.tokens, proposed.parents),
                 _ => (ngram_propose(&a.history(), k), Vec::new()),
             };
             let n = k.min(budget).min(draft.len());

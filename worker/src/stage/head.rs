@@ -49,7 +49,7 @@ impl<B: Backend + 'static> super::Stage<B> {
                     r
                 })
                 .collect();
-            (out.tokens, out.token_counts, out.logprobs) = verify(b, &logits, rows)?;
+            out.results = results(batch, verify(b, &logits, rows)?);
             self.draft_next(batch, out)?;
             return Ok(());
         }
@@ -68,6 +68,7 @@ impl<B: Backend + 'static> super::Stage<B> {
         let greedy = choice == TokenChoice::DeviceArgmax;
         let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
         let _in_head = head_span.enter();
+        let mut scores = Vec::new();
         let mut logits = if batch.iter().any(|s| !s.score_ids.is_empty()) {
             // Prompt log-probabilities: every row of the scoring sequences goes through the head;
             // each scores its next token, and the last rows are chosen from as usual.
@@ -80,12 +81,13 @@ impl<B: Backend + 'static> super::Stage<B> {
             let (host, vocab) = (b.to_host(&all)?, b.dims(&all).1);
             let (mut first, mut last) = (0, Vec::with_capacity(batch.len()));
             for (s, &t) in batch.iter().zip(&tails) {
+                let mut seq_scores = Vec::with_capacity(s.score_ids.len().min(t));
                 for (i, &id) in s.score_ids.iter().enumerate().take(t) {
                     let row = &host[(first + i) * vocab..(first + i + 1) * vocab];
                     layerstream_kernels::host::check_logits(row, first + i)?;
-                    out.scores.push(crate::sampling::logprobs(row, id, s.score_top));
+                    seq_scores.push(crate::sampling::logprobs(row, id, s.score_top));
                 }
-                out.score_counts.push(s.score_ids.len().min(t) as u32);
+                scores.push(seq_scores);
                 first += t;
                 last.push(first - 1);
             }
@@ -93,7 +95,13 @@ impl<B: Backend + 'static> super::Stage<B> {
         } else {
             head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?
         };
-        (out.tokens, out.logprobs) = choice.choose(b, &mut logits, rows)?;
+        let (tokens, logprobs) = choice.choose(b, &mut logits, rows)?;
+        let mut logprobs = logprobs.into_iter();
+        let one_each = tokens.into_iter().map(|t| vec![(t, logprobs.next().flatten())]).collect();
+        out.results = results(batch, one_each);
+        for (r, sc) in out.results.iter_mut().zip(scores) {
+            r.scores = sc;
+        }
         drop(_in_head);
         self.draft_next(batch, out)?;
         Ok(())
@@ -108,16 +116,11 @@ impl<B: Backend + 'static> super::Stage<B> {
         }
         let t0 = Instant::now();
         let _span = info_span!("draft", sequences = batch.len() as i64).entered();
-        let (mut drafts, mut counts, mut at) = (Vec::new(), Vec::with_capacity(batch.len()), 0);
-        let mut parents = Vec::new();
-        for (i, s) in batch.iter().enumerate() {
-            let n = out.token_counts.get(i).map_or(1, |&c| c as usize);
-            let emitted = &out.tokens[at..at + n];
-            at += n;
+        for (s, r) in batch.iter().zip(out.results.iter_mut()) {
+            let emitted = &r.tokens;
             let seq = self.seqs.get_mut(&s.seq_id).expect("prepared");
             let (Some(d), false, true) = (seq.draft.as_mut(), s.prompt_continues, s.draft_next > 0)
             else {
-                counts.push(0);
                 continue;
             };
             // The history the next step starts from: everything before this step's draft, the
@@ -131,13 +134,37 @@ impl<B: Backend + 'static> super::Stage<B> {
             if d.ms_per_level() > 0.0 {
                 self.draft_level_ms = d.ms_per_level();
             }
-            counts.push(next.len() as u32);
-            drafts.extend(next);
-            parents.extend(tree);
+            (r.drafts, r.draft_parents) = (next, tree);
         }
-        (out.drafts, out.draft_counts, out.draft_parents) = (drafts, counts, parents);
         out.draft_ms = t0.elapsed().as_secs_f64() * 1e3;
         out.draft_level_ms = self.draft_level_ms;
         Ok(())
     }
+}
+
+/// Each sequence's result from its tokens (with their log-probabilities where asked for: a
+/// sequence whose tokens have none carries none).
+fn results(
+    batch: &[StepSeq],
+    tokens: Vec<Vec<(u32, Option<layerstream_rpc::v1::TokenLogprobs>)>>,
+) -> Vec<layerstream_rpc::v1::SeqResult> {
+    batch
+        .iter()
+        .zip(tokens)
+        .map(|(s, toks)| {
+            let asked = toks.iter().any(|t| t.1.is_some());
+            let (tokens, lps): (Vec<u32>, Vec<_>) = toks.into_iter().unzip();
+            let logprobs = if asked {
+                lps.into_iter().map(Option::unwrap_or_default).collect()
+            } else {
+                vec![]
+            };
+            layerstream_rpc::v1::SeqResult {
+                seq_id: s.seq_id,
+                tokens,
+                logprobs,
+                ..Default::default()
+            }
+        })
+        .collect()
 }
