@@ -129,10 +129,11 @@ fn through_a_stack(path: &str, logprobs: bool) {
 fn logits_do_not_depend_on_the_step() {
     use layerstream_kernels::CpuBackend;
     use layerstream_worker::Model;
-    layerstream_kernels::cpu::int8::set_int8_activations(true);
     let store = layerstream_model::Store::open(&default_store().expect("the default model"))
         .expect("the default store opens");
-    let model = Model::load(CpuBackend::default(), &store).unwrap();
+    let model = Model::load(CpuBackend::default(), &store)
+        .unwrap()
+        .with_precision(layerstream_kernels::Precision::Int8);
     let ids: Vec<u32> = (0..9).map(|i| 100 + 37 * i).collect();
     let long: Vec<u32> = (0..40).map(|i| 200 + 13 * i).collect();
     let mut s = model.new_sequence();

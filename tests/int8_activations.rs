@@ -8,6 +8,7 @@
 //! Its own test binary: the switch is process-wide.
 
 use layerstream_kernels::CpuBackend;
+use layerstream_kernels::Precision::Int8;
 use layerstream_tests::*;
 use layerstream_worker::{Model, SeqState};
 
@@ -17,13 +18,12 @@ const REL_TOL: f32 = 0.03;
 
 #[test]
 fn int8_logits_stay_within_three_percent_of_the_logit_range_of_transformers() {
-    layerstream_kernels::cpu::int8::set_int8_activations(true);
     for t in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K"]
     {
         let dir = tempfile::tempdir().unwrap();
         let gguf = fixtures().join("gguf").join("quant").join(format!("tiny-llama-{t}.gguf"));
         let store = import(&gguf, dir.path());
-        let model = Model::load(CpuBackend::default(), &store).unwrap();
+        let model = Model::load(CpuBackend::default(), &store).unwrap().with_precision(Int8);
         let name = format!("tiny-llama-quant/{t}");
         for g in goldens(&name) {
             let mut seq: SeqState = model.new_sequence();

@@ -6,7 +6,7 @@
 //! Each timing cycles through copies of the weight, 256 MiB or more in all, so no cache holds them.
 
 use anyhow::Result;
-use layerstream_kernels::{Backend, CpuBackend};
+use layerstream_kernels::{Backend, CpuBackend, Precision};
 use layerstream_model::DType;
 
 /// Arguments of `layerstream matvec-bench`.
@@ -62,11 +62,18 @@ impl Mode {
         }
     }
 
-    /// Switches the process-wide kernel choices to this mode.
+    /// Switches the CUDA matvec's load width to this mode's (a process-wide benchmark switch).
     fn set(self) {
         use std::sync::atomic::Ordering;
         layerstream_kernels::cuda::WIDE_MATVEC.store(self != Mode::ElementRuns, Ordering::Relaxed);
-        layerstream_kernels::cpu::int8::set_int8_activations(self == Mode::Int8);
+    }
+
+    /// The activations this mode multiplies with.
+    fn precision(self) -> Precision {
+        match self {
+            Mode::Int8 => Precision::Int8,
+            _ => Precision::F32,
+        }
     }
 }
 
@@ -174,7 +181,8 @@ where
                 let mut base = None;
                 for &mode in modes.iter().filter(|&&md| md != Mode::Int8 || int8(dtype)) {
                     mode.set();
-                    let us = b.run_step(|| time_us(b, &x, &w, a.iters.max(1)))?;
+                    let p = mode.precision();
+                    let us = b.run_step(|| time_us(b, &x, &w, a.iters.max(1), p))?;
                     let gbps = bytes.len() as f64 / us / 1e3;
                     let base_us = *base.get_or_insert(us);
                     let share = peak.map_or(String::new(), |p| format!("{:.0}%", 100.0 * gbps / p));
@@ -193,14 +201,20 @@ where
 
 /// Microseconds per `x · wᵀ`, over `iters` (at least one round of the copies `w`) after one untimed
 /// round, timed by the device's marks.
-fn time_us<B: Backend>(b: &B, x: &B::Tensor, w: &[B::Weight], iters: usize) -> Result<f64> {
+fn time_us<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    w: &[B::Weight],
+    iters: usize,
+    p: Precision,
+) -> Result<f64> {
     for w in w {
-        b.matmul(x, w)?;
+        b.matmul(x, w, p)?;
     }
     let iters = iters.max(w.len());
     let start = b.mark()?;
     for i in 0..iters {
-        b.matmul(x, &w[i % w.len()])?;
+        b.matmul(x, &w[i % w.len()], p)?;
     }
     let end = b.mark()?;
     Ok(b.elapsed_ms(&start, &end)? * 1e3 / iters as f64)

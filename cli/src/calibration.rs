@@ -93,7 +93,8 @@ fn measure(store: &Store, device: &DeviceFlags, readers: usize) -> Result<Figure
     let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;
     let layer = (cfg.num_layers / 2) as u32;
-    let probe = layerstream_worker::Probe { layer, rows: &ROWS, kv_dtype: kv, reps: 2 };
+    let precision = device.compute.precision();
+    let probe = layerstream_worker::Probe { layer, rows: &ROWS, kv_dtype: kv, reps: 2, precision };
     let c = layerstream_worker::measure_compute(&dev, store, &probe)
         .context("measuring a layer's compute")?;
     Ok(Figures {

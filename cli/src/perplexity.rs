@@ -73,7 +73,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.ctx < 4 {
         bail!("--ctx must be at least 4 (half of each window is context, half is scored)");
     }
-    args.compute.apply()?;
+    args.compute.apply_threads()?;
     let store = Store::open(&crate::run::model_dir(&args.model)?)?;
     let context = store.manifest.config.max_position_embeddings;
     if args.ctx > context {
@@ -123,7 +123,7 @@ fn score_on<B: Backend>(
         block: args.kv.kv_block,
         positions: args.ctx,
     };
-    let model = Model::load_kv(backend, store, kv)?;
+    let model = Model::load_kv(backend, store, kv)?.with_precision(args.compute.precision());
     let first = args.ctx / 2;
     let started = Instant::now();
     let mut nlls = Vec::new();

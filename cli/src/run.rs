@@ -47,7 +47,7 @@ pub fn model_dir(model: &Option<PathBuf>) -> Result<PathBuf> {
 
 /// Runs the command.
 pub fn run(args: RunArgs) -> Result<()> {
-    args.compute.apply()?;
+    args.compute.apply_threads()?;
     let mut store = Store::open(&model_dir(&args.model)?)?;
     store.verify = !args.no_verify;
     let draft = match &args.spec.draft_model {
@@ -93,7 +93,7 @@ fn generate_on<B: Backend>(
         (SpecMode::Draft, Some(d)) => Some(Model::load_kv(backend.clone(), d, kv)?.into_draft()),
         _ => None,
     };
-    let model = Model::load_kv(backend, store, kv)?;
+    let model = Model::load_kv(backend, store, kv)?.with_precision(args.compute.precision());
     let spec = Speculation {
         mode,
         max: args.spec.spec_max as usize,

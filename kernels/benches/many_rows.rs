@@ -6,8 +6,9 @@
 //! `int8::LANES_FROM` rows) — in activation rows per second, with the ratios; best of five.
 //! The 8-bit ways give the same bits; the f32 way does not.
 
-use layerstream_kernels::cpu::int8::{approximate, exact, set_lanes};
+use layerstream_kernels::cpu::int8::set_lanes;
 use layerstream_kernels::cpu::matmul;
+use layerstream_kernels::Precision;
 use layerstream_types::DType;
 mod common;
 use common::best;
@@ -21,14 +22,14 @@ fn main() {
         let w = layerstream_types::random::Rng::new(3).tensor(dtype, &[n, k]).unwrap();
         for m in [1usize, 8, 16, 64, 256, 512] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
-            let run = || std::hint::black_box(matmul(dtype, &w, None, n, k, &x, m));
+            let run = |p| std::hint::black_box(matmul(dtype, &w, None, (n, k), &x, m, p));
             let f32_path = best(|| {
-                exact(run);
+                run(Precision::F32);
             });
             let int8 = |lanes: bool| {
                 set_lanes(lanes);
                 let t = best(|| {
-                    approximate(run);
+                    run(Precision::Int8);
                 });
                 set_lanes(true);
                 t

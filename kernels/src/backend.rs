@@ -103,6 +103,19 @@ pub trait MappedBytes: Send + Sync + std::fmt::Debug {
     fn bytes(&self) -> &[u8];
 }
 
+/// The arithmetic a matmul's activations take: a value the caller passes with every product
+/// (the layers' choice, the head's, a draft model's), never a switch the kernels look up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 activations: transformers' arithmetic (`--exact`, and every vocabulary projection).
+    #[default]
+    F32,
+    /// Activations quantized to 8 bits per step, multiplied in integers with the weight blocks of
+    /// formats that have such a kernel (`cpu::int8::supports`; on CUDA `matvec_q8`), as llama.cpp
+    /// computes; other formats take f32.
+    Int8,
+}
+
 pub trait Backend: Send + Sync + Clone {
     /// Row-major f32 activations `[rows, cols]` on the device.
     type Tensor: Send;
@@ -328,8 +341,9 @@ pub trait Backend: Send + Sync + Clone {
 
     /// Gathers embedding rows for `ids` from a `[vocab, hidden]` table.
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
-    /// `x[m, k] · w[n, k]ᵀ → [m, n]`, dequantizing `w` as needed.
-    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    /// `x[m, k] · w[n, k]ᵀ → [m, n]`, dequantizing `w` as needed, with activations in `p` (8-bit
+    /// only where the backend has a kernel for `w`'s format; f32 otherwise).
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, p: Precision) -> Result<Self::Tensor>;
     /// Adds a 1-D bias to every row.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight) -> Result<()>;
     /// RMSNorm over groups of `weight.len()` columns (whole rows, or per head for q/k norms).

@@ -17,7 +17,7 @@ mod quant_ext;
 mod rope;
 pub mod sampling;
 
-pub use backend::{AttnShape, Backend, MappedBytes, RowPick};
+pub use backend::{AttnShape, Backend, MappedBytes, Precision, RowPick};
 pub use cpu::{CpuBackend, CpuTensor, CpuWeight};
 pub use error::{Error, Result};
 pub use kv::{KvLayout, KvSeq};

@@ -28,6 +28,8 @@ pub struct Probe<'a> {
     pub rows: &'a [usize],
     pub kv_dtype: DType,
     pub reps: usize,
+    /// The layer's activations, as the stack computes them (`ComputeFlags::precision`).
+    pub precision: layerstream_kernels::Precision,
 }
 
 /// Measures `probe` on `device` with `store`'s weights.
@@ -56,12 +58,12 @@ pub fn measure_link(device: &Device, bytes: usize) -> Result<Option<f64>> {
 }
 
 fn measure_on<B: Backend>(b: &B, store: &Store, probe: &Probe) -> Result<ComputeFigures> {
-    let Probe { layer, rows, kv_dtype, reps } = *probe;
+    let Probe { layer, rows, kv_dtype, reps, precision } = *probe;
     let cfg = &store.manifest.config;
     if layer as usize >= cfg.num_layers {
         return Err(Error::invalid("layer", format!("the model has {} layers", cfg.num_layers)));
     }
-    let ctx = LayerCtx::new(cfg);
+    let ctx = LayerCtx::new(cfg).with_precision(precision);
     let w = LayerWeights::load(b, cfg, &store.load(&layer_file(layer as usize))?)?;
     let experts = ResidentExperts::load(b, store, layer..layer + 1)?;
     let head_file = if cfg.tie_word_embeddings { "embed.bin" } else { "lm_head.bin" };
@@ -131,7 +133,13 @@ mod tests {
         layerstream_model::synth::synth("tiny", DType::Q8_0, Some(64), 1, dir.path()).unwrap();
         let store = Store::open(dir.path()).unwrap();
         let dev = Device::open("cpu").unwrap();
-        let probe = Probe { layer: 0, rows: &[1, 8, 64], kv_dtype: DType::F32, reps: 2 };
+        let probe = Probe {
+            layer: 0,
+            rows: &[1, 8, 64],
+            kv_dtype: DType::F32,
+            reps: 2,
+            precision: layerstream_kernels::Precision::Int8,
+        };
         let f = measure(&dev, &store, &probe).unwrap();
         let rows: Vec<usize> = f.layer_s.iter().map(|p| p.0).collect();
         assert_eq!(rows, [1, 8, 64]);

@@ -83,11 +83,17 @@ impl Device {
         }
     }
 
-    /// Loads an assignment on this device.
-    pub fn load(&self, store: Store, plan: Assignment, link: LoaderLink) -> Result<AnyStage> {
+    /// Loads an assignment on this device, its layers' activations in `p`.
+    pub fn load(
+        &self,
+        store: Store,
+        plan: Assignment,
+        link: LoaderLink,
+        p: layerstream_kernels::Precision,
+    ) -> Result<AnyStage> {
         Ok(match self {
-            Device::Cpu(b) => AnyStage::Cpu(Stage::load(b.clone(), store, plan, link)?),
-            Device::Cuda(b) => AnyStage::Cuda(Stage::load(b.clone(), store, plan, link)?),
+            Device::Cpu(b) => AnyStage::Cpu(Stage::load(b.clone(), store, plan, link, p)?),
+            Device::Cuda(b) => AnyStage::Cuda(Stage::load(b.clone(), store, plan, link, p)?),
         })
     }
 }

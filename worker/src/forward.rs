@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::moe::{moe_mlp, ExpertCounts, ExpertSource};
 use crate::weights::{LayerWeights, Mlp};
-use layerstream_kernels::{AttnShape, Backend, KvSeq, RopeTable};
+use layerstream_kernels::{AttnShape, Backend, KvSeq, Precision, RopeTable};
 use layerstream_model::ModelConfig;
 
 /// One sequence's share of a batch: how many rows it contributes, the position of the first, and
@@ -58,10 +58,13 @@ pub struct LayerCtx {
     pub(crate) embed_scale: Option<f32>,
     /// Multi-head latent attention (DeepSeek-V3).
     pub(crate) mla: Option<layerstream_model::config_mla::MlaConfig>,
-    /// A speculative draft model: 8-bit activations everywhere, its vocabulary projection included
-    /// (`int8::approximate`), whatever the process uses — its near-ties cost at most a rejected
-    /// token, never a changed output.
+    /// A speculative draft model: 8-bit activations everywhere, its vocabulary projection included,
+    /// whatever the process uses — its near-ties cost at most a rejected token, never a changed
+    /// output.
     pub(crate) draft: bool,
+    /// The decoder layers' activations (`Precision::Int8`: the CPU's default, see
+    /// `int8_by_default`; a draft model's always).
+    pub(crate) precision: Precision,
 }
 
 impl LayerCtx {
@@ -116,7 +119,14 @@ impl LayerCtx {
             embed_scale: g.map(|_| (cfg.hidden_size as f32).sqrt()),
             mla: cfg.mla.clone(),
             draft: false,
+            precision: Precision::F32,
         }
+    }
+
+    /// The same constants with the layers' activations in `p`.
+    pub fn with_precision(mut self, p: Precision) -> Self {
+        self.precision = p;
+        self
     }
 
     /// Whether any layer has a sliding window (token trees are refused there).
@@ -151,6 +161,7 @@ pub fn embed<B: Backend>(
 /// are permuted the same way first; `oscale`: the product is multiplied by it (BitLinear).
 fn proj<B: Backend>(
     b: &B,
+    ctx: &LayerCtx,
     x: &B::Tensor,
     w: &B::Weight,
     bias: Option<&B::Weight>,
@@ -158,8 +169,8 @@ fn proj<B: Backend>(
     oscale: Option<f32>,
 ) -> Result<B::Tensor> {
     let mut y = match perm {
-        Some(p) => b.matmul(&b.permute_cols(x, p)?, w)?,
-        None => b.matmul(x, w)?,
+        Some(p) => b.matmul(&b.permute_cols(x, p)?, w, ctx.precision)?,
+        None => b.matmul(x, w, ctx.precision)?,
     };
     if let Some(s) = oscale {
         b.scale(&mut y, s)?;
@@ -244,9 +255,9 @@ pub fn layer_forward<B: Backend>(
             crate::mla::mla_attention(b, ctx, mw, &h, seqs, (&pos, shape, rope), pool)?
         }
         (Some([wq, wk, wv]), None) => {
-            let mut q = proj(b, &h, wq, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
-            let mut k = proj(b, &h, wk, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;
-            let v = proj(b, &h, wv, w.v_bias.as_ref(), p.v.as_deref(), s.v)?;
+            let mut q = proj(b, ctx, &h, wq, w.q_bias.as_ref(), p.q.as_deref(), s.q)?;
+            let mut k = proj(b, ctx, &h, wk, w.k_bias.as_ref(), p.k.as_deref(), s.k)?;
+            let v = proj(b, ctx, &h, wv, w.v_bias.as_ref(), p.v.as_deref(), s.v)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 q = b.rms_norm(&q, qn, ctx.eps)?;
                 k = b.rms_norm(&k, kn, ctx.eps)?;
@@ -262,7 +273,7 @@ pub fn layer_forward<B: Backend>(
         None => attn,
     };
     let attn = quant(b, ctx, attn)?;
-    let mut o = proj(b, &attn, &w.o, w.o_bias.as_ref(), p.o.as_deref(), s.o)?;
+    let mut o = proj(b, ctx, &attn, &w.o, w.o_bias.as_ref(), p.o.as_deref(), s.o)?;
     if let Some(n) = &w.attn_post_norm {
         o = b.rms_norm(&o, n, ctx.eps)?;
     }
@@ -271,8 +282,8 @@ pub fn layer_forward<B: Backend>(
     let (mut d, counts) = match &w.mlp {
         Mlp::Dense { gate, up, down } => {
             let h2 = quant(b, ctx, h2)?;
-            let g = proj(b, &h2, gate, None, p.gate.as_deref(), s.gate)?;
-            let u = proj(b, &h2, up, None, p.up.as_deref(), s.up)?;
+            let g = proj(b, ctx, &h2, gate, None, p.gate.as_deref(), s.gate)?;
+            let u = proj(b, ctx, &h2, up, None, p.up.as_deref(), s.up)?;
             let a = if ctx.gelu {
                 b.gelu_tanh_mul(&g, &u)?
             } else if ctx.relu2 {
@@ -285,18 +296,19 @@ pub fn layer_forward<B: Backend>(
                 None => a,
             };
             let a = quant(b, ctx, a)?;
-            (proj(b, &a, down, None, p.down.as_deref(), s.down)?, ExpertCounts::default())
+            (proj(b, ctx, &a, down, None, p.down.as_deref(), s.down)?, ExpertCounts::default())
         }
         Mlp::Experts { shared, .. } => {
             let m = ctx.moe.as_ref().ok_or_else(|| {
                 Error::Weights(format!("layer {layer} has a router but the model has no experts"))
             })?;
             let router = w.mlp.router().expect("an experts layer has a router");
-            let (mut d, counts) = moe_mlp(b, layer, &h2, &router, m, experts)?;
+            let (mut d, counts) = moe_mlp(b, ctx.precision, layer, &h2, &router, m, experts)?;
             if let Some([g, u, dn]) = shared {
                 // DeepSeek-V3's shared experts: every token's, beside the routed ones.
-                let a = b.silu_mul(&b.matmul(&h2, g)?, &b.matmul(&h2, u)?)?;
-                b.add(&mut d, &b.matmul(&a, dn)?)?;
+                let p = ctx.precision;
+                let a = b.silu_mul(&b.matmul(&h2, g, p)?, &b.matmul(&h2, u, p)?)?;
+                b.add(&mut d, &b.matmul(&a, dn, p)?)?;
             }
             (d, counts)
         }
@@ -328,12 +340,11 @@ pub fn head_tensor<B: Backend>(
     }
     let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
     let h = b.rms_norm(&last, norm, ctx.eps)?;
-    // f32 activations for the vocabulary projection whatever the layers use (see `int8::exact`),
-    // but in a draft model.
-    if ctx.draft {
-        return Ok(b.matmul(&h, lm_head)?);
-    }
-    Ok(layerstream_kernels::cpu::int8::exact(|| b.matmul(&h, lm_head))?)
+    // f32 activations for the vocabulary projection whatever the layers use, but in a draft model:
+    // its argmax decides between near-tied tokens (SmolLM2's "What is the capital of France?"
+    // opens with "The" at −1.88 against "L" at −1.96, and 8-bit activations here swapped them).
+    let p = if ctx.draft { ctx.precision } else { Precision::F32 };
+    Ok(b.matmul(&h, lm_head, p)?)
 }
 
 /// `head_tensor` copied to the host: one logits vector per row (per sequence without tails).

@@ -86,21 +86,21 @@ pub fn mla_attention<B: Backend>(
     let m = ctx.mla.as_ref().ok_or_else(|| Error::Weights("MLA weights, no MLA config".into()))?;
     let (r, nope, rd) = (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim);
     let q_low = match &w.q_a {
-        Some((a, norm)) => Some(b.rms_norm(&b.matmul(h, a)?, norm, ctx.eps)?),
+        Some((a, norm)) => Some(b.rms_norm(&b.matmul(h, a, ctx.precision)?, norm, ctx.eps)?),
         None => None,
     };
     let q_in = q_low.as_ref().unwrap_or(h);
-    let q_nope = b.matmul(q_in, &w.q_nope_b)?;
-    let mut q_rope = b.matmul(q_in, &w.q_rope_b)?;
+    let q_nope = b.matmul(q_in, &w.q_nope_b, ctx.precision)?;
+    let mut q_rope = b.matmul(q_in, &w.q_rope_b, ctx.precision)?;
     b.rope(&mut q_rope, pos, rope)?;
-    let latent = b.rms_norm(&b.matmul(h, &w.kv_a)?, &w.kv_a_norm, ctx.eps)?;
-    let mut k_rope = b.matmul(h, &w.k_rope_a)?;
+    let latent = b.rms_norm(&b.matmul(h, &w.kv_a, ctx.precision)?, &w.kv_a_norm, ctx.eps)?;
+    let mut k_rope = b.matmul(h, &w.k_rope_a, ctx.precision)?;
     b.rope(&mut k_rope, pos, rope)?;
     let key = b.concat_cols(&[&latent, &k_rope])?;
     // Each head's query: its non-RoPE part mapped into the latent space, then its RoPE part.
     let mut parts = Vec::with_capacity(2 * w.k_b.len());
     for (i, k_b) in w.k_b.iter().enumerate() {
-        parts.push(b.matmul(&b.cols(&q_nope, i * nope, nope)?, k_b)?);
+        parts.push(b.matmul(&b.cols(&q_nope, i * nope, nope)?, k_b, ctx.precision)?);
         parts.push(b.cols(&q_rope, i * rd, rd)?);
     }
     let q = b.concat_cols(&parts.iter().collect::<Vec<_>>())?;
@@ -109,7 +109,7 @@ pub fn mla_attention<B: Backend>(
         .v_b
         .iter()
         .enumerate()
-        .map(|(i, v_b)| Ok(b.matmul(&b.cols(&out, i * (r + rd), r)?, v_b)?))
+        .map(|(i, v_b)| Ok(b.matmul(&b.cols(&out, i * (r + rd), r)?, v_b, ctx.precision)?))
         .collect::<Result<_>>()?;
     Ok(b.concat_cols(&heads.iter().collect::<Vec<_>>())?)
 }

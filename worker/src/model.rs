@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::moe::ResidentExperts;
 use crate::weights::{upload, LayerWeights};
-use layerstream_kernels::{Backend, KvLayout};
+use layerstream_kernels::{Backend, KvLayout, Precision};
 use layerstream_model::kv_blocks::{BlockPool, SeqBlocks};
 use layerstream_model::layout::layer_file;
 use layerstream_model::{DType, ModelConfig, Store};
@@ -110,10 +110,18 @@ impl<B: Backend> Model<B> {
     }
 
     /// This model as a speculative-decoding draft: 8-bit activations in every product, the
-    /// vocabulary projection included, even under `--exact` (`int8::approximate`) — a draft's
-    /// arithmetic only proposes tokens (SmolLM2-135M's CPU head: 2.4 → 0.7 ms a token).
+    /// vocabulary projection included, even under `--exact` — a draft's arithmetic only proposes
+    /// tokens (SmolLM2-135M's CPU head: 2.4 → 0.7 ms a token).
     pub fn into_draft(mut self) -> Self {
         self.ctx.draft = true;
+        self.ctx.precision = Precision::Int8;
+        self
+    }
+
+    /// The same model with its decoder layers' activations in `p` (loaded: `Precision::F32`);
+    /// the vocabulary projection stays f32 (`forward::head_tensor`).
+    pub fn with_precision(mut self, p: Precision) -> Self {
+        self.ctx.precision = p;
         self
     }
 
@@ -183,7 +191,7 @@ impl<B: Backend> Model<B> {
             }
             let h = b.rms_norm(&b.rows(&x, from, n)?, &self.norm, self.ctx.eps)?;
             let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-            let logits = b.to_host(&layerstream_kernels::cpu::int8::exact(|| b.matmul(&h, lm))?)?;
+            let logits = b.to_host(&b.matmul(&h, lm, Precision::F32)?)?;
             let vocab = logits.len() / n;
             Ok(logits
                 .chunks_exact(vocab)
@@ -201,16 +209,9 @@ impl<B: Backend> Model<B> {
         trees: Vec<Option<(Vec<u64>, usize)>>,
         tails: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
-        let run = || {
-            let (x, seqs) = self.layers_with(batch, trees)?;
-            let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
-            head_logits(&self.backend, &self.ctx, &x, &seqs, tails, &self.norm, lm)
-        };
-        if self.ctx.draft {
-            layerstream_kernels::cpu::int8::approximate(run)
-        } else {
-            run()
-        }
+        let (x, seqs) = self.layers_with(batch, trees)?;
+        let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head_logits(&self.backend, &self.ctx, &x, &seqs, tails, &self.norm, lm)
     }
 
     /// Embeds the batch and runs every layer over it (each sequence's cache grows by its tokens;

@@ -4,7 +4,7 @@
 //! into a device cache) is the `ExpertSource`'s business.
 
 use crate::error::{Error, Result};
-use layerstream_kernels::Backend;
+use layerstream_kernels::{Backend, Precision};
 use layerstream_model::layout::{expert_shape, expert_tensors};
 use layerstream_model::{FileEntry, ModelConfig, MoeConfig};
 use std::collections::BTreeMap;
@@ -218,14 +218,16 @@ pub struct Router<'a, B: Backend> {
     pub correction: Option<&'a [f32]>,
 }
 
-/// The experts layer `layer`'s router picks for the rows of `h` (its input, already normed).
+/// The experts layer `layer`'s router picks for the rows of `h` (its input, already normed), its
+/// product in `p`.
 pub fn choose<B: Backend>(
     b: &B,
+    p: Precision,
     h: &B::Tensor,
     r: &Router<'_, B>,
     m: &MoeConfig,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let mut logits = b.matmul(h, r.weight)?;
+    let mut logits = b.matmul(h, r.weight, p)?;
     if let Some(bias) = r.bias {
         b.add_bias(&mut logits, bias)?;
     }
@@ -290,23 +292,25 @@ pub fn route_groups(
 }
 
 /// The mixture-of-experts MLP on `h` (the post-attention-normed rows): each expert computes once
-/// over the rows that chose it, its output added into theirs scaled by their router weight.
+/// over the rows that chose it, its output added into theirs scaled by their router weight; every
+/// product in `p`.
 pub fn moe_mlp<B: Backend>(
     b: &B,
+    p: Precision,
     layer: u32,
     h: &B::Tensor,
     router: &Router<'_, B>,
     m: &MoeConfig,
     source: &mut dyn ExpertSource<B>,
 ) -> Result<(B::Tensor, ExpertCounts)> {
-    let groups = by_expert(&choose(b, h, router, m)?);
+    let groups = by_expert(&choose(b, p, h, router, m)?);
     let ids: Vec<u32> = groups.keys().copied().collect();
     let (weights, counts) = source.experts(layer, &ids)?;
     let (rows, cols) = b.dims(h);
     let mut acc = b.from_host(&vec![0.0; rows * cols], rows, cols)?;
     for ((rows, scale), w) in groups.values().zip(&weights) {
         let x = b.gather_rows(h, rows)?;
-        let (mut g, mut u) = (b.matmul(&x, &w.gate)?, b.matmul(&x, &w.up)?);
+        let (mut g, mut u) = (b.matmul(&x, &w.gate, p)?, b.matmul(&x, &w.up, p)?);
         if let Some([gb, ub, _]) = &w.biases {
             b.add_bias(&mut g, gb)?;
             b.add_bias(&mut u, ub)?;
@@ -315,7 +319,7 @@ pub fn moe_mlp<B: Backend>(
             Some(c) => b.swiglu_clamp_mul(&g, &u, c.alpha, c.limit)?,
             None => b.silu_mul(&g, &u)?,
         };
-        let mut d = b.matmul(&a, &w.down)?;
+        let mut d = b.matmul(&a, &w.down, p)?;
         if let Some([_, _, db]) = &w.biases {
             b.add_bias(&mut d, db)?;
         }

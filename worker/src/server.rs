@@ -48,10 +48,17 @@ impl ComputeFlags {
         int8_by_default(&self.device, self.int8_activations, self.exact)
     }
 
-    /// Sizes this process's CPU compute pool from `--threads` and turns 8-bit activations on or
-    /// off, before any kernel runs.
-    pub fn apply(&self) -> crate::Result<()> {
-        layerstream_kernels::cpu::int8::set_int8_activations(self.int8());
+    /// The decoder layers' activations these flags ask for (`int8`), handed to every model and
+    /// stage this process loads.
+    pub fn precision(&self) -> layerstream_kernels::Precision {
+        match self.int8() {
+            true => layerstream_kernels::Precision::Int8,
+            false => layerstream_kernels::Precision::F32,
+        }
+    }
+
+    /// Sizes this process's CPU compute pool from `--threads`, before any kernel runs.
+    pub fn apply_threads(&self) -> crate::Result<()> {
         match self.threads {
             Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
             None => Ok(()),
@@ -113,12 +120,12 @@ impl DeviceFlags {
         a
     }
 
-    /// `ComputeFlags::apply`, and the simulated link's speed.
+    /// `ComputeFlags::apply_threads`, and the simulated link's speed.
     pub fn apply_threads(&self) -> crate::Result<()> {
         if let Some(g) = self.link_gbps {
             crate::prefetch::set_link_gbps(g).map_err(|m| crate::Error::invalid("link_gbps", m))?;
         }
-        self.compute.apply()
+        self.compute.apply_threads()
     }
 }
 
@@ -227,6 +234,7 @@ pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let state = Arc::new(WorkerState {
         id: id.clone(),
         device: args.device.compute.device.clone(),
+        precision: args.device.compute.precision(),
         backend,
         budget,
         max_step_tokens,

@@ -23,6 +23,8 @@ pub struct WorkerState {
     pub(crate) device: String,
     /// The opened device (the CPU, or a GPU with its context and kernels).
     pub(crate) backend: Device,
+    /// The decoder layers' activations (`ComputeFlags::precision`), for every stage it loads.
+    pub(crate) precision: layerstream_kernels::Precision,
     /// Bytes assignments may use (for a GPU: already capped by free device memory).
     pub(crate) budget: u64,
     /// Most tokens one step may carry (None: no limit).
@@ -187,7 +189,7 @@ impl Worker for WorkerService {
                 .clone(),
             loader,
             host_id: s.host_id.clone(),
-            exact: !layerstream_kernels::cpu::int8::int8_activations(),
+            exact: s.precision == layerstream_kernels::Precision::F32,
         }))
     }
 
@@ -224,7 +226,7 @@ impl Worker for WorkerService {
             // Free the previous assignment's device memory before loading the new one.
             s.drop_stage(&mut s.stage());
             let id = a.assignment_id.clone();
-            let stage = s.backend.load(s.store.clone(), a, link)?;
+            let stage = s.backend.load(s.store.clone(), a, link, s.precision)?;
             info!(worker = %s.id, layers = ?stage.plan().layers(), resident = ?stage.plan().resident, bytes, ms = t.elapsed().as_millis() as u64, "assignment loaded");
             *s.stage() = Some(stage);
             set_assignment(&s.assignment_id, &id);

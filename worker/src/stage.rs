@@ -140,8 +140,15 @@ fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Resul
 
 impl<B: Backend + 'static> Stage<B> {
     /// Loads an assignment: embedding/head from the store, resident layers through the loader; with
-    /// prefetch on, the copy thread starts on the first streamed group right away.
-    pub fn load(backend: B, store: Store, plan: Assignment, mut link: LoaderLink) -> Result<Self> {
+    /// prefetch on, the copy thread starts on the first streamed group right away. Its layers'
+    /// activations are in `precision`.
+    pub fn load(
+        backend: B,
+        store: Store,
+        plan: Assignment,
+        mut link: LoaderLink,
+        precision: layerstream_kernels::Precision,
+    ) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         if plan.layer_end as usize > cfg.num_layers || plan.layer_start >= plan.layer_end {
@@ -184,7 +191,7 @@ impl<B: Backend + 'static> Stage<B> {
             )?),
             None => None,
         };
-        let ctx = LayerCtx::new(&cfg);
+        let ctx = LayerCtx::new(&cfg).with_precision(precision);
         let kv = kv_layout(&plan, &ctx)?;
         let pools = plan
             .layers()
@@ -532,7 +539,11 @@ impl<B: Backend + 'static> LayerPass<'_, B> {
         let _p = info_span!(parent: span, "predict experts", layer = layer as i64).entered();
         let h = self.b.rms_norm(x, &w.ffn_norm, self.ctx.eps)?;
         let ids: std::collections::BTreeSet<u32> =
-            choose(self.b, &h, &router, m)?.into_iter().flatten().map(|(e, _)| e).collect();
+            choose(self.b, self.ctx.precision, &h, &router, m)?
+                .into_iter()
+                .flatten()
+                .map(|(e, _)| e)
+                .collect();
         c.predict(layer, &ids.into_iter().collect::<Vec<_>>(), TraceParent::of(span));
         Ok(())
     }

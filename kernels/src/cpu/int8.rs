@@ -1,9 +1,7 @@
-//! 8-bit activations for the CPU matmuls of every step, one row or many (a process-wide switch the
-//! CUDA backend's matvec also follows: kernels/cuda/int8.cu), as llama.cpp computes in the decoder
-//! layers (the vocabulary projection stays f32: `exact`)
-//! — the commands' default on the CPU (`layerstream_worker::int8_by_default`: off with `--exact`, on
-//! a GPU only with `--int8-activations`; this switch itself starts off, so library users and
-//! in-process tests get the f32 path):
+//! 8-bit activations for the CPU matmuls (`Precision::Int8`, passed with each product: the
+//! decoder layers' choice, `layerstream_worker::int8_by_default` — on the CPU unless `--exact`, on
+//! a GPU only with `--int8-activations`, whose matvec has its own kernel in kernels/cuda/int8.cu —
+//! while every vocabulary projection but a draft model's takes f32), as llama.cpp computes:
 //! each activation row is quantized once per step to blocks of 32 signed bytes with an f32 scale,
 //! and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / int8_b128 / int4_g128 /
 //! MXFP4 weight blocks are dotted with them in integer arithmetic, one scale
@@ -14,78 +12,6 @@
 use super::int8_kq;
 use crate::quant::f16_at;
 use layerstream_types::DType;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-static ENABLED: AtomicBool = AtomicBool::new(false);
-
-/// Turns 8-bit activations on or off for this process.
-pub fn set_int8_activations(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
-}
-
-thread_local! {
-    /// Set while `exact` runs on this thread.
-    static SUSPENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-thread_local! {
-    /// Set while `approximate` runs on this thread.
-    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether 8-bit activations are on — for the process, or on this thread by `approximate` — and
-/// not suspended on this thread by `exact`.
-pub fn int8_activations() -> bool {
-    (ENABLED.load(Ordering::Relaxed) || FORCED.with(|f| f.get())) && !SUSPENDED.with(|s| s.get())
-}
-
-/// This thread's choices of path (`exact`, `approximate`), carried to the
-/// thread that runs a step (`threads::in_pool`).
-#[derive(Clone, Copy)]
-pub(crate) struct ThreadChoices {
-    suspended: bool,
-    forced: bool,
-}
-
-impl ThreadChoices {
-    /// This thread's choices.
-    pub(crate) fn current() -> Self {
-        ThreadChoices { suspended: SUSPENDED.with(|s| s.get()), forced: FORCED.with(|f| f.get()) }
-    }
-
-    /// Runs `f` with these choices on this thread, restoring its own afterwards.
-    pub(crate) fn apply<R>(self, f: impl FnOnce() -> R) -> R {
-        scoped(&SUSPENDED, self.suspended, || scoped(&FORCED, self.forced, f))
-    }
-}
-
-/// Runs `f` with 8-bit activations on this thread even where the process has them off
-/// (`--exact`): a speculative draft model's forward pass, whose arithmetic only proposes tokens —
-/// verification by the target decides every output. `exact` inside still turns them off.
-pub fn approximate<R>(f: impl FnOnce() -> R) -> R {
-    scoped(&FORCED, true, f)
-}
-
-/// Runs `f` with 8-bit activations off on this thread: the vocabulary projection, whose argmax
-/// decides between near-tied tokens (SmolLM2's "What is the capital of France?" opens with "The" at
-/// −1.88 against "L" at −1.96, and 8-bit activations in the head swapped them). A matmul decides its
-/// path on the calling thread, so this covers every kernel `f` launches.
-pub fn exact<R>(f: impl FnOnce() -> R) -> R {
-    scoped(&SUSPENDED, true, f)
-}
-
-/// Runs `f` with this thread's `cell` set to `value`, then puts the cell's value back.
-fn scoped<T: Copy, R>(
-    cell: &'static std::thread::LocalKey<std::cell::Cell<T>>,
-    value: T,
-    f: impl FnOnce() -> R,
-) -> R {
-    let was = cell.with(|c| c.replace(value));
-    let r = f();
-    cell.with(|c| c.set(was));
-    r
-}
-
 /// Weight formats with an 8-bit-activation dot.
 pub fn supports(dtype: DType) -> bool {
     matches!(
@@ -345,19 +271,23 @@ pub enum Acts {
 /// benchmarks/prefill-int8-cpu-2core.md). Both give the same bits, so this moves only speed.
 pub const LANES_FROM: usize = 9;
 
-static LANES: AtomicBool = AtomicBool::new(true);
+static LANES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Turns the many-row kernel (`int8_lanes`) on or off for this process (on by default; off, every
-/// step takes the few-row kernels: the same bits, for benchmarks side by side).
+/// step takes the few-row kernels: the same bits, so not a precision — a switch for benchmarks
+/// side by side, which no command sets).
 pub fn set_lanes(on: bool) {
-    LANES.store(on, Ordering::Relaxed);
+    LANES.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The rows `x` (`m` of `k` values, `k` a multiple of 32) quantized for `dot`.
 pub fn quantize(x: &[f32], k: usize, m: usize) -> Acts {
     let rows: Vec<Q8Row> = x.chunks_exact(k).take(m).map(quantize_row).collect();
     #[cfg(target_arch = "x86_64")]
-    if m >= LANES_FROM && LANES.load(Ordering::Relaxed) && super::int8_lanes::available() {
+    if m >= LANES_FROM
+        && LANES.load(std::sync::atomic::Ordering::Relaxed)
+        && super::int8_lanes::available()
+    {
         return Acts::Lanes(super::int8_lanes::Q8Lanes::new(&rows, k / QK));
     }
     Acts::Rows(rows)

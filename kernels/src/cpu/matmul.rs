@@ -21,18 +21,19 @@ const TILE_BYTES: usize = 4 << 20;
 /// batch holds, so a sequence gets bit-identical results alone or batched with others.
 pub const GEMM_MIN_ROWS: usize = 256;
 
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ` for a stored weight of `dtype`.
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` for a stored weight of `dtype`, `(n, k)` its shape, with
+/// activations in `p` (8-bit where `int8::supports` the format).
 pub fn matmul(
     dtype: DType,
     w: &[u8],
     wf32: Option<&[f32]>,
-    n: usize,
-    k: usize,
+    (n, k): (usize, usize),
     x: &[f32],
     m: usize,
+    p: crate::Precision,
 ) -> Vec<f32> {
     let row_bytes = w.len() / n.max(1);
-    let int8 = crate::cpu::int8::int8_activations()
+    let int8 = p == crate::Precision::Int8
         && crate::cpu::int8::supports(dtype)
         && wf32.is_none()
         && k.is_multiple_of(32);
@@ -61,7 +62,7 @@ pub fn matmul(
     // row then loaded once for both).
     let mut t = vec![0f32; n * m];
     if int8 {
-        // Opt-in: activations quantized to 8 bits once, integer dots per weight block.
+        // Activations quantized to 8 bits once, integer dots per weight block.
         let xq = crate::cpu::int8::quantize(x, k, m);
         t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
             let r0 = c * ROWS_PER_TASK;
@@ -167,6 +168,7 @@ fn gemm_f32_strided(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Precision::{Int8, F32};
 
     #[test]
     fn gemm_matches_naive() {
@@ -197,13 +199,13 @@ mod tests {
                 (0..dtype.row_bytes(k).unwrap() * n).map(|_| rnd() as u8).collect();
             crate::quant::tests::sanitize(dtype, &mut w, &mut rnd);
             let x: Vec<f32> = (0..5 * k).map(|i| ((i * 17) % 11) as f32 * 0.1 - 0.5).collect();
-            let batched = matmul(dtype, &w, None, n, k, &x, 5);
+            let batched = matmul(dtype, &w, None, (n, k), &x, 5, F32);
             let mut deq = vec![0f32; n * k];
             for (o, r) in deq.chunks_exact_mut(k).zip(w.chunks_exact(dtype.row_bytes(k).unwrap())) {
                 dequant_row(dtype, r, o);
             }
             for r in 0..5 {
-                let single = matmul(dtype, &w, None, n, k, &x[r * k..(r + 1) * k], 1);
+                let single = matmul(dtype, &w, None, (n, k), &x[r * k..(r + 1) * k], 1, F32);
                 for j in 0..n {
                     assert_eq!(
                         batched[r * n + j].to_bits(),
@@ -218,14 +220,11 @@ mod tests {
                     );
                 }
             }
-            // On the 8-bit path (`approximate`: this thread only) with the row limit raised, as a
-            // decode step verifying drafts computes: each row the same bits alone and batched.
+            // On the 8-bit path: each row the same bits alone and batched.
             if crate::cpu::int8::supports(dtype) {
-                use crate::cpu::int8::approximate;
-                let many = approximate(|| matmul(dtype, &w, None, n, k, &x, 5));
+                let many = matmul(dtype, &w, None, (n, k), &x, 5, Int8);
                 for r in 0..5 {
-                    let one =
-                        approximate(|| matmul(dtype, &w, None, n, k, &x[r * k..(r + 1) * k], 1));
+                    let one = matmul(dtype, &w, None, (n, k), &x[r * k..(r + 1) * k], 1, Int8);
                     for j in 0..n {
                         assert_eq!(
                             many[r * n + j].to_bits(),
@@ -238,11 +237,37 @@ mod tests {
             // The GEMM path agrees with the row path to rounding.
             let big: Vec<f32> =
                 (0..GEMM_MIN_ROWS * k).map(|i| ((i * 7) % 13) as f32 * 0.05 - 0.3).collect();
-            let g = matmul(dtype, &w, None, n, k, &big, GEMM_MIN_ROWS);
-            let one = matmul(dtype, &w, None, n, k, &big[..k], 1);
+            let g = matmul(dtype, &w, None, (n, k), &big, GEMM_MIN_ROWS, F32);
+            let one = matmul(dtype, &w, None, (n, k), &big[..k], 1, F32);
             for j in 0..n {
                 assert!((g[j] - one[j]).abs() < 1e-3 * one[j].abs().max(1.0));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod precision_tests {
+    use super::matmul;
+    use crate::Precision::{self, Int8, F32};
+    use layerstream_types::DType;
+
+    /// A product's precision is its own argument: f32 and 8-bit products of one weight, run at
+    /// once on two threads (as a draft model's 8-bit steps beside an `--exact` target's), each give
+    /// the bits they give alone — and the two paths differ, so the test would see a leak.
+    #[test]
+    fn f32_and_8_bit_products_side_by_side_keep_their_own_bits() {
+        let (n, k, m) = (64, 256, 12);
+        let w = layerstream_types::random::Rng::new(5).tensor(DType::Q4K, &[n, k]).unwrap();
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03).collect();
+        let run = |p: Precision| matmul(DType::Q4K, &w, None, (n, k), &x, m, p);
+        let (alone_f32, alone_int8) = (run(F32), run(Int8));
+        assert_ne!(alone_f32, alone_int8, "the 8-bit path is a different arithmetic");
+        std::thread::scope(|s| {
+            let a = s.spawn(|| (0..20).map(|_| run(F32)).collect::<Vec<_>>());
+            let b = s.spawn(|| (0..20).map(|_| run(Int8)).collect::<Vec<_>>());
+            assert!(a.join().unwrap().iter().all(|o| *o == alone_f32));
+            assert!(b.join().unwrap().iter().all(|o| *o == alone_int8));
+        });
     }
 }

@@ -238,12 +238,19 @@ impl Backend for CpuBackend {
         Ok(CpuTensor { data, rows: ids.len(), cols: table.cols })
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, p: crate::Precision) -> Result<CpuTensor> {
         ensure(x.cols == w.cols, "matmul", || {
             format!("x has {} columns, weight has {}", x.cols, w.cols)
         })?;
-        let data =
-            matmul::matmul(w.dtype, w.raw(), w.f32.as_deref(), w.rows, w.cols, &x.data, x.rows);
+        let data = matmul::matmul(
+            w.dtype,
+            w.raw(),
+            w.f32.as_deref(),
+            (w.rows, w.cols),
+            &x.data,
+            x.rows,
+            p,
+        );
         Ok(CpuTensor { data, rows: x.rows, cols: w.rows })
     }
 

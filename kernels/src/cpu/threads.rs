@@ -42,8 +42,7 @@ impl ComputePool {
 
     /// Runs `f` with every kernel inside it on this pool's threads.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        let choices = crate::cpu::int8::ThreadChoices::current();
-        self.0.install(move || choices.apply(f))
+        self.0.install(f)
     }
 }
 
@@ -55,9 +54,6 @@ impl ComputePool {
 /// woke a sleeping thread first, and on a 2-vCPU VM that made 2 threads only 1.3-1.7× one
 /// (benchmarks/vs-llama-cpp-cpu-2core.md).
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    // The caller's choices of path (`int8::exact`, `approximate`) go with `f`
-    // to the pool thread that runs it.
-    let choices = crate::cpu::int8::ThreadChoices::current();
     let done = &AtomicBool::new(false);
     rayon::scope(|s| {
         let me = rayon::current_thread_index();
@@ -89,7 +85,7 @@ pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                 }
             });
         }
-        let r = choices.apply(f);
+        let r = f();
         done.store(true, Ordering::Release);
         r
     })
@@ -107,17 +103,6 @@ mod tests {
     #[test]
     fn zero_threads_is_refused() {
         assert!(set_cpu_threads(0).is_err());
-    }
-
-    /// A step run in the pool keeps its caller's choices of path, on whatever thread runs it.
-    #[test]
-    fn work_in_the_pool_keeps_the_callers_choices() {
-        use crate::cpu::int8::{approximate, exact, int8_activations};
-        assert!(approximate(|| in_pool(int8_activations)));
-        assert!(!in_pool(int8_activations));
-        let pool = ComputePool::new(2).unwrap();
-        assert!(approximate(|| pool.run(|| in_pool(int8_activations))));
-        assert!(!approximate(|| exact(|| pool.run(|| in_pool(int8_activations)))));
     }
 
     #[test]

@@ -389,7 +389,7 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight, p: crate::Precision) -> Result<CudaTensor> {
         ensure(x.cols == w.cols, "matmul", || {
             format!("x has {} columns, weight has {}", x.cols, w.cols)
         })?;
@@ -405,7 +405,7 @@ impl Backend for CudaBackend {
                 && w.cols.is_multiple_of(32)
                 && (w.ptr | w.row_bytes as u64).is_multiple_of(align)
                 && x.buf.ptr.is_multiple_of(16);
-            if wide && matvec_q8_supports(w.dtype) && crate::cpu::int8::int8_activations() {
+            if wide && matvec_q8_supports(w.dtype) && p == crate::Precision::Int8 {
                 self.matvec_q8(x, w, &y)?;
                 return Ok(y);
             }

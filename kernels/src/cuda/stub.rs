@@ -83,7 +83,7 @@ impl Backend for CudaBackend {
     fn embedding(&self, _: &Never, _: &[u32]) -> Result<Never> {
         match self.0 {}
     }
-    fn matmul(&self, _: &Never, _: &Never) -> Result<Never> {
+    fn matmul(&self, _: &Never, _: &Never, _: crate::Precision) -> Result<Never> {
         match self.0 {}
     }
     fn add_bias(&self, _: &mut Never, _: &Never) -> Result<()> {

@@ -109,7 +109,11 @@ fn emulated_quant_kernels_match_cpu_for_every_dtype() {
 
                 let cw = CpuBackend::default().weight("w", dtype, &[n, k], &w).unwrap();
                 let want_y = CpuBackend::default()
-                    .matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &cw)
+                    .matmul(
+                        &CpuBackend::default().from_host(&x, m, k).unwrap(),
+                        &cw,
+                        crate::Precision::F32,
+                    )
                     .unwrap()
                     .data;
                 let mut want_d = vec![0f32; n * k];

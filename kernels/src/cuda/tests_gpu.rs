@@ -6,6 +6,7 @@ use super::{CudaBackend, GemmPrecision};
 use crate::backend::{AttnShape, Backend};
 use crate::cpu::CpuBackend;
 use crate::rope::RopeTable;
+use crate::Precision::F32;
 use layerstream_types::{DType, RopeConfig, RopeScaling};
 
 /// The GPU backend at GEMM precision `p`, or a failure naming why (these tests are ignored, at
@@ -33,11 +34,12 @@ fn matmul_of_every_dtype_matches_cpu_on_the_matvec_and_gemm_paths() {
             for m in [1, 3, 8, 9, 40] {
                 let x = rng.vec(m * k);
                 let want = CpuBackend::default()
-                    .matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &wc)
+                    .matmul(&CpuBackend::default().from_host(&x, m, k).unwrap(), &wc, F32)
                     .unwrap()
                     .data;
-                let got =
-                    g.to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &wg).unwrap()).unwrap();
+                let got = g
+                    .to_host(&g.matmul(&g.from_host(&x, m, k).unwrap(), &wg, F32).unwrap())
+                    .unwrap();
                 // The matvec path (m <= 8) is f32 whatever the GEMM precision.
                 let t = if m <= 8 { 1e-5 } else { tol };
                 let e = rel(&got, &want);
@@ -64,7 +66,7 @@ fn gemm_in_scratch_chunks_and_bf16_range() {
         (1e5, &[GemmPrecision::Bf16][..]),
     ] {
         let x: Vec<f32> = rng.vec(m * k).iter().map(|v| v * scale).collect();
-        let want = c.matmul(&c.from_host(&x, m, k).unwrap(), &wc).unwrap().data;
+        let want = c.matmul(&c.from_host(&x, m, k).unwrap(), &wc, F32).unwrap().data;
         for &p in precisions {
             let g = gpu(p);
             let got = g
@@ -72,6 +74,7 @@ fn gemm_in_scratch_chunks_and_bf16_range() {
                     &g.matmul(
                         &g.from_host(&x, m, k).unwrap(),
                         &g.weight("w", DType::Q4K, &[n, k], &bytes).unwrap(),
+                        F32,
                     )
                     .unwrap(),
                 )
@@ -408,8 +411,8 @@ fn streamed_layers_reuse_buffers_and_equal_resident_weights() {
         assert!(g.weight_in(&blob, "bad", DType::Q4K, &[n, k], per..3 * per).is_err());
         let resident = g.weight("r", DType::Q4K, &[n, k], &file[per..]).unwrap();
         let (a, b) = (
-            g.to_host(&g.matmul(&xg, &w2).unwrap()).unwrap(),
-            g.to_host(&g.matmul(&xg, &resident).unwrap()).unwrap(),
+            g.to_host(&g.matmul(&xg, &w2, F32).unwrap()).unwrap(),
+            g.to_host(&g.matmul(&xg, &resident, F32).unwrap()).unwrap(),
         );
         assert_eq!(a, b, "round {round}: streamed and resident weights differ");
         g.unregister_host(&file);
