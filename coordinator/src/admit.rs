@@ -316,6 +316,47 @@ impl CoordinatorService {
         Ok((ids, p, extras))
     }
 
+    /// Journals a new job (durably) before the client learns its id: a crash from then on resumes
+    /// it. A journal that cannot be written (a full disk, say) refuses the jobs that asked to be
+    /// found again (an idempotency key); others run without surviving a restart.
+    fn journal_job(&self, entry: &Entry<'_>, job_id: &str, trace_id: &str) -> crate::Result<()> {
+        let (Some(j), None) = (&self.journal, entry.resumed) else { return Ok(()) };
+        if let Err(e) = j.record_job(job_id, trace_id, entry.key, entry.requests) {
+            if entry.key.is_some() {
+                return Err(crate::Error::Unavailable(format!(
+                    "{e}; a job with an idempotency key must be journaled: retry later"
+                )));
+            }
+            tracing::warn!(%job_id, error = %e, "job not journaled: it will not survive a restart");
+        }
+        Ok(())
+    }
+
+    /// The job's record (what `Status` and `Cancel` find), with one cancel flag per request.
+    fn record_job(
+        &self,
+        entry: &Entry<'_>,
+        job_id: &str,
+        trace_id: &str,
+        requests: usize,
+    ) -> Vec<Arc<AtomicBool>> {
+        let cancels: Vec<Arc<AtomicBool>> =
+            (0..requests).map(|_| Arc::new(AtomicBool::new(false))).collect();
+        let (live, _) = watch::channel(0usize);
+        let record = JobRecord {
+            trace_id: trace_id.to_owned(),
+            requests,
+            history: Vec::new(),
+            cancel: cancels.clone(),
+            live,
+            cancelled: false,
+            finished_at: None,
+            key: entry.key.map(str::to_owned),
+        };
+        self.jobs.insert(job_id.to_owned(), record);
+        cancels
+    }
+
     fn submit_checked(
         &self,
         entry: Entry<'_>,
@@ -345,36 +386,11 @@ impl CoordinatorService {
             Some(u) => u.trace_id.clone(),
             None => layerstream_telemetry::trace_id(&span),
         };
-        // Journaled (durably) before the client learns the id: a crash from here on resumes it.
-        // A journal that cannot be written (a full disk, say) refuses the jobs that asked to be
-        // found again (an idempotency key); others run without surviving a restart.
-        if let (Some(j), None) = (&self.journal, entry.resumed) {
-            if let Err(e) = j.record_job(&job_id, &trace_id, entry.key, requests) {
-                if entry.key.is_some() {
-                    self.waiting.fetch_sub(n, Ordering::SeqCst);
-                    return Err(crate::Error::Unavailable(format!(
-                        "{e}; a job with an idempotency key must be journaled: retry later"
-                    )));
-                }
-                tracing::warn!(%job_id, error = %e, "job not journaled: it will not survive a restart");
-            }
+        if let Err(e) = self.journal_job(&entry, &job_id, &trace_id) {
+            self.waiting.fetch_sub(n, Ordering::SeqCst);
+            return Err(e);
         }
-        let cancels: Vec<Arc<AtomicBool>> =
-            prepared.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
-        let (live, _) = watch::channel(0usize);
-        self.jobs.insert(
-            job_id.clone(),
-            JobRecord {
-                trace_id: trace_id.clone(),
-                requests: prepared.len(),
-                history: Vec::new(),
-                cancel: cancels.clone(),
-                live,
-                cancelled: false,
-                finished_at: None,
-                key: entry.key.map(str::to_owned),
-            },
-        );
+        let cancels = self.record_job(&entry, &job_id, &trace_id, n);
         for (i, ((ids, p, extras), cancel)) in prepared.into_iter().zip(cancels).enumerate() {
             let (tx, mut rx) = mpsc::channel(256);
             let seq = SeqRequest {

@@ -155,13 +155,24 @@ fn kv_host_blocks(args: &CoordinatorArgs, store: &Store) -> Result<u32> {
     Ok((bytes / per.max(1)).min(u32::MAX as u64) as u32)
 }
 
-/// Plans over every registered worker and assigns them, starts the scheduler on that pipeline,
-/// and returns the job API's state.
-async fn plan_and_schedule(
+/// A pipeline planned over every registered worker and assigned, with what the plan settled.
+struct Planned {
+    pipeline: pipeline::Pipeline,
+    /// The plan in force (shared with the job API).
+    current: Arc<std::sync::RwLock<Plan>>,
+    kv_capacity: usize,
+    /// Tokens one step may carry: `--max-step-tokens`, or less where a worker's activation memory
+    /// holds less.
+    step_tokens: usize,
+}
+
+/// Sizes the KV cache to the workers' budgets (halving its dtype where `--kv-dtype auto` must),
+/// plans over every worker and assigns them.
+async fn plan_pipeline(
     args: &CoordinatorArgs,
     store: &Store,
-    mut workers: Vec<RegisteredWorker>,
-) -> Result<Arc<service::CoordinatorService>> {
+    workers: &mut [RegisteredWorker],
+) -> Result<Planned> {
     let mut opts = planner::PlanOptions {
         resident_layers: args.plan.resident_layers,
         group_size: args.plan.layer_group_size,
@@ -197,7 +208,7 @@ async fn plan_and_schedule(
         ..Default::default()
     }));
     let roster = pipeline::Roster {
-        workers: workers.clone(),
+        workers: workers.to_vec(),
         manifest: store.manifest.clone(),
         opts,
         current: current.clone(),
@@ -221,6 +232,18 @@ async fn plan_and_schedule(
             "tokens per step limited by a worker's activation memory"
         );
     }
+    Ok(Planned { pipeline, current, kv_capacity, step_tokens })
+}
+
+/// Plans over every registered worker and assigns them, starts the scheduler on that pipeline,
+/// and returns the job API's state.
+async fn plan_and_schedule(
+    args: &CoordinatorArgs,
+    store: &Store,
+    mut workers: Vec<RegisteredWorker>,
+) -> Result<Arc<service::CoordinatorService>> {
+    let planned = plan_pipeline(args, store, &mut workers).await?;
+    let Planned { pipeline, current, kv_capacity, step_tokens } = planned;
     let jobs = jobs::Jobs::new(
         Duration::from_secs(args.sched.job_retention_s),
         args.sched.max_job_records,

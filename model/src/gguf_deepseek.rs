@@ -13,44 +13,16 @@ impl GgufFile {
     /// `expert_gating_func` is softmax (DeepSeek-V2) is refused; one without the key is read as
     /// sigmoid when it has the V3 score-correction bias (`exp_probs_b`).
     pub(crate) fn deepseek2_config(&self) -> Result<ModelConfig> {
-        let key = |k: &str| format!("deepseek2.{k}");
-        let get = |k: &str| self.metadata.get(&key(k));
-        // A field as the JSON value config.json would hold (numbers and booleans), or `default`.
-        let or = |k: &str, default: Value| -> Value {
-            match get(k) {
-                Some(G::U64(v)) => json!(v),
-                Some(G::I64(v)) => json!(v),
-                Some(G::F64(v)) => json!(v),
-                Some(G::Bool(v)) => json!(v),
-                _ => default,
-            }
-        };
-        let num = |k: &str| -> Result<f64> {
-            get(k)
-                .and_then(G::as_f64)
-                .ok_or_else(|| Error::config(key(k), "missing from GGUF metadata or not a number"))
-        };
-        let u = |k: &str| -> Result<usize> {
-            get(k).and_then(G::as_u64).map(|v| v as usize).ok_or_else(|| {
-                Error::config(key(k), "missing from GGUF metadata or not an integer")
-            })
-        };
-        match get("expert_gating_func").and_then(G::as_u64) {
-            Some(2) => {}
-            None if self.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) => {}
-            other => {
-                return Err(Error::config(
-                    key("expert_gating_func"),
-                    format!("{other:?}: only sigmoid routing (DeepSeek-V3, 2) is supported"),
-                ))
-            }
-        }
+        let m = Meta(self);
+        let (get, or) = (|k: &str| m.get(k), |k: &str, d: Value| m.or(k, d));
+        let (num, u) = (|k: &str| m.num(k), |k: &str| m.u(k));
+        m.check_sigmoid_routing()?;
         let rope = u("rope.dimension_count")?;
         let k_len = u("attention.key_length_mla").or_else(|_| u("attention.key_length"))?;
         let v_len = u("attention.value_length_mla").or_else(|_| u("attention.value_length"))?;
         if k_len <= rope {
             return Err(Error::config(
-                key("attention.key_length_mla"),
+                Meta::key("attention.key_length_mla"),
                 format!("{k_len} leaves no non-RoPE part beside {rope} RoPE dims"),
             ));
         }
@@ -63,30 +35,7 @@ impl GgufFile {
                 .and_then(G::as_array)
                 .map_or(0, |a| a.len()),
         };
-        let rope_scaling = match get("rope.scaling.type").and_then(G::as_str) {
-            None | Some("none") => Value::Null,
-            Some("yarn") => {
-                // llama.cpp keeps `0.1 · mscale_all_dim` as the log multiplier.
-                // (In f32, as it was written: 0.1f32 / 0.1f32 is exactly 1.)
-                let mul = get("rope.scaling.yarn_log_multiplier").and_then(G::as_f64);
-                let all = (mul.unwrap_or(0.0) as f32 / 0.1f32) as f64;
-                json!({
-                    "rope_type": "yarn",
-                    "factor": num("rope.scaling.factor")?,
-                    "original_max_position_embeddings": num("rope.scaling.original_context_length")?,
-                    "beta_fast": or("rope.scaling.yarn_beta_fast", json!(32.0)),
-                    "beta_slow": or("rope.scaling.yarn_beta_slow", json!(1.0)),
-                    "mscale": all,
-                    "mscale_all_dim": all,
-                })
-            }
-            Some(other) => {
-                return Err(Error::config(
-                    key("rope.scaling.type"),
-                    format!("unsupported {other:?}; supported: none, yarn"),
-                ))
-            }
-        };
+        let rope_scaling = m.rope_scaling()?;
         let id =
             |k: &str| self.metadata.get(k).and_then(G::as_u64).map_or(Value::Null, |v| json!(v));
         let v = json!({
@@ -125,5 +74,84 @@ impl GgufFile {
             "num_nextn_predict_layers": or("nextn_predict_layers", json!(0)),
         });
         ModelConfig::from_hf(&v)
+    }
+}
+
+/// The `deepseek2.` metadata of a GGUF file, read as config.json's values.
+struct Meta<'a>(&'a GgufFile);
+
+impl Meta<'_> {
+    /// The full name of field `k`.
+    fn key(k: &str) -> String {
+        format!("deepseek2.{k}")
+    }
+
+    fn get(&self, k: &str) -> Option<&G> {
+        self.0.metadata.get(&Self::key(k))
+    }
+
+    /// A field as the JSON value config.json would hold (numbers and booleans), or `default`.
+    fn or(&self, k: &str, default: Value) -> Value {
+        match self.get(k) {
+            Some(G::U64(v)) => json!(v),
+            Some(G::I64(v)) => json!(v),
+            Some(G::F64(v)) => json!(v),
+            Some(G::Bool(v)) => json!(v),
+            _ => default,
+        }
+    }
+
+    fn num(&self, k: &str) -> Result<f64> {
+        self.get(k).and_then(G::as_f64).ok_or_else(|| {
+            Error::config(Self::key(k), "missing from GGUF metadata or not a number")
+        })
+    }
+
+    fn u(&self, k: &str) -> Result<usize> {
+        self.get(k).and_then(G::as_u64).map(|v| v as usize).ok_or_else(|| {
+            Error::config(Self::key(k), "missing from GGUF metadata or not an integer")
+        })
+    }
+
+    /// Sigmoid routing only: a file whose `expert_gating_func` is softmax (DeepSeek-V2) is
+    /// refused; one without the key is read as sigmoid when it has the V3 score-correction bias
+    /// (`exp_probs_b`).
+    fn check_sigmoid_routing(&self) -> Result<()> {
+        match self.get("expert_gating_func").and_then(G::as_u64) {
+            Some(2) => Ok(()),
+            None if self.0.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) => Ok(()),
+            other => Err(Error::config(
+                Self::key("expert_gating_func"),
+                format!("{other:?}: only sigmoid routing (DeepSeek-V3, 2) is supported"),
+            )),
+        }
+    }
+
+    /// `rope_scaling` as config.json holds it (null, or YaRN's fields).
+    fn rope_scaling(&self) -> Result<Value> {
+        Ok(match self.get("rope.scaling.type").and_then(G::as_str) {
+            None | Some("none") => Value::Null,
+            Some("yarn") => {
+                // llama.cpp keeps `0.1 · mscale_all_dim` as the log multiplier.
+                // (In f32, as it was written: 0.1f32 / 0.1f32 is exactly 1.)
+                let mul = self.get("rope.scaling.yarn_log_multiplier").and_then(G::as_f64);
+                let all = (mul.unwrap_or(0.0) as f32 / 0.1f32) as f64;
+                json!({
+                    "rope_type": "yarn",
+                    "factor": self.num("rope.scaling.factor")?,
+                    "original_max_position_embeddings": self.num("rope.scaling.original_context_length")?,
+                    "beta_fast": self.or("rope.scaling.yarn_beta_fast", json!(32.0)),
+                    "beta_slow": self.or("rope.scaling.yarn_beta_slow", json!(1.0)),
+                    "mscale": all,
+                    "mscale_all_dim": all,
+                })
+            }
+            Some(other) => {
+                return Err(Error::config(
+                    Self::key("rope.scaling.type"),
+                    format!("unsupported {other:?}; supported: none, yarn"),
+                ))
+            }
+        })
     }
 }

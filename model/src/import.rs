@@ -86,6 +86,76 @@ fn write_experts(
     Ok(())
 }
 
+/// Layer `i`'s tensors as the store holds them (shapes checked, norms offset where the
+/// checkpoint's convention differs, what the config requires present); its experts, for a
+/// mixture-of-experts layer, are written to their own files on the way.
+fn layer_tensors(
+    ck: &dyn Checkpoint,
+    w: &mut StoreWriter,
+    cfg: &ModelConfig,
+    i: usize,
+) -> Result<Vec<(String, SourceTensor)>> {
+    let h = cfg.hidden_size;
+    let prefix = ck.layer_prefix(i);
+    let mut tensors = Vec::new();
+    let moe = cfg.moe_at(i).cloned();
+    if let Some(m) = &cfg.mla {
+        tensors = crate::mla_import::mla_tensors(ck, m, cfg.num_heads, h, &prefix)?;
+    }
+    for lt in LAYER_TENSORS {
+        if moe.is_some() && EXPERT_TENSORS.contains(&lt.name) {
+            continue; // the experts' own files hold them
+        }
+        if cfg.mla.is_some() && matches!(lt.name, "q" | "k" | "v") {
+            continue; // MLA's own tensors stand in for them
+        }
+        let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
+        match ck.tensor(&src_name)? {
+            Some(t) => {
+                check_shape(
+                    &src_name,
+                    &t,
+                    &layer_shape(cfg, lt.name).expect("layout covers every layer tensor"),
+                )?;
+                tensors.push((lt.name.to_owned(), norm_offset(ck, lt.name, t)?));
+            }
+            None if lt.required
+                || (cfg.qk_norm && matches!(lt.name, "q_norm" | "k_norm"))
+                || (cfg.arch == crate::config::Arch::BitNet
+                    && matches!(lt.name, "attn_sub_norm" | "ffn_sub_norm"))
+                || (cfg.bitlinear && lt.name.ends_with("_oscale"))
+                || (cfg.attn_sinks && lt.name == "sinks")
+                || (moe.as_ref().is_some_and(|m| m.shared_intermediate > 0)
+                    && lt.name.starts_with("shared_"))
+                || (moe.as_ref().is_some_and(|m| m.groups.is_some())
+                    && lt.name == "router_correction")
+                || (cfg.gemma.is_some()
+                    && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
+            {
+                return Err(Error::tensor(src_name, "missing from the checkpoint"));
+            }
+            None => {}
+        }
+    }
+    if let Some(m) = &moe {
+        let name = format!("{prefix}{}", ck.pick_name("router", GGUF_ROUTER));
+        let router =
+            ck.router(i)?.ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
+        check_shape(&name, &router, &layer_shape(cfg, ROUTER).expect("moe config"))?;
+        tensors.push((ROUTER.to_owned(), router));
+        if m.bias {
+            let name = format!("{prefix}{}", ck.pick_name("router_bias", GGUF_ROUTER_BIAS));
+            let bias = ck
+                .router_bias(i)?
+                .ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
+            check_shape(&name, &bias, &layer_shape(cfg, ROUTER_BIAS).expect("moe config"))?;
+            tensors.push((ROUTER_BIAS.to_owned(), bias));
+        }
+        write_experts(ck, w, cfg, i, m)?;
+    }
+    Ok(tensors)
+}
+
 fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) -> Result<Manifest> {
     let mut cfg: ModelConfig = ck.config().clone();
     let bar = if progress {
@@ -107,63 +177,7 @@ fn write_all(ck: &dyn Checkpoint, dir: &Path, source: String, progress: bool) ->
     bar.inc(1);
 
     for i in 0..cfg.num_layers {
-        let prefix = ck.layer_prefix(i);
-        let mut tensors = Vec::new();
-        let moe = cfg.moe_at(i).cloned();
-        if let Some(m) = &cfg.mla {
-            tensors = crate::mla_import::mla_tensors(ck, m, cfg.num_heads, h, &prefix)?;
-        }
-        for lt in LAYER_TENSORS {
-            if moe.is_some() && EXPERT_TENSORS.contains(&lt.name) {
-                continue; // the experts' own files hold them
-            }
-            if cfg.mla.is_some() && matches!(lt.name, "q" | "k" | "v") {
-                continue; // MLA's own tensors stand in for them
-            }
-            let src_name = format!("{prefix}{}", ck.pick_name(lt.hf, lt.gguf));
-            match ck.tensor(&src_name)? {
-                Some(t) => {
-                    check_shape(
-                        &src_name,
-                        &t,
-                        &layer_shape(&cfg, lt.name).expect("layout covers every layer tensor"),
-                    )?;
-                    tensors.push((lt.name.to_owned(), norm_offset(ck, lt.name, t)?));
-                }
-                None if lt.required
-                    || (cfg.qk_norm && matches!(lt.name, "q_norm" | "k_norm"))
-                    || (cfg.arch == crate::config::Arch::BitNet
-                        && matches!(lt.name, "attn_sub_norm" | "ffn_sub_norm"))
-                    || (cfg.bitlinear && lt.name.ends_with("_oscale"))
-                    || (cfg.attn_sinks && lt.name == "sinks")
-                    || (moe.as_ref().is_some_and(|m| m.shared_intermediate > 0)
-                        && lt.name.starts_with("shared_"))
-                    || (moe.as_ref().is_some_and(|m| m.groups.is_some())
-                        && lt.name == "router_correction")
-                    || (cfg.gemma.is_some()
-                        && matches!(lt.name, "attn_post_norm" | "ffn_post_norm")) =>
-                {
-                    return Err(Error::tensor(src_name, "missing from the checkpoint"));
-                }
-                None => {}
-            }
-        }
-        if let Some(m) = &moe {
-            let name = format!("{prefix}{}", ck.pick_name("router", GGUF_ROUTER));
-            let router =
-                ck.router(i)?.ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
-            check_shape(&name, &router, &layer_shape(&cfg, ROUTER).expect("moe config"))?;
-            tensors.push((ROUTER.to_owned(), router));
-            if m.bias {
-                let name = format!("{prefix}{}", ck.pick_name("router_bias", GGUF_ROUTER_BIAS));
-                let bias = ck
-                    .router_bias(i)?
-                    .ok_or_else(|| Error::tensor(&name, "missing from the checkpoint"))?;
-                check_shape(&name, &bias, &layer_shape(&cfg, ROUTER_BIAS).expect("moe config"))?;
-                tensors.push((ROUTER_BIAS.to_owned(), bias));
-            }
-            write_experts(ck, &mut w, &cfg, i, m)?;
-        }
+        let tensors = layer_tensors(ck, &mut w, &cfg, i)?;
         w.write_tensors(&layer_file(i), tensors)?;
         bar.set_message(layer_file(i));
         bar.inc(1);

@@ -257,18 +257,13 @@ pub fn render_chat_within(
     render_chat_tools(template, messages, None, bos, eos, budget)
 }
 
-/// As `render_chat_within`, with `tools` (undefined in the template when None, as transformers
-/// leaves it).
-pub fn render_chat_tools(
-    template: &str,
-    messages: &[Message],
-    tools: Option<&serde_json::Value>,
-    bos: Option<&str>,
-    eos: Option<&str>,
-    budget: RenderBudget,
-) -> Result<String> {
+/// A Jinja environment as transformers renders chat templates in: Jinja2's block trimming,
+/// Python's string methods, `raise_exception`, `strftime_now`, Python's repr for dicts and lists,
+/// markupsafe's escaping, `tojson` as `json.dumps`, an undefined value of length 0; at most `fuel`
+/// steps.
+fn chat_environment(fuel: u64) -> minijinja::Environment<'static> {
     let mut env = minijinja::Environment::new();
-    env.set_fuel(Some(budget.fuel));
+    env.set_fuel(Some(fuel));
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_trim_blocks(true);
@@ -281,16 +276,6 @@ pub fn render_chat_tools(
     );
     env.add_function("strftime_now", |fmt: String| crate::template_ext::strftime_now(&fmt));
     // `{{ a_dict }}` and `a_dict|string` print Python's repr, as Jinja2 does.
-    // Python's str(): a dict or list prints its repr.
-    fn py_str(v: &minijinja::Value) -> String {
-        match v.kind() {
-            minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
-                serde_json::to_value(v)
-                    .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
-            }
-            _ => v.to_string(),
-        }
-    }
     env.add_filter("string", |v: minijinja::Value| -> String { py_str(&v) });
     // Jinja2's `escape`/`e` is markupsafe's: `"` → `&#34;` and `'` → `&#39;` (minijinja's own
     // writes `&quot;` and `&#x27;`); an already-safe value passes unchanged.
@@ -347,6 +332,31 @@ pub fn render_chat_tools(
             })
         },
     );
+    env
+}
+
+/// Python's str(): a dict or list prints its repr.
+fn py_str(v: &minijinja::Value) -> String {
+    match v.kind() {
+        minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Seq => {
+            serde_json::to_value(v)
+                .map_or_else(|_| v.to_string(), |j| crate::template_ext::py_repr(&j))
+        }
+        _ => v.to_string(),
+    }
+}
+
+/// As `render_chat_within`, with `tools` (undefined in the template when None, as transformers
+/// leaves it).
+pub fn render_chat_tools(
+    template: &str,
+    messages: &[Message],
+    tools: Option<&serde_json::Value>,
+    bos: Option<&str>,
+    eos: Option<&str>,
+    budget: RenderBudget,
+) -> Result<String> {
+    let mut env = chat_environment(budget.fuel);
     let template = crate::template_ext::generation_blocks(template);
     env.add_template_owned("chat", template).map_err(|e| Error::Template(e.to_string()))?;
     let tmpl = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;

@@ -52,24 +52,13 @@ impl Rng {
             DType::Q4_0 => {
                 data.chunks_exact_mut(18).for_each(|b| b[0..2].copy_from_slice(&f16(6e-3)))
             }
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => {
+                centre_kquant(dtype, &mut data)
+            }
             DType::Q4_1 => data.chunks_exact_mut(20).for_each(|b| {
                 b[0..2].copy_from_slice(&f16(6e-3));
                 b[2..4].copy_from_slice(&f16(-4.5e-2));
             }),
-            // w = d·scale·q − dmin·min with q in 0..16: each sub-block's 6-bit min is set equal to its
-            // scale and dmin = 7.5·d, so w = d·scale·(q − 7.5), centred. The 12 packed bytes at 4..16
-            // hold scales then mins of sub-blocks 0..4 in bytes 0..4 and 4..8 (high bits of 4..8 in
-            // the same bytes' top two bits), sub-blocks 4..8 as the nibbles of bytes 8..12: copy 0..4
-            // to 4..8, and repeat each low nibble of 8..12 in its high nibble.
-            DType::Q4K => data.chunks_exact_mut(144).for_each(|b| {
-                b[0..2].copy_from_slice(&f16(2e-4));
-                b[2..4].copy_from_slice(&f16(1.5e-3));
-                b.copy_within(4..8, 8);
-                b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
-            }),
-            DType::Q6K => {
-                data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5)))
-            }
             // w = d·(q − 16), q in 0..32.
             DType::Q5_0 => {
                 data.chunks_exact_mut(22).for_each(|b| b[0..2].copy_from_slice(&f16(3e-3)))
@@ -78,24 +67,6 @@ impl Rng {
             DType::Q5_1 => data.chunks_exact_mut(24).for_each(|b| {
                 b[0..2].copy_from_slice(&f16(3e-3));
                 b[2..4].copy_from_slice(&f16(-4.65e-2));
-            }),
-            // w = d·scale·q − dmin·min, q in 0..4: each scale byte's min nibble set to its scale
-            // nibble and dmin = 1.5·d, so w = d·scale·(q − 1.5).
-            DType::Q2K => data.chunks_exact_mut(84).for_each(|b| {
-                b[0..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
-                b[80..82].copy_from_slice(&f16(2e-3));
-                b[82..84].copy_from_slice(&f16(3e-3));
-            }),
-            // w = d·(scale − 32)·q, q in −4..4, 6-bit scales: centred already.
-            DType::Q3K => {
-                data.chunks_exact_mut(110).for_each(|b| b[108..110].copy_from_slice(&f16(3e-4)))
-            }
-            // As Q4_K (mins equal to scales), q in 0..32: dmin = 15.5·d.
-            DType::Q5K => data.chunks_exact_mut(176).for_each(|b| {
-                b[0..2].copy_from_slice(&f16(1e-4));
-                b[2..4].copy_from_slice(&f16(1.55e-3));
-                b.copy_within(4..8, 8);
-                b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
             }),
             // w = d·table[q], the non-linear table spans −127..113.
             DType::Iq4Nl => {
@@ -133,5 +104,45 @@ impl Rng {
             }),
         }
         Some(data)
+    }
+}
+
+/// Sets a K-quant tensor's super-block scales so that its random values are centred and small
+/// (other types are left as they are).
+fn centre_kquant(dtype: DType, data: &mut [u8]) {
+    match dtype {
+        // w = d·scale·q − dmin·min with q in 0..16: each sub-block's 6-bit min is set equal to its
+        // scale and dmin = 7.5·d, so w = d·scale·(q − 7.5), centred. The 12 packed bytes at 4..16
+        // hold scales then mins of sub-blocks 0..4 in bytes 0..4 and 4..8 (high bits of 4..8 in
+        // the same bytes' top two bits), sub-blocks 4..8 as the nibbles of bytes 8..12: copy 0..4
+        // to 4..8, and repeat each low nibble of 8..12 in its high nibble.
+        DType::Q4K => data.chunks_exact_mut(144).for_each(|b| {
+            b[0..2].copy_from_slice(&f16(2e-4));
+            b[2..4].copy_from_slice(&f16(1.5e-3));
+            b.copy_within(4..8, 8);
+            b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+        }),
+        DType::Q6K => {
+            data.chunks_exact_mut(210).for_each(|b| b[208..210].copy_from_slice(&f16(2.5e-5)))
+        }
+        // w = d·scale·q − dmin·min, q in 0..4: each scale byte's min nibble set to its scale
+        // nibble and dmin = 1.5·d, so w = d·scale·(q − 1.5).
+        DType::Q2K => data.chunks_exact_mut(84).for_each(|b| {
+            b[0..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+            b[80..82].copy_from_slice(&f16(2e-3));
+            b[82..84].copy_from_slice(&f16(3e-3));
+        }),
+        // w = d·(scale − 32)·q, q in −4..4, 6-bit scales: centred already.
+        DType::Q3K => {
+            data.chunks_exact_mut(110).for_each(|b| b[108..110].copy_from_slice(&f16(3e-4)))
+        }
+        // As Q4_K (mins equal to scales), q in 0..32: dmin = 15.5·d.
+        DType::Q5K => data.chunks_exact_mut(176).for_each(|b| {
+            b[0..2].copy_from_slice(&f16(1e-4));
+            b[2..4].copy_from_slice(&f16(1.55e-3));
+            b.copy_within(4..8, 8);
+            b[12..16].iter_mut().for_each(|v| *v = (*v & 0x0f) * 0x11);
+        }),
+        _ => {}
     }
 }

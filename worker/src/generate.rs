@@ -92,20 +92,9 @@ pub fn generate<B: Backend>(
         let remaining = p.max_new_tokens - (history.len() - input.len());
         let (draft, parents) = match drafter.as_mut() {
             Some(d) => {
-                let max = limit.min(remaining - 1);
-                let min = p.speculative.n_min;
-                let rows = next.len() - 1;
-                // A tree's rows (the tokens fed again before the draft, and the draft) fit a mask.
-                let max = if spec.width > 1 { max.min(63usize.saturating_sub(rows)) } else { max };
-                let rate = acceptance.rate();
-                let k = choose_draft(rate, &cost, (rows, 0.0), d.cost(), (min, max), spec.width);
-                let (t, p) =
-                    if k > 0 { d.propose(&history, k, spec.width)? } else { Default::default() };
-                if t.len() < min || t.is_empty() {
-                    Default::default()
-                } else {
-                    (t, tree_or_chain(p))
-                }
+                let limits = (p.speculative.n_min, limit.min(remaining - 1));
+                let choice = DraftChoice { rows: next.len() - 1, width: spec.width, limits };
+                choice.draft(d, &history, acceptance.rate(), &cost)?
             }
             None => (Vec::new(), Vec::new()),
         };
@@ -156,14 +145,7 @@ pub fn generate<B: Backend>(
     };
     let output = stopper.output().to_vec();
     t.decode_tokens = output.len().saturating_sub(1);
-    t.decode_ms = decode_start.elapsed().as_secs_f64() * 1e3;
-    t.prefill_tok_s = rate(t.prefill_tokens, t.prefill_ms);
-    t.decode_tok_s = rate(t.decode_tokens, t.decode_ms);
-    t.tokens_per_pass = if t.weight_passes > 0 {
-        (history.len() - input.len()) as f64 / t.weight_passes as f64
-    } else {
-        0.0
-    };
+    t.finish(decode_start.elapsed(), history.len() - input.len());
     Ok(Generation {
         input_ids: input.to_vec(),
         output_ids: output,
@@ -171,6 +153,47 @@ pub fn generate<B: Backend>(
         finish_reason: finish,
         timings: t,
     })
+}
+
+/// How a step's draft is sized: the rows fed before it (the tokens after the last step's), the
+/// draft model's tree width, and the request's (min, max) draft.
+struct DraftChoice {
+    rows: usize,
+    width: usize,
+    limits: (usize, usize),
+}
+
+impl DraftChoice {
+    /// The draft (tokens, tree parents) as long as maximises tokens per millisecond at acceptance
+    /// rate `rate` and the measured pass cost; empty when no size pays or fewer than the minimum
+    /// were proposed.
+    fn draft<B: Backend>(
+        &self,
+        d: &mut Drafter<'_, B>,
+        history: &[u32],
+        rate: f64,
+        cost: &PassCost,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (min, max) = self.limits;
+        // A tree's rows (the tokens fed again before the draft, and the draft) fit a mask.
+        let max = if self.width > 1 { max.min(63usize.saturating_sub(self.rows)) } else { max };
+        let k = choose_draft(rate, cost, (self.rows, 0.0), d.cost(), (min, max), self.width);
+        let (t, p) = if k > 0 { d.propose(history, k, self.width)? } else { Default::default() };
+        Ok(if t.len() < min || t.is_empty() { Default::default() } else { (t, tree_or_chain(p)) })
+    }
+}
+
+impl Timings {
+    /// The rates, once decoding took `decode` and `generated` tokens came out.
+    fn finish(&mut self, decode: std::time::Duration, generated: usize) {
+        self.decode_ms = decode.as_secs_f64() * 1e3;
+        self.prefill_tok_s = rate(self.prefill_tokens, self.prefill_ms);
+        self.decode_tok_s = rate(self.decode_tokens, self.decode_ms);
+        self.tokens_per_pass = match self.weight_passes {
+            0 => 0.0,
+            n => generated as f64 / n as f64,
+        };
+    }
 }
 
 fn rate(n: usize, ms: f64) -> f64 {

@@ -255,40 +255,48 @@ impl<B: Backend> LayerWeights<B> {
             oscales: OutScales::read("_oscale", |n| scalar(entry, bytes, n))?,
             sinks: f32_values(entry, bytes, "sinks")?,
         };
-        let layer = entry.name.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
+        w.check(cfg, &entry.name)?;
+        Ok(w)
+    }
+
+    /// The parts `cfg` requires of layer file `file` are there, and none it rules out: experts or a
+    /// dense MLP as the config places them, with the router parts it names; Gemma's post-norms,
+    /// BitNet's sub-norms, attention sinks, q/k norms.
+    fn check(&self, cfg: &ModelConfig, file: &str) -> Result<()> {
+        let layer = file.strip_prefix("layer_").and_then(|r| r.strip_suffix(".bin"));
         let moe_layer = layer.and_then(|l| l.parse::<usize>().ok()).and_then(|l| cfg.moe_at(l));
-        if moe_layer.is_some() != matches!(w.mlp, Mlp::Experts { .. }) {
+        if moe_layer.is_some() != matches!(self.mlp, Mlp::Experts { .. }) {
             return Err(Error::Weights(format!(
                 "{}: the config says {}, the file holds {}",
-                entry.name,
+                file,
                 if moe_layer.is_some() { "experts" } else { "a dense MLP" },
                 if moe_layer.is_some() { "a dense MLP" } else { "a router" },
             )));
         }
-        if cfg.gemma.is_some() && (w.attn_post_norm.is_none() || w.ffn_post_norm.is_none()) {
+        if cfg.gemma.is_some() && (self.attn_post_norm.is_none() || self.ffn_post_norm.is_none()) {
             return Err(Error::Weights(format!(
                 "{}: attn_post_norm/ffn_post_norm required by {:?}",
-                entry.name, cfg.arch
+                file, cfg.arch
             )));
         }
         if cfg.arch == layerstream_model::Arch::BitNet
-            && (w.attn_sub_norm.is_none() || w.ffn_sub_norm.is_none())
+            && (self.attn_sub_norm.is_none() || self.ffn_sub_norm.is_none())
         {
             return Err(Error::Weights(format!(
                 "{}: attn_sub_norm/ffn_sub_norm required by BitNet",
-                entry.name
+                file
             )));
         }
-        if cfg.attn_sinks != w.sinks.is_some() {
+        if cfg.attn_sinks != self.sinks.is_some() {
             return Err(Error::Weights(format!(
                 "{}: the config {} attention sinks, the file {}",
-                entry.name,
+                file,
                 if cfg.attn_sinks { "has" } else { "has no" },
                 if cfg.attn_sinks { "none" } else { "holds some" },
             )));
         }
         if let Some(m) = moe_layer {
-            if let Mlp::Experts { router_bias, correction, shared, .. } = &w.mlp {
+            if let Mlp::Experts { router_bias, correction, shared, .. } = &self.mlp {
                 for (name, want, got) in [
                     ("router_bias", m.bias, router_bias.is_some()),
                     ("router_correction", m.groups.is_some(), correction.is_some()),
@@ -297,19 +305,19 @@ impl<B: Backend> LayerWeights<B> {
                     if want != got {
                         return Err(Error::Weights(format!(
                             "{}: {name} {} by the config",
-                            entry.name,
+                            file,
                             if want { "required" } else { "not expected" }
                         )));
                     }
                 }
             }
         }
-        if cfg.qk_norm && (w.q_norm.is_none() || w.k_norm.is_none()) {
+        if cfg.qk_norm && (self.q_norm.is_none() || self.k_norm.is_none()) {
             return Err(Error::Weights(format!(
                 "{}: q_norm/k_norm required by {:?}",
-                entry.name, cfg.arch
+                file, cfg.arch
             )));
         }
-        Ok(w)
+        Ok(())
     }
 }

@@ -419,6 +419,31 @@ async fn whole(a: Answer, mut rx: Events) -> Result<Response, ApiError> {
     Err(ApiError::unavailable("the request ended without a result"))
 }
 
+impl Answer {
+    /// What choice `i`'s token event `t` adds to the stream: its text (after the prompt's, the
+    /// first time, when echoing) and log-probabilities; None while there is nothing to say (a stop
+    /// string or a multi-byte character pending) or the text is held for tool calls.
+    fn token_delta(
+        &self,
+        i: usize,
+        c: &mut Choice,
+        t: &layerstream_rpc::v1::TokenEvent,
+    ) -> Option<(String, Value)> {
+        let first = !std::mem::replace(&mut c.started, true);
+        let echo = (first && self.shape.echo).then_some(&t.prompt_logprobs[..]);
+        let (ids, lps, text) = if self.echo_only {
+            (&[][..], &[][..], String::new())
+        } else {
+            (&t.ids[..], &t.logprobs[..], t.text.clone())
+        };
+        let lp = self.logprobs(i, ids, lps, echo, &mut c.offset);
+        let text = if echo.is_some() { self.prompt_text(i) + &text } else { text };
+        // With tools the text waits for the end (the final event's text): it may be a call.
+        let quiet = self.shape.tools || (text.is_empty() && lp.is_null());
+        (!quiet).then_some((text, lp))
+    }
+}
+
 fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
     let (tx, out) = mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
@@ -459,25 +484,15 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
             let ok = match ev.event {
                 Some(generate_event::Event::Token(t)) => {
                     counts[i] += t.ids.len() as u32;
-                    let first = !std::mem::replace(&mut c.started, true);
-                    let echo = (first && a.shape.echo).then_some(&t.prompt_logprobs[..]);
-                    let (ids, lps, text) = if a.echo_only {
-                        (&[][..], &[][..], String::new())
-                    } else {
-                        (&t.ids[..], &t.logprobs[..], t.text.clone())
-                    };
-                    let lp = a.logprobs(i, ids, lps, echo, &mut c.offset);
-                    let text = if echo.is_some() { a.prompt_text(i) + &text } else { text };
-                    if a.shape.tools {
-                        // Held until the end (the final event's text): it may be a tool call.
-                        true
-                    } else if text.is_empty() && lp.is_null() {
-                        // Nothing to say while a stop string or a multi-byte character is pending.
-                        true
-                    } else {
-                        let id = counts.iter().map(u32::to_string).collect::<Vec<_>>().join(".");
-                        let chunk = a.chunk(i, json!({"content": text}), lp, None, &counts);
-                        send_id(chunk, Some(id)).await
+                    match a.token_delta(i, c, &t) {
+                        Some(delta) => {
+                            let id =
+                                counts.iter().map(u32::to_string).collect::<Vec<_>>().join(".");
+                            let (content, lp) = delta;
+                            let chunk = a.chunk(i, json!({"content": content}), lp, None, &counts);
+                            send_id(chunk, Some(id)).await
+                        }
+                        None => true,
                     }
                 }
                 Some(generate_event::Event::Done(f)) => {

@@ -200,37 +200,8 @@ impl Common {
         if self.best_of.is_some_and(|b| b != n as i64) {
             return Err(ApiError::bad("best_of", "best_of: only best_of = n is supported"));
         }
-        let logit_bias = match &self.logit_bias {
-            None | Some(serde_json::Value::Null) => Default::default(),
-            Some(serde_json::Value::Object(o)) => o
-                .iter()
-                .map(|(k, v)| match (k.parse::<u32>(), v.as_f64()) {
-                    (Ok(t), Some(b)) if (-100.0..=100.0).contains(&b) => Ok((t, b as f32)),
-                    _ => Err(ApiError::bad(
-                        "logit_bias",
-                        format!(
-                            "logit_bias: {k:?}: {v} must map a token id to a bias in [-100, 100]"
-                        ),
-                    )),
-                })
-                .collect::<Result<_, _>>()?,
-            Some(_) => {
-                return Err(ApiError::bad("logit_bias", "logit_bias: must map token ids to biases"))
-            }
-        };
-        let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
-            Some(k) => {
-                return Err(ApiError::bad(
-                    "top_k",
-                    format!(
-                        "top_k: must be -1 or 0 (off) or an integer in 1..={}, got {k}",
-                        u32::MAX
-                    ),
-                ))
-            }
-        };
+        let logit_bias = self.logit_bias()?;
+        let top_k = self.top_k()?;
         if self.top_p.is_some_and(|p| p == 0.0) {
             return Err(ApiError::bad("top_p", "top_p: must be in (0, 1], got 0"));
         }
@@ -289,6 +260,45 @@ impl Common {
             resume: Vec::new(),
         };
         Ok((sampling, shape))
+    }
+
+    /// `logit_bias`: token ids (as strings) mapped to biases in [-100, 100].
+    fn logit_bias(&self) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
+        Ok(match &self.logit_bias {
+            None | Some(serde_json::Value::Null) => Default::default(),
+            Some(serde_json::Value::Object(o)) => o
+                .iter()
+                .map(|(k, v)| match (k.parse::<u32>(), v.as_f64()) {
+                    (Ok(t), Some(b)) if (-100.0..=100.0).contains(&b) => Ok((t, b as f32)),
+                    _ => Err(ApiError::bad(
+                        "logit_bias",
+                        format!(
+                            "logit_bias: {k:?}: {v} must map a token id to a bias in [-100, 100]"
+                        ),
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::bad("logit_bias", "logit_bias: must map token ids to biases"))
+            }
+        })
+    }
+
+    /// `top_k`: -1 or 0 (off, as 0), or a positive count.
+    fn top_k(&self) -> Result<u32, ApiError> {
+        Ok(match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad(
+                    "top_k",
+                    format!(
+                        "top_k: must be -1 or 0 (off) or an integer in 1..={}, got {k}",
+                        u32::MAX
+                    ),
+                ))
+            }
+        })
     }
 
     fn stop(&self) -> Vec<String> {

@@ -30,147 +30,171 @@ pub fn check_step(
     l: StepLimits,
     known: impl Fn(u64) -> Option<(usize, usize)>,
 ) -> Result<()> {
-    let bad = |field: &'static str, msg: String| Err(Error::Invalid { field, msg });
+    let invalid = |(field, msg): Bad| Error::Invalid { field, msg };
     let mut seen = std::collections::HashSet::with_capacity(batch.len());
     for s in batch {
         if !seen.insert(s.seq_id) {
-            return bad("seqs.seq_id", format!("sequence {} appears twice in one step", s.seq_id));
+            let msg = format!("sequence {} appears twice in one step", s.seq_id);
+            return Err(invalid(("seqs.seq_id", msg)));
         }
-        if s.tokens.is_empty() {
-            return bad(
-                "seqs.token_ids",
-                format!("sequence {} has no tokens in this step", s.seq_id),
-            );
-        }
-        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= l.vocab) {
-            return bad(
-                "seqs.token_ids",
-                format!(
-                    "token id {t} of sequence {} is outside the vocabulary of {}",
-                    s.seq_id, l.vocab
-                ),
-            );
-        }
-        if s.draft_len >= s.tokens.len() || s.draft_len > layerstream_model::spec::MAX_DRAFT {
-            return bad(
-                "seqs.draft_len",
-                format!(
-                    "sequence {} drafts {} of its {} tokens (at most {}, and one must not be drafted)",
-                    s.seq_id,
-                    s.draft_len,
-                    s.tokens.len(),
-                    layerstream_model::spec::MAX_DRAFT
-                ),
-            );
-        }
-        if s.score_ids.len() > s.tokens.len() || (!s.score_ids.is_empty() && s.draft_len > 0) {
-            return bad(
-                "seqs.score_ids",
-                format!(
-                    "sequence {}: {} ids to score for {} tokens (at most one per token, and not with a draft)",
-                    s.seq_id,
-                    s.score_ids.len(),
-                    s.tokens.len()
-                ),
-            );
-        }
-        if let Some(t) = s.score_ids.iter().find(|&&t| t as usize >= l.vocab) {
-            return bad(
-                "seqs.score_ids",
-                format!("id {t} to score is outside the vocabulary of {}", l.vocab),
-            );
-        }
-        if !s.allowed.is_empty() && (s.draft_len > 0 || s.allowed.iter().all(|&w| w == 0)) {
-            return bad(
-                "seqs.allowed",
-                format!(
-                    "sequence {}: a token mask allows no token, or comes with a draft",
-                    s.seq_id
-                ),
-            );
-        }
-        let tree_ok = s.tree_parents.is_empty()
-            || (s.tree_parents.len() == s.draft_len
-                && s.tokens.len() <= 64
-                && !l.windowed
-                && s.tree_parents.iter().enumerate().all(|(i, &p)| p as usize <= i));
-        if !tree_ok {
-            return bad(
-                "seqs.tree_parents",
-                format!(
-                    "sequence {}: {} parents for a draft of {} in {} tokens (one per drafted token, each an earlier one, at most 64 tokens; not on a sliding-window model)",
-                    s.seq_id,
-                    s.tree_parents.len(),
-                    s.draft_len,
-                    s.tokens.len()
-                ),
-            );
-        }
-        match known(s.seq_id) {
-            None if s.start_pos != s.cached.len() => {
-                return bad(
-                    "seqs.start_pos",
-                    format!(
-                        "unknown sequence {} at position {} after {} cached tokens",
-                        s.seq_id,
-                        s.start_pos,
-                        s.cached.len()
-                    ),
-                );
-            }
-            Some((len, rollback)) if s.start_pos > len || s.start_pos + rollback < len => {
-                return bad(
-                    "seqs.start_pos",
-                    format!(
-                        "sequence {} is at position {len} (rejected drafts: {rollback}), step says {}",
-                        s.seq_id, s.start_pos
-                    ),
-                );
-            }
-            _ => {}
-        }
-        let end = s.start_pos.saturating_add(s.tokens.len());
-        let need = end.div_ceil(l.kv_block.max(1));
-        if s.blocks.len() < need || s.blocks[..need].iter().any(|&b| b as usize >= l.kv_blocks) {
-            return bad(
-                "seqs.blocks",
-                format!(
-                    "sequence {}: {} KV blocks {:?} for positions up to {end} (blocks of {} in a pool of {})",
-                    s.seq_id,
-                    s.blocks.len(),
-                    &s.blocks[..s.blocks.len().min(8)],
-                    l.kv_block,
-                    l.kv_blocks
-                ),
-            );
-        }
-        if s.start_pos.saturating_add(s.tokens.len()) > l.context {
+        check_contents(s, &l).map_err(invalid)?;
+        check_place(s, &l, known(s.seq_id)).map_err(invalid)?;
+    }
+    if let Some(h) = hidden {
+        check_hidden(batch, h, &l).map_err(invalid)?;
+    }
+    Ok(())
+}
+
+/// A field that is wrong, and why.
+type Bad = (&'static str, String);
+
+/// A sequence's tokens, draft, ids to score, token mask and tree within the limits.
+fn check_contents(s: &StepSeq, l: &StepLimits) -> std::result::Result<(), Bad> {
+    let bad = |field: &'static str, msg: String| Err((field, msg));
+    if s.tokens.is_empty() {
+        return bad("seqs.token_ids", format!("sequence {} has no tokens in this step", s.seq_id));
+    }
+    if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= l.vocab) {
+        return bad(
+            "seqs.token_ids",
+            format!(
+                "token id {t} of sequence {} is outside the vocabulary of {}",
+                s.seq_id, l.vocab
+            ),
+        );
+    }
+    if s.draft_len >= s.tokens.len() || s.draft_len > layerstream_model::spec::MAX_DRAFT {
+        return bad(
+            "seqs.draft_len",
+            format!(
+                "sequence {} drafts {} of its {} tokens (at most {}, and one must not be drafted)",
+                s.seq_id,
+                s.draft_len,
+                s.tokens.len(),
+                layerstream_model::spec::MAX_DRAFT
+            ),
+        );
+    }
+    if s.score_ids.len() > s.tokens.len() || (!s.score_ids.is_empty() && s.draft_len > 0) {
+        return bad(
+            "seqs.score_ids",
+            format!(
+                "sequence {}: {} ids to score for {} tokens (at most one per token, and not with a draft)",
+                s.seq_id,
+                s.score_ids.len(),
+                s.tokens.len()
+            ),
+        );
+    }
+    if let Some(t) = s.score_ids.iter().find(|&&t| t as usize >= l.vocab) {
+        return bad(
+            "seqs.score_ids",
+            format!("id {t} to score is outside the vocabulary of {}", l.vocab),
+        );
+    }
+    if !s.allowed.is_empty() && (s.draft_len > 0 || s.allowed.iter().all(|&w| w == 0)) {
+        return bad(
+            "seqs.allowed",
+            format!("sequence {}: a token mask allows no token, or comes with a draft", s.seq_id),
+        );
+    }
+    let tree_ok = s.tree_parents.is_empty()
+        || (s.tree_parents.len() == s.draft_len
+            && s.tokens.len() <= 64
+            && !l.windowed
+            && s.tree_parents.iter().enumerate().all(|(i, &p)| p as usize <= i));
+    if !tree_ok {
+        return bad(
+            "seqs.tree_parents",
+            format!(
+                "sequence {}: {} parents for a draft of {} in {} tokens (one per drafted token, each an earlier one, at most 64 tokens; not on a sliding-window model)",
+                s.seq_id,
+                s.tree_parents.len(),
+                s.draft_len,
+                s.tokens.len()
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// A sequence's position against what this worker holds of it (`known`: its length and the
+/// drafted positions its last step may cut), its KV blocks and the context.
+fn check_place(
+    s: &StepSeq,
+    l: &StepLimits,
+    known: Option<(usize, usize)>,
+) -> std::result::Result<(), Bad> {
+    let bad = |field: &'static str, msg: String| Err((field, msg));
+    match known {
+        None if s.start_pos != s.cached.len() => {
             return bad(
                 "seqs.start_pos",
                 format!(
-                    "sequence {} would reach position {} past the context of {}",
+                    "unknown sequence {} at position {} after {} cached tokens",
                     s.seq_id,
-                    s.start_pos.saturating_add(s.tokens.len()),
-                    l.context
+                    s.start_pos,
+                    s.cached.len()
                 ),
             );
         }
-    }
-    if let Some(h) = hidden {
-        let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
-        if h.len() != rows * l.hidden_size {
+        Some((len, rollback)) if s.start_pos > len || s.start_pos + rollback < len => {
             return bad(
-                "hidden",
+                "seqs.start_pos",
                 format!(
-                    "hidden states hold {} values, {rows} rows × {} expected",
-                    h.len(),
-                    l.hidden_size
+                    "sequence {} is at position {len} (rejected drafts: {rollback}), step says {}",
+                    s.seq_id, s.start_pos
                 ),
             );
         }
-        if let Some(i) = h.iter().position(|v| !v.is_finite()) {
-            return bad("hidden", format!("value {i} of the hidden states is {}", h[i]));
-        }
+        _ => {}
+    }
+    let end = s.start_pos.saturating_add(s.tokens.len());
+    let need = end.div_ceil(l.kv_block.max(1));
+    if s.blocks.len() < need || s.blocks[..need].iter().any(|&b| b as usize >= l.kv_blocks) {
+        return bad(
+            "seqs.blocks",
+            format!(
+                "sequence {}: {} KV blocks {:?} for positions up to {end} (blocks of {} in a pool of {})",
+                s.seq_id,
+                s.blocks.len(),
+                &s.blocks[..s.blocks.len().min(8)],
+                l.kv_block,
+                l.kv_blocks
+            ),
+        );
+    }
+    if s.start_pos.saturating_add(s.tokens.len()) > l.context {
+        return bad(
+            "seqs.start_pos",
+            format!(
+                "sequence {} would reach position {} past the context of {}",
+                s.seq_id,
+                s.start_pos.saturating_add(s.tokens.len()),
+                l.context
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The hidden states a step brings: one row of `hidden_size` finite values per token.
+fn check_hidden(batch: &[StepSeq], h: &[f32], l: &StepLimits) -> std::result::Result<(), Bad> {
+    let bad = |field: &'static str, msg: String| Err((field, msg));
+    let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
+    if h.len() != rows * l.hidden_size {
+        return bad(
+            "hidden",
+            format!(
+                "hidden states hold {} values, {rows} rows × {} expected",
+                h.len(),
+                l.hidden_size
+            ),
+        );
+    }
+    if let Some(i) = h.iter().position(|v| !v.is_finite()) {
+        return bad("hidden", format!("value {i} of the hidden states is {}", h[i]));
     }
     Ok(())
 }
