@@ -45,7 +45,7 @@ fn check(src: &std::path::Path) -> layerstream_model::Store {
     // One cached row of latent + RoPE key per position and layer: 48 f32 values, where the same
     // heads stored in full would take 4 heads × (48 keys + 32 values).
     assert_eq!(
-        layerstream_model::plan::kv_bytes_per_token_layer(
+        layerstream_serving::plan::kv_bytes_per_token_layer(
             &store.manifest,
             layerstream_model::DType::F32
         ),

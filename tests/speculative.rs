@@ -7,8 +7,8 @@
 //! the plain sampler's distribution (chi-square).
 
 use layerstream_kernels::CpuBackend;
-use layerstream_model::spec::SpecMode;
-use layerstream_model::{GenerateParams, SamplingParams};
+use layerstream_serving::spec::SpecMode;
+use layerstream_serving::{GenerateParams, SamplingParams};
 use layerstream_tests::stack::*;
 use layerstream_tests::*;
 use layerstream_worker::{generate, Model, Speculation};

@@ -7,9 +7,9 @@
 use crate::bench::{stack_args, BenchArgs};
 use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
-use layerstream_model::grammar::{Format, Grammars};
 use layerstream_rpc::v1::coordinator_client::CoordinatorClient;
 use layerstream_rpc::v1::{generate_event, output_format, GenerateRequest, OutputFormat, Sampling};
+use layerstream_serving::grammar::{Format, Grammars};
 use std::sync::Arc;
 use std::time::Instant;
 

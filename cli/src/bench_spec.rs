@@ -219,7 +219,7 @@ fn project_only(
     if let Some(bad) = a.acceptance.iter().find(|x| !(0.0..1.0).contains(*x)) {
         bail!("--acceptance takes rates in [0, 1), got {bad}");
     }
-    layerstream_model::spec::check_draft(store, &layerstream_model::Store::open(draft)?)?;
+    layerstream_serving::spec::check_draft(store, &layerstream_model::Store::open(draft)?)?;
     println!(
         "target {model}, draft {} (resident, alone on {}); {} worker(s); plan: {}; link: {}",
         draft.display(),

@@ -6,8 +6,8 @@
 use crate::bench::{stack_args, BenchArgs};
 use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
-use layerstream_model::spec::expected_tokens;
 use layerstream_rpc::v1::{generate_request, GenerateRequest, TokenIds};
+use layerstream_serving::spec::expected_tokens;
 use std::path::Path;
 
 /// The time of one weight pass carrying `k` positions: a prompt of 16·k token ids prefilled in

@@ -8,7 +8,7 @@
 
 use anyhow::{bail, Result};
 use layerstream_coordinator::cost::{predict, Figures, Prediction, Source};
-use layerstream_model::plan::{layer_bytes, Assignment};
+use layerstream_serving::plan::{layer_bytes, Assignment};
 use serde_json::json;
 
 /// Layers a pass reads from each tier, and their bytes.
@@ -78,7 +78,7 @@ pub fn with_experts(
     let mut out = layers.to_vec();
     let mut i = 0;
     for p in plans {
-        let (n, total, _) = layerstream_model::plan::range_experts(m, p);
+        let (n, total, _) = layerstream_serving::plan::range_experts(m, p);
         let keys: Vec<(u32, u32)> = (p.layer_start..p.layer_end)
             .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l, x.experts as u32)))
             .flat_map(|(l, e)| (0..e).map(move |e| (l, e)))
@@ -293,7 +293,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         .plans
         .iter()
         .map(|w| {
-            let u = layerstream_model::plan::usage(m, w);
+            let u = layerstream_serving::plan::usage(m, w);
             json!({"layers": [w.layer_start, w.layer_end], "resident": w.resident,
                 "budget": p.budget, "needs": u.total(), "kv_capacity": w.kv_capacity,
                 "kv_dtype": w.kv_dtype, "streaming_buffers": w.streaming_buffers,

@@ -3,8 +3,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use layerstream_model::{GenerateParams, SamplingParams};
 use layerstream_model::{Message, Tokenizer};
+use layerstream_serving::{GenerateParams, SamplingParams};
 use std::path::PathBuf;
 
 /// Exactly one way of giving the input.
@@ -86,7 +86,7 @@ impl SamplingArgs {
                 seed: self.seed,
                 ..Default::default()
             },
-            speculative: layerstream_model::spec::SpecLimits {
+            speculative: layerstream_serving::spec::SpecLimits {
                 n_max: self.draft_max.map(|n| n as usize),
                 n_min: self.draft_min as usize,
             },

@@ -5,8 +5,8 @@ use crate::prompt::{PromptArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use layerstream_kernels::Backend;
-use layerstream_model::spec::SpecMode;
 use layerstream_model::Store;
+use layerstream_serving::spec::SpecMode;
 use layerstream_worker::Device;
 use layerstream_worker::{generate, KvOptions, Model, Speculation};
 use std::io::Write;
@@ -54,7 +54,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         Some(d) => {
             let mut draft = Store::open(d)?;
             draft.verify = !args.no_verify;
-            layerstream_model::spec::check_draft(&store, &draft)?;
+            layerstream_serving::spec::check_draft(&store, &draft)?;
             Some(draft)
         }
         None => None,
@@ -83,7 +83,7 @@ fn generate_on<B: Backend>(
     // The prompt and every token it may generate (and a draft beyond them).
     let context = store.manifest.config.max_position_embeddings;
     let positions =
-        (input.len() + params.max_new_tokens).min(context) + layerstream_model::spec::MAX_DRAFT;
+        (input.len() + params.max_new_tokens).min(context) + layerstream_serving::spec::MAX_DRAFT;
     let kv = KvOptions {
         dtype: layerstream_model::dtype::parse_kv_dtype(&dtype).map_err(anyhow::Error::msg)?,
         block: args.kv.kv_block,
@@ -111,7 +111,7 @@ fn generate_on<B: Backend>(
     if json {
         let v = serde_json::json!({
             "input_ids": g.input_ids, "output_ids": g.output_ids, "text": g.text,
-            "finish_reason": layerstream_model::stop::reason_name(g.finish_reason), "timings": g.timings,
+            "finish_reason": layerstream_serving::stop::reason_name(g.finish_reason), "timings": g.timings,
         });
         writeln!(out, "{v}")?;
     } else {
@@ -131,7 +131,7 @@ fn generate_on<B: Backend>(
             t.prefill_tok_s,
             t.decode_tokens,
             t.decode_tok_s,
-            layerstream_model::stop::reason_name(g.finish_reason)
+            layerstream_serving::stop::reason_name(g.finish_reason)
         );
     }
     Ok(())

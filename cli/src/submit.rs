@@ -172,8 +172,8 @@ pub async fn run(a: SubmitArgs) -> Result<()> {
             }
             Some(generate_event::Event::Done(d)) => {
                 let st = d.stats.unwrap_or_default();
-                let reason = layerstream_model::stop::reason_name(d.finish_reason());
-                if d.finish_reason() == layerstream_model::FinishReason::Error {
+                let reason = layerstream_serving::stop::reason_name(d.finish_reason());
+                if d.finish_reason() == layerstream_serving::FinishReason::Error {
                     bail!("job failed: {}", d.error);
                 }
                 if a.json {

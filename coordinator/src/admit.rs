@@ -8,14 +8,14 @@ use crate::jobs::JobRecord;
 use crate::journal::Unfinished;
 use crate::scheduler::SeqRequest;
 use crate::service::CoordinatorService;
-use layerstream_model::grammar::{answer_rule, Constraint, Format, Grammars};
-use layerstream_model::spec::SpecLimits;
-use layerstream_model::tools::{self, ToolFormat};
-use layerstream_model::{
-    check_chat, check_request, tokenizer::RenderBudget, Field, GenerateParams, Message,
-    RequestError, SamplingParams,
-};
+use layerstream_model::{tokenizer::RenderBudget, Message};
 use layerstream_rpc::v1::*;
+use layerstream_serving::grammar::{answer_rule, Constraint, Format, Grammars};
+use layerstream_serving::spec::SpecLimits;
+use layerstream_serving::tools::{self, ToolFormat};
+use layerstream_serving::{
+    check_chat, check_request, Field, GenerateParams, RequestError, SamplingParams,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};

@@ -1,7 +1,7 @@
 //! The coordinator's error type, mapped once to gRPC statuses here (a refused request carries its
 //! field as a `google.rpc.BadRequest` violation) and once to OpenAI errors in `http::error`.
 
-use layerstream_model::RequestError;
+use layerstream_serving::RequestError;
 use tonic_types::{ErrorDetails, StatusExt};
 
 /// What can stop the coordinator starting or fail a step.
@@ -100,7 +100,7 @@ mod tests {
     #[test]
     fn errors_map_to_the_status_a_client_can_act_on() {
         let code = |e: Error| tonic::Status::from(e).code();
-        let bad = RequestError::new(layerstream_model::Field::TopP, "must be in (0, 1]");
+        let bad = RequestError::new(layerstream_serving::Field::TopP, "must be in (0, 1]");
         let status = tonic::Status::from(Error::from(bad.in_request(1)));
         assert_eq!(status.code(), Code::InvalidArgument);
         assert_eq!(status.message(), "request 1: top_p: must be in (0, 1]");

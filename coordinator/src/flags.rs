@@ -221,7 +221,7 @@ pub fn cache_salt(scope: CacheScope, key: Option<usize>, salt: &str) -> u64 {
     if tenant.is_empty() && salt.is_empty() {
         return 0;
     }
-    layerstream_model::kv_blocks::salt_of(&format!("{tenant}\0{salt}"))
+    layerstream_serving::kv_blocks::salt_of(&format!("{tenant}\0{salt}"))
 }
 
 /// Speculative decoding (`coordinator`, `up`, `run`).
@@ -233,11 +233,11 @@ pub struct SpecFlags {
     /// drafted token. Draft sizes follow each sequence's acceptance and the measured cost of a pass.
     /// Greedy and seeded outputs are the same as with `off`.
     #[arg(long, env = "LAYERSTREAM_SPEC", default_value = "off")]
-    pub spec: layerstream_model::spec::SpecMode,
+    pub spec: layerstream_serving::spec::SpecMode,
     /// Most tokens drafted per sequence per weight pass (at most 64; a request's
     /// `speculative.max_tokens` overrides it).
     #[arg(long, env = "LAYERSTREAM_SPEC_MAX", default_value_t = 16,
-          value_parser = clap::value_parser!(u32).range(1..=layerstream_model::spec::MAX_DRAFT as i64))]
+          value_parser = clap::value_parser!(u32).range(1..=layerstream_serving::spec::MAX_DRAFT as i64))]
     pub spec_max: u32,
     /// A smaller store with the target's vocabulary that drafts tokens (`--spec draft` or `auto`).
     #[arg(long, env = "LAYERSTREAM_DRAFT_MODEL")]
@@ -247,7 +247,7 @@ pub struct SpecFlags {
     /// draft pass adds the N best — and one pass verifies every branch with a tree attention mask
     /// (1 = a greedy chain; at most 4; full-context models).
     #[arg(long, env = "LAYERSTREAM_SPEC_WIDTH", default_value_t = 1,
-          value_parser = clap::value_parser!(u32).range(1..=layerstream_model::spec::MAX_WIDTH as i64))]
+          value_parser = clap::value_parser!(u32).range(1..=layerstream_serving::spec::MAX_WIDTH as i64))]
     pub spec_width: u32,
 }
 

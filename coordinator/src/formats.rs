@@ -3,9 +3,9 @@
 //! compile bounded in time, a panic in a compiler caught on its thread, and results (refusals too)
 //! cached by the format's hash. A hostile format can then cost one compile thread a bounded time —
 //! never the runtime's threads (so `/health` and every stream keep going) and never the process.
-//! The limits on a format's shape are checked first (`layerstream_model::grammar_limits`).
+//! The limits on a format's shape are checked first (`layerstream_serving::grammar_limits`).
 
-use layerstream_model::grammar::{Constraint, Format, Grammars};
+use layerstream_serving::grammar::{Constraint, Format, Grammars};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};

@@ -417,7 +417,7 @@ impl Metrics {
     }
 
     /// The block manager's prefix counters now (counters only go up: adds what is new).
-    pub fn prefix(&self, c: layerstream_model::kv_blocks::PrefixCounts) {
+    pub fn prefix(&self, c: layerstream_serving::kv_blocks::PrefixCounts) {
         for (m, v) in [
             (&self.prefix_queries, c.queries),
             (&self.prefix_queried_tokens, c.queried_tokens),

@@ -4,8 +4,8 @@
 //! error before anything is loaded.
 
 use crate::error::{Error, Result};
-use layerstream_model::plan::{layer_bytes, range_experts, usage_with, Assignment};
 use layerstream_model::Manifest;
+use layerstream_serving::plan::{layer_bytes, range_experts, usage_with, Assignment};
 
 /// A worker as the planner sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +30,7 @@ impl WorkerSpec {
         exact: bool,
         kv: &crate::KvFlags,
     ) -> Self {
-        let in_place = layerstream_model::plan::streams_in_place(device);
+        let in_place = layerstream_serving::plan::streams_in_place(device);
         WorkerSpec {
             address,
             budget,
@@ -147,9 +147,9 @@ pub fn kv_capacity_that_fits(
         let fitted = PlanOptions { kv_capacity: c, resident_layers: None, ..o.clone() };
         let most = plan(m, workers, &fitted).ok();
         let small_enough = |(i, w): (usize, &WorkerSpec)| {
-            let kv = most
-                .as_ref()
-                .map_or(u64::MAX, |p| layerstream_model::plan::usage_with(m, &p[i], w.in_place).kv);
+            let kv = most.as_ref().map_or(u64::MAX, |p| {
+                layerstream_serving::plan::usage_with(m, &p[i], w.in_place).kv
+            });
             !past_memory(most.as_ref(), i) || kv <= w.budget / PAST_MEMORY_KV_SHARE
         };
         if plan(m, workers, &trial).is_ok() && workers.iter().enumerate().all(small_enough) {

@@ -14,8 +14,8 @@
 //! fault, and delivers the events the core returns.
 
 use crate::pipeline::Pipeline;
-use layerstream_model::GenerateParams;
 use layerstream_rpc::v1::{GenerateEvent, StepSeq};
+use layerstream_serving::GenerateParams;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,9 +53,9 @@ pub struct SeqRequest {
     /// When the coordinator accepted it (time to first token counts from here).
     pub(crate) queued: Instant,
     /// Its output format (constrained decoding), followed token by token.
-    pub(crate) constraint: Option<Box<layerstream_model::grammar::Constraint>>,
+    pub(crate) constraint: Option<Box<layerstream_serving::grammar::Constraint>>,
     /// Its output is parsed for tool calls written this way (a request with tools).
-    pub(crate) tools: Option<layerstream_model::tools::Reading>,
+    pub(crate) tools: Option<layerstream_serving::tools::Reading>,
     /// Its prefix-cache scope (`kv_blocks::salt_of` of its `cache_salt` and tenant; 0: global):
     /// it shares cached blocks only with requests of the same salt.
     pub(crate) salt: u64,

@@ -45,7 +45,7 @@ pub struct CoordinatorService {
     pub(crate) eos: Vec<u32>,
     /// The grammar compiler over this tokenizer, built by the first constrained request.
     pub(crate) grammars:
-        std::sync::OnceLock<Result<Arc<layerstream_model::grammar::Grammars>, String>>,
+        std::sync::OnceLock<Result<Arc<layerstream_serving::grammar::Grammars>, String>>,
     /// The threads output formats compile on, and their cache.
     pub(crate) formats: crate::formats::FormatPool,
     /// `--prefix-cache-scope`: whether API keys separate prefix caches.

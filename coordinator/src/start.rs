@@ -48,9 +48,9 @@ pub async fn run(args: CoordinatorArgs) -> Result<()> {
 fn draft_model(args: &CoordinatorArgs, store: &Store) -> Result<Option<(String, u64)>> {
     let mode = args.spec.spec.resolve(args.spec.draft_model.is_some()).map_err(Error::Setup)?;
     match (&args.spec.draft_model, mode) {
-        (Some(d), layerstream_model::spec::SpecMode::Draft) => {
+        (Some(d), layerstream_serving::spec::SpecMode::Draft) => {
             let draft = Store::open(d)?;
-            layerstream_model::spec::check_draft(store, &draft)?;
+            layerstream_serving::spec::check_draft(store, &draft)?;
             let positions = args.plan.kv_capacity.unwrap_or(planner::DEFAULT_KV_CAPACITY);
             let bytes = planner::draft_bytes(&draft.manifest, positions);
             let dir = std::fs::canonicalize(d).unwrap_or_else(|_| d.clone());
@@ -149,7 +149,7 @@ fn kv_host_blocks(args: &CoordinatorArgs, store: &Store) -> Result<u32> {
     let m = &store.manifest;
     let dtype = layerstream_model::dtype::parse_kv_dtype(&args.plan.kv.dtype_for("cpu"))
         .map_err(Error::Setup)?;
-    let per = layerstream_model::plan::kv_bytes_per_token_layer(m, dtype)
+    let per = layerstream_serving::plan::kv_bytes_per_token_layer(m, dtype)
         .saturating_mul(args.plan.kv.kv_block as u64)
         .saturating_mul(m.config.num_layers as u64);
     Ok((bytes / per.max(1)).min(u32::MAX as u64) as u32)

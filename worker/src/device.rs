@@ -9,8 +9,8 @@ use layerstream_kernels::cuda::{
     WITHOUT_CUDA,
 };
 use layerstream_kernels::{Backend, CpuBackend};
-use layerstream_model::plan::Assignment;
 use layerstream_model::{ModelConfig, Store};
+use layerstream_serving::plan::Assignment;
 use tracing::Span;
 
 /// A device a worker computes on.
@@ -78,7 +78,7 @@ impl Device {
         match self {
             Device::Cpu(_) => None,
             Device::Cuda(_) => {
-                Some(layerstream_model::plan::step_token_limit(cfg, ACTIVATION_RESERVE))
+                Some(layerstream_serving::plan::step_token_limit(cfg, ACTIVATION_RESERVE))
             }
         }
     }

@@ -5,7 +5,7 @@
 use crate::error::Result;
 use crate::model::{Model, SeqState};
 use layerstream_kernels::Backend;
-use layerstream_model::spec::{ngram_propose, DraftCost, SpecMode};
+use layerstream_serving::spec::{ngram_propose, DraftCost, SpecMode};
 use std::time::Instant;
 
 /// Tokens of context a probing draft (one that measures the draft model's cost) sees.

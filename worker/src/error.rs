@@ -62,8 +62,8 @@ impl Error {
     }
 }
 
-impl From<layerstream_model::RequestError> for Error {
-    fn from(e: layerstream_model::RequestError) -> Self {
+impl From<layerstream_serving::RequestError> for Error {
+    fn from(e: layerstream_serving::RequestError) -> Self {
         Error::Invalid { field: e.field().wire_path(), msg: e.reason().to_owned() }
     }
 }
@@ -110,8 +110,8 @@ mod tests {
             (v[0].field.as_str(), v[0].description.as_str()),
             ("seqs.start_pos", "unknown sequence 3")
         );
-        let from_model = Error::from(layerstream_model::RequestError::new(
-            layerstream_model::Field::TopP,
+        let from_model = Error::from(layerstream_serving::RequestError::new(
+            layerstream_serving::Field::TopP,
             "must be in (0, 1]",
         ));
         assert_eq!(from_model.to_string(), "sampling.top_p: must be in (0, 1]");

@@ -7,10 +7,11 @@ use crate::error::Result;
 use crate::model::Model;
 use crate::sampling::Sampler;
 use layerstream_kernels::Backend;
-use layerstream_model::spec::{
+use layerstream_model::Tokenizer;
+use layerstream_serving::spec::{
     choose_draft, drafted_child, levels, tree_or_chain, Acceptance, PassCost, SpecMode,
 };
-use layerstream_model::{check_request, FinishReason, GenerateParams, Stopper, Tokenizer};
+use layerstream_serving::{check_request, FinishReason, GenerateParams, Stopper};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -37,7 +38,7 @@ pub struct Generation {
     pub input_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
     pub text: String,
-    #[serde(serialize_with = "layerstream_model::stop::serialize_reason")]
+    #[serde(serialize_with = "layerstream_serving::stop::serialize_reason")]
     pub finish_reason: FinishReason,
     pub timings: Timings,
 }

@@ -30,7 +30,7 @@ pub use calibrate::{measure as measure_compute, measure_link, ComputeFigures, Pr
 pub use device::Device;
 pub use error::{Error, Result};
 pub use generate::{generate, Generation, Speculation, Timings};
-pub use layerstream_model::GenerateParams;
+pub use layerstream_serving::GenerateParams;
 pub use model::{KvOptions, Model, SeqState};
 pub use sampling::{sample_batch, Sampler, SamplingParams};
 pub use server::{int8_by_default, run, ComputeFlags, DeviceFlags, WorkerArgs};

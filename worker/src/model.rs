@@ -6,9 +6,9 @@ use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::moe::ResidentExperts;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout, Precision};
-use layerstream_model::kv_blocks::{BlockPool, SeqBlocks};
 use layerstream_model::layout::layer_file;
 use layerstream_model::{DType, ModelConfig, Store};
+use layerstream_serving::kv_blocks::{BlockPool, SeqBlocks};
 use std::sync::{Arc, Mutex};
 
 /// How a model stores keys and values: dtype, positions per block, positions in all.

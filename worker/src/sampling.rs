@@ -4,8 +4,8 @@
 
 use layerstream_kernels::host::check_logits;
 pub use layerstream_kernels::sampling::{choose, Pick};
-pub use layerstream_model::SamplingParams;
 use layerstream_rpc::v1::TokenLogprobs;
+pub use layerstream_serving::SamplingParams;
 
 /// A sampler with its own random stream.
 #[derive(Debug, Clone)]
@@ -17,7 +17,7 @@ pub struct Sampler {
 impl Sampler {
     /// Creates a sampler seeded from `params.seed`.
     pub fn new(mut params: SamplingParams) -> Self {
-        if params.temperature < layerstream_model::generation::GREEDY_BELOW {
+        if params.temperature < layerstream_serving::generation::GREEDY_BELOW {
             params.temperature = 0.0;
         }
         let state = params.seed ^ 0x9E37_79B9_7F4A_7C15;

@@ -5,10 +5,10 @@ use crate::device::{AnyStage, Device};
 use crate::stage::StepSeq;
 use crate::stream::LoaderLink;
 use crate::Error;
-use layerstream_model::plan::AssignmentExt;
 use layerstream_model::Store;
 use layerstream_rpc::v1::worker_server::Worker;
 use layerstream_rpc::v1::*;
+use layerstream_serving::plan::AssignmentExt;
 use layerstream_telemetry::adopt_parent;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -201,8 +201,8 @@ impl Worker for WorkerService {
         span.record("layers", tracing::field::debug(a.layers()));
         span.record("resident", a.resident.len() as i64);
         let s = self.0.clone();
-        let in_place = layerstream_model::plan::streams_in_place(&s.device);
-        let u = layerstream_model::plan::usage_with(&s.store.manifest, &a, in_place);
+        let in_place = layerstream_serving::plan::streams_in_place(&s.device);
+        let u = layerstream_serving::plan::usage_with(&s.store.manifest, &a, in_place);
         if u.total() > s.budget {
             return Err(Error::OverBudget(format!(
                 "worker {}: assignment of layers {}..{} needs {u}, more than its memory budget of {} bytes",

@@ -13,8 +13,8 @@ use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
 use crate::weights::{upload, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout};
-use layerstream_model::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_model::{LoadedFile, ModelConfig, Store};
+use layerstream_serving::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_telemetry::TraceParent;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -199,7 +199,7 @@ impl<B: Backend + 'static> Stage<B> {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let draft = if plan.head && !plan.draft_model.is_empty() {
             let d = Store::open(std::path::Path::new(&plan.draft_model))?;
-            layerstream_model::spec::check_draft(&store, &d)?;
+            layerstream_serving::spec::check_draft(&store, &d)?;
             let opts = KvOptions { dtype: kv.dtype, block: kv.block, positions: kv.positions() };
             let m = Model::load_kv(backend.clone(), &d, opts)?.into_draft();
             tracing::info!(draft = %plan.draft_model, layers = m.cfg.num_layers, "draft model loaded");

@@ -9,8 +9,8 @@ use crate::error::Result;
 use crate::sampling::Sampler;
 use crate::token_choice::{HeadRow, TokenChoice};
 use layerstream_kernels::Backend;
-use layerstream_model::spec::drafted_child;
 use layerstream_rpc::v1::TokenLogprobs;
+use layerstream_serving::spec::drafted_child;
 use std::borrow::Cow;
 
 /// One sequence's rows of the head's logits.
@@ -98,7 +98,7 @@ pub fn verify<B: Backend>(
 mod tests {
     use super::*;
     use layerstream_kernels::CpuBackend;
-    use layerstream_model::SamplingParams;
+    use layerstream_serving::SamplingParams;
 
     /// Each sequence's tokens, without their log-probabilities.
     fn tokens(v: Verified) -> Vec<Vec<u32>> {

@@ -14,14 +14,15 @@ impl From<v1::StepSeq> for StepSeq {
             prompt_continues: s.prompt_continues,
             draws_before: s.draws_before as u64,
             draft_len: s.draft_len as usize,
-            draft_next: (s.draft_next as usize).min(layerstream_model::spec::MAX_DRAFT),
+            draft_next: (s.draft_next as usize).min(layerstream_serving::spec::MAX_DRAFT),
             tree_parents: s.tree_parents,
-            draft_width: (s.draft_width as usize).clamp(1, layerstream_model::spec::MAX_WIDTH),
+            draft_width: (s.draft_width as usize).clamp(1, layerstream_serving::spec::MAX_WIDTH),
             blocks: s.blocks,
             cached: s.cached_ids,
             allowed: s.allowed,
             score_ids: s.score_ids,
-            score_top: (s.score_top as usize).min(layerstream_model::generation::MAX_TOP_LOGPROBS),
+            score_top: (s.score_top as usize)
+                .min(layerstream_serving::generation::MAX_TOP_LOGPROBS),
         }
     }
 }

@@ -4,8 +4,8 @@
 //! its own (transposed matmul outputs, dequantized rows), so the GPU's activations stay below it.
 
 use layerstream_kernels::CpuBackend;
-use layerstream_model::plan::activation_bytes_per_token;
 use layerstream_model::{synth, DType, Store};
+use layerstream_serving::plan::activation_bytes_per_token;
 use layerstream_worker::Model;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};

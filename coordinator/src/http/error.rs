@@ -111,7 +111,7 @@ mod tests {
 
     #[test]
     fn errors_map_to_openai_errors() {
-        use layerstream_model::{Field, RequestError};
+        use layerstream_serving::{Field, RequestError};
         let r = RequestError::new(
             Field::MaxNewTokens,
             "prompt of 3 tokens + max_new_tokens 9000 exceeds the model's context of 8192",

@@ -1,6 +1,6 @@
 //! The planner's decisions: layer splits, resident layers, KV capacity and dtype, drafts.
 use super::*;
-use layerstream_model::plan::usage;
+use layerstream_serving::plan::usage;
 
 #[test]
 fn split_is_proportional_and_covers_every_layer() {

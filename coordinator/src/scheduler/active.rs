@@ -4,9 +4,9 @@
 
 use super::SeqRequest;
 use crate::stats::Acc;
-use layerstream_model::kv_blocks::SeqBlocks;
-use layerstream_model::spec::Acceptance;
-use layerstream_model::Stopper;
+use layerstream_serving::kv_blocks::SeqBlocks;
+use layerstream_serving::spec::Acceptance;
+use layerstream_serving::Stopper;
 use std::time::Instant;
 
 /// A draft for a sequence's next step: its tokens and their tree parents (empty: a chain).

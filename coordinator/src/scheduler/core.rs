@@ -7,10 +7,11 @@
 use super::active::Active;
 use super::{admit, output, Limits, SeqRequest};
 use crate::stats::Acc;
-use layerstream_model::kv_blocks::BlockPool;
-use layerstream_model::spec::{PassCost, SpecMode};
-use layerstream_model::{FinishReason, Tokenizer};
+use layerstream_model::Tokenizer;
 use layerstream_rpc::v1::{generate_event, FinalEvent, GenerateEvent, StepSeq};
+use layerstream_serving::kv_blocks::BlockPool;
+use layerstream_serving::spec::{PassCost, SpecMode};
+use layerstream_serving::FinishReason;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

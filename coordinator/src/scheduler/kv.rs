@@ -9,7 +9,7 @@
 use super::active::Active;
 use super::core::Core;
 use super::SeqRequest;
-use layerstream_model::kv_blocks::BlockPool;
+use layerstream_serving::kv_blocks::BlockPool;
 
 impl Core {
     /// A fresh block manager for the pool every worker holds (after a plan or a fault the workers'
@@ -86,7 +86,7 @@ impl Core {
         let end = a.prefill_end();
         let bring = if a.pos < end {
             (end - a.pos).min(self.limits.max_step_tokens)
-        } else if self.spec.mode == layerstream_model::spec::SpecMode::Off {
+        } else if self.spec.mode == layerstream_serving::spec::SpecMode::Off {
             1
         } else {
             1 + a.req.params.speculative.max(self.spec.max)

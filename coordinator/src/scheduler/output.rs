@@ -6,10 +6,11 @@
 
 use super::active::Active;
 use super::core::{Core, Event};
-use layerstream_model::{FinishReason, Tokenizer};
+use layerstream_model::Tokenizer;
 use layerstream_rpc::v1::{
     generate_event, GenerateEvent, StepSeq, TokenEvent, TokenLogprobs, ToolCall,
 };
+use layerstream_serving::FinishReason;
 use std::time::Instant;
 
 impl Core {
@@ -203,7 +204,7 @@ pub(super) fn follow_format(
 /// the arguments written so far (the reason stays `length`) — its markup never reaches the text.
 /// Where at most one call was asked for, only the first is kept.
 pub(super) fn tool_calls(tok: &Tokenizer, a: &Active, ev: &mut GenerateEvent) {
-    use layerstream_model::tools::{parse, parse_cut, CallText, ToolFormat};
+    use layerstream_serving::tools::{parse, parse_cut, CallText, ToolFormat};
     let Some(reading) = &a.req.tools else { return };
     let Some(generate_event::Event::Done(f)) = ev.event.as_mut() else { return };
     let reason = f.finish_reason();

@@ -1,10 +1,10 @@
 //! Speculative decoding in the scheduler: which draft each decoding sequence of a step carries and
-//! how long it is (see `layerstream_model::spec::choose_draft`).
+//! how long it is (see `layerstream_serving::spec::choose_draft`).
 
 use super::active::Active;
 use super::core::Core;
-use layerstream_model::spec::{choose_draft, ngram_propose, tree_or_chain, DraftCost, SpecMode};
 use layerstream_rpc::v1::StepSeq;
+use layerstream_serving::spec::{choose_draft, ngram_propose, tree_or_chain, DraftCost, SpecMode};
 
 impl Core {
     /// Speculative decoding: appends a draft to each decoding sequence of a step — prompt lookup,

@@ -6,8 +6,8 @@ use super::active::{Active, Draft};
 use super::core::{Core, Event, LaneStep};
 use super::{output, step_tokens};
 use crate::pipeline::StepResult;
-use layerstream_model::spec::levels;
 use layerstream_rpc::v1::{generate_event, GenerateEvent, SeqResult, StepSeq, TokenEvent};
+use layerstream_serving::spec::levels;
 use std::time::Duration;
 use tracing::{info_span, Span};
 

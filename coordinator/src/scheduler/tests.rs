@@ -4,10 +4,11 @@
 
 use super::*;
 use crate::pipeline::StepResult;
-use layerstream_model::grammar::{Format, Grammars};
-use layerstream_model::spec::SpecMode;
-use layerstream_model::{FinishReason, Tokenizer};
+use layerstream_model::Tokenizer;
 use layerstream_rpc::v1::{generate_event, SeqResult};
+use layerstream_serving::grammar::{Format, Grammars};
+use layerstream_serving::spec::SpecMode;
+use layerstream_serving::FinishReason;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -64,7 +64,7 @@ fn check_contents(s: &StepSeq, l: &StepLimits) -> std::result::Result<(), Bad> {
             ),
         );
     }
-    if s.draft_len >= s.tokens.len() || s.draft_len > layerstream_model::spec::MAX_DRAFT {
+    if s.draft_len >= s.tokens.len() || s.draft_len > layerstream_serving::spec::MAX_DRAFT {
         return bad(
             "seqs.draft_len",
             format!(
@@ -72,7 +72,7 @@ fn check_contents(s: &StepSeq, l: &StepLimits) -> std::result::Result<(), Bad> {
                 s.seq_id,
                 s.draft_len,
                 s.tokens.len(),
-                layerstream_model::spec::MAX_DRAFT
+                layerstream_serving::spec::MAX_DRAFT
             ),
         );
     }

@@ -3,9 +3,9 @@
 //! not of the whole output). `run` and the coordinator's scheduler both feed tokens through `Stopper`,
 //! so they end sequences by the same rules and stream the same text.
 
-use crate::error::Result;
 use crate::generation::GenerateParams;
-use crate::tokenizer::Tokenizer;
+use layerstream_model::tokenizer::Tokenizer;
+use layerstream_model::Result;
 pub use layerstream_proto::v1::FinishReason;
 
 /// The lowercase name of a reason as `run --json`, `submit --json` and OpenAI clients show it.

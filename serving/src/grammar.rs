@@ -6,7 +6,7 @@
 //! (only one continuation possible) are emitted without sampling.
 
 use crate::grammar_limits::{check_format, FormatLimits};
-use crate::Tokenizer;
+use layerstream_model::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
@@ -59,8 +59,9 @@ pub struct Grammars {
 impl Grammars {
     /// Builds the compiler over `tok`; `eos` are the model's end-of-sequence ids (the first is the
     /// one a finished format allows; every other is allowed exactly when it is).
-    pub fn new(tok: Arc<Tokenizer>, eos: &[u32]) -> crate::Result<Self> {
-        let bad = |e: String| crate::Error::Tokenizer(format!("constrained decoding: {e}"));
+    pub fn new(tok: Arc<Tokenizer>, eos: &[u32]) -> layerstream_model::Result<Self> {
+        let bad =
+            |e: String| layerstream_model::Error::Tokenizer(format!("constrained decoding: {e}"));
         let &first =
             eos.first().ok_or_else(|| bad("the model names no end-of-sequence token".into()))?;
         let mut words = tok.token_bytes().map_err(|e| bad(e.to_string()))?;

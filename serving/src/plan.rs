@@ -2,9 +2,9 @@
 //! in code) and the memory arithmetic of an assignment over a store's manifest. The coordinator's
 //! planner sizes assignments with it; a worker refuses one that exceeds its budget with the same sums.
 
-use crate::layout::layer_file;
-use crate::store::Manifest;
-use crate::{DType, ModelConfig};
+use layerstream_model::layout::layer_file;
+use layerstream_model::store::Manifest;
+use layerstream_model::{DType, ModelConfig};
 pub use layerstream_proto::v1::Assignment;
 use std::ops::Range;
 
@@ -42,7 +42,7 @@ impl AssignmentExt for Assignment {
         if self.kv_dtype.is_empty() {
             return Ok(DType::F32);
         }
-        crate::dtype::parse_kv_dtype(&self.kv_dtype)
+        layerstream_model::dtype::parse_kv_dtype(&self.kv_dtype)
     }
     fn kv_block(&self) -> usize {
         if self.kv_block == 0 {
@@ -173,7 +173,9 @@ pub fn range_experts(m: &Manifest, a: &Assignment) -> (usize, u64, u64) {
     let sizes: Vec<u64> = a
         .layers()
         .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l as usize, x.experts)))
-        .flat_map(|(l, n)| (0..n).map(move |e| file_bytes(m, &crate::layout::expert_file(l, e))))
+        .flat_map(|(l, n)| {
+            (0..n).map(move |e| file_bytes(m, &layerstream_model::layout::expert_file(l, e)))
+        })
         .collect();
     // Sizes come from the manifest: a crafted one saturates rather than wraps.
     let total = sizes.iter().fold(0u64, |a, &b| a.saturating_add(b));
@@ -206,7 +208,7 @@ pub fn streaming_buffers(m: &Manifest, a: &Assignment) -> (usize, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::synth::shape_config;
+    use layerstream_model::synth::shape_config;
 
     /// Under a GPU's activation reserve a 70B-shaped step still carries a few hundred tokens (a
     /// prompt chunk stays a GEMM, not a row-by-row matvec), and SmolLM2 is not held below the
@@ -245,8 +247,14 @@ mod tests {
     #[test]
     fn usage_counts_each_part_once() {
         let dir = tempfile::tempdir().unwrap();
-        let m = crate::synth::synth("tiny", crate::DType::Q8_0, Some(4), 3, &dir.path().join("s"))
-            .unwrap();
+        let m = layerstream_model::synth::synth(
+            "tiny",
+            layerstream_model::DType::Q8_0,
+            Some(4),
+            3,
+            &dir.path().join("s"),
+        )
+        .unwrap();
         let layer = layer_bytes(&m, 0);
         let a = Assignment {
             layer_start: 0,

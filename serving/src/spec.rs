@@ -317,11 +317,14 @@ pub fn tree_or_chain(parents: Vec<u32>) -> Vec<u32> {
 
 /// Checks that `draft` can draft for `target` before either loads: the same vocabulary, token for
 /// token (else the first id that differs is named), and fewer weight bytes than the target.
-pub fn check_draft(target: &crate::Store, draft: &crate::Store) -> crate::Result<()> {
+pub fn check_draft(
+    target: &layerstream_model::Store,
+    draft: &layerstream_model::Store,
+) -> layerstream_model::Result<()> {
     let (t, d) = (target.tokenizer()?, draft.tokenizer()?);
     if let Some((id, a, b)) = t.first_difference(&d) {
         let show = |x: Option<String>| x.map_or("no token".to_string(), |s| format!("{s:?}"));
-        return Err(crate::Error::Draft(format!(
+        return Err(layerstream_model::Error::Draft(format!(
             "{}: its vocabulary differs from the target's {} at id {id}: {} in the draft, {} in the target",
             draft.dir.display(),
             target.dir.display(),
@@ -329,9 +332,9 @@ pub fn check_draft(target: &crate::Store, draft: &crate::Store) -> crate::Result
             show(a)
         )));
     }
-    let size = |s: &crate::Store| s.manifest.files.iter().map(|f| f.size).sum::<u64>();
+    let size = |s: &layerstream_model::Store| s.manifest.files.iter().map(|f| f.size).sum::<u64>();
     if size(draft) >= size(target) {
-        return Err(crate::Error::Draft(format!(
+        return Err(layerstream_model::Error::Draft(format!(
             "{} ({} bytes) is not smaller than the target {} ({} bytes): drafting would cost more than it saves",
             draft.dir.display(),
             size(draft),

@@ -4,7 +4,7 @@
 //! one. A template that does not take tools (SmolLM2's) is given them in a system message that asks
 //! for Hermes tags, as llama-server does for templates without native tool support.
 
-use crate::Message;
+use layerstream_model::Message;
 use serde_json::{json, Value};
 
 /// How a model writes tool calls, chosen from its chat template.
