@@ -3,6 +3,10 @@
 //! Events in OpenAI's chunk format (ending with `data: [DONE]`). A client that goes away drops the
 //! event stream, which cancels the job.
 
+use super::bodies::{
+    Choice, Delta, Envelope, Logprobs, Message, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+    TokenLogprob, Usage,
+};
 use super::error::ApiError;
 use super::openai::Shape;
 use super::{tools, Http};
@@ -13,7 +17,7 @@ use layerstream_rpc::v1::{
     generate_event, generate_request, FinalEvent, FinishReason, GenerateEvent, GenerateRequest,
     TokenIds, TokenLogprobs,
 };
-use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -64,7 +68,7 @@ fn finish_name(r: FinishReason) -> &'static str {
 
 /// One choice's answer as it arrives: its tokens, their log-probabilities, its prompt's.
 #[derive(Default)]
-struct Choice {
+struct Collected {
     ids: Vec<u32>,
     lps: Vec<TokenLogprobs>,
     prompt: Vec<TokenLogprobs>,
@@ -113,18 +117,22 @@ impl Answer {
     }
 
     /// The usage of every choice: each prompt counted once.
-    fn usage(&self, finals: &[&FinalEvent]) -> Value {
-        let p = self.prompt_tokens();
-        let c: usize =
-            if self.echo_only { 0 } else { finals.iter().map(|f| f.output_ids.len()).sum() };
+    fn usage(&self, finals: &[&FinalEvent]) -> Usage {
+        let p = self.prompt_tokens() as u64;
+        let c: u64 =
+            if self.echo_only { 0 } else { finals.iter().map(|f| f.output_ids.len() as u64).sum() };
         let cached: u64 = finals
             .iter()
             .step_by(self.shape.n.max(1))
             .filter_map(|f| f.stats.as_ref())
             .map(|s| s.cached_tokens as u64)
             .sum();
-        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-               "prompt_tokens_details": {"cached_tokens": cached}})
+        Usage {
+            prompt_tokens: p,
+            completion_tokens: c,
+            total_tokens: p + c,
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens: cached }),
+        }
     }
 
     /// Log-probabilities of `ids` in the endpoint's format (chat: `content` entries; completions:
@@ -137,83 +145,86 @@ impl Answer {
         lps: &[TokenLogprobs],
         prompt: Option<&[TokenLogprobs]>,
         offset: &mut usize,
-    ) -> Value {
+    ) -> Option<Logprobs> {
         if self.shape.logprobs.is_none() || (lps.is_empty() && prompt.is_none()) {
-            return Value::Null;
+            return None;
         }
-        match self.kind {
+        Some(match self.kind {
             Kind::Chat => {
-                let entry = |tok: &str, lp: f32| json!({"token": tok, "logprob": lp, "bytes": tok.as_bytes()});
-                let content: Vec<Value> = ids
+                let content = ids
                     .iter()
                     .zip(lps)
                     .map(|(&id, lp)| {
-                        let mut e = entry(&self.token_text(id), lp.logprob);
-                        let top: Vec<Value> = lp
+                        let top = lp
                             .top_ids
                             .iter()
                             .zip(&lp.top_logprobs)
-                            .map(|(&t, &v)| entry(&self.token_text(t), v))
+                            .map(|(&t, &v)| TokenLogprob::new(self.token_text(t), v))
                             .collect();
-                        e["top_logprobs"] = Value::Array(top);
-                        e
+                        let e = TokenLogprob::new(self.token_text(id), lp.logprob);
+                        TokenLogprob { top_logprobs: Some(top), ..e }
                     })
                     .collect();
-                json!({"content": content})
+                Logprobs::Chat { content }
             }
-            Kind::Completion => {
-                let top_map = |lp: &TokenLogprobs| -> Value {
-                    let m: serde_json::Map<String, Value> = lp
-                        .top_ids
-                        .iter()
-                        .zip(&lp.top_logprobs)
-                        .map(|(&t, &v)| (self.token_text(t), json!(v)))
-                        .collect();
-                    Value::Object(m)
-                };
-                let (mut tokens, mut values, mut tops, mut offsets) =
-                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                // Offsets count the text as returned: the echoed prompt with its special tokens,
-                // the output without.
-                let mut add = |id: u32, lp: Option<&TokenLogprobs>, echoed: bool| {
-                    let t = self.token_text(id);
-                    offsets.push(*offset);
-                    *offset += if echoed { t.len() } else { self.shown_len(id) };
-                    tokens.push(t);
-                    values.push(lp.map_or(Value::Null, |l| json!(l.logprob)));
-                    tops.push(lp.map_or(Value::Null, top_map));
-                };
-                if let Some(scores) = prompt {
-                    for (j, &id) in self.prompt(i).iter().enumerate() {
-                        add(id, j.checked_sub(1).and_then(|j| scores.get(j)), true);
-                    }
-                }
-                for (&id, lp) in ids.iter().zip(lps) {
-                    add(id, Some(lp), false);
-                }
-                json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-                       "text_offset": offsets})
-            }
-        }
+            Kind::Completion => self.completion_logprobs(i, ids, lps, prompt, offset),
+        })
     }
 
-    /// vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from the
-    /// id (as text) to its log-probability, the prompt's token first and its alternatives after.
-    fn prompt_logprobs(&self, i: usize, scores: &[TokenLogprobs]) -> Value {
-        let mut out = vec![Value::Null];
+    /// The completions endpoint's log-probabilities (`logprobs`).
+    fn completion_logprobs(
+        &self,
+        i: usize,
+        ids: &[u32],
+        lps: &[TokenLogprobs],
+        prompt: Option<&[TokenLogprobs]>,
+        offset: &mut usize,
+    ) -> Logprobs {
+        let top_map = |lp: &TokenLogprobs| -> BTreeMap<String, f64> {
+            let pairs = lp.top_ids.iter().zip(&lp.top_logprobs);
+            pairs.map(|(&t, &v)| (self.token_text(t), v as f64)).collect()
+        };
+        let (mut tokens, mut token_logprobs, mut top_logprobs, mut text_offset) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Offsets count the text as returned: the echoed prompt with its special tokens, the
+        // output without.
+        let mut add = |id: u32, lp: Option<&TokenLogprobs>, echoed: bool| {
+            let t = self.token_text(id);
+            text_offset.push(*offset);
+            *offset += if echoed { t.len() } else { self.shown_len(id) };
+            tokens.push(t);
+            token_logprobs.push(lp.map(|l| l.logprob as f64));
+            top_logprobs.push(lp.map(top_map));
+        };
+        if let Some(scores) = prompt {
+            for (j, &id) in self.prompt(i).iter().enumerate() {
+                add(id, j.checked_sub(1).and_then(|j| scores.get(j)), true);
+            }
+        }
+        for (&id, lp) in ids.iter().zip(lps) {
+            add(id, Some(lp), false);
+        }
+        Logprobs::Completion { tokens, token_logprobs, top_logprobs, text_offset }
+    }
+
+    /// vLLM's `prompt_logprobs` of choice `i`'s prompt.
+    fn prompt_logprobs(&self, i: usize, scores: &[TokenLogprobs]) -> PromptLogprobs {
+        let mut out = vec![None];
         for (&id, sc) in self.prompt(i).iter().skip(1).zip(scores) {
-            let mut m = serde_json::Map::new();
+            let mut m = BTreeMap::new();
             let mut put = |t: u32, v: f32| {
-                m.entry(t.to_string())
-                    .or_insert_with(|| json!({"logprob": v, "decoded_token": self.token_text(t)}));
+                m.entry(t.to_string()).or_insert_with(|| PromptLogprob {
+                    logprob: v as f64,
+                    decoded_token: self.token_text(t),
+                });
             };
             put(id, sc.logprob);
             for (&t, &v) in sc.top_ids.iter().zip(&sc.top_logprobs) {
                 put(t, v);
             }
-            out.push(Value::Object(m));
+            out.push(Some(m));
         }
-        Value::Array(out)
+        out
     }
 
     /// The text of choice `i`'s prompt (echo).
@@ -221,15 +232,16 @@ impl Answer {
         self.h.svc.tokenizer.decode(self.prompt(i), false).unwrap_or_default()
     }
 
-    fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.kind.object(chunk),
-            "created": self.created,
-            "model": self.h.model,
-            "system_fingerprint": Value::Null,
-            "choices": choices,
-        })
+    fn envelope(&self, chunk: bool, choices: Vec<Choice>) -> Envelope<'_> {
+        Envelope {
+            id: &self.id,
+            object: self.kind.object(chunk),
+            created: self.created,
+            model: &self.h.model,
+            system_fingerprint: None,
+            choices,
+            usage: None,
+        }
     }
 
     /// A streamed chunk of choice `index`: `delta` (chat; completions: its `content` as `text`),
@@ -238,76 +250,85 @@ impl Answer {
     fn chunk(
         &self,
         index: usize,
-        delta: Value,
-        logprobs: Value,
-        finish: Option<&str>,
+        delta: Delta,
+        logprobs: Option<Logprobs>,
+        finish: Option<&'static str>,
         sent: &[u32],
-    ) -> Value {
+    ) -> String {
         let choice = match self.kind {
-            Kind::Chat => {
-                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-            }
-            Kind::Completion => {
-                let text = delta.get("content").cloned().unwrap_or(json!(""));
-                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
-            }
+            Kind::Chat => Choice::Delta { index, delta, logprobs, finish_reason: finish },
+            Kind::Completion => Choice::Text {
+                index,
+                text: delta.content.unwrap_or_default(),
+                logprobs,
+                finish_reason: finish,
+                prompt_logprobs: None,
+            },
         };
-        let mut v = self.envelope(true, json!([choice]));
+        let mut v = self.envelope(true, vec![choice]);
         if self.shape.continuous_usage {
-            let p = self.prompt_tokens();
+            let p = self.prompt_tokens() as u64;
             let c: u64 = if self.echo_only { 0 } else { sent.iter().map(|&n| n as u64).sum() };
-            v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c,
-                                "total_tokens": p as u64 + c});
+            let usage = Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+                total_tokens: p + c,
+                prompt_tokens_details: None,
+            };
+            v.usage = Some(Some(usage));
         } else if self.shape.include_usage {
-            v["usage"] = Value::Null;
+            v.usage = Some(None);
         }
-        v
+        json_text(&v)
     }
 
     /// One finished choice of the whole answer.
-    fn choice(&self, i: usize, c: &Choice, f: &FinalEvent) -> Value {
+    fn choice(&self, i: usize, c: &Collected, f: &FinalEvent) -> Choice {
         let (ids, lps) = if self.echo_only { (&[][..], &[][..]) } else { (&c.ids[..], &c.lps[..]) };
         let echo = (self.shape.echo && self.kind == Kind::Completion).then_some(&c.prompt[..]);
         let logprobs = self.logprobs(i, ids, lps, echo, &mut 0);
-        let reason = if self.echo_only { "length" } else { finish_name(f.finish_reason()) };
-        let mut choice = match self.kind {
+        let finish_reason = if self.echo_only { "length" } else { finish_name(f.finish_reason()) };
+        let prompt_logprobs =
+            self.shape.prompt_logprobs.is_some().then(|| self.prompt_logprobs(i, &c.prompt));
+        match self.kind {
             Kind::Chat => {
-                let mut message = json!({"role": "assistant", "content": f.text});
-                if !f.tool_calls.is_empty() {
-                    message["tool_calls"] = tools::message_calls(&f.tool_calls);
-                    if f.text.is_empty() {
-                        message["content"] = Value::Null;
-                    }
-                }
-                json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+                let calls = !f.tool_calls.is_empty();
+                let message = Message {
+                    role: "assistant",
+                    content: (!calls || !f.text.is_empty()).then(|| f.text.clone()),
+                    tool_calls: calls.then(|| tools::message_calls(&f.tool_calls)),
+                };
+                Choice::Message { index: i, message, logprobs, finish_reason, prompt_logprobs }
             }
             Kind::Completion => {
                 let mut text = if self.shape.echo { self.prompt_text(i) } else { String::new() };
                 if !self.echo_only {
                     text.push_str(&f.text);
                 }
-                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                let finish_reason = Some(finish_reason);
+                Choice::Text { index: i, text, logprobs, finish_reason, prompt_logprobs }
             }
-        };
-        if self.shape.prompt_logprobs.is_some() {
-            choice["prompt_logprobs"] = self.prompt_logprobs(i, &c.prompt);
         }
-        choice
     }
 
     /// The whole answer (non-streaming).
-    fn whole(&self, choices: &[Choice]) -> Value {
+    fn whole(&self, choices: &[Collected]) -> Envelope<'_> {
         let finals: Vec<&FinalEvent> = choices.iter().filter_map(|c| c.done.as_ref()).collect();
-        let out: Vec<Value> = choices
+        let out = choices
             .iter()
             .zip(&finals)
             .enumerate()
             .map(|(i, (c, f))| self.choice(i, c, f))
             .collect();
-        let mut v = self.envelope(false, Value::Array(out));
-        v["usage"] = self.usage(&finals);
+        let mut v = self.envelope(false, out);
+        v.usage = Some(Some(self.usage(&finals)));
         v
     }
+}
+
+/// A body as JSON text.
+fn json_text(v: &impl serde::Serialize) -> String {
+    serde_json::to_string(v).expect("the bodies serialize")
 }
 
 /// Queues each of `prompts` `n` times (choice i of prompt p with the seed + i, at index p·n + i),
@@ -389,7 +410,7 @@ pub async fn run(
 type Events = mpsc::Receiver<Result<GenerateEvent, tonic::Status>>;
 
 async fn whole(a: Answer, mut rx: Events) -> Result<Response, ApiError> {
-    let mut choices: Vec<Choice> = (0..a.total()).map(|_| Choice::default()).collect();
+    let mut choices: Vec<Collected> = (0..a.total()).map(|_| Collected::default()).collect();
     let mut left = a.total();
     while let Some(ev) = rx.recv().await {
         let ev = ev.map_err(|s| ApiError::failed(s.message()))?;
@@ -426,9 +447,9 @@ impl Answer {
     fn token_delta(
         &self,
         i: usize,
-        c: &mut Choice,
+        c: &mut Collected,
         t: &layerstream_rpc::v1::TokenEvent,
-    ) -> Option<(String, Value)> {
+    ) -> Option<(String, Option<Logprobs>)> {
         let first = !std::mem::replace(&mut c.started, true);
         let echo = (first && self.shape.echo).then_some(&t.prompt_logprobs[..]);
         let (ids, lps, text) = if self.echo_only {
@@ -439,7 +460,7 @@ impl Answer {
         let lp = self.logprobs(i, ids, lps, echo, &mut c.offset);
         let text = if echo.is_some() { self.prompt_text(i) + &text } else { text };
         // With tools the text waits for the end (the final event's text): it may be a call.
-        let quiet = self.shape.tools || (text.is_empty() && lp.is_null());
+        let quiet = self.shape.tools || (text.is_empty() && lp.is_none());
         (!quiet).then_some((text, lp))
     }
 }
@@ -447,16 +468,16 @@ impl Answer {
 fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
     let (tx, out) = mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
-        let send_id = |v: Value, id: Option<String>| {
+        let send_id = |body: String, id: Option<String>| {
             let tx = tx.clone();
-            let mut ev = Event::default().data(v.to_string());
+            let mut ev = Event::default().data(body);
             if let Some(id) = id {
                 ev = ev.id(id);
             }
             async move { tx.send(Ok(ev)).await.is_ok() }
         };
-        let send = |v: Value| send_id(v, None);
-        let mut choices: Vec<Choice> = (0..a.total()).map(|_| Choice::default()).collect();
+        let send = |body: String| send_id(body, None);
+        let mut choices: Vec<Collected> = (0..a.total()).map(|_| Collected::default()).collect();
         // Each choice's tokens sent so far (with those a resumed client had): the `id:` of every
         // chunk that carries tokens, which a client sends back as `Last-Event-ID` to continue.
         let mut counts = a.shape.resume.clone();
@@ -464,8 +485,8 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
         // The first chunk of each choice names the role (chat), as OpenAI's does.
         if a.kind == Kind::Chat {
             for i in 0..a.total() {
-                let delta = json!({"role": "assistant", "content": ""});
-                if !send(a.chunk(i, delta, Value::Null, None, &counts)).await {
+                let delta = Delta { role: Some("assistant"), ..Delta::text(String::new()) };
+                if !send(a.chunk(i, delta, None, None, &counts)).await {
                     return;
                 }
             }
@@ -475,7 +496,7 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
             let ev = match ev {
                 Ok(ev) => ev,
                 Err(s) => {
-                    let _ = send(ApiError::failed(s.message()).body()).await;
+                    let _ = send(ApiError::failed(s.message()).json()).await;
                     break;
                 }
             };
@@ -489,7 +510,7 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                             let id =
                                 counts.iter().map(u32::to_string).collect::<Vec<_>>().join(".");
                             let (content, lp) = delta;
-                            let chunk = a.chunk(i, json!({"content": content}), lp, None, &counts);
+                            let chunk = a.chunk(i, Delta::text(content), lp, None, &counts);
                             send_id(chunk, Some(id)).await
                         }
                         None => true,
@@ -497,22 +518,22 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                 }
                 Some(generate_event::Event::Done(f)) => {
                     if f.finish_reason() == FinishReason::Error {
-                        let _ = send(ApiError::failed(&f.error).body()).await;
+                        let _ = send(ApiError::failed(&f.error).json()).await;
                         break;
                     }
                     let mut ok = true;
                     if a.shape.tools {
                         // The text without any call markup, then the calls.
                         let text = (!f.text.is_empty() || f.tool_calls.is_empty())
-                            .then(|| json!({"content": f.text}));
+                            .then(|| Delta::text(f.text.clone()));
                         let deltas = text.into_iter().chain(tools::delta_calls(&f.tool_calls));
                         for d in deltas {
-                            ok = ok && send(a.chunk(i, d, Value::Null, None, &counts)).await;
+                            ok = ok && send(a.chunk(i, d, None, None, &counts)).await;
                         }
                     }
                     let reason =
                         if a.echo_only { "length" } else { finish_name(f.finish_reason()) };
-                    let last = a.chunk(i, json!({}), Value::Null, Some(reason), &counts);
+                    let last = a.chunk(i, Delta::default(), None, Some(reason), &counts);
                     ok = ok && send(last).await;
                     c.done = Some(f);
                     left -= 1;
@@ -520,9 +541,9 @@ fn stream(a: Answer, mut rx: Events) -> impl IntoResponse {
                         if ok && a.shape.include_usage {
                             let finals: Vec<&FinalEvent> =
                                 choices.iter().filter_map(|c| c.done.as_ref()).collect();
-                            let mut u = a.envelope(true, json!([]));
-                            u["usage"] = a.usage(&finals);
-                            ok = send(u).await;
+                            let mut u = a.envelope(true, Vec::new());
+                            u.usage = Some(Some(a.usage(&finals)));
+                            ok = send(json_text(&u)).await;
                         }
                         if ok {
                             let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;

@@ -4,7 +4,6 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// An API error.
 #[derive(Debug, Clone)]
@@ -89,13 +88,20 @@ impl ApiError {
     }
 
     /// The JSON body.
-    pub fn body(&self) -> serde_json::Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
+    pub fn body(&self) -> super::bodies::ErrorBody<'_> {
+        super::bodies::ErrorBody {
+            error: super::bodies::ErrorDetail {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        }
+    }
+
+    /// The JSON body as text (an SSE event's data).
+    pub fn json(&self) -> String {
+        serde_json::to_string(&self.body()).expect("the error body serializes")
     }
 }
 
@@ -120,7 +126,7 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         assert!(e.message.starts_with("max_new_tokens:"), "{}", e.message);
-        let body = e.body();
+        let body = serde_json::to_value(e.body()).unwrap();
         assert_eq!(body["error"]["type"], "invalid_request_error");
         let prompt = crate::Error::from(RequestError::new(Field::Prompt, "too long"));
         assert_eq!(ApiError::from_error(&prompt, true).param.as_deref(), Some("messages"));
@@ -129,6 +135,7 @@ mod tests {
         assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(e.param, None);
         assert_eq!(ApiError::unauthorized().status, StatusCode::UNAUTHORIZED);
-        assert_eq!(ApiError::unknown_model("x", "y").body()["error"]["code"], "model_not_found");
+        let unknown = serde_json::to_value(ApiError::unknown_model("x", "y").body()).unwrap();
+        assert_eq!(unknown["error"]["code"], "model_not_found");
     }
 }

@@ -3,6 +3,7 @@
 //! live page at `/` and its JSON feed `/api/stack`. Every request goes through the gRPC service's
 //! own `submit`/`watch`: one queue, one scheduler, one batch.
 
+pub mod bodies;
 pub mod completions;
 pub mod error;
 pub mod exposition;
@@ -274,15 +275,12 @@ fn idempotency_key(headers: &HeaderMap) -> Option<String> {
 }
 
 async fn models(State(h): State<Arc<Http>>) -> Response {
-    axum::Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": h.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "layerstream",
-            "max_model_len": h.svc.context,
-        }],
-    }))
-    .into_response()
+    let card = bodies::ModelCard {
+        id: &h.model,
+        object: "model",
+        created: 0,
+        owned_by: "layerstream",
+        max_model_len: h.svc.context,
+    };
+    axum::Json(bodies::ModelList { object: "list", data: vec![card] }).into_response()
 }

@@ -2,10 +2,11 @@
 //! `tool_calls` and `tool` messages in the history, and `tool_calls` out (a whole message, or
 //! streamed as `delta.tool_calls`: a call's id and name first, then its arguments).
 
+use super::bodies;
 use super::error::ApiError;
 use layerstream_rpc::v1::{Tool, ToolCall};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// One entry of `tools`.
 #[derive(Debug, Deserialize, Clone)]
@@ -70,28 +71,43 @@ pub fn wire_choice(choice: Option<&Value>) -> Result<String, ApiError> {
     }
 }
 
-/// A call as OpenAI's message carries it.
-fn call_json(c: &ToolCall) -> Value {
-    json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
-}
-
 /// A whole message's `tool_calls`.
-pub fn message_calls(calls: &[ToolCall]) -> Value {
-    Value::Array(calls.iter().map(call_json).collect())
+pub fn message_calls(calls: &[ToolCall]) -> Vec<bodies::ToolCall> {
+    let call = |c: &ToolCall| bodies::ToolCall {
+        id: c.id.clone(),
+        kind: "function",
+        function: bodies::Function { name: c.name.clone(), arguments: c.arguments.clone() },
+    };
+    calls.iter().map(call).collect()
 }
 
 /// The streamed deltas of `calls`: per call, one with its index, id and name (arguments empty),
 /// then one with its arguments.
-pub fn delta_calls(calls: &[ToolCall]) -> Vec<Value> {
+pub fn delta_calls(calls: &[ToolCall]) -> Vec<bodies::Delta> {
+    let delta = |d: bodies::ToolCallDelta| bodies::Delta {
+        tool_calls: Some(vec![d]),
+        ..Default::default()
+    };
     calls
         .iter()
         .enumerate()
-        .flat_map(|(i, c)| {
-            [
-                json!({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                    "function": {"name": c.name, "arguments": ""}}]}),
-                json!({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]}),
-            ]
+        .flat_map(|(index, c)| {
+            let named = bodies::ToolCallDelta {
+                index,
+                id: Some(c.id.clone()),
+                kind: Some("function"),
+                function: bodies::FunctionDelta {
+                    name: Some(c.name.clone()),
+                    arguments: "".into(),
+                },
+            };
+            let args = bodies::ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: bodies::FunctionDelta { name: None, arguments: c.arguments.clone() },
+            };
+            [delta(named), delta(args)]
         })
         .collect()
 }
@@ -99,6 +115,7 @@ pub fn delta_calls(calls: &[ToolCall]) -> Vec<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn choices_and_tools_translate() {
@@ -122,7 +139,7 @@ mod tests {
             serde_json::from_value(json!([{"type": "code_interpreter"}])).unwrap();
         assert_eq!(wire_tools(&t).unwrap_err().param.as_deref(), Some("tools"));
         let c = ToolCall { id: "call_1".into(), name: "w".into(), arguments: "{}".into() };
-        let d = delta_calls(&[c]);
+        let d = serde_json::to_value(delta_calls(&[c])).unwrap();
         assert_eq!(d[0]["tool_calls"][0]["function"]["name"], "w");
         assert_eq!(d[1]["tool_calls"][0]["function"]["arguments"], "{}");
     }
