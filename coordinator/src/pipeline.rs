@@ -26,7 +26,7 @@ pub type WorkerConn = WorkerClient<Authed>;
 
 /// One worker of the pipeline: its address, client and the assignment it should hold.
 #[derive(Clone)]
-pub struct Stage {
+pub struct WorkerLink {
     pub(crate) addr: String,
     pub(crate) client: WorkerConn,
     pub(crate) assignment: Assignment,
@@ -110,7 +110,7 @@ pub struct RegisteredWorker {
 
 /// The workers in layer order.
 pub struct Pipeline {
-    pub(crate) stages: Vec<Stage>,
+    pub(crate) stages: Vec<WorkerLink>,
     pub(crate) deadline: Deadline,
     pub(crate) roster: Roster,
     /// One lock per stage: a worker runs one step at a time, micro-batches in the order they came.
@@ -127,7 +127,7 @@ pub struct Pipeline {
 /// as it arrives, not when the whole batch is through.
 #[derive(Clone)]
 pub struct Runner {
-    stages: Arc<[Stage]>,
+    stages: Arc<[WorkerLink]>,
     locks: Arc<[tokio::sync::Mutex<()>]>,
     timeout: Duration,
     shm_handoff: bool,
@@ -176,7 +176,7 @@ fn worker_err(addr: &str, s: &tonic::Status) -> Error {
 
 /// Loads `stage.assignment` on its worker (traced under `span`, the plan's); the answer carries the
 /// worker's step-token limit.
-pub async fn assign(stage: &Stage, span: &Span) -> Result<AssignResponse> {
+pub async fn assign(stage: &WorkerLink, span: &Span) -> Result<AssignResponse> {
     let mut c = stage.client.clone();
     let refused = |msg: String| Error::Worker {
         worker: stage.addr.clone(),
@@ -316,7 +316,7 @@ impl Pipeline {
             p.micro_batches = micro_batches as u32;
             tracing::info!(worker = %p.worker, layers = ?(p.layer_start..p.layer_end), resident = ?p.resident, group = p.group_size, buffers = p.streaming_buffers, bytes = p.bytes_needed, prefetch = p.prefetch, "plan");
             let w = &r.workers[i];
-            let stage = Stage {
+            let stage = WorkerLink {
                 addr: w.spec.address.clone(),
                 client: w.conn.clone(),
                 assignment: p.clone(),
