@@ -30,12 +30,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 /// POSTs `body` to the stack's `/v1/completions`.
 fn completion(http: &str, body: serde_json::Value) -> serde_json::Value {
-    let out = std::process::Command::new("curl")
-        .args(["-sf", "-H", "content-type: application/json", "-d", &body.to_string()])
-        .arg(format!("{http}/v1/completions"))
-        .output()
-        .expect("curl runs");
-    serde_json::from_slice(&out.stdout).expect("a JSON answer")
+    post_ok(http, "/v1/completions", &body)
 }
 
 /// A sampled completion of `prompt` with `n` choices from `seed`, each token's log-probability

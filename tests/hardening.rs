@@ -13,24 +13,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// `curl` of `path` with a JSON `body` (and headers); returns (HTTP status, body as JSON or text).
-fn post(stack: &Stack, path: &str, body: &serde_json::Value, headers: &[&str]) -> (u16, String) {
-    let mut c = Command::new("curl");
-    c.args(["-sS", "-w", "\n%{http_code}", "-H", "content-type: application/json"]);
-    for h in headers {
-        c.args(["-H", h]);
-    }
-    // The body on stdin: a 600 KB grammar is past what a command line may hold.
-    c.args(["--data-binary", "@-"]).arg(format!("{}{path}", stack.http()));
-    c.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
-    let mut child = c.spawn().expect("curl runs");
-    use std::io::Write;
-    child.stdin.take().unwrap().write_all(body.to_string().as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let out = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
 fn chat(text: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut b = serde_json::json!({"model": "m", "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": text}]});
@@ -103,8 +85,7 @@ fn hostile_formats_are_refused_and_the_stack_keeps_serving() {
     ];
     for (format, limit) in &cases {
         for _ in 0..6 {
-            let (code, body) = post(
-                &stack,
+            let (code, body) = stack.post(
                 "/v1/chat/completions",
                 &chat("hi", serde_json::json!({"response_format": format})),
                 &[],
@@ -144,7 +125,7 @@ fn hostile_formats_are_refused_and_the_stack_keeps_serving() {
         "Pick a city.",
         serde_json::json!({"tools": [tool], "tool_choice": "required", "max_tokens": 40}),
     );
-    let (code, text) = post(&stack, "/v1/chat/completions", &body, &[]);
+    let (code, text) = stack.post("/v1/chat/completions", &body, &[]);
     assert_eq!(code, 200, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
@@ -156,7 +137,7 @@ fn hostile_formats_are_refused_and_the_stack_keeps_serving() {
     assert_eq!(stack.children("coordinator"), coordinator, "the coordinator was restarted");
     assert_eq!(health(&stack).0, 200);
     let (code, text) =
-        post(&stack, "/v1/chat/completions", &chat("hello", serde_json::json!({})), &[]);
+        stack.post("/v1/chat/completions", &chat("hello", serde_json::json!({})), &[]);
     assert_eq!(code, 200, "{text}");
     stack.shutdown();
 }
@@ -219,8 +200,7 @@ fn squatted_shared_memory_names_stop_nothing() {
         .status();
     assert!(as_nobody.is_ok_and(|s| s.success()), "setpriv could not create files as nobody");
     for i in 0..4 {
-        let (code, body) = post(
-            &stack,
+        let (code, body) = stack.post(
             "/v1/chat/completions",
             &chat(&format!("Say {i}."), serde_json::json!({})),
             &[],
@@ -319,7 +299,7 @@ fn keys_stay_off_command_lines_and_tenants_do_not_share_prefixes() {
             None => serde_json::json!({}),
         };
         let auth = format!("authorization: Bearer {key}");
-        let (code, body) = post(&stack, "/v1/chat/completions", &chat(long, extra), &[&auth]);
+        let (code, body) = stack.post("/v1/chat/completions", &chat(long, extra), &[&auth]);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
         (code, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
     };
@@ -370,8 +350,7 @@ fn a_full_journal_disk_degrades_and_heals() {
         .join(run.strip_prefix("/").unwrap());
     let filler = inside.join("filler");
     let keyed = |k: &str| {
-        post(
-            &stack,
+        stack.post(
             "/v1/chat/completions",
             &chat("hi", serde_json::json!({})),
             &[&format!("idempotency-key: {k}")],
@@ -395,8 +374,7 @@ fn a_full_journal_disk_degrades_and_heals() {
     assert!(body.contains("journal") && body.contains("retry"), "{body}");
     let (code, h) = health(&stack);
     assert!(code == 200 && h.contains("degraded") && h.contains("journal"), "{code} {h}");
-    let (code, body) =
-        post(&stack, "/v1/chat/completions", &chat("hi", serde_json::json!({})), &[]);
+    let (code, body) = stack.post("/v1/chat/completions", &chat("hi", serde_json::json!({})), &[]);
     assert_eq!(code, 200, "a request without a key still answers: {body}");
     std::fs::remove_file(&filler).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -28,12 +28,7 @@ fn stat(v: &serde_json::Value, key: &str) -> u64 {
 fn openai_chat(stack: &Stack, text: &str) -> serde_json::Value {
     let body = serde_json::json!({"model": "m", "max_tokens": 8, "temperature": 0,
         "messages": [{"role": "user", "content": text}]});
-    let out = std::process::Command::new("curl")
-        .args(["-sf", "-H", "content-type: application/json", "-d", &body.to_string()])
-        .arg(format!("{}/v1/chat/completions", stack.http()))
-        .output()
-        .expect("curl runs");
-    serde_json::from_slice(&out.stdout).expect("a JSON answer")
+    post_ok(stack.http(), "/v1/chat/completions", &body)
 }
 
 fn tiny(dir: &Path) -> std::path::PathBuf {

@@ -110,6 +110,11 @@ impl Stack {
         self.proc.http.as_deref().expect("the stack serves HTTP")
     }
 
+    /// POSTs `body` as JSON to `path` of the stack's HTTP API (see `post_json`).
+    pub fn post(&self, path: &str, body: &serde_json::Value, headers: &[&str]) -> (u16, String) {
+        post_json(self.http(), path, body, headers)
+    }
+
     /// A value of the stack's Prometheus `/metrics` (`name` with its labels, as exposed; 0 when
     /// absent), read with curl.
     pub fn metric(&self, name: &str) -> f64 {
@@ -364,4 +369,36 @@ pub fn concurrent_jobs(addr: &str) -> Vec<serde_json::Value> {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// POSTs `body` as JSON to `base` + `path` with curl, with extra `headers` (`name: value`); the
+/// HTTP status (0 when none came) and the body. The body goes on stdin: a 600 KB grammar is past
+/// what a command line may hold.
+pub fn post_json(
+    base: &str,
+    path: &str,
+    body: &serde_json::Value,
+    headers: &[&str],
+) -> (u16, String) {
+    let mut c = std::process::Command::new("curl");
+    c.args(["-sS", "-w", "\n%{http_code}", "-H", "content-type: application/json"]);
+    for h in headers {
+        c.args(["-H", h]);
+    }
+    c.args(["--data-binary", "@-"]).arg(format!("{base}{path}"));
+    c.stdin(Stdio::piped()).stdout(Stdio::piped());
+    let mut child = c.spawn().expect("curl runs");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(body.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+/// `post_json` that must be answered 200 with JSON: the answer.
+pub fn post_ok(base: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    let (code, text) = post_json(base, path, body, &[]);
+    assert_eq!(code, 200, "POST {path}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("POST {path}: {e}: {text}"))
 }
