@@ -30,6 +30,18 @@ pub struct Usage {
     pub prompt_tokens_details: Option<PromptTokensDetails>,
 }
 
+impl Usage {
+    /// `prompt` and `completion` tokens, and their total.
+    pub fn counted(prompt: u64, completion: u64, details: Option<PromptTokensDetails>) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: details,
+        }
+    }
+}
+
 /// Prompt tokens found in the prefix cache.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PromptTokensDetails {

@@ -127,12 +127,7 @@ impl Answer {
             .filter_map(|f| f.stats.as_ref())
             .map(|s| s.cached_tokens as u64)
             .sum();
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-            total_tokens: p + c,
-            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens: cached }),
-        }
+        Usage::counted(p, c, Some(PromptTokensDetails { cached_tokens: cached }))
     }
 
     /// Log-probabilities of `ids` in the endpoint's format (chat: `content` entries; completions:
@@ -269,13 +264,7 @@ impl Answer {
         if self.shape.continuous_usage {
             let p = self.prompt_tokens() as u64;
             let c: u64 = if self.echo_only { 0 } else { sent.iter().map(|&n| n as u64).sum() };
-            let usage = Usage {
-                prompt_tokens: p,
-                completion_tokens: c,
-                total_tokens: p + c,
-                prompt_tokens_details: None,
-            };
-            v.usage = Some(Some(usage));
+            v.usage = Some(Some(Usage::counted(p, c, None)));
         } else if self.shape.include_usage {
             v.usage = Some(None);
         }

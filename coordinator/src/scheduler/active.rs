@@ -114,11 +114,6 @@ impl Active {
             })
             .collect()
     }
-
-    /// Whether it was cancelled or its client went away.
-    pub(crate) fn gone(&self) -> bool {
-        self.req.gone()
-    }
 }
 
 impl SeqRequest {

@@ -282,7 +282,7 @@ impl Core {
         let mut i = 0;
         while i < self.active.len() {
             let a = &self.active[i];
-            if !self.in_flight(a) && a.gone() {
+            if !self.in_flight(a) && a.req.gone() {
                 let mut a = self.active.remove(i);
                 self.free_blocks(&mut a);
                 let mut e = self.ended(&a, FinishReason::Cancelled, String::new());

@@ -94,6 +94,12 @@ impl Core {
         self.blocks.blocks_for(a.pos + bring).saturating_sub(a.blocks.table.len())
     }
 
+    /// Blocks the next steps of the active sequences not in flight (`in_flight`, one each) add.
+    fn growth(&self, in_flight: &[bool]) -> usize {
+        let waiting = self.active.iter().zip(in_flight).filter(|(_, &f)| !f);
+        waiting.map(|(a, _)| self.next_growth(a)).sum()
+    }
+
     /// Preempts the newest sequences not in flight until the others' next steps fit the pool:
     /// each goes to the host tier when it has room (its blocks copied out before anything reuses
     /// them), else gives its blocks back to be replayed (the workers forget it). The oldest
@@ -102,14 +108,7 @@ impl Core {
         let mut flight: Vec<bool> = self.active.iter().map(|a| self.in_flight(a)).collect();
         self.spill(&flight);
         loop {
-            let want: usize = self
-                .active
-                .iter()
-                .zip(&flight)
-                .filter(|(_, &f)| !f)
-                .map(|(a, _)| self.next_growth(a))
-                .sum();
-            if want <= self.blocks.available() {
+            if self.growth(&flight) <= self.blocks.available() {
                 break;
             }
             let Some(i) = (1..self.active.len()).rev().find(|&i| !flight[i]) else { break };
@@ -152,14 +151,7 @@ impl Core {
         if self.limits.host_blocks == 0 || !self.limits.prefix_cache {
             return;
         }
-        let want: usize = self
-            .active
-            .iter()
-            .zip(in_flight)
-            .filter(|(_, &f)| !f)
-            .map(|(a, _)| self.next_growth(a))
-            .sum();
-        let short = want.saturating_sub(self.blocks.free_now());
+        let short = self.growth(in_flight).saturating_sub(self.blocks.free_now());
         for (block, key) in self.blocks.evict_idle(short) {
             let Some(slot) = self.host.slot() else { break };
             self.host.out.push((block, slot));
