@@ -23,6 +23,9 @@
 #   tiers     plan's prediction vs bench's measurement on a TIER_BUDGET device budget: every streamed
 #             layer in the RAM tier, then TIER_SLOTS slots (disk), at TIER_BATCHES (#40); TIER_CONFIGS
 #             picks (ram disk), TIER_RECAL=1 calibrates afresh
+#   cgroup    the ledger under a memory cgroup on the GPU machine: `up` with no size flags on a store
+#             larger than CG_LIMIT, then `bench` on a TIER_BUDGET device budget in it (#40)
+#   ab        this checkout's binary against an older one (.dev/old), alternated on the RAM tier
 #   uppred    `up` on the device: the cost model's prediction beside each decode step (1, then 8 at once)
 #   moe       benchmarks/moe-experts.sh on the DeepSeek-V3 and gpt-oss-120b shapes (MOE_LAYERS, MOE_BATCHES)
 #   prequant  benchmarks/prequant-formats.sh (FP8/INT8/int4/ternary vs Q8_0/Q4_K) on the device
@@ -87,7 +90,7 @@ stores() {  # the synthetic stores, written the first time a section needs them
 IGN=--include-ignored; [ "$DEV" = cpu ] && IGN=
 timed() { local t=$SECONDS; "$@"; echo "   ($1: $((SECONDS - t)) s)"; }
 declare -A EST=([hbm]=15 [sanitize]=120 [kernels]=90 [cuda]=200 [cudaq]=120 [matvec]=40 [h2d]=10 [run]=60 [sampling]=20 [stream]=100
-  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [tiers]=200 [uppred]=60 [moe]=120 [prequant]=90 [llama]=400)
+  [prefill]=60 [sampled]=40 [spec]=60 [mixed]=120 [tiers]=200 [uppred]=60 [cgroup]=150 [ab]=190 [moe]=120 [prequant]=90 [llama]=400)
 fits() {  # SECTION: whether its estimate ends before DEADLINE
   local est; est=$(eval "echo \${EST_$1:-${EST[$1]:-60}}")
   [ -z "${DEADLINE:-}" ] || [ $((SECONDS + est)) -le "$DEADLINE" ] && return 0
@@ -121,7 +124,7 @@ sec_mixed() {
     done
   done
 }
-sec_kernels() { "$BIN/kernels-test" ${KERNEL_TESTS:-cuda} $IGN --test-threads=1 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
+sec_kernels() { "$BIN/kernels-test" ${KERNEL_TESTS:-cuda} $IGN --test-threads=${KERNEL_THREADS:-1} 2>&1 | tee "$OUT/kernels-tests.log" | tail -15; }
 sec_cuda() {
   # shellcheck disable=SC2086
   "$BIN/cuda-test" $IGN --test-threads=1 --nocapture ${CUDA_TESTS:-} 2>&1 | tee -a "$OUT/cuda-tests.log" | grep -E "^test |test result|GPU worker took|panicked|skipping" | tail -60
@@ -224,6 +227,80 @@ for s in json.load(sys.stdin)['steps']:
   curl -s $url/metrics | grep "^layerstream_decode_step" | tee -a "$OUT/uppred.txt"
   kill -INT $pid; wait $pid
 }
+# The ledger under a memory cgroup on the GPU machine (#40): the 70B-shaped store (larger than
+# CG_LIMIT, default 3.5G) run with no size flags at all by `up` (one request, then 8 at once), then on a
+# small GPU's budget (TIER_BUDGET) by `bench --streamed-only` (plan's prediction beside it), each in a
+# cgroup this section makes (v1, else v2; it says why when it cannot), with its peak usage.
+sec_cgroup() {
+  local cg lim peak port=${UP_PORT:-18001} url pid
+  if [ -w /sys/fs/cgroup/memory ]; then cg=/sys/fs/cgroup/memory/ls-gpu; lim=memory.limit_in_bytes; peak=memory.max_usage_in_bytes
+  elif grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    cg=/sys/fs/cgroup/ls-gpu; lim=memory.max; peak=memory.peak
+    grep -qw memory /sys/fs/cgroup/cgroup.subtree_control || echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null
+  else echo "no writable memory cgroup here (no v1 memory controller, no v2 memory in cgroup.controllers)" | tee -a "$OUT/cgroup.txt"; return; fi
+  mkdir -p $cg && echo "${CG_LIMIT:-3.5G}" | numfmt --from=iec > $cg/$lim \
+    || { echo "cannot make or limit $cg: $(id -un), $(stat -fc %T /sys/fs/cgroup)" | tee -a "$OUT/cgroup.txt"; return; }
+  echo "-- cgroup $cg: $lim $(cat $cg/$lim), store $(du -sh $S70 | cut -f1)" | tee -a "$OUT/cgroup.txt"
+  url=http://127.0.0.1:$port
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+  RUST_LOG=${RUST_LOG:-warn} sh -c "echo \$\$ > $cg/cgroup.procs && exec \"\$0\" \"\$@\"" "$LS" up --model $S70 --device $DEV \
+    --listen 127.0.0.1:0 --http-listen 127.0.0.1:$port > "$OUT/cgroup-up.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 150); do curl -sf $url/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+  grep -iE "ledger|share|slots|budget|kv" "$OUT/cgroup-up.log" | head -20 | tee -a "$OUT/cgroup.txt"
+  local model; model=$(curl -s $url/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])" 2>/dev/null)
+  local body="{\"model\":\"$model\",\"prompt\":\"$FOX\",\"max_tokens\":${TOKENS:-8},\"ignore_eos\":true}"
+  curl -s -m 120 $url/v1/completions -H 'content-type: application/json' -d "$body" | head -c 600 | tee -a "$OUT/cgroup.txt"; echo | tee -a "$OUT/cgroup.txt"
+  local asks=()
+  for _ in $(seq 1 8); do curl -s -m 120 $url/v1/completions -H 'content-type: application/json' -d "$body" -o /dev/null -w "%{http_code} " & asks+=($!); done
+  wait "${asks[@]}"; echo
+  curl -s $url/api/stack | python3 -c "
+import json, sys
+d = json.load(sys.stdin)
+print('memory:', json.dumps(d.get('memory')))
+for a in d['plan']:
+    print('worker', a['device'], 'layers', a['layers'], 'resident', a['resident'], 'buffers', a['buffers'], 'budget', a['budget'], 'loader', json.dumps(a['loader']))
+for s in d['steps'][-3:]:
+    print(f\"batch {s['batch']} rows {s['rows']}: {s['wall_ms']:.1f} ms, predicted {s.get('predicted_ms')}\")
+" 2>&1 | tee -a "$OUT/cgroup.txt"
+  kill -INT $pid 2>/dev/null; wait $pid; echo "up exit $?; peak $(numfmt --to=iec < $cg/$peak)" | tee -a "$OUT/cgroup.txt"
+  tail -3 "$OUT/cgroup-up.log" | tee -a "$OUT/cgroup.txt"
+  for b in ${CG_BATCHES:-1 8}; do
+    [ $peak = memory.max_usage_in_bytes ] && echo 0 > $cg/$peak
+    sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+    echo "-- bench --memory-budget ${TIER_BUDGET:-4G} --streamed-only --batch $b, in the cgroup" | tee -a "$OUT/cgroup.txt"
+    RUST_LOG=${RUST_LOG:-warn} sh -c "echo \$\$ > $cg/cgroup.procs && exec \"\$0\" \"\$@\"" "$LS" bench --model $S70 --device $DEV \
+      --memory-budget ${TIER_BUDGET:-4G} --streamed-only --batch $b --max-new-tokens ${TOKENS:-8} --prompt "$FOX" \
+      --json-out "$OUT/cgroup-b$b.json" 2>&1 | grep -E "^\||predicted|no prediction|workload|^note|rror|ledger" | tee -a "$OUT/cgroup.txt"
+    echo "peak $(numfmt --to=iec < $cg/$peak)" | tee -a "$OUT/cgroup.txt"
+  done
+  for _ in $(seq 50); do [ -z "$(cat $cg/cgroup.procs)" ] && break; sleep 0.2; done
+  rmdir $cg 2>/dev/null
+}
+# A change against the binary before it, side by side in one call: OLD (default $KEEP/old/layerstream,
+# carried xz-compressed as .dev/old) and this checkout's, alternated AB_ROUNDS times at AB_BATCHES on
+# the 70B-shaped store with a TIER_BUDGET device budget (every streamed layer in the RAM tier).
+sec_ab() {
+  local old=${OLD_BIN:-$KEEP/old/layerstream} r b v bin
+  [ -f "$old.xz" ] && xz -dc "$old.xz" > "$old" && chmod +x "$old"
+  [ -x "$old" ] || { echo "no old binary at $old: carry .dev/old/layerstream.xz"; return; }
+  for r in $(seq 1 ${AB_ROUNDS:-2}); do for b in ${AB_BATCHES:-1 64}; do for v in old new; do
+    bin=$LS; [ $v = old ] && bin=$old
+    echo "-- round $r batch $b $v" | tee -a "$OUT/ab.txt"
+    RUST_LOG=${RUST_LOG:-warn} "$bin" bench --model $S70 --device $DEV --memory-budget ${TIER_BUDGET:-4G} --streamed-only \
+      --batch $b --max-new-tokens ${AB_TOKENS:-16} --prompt "$FOX" --json-out "$OUT/ab-$v-b$b-r$r.json" 2>&1 \
+      | grep -E "measured|rror" | tee -a "$OUT/ab.txt"
+  done; done; done
+  python3 - "$OUT" ${AB_BATCHES:-1 64} <<'PY' | tee -a "$OUT/ab.txt"
+import glob, json, sys
+out = sys.argv[1]
+for b in sys.argv[2:]:
+    for v in ("old", "new"):
+        rs = [json.load(open(f))[0] for f in sorted(glob.glob(f"{out}/ab-{v}-b{b}-r*.json"))]
+        print(f"batch {b} {v}: decode tok/s", [round(r["decode_tok_s"], 2) for r in rs],
+              "overlap %", [round(r["overlap_pct"], 1) for r in rs], "stall ms", [round(r["stall_ms"]) for r in rs])
+PY
+}
 # Mixture-of-experts streaming (#32, #33): DeepSeek-V3 and gpt-oss-120b shapes expert by expert.
 sec_moe() {
   LAYERSTREAM_BIN="$LS" bash "$ROOT/benchmarks/moe-experts.sh" --device $DEV --layers ${MOE_LAYERS:-4} \
@@ -282,6 +359,6 @@ PY
 for s in $SECTIONS; do
   declare -F "sec_$s" >/dev/null || { echo "no section $s" >&2; continue; }
   echo "== $s (at $SECONDS s)"; fits $s || continue
-  case $s in run|stream|prefill|sampled|spec|mixed|tiers|uppred) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
+  case $s in run|stream|prefill|sampled|spec|mixed|tiers|uppred|cgroup|ab) [ -d $S70 ] && [ -d $SSM ] || timed stores;; esac
   timed sec_$s
 done

@@ -29,8 +29,9 @@ pub struct Fixed {
 }
 
 /// The stack's shape: `layers` slot-sized files (layer files, and expert files where the store has
-/// them), at least `floor` slots (the workers' streaming
-/// buffers and read-ahead), `workers` workers, CPU ones or not.
+/// them), at least `floor` slots (what the workers pin at once, and one to read ahead into:
+/// `slot_floor`), `workers` workers, CPU ones or not, each CPU worker needing at least
+/// `worker_min` bytes of its own (the embedding and head it keeps).
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
     pub layers: usize,
@@ -38,6 +39,17 @@ pub struct Shape {
     pub floor: usize,
     pub workers: usize,
     pub cpu: bool,
+    pub worker_min: u64,
+}
+
+/// The fewest slots a stack runs with: a GPU worker pins one layer group's slots while it copies
+/// them (then releases them), a CPU worker computing in place pins the group it computes and the
+/// groups its streaming buffers hold ahead; one more slot lets the loader read ahead. Never more
+/// than the store's `units` (a slot each holds them all). More slots only add read-ahead and the
+/// RAM tier: the ledger's share decides how many.
+pub fn slot_floor(gpu: usize, cpu: usize, group: usize, buffers: usize, units: usize) -> usize {
+    let pinned = gpu * group.max(1) + cpu * (buffers + 1) * group.max(1);
+    (pinned + 1).min(units.max(1))
 }
 
 /// Shares of `usable` memory (`shm`: /dev/shm's free bytes, when known): a margin of 128 MiB + 5%
@@ -59,20 +71,33 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
     let host = if s.cpu { 0 } else { GPU_WORKER_HOST_BYTES.saturating_mul(workers) };
     let pool = usable.saturating_sub(margin + host);
     let (roomy, share) = tier_share(pool, slot.saturating_mul(s.layers as u64), s.cpu);
-    let fit = share.min(shm.unwrap_or(u64::MAX)) / slot;
+    let kv_host_bytes = fixed.kv_host_bytes.unwrap_or(if roomy { pool / 8 / workers } else { 0 });
+    // CPU workers keep their embedding and head beside the slots: the slots leave them room.
+    let worker_min = if s.cpu { s.worker_min } else { 0 };
+    let floor_needs = kv_host_bytes.saturating_add(worker_min).saturating_mul(workers);
+    let room = match fixed.worker_budget {
+        Some(b) if s.cpu => pool.saturating_sub(b.saturating_add(kv_host_bytes) * workers),
+        _ => pool.saturating_sub(floor_needs),
+    };
+    let fit = share.min(room).min(shm.unwrap_or(u64::MAX)) / slot;
     let slots = fixed.slots.unwrap_or((fit as usize).min(s.layers).max(s.floor));
     let slot_bytes = slots as u64 * slot;
-    let kv_host_bytes = fixed.kv_host_bytes.unwrap_or(if roomy { pool / 8 / workers } else { 0 });
     let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     layerstream_loader::check_shm_room(slots, slot as usize, shm).map_err(|e| e.to_string())?;
     let left = pool.checked_sub(slot_bytes + kv_host_bytes * workers);
     let worker_budget = match (s.cpu, fixed.worker_budget, left) {
         (false, b, Some(_)) => b,
         (true, Some(b), _) => Some(b),
-        (true, None, Some(left)) if left > 0 => Some(left / workers),
+        (true, None, Some(left)) if left > 0 && left / workers >= worker_min => {
+            Some(left / workers)
+        }
         _ => {
             let rest = match s.cpu {
-                true => format!("leave nothing for the {} worker(s)", s.workers),
+                true => format!(
+                    "leave less than the {} worker(s) need ({} each for the embedding and head)",
+                    s.workers,
+                    gib(worker_min)
+                ),
                 false => format!(
                     "need more than the {} left beside the GPU workers' host side ({})",
                     gib(pool),
@@ -135,7 +160,14 @@ mod tests {
 
     fn llama8b(workers: usize) -> Shape {
         // 32 layers of ~131 MB Q4_K, 4 slots a worker at least.
-        Shape { layers: 32, slot_size: 131 * MIB, floor: 4 * workers, workers, cpu: true }
+        Shape {
+            layers: 32,
+            slot_size: 131 * MIB,
+            floor: 4 * workers,
+            workers,
+            cpu: true,
+            worker_min: 0,
+        }
     }
 
     #[test]
@@ -164,7 +196,7 @@ mod tests {
         let s = shares(4 << 30, None, llama8b(1), fixed).unwrap();
         assert_eq!((s.slots, s.worker_budget, s.kv_host_bytes), (6, Some(MIB), 0));
         let e = shares(600 * MIB, Some(64 << 30), llama8b(1), Fixed::default()).unwrap_err();
-        assert!(e.contains("4 slots") && e.contains("leave nothing"), "{e}");
+        assert!(e.contains("4 slots") && e.contains("leave less than"), "{e}");
         let huge = Fixed { kv_host_bytes: Some(100 << 30), ..Fixed::default() };
         let e = shares(8 << 30, None, llama8b(1), huge).unwrap_err();
         assert!(e.contains("--kv-host-bytes") && e.contains("more than this host's memory"), "{e}");
@@ -198,5 +230,45 @@ mod tests {
         // /dev/shm caps the tier as it does a CPU stack's.
         let shm = shares(16 << 30, Some(2 << 30), gpu(1), Fixed::default()).unwrap();
         assert_eq!(shm.slots as u64, (2u64 << 30) / (131 * MIB));
+    }
+
+    /// The fewest slots: what the workers pin at once and one to read ahead into, never more
+    /// than the store has units.
+    #[test]
+    fn the_slot_floor_is_what_the_workers_pin_and_one_more() {
+        assert_eq!(slot_floor(1, 0, 1, 2, 80), 2, "a GPU worker pins the group it copies");
+        assert_eq!(slot_floor(0, 1, 1, 2, 80), 4, "a CPU worker pins its group and two ahead");
+        assert_eq!(slot_floor(2, 1, 2, 2, 80), 11);
+        assert_eq!(slot_floor(0, 1, 1, 2, 1), 1, "one unit needs one slot");
+    }
+
+    /// A 70B-shaped store (layers of 0.48 GB) in a 3.5 GiB cgroup on a GPU: the stack streams
+    /// through the slots the pool holds (4) rather than asking for its comfortable read-ahead (5,
+    /// which did not fit and was refused, measured on an H200 2026-11-28).
+    #[test]
+    fn a_gpu_stack_past_ram_streams_through_the_slots_that_fit() {
+        let s70 = |floor, cpu, worker_min| Shape {
+            layers: 12,
+            slot_size: 481_361_920,
+            floor,
+            workers: 1,
+            cpu,
+            worker_min,
+        };
+        let usable = 3584 * MIB;
+        let s = shares(usable, None, s70(slot_floor(1, 0, 1, 2, 12), false, 0), Fixed::default())
+            .unwrap();
+        assert_eq!(s.slots, 4, "{s:?}");
+        assert!(s.slots as u64 * s.slot_size + s.margin <= usable, "{s:?}");
+        // A CPU worker keeps its embedding and head (1.18 GB here): the slots leave it that.
+        let cpu = s70(slot_floor(0, 1, 1, 2, 12), true, 1_180_000_000);
+        let c = shares(usable, None, cpu, Fixed::default()).unwrap();
+        assert!(c.worker_budget.unwrap() >= 1_180_000_000, "{c:?}");
+        assert!(c.slots >= cpu.floor, "{c:?}");
+        let total = c.slots as u64 * c.slot_size + c.worker_budget.unwrap() + c.margin;
+        assert!(total <= usable, "{c:?}");
+        // Where even the floor leaves the worker less than that, the error says so.
+        let e = shares(2560 * MIB, None, cpu, Fixed::default()).unwrap_err();
+        assert!(e.contains("embedding and head") && e.contains("4 slots"), "{e}");
     }
 }

@@ -382,22 +382,32 @@ fn share_secrets(a: &UpArgs) -> Result<Option<String>> {
 }
 
 /// The memory ledger read once and shared out (`fit::shares`): the loader's slots (never fewer
-/// than the workers' streaming buffers and read-ahead need), each CPU worker's budget and each
+/// than `fit::slot_floor`), each CPU worker's budget (its embedding and head at least) and each
 /// worker's host KV tier; flags the user gave are kept. Logged with what each part got.
 pub(crate) fn memory_shares(
     a: &UpArgs,
     store: &layerstream_model::Store,
 ) -> Result<(layerstream_model::mem::Ledger, crate::fit::Shares)> {
-    let per_worker = a.plan.streaming_buffers * a.plan.layer_group_size + a.pool.prefetch_depth + 1;
-    let layers = store.manifest.config.num_layers;
+    let m = &store.manifest;
     // Every streamable unit: layer files and, in a mixture-of-experts store, each expert file.
-    let experts = store.manifest.files.iter().filter(|f| f.name.contains("_expert_")).count();
+    let units =
+        m.config.num_layers + m.files.iter().filter(|f| f.name.contains("_expert_")).count();
+    let devices = worker_devices(&a.device.compute.device, a.workers);
+    let cpu = devices.iter().filter(|d| *d == "cpu").count();
+    let (group, buffers) = (a.plan.layer_group_size, a.plan.streaming_buffers);
+    // What a CPU worker keeps whatever it streams: the embedding and the head (one worker holds
+    // both; of several, the first one and the last one each).
+    let bytes = |f: &str| layerstream_serving::plan::file_bytes(m, f);
+    let head = if m.config.tie_word_embeddings { 0 } else { bytes("lm_head.bin") };
+    let (embed, norm) = (bytes("embed.bin"), bytes("final_norm.bin"));
+    let worker_min = if a.workers == 1 { embed + head + norm } else { embed.max(head + norm) };
     let shape = crate::fit::Shape {
-        layers: layers + experts,
-        slot_size: store.manifest.max_unit_bytes(),
-        floor: (a.workers * per_worker).max(4).min(layers.max(4)),
+        layers: units,
+        slot_size: m.max_unit_bytes(),
+        floor: crate::fit::slot_floor(a.workers - cpu, cpu, group, buffers, units),
         workers: a.workers,
-        cpu: worker_devices(&a.device.compute.device, a.workers).iter().any(|d| d == "cpu"),
+        cpu: cpu > 0,
+        worker_min,
     };
     let fixed = crate::fit::Fixed {
         slots: a.pool.slots,

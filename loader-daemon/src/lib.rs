@@ -23,8 +23,9 @@ use std::sync::Arc;
 pub struct SlotFlags {
     /// Number of shm slots, each holding one layer file. Default: the RAM tier holds what RAM can
     /// hold — every layer when half of the host's available memory (and of /dev/shm's free space)
-    /// holds them, else as many as that half holds, and never fewer than 8 (`up`: than its workers'
-    /// buffers and read-ahead need). Setting it caps the pool.
+    /// holds them, else as many as that half holds, and never fewer than 8 (`up`: its share of the
+    /// memory ledger, never fewer than its workers pin at once and one to read ahead into). Setting
+    /// it caps the pool.
     #[arg(long, alias = "loader-slots", env = "LAYERSTREAM_SLOTS")]
     pub slots: Option<usize>,
     /// Layers to read ahead of each worker's position.

@@ -73,9 +73,9 @@ impl LoaderLink {
     ) -> Result<R> {
         let (region, len) = self.acquire(layer, span)?;
         let out = use_slot(region.bytes(), len);
-        let rel = SlotRelease { worker: self.worker.clone(), layer };
-        let mut c = self.client.clone();
-        self.rt.block_on(c.release(rel)).map_err(|s| loader_err("release", s))?;
+        // The copy is done: the release need not hold up the next layer's acquire and copy (a
+        // round trip to the loader for every streamed layer).
+        release_in_background(self.client.clone(), self.worker.clone(), layer, &self.rt);
         out
     }
 
@@ -194,13 +194,25 @@ impl layerstream_kernels::MappedBytes for PinnedFile {
 
 impl Drop for PinnedFile {
     fn drop(&mut self) {
-        if let Some((mut c, worker, layer, rt)) = self.release.take() {
+        if let Some((c, worker, layer, rt)) = self.release.take() {
             // Not block_on: the last holder may drop it on a runtime thread.
-            rt.spawn(async move {
-                if let Err(e) = c.release(SlotRelease { worker, layer }).await {
-                    tracing::warn!(layer, error = %e, "releasing a pinned loader slot");
-                }
-            });
+            release_in_background(c, worker, layer, &rt);
         }
     }
+}
+
+/// Releases `worker`'s pin on `layer`'s slot without waiting for the loader's answer (the pins are
+/// counted, so a release that lands after the next acquire is still the right one); a failure is
+/// logged, as the worker no longer holds the slot either way.
+fn release_in_background(
+    mut c: LoaderClient<Authed>,
+    worker: String,
+    layer: u32,
+    rt: &tokio::runtime::Handle,
+) {
+    rt.spawn(async move {
+        if let Err(e) = c.release(SlotRelease { worker, layer }).await {
+            tracing::warn!(layer, error = %e, "releasing a loader slot");
+        }
+    });
 }
