@@ -7,6 +7,7 @@
 
 use crate::cpu::int8::prefetch;
 use crate::cpu::rows::{dot_rows, dot_rows2};
+use crate::cpu::rows_q8;
 use crate::quant::dequant_row;
 use layerstream_types::DType;
 use rayon::prelude::*;
@@ -71,7 +72,20 @@ pub fn matmul(
         });
         return transpose(t, m, n);
     }
+    // Q8_0 rows dequantized in registers where the CPU can (the same bits: `rows_q8`).
+    // Up to `rows_q8::MAX_ROWS` activation rows (past them the f32 row, dequantized once and read
+    // from cache for every activation row, costs less than dequantizing again per four rows), and
+    // rows of `rows_q8::MIN_WIDTH` values at least.
+    let fused = dtype == DType::Q8_0
+        && wf32.is_none()
+        && k.is_multiple_of(32)
+        && k >= rows_q8::MIN_WIDTH
+        && m <= rows_q8::MAX_ROWS
+        && rows_q8::available();
     t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
+        if fused {
+            return q8_0_block(&w[c * ROWS_PER_TASK * row_bytes..], row_bytes, x, k, m, block);
+        }
         let (mut d0, mut d1) = (vec![0f32; k], vec![0f32; k]);
         let mut pairs = block.chunks_exact_mut(2 * m);
         let mut r = c * ROWS_PER_TASK;
@@ -104,6 +118,38 @@ pub fn matmul(
         }
     });
     transpose(t, m, n)
+}
+
+/// One task's `block` of transposed outputs (`m` per weight row) from the Q8_0 rows at the start of
+/// `w` through `rows_q8` (where it is `available`): eight weight rows at a time, then pairs, the last
+/// row beside itself.
+fn q8_0_block(w: &[u8], row_bytes: usize, x: &[f32], k: usize, m: usize, block: &mut [f32]) {
+    let row = |j: usize| &w[j * row_bytes..(j + 1) * row_bytes];
+    let mut ran = true;
+    for (g, chunk) in block.chunks_mut(rows_q8::ROWS * m).enumerate() {
+        let r = g * rows_q8::ROWS;
+        if chunk.len() == rows_q8::ROWS * m {
+            // Arrays, not vectors: at a narrow width (Gemma's 640) an allocation per eight rows
+            // cost as much as their arithmetic.
+            let mut parts = chunk.chunks_mut(m);
+            let mut outs: [&mut [f32]; rows_q8::ROWS] =
+                std::array::from_fn(|_| parts.next().expect("eight rows of outputs"));
+            let ws: [&[u8]; rows_q8::ROWS] = std::array::from_fn(|j| row(r + j));
+            ran &= rows_q8::q8_0_rows(&ws, x, k, &mut outs);
+            continue;
+        }
+        let mut outs: Vec<&mut [f32]> = chunk.chunks_mut(m).collect();
+        let mut spare = vec![0f32; m];
+        for (j, pair) in outs.chunks_mut(2).enumerate() {
+            let a = r + 2 * j;
+            ran &= match pair {
+                [o0, o1] => rows_q8::q8_0_rows(&[row(a), row(a + 1)], x, k, &mut [o0, o1]),
+                [o0] => rows_q8::q8_0_rows(&[row(a), row(a)], x, k, &mut [o0, &mut spare]),
+                _ => true,
+            };
+        }
+    }
+    debug_assert!(ran, "q8_0_block runs only where rows_q8 is available");
 }
 
 /// `[n, m]` → `[m, n]` (nothing to move for one row).
@@ -187,7 +233,9 @@ mod tests {
 
     #[test]
     fn rows_are_independent_of_the_batch_and_match_a_naive_reference() {
-        let (n, k) = (70, 512);
+        // 71 rows: tasks of 32, 32 and 7 (Q8_0's fused path: eights, pairs and a last row), rows
+        // as wide as the fused path takes.
+        let (n, k) = (71, super::rows_q8::MIN_WIDTH);
         let types = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q2K, DType::Q3K, DType::Q4K];
         for dtype in types.into_iter().chain([DType::Q5K, DType::Q6K, DType::Bf16]) {
             let mut seed = 3u64;
@@ -212,6 +260,8 @@ mod tests {
                         single[j].to_bits(),
                         "{dtype}: row {r} differs alone vs batched"
                     );
+                    let dot = crate::quant::dot(&deq[j * k..(j + 1) * k], &x[r * k..(r + 1) * k]);
+                    assert_eq!(single[j].to_bits(), dot.to_bits(), "{dtype}: row {r}, output {j}");
                     let naive: f64 =
                         (0..k).map(|t| deq[j * k + t] as f64 * x[r * k + t] as f64).sum();
                     assert!(

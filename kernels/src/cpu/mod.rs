@@ -17,6 +17,7 @@ mod int8_units;
 mod matmul;
 mod pool;
 pub mod rows;
+mod rows_q8;
 pub mod threads;
 
 pub use attention::CpuKv;

@@ -1,0 +1,207 @@
+//! Q8_0 weight rows against f32 activation rows, dequantized in registers: the f32 path
+//! (`--exact`, and the vocabulary projection on every path) of the format most heads are stored
+//! in. `matmul` otherwise writes each weight row out as f32 (`dequant_row`) and reads it back
+//! (`dot_rows2`), which left a 128k-vocabulary head compute-bound at ~8 GB/s of weights on the
+//! dev VM. Here, with AVX-512, one register holds eight lanes of each of two rows: each weight
+//! is `d·q` rounded to f32 as `dequant_row` makes it, multiplied by its activation and added to its
+//! lane (a multiply then an add, no FMA) in the same order as `dot_rows2`, and the lanes are summed
+//! as `quant::dot` ends. So every output has the bits of the two-pass path, whatever the rows.
+
+/// Activation rows per pass over the weight rows (each dequantized value used for all of them).
+const BLOCK: usize = 4;
+/// Activation rows `matmul` sends here at most (one pass over the weights).
+pub const MAX_ROWS: usize = BLOCK;
+/// Row widths `matmul` sends here at least: on the dev VM (2 threads, `matvec-bench`,
+/// benchmarks/q8-0-head-cpu-2core.md) one to four rows ran 1.26-2.38x the two-pass path at 2048
+/// to 14336 values, 0.87-1.06x at 1024, and 0.57-0.75x at 576 and 640 (SmolLM2's and Gemma 3
+/// 270M's heads), where each eight rows' fixed work (scales, sums of lanes) is not paid back.
+pub const MIN_WIDTH: usize = 2048;
+
+/// Whether `q8_0_rows` runs on this CPU (AVX-512 F and DQ and F16C, detected once).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512dq")
+                && std::is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Weight rows a pass takes at once: four pairs, so one activation row still keeps four
+/// independent running sums in flight (one pair's sums wait on their own adds).
+pub const ROWS: usize = 8;
+
+/// `out[j][i] = dot(dequant(w[j]), x_i)` for Q8_0 weight rows `w` (two, or `ROWS`) of `k` values
+/// (`k` a multiple of 32) and the `out[j].len()` rows of `x`. Returns false, computing nothing,
+/// where the CPU lacks AVX-512 F/DQ and F16C (`available`).
+pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bool {
+    assert!(k.is_multiple_of(32) && w.iter().all(|r| r.len() >= k / 32 * 34));
+    assert!(w.len() == out.len() && (w.len() == 2 || w.len() == ROWS));
+    let m = out[0].len();
+    assert!(out.iter().all(|o| o.len() == m) && x.len() >= m * k);
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: the CPU supports AVX-512 F and DQ and F16C (checked at run time by `available`); the
+        // asserts above bound every weight block and activation row read.
+        unsafe {
+            match w.len() {
+                2 => avx512::rows::<1>(w, x, k, out),
+                _ => avx512::rows::<{ ROWS / 2 }>(w, x, k, out),
+            }
+        }
+        return true;
+    }
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    /// Eight values of each row, dequantized: `[d0·q0[c..c+8] | d1·q1[c..c+8]]`, `c` the offset
+    /// inside the 32-value blocks at `b0`/`b1` (the 2-byte scale first).
+    #[inline(always)]
+    unsafe fn weights(b0: *const u8, b1: *const u8, c: usize, d: __m512) -> __m512 {
+        let q = _mm_set_epi64x(
+            (b1.add(2 + c) as *const i64).read_unaligned(),
+            (b0.add(2 + c) as *const i64).read_unaligned(),
+        );
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))
+    }
+
+    /// The eight lanes of each half summed in order, as `quant::dot` ends (`k` has no tail).
+    #[inline(always)]
+    unsafe fn finish(acc: __m512) -> (f32, f32) {
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        (lanes[..8].iter().sum(), lanes[8..].iter().sum())
+    }
+
+    /// `super::q8_0_rows` for `2·P` weight rows, `P` pairs of them a register each.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and DQ and F16C; each of the `2·P` rows of `w` must hold `k / 32`
+    /// blocks, `out` as many slices of one length `m`, and `x` `m` rows of `k`.
+    #[target_feature(enable = "avx512f,avx512dq,f16c")]
+    pub unsafe fn rows<const P: usize>(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) {
+        let m = out[0].len();
+        // Pair p's scales: lanes 0-7 take row 2p's, lanes 8-15 row 2p+1's.
+        let picks: [__m512i; P] = std::array::from_fn(|p| {
+            let idx: [i32; 16] = std::array::from_fn(|l| (2 * p + l / 8) as i32);
+            _mm512_loadu_si512(idx.as_ptr().cast())
+        });
+        let mut i = 0;
+        while i < m {
+            let n = BLOCK.min(m - i);
+            let mut acc = [[_mm512_setzero_ps(); P]; BLOCK];
+            for blk in 0..k / 32 {
+                let o = blk * 34;
+                // The rows' f16 scales converted together (exactly, as `f16_at` does one).
+                let mut h = [0u16; 8];
+                for (j, hj) in h.iter_mut().enumerate().take(2 * P) {
+                    *hj = u16::from_le_bytes([w[j][o], w[j][o + 1]]);
+                }
+                let scales =
+                    _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())));
+                let d: [__m512; P] =
+                    std::array::from_fn(|p| _mm512_permutexvar_ps(picks[p], scales));
+                for c in (0..32).step_by(8) {
+                    let mut wv = [_mm512_setzero_ps(); P];
+                    for (p, v) in wv.iter_mut().enumerate() {
+                        *v = weights(
+                            w[2 * p].as_ptr().add(o),
+                            w[2 * p + 1].as_ptr().add(o),
+                            c,
+                            d[p],
+                        );
+                    }
+                    for (r, ar) in acc.iter_mut().enumerate().take(n) {
+                        let xp = x.as_ptr().add((i + r) * k + blk * 32 + c);
+                        let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xp));
+                        for (a, wp) in ar.iter_mut().zip(&wv) {
+                            *a = _mm512_add_ps(*a, _mm512_mul_ps(*wp, xv));
+                        }
+                    }
+                }
+            }
+            for (r, ar) in acc.iter().enumerate().take(n) {
+                for (p, &v) in ar.iter().enumerate() {
+                    let (s0, s1) = finish(v);
+                    out[2 * p][i + r] = s0;
+                    out[2 * p + 1][i + r] = s1;
+                }
+            }
+            i += n;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::rows::dot_rows2;
+    use crate::quant::dequant_row;
+    use layerstream_types::DType;
+
+    /// Q8_0 rows of varied scales and bytes: each block a scale then 32 signed bytes.
+    fn q8_row(k: usize, seed: usize) -> Vec<u8> {
+        let mut row = Vec::with_capacity(k / 32 * 34);
+        for b in 0..k / 32 {
+            let d = half::f16::from_f32(0.001 + ((b * 7 + seed) % 13) as f32 * 0.0037);
+            row.extend(d.to_le_bytes());
+            row.extend((0..32).map(|i| ((i * 37 + b * 11 + seed * 5) % 256) as u8));
+        }
+        row
+    }
+
+    /// Every row count around the block of four, widths of one to many blocks: the bits of
+    /// dequantizing both rows and `dot_rows2` (the path it replaces).
+    #[test]
+    fn every_output_has_the_bits_of_dequantize_then_dot() {
+        if !available() {
+            eprintln!(
+                "skipping: no AVX-512 F/DQ and F16C on this CPU (the two-pass path runs instead)"
+            );
+            return;
+        }
+        for k in [32usize, 64, 96, 576, 4096] {
+            let (w0, w1) = (q8_row(k, 1), q8_row(k, 2));
+            let (mut f0, mut f1) = (vec![0f32; k], vec![0f32; k]);
+            dequant_row(DType::Q8_0, &w0, &mut f0);
+            dequant_row(DType::Q8_0, &w1, &mut f1);
+            for m in [1usize, 2, 3, 4, 5, 9, 17] {
+                let x: Vec<f32> =
+                    (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
+                let (mut b0, mut b1) = (vec![0f32; m], vec![0f32; m]);
+                dot_rows2(&f0, &f1, &x, k, &mut b0, &mut b1);
+                // Two rows, then eight (the pair in every place of the eight).
+                let mut a = [vec![0f32; m], vec![0f32; m]];
+                let mut outs: Vec<&mut [f32]> = a.iter_mut().map(|v| v.as_mut_slice()).collect();
+                assert!(q8_0_rows(&[&w0, &w1], &x, k, &mut outs));
+                let ws: Vec<&[u8]> =
+                    (0..ROWS).map(|j| if j % 2 == 0 { &w0[..] } else { &w1[..] }).collect();
+                let mut e = vec![vec![0f32; m]; ROWS];
+                let mut outs8: Vec<&mut [f32]> = e.iter_mut().map(|v| v.as_mut_slice()).collect();
+                assert!(q8_0_rows(&ws, &x, k, &mut outs8));
+                for r in 0..m {
+                    assert_eq!(a[0][r].to_bits(), b0[r].to_bits(), "k {k} m {m} row {r}");
+                    assert_eq!(a[1][r].to_bits(), b1[r].to_bits(), "k {k} m {m} row {r}, second");
+                    for (j, o) in e.iter().enumerate() {
+                        let want = if j % 2 == 0 { b0[r] } else { b1[r] };
+                        assert_eq!(
+                            o[r].to_bits(),
+                            want.to_bits(),
+                            "eight: k {k} m {m} row {r} w {j}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
