@@ -126,16 +126,22 @@ pub fn matmul(
 fn q8_0_block(w: &[u8], row_bytes: usize, x: &[f32], k: usize, m: usize, block: &mut [f32]) {
     let row = |j: usize| &w[j * row_bytes..(j + 1) * row_bytes];
     let mut ran = true;
-    for (g, chunk) in block.chunks_mut(rows_q8::ROWS * m).enumerate() {
-        let r = g * rows_q8::ROWS;
-        if chunk.len() == rows_q8::ROWS * m {
-            // Arrays, not vectors: at a narrow width (Gemma's 640) an allocation per eight rows
-            // cost as much as their arithmetic.
+    let rows = rows_q8::rows_for(m);
+    for (g, chunk) in block.chunks_mut(rows * m).enumerate() {
+        let r = g * rows;
+        // Each cache line of the group's rows, `int8::PREFETCH` ahead (rows read side by side are
+        // as many streams; a narrow row is too short for the hardware to follow each).
+        let span = (r * row_bytes).min(w.len())..((r + rows) * row_bytes).min(w.len());
+        span.step_by(64).for_each(|o| prefetch(w[o..].as_ptr()));
+        if chunk.len() == rows * m {
+            // Arrays, not vectors: at a narrow width an allocation per group cost as much as its
+            // arithmetic.
             let mut parts = chunk.chunks_mut(m);
             let mut outs: [&mut [f32]; rows_q8::ROWS] =
-                std::array::from_fn(|_| parts.next().expect("eight rows of outputs"));
-            let ws: [&[u8]; rows_q8::ROWS] = std::array::from_fn(|j| row(r + j));
-            ran &= rows_q8::q8_0_rows(&ws, x, k, &mut outs);
+                std::array::from_fn(|_| parts.next().unwrap_or_default());
+            let ws: [&[u8]; rows_q8::ROWS] =
+                std::array::from_fn(|j| row((r + j).min(r + rows - 1)));
+            ran &= rows_q8::q8_0_rows(&ws[..rows], x, k, &mut outs[..rows]);
             continue;
         }
         let mut outs: Vec<&mut [f32]> = chunk.chunks_mut(m).collect();
@@ -252,6 +258,8 @@ mod tests {
             for (o, r) in deq.chunks_exact_mut(k).zip(w.chunks_exact(dtype.row_bytes(k).unwrap())) {
                 dequant_row(dtype, r, o);
             }
+            // Three rows: Q8_0's fused path in groups of four weight rows.
+            let three = matmul(dtype, &w, None, (n, k), &x[..3 * k], 3, F32);
             for r in 0..5 {
                 let single = matmul(dtype, &w, None, (n, k), &x[r * k..(r + 1) * k], 1, F32);
                 for j in 0..n {
@@ -260,6 +268,9 @@ mod tests {
                         single[j].to_bits(),
                         "{dtype}: row {r} differs alone vs batched"
                     );
+                    if r < 3 {
+                        assert_eq!(three[r * n + j].to_bits(), single[j].to_bits(), "{dtype}");
+                    }
                     let dot = crate::quant::dot(&deq[j * k..(j + 1) * k], &x[r * k..(r + 1) * k]);
                     assert_eq!(single[j].to_bits(), dot.to_bits(), "{dtype}: row {r}, output {j}");
                     let naive: f64 =

@@ -12,10 +12,10 @@ const BLOCK: usize = 4;
 /// Activation rows `matmul` sends here at most (one pass over the weights).
 pub const MAX_ROWS: usize = BLOCK;
 /// Row widths `matmul` sends here at least: on the dev VM (2 threads, `matvec-bench`,
-/// benchmarks/q8-0-head-cpu-2core.md) one to four rows ran 1.26-2.38x the two-pass path at 2048
-/// to 14336 values, 0.87-1.06x at 1024, and 0.57-0.75x at 576 and 640 (SmolLM2's and Gemma 3
-/// 270M's heads), where each eight rows' fixed work (scales, sums of lanes) is not paid back.
-pub const MIN_WIDTH: usize = 2048;
+/// benchmarks/q8-0-head-cpu-2core.md) one to four activation rows ran 0.9-2.1x the two-pass path
+/// at 576 to 4096 values (about even only at four rows of the narrow ones); narrower rows were not
+/// measured.
+pub const MIN_WIDTH: usize = 512;
 
 /// Whether `q8_0_rows` runs on this CPU (AVX-512 F and DQ and F16C, detected once).
 pub fn available() -> bool {
@@ -32,16 +32,27 @@ pub fn available() -> bool {
     false
 }
 
-/// Weight rows a pass takes at once: four pairs, so one activation row still keeps four
+/// Weight rows a pass takes at once for one activation row: four pairs, so it still keeps four
 /// independent running sums in flight (one pair's sums wait on their own adds).
 pub const ROWS: usize = 8;
 
-/// `out[j][i] = dot(dequant(w[j]), x_i)` for Q8_0 weight rows `w` (two, or `ROWS`) of `k` values
+/// Weight rows a pass takes at once for `m` activation rows: `ROWS` for one, half as many from two
+/// (each activation row adds its own sums; eight rows' sums for four activation rows would not
+/// fit the 32 registers).
+pub fn rows_for(m: usize) -> usize {
+    if m == 1 {
+        ROWS
+    } else {
+        ROWS / 2
+    }
+}
+
+/// `out[j][i] = dot(dequant(w[j]), x_i)` for Q8_0 weight rows `w` (two, four or eight) of `k` values
 /// (`k` a multiple of 32) and the `out[j].len()` rows of `x`. Returns false, computing nothing,
 /// where the CPU lacks AVX-512 F/DQ and F16C (`available`).
 pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bool {
     assert!(k.is_multiple_of(32) && w.iter().all(|r| r.len() >= k / 32 * 34));
-    assert!(w.len() == out.len() && (w.len() == 2 || w.len() == ROWS));
+    assert!(w.len() == out.len() && [2, 4, 8].contains(&w.len()));
     let m = out[0].len();
     assert!(out.iter().all(|o| o.len() == m) && x.len() >= m * k);
     #[cfg(target_arch = "x86_64")]
@@ -51,7 +62,8 @@ pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bo
         unsafe {
             match w.len() {
                 2 => avx512::rows::<1>(w, x, k, out),
-                _ => avx512::rows::<{ ROWS / 2 }>(w, x, k, out),
+                4 => avx512::rows::<2>(w, x, k, out),
+                _ => avx512::rows::<4>(w, x, k, out),
             }
         }
         return true;
@@ -180,7 +192,7 @@ mod tests {
                     (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
                 let (mut b0, mut b1) = (vec![0f32; m], vec![0f32; m]);
                 dot_rows2(&f0, &f1, &x, k, &mut b0, &mut b1);
-                // Two rows, then eight (the pair in every place of the eight).
+                // Two rows, then eight and four (the pair in every place).
                 let mut a = [vec![0f32; m], vec![0f32; m]];
                 let mut outs: Vec<&mut [f32]> = a.iter_mut().map(|v| v.as_mut_slice()).collect();
                 assert!(q8_0_rows(&[&w0, &w1], &x, k, &mut outs));
@@ -189,9 +201,14 @@ mod tests {
                 let mut e = vec![vec![0f32; m]; ROWS];
                 let mut outs8: Vec<&mut [f32]> = e.iter_mut().map(|v| v.as_mut_slice()).collect();
                 assert!(q8_0_rows(&ws, &x, k, &mut outs8));
+                let mut f = vec![vec![0f32; m]; 4];
+                let mut outs4: Vec<&mut [f32]> = f.iter_mut().map(|v| v.as_mut_slice()).collect();
+                assert!(q8_0_rows(&ws[..4], &x, k, &mut outs4));
+                e.extend(f);
                 for r in 0..m {
                     assert_eq!(a[0][r].to_bits(), b0[r].to_bits(), "k {k} m {m} row {r}");
                     assert_eq!(a[1][r].to_bits(), b1[r].to_bits(), "k {k} m {m} row {r}, second");
+                    // The eight, then the four: even places hold w0, odd ones w1.
                     for (j, o) in e.iter().enumerate() {
                         let want = if j % 2 == 0 { b0[r] } else { b1[r] };
                         assert_eq!(
