@@ -76,14 +76,25 @@ mod avx512 {
     use super::BLOCK;
     use std::arch::x86_64::*;
 
-    /// Eight values of each row, dequantized: `[d0·q0[c..c+8] | d1·q1[c..c+8]]`, `c` the offset
-    /// inside the 32-value blocks at `b0`/`b1` (the 2-byte scale first).
+    /// A pair of rows' 32 quantized values of one block (at `b0`/`b1`, the 2-byte scale first),
+    /// eight of each side by side per step: `[q0[c..c+8] | q1[c..c+8]]` for `c` = 0, 8, 16, 24
+    /// (two loads and four shuffles, not two loads and an insert per step).
     #[inline(always)]
-    unsafe fn weights(b0: *const u8, b1: *const u8, c: usize, d: __m512) -> __m512 {
-        let q = _mm_set_epi64x(
-            (b1.add(2 + c) as *const i64).read_unaligned(),
-            (b0.add(2 + c) as *const i64).read_unaligned(),
-        );
+    unsafe fn block_pairs(b0: *const u8, b1: *const u8) -> [__m128i; 4] {
+        let v0 = _mm256_loadu_si256(b0.add(2).cast());
+        let v1 = _mm256_loadu_si256(b1.add(2).cast());
+        let (lo, hi) = (_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
+        [
+            _mm256_castsi256_si128(lo),
+            _mm256_castsi256_si128(hi),
+            _mm256_extracti128_si256::<1>(lo),
+            _mm256_extracti128_si256::<1>(hi),
+        ]
+    }
+
+    /// Eight values of each row, dequantized: `[d0·q0 | d1·q1]` for one step of `block_pairs`.
+    #[inline(always)]
+    unsafe fn weights(q: __m128i, d: __m512) -> __m512 {
         _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))
     }
 
@@ -100,7 +111,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must support AVX-512 F and DQ and F16C; each of the `2·P` rows of `w` must hold `k / 32`
     /// blocks, `out` as many slices of one length `m`, and `x` `m` rows of `k`.
-    #[target_feature(enable = "avx512f,avx512dq,f16c")]
+    #[target_feature(enable = "avx2,avx512f,avx512dq,f16c")]
     pub unsafe fn rows<const P: usize>(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) {
         let m = out[0].len();
         // Pair p's scales: lanes 0-7 take row 2p's, lanes 8-15 row 2p+1's.
@@ -123,16 +134,11 @@ mod avx512 {
                     _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())));
                 let d: [__m512; P] =
                     std::array::from_fn(|p| _mm512_permutexvar_ps(picks[p], scales));
+                let qs: [[__m128i; 4]; P] = std::array::from_fn(|p| {
+                    block_pairs(w[2 * p].as_ptr().add(o), w[2 * p + 1].as_ptr().add(o))
+                });
                 for c in (0..32).step_by(8) {
-                    let mut wv = [_mm512_setzero_ps(); P];
-                    for (p, v) in wv.iter_mut().enumerate() {
-                        *v = weights(
-                            w[2 * p].as_ptr().add(o),
-                            w[2 * p + 1].as_ptr().add(o),
-                            c,
-                            d[p],
-                        );
-                    }
+                    let wv: [__m512; P] = std::array::from_fn(|p| weights(qs[p][c / 8], d[p]));
                     for (r, ar) in acc.iter_mut().enumerate().take(n) {
                         let xp = x.as_ptr().add((i + r) * k + blk * 32 + c);
                         let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xp));
