@@ -76,7 +76,9 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
     let worker_min = if s.cpu { s.worker_min } else { 0 };
     let floor_needs = kv_host_bytes.saturating_add(worker_min).saturating_mul(workers);
     let room = match fixed.worker_budget {
-        Some(b) if s.cpu => pool.saturating_sub(b.saturating_add(kv_host_bytes) * workers),
+        Some(b) if s.cpu => {
+            pool.saturating_sub(b.saturating_add(kv_host_bytes).saturating_mul(workers))
+        }
         _ => pool.saturating_sub(floor_needs),
     };
     let fit = share.min(room).min(shm.unwrap_or(u64::MAX)) / slot;

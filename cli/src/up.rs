@@ -397,10 +397,11 @@ pub(crate) fn memory_shares(
     let (group, buffers) = (a.plan.layer_group_size, a.plan.streaming_buffers);
     // What a CPU worker keeps whatever it streams: the embedding and the head (one worker holds
     // both; of several, the first one and the last one each).
-    let bytes = |f: &str| layerstream_serving::plan::file_bytes(m, f);
-    let head = if m.config.tie_word_embeddings { 0 } else { bytes("lm_head.bin") };
-    let (embed, norm) = (bytes("embed.bin"), bytes("final_norm.bin"));
-    let worker_min = if a.workers == 1 { embed + head + norm } else { embed.max(head + norm) };
+    let keeps = |embed, head| layerstream_serving::plan::embed_head_bytes(m, embed, head);
+    let worker_min = match a.workers {
+        1 => keeps(true, true),
+        _ => keeps(true, false).max(keeps(false, true)),
+    };
     let shape = crate::fit::Shape {
         layers: units,
         slot_size: m.max_unit_bytes(),

@@ -134,14 +134,7 @@ impl std::fmt::Display for Usage {
 
 /// What `a` occupies on a worker of the model in `m`.
 pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
-    let tied = m.config.tie_word_embeddings;
-    let mut embed_head = 0;
-    if a.embed || (a.head && tied) {
-        embed_head += file_bytes(m, "embed.bin");
-    }
-    if a.head {
-        embed_head += file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin");
-    }
+    let embed_head = embed_head_bytes(m, a.embed, a.head);
     let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
     let (count, bytes) = streaming_buffers(m, a);
     // Saturating: a crafted capacity must exceed every budget, not wrap below it.
@@ -150,6 +143,20 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
         .saturating_mul(kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32)))
         .saturating_mul(a.layers().len() as u64);
     Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
+}
+
+/// Bytes a worker keeps for the embedding (`embed`) and the head (`head`: the final norm and the
+/// vocabulary projection, which is the embedding itself where the two are tied), whatever it streams.
+pub fn embed_head_bytes(m: &Manifest, embed: bool, head: bool) -> u64 {
+    let tied = m.config.tie_word_embeddings;
+    let mut bytes = 0;
+    if embed || (head && tied) {
+        bytes += file_bytes(m, "embed.bin");
+    }
+    if head {
+        bytes += file_bytes(m, "final_norm.bin") + file_bytes(m, "lm_head.bin");
+    }
+    bytes
 }
 
 /// Whether a worker on `device` computes streamed layers where the loader put them (the CPU: its
