@@ -3,7 +3,7 @@
 # (4.2 GB) as a layer store and a GGUF, in a memory cgroup this script makes (v1 or v2; it says why
 # when it cannot), the page cache dropped before each run:
 #   - layerstream: `up` with no size flags (the memory ledger sizes everything), decode tokens/s of
-#     one request, and of 8 at once (aggregate);
+#     one request; `bench --fit` (the same sizing) for 8 at once;
 #   - llama.cpp: `llama-bench --repack 0 -lm mmap` (mmap, as it runs past RAM), and
 #     `llama-batched-bench` with 8 parallel sequences;
 #   - the disk's O_DIRECT GB/s over the store's layer files, and each run's tokens/s ÷ the
@@ -11,8 +11,9 @@
 #   - `layerstream plan --json` in the same cgroup first: the cost model's predicted tokens/s at
 #     batch 1 and 8 beside the measured ones, and layerstream's own disk-bound ideal (disk GB/s ÷
 #     the bytes its plan reads from disk per pass).
-# Batch 8 for layerstream: Σ of the 8 requests' decode tokens/s (they decode in the same passes),
-# comparable with llama-batched-bench's S_TG; the wall figure (prefill included) beside it.
+# Batch 8 for layerstream: `bench --fit --streamed-only --batch 8` in the same cgroup (a stack sized
+# as `up` with no size flags sizes itself): decode tokens/s after the last first token, comparable
+# with llama-batched-bench's S_TG; the wall figure (prefill included) beside it.
 # Needs root (cgroups, drop_caches). Prints a markdown table; commit it under benchmarks/.
 #
 #   benchmarks/memory-limit-vs-llama-cpp.sh                 # limits 3584 and 2560 MiB, 8 tokens
@@ -95,18 +96,21 @@ PY
 )
         vs_own=$(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$tps" "$own" 2>/dev/null || echo "?")
         echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed; $achieved |"
-        t0=$(date +%s.%N)
-        pids=()
-        for i in $(seq 8); do
-            "$BIN" submit --addr http://127.0.0.1:$port --prompt "Story $i begins" --max-new-tokens "$GEN" --ignore-eos --json > "$WORK/b8-$i.json" &
-            pids+=($!)
-        done
-        wait "${pids[@]}" || true
-        t1=$(date +%s.%N)
-        toks=$(cat "$WORK"/b8-*.json | grep '^{' | python3 -c 'import json,sys; print(sum(len(json.loads(l)["output_ids"]) for l in sys.stdin))')
-        dec8=$(cat "$WORK"/b8-*.json | grep '^{' | python3 -c 'import json,sys; print(sum(json.loads(l)["stats"]["decode_tokens_per_s"] for l in sys.stdin))')
-        tps8=$(echo "$toks / ($t1 - $t0)" | bc -l)
-        echo "| $mib MiB | layerstream | 8 | $(printf %.3f "$dec8") (Σ decode; wall $(printf %.3f "$tps8") with prefill) | $p8 | $(printf %.2f "$(echo "$dec8 / $ideal" | bc -l)") | $(peak_gib) | |"
+        # Batch 8: `bench --fit` — its own stack, sized by the same ledger as `up` with no size
+        # flags — 8 requests at once; decode tokens/s after the last first token (llama-batched-
+        # bench's S_TG measures the same phase), the cost model's prediction beside it.
+        kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
+        fresh
+        if in_cg "$BIN" bench --model "$store" --fit --streamed-only --batch 8 \
+            --max-new-tokens "$GEN" --json-out "$WORK/b8.json" > "$WORK/b8.out" 2>&1; then
+            read -r dec8 wall8 pred8 < <(python3 -c '
+import json,sys
+r=json.load(open(sys.argv[1]))[0]; p=r.get("predicted_decode_tok_s")
+print("%.3f %.3f %s" % (r["decode_tok_s"], r["tokens_per_s"], "%.3f" % p if p else "?"))' "$WORK/b8.json")
+            echo "| $mib MiB | layerstream | 8 | $dec8 (wall $wall8 with prefill) | $pred8 | $(printf %.2f "$(echo "$dec8 / $ideal" | bc -l)") | $(peak_gib) | bench --fit --streamed-only --batch 8 |"
+        else
+            echo "| $mib MiB | layerstream | 8 | — | $p8 | — | $(peak_gib) | bench failed: $(tail -1 "$WORK/b8.out" | cut -c1-160) |"
+        fi
     fi
     kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
     # Nothing of it may stay in the cgroup (or hold memory) while llama.cpp runs.

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 /// Flags of `layerstream bench`.
 #[derive(Args, Debug, Clone)]
-#[command(group(clap::ArgGroup::new("residency").args(["resident_layers", "memory_budget"])))]
+#[command(group(clap::ArgGroup::new("residency").args(["resident_layers", "memory_budget", "fit"])))]
 pub struct BenchArgs {
     /// Layer store; default: the embedded SmolLM2-135M-Instruct.
     #[arg(long, env = "LAYERSTREAM_MODEL")]
@@ -131,6 +131,11 @@ pub struct BenchArgs {
     /// placements, e.g. `--device cuda:0,cpu --workers 2` against `--device cuda:0`).
     #[arg(long, env = "LAYERSTREAM_BENCH_STREAMED_ONLY")]
     pub streamed_only: bool,
+    /// The streamed runs with no size flags, as a user runs `up`: the memory ledger (in a
+    /// container, its memory limit) sizes the slots, the worker's budget and the KV cache, and the
+    /// planner places the layers (with `--streamed-only`: what `up --model BIG` delivers).
+    #[arg(long, env = "LAYERSTREAM_BENCH_FIT")]
+    pub fit: bool,
 }
 
 /// One configuration's result.
@@ -369,13 +374,11 @@ async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
 }
 
 /// The flags of a streamed configuration: the plan flags with `--resident-layers` 0 unless given
-/// (everything streams), or the worker budget when one is given (the planner picks).
+/// (everything streams), or the worker budget when one is given (the planner picks), or neither
+/// with `--fit` (the ledger sizes, the planner picks).
 pub(crate) fn streamed_args(a: &BenchArgs) -> Vec<String> {
     let plan = PlanFlags {
-        resident_layers: a
-            .device
-            .memory_budget
-            .is_none()
+        resident_layers: (a.device.memory_budget.is_none() && !a.fit)
             .then_some(a.plan.resident_layers.unwrap_or(0)),
         ..a.plan.clone()
     };
@@ -470,6 +473,7 @@ fn streaming(a: &BenchArgs, model: &str, vocab: usize) -> Result<()> {
     }
     let streamed_as = match a.device.memory_budget {
         Some(b) => format!("a {b}-byte budget/worker (the planner picks resident layers)"),
+        None if a.fit => "no size flags (the memory ledger sizes, the planner places)".to_owned(),
         None => format!("{resident} resident layers/worker"),
     };
     println!(
@@ -566,5 +570,25 @@ mod tests {
                 ..Default::default()
             })
         );
+    }
+
+    /// The streamed runs stream everything by default, take a budget when given, and with
+    /// `--fit` pass no size flag at all (what `up` with no flags does); `--fit` with a size flag
+    /// is refused.
+    #[test]
+    fn the_streamed_runs_size_flags_follow_the_residency_choice() {
+        let args = |v: &[&str]| {
+            streamed_args(&Cli::parse_from([&["bench"], v].concat()).a)
+                .into_iter()
+                .filter(|f| f == "--resident-layers" || f == "--memory-budget")
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(args(&[]), ["--resident-layers"]);
+        assert_eq!(args(&["--memory-budget", "4G"]), ["--memory-budget"]);
+        assert!(args(&["--fit"]).is_empty());
+        for clash in [["--fit", "--resident-layers", "3"], ["--fit", "--memory-budget", "4G"]] {
+            let err = Cli::try_parse_from([&["bench"], &clash[..]].concat()).err().unwrap();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict, "{clash:?}");
+        }
     }
 }

@@ -109,6 +109,16 @@ impl Drop for Children {
     }
 }
 
+/// The children of `children` that have already ended, each as "NAME STATUS" (`exits::describe`).
+fn ended(children: &mut [(String, Child)]) -> Vec<String> {
+    children
+        .iter_mut()
+        .filter_map(|(n, c)| {
+            c.try_wait().ok().flatten().map(|s| format!("{n} {}", crate::exits::describe(s)))
+        })
+        .collect()
+}
+
 /// Spawns `layerstream <args>` and waits for its handshake line (`handshake::Listening`); its log
 /// goes to stderr.
 pub(crate) fn spawn(children: &mut Children, name: &str, args: &[String]) -> Result<Listening> {
@@ -191,18 +201,22 @@ fn spawn_logged(
             (None, Some(Ok(line))) => format!("printed {line:?} instead of its address"),
             (None, _) => "closed its output without an address".to_owned(),
         };
+        // A part that died first is usually the cause (a worker killed under the memory limit
+        // leaves the coordinator a bare "transport error"): say so.
+        let (_, others) = children.0.split_last_mut().expect("pushed above");
+        let fallen = ended(others);
+        let how = match fallen.is_empty() {
+            true => format!("{how} before it was ready"),
+            false => format!("{how} before it was ready, and before it {}", fallen.join("; ")),
+        };
         match log {
             Some(p) => {
                 let text = std::fs::read_to_string(p).unwrap_or_default();
                 let tail: Vec<&str> =
                     text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
-                bail!(
-                    "{name} {how} before it was ready; its log ({}) ends:\n{}",
-                    p.display(),
-                    tail.join("\n")
-                )
+                bail!("{name} {how}; its log ({}) ends:\n{}", p.display(), tail.join("\n"))
             }
-            None => bail!("{name} {how} before it was ready; see its log above"),
+            None => bail!("{name} {how}; see its log above"),
         }
     };
     std::thread::spawn(move || for _ in lines {});
@@ -572,6 +586,21 @@ fn wait_signal(set: &mut libc::sigset_t, timeout: Duration) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A part that already died is named with how it died (a worker the OOM killer took shows
+    /// SIGKILL), one still running is not.
+    #[test]
+    fn ended_children_are_named_with_how_they_died() {
+        let sh = |script: &str| Command::new("sh").args(["-c", script]).spawn().unwrap();
+        let mut kids =
+            vec![("worker 0".to_owned(), sh("kill -9 $$")), ("loader".into(), sh("sleep 5"))];
+        kids[0].1.wait().unwrap();
+        let said = ended(&mut kids);
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(said[0].starts_with("worker 0 was killed by SIGKILL (signal 9)"), "{said:?}");
+        let _ = kids[1].1.kill();
+        let _ = kids[1].1.wait();
+    }
 
     /// The first restarts are immediate; then pauses double from 1 s to at most 60 s.
     #[test]

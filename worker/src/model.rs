@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::moe::ResidentExperts;
-use crate::weights::{upload, LayerWeights};
+use crate::weights::{need, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout, Precision};
 use layerstream_model::layout::layer_file;
 use layerstream_model::{DType, ModelConfig, Store};
@@ -72,18 +72,13 @@ impl<B: Backend> Model<B> {
     pub fn load_kv(backend: B, store: &Store, kv: KvOptions) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
-        let need =
-            |f: &layerstream_model::LoadedFile, name: &str, shape: &[usize]| -> Result<B::Weight> {
-                upload(&backend, f, name, Some(shape))?.ok_or_else(|| {
-                    Error::Weights(format!("{}: missing tensor {name}", f.entry.name))
-                })
-            };
-        let embed = need(&store.load("embed.bin")?, "embed", &[vocab, h])?;
-        let norm = need(&store.load("final_norm.bin")?, "final_norm", &[h])?;
+        let load = |f, name: &str, shape: &[usize]| need(&backend, f, name, shape);
+        let embed = load(store.load("embed.bin")?, "embed", &[vocab, h])?;
+        let norm = load(store.load("final_norm.bin")?, "final_norm", &[h])?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(need(&store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
+            Some(load(store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
         };
         let layers = (0..cfg.num_layers)
             .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))

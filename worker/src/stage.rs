@@ -11,9 +11,9 @@ use crate::moe::{choose, ExpertCounts, NoExperts};
 use crate::prefetch::{Fetcher, LayerSource, StepMark};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stream::LoaderLink;
-use crate::weights::{upload, LayerWeights};
+use crate::weights::{need, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout};
-use layerstream_model::{LoadedFile, ModelConfig, Store};
+use layerstream_model::{ModelConfig, Store};
 use layerstream_serving::plan::{streaming_buffers, Assignment, AssignmentExt};
 use layerstream_telemetry::TraceParent;
 use std::collections::HashMap;
@@ -133,11 +133,6 @@ fn kv_layout(plan: &Assignment, ctx: &LayerCtx) -> Result<KvLayout> {
     Ok(KvLayout::new(dtype, block, plan.kv_positions().div_ceil(block), ctx.shape)?)
 }
 
-fn need<B: Backend>(b: &B, f: &LoadedFile, name: &str, shape: &[usize]) -> Result<B::Weight> {
-    upload(b, f, name, Some(shape))?
-        .ok_or_else(|| Error::Weights(format!("{}: missing tensor {name}", f.entry.name)))
-}
-
 impl<B: Backend + 'static> Stage<B> {
     /// Loads an assignment: embedding/head from the store, resident layers through the loader; with
     /// prefetch on, the copy thread starts on the first streamed group right away. Its layers'
@@ -160,16 +155,16 @@ impl<B: Backend + 'static> Stage<B> {
         }
         let tied = cfg.tie_word_embeddings;
         let embed = if plan.embed || (plan.head && tied) {
-            Some(need(&backend, &store.load("embed.bin")?, "embed", &[vocab, h])?)
+            Some(need(&backend, store.load("embed.bin")?, "embed", &[vocab, h])?)
         } else {
             None
         };
         let head = if plan.head {
-            let norm = need(&backend, &store.load("final_norm.bin")?, "final_norm", &[h])?;
+            let norm = need(&backend, store.load("final_norm.bin")?, "final_norm", &[h])?;
             let lm = if tied {
                 None
             } else {
-                Some(need(&backend, &store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
+                Some(need(&backend, store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
             };
             Some((norm, lm))
         } else {

@@ -160,14 +160,49 @@ pub fn upload<B: Backend>(
 ) -> Result<Option<B::Weight>> {
     let Some((t, bytes)) = file.tensor(name) else { return Ok(None) };
     if let Some(w) = want {
-        if t.shape != w {
-            return Err(Error::Weights(format!(
-                "{}: tensor {name} has shape {:?}, the config needs {:?}",
-                file.entry.name, t.shape, w
-            )));
-        }
+        check_shape(file, name, &t.shape, w)?;
     }
     Ok(Some(b.weight(&format!("{}:{name}", file.entry.name), t.dtype, &t.shape, bytes)?))
+}
+
+/// `name`'s shape in `file` is `want`, or an error naming both.
+fn check_shape(file: &LoadedFile, name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
+    if shape == want {
+        return Ok(());
+    }
+    Err(Error::Weights(format!(
+        "{}: tensor {name} has shape {shape:?}, the config needs {want:?}",
+        file.entry.name
+    )))
+}
+
+/// A whole store file's bytes, owned, as host memory a device computes from in place.
+#[derive(Debug)]
+struct OwnedFile(Vec<u8>);
+
+impl layerstream_kernels::MappedBytes for OwnedFile {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Tensor `name` of `file` (the embedding, the final norm, the head), its shape `want`, the file
+/// consumed: where the device computes from host memory (the CPU) the weight is the file's own
+/// bytes, moved rather than copied — an 8B model's 0.56 GB embedding was held twice while it
+/// loaded, which a worker sized to a memory limit did not survive — else uploaded (`upload`).
+pub fn need<B: Backend>(b: &B, file: LoadedFile, name: &str, want: &[usize]) -> Result<B::Weight> {
+    let missing = || Error::Weights(format!("{}: missing tensor {name}", file.entry.name));
+    if !b.maps_host() {
+        return upload(b, &file, name, Some(want))?.ok_or_else(missing);
+    }
+    let t = file.entry.tensor(name).cloned().ok_or_else(missing)?;
+    check_shape(&file, name, &t.shape, want)?;
+    let label = format!("{}:{name}", file.entry.name);
+    let range = t.offset as usize..(t.offset + t.size) as usize;
+    let blob = b
+        .map_blob(std::sync::Arc::new(OwnedFile(file.bytes)))
+        .ok_or_else(|| Error::Weights(format!("{label}: the device maps no host memory")))?;
+    Ok(b.weight_in(&blob, &label, t.dtype, &t.shape, range)?)
 }
 
 impl<B: Backend> LayerWeights<B> {
@@ -319,5 +354,40 @@ impl<B: Backend> LayerWeights<B> {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_kernels::CpuBackend;
+
+    /// On the CPU the embedding is the file's own bytes, moved in (no second copy while it
+    /// loads), with the values `upload`'s copy has; a wrong shape is refused, naming the tensor.
+    #[test]
+    fn the_cpu_takes_a_whole_file_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        layerstream_model::synth::synth(
+            "tiny",
+            layerstream_model::DType::Q8_0,
+            Some(2),
+            1,
+            dir.path(),
+        )
+        .unwrap();
+        let store = layerstream_model::Store::open(dir.path()).unwrap();
+        let c = &store.manifest.config;
+        let shape = [c.vocab_size, c.hidden_size];
+        let b = CpuBackend::default();
+        let file = store.load("embed.bin").unwrap();
+        let t = file.entry.tensor("embed").unwrap().clone();
+        let at = file.bytes.as_ptr() as usize + t.offset as usize;
+        let copy = upload(&b, &file, "embed", Some(&shape)).unwrap().unwrap();
+        let w = need(&b, file, "embed", &shape).unwrap();
+        assert_eq!(w.stored().unwrap().as_ptr() as usize, at, "the file's own bytes");
+        assert_eq!(w.stored(), copy.stored());
+        assert_eq!(w.row(3), copy.row(3));
+        let err = need(&b, store.load("embed.bin").unwrap(), "embed", &[1, 2]).err().unwrap();
+        assert!(err.to_string().contains("tensor embed has shape"), "{err}");
     }
 }
