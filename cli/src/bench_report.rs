@@ -43,7 +43,7 @@ pub(crate) fn tables(rows: &[Row]) -> String {
 pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
     for (r, extra) in rows.iter_mut().zip(extras) {
         let p = crate::plan::predict_stack(&crate::bench::stack_args(model, a, extra), &[a.batch]);
-        match p.map(|p| (p[0].tokens_per_s, p[0].bound.clone())) {
+        match p.map(|(p, _)| (p[0].tokens_per_s, p[0].bound.clone())) {
             Ok((tok_s, bound)) => {
                 r.predicted_decode_tok_s = Some(tok_s);
                 println!(

@@ -6,7 +6,7 @@
 //! filesystem, this build); a changed key or `--recalibrate` measures again.
 
 use anyhow::{Context, Result};
-use layerstream_coordinator::cost::Figures;
+use layerstream_coordinator::cost::{Figures, READS_IN_FLIGHT};
 use layerstream_model::layout::layer_file;
 use layerstream_model::Store;
 use layerstream_worker::DeviceFlags;
@@ -53,15 +53,10 @@ fn path_for(key: &str) -> PathBuf {
 }
 
 /// The figures for `store` on `device`: from the cache when its key matches and `recalibrate` is
-/// off, else measured (the disk `readers` files at a time) and cached ( a cache that cannot be written is only a warning). Returns
+/// off, else measured and cached (a cache that cannot be written is only a warning). Returns
 /// whether they came from the cache.
-pub fn figures(
-    store: &Store,
-    device: &DeviceFlags,
-    readers: usize,
-    recalibrate: bool,
-) -> Result<(Figures, bool)> {
-    let key = format!("{} readers={readers}", key(store, device));
+pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
+    let key = format!("{} reads={:?}", key(store, device), READS_IN_FLIGHT);
     let path = path_for(&key);
     if !recalibrate {
         let cached =
@@ -70,7 +65,7 @@ pub fn figures(
             return Ok((c.figures, true));
         }
     }
-    let f = measure(store, device, readers)?;
+    let f = measure(store, device)?;
     let write = || -> std::io::Result<()> {
         let c = Cached { key: key.clone(), figures: f.clone() };
         let bytes = serde_json::to_vec_pretty(&c).map_err(std::io::Error::other)?;
@@ -82,13 +77,23 @@ pub fn figures(
     Ok((f, false))
 }
 
-/// Measures the figures: the disk over the layer files (at most 1 GiB, `readers` at a time as the
-/// loader's read-ahead reads them), the link (a GPU), the middle layer's and the head's compute.
-fn measure(store: &Store, device: &DeviceFlags, readers: usize) -> Result<Figures> {
+/// Measures the figures: the disk over the layer files at each count of `READS_IN_FLIGHT` the
+/// store has files for (at most 512 MiB a count, two files a reader at least, as the loader's
+/// read-ahead reads them), the link (a GPU), the middle layer's and the head's compute.
+fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
-    let disk = layerstream_loader::measure_disk(&files, 1 << 30, readers)
-        .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
+    let mut by_reads = Vec::new();
+    let mut disk = None;
+    for n in READS_IN_FLIGHT.into_iter().filter(|&n| n == 1 || n <= files.len()) {
+        let d = layerstream_loader::measure_disk(&files, 512 << 20, n)
+            .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
+        by_reads.push((n, d.gbps));
+        if n <= layerstream_loader::DEFAULT_PREFETCH_DEPTH + 1 {
+            disk = Some(d);
+        }
+    }
+    let disk = disk.expect("one read at a time is always measured");
     device.apply_threads()?;
     let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;
@@ -99,6 +104,7 @@ fn measure(store: &Store, device: &DeviceFlags, readers: usize) -> Result<Figure
         .context("measuring a layer's compute")?;
     Ok(Figures {
         disk_gbps: disk.gbps,
+        disk_by_reads: by_reads,
         disk_latency_ms: disk.latency_ms,
         link_gbps: layerstream_worker::measure_link(&dev, 256 << 20)?,
         layer_s: c.layer_s,
@@ -141,10 +147,13 @@ mod tests {
             concurrent_threads: None,
             link_gbps: None,
         };
-        let (f, cached) = figures(&a, &dev, 2, false).unwrap();
+        let (f, cached) = figures(&a, &dev, false).unwrap();
         assert!(!cached && f.disk_gbps > 0.0 && f.link_gbps.is_none());
+        // Four layer files: the disk at 1, 2, 3 and 4 reads in flight.
+        assert_eq!(f.disk_by_reads.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+        assert!(f.disk_by_reads.iter().all(|p| p.1 > 0.0));
         assert_eq!(f.layer_s.iter().map(|p| p.0).collect::<Vec<_>>(), ROWS);
-        let (again, cached) = figures(&a, &dev, 2, false).unwrap();
+        let (again, cached) = figures(&a, &dev, false).unwrap();
         // JSON keeps a float to within its last bit (serde_json without float_roundtrip).
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-12 * x.abs().max(y.abs());
         let pairs = |p: &[(usize, f64)], q: &[(usize, f64)]| {
@@ -153,8 +162,8 @@ mod tests {
         assert!(cached, "read back from the cache");
         assert!(close(again.disk_gbps, f.disk_gbps) && pairs(&again.layer_s, &f.layer_s));
         assert!(pairs(&again.head_s, &f.head_s) && again.link_gbps == f.link_gbps);
-        assert!(!figures(&a, &dev, 2, true).unwrap().1, "--recalibrate measures again");
-        assert!(!figures(&b, &dev, 2, false).unwrap().1, "another store, another key");
+        assert!(!figures(&a, &dev, true).unwrap().1, "--recalibrate measures again");
+        assert!(!figures(&b, &dev, false).unwrap().1, "another store, another key");
         assert_ne!(key(&a, &dev), key(&b, &dev));
         assert_eq!(std::fs::read_dir(cache.join("calibration")).unwrap().count(), 2);
     }

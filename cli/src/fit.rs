@@ -18,6 +18,9 @@ pub struct Shares {
     pub kv_host_bytes: u64,
     /// Left for the processes themselves (runtimes, tokenizer, activations, page cache).
     pub margin: u64,
+    /// Slots the workers pin at once (the floor less the one to read ahead into): what the
+    /// read-ahead cannot use.
+    pub pinned: usize,
 }
 
 /// What the user fixed (None: `up` chooses).
@@ -117,7 +120,15 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
             ));
         }
     };
-    Ok(Shares { slots, slot_size: slot, worker_budget, kv_host_bytes, margin: margin + host })
+    let pinned = s.floor.saturating_sub(1);
+    Ok(Shares {
+        slots,
+        slot_size: slot,
+        worker_budget,
+        kv_host_bytes,
+        margin: margin + host,
+        pinned,
+    })
 }
 
 /// What a GPU worker's process holds in host memory beside the slots it reads from: the CUDA

@@ -7,7 +7,8 @@
 //! JSON object; `up` logs the same prediction.
 
 use anyhow::{bail, Result};
-use layerstream_coordinator::cost::{predict, Figures, Prediction, Source};
+use layerstream_coordinator::cost::{best_depth, predict, Figures, Prediction, Source};
+use layerstream_loader::DEFAULT_PREFETCH_DEPTH;
 use layerstream_serving::plan::{layer_bytes, Assignment};
 use serde_json::json;
 
@@ -121,6 +122,8 @@ pub struct Placement {
     /// reads of that batch, `with_experts`) and what it predicts.
     pub passes: Vec<Vec<(Source, u64)>>,
     pub predicted: Vec<Prediction>,
+    /// Layers the loader reads ahead: `--prefetch-depth`, or the cost model's choice.
+    pub prefetch_depth: usize,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
@@ -152,23 +155,49 @@ pub fn placement(
         !a.device.compute.int8(),
         &a.plan,
     )?;
-    // The loader reads `depth` layers past the one a worker takes, which it takes while the one
-    // before computes: one more read in flight than the depth.
-    let depth = a.pool.prefetch_depth + 1;
-    let layers = sources(m, &plans, shares.slots, depth);
-    let (figures, cached) = crate::calibration::figures(store, &a.device, depth, a.recalibrate)?;
+    let (measured, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
     let history = layerstream_worker::expert_history::History::load(
         &layerstream_worker::expert_history::path_for(store),
     );
-    let passes: Vec<_> =
-        rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
+    // The loader reads `depth` layers past the one a worker takes, which it takes while the one
+    // before computes: one more read in flight than the depth. Unless given, the depth whose
+    // batch-1 pass the cost model predicts shortest (`cost::best_depth`).
+    let pass_at = |depth: usize, r: usize| {
+        let layers = sources(m, &plans, shares.slots, depth + 1);
+        let pass = with_experts(m, &plans, &layers, r, &history);
+        (measured.reading(depth + 1), layers, pass)
+    };
+    let prefetch_depth = a.pool.prefetch_depth.unwrap_or_else(|| {
+        // Reads in flight beyond the slots the workers do not pin cannot happen.
+        let room = shares.slots.saturating_sub(shares.pinned).max(1);
+        let depths: Vec<usize> = (measured.disk_by_reads.iter().map(|p| p.0))
+            .filter(|&n| n >= 2 && n <= room)
+            .map(|n| n - 1)
+            .collect();
+        best_depth(&depths, |d| {
+            let (f, _, pass) = pass_at(d, 1);
+            predict(&f, &pass, 1, d + 1, buffers).pass_s
+        })
+    });
+    let (figures, layers, _) = pass_at(prefetch_depth, 1);
+    let passes: Vec<_> = rows.iter().map(|&r| pass_at(prefetch_depth, r).2).collect();
     let predicted = rows
         .iter()
         .zip(&passes)
-        .map(|(&r, pass)| predict(&figures, pass, r, depth, buffers))
+        .map(|(&r, pass)| predict(&figures, pass, r, prefetch_depth + 1, buffers))
         .collect();
-    Ok(Placement { plans, kv_capacity, budget, layers, figures, cached, passes, predicted })
+    Ok(Placement {
+        plans,
+        kv_capacity,
+        budget,
+        layers,
+        figures,
+        cached,
+        passes,
+        predicted,
+        prefetch_depth,
+    })
 }
 
 /// One line per batch size: tokens/s, pass time, what bounds it.
@@ -198,7 +227,7 @@ pub struct Predicted {
 /// of `rows`: what `bench` prints beside what it measures, and what `up` hands the coordinator
 /// for a GPU stack. `layerstream plan --json` answers it in a process of its own, so a GPU's
 /// calibration holds no device context beside the stacks.
-pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<Vec<Predicted>> {
+pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicted>, usize)> {
     let batches: Vec<String> = rows.iter().map(usize::to_string).collect();
     let out = std::process::Command::new(std::env::current_exe()?)
         .arg("plan")
@@ -215,11 +244,13 @@ pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<Vec<Predicted
     if p.len() != rows.len() {
         bail!("layerstream plan printed no prediction: {v}");
     }
-    Ok(p)
+    let depth = v["prefetch_depth"].as_u64().map_or(DEFAULT_PREFETCH_DEPTH, |d| d as usize);
+    Ok((p, depth))
 }
 
 /// What the cost model predicts for the stack `up` starts (`a`, over `shares`), logged, as the
-/// curve the coordinator sets each decode step beside. CPU workers are calibrated here; a GPU
+/// curve the coordinator sets each decode step beside, and the read-ahead depth it chose (None:
+/// no prediction; the loader reads its default depth ahead). CPU workers are calibrated here; a GPU
 /// stack asks a `layerstream plan` process with `up`'s own command line (this process must hold
 /// no device context for the stack's life). A prediction that cannot be made is said and
 /// skipped: the coordinator's own plan decides whether the stack runs.
@@ -227,7 +258,7 @@ pub fn for_up(
     a: &crate::up::UpArgs,
     store: &layerstream_model::Store,
     shares: &crate::fit::Shares,
-) -> Option<layerstream_coordinator::cost::Curve> {
+) -> (Option<layerstream_coordinator::cost::Curve>, Option<usize>) {
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
     let predicted = if a.device.compute.device == "cpu" {
@@ -238,17 +269,17 @@ pub fn for_up(
                 tokens_per_s: p.tokens_per_s,
                 bound: p.bound.to_owned(),
             };
-            p.predicted.iter().map(each).collect::<Vec<_>>()
+            (p.predicted.iter().map(each).collect::<Vec<_>>(), p.prefetch_depth)
         })
     } else {
         let args: Vec<String> = std::env::args().skip(1).collect();
         if args.first().map(String::as_str) != Some("up") {
-            return None; // not started from a command line to hand on
+            return (None, None); // not started from a command line to hand on
         }
         predict_stack(&args, &rows)
     };
     match predicted {
-        Ok(p) => {
+        Ok((p, depth)) => {
             let lines: Vec<String> = p
                 .iter()
                 .map(|p| {
@@ -259,11 +290,14 @@ pub fn for_up(
                 })
                 .collect();
             eprintln!("layerstream up: predicted decode:\n  {}", lines.join("\n  "));
-            Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect()))
+            if a.pool.prefetch_depth.is_none() {
+                eprintln!("layerstream up: the loader reads {depth} layers ahead (the cost model's choice for this disk; --prefetch-depth sets it)");
+            }
+            (Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect())), Some(depth))
         }
         Err(e) => {
             eprintln!("layerstream up: no prediction: {e:#}");
-            None
+            (None, None)
         }
     }
 }
@@ -321,8 +355,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1},
             "experts_from_disk_bytes_per_pass": expert_bytes},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
+            "disk_gbps_by_reads_in_flight": f.disk_by_reads,
             "disk_latency_ms": f.disk_latency_ms, "link_gbps": f.link_gbps,
             "layer_s": f.layer_s, "head_s": f.head_s},
+        "prefetch_depth": p.prefetch_depth,
         "predicted": p.predicted,
     });
     if a.json {
@@ -359,6 +395,18 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let ms = |v: &[(usize, f64)]| {
         v.iter().map(|(r, s)| format!("{:.1} ms at {r}", s * 1e3)).collect::<Vec<_>>().join(", ")
     };
+    let reads: Vec<String> =
+        f.disk_by_reads.iter().map(|(n, g)| format!("{g:.2} at {n}")).collect();
+    println!(
+        "read-ahead: {} layers ({}; disk GB/s by reads in flight: {})",
+        p.prefetch_depth,
+        if a.pool.prefetch_depth.is_some() {
+            "--prefetch-depth"
+        } else {
+            "the cost model's choice"
+        },
+        reads.join(", ")
+    );
     println!(
         "calibration{}: disk {:.2} GB/s (a 4 KiB read {:.2} ms){}; a layer {}; the head {}",
         if p.cached { " (cached; --recalibrate measures again)" } else { "" },

@@ -23,8 +23,13 @@ pub enum Source {
 /// Measured figures of one host, store and device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Figures {
-    /// The store's disk: O_DIRECT GB/s over its layer files.
+    /// The store's disk: O_DIRECT GB/s over its layer files (with the default read-ahead's reads
+    /// in flight).
     pub disk_gbps: f64,
+    /// The disk's GB/s with n reads in flight, n ascending (`READS_IN_FLIGHT`): a disk that serves
+    /// concurrent reads faster rewards reading further ahead (`best_depth`).
+    #[serde(default)]
+    pub disk_by_reads: Vec<(usize, f64)>,
     /// A 4 KiB read, ms.
     pub disk_latency_ms: f64,
     /// Pinned host→device GB/s; None where the worker computes from the slot in place (the CPU).
@@ -33,6 +38,39 @@ pub struct Figures {
     pub layer_s: Vec<(usize, f64)>,
     /// Seconds the head (final norm and vocabulary projection) takes at each row count.
     pub head_s: Vec<(usize, f64)>,
+}
+
+/// Reads in flight the disk is measured at: the loader's read-ahead depth plus the read a worker
+/// waits on.
+pub const READS_IN_FLIGHT: [usize; 6] = [1, 2, 3, 4, 6, 8];
+
+impl Figures {
+    /// The disk's GB/s with `n` reads in flight: the figure measured at the largest count not above
+    /// `n` (`disk_gbps` where none was).
+    pub fn disk_at(&self, n: usize) -> f64 {
+        self.disk_by_reads.iter().rev().find(|p| p.0 <= n).map_or(self.disk_gbps, |p| p.1)
+    }
+
+    /// These figures with the disk read `n` files at a time.
+    pub fn reading(&self, n: usize) -> Figures {
+        Figures { disk_gbps: self.disk_at(n), ..self.clone() }
+    }
+}
+
+/// The loader's read-ahead depth (layers read past the one a worker takes: `depth` + 1 reads in
+/// flight) among `depths` (ascending) whose predicted pass, `pass(depth)`, is shortest — a disk
+/// that serves concurrent reads faster rewards depth, and every slot read into ahead is one the
+/// RAM tier does not keep, which `pass` counts. A deeper one must beat the shallower best by 2%
+/// (measurement noise does not buy slots). `depths` empty: 2, the loader's default.
+pub fn best_depth(depths: &[usize], pass: impl Fn(usize) -> f64) -> usize {
+    let mut best: Option<(usize, f64)> = None;
+    for &d in depths {
+        let t = pass(d);
+        if best.is_none_or(|(_, b)| t < b * 0.98) {
+            best = Some((d, t));
+        }
+    }
+    best.map_or(2, |(d, _)| d)
 }
 
 /// `points` (ascending x) at `x`: linear between points, proportional past the last, the first's
@@ -221,6 +259,7 @@ mod tests {
     fn figures(layer: f64, head: f64, disk_gbps: f64, link: Option<f64>) -> Figures {
         Figures {
             disk_gbps,
+            disk_by_reads: Vec::new(),
             disk_latency_ms: 0.1,
             link_gbps: link,
             layer_s: vec![(1, layer), (8, layer * 2.0), (64, layer * 10.0)],
@@ -295,6 +334,29 @@ mod tests {
             .collect();
         let m = predict(&figures(0.1, 0.0, 1.0, None), &mixed, 1, 2, 2);
         assert!((m.pass_s - 1.0).abs() < 0.05 && m.disk_s == 0.5, "{m:?}");
+    }
+
+    /// The depth is the one whose pass is shortest: deeper where the disk serves concurrent
+    /// reads faster, the shallowest where it does not (or gains less than 2%), and the disk's
+    /// figure at a count is the one measured at or below it.
+    #[test]
+    fn read_ahead_goes_as_deep_as_the_disk_rewards() {
+        let mut f = figures(0.01, 0.0, 1.0, None);
+        f.disk_by_reads = vec![(1, 0.8), (2, 1.0), (3, 1.2), (4, 1.3), (6, 1.4), (8, 1.41)];
+        assert_eq!((f.disk_at(5), f.disk_at(8), f.disk_at(20)), (1.3, 1.41, 1.41));
+        assert_eq!(figures(0.01, 0.0, 0.7, None).disk_at(3), 0.7, "none measured");
+        // Ten 100 MB layers from disk, compute 1 ms each: disk-bound, so the pass is the reads.
+        let layers = [(Source::Disk, 100_000_000u64); 10];
+        let pass = |f: &Figures, d: usize| predict(&f.reading(d + 1), &layers, 1, d + 1, 1).pass_s;
+        let depths = [1, 2, 3, 5, 7];
+        assert_eq!(best_depth(&depths, |d| pass(&f, d)), 5, "6 in flight: 1.4 GB/s");
+        let flat = figures(0.01, 0.0, 1.0, None);
+        assert_eq!(best_depth(&depths, |d| pass(&flat, d)), 1, "no gain, no depth");
+        // Each slot read ahead costs a RAM-tier layer: past 3 in flight the disk gains less than
+        // the extra layer read from disk costs.
+        let costly = |d: usize| pass(&f, d) * (1.0 + 0.1 * d as f64);
+        assert_eq!(best_depth(&depths, costly), 2);
+        assert_eq!(best_depth(&[], |_| 1.0), 2);
     }
 
     #[test]

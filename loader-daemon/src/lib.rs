@@ -28,9 +28,11 @@ pub struct SlotFlags {
     /// it caps the pool.
     #[arg(long, alias = "loader-slots", env = "LAYERSTREAM_SLOTS")]
     pub slots: Option<usize>,
-    /// Layers to read ahead of each worker's position.
-    #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH", default_value_t = 2)]
-    pub prefetch_depth: usize,
+    /// Layers to read ahead of each worker's position. Default: `up` (and `plan`) choose it with
+    /// the cost model — the disk's GB/s measured at 1 to 8 reads in flight against the RAM-tier
+    /// layers each slot read into ahead takes — a loader started alone reads 2 ahead.
+    #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH")]
+    pub prefetch_depth: Option<usize>,
     /// Skip the xxh3 check of weights where they enter memory (the loader's reads from disk, a
     /// worker's resident loads): for measuring the check's cost only, corrupt bytes then reach the
     /// compute.
@@ -41,7 +43,10 @@ pub struct SlotFlags {
 impl SlotFlags {
     /// The same settings as command-line arguments (for a child loader).
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec!["--prefetch-depth".to_owned(), self.prefetch_depth.to_string()];
+        let mut a = Vec::new();
+        if let Some(d) = self.prefetch_depth {
+            a.extend(["--prefetch-depth".to_owned(), d.to_string()]);
+        }
         if let Some(n) = self.slots {
             a.extend(["--slots".to_owned(), n.to_string()]);
         }
@@ -51,6 +56,9 @@ impl SlotFlags {
         a
     }
 }
+
+/// Layers a loader started alone reads ahead (`up` chooses with the cost model).
+pub const DEFAULT_PREFETCH_DEPTH: usize = 2;
 
 /// The default pool size: every one of `layers` files of `slot_size` bytes when half of what the
 /// memory ledger allows (`mem::Ledger`: MemAvailable, the memory cgroup's room, /dev/shm's free
@@ -110,7 +118,7 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
         &args.namespace,
         slots,
         slot_size,
-        args.pool.prefetch_depth,
+        args.pool.prefetch_depth.unwrap_or(DEFAULT_PREFETCH_DEPTH),
     )?);
     tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
     let socket = match &args.socket {

@@ -14,6 +14,8 @@ pub(super) struct StackSpec<'a> {
     pub(super) shares: crate::fit::Shares,
     /// The cost model's decode pass times, for the coordinator (`--predicted-pass`).
     pub(super) predicted: Option<layerstream_coordinator::cost::Curve>,
+    /// The read-ahead depth the cost model chose (`--prefetch-depth` overrides it).
+    pub(super) prefetch_depth: Option<usize>,
 }
 
 impl StackSpec<'_> {
@@ -23,7 +25,11 @@ impl StackSpec<'_> {
 
     /// Starts the loader daemon on the stack's socket and namespace.
     pub(super) fn start_loader(&self, children: &mut Children) -> Result<Supervised> {
-        let pool = SlotFlags { slots: Some(self.shares.slots), ..self.a.pool.clone() };
+        let pool = SlotFlags {
+            slots: Some(self.shares.slots),
+            prefetch_depth: self.a.pool.prefetch_depth.or(self.prefetch_depth),
+            ..self.a.pool.clone()
+        };
         let mut args: Vec<String> =
             vec!["loader-daemon".into(), "--model".into(), self.model.clone()];
         args.extend([
