@@ -8,8 +8,9 @@
 #     `llama-batched-bench` with 8 parallel sequences;
 #   - the disk's O_DIRECT GB/s over the store's layer files, and each run's tokens/s ÷ the
 #     disk-bound ideal (disk GB/s ÷ the bytes of one pass over every layer and the head);
-#   - `layerstream plan --json` in the same cgroup first: the cost model's predicted tokens/s at
-#     batch 1 and 8 beside the measured ones, and layerstream's own disk-bound ideal (disk GB/s ÷
+#   - `layerstream plan --json --recalibrate` in the same cgroup first (measured afresh: the disk
+#     below a VM changes from run to run): the cost model's predicted tokens/s at batch 1 and 8
+#     beside the measured ones, and layerstream's own disk-bound ideal (disk GB/s ÷
 #     the bytes its plan reads from disk per pass).
 # Batch 8 for layerstream: `bench --fit --streamed-only --batch 8` in the same cgroup (a stack sized
 # as `up` with no size flags sizes itself): decode tokens/s after the last first token, comparable
@@ -70,7 +71,7 @@ for mib in $LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     # layerstream: one stack, one request then 8 at once.
     fresh
-    (in_cg "$BIN" plan --model "$store" --workers 1 --json) > "$WORK/plan.json" 2> "$WORK/plan.err" || true
+    (in_cg "$BIN" plan --model "$store" --workers 1 --json --recalibrate) > "$WORK/plan.json" 2> "$WORK/plan.err" || true
     read -r p1 p8 own < <(python3 -c '
 import json,sys
 p=json.load(open(sys.argv[1])); t={x["rows"]: x["tokens_per_s"] for x in p["predicted"]}
@@ -101,8 +102,9 @@ PY
         # bench's S_TG measures the same phase), the cost model's prediction beside it.
         kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
         fresh
-        if in_cg "$BIN" bench --model "$store" --fit --streamed-only --batch 8 \
-            --max-new-tokens "$GEN" --json-out "$WORK/b8.json" > "$WORK/b8.out" 2>&1; then
+        # (A subshell: `in_cg` execs.)
+        if (in_cg "$BIN" bench --model "$store" --fit --streamed-only --batch 8 \
+            --max-new-tokens "$GEN" --json-out "$WORK/b8.json") > "$WORK/b8.out" 2>&1; then
             read -r dec8 wall8 pred8 < <(python3 -c '
 import json,sys
 r=json.load(open(sys.argv[1]))[0]; p=r.get("predicted_decode_tok_s")
