@@ -165,9 +165,47 @@ pub fn describe(l: &Ledger, s: &Shares, workers: usize) -> String {
     )
 }
 
+/// A warning when the sizes the user fixed (`--memory-budget`, `--slots`, `--kv-host-bytes`) add up
+/// to more than `usable` — the slots, each CPU worker's budget and host KV tier, the margin — which
+/// the ledger would not have chosen: the kernel may kill a part under a memory limit. None when they
+/// fit (or a GPU worker's budget is its device's).
+pub fn overcommitted(usable: u64, s: &Shares, workers: usize) -> Option<String> {
+    let each = s.worker_budget?.saturating_add(s.kv_host_bytes);
+    let total = (s.slots as u64 * s.slot_size)
+        .saturating_add(each.saturating_mul(workers as u64))
+        .saturating_add(s.margin);
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    (total > usable).then(|| {
+        format!(
+            "the sizes given add up to {} (slots {}, {workers} worker(s) {} each, margin {}), more \
+             than the {} this host lets the stack use: under a memory limit the kernel may kill a \
+             part (drop the size flags to let the memory ledger choose)",
+            gib(total),
+            gib(s.slots as u64 * s.slot_size),
+            gib(each),
+            gib(s.margin),
+            gib(usable)
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sizes the ledger chose never warn; a budget given past the limit does, naming the totals.
+    #[test]
+    fn sizes_given_past_the_limit_are_warned_of() {
+        let usable = 3584 * MIB;
+        let s = shares(usable, Some(64 << 30), llama8b(1), Fixed::default()).unwrap();
+        assert_eq!(overcommitted(usable, &s, 1), None);
+        let big = Fixed { worker_budget: Some(4 << 30), ..Fixed::default() };
+        let s = shares(usable, Some(64 << 30), llama8b(1), big).unwrap();
+        let w = overcommitted(usable, &s, 1).unwrap();
+        assert!(w.contains("4.00 GiB each") && w.contains("3.50 GiB this host"), "{w}");
+        let gpu = Shares { worker_budget: None, ..s };
+        assert_eq!(overcommitted(usable, &gpu, 1), None, "a GPU's budget is its device's");
+    }
 
     const MIB: u64 = 1 << 20;
 

@@ -434,6 +434,9 @@ pub(crate) fn memory_shares(
     let shares = crate::fit::shares(ledger.usable(), ledger.shm_free, shape, fixed)
         .map_err(|e| anyhow::anyhow!("{e} ({})", ledger.describe()))?;
     eprintln!("layerstream up: {}", crate::fit::describe(&ledger, &shares, a.workers));
+    if let Some(w) = crate::fit::overcommitted(ledger.usable(), &shares, a.workers) {
+        eprintln!("layerstream up: warning: {w}");
+    }
     Ok((ledger, shares))
 }
 
