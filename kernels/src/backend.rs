@@ -184,6 +184,15 @@ pub trait Backend: Send + Sync + Clone {
     fn mark(&self) -> Result<Self::Mark>;
     /// Milliseconds between two marks, waiting for the later one to complete.
     fn elapsed_ms(&self, start: &Self::Mark, end: &Self::Mark) -> Result<f64>;
+    /// The greedy token of each row of `x` against the head `w`: the argmax of the f32-activation
+    /// logits (`matmul` with `Precision::F32`, then `argmax_rows`); a backend may find the same
+    /// tokens faster (the CPU screens them at 8 bits: `cpu::head_screen`).
+    fn head_argmax(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Vec<u32>> {
+        self.argmax_rows(&self.matmul(x, w, Precision::F32)?)
+    }
+    /// Readies `w` as a vocabulary projection for `head_argmax` at load time (the CPU computes each
+    /// row's Σ|w| once, so a first request does not wait for it).
+    fn prepare_head(&self, _w: &Self::Weight) {}
     /// Index of the largest value of each row (greedy sampling without copying logits back).
     fn argmax_rows(&self, t: &Self::Tensor) -> Result<Vec<u32>> {
         let (rows, cols) = self.dims(t);

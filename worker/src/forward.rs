@@ -347,6 +347,30 @@ pub fn head_tensor<B: Backend>(
     Ok(b.matmul(&h, lm_head, p)?)
 }
 
+/// The greedy token of each sequence's last row: `head_tensor`'s argmax, without the logits where
+/// the backend finds the same tokens faster (`Backend::head_argmax`; a draft model keeps its own
+/// precision's logits).
+pub fn head_argmax<B: Backend>(
+    b: &B,
+    ctx: &LayerCtx,
+    x: &B::Tensor,
+    seqs: &[SeqRows],
+    norm: &B::Weight,
+    lm_head: &B::Weight,
+) -> Result<Vec<u32>> {
+    if ctx.draft {
+        return Ok(b.argmax_rows(&head_tensor(b, ctx, x, seqs, &[], norm, lm_head)?)?);
+    }
+    let mut last = Vec::with_capacity(seqs.len());
+    let mut off = 0;
+    for s in seqs {
+        off += s.rows;
+        last.push(b.rows(x, off - 1, 1)?);
+    }
+    let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
+    Ok(b.head_argmax(&b.rms_norm(&last, norm, ctx.eps)?, lm_head)?)
+}
+
 /// `head_tensor` copied to the host: one logits vector per row (per sequence without tails).
 pub fn head_logits<B: Backend>(
     b: &B,

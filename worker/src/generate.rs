@@ -101,7 +101,15 @@ pub fn generate<B: Backend>(
         };
         let feed = [next.as_slice(), &draft].concat();
         let t0 = Instant::now();
-        let rows = model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)?;
+        // Greedy and undrafted: only the argmax is wanted (the backend may find it without every
+        // logit); otherwise the rows' logits.
+        let argmax = (draft.is_empty() && sampler.is_greedy())
+            .then(|| model.forward_argmax(&feed, &mut seq))
+            .transpose()?;
+        let rows = match argmax {
+            Some(_) => Vec::new(),
+            None => model.forward_tree(&feed, &mut seq, &parents, draft.len() + 1)?,
+        };
         if history.len() == input.len() {
             t.prefill_ms = start.elapsed().as_secs_f64() * 1e3;
             decode_start = Instant::now();
@@ -115,9 +123,14 @@ pub fn generate<B: Backend>(
         let (mut at, mut accepted) = (0usize, 0);
         let before = history.len();
         loop {
-            let mut logits = rows[at].clone();
-            layerstream_kernels::host::check_logits(&logits, at)?;
-            let id = sampler.sample(&mut logits, &history);
+            let id = match argmax {
+                Some(id) => id,
+                None => {
+                    let mut logits = rows[at].clone();
+                    layerstream_kernels::host::check_logits(&logits, at)?;
+                    sampler.sample(&mut logits, &history)
+                }
+            };
             history.push(id);
             let step = stopper.push(tok, id)?;
             on_text(&step.delta);

@@ -2,7 +2,7 @@
 //! `forward` runs a batch of sequences through the layers and returns each one's last-row logits.
 
 use crate::error::{Error, Result};
-use crate::forward::{head_logits, layer_forward, LayerCtx, SeqRows};
+use crate::forward::{head_argmax, head_logits, layer_forward, LayerCtx, SeqRows};
 use crate::moe::ResidentExperts;
 use crate::weights::{need, LayerWeights};
 use layerstream_kernels::{Backend, KvLayout, Precision};
@@ -80,6 +80,7 @@ impl<B: Backend> Model<B> {
         } else {
             Some(load(store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
         };
+        backend.prepare_head(lm_head.as_ref().unwrap_or(&embed));
         let layers = (0..cfg.num_layers)
             .map(|i| LayerWeights::load(&backend, &cfg, &store.load(&layer_file(i))?))
             .collect::<Result<Vec<_>>>()?;
@@ -130,6 +131,17 @@ impl<B: Backend> Model<B> {
     pub fn forward(&self, batch: &mut [(&[u32], &mut SeqState)]) -> Result<Vec<Vec<f32>>> {
         let causal = vec![None; batch.len()];
         self.backend.run_step(|| self.forward_here(batch, causal, &[]))
+    }
+
+    /// Feeds `tokens` to `seq` and returns its greedy next token: the argmax of `forward`'s
+    /// logits, found without them where the backend can (`forward::head_argmax`).
+    pub fn forward_argmax(&self, tokens: &[u32], seq: &mut SeqState) -> Result<u32> {
+        self.backend.run_step(|| {
+            let (x, seqs) = self.layers_with(&mut [(tokens, seq)], vec![None])?;
+            let lm = self.lm_head.as_ref().unwrap_or(&self.embed);
+            let t = head_argmax(&self.backend, &self.ctx, &x, &seqs, &self.norm, lm)?;
+            Ok(t[0])
+        })
     }
 
     /// Feeds `tokens` to `seq`, the last `parents.len()` of them a token tree (`parents` as

@@ -166,6 +166,9 @@ impl<B: Backend + 'static> Stage<B> {
             } else {
                 Some(need(&backend, store.load("lm_head.bin")?, "lm_head", &[vocab, h])?)
             };
+            if let Some(w) = lm.as_ref().or(embed.as_ref()) {
+                backend.prepare_head(w);
+            }
             Some((norm, lm))
         } else {
             None

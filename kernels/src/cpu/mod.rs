@@ -2,6 +2,7 @@
 //! on the fly, GEMM through the `gemm` crate, rayon across the cores.
 
 mod attention;
+mod head_screen;
 pub mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_avx2;
@@ -50,6 +51,10 @@ pub struct CpuWeight {
     pub cols: usize,
     raw: Option<(Arc<CpuBlob>, Range<usize>)>,
     f32: Option<Vec<f32>>,
+    /// Each row's Σ|w|, for a greedy head's screening (`head_screen`), computed on first use.
+    norms: std::sync::OnceLock<Vec<f32>>,
+    /// Greedy steps left to skip the screen after one found a crowd of candidates.
+    screen_skip: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl CpuWeight {
@@ -100,13 +105,29 @@ impl CpuWeight {
             for (r, o) in v.chunks_exact_mut(cols).enumerate() {
                 dequant_row(dtype, &bytes[r * rb..(r + 1) * rb], o);
             }
-            return Ok(CpuWeight { dtype, rows, cols, raw: None, f32: Some(v) });
+            return Ok(CpuWeight {
+                dtype,
+                rows,
+                cols,
+                raw: None,
+                f32: Some(v),
+                norms: Default::default(),
+                screen_skip: Default::default(),
+            });
         }
         let raw = match owner {
             Some((buf, range)) => (Arc::clone(buf), range),
             None => (Arc::new(CpuBlob::owned(bytes)), 0..bytes.len()),
         };
-        Ok(CpuWeight { dtype, rows, cols, raw: Some(raw), f32: None })
+        Ok(CpuWeight {
+            dtype,
+            rows,
+            cols,
+            raw: Some(raw),
+            f32: None,
+            norms: Default::default(),
+            screen_skip: Default::default(),
+        })
     }
 
     /// All values as f32 (for 1-D weights: norms, biases).
@@ -243,6 +264,20 @@ impl Backend for CpuBackend {
             data.extend(table.row(id as usize));
         }
         Ok(CpuTensor { data, rows: ids.len(), cols: table.cols })
+    }
+
+    fn prepare_head(&self, w: &CpuWeight) {
+        head_screen::prepare(w);
+    }
+
+    fn head_argmax(&self, x: &CpuTensor, w: &CpuWeight) -> Result<Vec<u32>> {
+        ensure(x.cols == w.cols, "head_argmax", || {
+            format!("x has {} columns, weight has {}", x.cols, w.cols)
+        })?;
+        match head_screen::argmax(w, &x.data, x.rows) {
+            Some(t) => Ok(t),
+            None => self.argmax_rows(&self.matmul(x, w, crate::Precision::F32)?),
+        }
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, p: crate::Precision) -> Result<CpuTensor> {

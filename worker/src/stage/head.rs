@@ -4,7 +4,7 @@
 
 use super::{in_batch_order, StepOut, StepSeq};
 use crate::error::Result;
-use crate::forward::{head_tensor, SeqRows};
+use crate::forward::{head_argmax, head_tensor, SeqRows};
 use crate::token_choice::{HeadRow, TokenChoice};
 use crate::verify::{verify, DraftRows};
 use layerstream_kernels::Backend;
@@ -92,6 +92,13 @@ impl<B: Backend + 'static> super::Stage<B> {
                 last.push(first - 1);
             }
             b.gather_rows(&all, &last)?
+        } else if greedy {
+            // Only the argmax is wanted: the backend may find it without every f32 logit.
+            let tokens = head_argmax(b, &self.ctx, x, seq_rows, norm, lm)?;
+            out.results = results(batch, tokens.into_iter().map(|t| vec![(t, None)]).collect());
+            drop(_in_head);
+            self.draft_next(batch, out)?;
+            return Ok(());
         } else {
             head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?
         };

@@ -1,0 +1,174 @@
+//! Greedy heads at the 8-bit kernels' speed with the f32 path's tokens. The vocabulary projection
+//! keeps f32 activations because 8-bit ones flipped near-tied first tokens; but a greedy step
+//! needs only the argmax. So: every logit at 8 bits (`Precision::Int8`, ~2× the f32 kernel on a
+//! Q8_0 head), a bound on how far each can be from the f32 path's — the activations' rounding
+//! (half a block scale) times the row's Σ|w|, plus both paths' float rounding — and the f32 path's
+//! exact logit (`quant::dot` of the dequantized row: the bits `matmul` gives) for every token whose
+//! interval reaches the best lower bound. Any other token is provably below that one, so the argmax
+//! over the rescored candidates (first index on ties, as `host::argmax`) is the f32 path's token.
+
+use super::matmul::{matmul, GEMM_MIN_ROWS};
+use super::CpuWeight;
+use crate::quant::{dequant_row, dot};
+use crate::Precision;
+use rayon::prelude::*;
+
+/// Each row's Σ|w| (f32 of the dequantized values), computed once per weight.
+pub(super) fn row_norms(w: &CpuWeight) -> Vec<f32> {
+    let raw = w.raw();
+    let rb = raw.len() / w.rows.max(1);
+    raw.par_chunks(rb.max(1))
+        .map_init(
+            || vec![0f32; w.cols],
+            |buf, r| {
+                dequant_row(w.dtype, r, buf);
+                buf.iter().map(|v| v.abs()).sum::<f32>()
+            },
+        )
+        .collect()
+}
+
+/// Computes `w`'s row norms now where the screen would use them (a head loaded for greedy steps).
+pub(super) fn prepare(w: &CpuWeight) {
+    if w.f32.is_none() && super::int8::supports(w.dtype) && w.cols.is_multiple_of(32) {
+        w.norms.get_or_init(|| row_norms(w));
+    }
+}
+
+/// How far an 8-bit logit of activation row `x` can be from the f32 path's, per unit of the weight
+/// row's Σ|w|: half the largest block scale (`int8::quantize_row` rounds each value to the nearest
+/// multiple of its block's amax/127), and each path's rounding — γ_k = k·u/(1 − k·u) of
+/// Σ|w|·|x| per path, u = 2⁻²⁴ — with a margin for Σ|w| itself being a rounded sum.
+pub(super) fn bound(x: &[f32]) -> f64 {
+    let (mut d_max, mut x_max) = (0f64, 0f64);
+    for b in x.chunks(32) {
+        let amax = b.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+        d_max = d_max.max(amax / 127.0);
+        x_max = x_max.max(amax);
+    }
+    let ku = x.len() as f64 * f64::from(f32::EPSILON) / 2.0;
+    let gamma = ku / (1.0 - ku).max(0.5);
+    (d_max / 2.0 + 3.0 * gamma * (x_max + d_max)) * 1.001 + 1e-30
+}
+
+/// Tokens `j` whose interval (`approx[j]` ± `e`·`norms[j]`) reaches the largest lower bound.
+pub(super) fn candidates(approx: &[f32], norms: &[f32], e: f64) -> Vec<usize> {
+    let lower = approx
+        .iter()
+        .zip(norms)
+        .map(|(&l, &s)| l as f64 - e * s as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
+    (0..approx.len()).filter(|&j| approx[j] as f64 + e * norms[j] as f64 >= lower).collect()
+}
+
+/// Candidates past this share of the vocabulary (1/`CROWD`) make rescoring cost more than the
+/// f32 path saves: that step falls back, and the next `CROWD` steps skip the screen (a model whose
+/// logits are flat — random weights — pays at most a 1/`CROWD` share of screens in vain).
+const CROWD: usize = 16;
+
+/// The f32 path's argmax token for the one row `x` against `w` (the head), found as the module doc
+/// says; None where this way does not apply — f32 weights, a format without an 8-bit dot, several
+/// rows (whose f32 kernel shares each weight row's load among them: the screen saved nothing
+/// measured), a crowd of candidates (`CROWD`), a logit that is not finite (the caller's f32 path
+/// reports it).
+pub(super) fn argmax(w: &CpuWeight, x: &[f32], m: usize) -> Option<Vec<u32>> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (n, k) = (w.rows, w.cols);
+    let applies = w.f32.is_none()
+        && super::int8::supports(w.dtype)
+        && k.is_multiple_of(32)
+        && m == 1
+        && m < GEMM_MIN_ROWS
+        && x.len() == k;
+    if !applies {
+        return None;
+    }
+    if w.screen_skip.load(Relaxed) > 0 {
+        w.screen_skip.fetch_sub(1, Relaxed);
+        return None;
+    }
+    let raw = w.raw();
+    let rb = raw.len() / n.max(1);
+    let approx = matmul(w.dtype, raw, None, (n, k), x, 1, Precision::Int8);
+    if approx.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let norms = w.norms.get_or_init(|| row_norms(w));
+    let cands = candidates(&approx, norms, bound(x));
+    if cands.len() > n / CROWD {
+        w.screen_skip.store(CROWD as u32, Relaxed);
+        return None;
+    }
+    // The f32 path's logit of each candidate (its bits: `matmul` F32 dots dequantized rows so).
+    let exact: Vec<(usize, f32)> = cands
+        .par_iter()
+        .map_init(
+            || vec![0f32; k],
+            |deq, &j| {
+                dequant_row(w.dtype, &raw[j * rb..(j + 1) * rb], deq);
+                (j, dot(deq, x))
+            },
+        )
+        .collect();
+    let mut best: Option<(usize, f32)> = None;
+    for (j, v) in exact {
+        if !v.is_finite() {
+            return None;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((j, v));
+        }
+    }
+    Some(vec![best?.0 as u32])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_types::DType;
+
+    /// The screened argmax is the f32 path's for one row of each head format, also where the top
+    /// two logits are a near-tie far closer than the 8-bit error (two weight rows that differ in
+    /// one value); the candidates are few where one token stands out.
+    #[test]
+    fn the_screened_argmax_is_the_f32_paths() {
+        let (n, k) = (301, 512);
+        for dtype in [DType::Q8_0, DType::Q4K, DType::Q6K, DType::Q4_0] {
+            let mut w = layerstream_types::random::Rng::new(5).tensor(dtype, &[n, k]).unwrap();
+            let rb = w.len() / n;
+            // Row 7 a copy of row 200 but for its last block's bytes: a near-tie.
+            let (a, b) = w.split_at_mut(200 * rb);
+            a[7 * rb..7 * rb + rb - 2].copy_from_slice(&b[..rb - 2]);
+            let weight = CpuWeight::build("head", dtype, &[n, k], &w, None).unwrap();
+            for seed in 0..6 {
+                let m = 1;
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| (((i + 131 * seed) * 37 % 101) as f32 - 50.0) * 0.013)
+                    .collect();
+                let f32_logits = matmul(dtype, &w, None, (n, k), &x, m, Precision::F32);
+                let want: Vec<u32> =
+                    f32_logits.chunks_exact(n).map(|r| crate::host::argmax(r) as u32).collect();
+                assert_eq!(argmax(&weight, &x, m), Some(want), "{dtype} seed {seed}");
+            }
+            let two = vec![0.5f32; 2 * k];
+            assert_eq!(argmax(&weight, &two, 2), None, "several rows take the f32 path");
+        }
+        // One token far above the rest: it alone is a candidate.
+        let mut approx = vec![0f32; 1000];
+        approx[3] = 50.0;
+        assert_eq!(candidates(&approx, &vec![1.0; 1000], 0.1), vec![3]);
+        // Within the error of each other: both.
+        approx[9] = 49.9;
+        assert_eq!(candidates(&approx, &vec![1.0; 1000], 0.1), vec![3, 9]);
+    }
+
+    /// The bound covers the activations' rounding: half the largest block scale.
+    #[test]
+    fn the_bound_is_half_a_block_scale_and_a_little_more() {
+        let mut x = vec![0.5f32; 64];
+        x[40] = 12.7;
+        let e = bound(&x);
+        assert!((0.05..0.0502).contains(&e), "{e}");
+        assert!(bound(&[0.0; 32]) > 0.0);
+    }
+}
