@@ -3,6 +3,7 @@
 //! ledger reads them (the kernel's OOM killer sends SIGKILL and says nothing else). Never a bare
 //! "(None)".
 
+use layerstream_model::mem::gib;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
@@ -33,10 +34,6 @@ fn describe_with(status: ExitStatus, memory: Option<(u64, u64)>) -> String {
         s.push_str(" — a shared-memory region could not be backed: is /dev/shm full?");
     }
     s
-}
-
-fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 fn signal_name(sig: i32) -> &'static str {

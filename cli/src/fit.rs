@@ -4,7 +4,7 @@
 //! CPU worker's budget, the host KV tier — so that together they fit, where each used to size
 //! itself from the whole host. A flag the user gives is taken as it is.
 
-use layerstream_model::mem::Ledger;
+use layerstream_model::mem::{gib, Ledger};
 
 /// What each part of the stack may use.
 #[derive(Debug, Clone, PartialEq)]
@@ -87,7 +87,6 @@ pub fn shares(usable: u64, shm: Option<u64>, s: Shape, fixed: Fixed) -> Result<S
     let fit = share.min(room).min(shm.unwrap_or(u64::MAX)) / slot;
     let slots = fixed.slots.unwrap_or((fit as usize).min(s.layers).max(s.floor));
     let slot_bytes = slots as u64 * slot;
-    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     layerstream_loader::check_shm_room(slots, slot as usize, shm).map_err(|e| e.to_string())?;
     let left = pool.checked_sub(slot_bytes + kv_host_bytes * workers);
     let worker_budget = match (s.cpu, fixed.worker_budget, left) {
@@ -152,7 +151,6 @@ fn tier_share(pool: u64, all: u64, cpu: bool) -> (bool, u64) {
 
 /// The ledger and the shares, for `up`'s log.
 pub fn describe(l: &Ledger, s: &Shares, workers: usize) -> String {
-    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let budget = s.worker_budget.map_or("its device's".into(), gib);
     format!(
         "memory: {}; the loader's {} slots {}, {workers} worker(s) {budget} each, host KV tier {} \
@@ -174,7 +172,6 @@ pub fn overcommitted(usable: u64, s: &Shares, workers: usize) -> Option<String> 
     let total = (s.slots as u64 * s.slot_size)
         .saturating_add(each.saturating_mul(workers as u64))
         .saturating_add(s.margin);
-    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     (total > usable).then(|| {
         format!(
             "the sizes given add up to {} (slots {}, {workers} worker(s) {} each, margin {}), more \

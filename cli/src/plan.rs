@@ -163,11 +163,7 @@ pub fn placement(
     // The loader reads `depth` layers past the one a worker takes, which it takes while the one
     // before computes: one more read in flight than the depth. Unless given, the depth whose
     // batch-1 pass the cost model predicts shortest (`cost::best_depth`).
-    let pass_at = |depth: usize, r: usize| {
-        let layers = sources(m, &plans, shares.slots, depth + 1);
-        let pass = with_experts(m, &plans, &layers, r, &history);
-        (measured.reading(depth + 1), layers, pass)
-    };
+    let layers_at = |depth: usize| sources(m, &plans, shares.slots, depth + 1);
     let prefetch_depth = a.pool.prefetch_depth.unwrap_or_else(|| {
         // Reads in flight beyond the slots the workers do not pin cannot happen.
         let room = shares.slots.saturating_sub(shares.pinned).max(1);
@@ -176,12 +172,13 @@ pub fn placement(
             .map(|n| n - 1)
             .collect();
         best_depth(&depths, |d| {
-            let (f, _, pass) = pass_at(d, 1);
-            predict(&f, &pass, 1, d + 1, buffers).pass_s
+            let pass = with_experts(m, &plans, &layers_at(d), 1, &history);
+            predict(&measured.reading(d + 1), &pass, 1, d + 1, buffers).pass_s
         })
     });
-    let (figures, layers, _) = pass_at(prefetch_depth, 1);
-    let passes: Vec<_> = rows.iter().map(|&r| pass_at(prefetch_depth, r).2).collect();
+    let (figures, layers) = (measured.reading(prefetch_depth + 1), layers_at(prefetch_depth));
+    let passes: Vec<_> =
+        rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
     let predicted = rows
         .iter()
         .zip(&passes)

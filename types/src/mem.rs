@@ -57,7 +57,6 @@ impl Ledger {
 
     /// One line for logs: each part and what is usable.
     pub fn describe(&self) -> String {
-        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
         let opt = |b: Option<u64>| b.map_or("unknown".into(), gib);
         let cg = self.cgroup.map_or("no limit".into(), |c| {
             format!("limit {} with {} in use", gib(c.limit), gib(c.usage))
@@ -175,6 +174,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .parse::<f64>()
         .map(|v| (v * mul as f64) as u64)
         .map_err(|_| format!("{s:?} is not a byte size (e.g. 512M, 8G)"))
+}
+
+/// `b` bytes as GiB with two decimals ("3.50 GiB"): how every memory figure is written.
+pub fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 #[cfg(test)]

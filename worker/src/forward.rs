@@ -320,6 +320,27 @@ pub fn layer_forward<B: Backend>(
     Ok(counts)
 }
 
+/// The final norm of the last `tails[i]` rows of each sequence `i` (1 each when `tails` is empty):
+/// what the vocabulary projection takes.
+fn head_input<B: Backend>(
+    b: &B,
+    ctx: &LayerCtx,
+    x: &B::Tensor,
+    seqs: &[SeqRows],
+    tails: &[usize],
+    norm: &B::Weight,
+) -> Result<B::Tensor> {
+    let mut last = Vec::with_capacity(seqs.len());
+    let mut off = 0;
+    for (i, s) in seqs.iter().enumerate() {
+        off += s.rows;
+        let n = tails.get(i).copied().unwrap_or(1).clamp(1, s.rows);
+        last.push(b.rows(x, off - n, n)?);
+    }
+    let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
+    Ok(b.rms_norm(&last, norm, ctx.eps)?)
+}
+
 /// Final norm and lm_head on the last `tails[i]` rows of each sequence `i` (1 each when `tails` is
 /// empty; more where a step verifies a draft): logits `[Σ tails, vocab]` on the device.
 pub fn head_tensor<B: Backend>(
@@ -331,15 +352,7 @@ pub fn head_tensor<B: Backend>(
     norm: &B::Weight,
     lm_head: &B::Weight,
 ) -> Result<B::Tensor> {
-    let mut last = Vec::with_capacity(seqs.len());
-    let mut off = 0;
-    for (i, s) in seqs.iter().enumerate() {
-        off += s.rows;
-        let n = tails.get(i).copied().unwrap_or(1).clamp(1, s.rows);
-        last.push(b.rows(x, off - n, n)?);
-    }
-    let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
-    let h = b.rms_norm(&last, norm, ctx.eps)?;
+    let h = head_input(b, ctx, x, seqs, tails, norm)?;
     // f32 activations for the vocabulary projection whatever the layers use, but in a draft model:
     // its argmax decides between near-tied tokens (SmolLM2's "What is the capital of France?"
     // opens with "The" at −1.88 against "L" at −1.96, and 8-bit activations here swapped them).
@@ -361,14 +374,7 @@ pub fn head_argmax<B: Backend>(
     if ctx.draft {
         return Ok(b.argmax_rows(&head_tensor(b, ctx, x, seqs, &[], norm, lm_head)?)?);
     }
-    let mut last = Vec::with_capacity(seqs.len());
-    let mut off = 0;
-    for s in seqs {
-        off += s.rows;
-        last.push(b.rows(x, off - 1, 1)?);
-    }
-    let last = if last.len() == 1 { last.pop().expect("one part") } else { b.concat_rows(&last)? };
-    Ok(b.head_argmax(&b.rms_norm(&last, norm, ctx.eps)?, lm_head)?)
+    Ok(b.head_argmax(&head_input(b, ctx, x, seqs, &[], norm)?, lm_head)?)
 }
 
 /// `head_tensor` copied to the host: one logits vector per row (per sequence without tails).

@@ -7,7 +7,7 @@
 //! interval reaches the best lower bound. Any other token is provably below that one, so the argmax
 //! over the rescored candidates (first index on ties, as `host::argmax`) is the f32 path's token.
 
-use super::matmul::{matmul, GEMM_MIN_ROWS};
+use super::matmul::matmul;
 use super::CpuWeight;
 use crate::quant::{dequant_row, dot};
 use crate::Precision;
@@ -28,9 +28,15 @@ pub(super) fn row_norms(w: &CpuWeight) -> Vec<f32> {
         .collect()
 }
 
+/// Whether greedy steps on `w` can be screened: a quantized weight with an 8-bit dot, rows of
+/// whole 32-value blocks.
+fn screens(w: &CpuWeight) -> bool {
+    w.f32.is_none() && super::int8::supports(w.dtype) && w.cols.is_multiple_of(32)
+}
+
 /// Computes `w`'s row norms now where the screen would use them (a head loaded for greedy steps).
 pub(super) fn prepare(w: &CpuWeight) {
-    if w.f32.is_none() && super::int8::supports(w.dtype) && w.cols.is_multiple_of(32) {
+    if screens(w) {
         w.norms.get_or_init(|| row_norms(w));
     }
 }
@@ -74,13 +80,7 @@ const CROWD: usize = 16;
 pub(super) fn argmax(w: &CpuWeight, x: &[f32], m: usize) -> Option<Vec<u32>> {
     use std::sync::atomic::Ordering::Relaxed;
     let (n, k) = (w.rows, w.cols);
-    let applies = w.f32.is_none()
-        && super::int8::supports(w.dtype)
-        && k.is_multiple_of(32)
-        && m == 1
-        && m < GEMM_MIN_ROWS
-        && x.len() == k;
-    if !applies {
+    if !screens(w) || m != 1 || x.len() != k {
         return None;
     }
     if w.screen_skip.load(Relaxed) > 0 {

@@ -61,7 +61,7 @@ impl CpuWeight {
     /// The weight's bytes in their stored format, where it keeps them (not for the f32 copies of
     /// 1-D and f32 weights): where they lie, a file's own memory or a loader slot.
     pub fn stored(&self) -> Option<&[u8]> {
-        self.raw.as_ref().map(|(blob, range)| &blob[range.clone()])
+        self.raw.is_some().then(|| self.raw())
     }
 
     /// Dequantizes row `r`.

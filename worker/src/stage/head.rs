@@ -69,7 +69,11 @@ impl<B: Backend + 'static> super::Stage<B> {
         let head_span = info_span!(parent: step_span, "head", rows = seq_rows.len() as i64, vocab = self.cfg.vocab_size as i64, greedy);
         let _in_head = head_span.enter();
         let mut scores = Vec::new();
-        let mut logits = if batch.iter().any(|s| !s.score_ids.is_empty()) {
+        let scoring = batch.iter().any(|s| !s.score_ids.is_empty());
+        let (tokens, logprobs) = if greedy && !scoring {
+            // Only the argmax is wanted: the backend may find it without every f32 logit.
+            (head_argmax(b, &self.ctx, x, seq_rows, norm, lm)?, Vec::new())
+        } else if scoring {
             // Prompt log-probabilities: every row of the scoring sequences goes through the head;
             // each scores its next token, and the last rows are chosen from as usual.
             let tails: Vec<usize> = batch
@@ -91,18 +95,10 @@ impl<B: Backend + 'static> super::Stage<B> {
                 first += t;
                 last.push(first - 1);
             }
-            b.gather_rows(&all, &last)?
-        } else if greedy {
-            // Only the argmax is wanted: the backend may find it without every f32 logit.
-            let tokens = head_argmax(b, &self.ctx, x, seq_rows, norm, lm)?;
-            out.results = results(batch, tokens.into_iter().map(|t| vec![(t, None)]).collect());
-            drop(_in_head);
-            self.draft_next(batch, out)?;
-            return Ok(());
+            choice.choose(b, &mut b.gather_rows(&all, &last)?, rows)?
         } else {
-            head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?
+            choice.choose(b, &mut head_tensor(b, &self.ctx, x, seq_rows, &[], norm, lm)?, rows)?
         };
-        let (tokens, logprobs) = choice.choose(b, &mut logits, rows)?;
         let mut logprobs = logprobs.into_iter();
         let one_each = tokens.into_iter().map(|t| vec![(t, logprobs.next().flatten())]).collect();
         out.results = results(batch, one_each);
