@@ -2,8 +2,9 @@
 //! attention shape (4096 × 4096) against m activation rows through `cpu::matmul`, all threads,
 //! three ways side by side in one run — f32 activations (`--exact`: dequantized rows, GEMM from 256
 //! rows), 8-bit activations row by row (`int8_batch`: the few-row kernel, every m) and 8-bit
-//! activations sixteen rows to a register (`int8_lanes`, AVX-512 VNNI: the default from
-//! `int8::LANES_FROM` rows) — in activation rows per second, with the ratios; best of five.
+//! activations sixteen (or eight) rows to a register (`int8_lanes`, AVX-512 VNNI: the default
+//! from `int8::LANES_FROM` rows, from `NARROW_FROM` for some formats) — in activation rows per
+//! second, with the ratios; best of five.
 //! The 8-bit ways give the same bits; the f32 way does not.
 
 use layerstream_kernels::cpu::int8::set_lanes;
@@ -20,7 +21,7 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for dtype in [DType::Q4K, DType::Q6K, DType::Q8_0, DType::Q4_1, DType::Q4_0, DType::Q5K] {
         let w = layerstream_types::random::Rng::new(3).tensor(dtype, &[n, k]).unwrap();
-        for m in [1usize, 8, 16, 64, 256, 512] {
+        for m in [1usize, 8, 16, 20, 64, 512] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
             let run = |p| std::hint::black_box(matmul(dtype, &w, None, (n, k), &x, m, p));
             let f32_path = best(|| {

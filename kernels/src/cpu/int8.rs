@@ -265,11 +265,16 @@ pub enum Acts {
     Lanes(super::int8_lanes::Q8Lanes),
 }
 
-/// From this many activation rows on, `quantize` lays them out for `int8_lanes` where the CPU has
-/// it: from 9 the lanes kernel (sixteen rows at once) beat the few-row kernels on every format
-/// measured, at 8 it did on some and not others (kernels/benches/many_rows.rs,
+/// From this many activation rows on, `int8_lanes` takes every format where the CPU has it: from 9
+/// the lanes kernel (sixteen rows at once) beat the few-row kernels on every format measured, at
+/// 8 (eight lanes) on some and not others (kernels/benches/many_rows.rs,
 /// benchmarks/prefill-int8-cpu-2core.md). Both give the same bits, so this moves only speed.
 pub const LANES_FROM: usize = 9;
+
+/// From this many rows `quantize` lays them out in lanes too, for the formats at which eight rows
+/// in one eight-lane group beat the few-row kernels (`int8_lanes::lanes_pay`); the others take the
+/// rows as they were.
+pub const NARROW_FROM: usize = 8;
 
 static LANES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
@@ -284,11 +289,11 @@ pub fn set_lanes(on: bool) {
 pub fn quantize(x: &[f32], k: usize, m: usize) -> Acts {
     let rows: Vec<Q8Row> = x.chunks_exact(k).take(m).map(quantize_row).collect();
     #[cfg(target_arch = "x86_64")]
-    if m >= LANES_FROM
+    if m >= NARROW_FROM
         && LANES.load(std::sync::atomic::Ordering::Relaxed)
         && super::int8_lanes::available()
     {
-        return Acts::Lanes(super::int8_lanes::Q8Lanes::new(&rows, k / QK));
+        return Acts::Lanes(super::int8_lanes::Q8Lanes::new(rows, k / QK));
     }
     Acts::Rows(rows)
 }
@@ -299,6 +304,9 @@ pub fn dot(dtype: DType, w: &[u8], row_bytes: usize, xs: &Acts, out: &mut [f32])
         Acts::Rows(rows) => dot_rows(dtype, w, row_bytes, rows, out),
         #[cfg(target_arch = "x86_64")]
         Acts::Lanes(lanes) => {
+            if let Some(rows) = lanes.few_rows(dtype) {
+                return dot_rows(dtype, w, row_bytes, rows, out);
+            }
             let values = check_rows(dtype, w, row_bytes, lanes.rows(), out);
             assert_eq!(values, lanes.units() * QK, "weight rows and activations differ in width");
             // SAFETY: `Lanes` is only built where `int8_lanes::available()`; the asserts bound

@@ -10,74 +10,93 @@
 //! or a decode, alone or beside other sequences. Only the order in which outputs are computed
 //! differs.
 
-use super::int8::Q8Row;
+use super::int8::{Q8Row, LANES_FROM, NARROW_FROM};
 use super::int8_units::{form, unpack, Form, Unit};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
-/// Activation rows per group (the lanes of a 512-bit register of i32).
+/// Activation rows per group: the lanes of a 512-bit register of i32. A step's last group takes
+/// a 256-bit register (`HALF` lanes) when it has no more rows than that, so a step of 5-8 rows
+/// (a batched decode) or a prefill's last few rows do not pay for sixteen lanes.
 pub const LANES: usize = 16;
+
+/// Lanes of the narrow register.
+pub const HALF: usize = 8;
 
 /// Weight rows unpacked at a time (8 rows of 4096 values: 96 KiB of units).
 const TILE: usize = 8;
 
-/// Sixteen lanes of four bytes.
+/// Sixteen lanes of four bytes (or two units' worth of eight lanes).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Bytes64([u8; 64]);
 
-/// Sixteen lanes of f32.
+/// Sixteen lanes of f32 (or two units' worth of eight lanes).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct F32x16([f32; 16]);
 
-/// Up to sixteen quantized activation rows interleaved: for unit i and t in 0..8, the four values
-/// 4t..4t+4 of each row as unsigned bytes (q + 128) in its lane; per unit the rows' scales and
-/// d·Σq. Rows past the real ones are zeros with scale 0.
+/// Up to `width` (16 or 8) quantized activation rows interleaved: for unit i and t in 0..8, the
+/// four values 4t..4t+4 of each row as unsigned bytes (q + 128) in its lane, `4·width` bytes at
+/// byte `4·width·(8i + t)` of `x`; per unit the rows' scales and d·Σq, `width` floats at float
+/// `width·i` of `dx` and `ds`. Rows past the real ones are zeros with scale 0.
 struct Group {
     rows: usize,
+    width: usize,
     x: Vec<Bytes64>,
     dx: Vec<F32x16>,
     ds: Vec<F32x16>,
 }
 
-/// Quantized activation rows laid out for `dot_lanes`, built once per step.
+impl Group {
+    /// `rows` (at most 16) interleaved, in eight lanes where they fit.
+    fn new(rows: &[Q8Row], units: usize) -> Group {
+        let width = if rows.len() <= HALF { HALF } else { LANES };
+        let per = width / HALF; // a unit is 4·per 64-byte blocks of x, per/2 of dx and ds
+        let mut g = Group {
+            rows: rows.len(),
+            width,
+            x: vec![Bytes64([128; 64]); units * 4 * per],
+            dx: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
+            ds: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
+        };
+        let x = g.x.as_mut_ptr() as *mut u8;
+        let (dx, ds) = (g.dx.as_mut_ptr() as *mut f32, g.ds.as_mut_ptr() as *mut f32);
+        for (lane, row) in rows.iter().enumerate() {
+            for i in 0..units {
+                let (d, q, s) = row.block(i);
+                // SAFETY: lane < width and i < units: the offsets are inside the vectors sized
+                // above (units·8·4·width bytes, units·width floats).
+                unsafe {
+                    *dx.add(width * i + lane) = d;
+                    *ds.add(width * i + lane) = s;
+                    for t in 0..8 {
+                        let at = x.add(4 * width * (8 * i + t) + 4 * lane);
+                        for (b, &v) in q[4 * t..4 * t + 4].iter().enumerate() {
+                            *at.add(b) = (v as u8) ^ 0x80;
+                        }
+                    }
+                }
+            }
+        }
+        g
+    }
+}
+
+/// Quantized activation rows laid out for `dot_lanes`, built once per step; below `LANES_FROM`
+/// rows the rows themselves too, for the formats whose few-row kernel is faster (`lanes_pay`).
 pub struct Q8Lanes {
     groups: Vec<Group>,
     units: usize,
+    few: Vec<Q8Row>,
 }
 
 impl Q8Lanes {
     /// Interleaves `xs` (each of `units` 32-value blocks at least) in groups of sixteen rows.
-    pub fn new(xs: &[Q8Row], units: usize) -> Q8Lanes {
-        let groups = xs
-            .chunks(LANES)
-            .map(|rows| {
-                let mut g = Group {
-                    rows: rows.len(),
-                    x: vec![Bytes64([128; 64]); units * 8],
-                    dx: vec![F32x16([0.0; 16]); units],
-                    ds: vec![F32x16([0.0; 16]); units],
-                };
-                for (lane, row) in rows.iter().enumerate() {
-                    for i in 0..units {
-                        let (d, q, ds) = row.block(i);
-                        g.dx[i].0[lane] = d;
-                        g.ds[i].0[lane] = ds;
-                        for t in 0..8 {
-                            for (b, &v) in g.x[8 * i + t].0[4 * lane..4 * lane + 4]
-                                .iter_mut()
-                                .zip(&q[4 * t..4 * t + 4])
-                            {
-                                *b = (v as u8) ^ 0x80;
-                            }
-                        }
-                    }
-                }
-                g
-            })
-            .collect();
-        Q8Lanes { groups, units }
+    pub fn new(xs: Vec<Q8Row>, units: usize) -> Q8Lanes {
+        let groups = xs.chunks(LANES).map(|rows| Group::new(rows, units)).collect();
+        let few = if xs.len() < LANES_FROM { xs } else { Vec::new() };
+        Q8Lanes { groups, units, few }
     }
 
     /// Activation rows held.
@@ -89,6 +108,21 @@ impl Q8Lanes {
     pub fn units(&self) -> usize {
         self.units
     }
+
+    /// The rows for the few-row kernels where `dtype` is faster there at this many rows.
+    pub fn few_rows(&self, dtype: DType) -> Option<&[Q8Row]> {
+        (!lanes_pay(form(dtype), self.rows())).then_some(&self.few[..])
+    }
+}
+
+/// Whether `m` rows of a step run faster here than in the few-row kernels (`int8_batch`): from
+/// `LANES_FROM` rows on for every format; at `NARROW_FROM` (eight rows in one eight-lane group: a
+/// batch-8 decode step) for the formats whose few-row kernel spends per row what this one does
+/// per eight — 1.1-1.6x at 8 rows on Q4_0, Q4_1, Q8_0 and Q6_K, while Q4_K and Q5_K, whose few-row
+/// kernel applies a super-block's eight scales as one vector, ran 0.9x
+/// (kernels/benches/many_rows.rs, benchmarks/prefill-int8-cpu-2core.md).
+pub(super) fn lanes_pay(form: Form, m: usize) -> bool {
+    m >= LANES_FROM || (m >= NARROW_FROM && matches!(form, Form::Plain | Form::Scaled16))
 }
 
 /// Whether this CPU runs `dot_lanes` (AVX-512 F/BW/VL with VNNI, and the AVX2 set the weight
@@ -127,12 +161,8 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
         let mut a0 = 0;
         for g in &lanes.groups {
             for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
-                let sums = match f {
-                    Form::Plain => group::<0>(us, g),
-                    Form::Kquant45 => group::<1>(us, g),
-                    Form::Scaled16 => group::<2>(us, g),
-                    Form::Q2k => group::<3>(us, g),
-                };
+                let sums =
+                    if g.width == LANES { pass::<Z16>(f, us, g) } else { pass::<Y8>(f, us, g) };
                 o[r * m + a0..r * m + a0 + g.rows].copy_from_slice(&sums[..g.rows]);
             }
             a0 += g.rows;
@@ -140,77 +170,199 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
     }
 }
 
+/// One weight row's units against one group, in registers of `V`'s width.
+#[inline(always)]
+unsafe fn pass<V: Reg>(f: Form, us: &[Unit], g: &Group) -> [f32; LANES] {
+    match f {
+        Form::Plain => group::<0, V>(us, g),
+        Form::Kquant45 => group::<1, V>(us, g),
+        Form::Scaled16 => group::<2, V>(us, g),
+        Form::Q2k => group::<3, V>(us, g),
+    }
+}
+
+/// The vector operations `group` uses, on registers of `N` i32/f32 lanes. Callers run where
+/// `available()` holds (the functions inline into `dot_lanes`, which enables the features).
+trait Reg {
+    const N: usize;
+    type I: Copy;
+    type F: Copy;
+    unsafe fn load_i(p: *const u8) -> Self::I;
+    unsafe fn set_i(v: i32) -> Self::I;
+    unsafe fn dpbusd(acc: Self::I, x: Self::I, w: Self::I) -> Self::I;
+    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn cvt(a: Self::I) -> Self::F;
+    unsafe fn load_f(p: *const f32) -> Self::F;
+    unsafe fn set_f(v: f32) -> Self::F;
+    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    unsafe fn store_f(p: *mut f32, a: Self::F);
+}
+
+/// Sixteen lanes: 512-bit registers.
+struct Z16;
+/// Eight lanes: 256-bit registers (AVX-512 VL's VNNI).
+struct Y8;
+
+macro_rules! reg {
+    ($t:ty, $n:expr, $i:ty, $f:ty, $load:ident, $set:ident, $dp:ident, $mullo:ident, $cvt:ident,
+     $loadf:ident, $setf:ident, $mul:ident, $add:ident, $fma:ident, $store:ident) => {
+        impl Reg for $t {
+            const N: usize = $n;
+            type I = $i;
+            type F = $f;
+            #[inline(always)]
+            unsafe fn load_i(p: *const u8) -> $i {
+                $load(p as *const $i)
+            }
+            #[inline(always)]
+            unsafe fn set_i(v: i32) -> $i {
+                $set(v)
+            }
+            #[inline(always)]
+            unsafe fn dpbusd(acc: $i, x: $i, w: $i) -> $i {
+                $dp(acc, x, w)
+            }
+            #[inline(always)]
+            unsafe fn mullo(a: $i, b: $i) -> $i {
+                $mullo(a, b)
+            }
+            #[inline(always)]
+            unsafe fn cvt(a: $i) -> $f {
+                $cvt(a)
+            }
+            #[inline(always)]
+            unsafe fn load_f(p: *const f32) -> $f {
+                $loadf(p)
+            }
+            #[inline(always)]
+            unsafe fn set_f(v: f32) -> $f {
+                $setf(v)
+            }
+            #[inline(always)]
+            unsafe fn mul(a: $f, b: $f) -> $f {
+                $mul(a, b)
+            }
+            #[inline(always)]
+            unsafe fn add(a: $f, b: $f) -> $f {
+                $add(a, b)
+            }
+            #[inline(always)]
+            unsafe fn fmadd(a: $f, b: $f, c: $f) -> $f {
+                $fma(a, b, c)
+            }
+            #[inline(always)]
+            unsafe fn store_f(p: *mut f32, a: $f) {
+                $store(p, a)
+            }
+        }
+    };
+}
+
+reg!(
+    Z16,
+    16,
+    __m512i,
+    __m512,
+    _mm512_load_si512,
+    _mm512_set1_epi32,
+    _mm512_dpbusd_epi32,
+    _mm512_mullo_epi32,
+    _mm512_cvtepi32_ps,
+    _mm512_load_ps,
+    _mm512_set1_ps,
+    _mm512_mul_ps,
+    _mm512_add_ps,
+    _mm512_fmadd_ps,
+    _mm512_storeu_ps
+);
+reg!(
+    Y8,
+    8,
+    __m256i,
+    __m256,
+    _mm256_load_si256,
+    _mm256_set1_epi32,
+    _mm256_dpbusd_epi32,
+    _mm256_mullo_epi32,
+    _mm256_cvtepi32_ps,
+    _mm256_load_ps,
+    _mm256_set1_ps,
+    _mm256_mul_ps,
+    _mm256_add_ps,
+    _mm256_fmadd_ps,
+    _mm256_storeu_ps
+);
+
 /// One weight row's units against one group of rows; `FORM` as `Form` in declaration order.
 #[inline(always)]
-unsafe fn group<const FORM: u8>(units: &[Unit], g: &Group) -> [f32; LANES] {
-    let zero = _mm512_setzero_ps();
+unsafe fn group<const FORM: u8, V: Reg>(units: &[Unit], g: &Group) -> [f32; LANES] {
+    let zero = V::set_f(0.0);
     let mut acc = [zero; 8];
     let mut off = [zero; 8];
-    let ones = _mm512_set1_epi32(0x0101_0101);
+    let ones = V::set_i(0x0101_0101);
+    let (xb, dxb, dsb) =
+        (g.x.as_ptr() as *const u8, g.dx.as_ptr() as *const f32, g.ds.as_ptr() as *const f32);
     for (i, u) in units.iter().enumerate() {
-        let x = g.x.as_ptr().add(8 * i);
-        let dx = _mm512_load_ps(g.dx[i].0.as_ptr());
-        let ds = _mm512_load_ps(g.ds[i].0.as_ptr());
+        let x = xb.add(4 * V::N * 8 * i);
+        let dx = V::load_f(dxb.add(V::N * i));
+        let ds = V::load_f(dsb.add(V::N * i));
         let vp = u.v.as_ptr() as *const i32;
-        let xv: [__m512i; 8] =
-            std::array::from_fn(|t| _mm512_load_si512((*x.add(t)).0.as_ptr() as *const __m512i));
-        let p: [__m512i; 8] = std::array::from_fn(|t| {
-            let wt = _mm512_set1_epi32(std::ptr::read_unaligned(vp.add(t)));
-            _mm512_dpbusd_epi32(_mm512_set1_epi32(u.bias[t]), xv[t], wt)
+        let xv: [V::I; 8] = std::array::from_fn(|t| V::load_i(x.add(4 * V::N * t)));
+        let p: [V::I; 8] = std::array::from_fn(|t| {
+            let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
+            V::dpbusd(V::set_i(u.bias[t]), xv[t], wt)
         });
         match FORM {
             0 | 1 => {
-                let f = _mm512_mul_ps(_mm512_set1_ps(u.d), dx);
+                let f = V::mul(V::set_f(u.d), dx);
                 for t in 0..8 {
-                    acc[t] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(p[t]), acc[t]);
+                    acc[t] = V::fmadd(f, V::cvt(p[t]), acc[t]);
                 }
                 let o = if FORM == 0 { 0 } else { i % 8 };
-                off[o] = _mm512_fmadd_ps(_mm512_set1_ps(u.c), ds, off[o]);
+                off[o] = V::fmadd(V::set_f(u.c), ds, off[o]);
             }
             2 => {
-                let f = _mm512_mul_ps(_mm512_set1_ps(u.d), dx);
-                let (sa, sb) = (_mm512_set1_epi32(u.sa), _mm512_set1_epi32(u.sb));
+                let f = V::mul(V::set_f(u.d), dx);
+                let (sa, sb) = (V::set_i(u.sa), V::set_i(u.sb));
                 for t in 0..8 {
-                    let s = _mm512_mullo_epi32(p[t], if t < 4 { sa } else { sb });
-                    acc[t] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(s), acc[t]);
+                    let s = V::mullo(p[t], if t < 4 { sa } else { sb });
+                    acc[t] = V::fmadd(f, V::cvt(s), acc[t]);
                 }
             }
             _ => {
-                let (d, mdmin) = (_mm512_set1_ps(u.d), _mm512_set1_ps(u.c));
+                let (d, mdmin) = (V::set_f(u.d), V::set_f(u.c));
                 for t in 0..8 {
                     let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
                     // Σ of the four activations: Σ (q + 128) − 512.
-                    let sx = _mm512_dpbusd_epi32(_mm512_set1_epi32(-512), xv[t], ones);
-                    let iq = _mm512_mullo_epi32(p[t], _mm512_set1_epi32(sc));
-                    let im = _mm512_mullo_epi32(sx, _mm512_set1_epi32(mn));
-                    let tt = _mm512_fmadd_ps(
-                        mdmin,
-                        _mm512_cvtepi32_ps(im),
-                        _mm512_mul_ps(d, _mm512_cvtepi32_ps(iq)),
-                    );
-                    acc[t] = _mm512_fmadd_ps(dx, tt, acc[t]);
+                    let sx = V::dpbusd(V::set_i(-512), xv[t], ones);
+                    let iq = V::mullo(p[t], V::set_i(sc));
+                    let im = V::mullo(sx, V::set_i(mn));
+                    let tt = V::fmadd(mdmin, V::cvt(im), V::mul(d, V::cvt(iq)));
+                    acc[t] = V::fmadd(dx, tt, acc[t]);
                 }
             }
         }
     }
     if FORM == 1 {
         for t in 0..8 {
-            acc[t] = _mm512_add_ps(acc[t], off[t]);
+            acc[t] = V::add(acc[t], off[t]);
         }
     }
     // `int8_batch::hsum`'s order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
-    let h = |a: usize, b: usize| _mm512_add_ps(acc[a], acc[b]);
-    let sum = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
-    let sum = if FORM == 0 { _mm512_add_ps(sum, off[0]) } else { sum };
+    let h = |a: usize, b: usize| V::add(acc[a], acc[b]);
+    let sum = V::add(V::add(h(0, 4), h(2, 6)), V::add(h(1, 5), h(3, 7)));
+    let sum = if FORM == 0 { V::add(sum, off[0]) } else { sum };
     let mut r = [0f32; LANES];
-    _mm512_storeu_ps(r.as_mut_ptr(), sum);
+    V::store_f(r.as_mut_ptr(), sum);
     r
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::int8::{dot_rows, dot_scalar, quantize_row, supports, Acts};
+    use crate::cpu::int8::{dot, dot_rows, dot_scalar, quantize_row, supports, Acts};
     use crate::quant::{dequant_row, dot as f32_dot};
 
     /// Every format with an 8-bit dot, with a width of an odd number of its blocks.
@@ -230,6 +382,16 @@ mod tests {
         (DType::Q6K, 256 * 3),
     ];
 
+    /// Eight rows take the lanes where they measured faster; nine and more always, fewer never.
+    #[test]
+    fn lanes_pay_from_nine_rows_and_at_eight_for_the_formats_measured_faster() {
+        for f in [Form::Plain, Form::Kquant45, Form::Scaled16, Form::Q2k] {
+            assert!(!lanes_pay(f, 7) && lanes_pay(f, 9) && lanes_pay(f, 300), "{f:?}");
+        }
+        assert!(lanes_pay(Form::Plain, 8) && lanes_pay(Form::Scaled16, 8));
+        assert!(!lanes_pay(Form::Kquant45, 8) && !lanes_pay(Form::Q2k, 8));
+    }
+
     /// Rows of activations with different magnitudes and signs (row a scaled by a − 4.5).
     fn activations(m: usize, k: usize) -> Vec<f32> {
         (0..m * k)
@@ -240,10 +402,10 @@ mod tests {
             .collect()
     }
 
-    /// For 9, 16, 63, 64 and 300 rows and 5 weight rows of each format: every output of the
-    /// many-row kernel has the bits the one-row kernel gives that row alone (a sequence's result
-    /// does not depend on what its step holds), matches the scalar reference to rounding and the
-    /// f32 dot of the dequantized weights within 1% of Σ|w·x|.
+    /// For 1 to 300 rows (groups of eight lanes and of sixteen, full and not) and 5 weight rows of
+    /// each format: every output of the many-row kernel has the bits the one-row kernel gives that
+    /// row alone (a sequence's result does not depend on what its step holds), matches the scalar
+    /// reference to rounding and the f32 dot of the dequantized weights within 1% of Σ|w·x|.
     #[test]
     #[cfg_attr(not(have_avx512_vnni), ignore = "this CPU lacks AVX-512 VNNI")]
     fn many_rows_give_each_rows_bits_alone_and_match_the_references() {
@@ -257,14 +419,23 @@ mod tests {
             for (o, r) in deq.chunks_exact_mut(k).zip(w.chunks_exact(rb)) {
                 dequant_row(dtype, r, o);
             }
-            for m in [9, 16, 63, 64, 300] {
+            for m in [1, 3, 8, 9, 16, 20, 24, 63, 64, 300] {
                 let x = activations(m, k);
-                let Acts::Lanes(lanes) = crate::cpu::int8::quantize(&x, k, m) else {
-                    panic!("{m} rows were not laid out in lanes");
-                };
+                let rows: Vec<_> = x.chunks_exact(k).map(quantize_row).collect();
+                let lanes = Q8Lanes::new(rows, k / 32);
+                let laid = crate::cpu::int8::quantize(&x, k, m);
+                assert_eq!(matches!(laid, Acts::Lanes(_)), m >= NARROW_FROM, "{m} rows");
                 let mut got = vec![0f32; n * m];
                 // SAFETY: available() holds; w holds n rows of rb bytes spanning k values.
                 unsafe { dot_lanes(dtype, &w, rb, &lanes, &mut got) };
+                // The step as the model runs it: lanes or the few-row kernel, the same bits.
+                let mut via = vec![0f32; n * m];
+                dot(dtype, &w, rb, &laid, &mut via);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    via.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{dtype} m={m} through int8::dot"
+                );
                 for a in 0..m {
                     let row = &x[a * k..(a + 1) * k];
                     let xq = quantize_row(row);
