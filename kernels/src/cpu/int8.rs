@@ -287,7 +287,10 @@ pub fn set_lanes(on: bool) {
 
 /// The rows `x` (`m` of `k` values, `k` a multiple of 32) quantized for `dot`.
 pub fn quantize(x: &[f32], k: usize, m: usize) -> Acts {
-    let rows: Vec<Q8Row> = x.chunks_exact(k).take(m).map(quantize_row).collect();
+    use rayon::prelude::*;
+    // Every thread quantizes rows (each row's bits are its own): one thread took 1.4% of a
+    // 64-row step of a 4096 × 4096 weight.
+    let rows: Vec<Q8Row> = x[..m * k].par_chunks_exact(k).map(quantize_row).collect();
     #[cfg(target_arch = "x86_64")]
     if m >= NARROW_FROM
         && LANES.load(std::sync::atomic::Ordering::Relaxed)

@@ -94,7 +94,8 @@ pub struct Q8Lanes {
 impl Q8Lanes {
     /// Interleaves `xs` (each of `units` 32-value blocks at least) in groups of sixteen rows.
     pub fn new(xs: Vec<Q8Row>, units: usize) -> Q8Lanes {
-        let groups = xs.chunks(LANES).map(|rows| Group::new(rows, units)).collect();
+        use rayon::prelude::*;
+        let groups = xs.par_chunks(LANES).map(|rows| Group::new(rows, units)).collect();
         let few = if xs.len() < LANES_FROM { xs } else { Vec::new() };
         Q8Lanes { groups, units, few }
     }

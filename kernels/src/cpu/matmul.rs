@@ -163,12 +163,19 @@ fn transpose(t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return t;
     }
+    // Eight output rows per task: each weight row's eight values for them are adjacent in `t`,
+    // and the task writes its rows in order (eight streams), where one row at a time wrote every
+    // value to a different cache line and page — 5% of a 64-row step, on one thread.
+    const ROWS: usize = 8;
     let mut out = vec![0f32; m * n];
-    for (r, col) in t.chunks_exact(m).enumerate() {
-        for (i, v) in col.iter().enumerate() {
-            out[i * n + r] = *v;
+    out.par_chunks_mut(ROWS * n).enumerate().for_each(|(c, rows)| {
+        let (i0, h) = (c * ROWS, rows.len() / n);
+        for (r, col) in t.chunks_exact(m).enumerate() {
+            for (ii, v) in col[i0..i0 + h].iter().enumerate() {
+                rows[ii * n + r] = *v;
+            }
         }
-    }
+    });
     out
 }
 
