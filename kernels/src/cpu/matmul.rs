@@ -61,16 +61,14 @@ pub fn matmul(
     }
     // Transposed result [n, m]: each task owns whole weight rows, two at a time (each activation
     // row then loaded once for both).
-    let mut t = vec![0f32; n * m];
     if int8 {
         // Activations quantized to 8 bits once, integer dots per weight block.
         let xq = crate::cpu::int8::quantize(x, k, m);
-        t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
+        return by_tasks(n, m, |c, block| {
             let r0 = c * ROWS_PER_TASK;
             let wr = &w[r0 * row_bytes..(r0 + block.len() / m) * row_bytes];
             crate::cpu::int8::dot(dtype, wr, row_bytes, &xq, block);
         });
-        return transpose(t, m, n);
     }
     // Q8_0 rows dequantized in registers where the CPU can (the same bits: `rows_q8`).
     // Up to `rows_q8::MAX_ROWS` activation rows (past them the f32 row, dequantized once and read
@@ -82,7 +80,7 @@ pub fn matmul(
         && k >= rows_q8::MIN_WIDTH
         && m <= rows_q8::MAX_ROWS
         && rows_q8::available();
-    t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, block)| {
+    by_tasks(n, m, |c, block| {
         if fused {
             return q8_0_block(&w[c * ROWS_PER_TASK * row_bytes..], row_bytes, x, k, m, block);
         }
@@ -116,8 +114,7 @@ pub fn matmul(
             };
             dot_rows(w0, x, k, last);
         }
-    });
-    transpose(t, m, n)
+    })
 }
 
 /// One task's `block` of transposed outputs (`m` per weight row) from the Q8_0 rows at the start of
@@ -158,25 +155,44 @@ fn q8_0_block(w: &[u8], row_bytes: usize, x: &[f32], k: usize, m: usize, block: 
     debug_assert!(ran, "q8_0_block runs only where rows_q8 is available");
 }
 
-/// `[n, m]` → `[m, n]` (nothing to move for one row).
-fn transpose(t: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
-    if m == 1 {
-        return t;
-    }
-    // Eight output rows per task: each weight row's eight values for them are adjacent in `t`,
-    // and the task writes its rows in order (eight streams), where one row at a time wrote every
-    // value to a different cache line and page — 5% of a 64-row step, on one thread.
-    const ROWS: usize = 8;
+/// `out[m, n]` from tasks of `ROWS_PER_TASK` weight rows: `task(c, block)` fills `block` with
+/// the outputs of weight rows `c·ROWS_PER_TASK…` transposed (`m` per weight row, as the kernels
+/// give them), which the task then writes into its columns of `out` — a run of up to 32 values
+/// per output row. One row: the block is `out`'s own slice. (A whole transposed result turned
+/// afterwards cost a second allocation and a pass writing every value to another cache line.)
+fn by_tasks(n: usize, m: usize, task: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
-    out.par_chunks_mut(ROWS * n).enumerate().for_each(|(c, rows)| {
-        let (i0, h) = (c * ROWS, rows.len() / n);
-        for (r, col) in t.chunks_exact(m).enumerate() {
-            for (ii, v) in col[i0..i0 + h].iter().enumerate() {
-                rows[ii * n + r] = *v;
+    if m == 1 {
+        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, block)| task(c, block));
+        return out;
+    }
+    let dst = Columns(out.as_mut_ptr());
+    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each_init(Vec::new, |block, c| {
+        let (r0, rows) = (c * ROWS_PER_TASK, ROWS_PER_TASK.min(n - c * ROWS_PER_TASK));
+        block.resize(rows * m, 0.0);
+        task(c, block);
+        for a in 0..m {
+            for (r, v) in block.chunks_exact(m).enumerate() {
+                // SAFETY: a < m and r0 + r < n: inside `out` (m·n values); task c alone writes
+                // columns r0..r0 + rows, and `out` outlives the parallel loop.
+                unsafe { *dst.at(a * n + r0 + r) = v[a] };
             }
         }
     });
     out
+}
+
+/// `out`'s values, written by the tasks of `by_tasks` each in its own columns.
+struct Columns(*mut f32);
+// SAFETY: the tasks write disjoint elements (their own columns) and nothing reads `out` until
+// every task has ended.
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// The address of value `i` (a method, so closures capture the `Sync` wrapper).
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// `out[m, n] = a[m, k] · b[n, k]ᵀ` through the `gemm` crate.
