@@ -170,8 +170,46 @@ unsafe fn five_bits(p: *const u8) -> __m256i {
     _mm256_or_si256(nibbles(p.add(4)), _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
 }
 
+/// Lane j = the sum of the eight lanes of `p[j]`: eight 32-value units' integer dots, each summed
+/// whole (exact integers), as one vector — how the K-quant kernels (Q3_K–Q6_K) add a unit's
+/// products before its one scale multiply, the same sums `int8_lanes` chains in its registers.
+#[inline(always)]
+pub(super) unsafe fn sums8(p: &[__m256i; 8]) -> __m256i {
+    // Per 128-bit half: [p0 0+1, p0 2+3, p1 0+1, p1 2+3], then [p0, p1, p2, p3] of the half.
+    let t0 = _mm256_hadd_epi32(p[0], p[1]);
+    let t1 = _mm256_hadd_epi32(p[2], p[3]);
+    let t2 = _mm256_hadd_epi32(p[4], p[5]);
+    let t3 = _mm256_hadd_epi32(p[6], p[7]);
+    let (u0, u1) = (_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(u0, u1, 0x20),
+        _mm256_permute2x128_si256(u0, u1, 0x31),
+    )
+}
+
+/// The eight sub-blocks of a K-quant super-block against `xs`: `p(c, qx)` gives sub-block c's
+/// integer dot with activation block qx as lanes of partial sums; each sub-block's sum (`sums8`)
+/// converted once and added into lane c with the row's per-lane factor `scale[a]`.
+#[inline(always)]
+pub(super) unsafe fn subs8<const N: usize>(
+    acc: &mut [__m256; N],
+    scale: &[__m256; N],
+    xs: [&Q8Row; N],
+    first: usize,
+    p: &impl Fn(usize, __m256i) -> __m256i,
+) {
+    for a in 0..N {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (c, pc) in v.iter_mut().enumerate() {
+            *pc = p(c, xblock(xs[a], first + c).1);
+        }
+        acc[a] = _mm256_fmadd_ps(scale[a], _mm256_cvtepi32_ps(sums8(&v)), acc[a]);
+    }
+}
+
 /// One Q4_K row (`nsb` super-blocks of 144 bytes) or, `FIFTH`, Q5_K row (176: 32 bytes of fifth
-/// bits before the nibbles) against `xs`: per 32-value sub-block d·scale·dx·Σq·qx − dmin·min·dx·Σqx.
+/// bits before the nibbles) against `xs`: per 32-value sub-block d·scale·dx·Σq·qx − dmin·min·dx·Σqx,
+/// the sub-block's integer sum whole, lane j of the accumulators taking sub-block j.
 #[inline(always)]
 pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
     w: *const u8,
@@ -196,38 +234,34 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
         }
         let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc.as_ptr()));
         let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_loadu_ps(mn.as_ptr()));
-        let scale: [__m256; N] = std::array::from_fn(|a| {
+        let mut scale = [_mm256_setzero_ps(); N];
+        for a in 0..N {
             let (dx, ds) = xs[a].scales8(8 * s);
             off[a] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(ds.as_ptr()), off[a]);
-            _mm256_mul_ps(dsc, _mm256_loadu_ps(dx.as_ptr()))
-        });
+            scale[a] = _mm256_mul_ps(dsc, _mm256_loadu_ps(dx.as_ptr()));
+        }
         let qh = if FIFTH {
             _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i)
         } else {
             _mm256_setzero_si256()
         };
-        for j in 0..4 {
-            let raw = _mm256_loadu_si256(b.as_ptr().add(qs + 32 * j) as *const __m256i);
-            let halves =
-                [_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)];
-            for (h, mut u) in halves.into_iter().enumerate() {
-                let sub = 2 * j + h;
-                if FIFTH {
-                    // Bit `sub` of each fifth-bit byte, moved to bit 4.
-                    let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
-                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
-                }
-                let lane = _mm256_set1_epi32(sub as i32);
-                for a in 0..N {
-                    let (_, qx, _) = xblock(xs[a], 8 * s + sub);
-                    let isum = _mm256_cvtepi32_ps(dot_u8_i8(u, qx));
-                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
-                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
-                }
+        let mut u = [_mm256_setzero_si256(); 8];
+        for (sub, us) in u.iter_mut().enumerate() {
+            let raw = _mm256_loadu_si256(b.as_ptr().add(qs + 32 * (sub / 2)) as *const __m256i);
+            let shifted = if sub % 2 == 0 { raw } else { _mm256_srli_epi16(raw, 4) };
+            *us = _mm256_and_si256(shifted, low);
+            if FIFTH {
+                // Bit `sub` of each fifth-bit byte, moved to bit 4.
+                let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
+                *us = _mm256_or_si256(*us, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
             }
         }
+        subs8(&mut acc, &scale, xs, 8 * s, &|c, qx| dot_u8_i8(u[c], qx));
     }
-    std::array::from_fn(|a| hsum(_mm256_add_ps(acc[a], off[a])))
+    for a in 0..N {
+        acc[a] = _mm256_add_ps(acc[a], off[a]);
+    }
+    hsums(&acc)
 }
 
 /// The four quarters (32 values each) of half `n` of the Q6_K super-block at `b`, as signed
@@ -251,7 +285,8 @@ pub(super) unsafe fn q6k_quarters(b: *const u8, n: usize) -> [__m256i; 4] {
     .map(|q| _mm256_sub_epi8(q, m32))
 }
 
-/// One Q6_K row (`nsb` super-blocks) against `xs`: signed 6-bit values, a scale per 16 values.
+/// One Q6_K row (`nsb` super-blocks) against `xs`: signed 6-bit values, a scale per 16 values,
+/// each 32-value unit's scaled integer sum whole (`subs8`).
 #[inline(always)]
 unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
@@ -262,27 +297,49 @@ unsafe fn q6k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32
         }
         let d = _mm256_set1_ps(h2f(b.add(208)));
         // d times each activation row's eight block scales: one lane per 32-value block.
-        let scale: [__m256; N] = std::array::from_fn(|a| {
-            _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()))
-        });
+        let mut scale = [_mm256_setzero_ps(); N];
+        for a in 0..N {
+            scale[a] = _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()));
+        }
+        let (mut q, mut scales) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
         for n in 0..2 {
-            for (quarter, q) in q6k_quarters(b, n).into_iter().enumerate() {
-                let u = _mm256_sign_epi8(q, q);
+            for (quarter, v) in q6k_quarters(b, n).into_iter().enumerate() {
                 let is = 192 + 8 * n + 2 * quarter;
                 let (sa, sb) = (*b.add(is) as i8 as i16, *b.add(is + 1) as i8 as i16);
-                let scales = _mm256_set_m128i(_mm_set1_epi16(sb), _mm_set1_epi16(sa));
-                let lane = _mm256_set1_epi32((4 * n + quarter) as i32);
-                for a in 0..N {
-                    let (_, qx, _) = xblock(xs[a], 8 * s + 4 * n + quarter);
-                    let pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(qx, q));
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
-                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
-                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
-                }
+                (q[4 * n + quarter], scales[4 * n + quarter]) =
+                    (v, _mm256_set_m128i(_mm_set1_epi16(sb), _mm_set1_epi16(sa)));
             }
         }
+        scaled_subs8(&mut acc, &scale, xs, 8 * s, &q, &scales);
     }
-    std::array::from_fn(|a| hsum(acc[a]))
+    hsums(&acc)
+}
+
+/// `subs8` for signed values `q` with a scale per 16 of them (`scales`: the `madd` factors, low
+/// half the first) — Q3_K and Q6_K.
+#[inline(always)]
+pub(super) unsafe fn scaled_subs8<const N: usize>(
+    acc: &mut [__m256; N],
+    scale: &[__m256; N],
+    xs: [&Q8Row; N],
+    first: usize,
+    q: &[__m256i; 8],
+    scales: &[__m256i; 8],
+) {
+    subs8(acc, scale, xs, first, &|c, qx| {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q[c], q[c]), _mm256_sign_epi8(qx, q[c]));
+        _mm256_madd_epi16(pairs, scales[c])
+    });
+}
+
+/// Each row's accumulator lanes summed (`hsum`).
+#[inline(always)]
+pub(super) unsafe fn hsums<const N: usize>(acc: &[__m256; N]) -> [f32; N] {
+    let mut r = [0f32; N];
+    for a in 0..N {
+        r[a] = hsum(acc[a]);
+    }
+    r
 }
 
 /// One weight row of `dtype` (`rb` bytes) against activation rows `xs` (the one-row kernels take
@@ -319,6 +376,22 @@ pub(super) unsafe fn row<const N: usize>(
 /// at least as many values as a weight row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_batch(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    if super::int8_lanes::available() {
+        return dot_batch_vl(dtype, w, rb, xs, out);
+    }
+    batch(dtype, w, rb, xs, out)
+}
+
+/// `dot_batch` where the CPU has AVX-512 VL: the same instructions, with its 32 vector registers
+/// (four rows' accumulators, scales and a super-block's eight units spilled from 16).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn dot_batch_vl(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    batch(dtype, w, rb, xs, out)
+}
+
+/// The body of `dot_batch`, inlined into each.
+#[inline(always)]
+unsafe fn batch(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
     let m = xs.len();
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
         let p = w.as_ptr().add(j * rb);

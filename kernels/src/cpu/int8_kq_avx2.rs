@@ -9,7 +9,7 @@
 
 use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::h2f;
-use super::int8_batch::{hsum, xblock};
+use super::int8_batch::{hsum, hsums, scaled_subs8, xblock};
 use std::arch::x86_64::*;
 
 /// Two 16-value scales as the `madd` factors of a 32-value block: `a` for values 0..16, `b` after.
@@ -61,7 +61,8 @@ pub(super) unsafe fn q2k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
 }
 
 /// One Q3_K row (`nsb` super-blocks of 110 bytes) against `xs`: signed 3-bit values (the 2 low
-/// bits less 4 where the high bit is clear), a signed scale per 16; per block d·dx·Σ scale·q·qx.
+/// bits less 4 where the high bit is clear), a signed scale per 16; per block d·dx·Σ scale·q·qx,
+/// each block's scaled integer sum whole (`int8_batch::subs8`).
 #[inline(always)]
 pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; N]) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
@@ -75,28 +76,19 @@ pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
         let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
         let hm = _mm256_loadu_si256(b as *const __m256i);
         // d times each activation row's eight block scales: one lane per 32-value block.
-        let scale: [__m256; N] = std::array::from_fn(|a| {
-            _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()))
-        });
-        for half in 0..2 {
-            let raw = _mm256_loadu_si256(b.add(32 + 32 * half) as *const __m256i);
-            for k in 0..4 {
-                let c = 4 * half + k;
-                let bit = _mm256_set1_epi8((1u8 << c) as i8);
-                let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                let v = _mm256_sub_epi8(two_bits(raw, k), _mm256_andnot_si256(high, four));
-                let u = _mm256_sign_epi8(v, v);
-                let scales = pair(sc[2 * c] as i16, sc[2 * c + 1] as i16);
-                let lane = _mm256_set1_epi32(c as i32);
-                for a in 0..N {
-                    let (_, qx, _) = xblock(xs[a], 8 * s + c);
-                    let pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(qx, v));
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
-                    let f = _mm256_permutevar8x32_ps(scale[a], lane);
-                    acc[a] = _mm256_fmadd_ps(f, isum, acc[a]);
-                }
-            }
+        let mut scale = [_mm256_setzero_ps(); N];
+        for a in 0..N {
+            scale[a] = _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()));
         }
+        let (mut q, mut scales) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+        for c in 0..8 {
+            let raw = _mm256_loadu_si256(b.add(32 + 32 * (c / 4)) as *const __m256i);
+            let bit = _mm256_set1_epi8((1u8 << c) as i8);
+            let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+            q[c] = _mm256_sub_epi8(two_bits(raw, c % 4), _mm256_andnot_si256(high, four));
+            scales[c] = pair(sc[2 * c] as i16, sc[2 * c + 1] as i16);
+        }
+        scaled_subs8(&mut acc, &scale, xs, 8 * s, &q, &scales);
     }
-    std::array::from_fn(|a| hsum(acc[a]))
+    hsums(&acc)
 }

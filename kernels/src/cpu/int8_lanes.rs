@@ -26,6 +26,10 @@ pub const HALF: usize = 8;
 /// Weight rows unpacked at a time (8 rows of 4096 values: 96 KiB of units).
 const TILE: usize = 8;
 
+/// Weight rows `tile` takes at once for Q3_K/Q6_K (two integer chains a row: eight rows' sixteen
+/// ran slower than four rows' eight).
+const HALF_TILE: usize = 4;
+
 /// Sixteen lanes of four bytes (or two units' worth of eight lanes).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -118,12 +122,11 @@ impl Q8Lanes {
 
 /// Whether `m` rows of a step run faster here than in the few-row kernels (`int8_batch`): from
 /// `LANES_FROM` rows on for every format; at `NARROW_FROM` (eight rows in one eight-lane group: a
-/// batch-8 decode step) for the formats whose few-row kernel spends per row what this one does
-/// per eight — 1.1-1.6x at 8 rows on Q4_0, Q4_1, Q8_0 and Q6_K, while Q4_K and Q5_K, whose few-row
-/// kernel applies a super-block's eight scales as one vector, ran 0.9x
-/// (kernels/benches/many_rows.rs, benchmarks/prefill-int8-cpu-2core.md).
+/// batch-8 decode step) for all but Q2_K — 1.1-1.6x at 8 rows on Q4_0, Q4_1, Q8_0, Q4_K and
+/// Q6_K (kernels/benches/many_rows.rs, benchmarks/prefill-int8-cpu-2core.md); Q2_K's was not
+/// measured there and keeps the few-row kernel.
 pub(super) fn lanes_pay(form: Form, m: usize) -> bool {
-    m >= LANES_FROM || (m >= NARROW_FROM && matches!(form, Form::Plain | Form::Scaled16))
+    m >= LANES_FROM || (m >= NARROW_FROM && form != Form::Q2k)
 }
 
 /// Whether this CPU runs `dot_lanes` (AVX-512 F/BW/VL with VNNI, and the AVX2 set the weight
@@ -161,6 +164,31 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
         }
         let mut a0 = 0;
         for g in &lanes.groups {
+            if matches!(f, Form::Kquant45 | Form::Scaled16) {
+                // Whole-unit sums: the tile's rows at once where it is whole, else one by one.
+                let whole = if f == Form::Kquant45 { TILE } else { HALF_TILE };
+                let (r_at_once, mut sums) =
+                    (if rows.is_multiple_of(whole) { whole } else { 1 }, [[0f32; LANES]; TILE]);
+                for r0 in (0..rows).step_by(r_at_once) {
+                    let us = &units[r0 * u..];
+                    let s = &mut sums[r0..r0 + r_at_once];
+                    match (f == Form::Kquant45, r_at_once > 1, g.width == LANES) {
+                        (true, true, true) => tile::<1, TILE, Z16>(us, u, g, s),
+                        (true, true, false) => tile::<1, TILE, Y8>(us, u, g, s),
+                        (true, false, true) => tile::<1, 1, Z16>(us, u, g, s),
+                        (true, false, false) => tile::<1, 1, Y8>(us, u, g, s),
+                        (false, true, true) => tile::<2, HALF_TILE, Z16>(us, u, g, s),
+                        (false, true, false) => tile::<2, HALF_TILE, Y8>(us, u, g, s),
+                        (false, false, true) => tile::<2, 1, Z16>(us, u, g, s),
+                        (false, false, false) => tile::<2, 1, Y8>(us, u, g, s),
+                    }
+                }
+                for (r, s) in sums.iter().take(rows).enumerate() {
+                    o[r * m + a0..r * m + a0 + g.rows].copy_from_slice(&s[..g.rows]);
+                }
+                a0 += g.rows;
+                continue;
+            }
             for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
                 let sums =
                     if g.width == LANES { pass::<Z16>(f, us, g) } else { pass::<Y8>(f, us, g) };
@@ -168,6 +196,78 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
             }
             a0 += g.rows;
         }
+    }
+}
+
+/// `R` weight rows (units `r·n…` of `units`, `n` each) against one group, for the formats whose
+/// kernels sum a unit's products whole (`FORM` 1: Q4_K/Q5_K, 2: Q3_K/Q6_K — `int8_batch::subs8`):
+/// each unit's `vpdpbusd`s chained into one integer per row (two, one per 16-value scale, for
+/// `FORM` 2), one activation load serving the `R` rows; the unit's sum converted once and added
+/// into lane `unit mod 8` of the row's accumulators, which those kernels' sub-block lanes are.
+// Rows index the chains, the accumulators and the units alike: a loop over `r` reads clearest.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn tile<const FORM: u8, const R: usize, V: Reg>(
+    units: &[Unit],
+    n: usize,
+    g: &Group,
+    out: &mut [[f32; LANES]],
+) {
+    let zero = V::set_f(0.0);
+    let mut lane = [[zero; 8]; R];
+    let (xb, dxb, dsb) =
+        (g.x.as_ptr() as *const u8, g.dx.as_ptr() as *const f32, g.ds.as_ptr() as *const f32);
+    let up = units.as_ptr();
+    for i in 0..n {
+        let x = xb.add(4 * V::N * 8 * i);
+        let mut h = [[V::set_i(0); R]; 2];
+        for r in 0..R {
+            let b = &(*up.add(r * n + i)).bsum;
+            if FORM == 1 {
+                h[0][r] = V::set_i(b[0] + b[1]);
+            } else {
+                (h[0][r], h[1][r]) = (V::set_i(b[0]), V::set_i(b[1]));
+            }
+        }
+        for t in 0..8 {
+            let xv = V::load_i(x.add(4 * V::N * t));
+            let half = if FORM == 1 { 0 } else { t / 4 };
+            for r in 0..R {
+                let wp = (*up.add(r * n + i)).v.as_ptr() as *const i32;
+                let wt = V::set_i(std::ptr::read_unaligned(wp.add(t)));
+                h[half][r] = V::dpbusd(h[half][r], xv, wt);
+            }
+        }
+        let dx = V::load_f(dxb.add(V::N * i));
+        for r in 0..R {
+            let u = &*up.add(r * n + i);
+            let s = if FORM == 1 {
+                h[0][r]
+            } else {
+                V::add_i(V::mullo(h[0][r], V::set_i(u.sa)), V::mullo(h[1][r], V::set_i(u.sb)))
+            };
+            let l = &mut lane[r][i % 8];
+            *l = V::fmadd(V::mul(V::set_f(u.d), dx), V::cvt(s), *l);
+        }
+    }
+    for r in 0..R {
+        let acc = &mut lane[r];
+        if FORM == 1 {
+            let mut off = [zero; 8];
+            for i in 0..n {
+                let c = V::set_f((*up.add(r * n + i)).c);
+                off[i % 8] = V::fmadd(c, V::load_f(dsb.add(V::N * i)), off[i % 8]);
+            }
+            for t in 0..8 {
+                acc[t] = V::add(acc[t], off[t]);
+            }
+        }
+        // `int8_batch::hsum`'s order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+        let sum = V::add(
+            V::add(V::add(acc[0], acc[4]), V::add(acc[2], acc[6])),
+            V::add(V::add(acc[1], acc[5]), V::add(acc[3], acc[7])),
+        );
+        V::store_f(out[r].as_mut_ptr(), sum);
     }
 }
 
@@ -192,6 +292,7 @@ trait Reg {
     unsafe fn set_i(v: i32) -> Self::I;
     unsafe fn dpbusd(acc: Self::I, x: Self::I, w: Self::I) -> Self::I;
     unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn cvt(a: Self::I) -> Self::F;
     unsafe fn load_f(p: *const f32) -> Self::F;
     unsafe fn set_f(v: f32) -> Self::F;
@@ -207,7 +308,7 @@ struct Z16;
 struct Y8;
 
 macro_rules! reg {
-    ($t:ty, $n:expr, $i:ty, $f:ty, $load:ident, $set:ident, $dp:ident, $mullo:ident, $cvt:ident,
+    ($t:ty, $n:expr, $i:ty, $f:ty, $load:ident, $set:ident, $dp:ident, $mullo:ident, $addi:ident, $cvt:ident,
      $loadf:ident, $setf:ident, $mul:ident, $add:ident, $fma:ident, $store:ident) => {
         impl Reg for $t {
             const N: usize = $n;
@@ -228,6 +329,10 @@ macro_rules! reg {
             #[inline(always)]
             unsafe fn mullo(a: $i, b: $i) -> $i {
                 $mullo(a, b)
+            }
+            #[inline(always)]
+            unsafe fn add_i(a: $i, b: $i) -> $i {
+                $addi(a, b)
             }
             #[inline(always)]
             unsafe fn cvt(a: $i) -> $f {
@@ -270,6 +375,7 @@ reg!(
     _mm512_set1_epi32,
     _mm512_dpbusd_epi32,
     _mm512_mullo_epi32,
+    _mm512_add_epi32,
     _mm512_cvtepi32_ps,
     _mm512_load_ps,
     _mm512_set1_ps,
@@ -287,6 +393,7 @@ reg!(
     _mm256_set1_epi32,
     _mm256_dpbusd_epi32,
     _mm256_mullo_epi32,
+    _mm256_add_epi32,
     _mm256_cvtepi32_ps,
     _mm256_load_ps,
     _mm256_set1_ps,
@@ -390,7 +497,7 @@ mod tests {
             assert!(!lanes_pay(f, 7) && lanes_pay(f, 9) && lanes_pay(f, 300), "{f:?}");
         }
         assert!(lanes_pay(Form::Plain, 8) && lanes_pay(Form::Scaled16, 8));
-        assert!(!lanes_pay(Form::Kquant45, 8) && !lanes_pay(Form::Q2k, 8));
+        assert!(lanes_pay(Form::Kquant45, 8) && !lanes_pay(Form::Q2k, 8));
     }
 
     /// Rows of activations with different magnitudes and signs (row a scaled by a − 4.5).
@@ -403,7 +510,7 @@ mod tests {
             .collect()
     }
 
-    /// For 1 to 300 rows (groups of eight lanes and of sixteen, full and not) and 5 weight rows of
+    /// For 1 to 300 rows (groups of eight lanes and of sixteen, full and not) and 11 weight rows of
     /// each format: every output of the many-row kernel has the bits the one-row kernel gives that
     /// row alone (a sequence's result does not depend on what its step holds), matches the scalar
     /// reference to rounding and the f32 dot of the dequantized weights within 1% of Σ|w·x|.
@@ -413,7 +520,7 @@ mod tests {
         assert!(available(), "the build saw AVX-512 VNNI in /proc/cpuinfo, the CPU denies it");
         for (dtype, k) in TYPES {
             assert!(supports(dtype));
-            let n = 5;
+            let n = 11; // a whole tile of weight rows and a part of one
             let w = layerstream_types::random::Rng::new(21).tensor(dtype, &[n, k]).unwrap();
             let rb = w.len() / n;
             let mut deq = vec![0f32; n * k];

@@ -48,6 +48,9 @@ pub(super) struct Unit {
     pub v: [i8; 32],
     /// −128 × the sum of values 4t..4t+4, per t.
     pub bias: [i32; 8],
+    /// Σ of `bias` over t in 0..4 and 4..8: where a kernel chains a unit's (or a half's) products
+    /// into one integer (`int8_lanes::tile` for Q3_K–Q6_K).
+    pub bsum: [i32; 2],
     /// The unit's scale (d, d·scale for Q4_K/Q5_K, the super-block's d for Q2_K/Q3_K/Q6_K).
     pub d: f32,
     /// The offset coefficient (`Plain`, `Kquant45`) or −dmin (`Q2k`).
@@ -69,6 +72,8 @@ unsafe fn put(u: &mut Unit, v: __m256i) {
     let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
     let bias = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7));
     _mm256_storeu_si256(u.bias.as_mut_ptr() as *mut __m256i, bias);
+    let b = &u.bias;
+    u.bsum = [b[0] + b[1] + b[2] + b[3], b[4] + b[5] + b[6] + b[7]];
 }
 
 /// A `Plain` unit from its few-row unpacking: the signed values are the sign vector of a signed
