@@ -58,16 +58,29 @@ const QK: usize = 32;
 /// An activation row in blocks of 32: per block a scale `d`, 32 signed values `q` (x ≈ d·q), and
 /// `d·Σq` (for formats with an offset: the offset times it is the block's offset term).
 pub struct Q8Row {
-    d: Vec<f32>,
-    q: Vec<i8>,
-    ds: Vec<f32>,
+    pub(super) d: Vec<f32>,
+    pub(super) q: Vec<i8>,
+    pub(super) ds: Vec<f32>,
 }
 
-/// Quantizes `x` (a whole number of blocks): d = max|x| / 127, q = round(x / d).
+/// Quantizes `x` (a whole number of blocks): d = max|x| / 127, q = round(x / d) (half away from
+/// zero), with AVX2 where the CPU has it (`int8_quant`: the same bits).
 pub fn quantize_row(x: &[f32]) -> Q8Row {
     let n = x.len() / QK;
-    let mut r = Q8Row { d: Vec::with_capacity(n), q: vec![0; n * QK], ds: Vec::with_capacity(n) };
-    for (xs, qs) in x.chunks_exact(QK).zip(r.q.chunks_exact_mut(QK)) {
+    let mut r = Q8Row { d: vec![0.0; n], q: vec![0; n * QK], ds: vec![0.0; n] };
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: the CPU has AVX2 and FMA (checked); the slices hold n blocks each.
+        unsafe { super::int8_quant::blocks(&x[..n * QK], &mut r.d, &mut r.q, &mut r.ds) };
+        return r;
+    }
+    quantize_scalar(x, &mut r);
+    r
+}
+
+/// `quantize_row` in scalar code: the reference `int8_quant` matches bit for bit.
+pub(super) fn quantize_scalar(x: &[f32], r: &mut Q8Row) {
+    for (i, (xs, qs)) in x.chunks_exact(QK).zip(r.q.chunks_exact_mut(QK)).enumerate() {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -76,10 +89,9 @@ pub fn quantize_row(x: &[f32]) -> Q8Row {
             *q = (v * id).round().clamp(-127.0, 127.0) as i8;
             s += *q as i32;
         }
-        r.d.push(d);
-        r.ds.push(d * s as f32);
+        r.d[i] = d;
+        r.ds[i] = d * s as f32;
     }
-    r
 }
 
 /// The integer dot of one weight block's 32 values (as `dtype` stores them, offsets excluded) with
