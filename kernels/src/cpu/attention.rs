@@ -228,13 +228,36 @@ fn attend<'a>(
             Some(sk) => softmax_sink(&mut scores, sk[h]),
             None => softmax(&mut scores),
         }
-        for (&t, p) in seen.iter().zip(&scores) {
-            for (oi, vi) in o.iter_mut().zip(&value(t)[off..off + hd]) {
-                *oi += p * vi;
-            }
+        for (&t, &p) in seen.iter().zip(&scores) {
+            axpy(o, p, &value(t)[off..off + hd]);
         }
     });
     out
+}
+
+/// `o += p·v`, a multiply then an add per value (the same bits at any vector width), with AVX where
+/// the CPU has it: a prefill's rows each add every position's value row.
+fn axpy(o: &mut [f32], p: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU has AVX (checked).
+        return unsafe { axpy_avx(o, p, v) };
+    }
+    axpy_lanes(o, p, v)
+}
+
+/// `axpy` compiled for AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn axpy_avx(o: &mut [f32], p: f32, v: &[f32]) {
+    axpy_lanes(o, p, v)
+}
+
+#[inline(always)]
+fn axpy_lanes(o: &mut [f32], p: f32, v: &[f32]) {
+    for (oi, vi) in o.iter_mut().zip(v) {
+        *oi += p * vi;
+    }
 }
 
 #[cfg(test)]
