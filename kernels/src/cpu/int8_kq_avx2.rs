@@ -9,7 +9,7 @@
 
 use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::h2f;
-use super::int8_batch::{hsum, hsums, scaled_subs8, xblock};
+use super::int8_batch::{hsums, scaled_subs8, xblock};
 use std::arch::x86_64::*;
 
 /// Two 16-value scales as the `madd` factors of a 32-value block: `a` for values 0..16, `b` after.
@@ -57,7 +57,7 @@ pub(super) unsafe fn q2k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
             }
         }
     }
-    std::array::from_fn(|a| hsum(acc[a]))
+    hsums(&acc)
 }
 
 /// One Q3_K row (`nsb` super-blocks of 110 bytes) against `xs`: signed 3-bit values (the 2 low

@@ -262,13 +262,16 @@ unsafe fn tile<const FORM: u8, const R: usize, V: Reg>(
                 acc[t] = V::add(acc[t], off[t]);
             }
         }
-        // `int8_batch::hsum`'s order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
-        let sum = V::add(
-            V::add(V::add(acc[0], acc[4]), V::add(acc[2], acc[6])),
-            V::add(V::add(acc[1], acc[5]), V::add(acc[3], acc[7])),
-        );
-        V::store_f(out[r].as_mut_ptr(), sum);
+        V::store_f(out[r].as_mut_ptr(), lanes_sum::<V>(acc));
     }
+}
+
+/// The eight accumulators of each output lane summed in `int8_batch::hsum`'s order:
+/// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+#[inline(always)]
+unsafe fn lanes_sum<V: Reg>(acc: &[V::F; 8]) -> V::F {
+    let h = |a: usize, b: usize| V::add(acc[a], acc[b]);
+    V::add(V::add(h(0, 4), h(2, 6)), V::add(h(1, 5), h(3, 7)))
 }
 
 /// One weight row's units against one group, in registers of `V`'s width.
@@ -458,9 +461,7 @@ unsafe fn group<const FORM: u8, V: Reg>(units: &[Unit], g: &Group) -> [f32; LANE
             acc[t] = V::add(acc[t], off[t]);
         }
     }
-    // `int8_batch::hsum`'s order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
-    let h = |a: usize, b: usize| V::add(acc[a], acc[b]);
-    let sum = V::add(V::add(h(0, 4), h(2, 6)), V::add(h(1, 5), h(3, 7)));
+    let sum = lanes_sum::<V>(&acc);
     let sum = if FORM == 0 { V::add(sum, off[0]) } else { sum };
     let mut r = [0f32; LANES];
     V::store_f(r.as_mut_ptr(), sum);
