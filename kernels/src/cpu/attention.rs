@@ -2,10 +2,11 @@
 //! each sequence's positions found through its block table; causal prefill, one-token decode and
 //! token trees alike.
 
+use super::attend;
 use crate::backend::AttnShape;
 use crate::host::{softmax, softmax_sink};
 use crate::kv::{hadamard, rotation, store_row, KvLayout, KvSeq};
-use crate::quant::{dequant_row, dot};
+use crate::quant::dequant_row;
 use layerstream_types::DType;
 use rayon::prelude::*;
 
@@ -222,42 +223,17 @@ fn attend<'a>(
                 )
                 .collect(),
         };
-        let mut scores: Vec<f32> =
-            seen.iter().map(|&t| dot(qv, &key(t)[off..off + hd]) * s.scale).collect();
+        let keys: Vec<&[f32]> = seen.iter().map(|&t| &key(t)[off..off + hd]).collect();
+        let mut scores = vec![0f32; seen.len()];
+        attend::scores(qv, &keys, s.scale, &mut scores);
         match sinks {
             Some(sk) => softmax_sink(&mut scores, sk[h]),
             None => softmax(&mut scores),
         }
-        for (&t, &p) in seen.iter().zip(&scores) {
-            axpy(o, p, &value(t)[off..off + hd]);
-        }
+        let values: Vec<&[f32]> = seen.iter().map(|&t| &value(t)[off..off + hd]).collect();
+        attend::weighted_sum(&scores, &values, o);
     });
     out
-}
-
-/// `o += p·v`, a multiply then an add per value (the same bits at any vector width), with AVX where
-/// the CPU has it: a prefill's rows each add every position's value row.
-fn axpy(o: &mut [f32], p: f32, v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx") {
-        // SAFETY: the CPU has AVX (checked).
-        return unsafe { axpy_avx(o, p, v) };
-    }
-    axpy_lanes(o, p, v)
-}
-
-/// `axpy` compiled for AVX.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-unsafe fn axpy_avx(o: &mut [f32], p: f32, v: &[f32]) {
-    axpy_lanes(o, p, v)
-}
-
-#[inline(always)]
-fn axpy_lanes(o: &mut [f32], p: f32, v: &[f32]) {
-    for (oi, vi) in o.iter_mut().zip(v) {
-        *oi += p * vi;
-    }
 }
 
 #[cfg(test)]

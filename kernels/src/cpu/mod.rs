@@ -1,6 +1,7 @@
 //! The CPU backend: f32 activations in `Vec`s, weights kept in their stored format and dequantized
 //! on the fly, GEMM through the `gemm` crate, rayon across the cores.
 
+mod attend;
 mod attention;
 mod head_screen;
 pub mod int8;
