@@ -57,8 +57,10 @@ impl ComputeFlags {
         }
     }
 
-    /// Sizes this process's CPU compute pool from `--threads`, before any kernel runs.
+    /// Sizes this process's CPU compute pool from `--threads`, before any kernel runs, and keeps
+    /// its steps' buffers in the heap (`cpu::heap`).
     pub fn apply_threads(&self) -> crate::Result<()> {
+        layerstream_kernels::cpu::heap::keep_step_buffers();
         match self.threads {
             Some(n) => Ok(layerstream_kernels::cpu::threads::set_cpu_threads(n)?),
             None => Ok(()),

@@ -4,6 +4,7 @@
 mod attend;
 mod attention;
 mod head_screen;
+pub mod heap;
 pub mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_avx2;
