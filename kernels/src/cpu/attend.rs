@@ -11,31 +11,51 @@
 
 use crate::quant::dot;
 
-/// `out[i] = dot(q, keys[i][..q.len()]) · scale` for every key row (each at least `q.len()` long).
-pub(super) fn scores(q: &[f32], keys: &[&[f32]], scale: f32, out: &mut [f32]) {
-    assert!(out.len() == keys.len() && keys.iter().all(|k| k.len() >= q.len()));
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx") {
-        // SAFETY: the CPU has AVX (checked); the lengths were checked above.
-        return unsafe { avx::scores(q, keys, scale, out) };
+/// Rows of keys or values: position i's head at `buf[at[i]..at[i] + len]` (a pool's rows read in
+/// place, or a gathered copy's).
+#[derive(Clone, Copy)]
+pub(super) struct Rows<'a> {
+    pub buf: &'a [f32],
+    pub at: &'a [usize],
+}
+
+impl Rows<'_> {
+    /// Whether every row of `len` values lies inside the buffer.
+    fn hold(&self, len: usize) -> bool {
+        self.at.iter().all(|&a| a.checked_add(len).is_some_and(|e| e <= self.buf.len()))
     }
-    for (o, k) in out.iter_mut().zip(keys) {
-        *o = dot(q, &k[..q.len()]) * scale;
+
+    /// Row `i`, `len` values.
+    fn row(&self, i: usize, len: usize) -> &[f32] {
+        &self.buf[self.at[i]..self.at[i] + len]
     }
 }
 
-/// `o = Σ_t p[t] · values[t][..o.len()]`, position by position from zero (each value row at least
-/// `o.len()` long).
-pub(super) fn weighted_sum(p: &[f32], values: &[&[f32]], o: &mut [f32]) {
-    assert!(p.len() == values.len() && values.iter().all(|v| v.len() >= o.len()));
+/// `out[i] = dot(q, key row i) · scale` for every key row.
+pub(super) fn scores(q: &[f32], keys: Rows<'_>, scale: f32, out: &mut [f32]) {
+    assert!(out.len() == keys.at.len() && keys.hold(q.len()));
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU has AVX (checked); the rows were checked to lie inside the buffer.
+        return unsafe { avx::scores(q, keys, scale, out) };
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot(q, keys.row(i, q.len())) * scale;
+    }
+}
+
+/// `o = Σ_i p[i] · value row i`, position by position from zero.
+pub(super) fn weighted_sum(p: &[f32], values: Rows<'_>, o: &mut [f32]) {
+    assert!(p.len() == values.at.len() && values.hold(o.len()));
     o.fill(0.0);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx") {
-        // SAFETY: the CPU has AVX (checked); the lengths were checked above.
+        // SAFETY: the CPU has AVX (checked); the rows were checked to lie inside the buffer.
         return unsafe { avx::weighted_sum(p, values, o) };
     }
-    for (&pt, v) in p.iter().zip(values) {
-        for (oi, vi) in o.iter_mut().zip(*v) {
+    let len = o.len();
+    for (i, &pt) in p.iter().enumerate() {
+        for (oi, vi) in o.iter_mut().zip(values.row(i, len)) {
             *oi += pt * vi;
         }
     }
@@ -43,25 +63,37 @@ pub(super) fn weighted_sum(p: &[f32], values: &[&[f32]], o: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx {
+    use super::Rows;
     use std::arch::x86_64::*;
 
     /// `super::scores`, eight keys at a time.
     ///
     /// # Safety
-    /// The CPU must support AVX; `out` holds one value per key and every key row `q.len()` values.
+    /// The CPU must support AVX; `out` holds one value per key row and every row lies inside
+    /// the buffer (`q.len()` values).
     #[target_feature(enable = "avx")]
-    pub unsafe fn scores(q: &[f32], keys: &[&[f32]], scale: f32, out: &mut [f32]) {
+    pub unsafe fn scores(q: &[f32], keys: Rows<'_>, scale: f32, out: &mut [f32]) {
         let hd = q.len();
         let body = hd / 8 * 8;
+        let (base, n) = (keys.buf.as_ptr(), keys.at.len());
         let mut i = 0;
-        while i + 8 <= keys.len() {
-            let k = &keys[i..i + 8];
+        while i + 8 <= n {
+            let k: [*const f32; 8] = [
+                base.add(keys.at[i]),
+                base.add(keys.at[i + 1]),
+                base.add(keys.at[i + 2]),
+                base.add(keys.at[i + 3]),
+                base.add(keys.at[i + 4]),
+                base.add(keys.at[i + 5]),
+                base.add(keys.at[i + 6]),
+                base.add(keys.at[i + 7]),
+            ];
             let mut acc = [_mm256_setzero_ps(); 8];
             for c in (0..body).step_by(8) {
                 let qc = _mm256_loadu_ps(q.as_ptr().add(c));
                 for j in 0..8 {
-                    // SAFETY: c + 8 <= body <= the key row's length (the caller's contract).
-                    let kc = _mm256_loadu_ps(k[j].as_ptr().add(c));
+                    // SAFETY: c + 8 <= body <= hd, and each row's hd values lie inside the buffer.
+                    let kc = _mm256_loadu_ps(k[j].add(c));
                     acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(qc, kc));
                 }
             }
@@ -69,15 +101,15 @@ mod avx {
             _mm256_storeu_ps(sums.as_mut_ptr(), lane_sums(acc));
             for j in 0..8 {
                 let mut s = sums[j];
-                for c in body..hd {
-                    s += q[c] * k[j][c];
+                for (c, &qc) in q.iter().enumerate().skip(body) {
+                    s += qc * *k[j].add(c);
                 }
                 out[i + j] = s * scale;
             }
             i += 8;
         }
-        for j in i..keys.len() {
-            out[j] = super::dot(q, &keys[j][..hd]) * scale;
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            *o = super::dot(q, keys.row(j, hd)) * scale;
         }
     }
 
@@ -128,9 +160,10 @@ mod avx {
     /// across every position, then 8 at a time, then the tail.
     ///
     /// # Safety
-    /// The CPU must support AVX; `p` holds one weight per value row, each `o.len()` values long.
+    /// The CPU must support AVX; `p` holds one weight per value row, each row inside the buffer
+    /// (`o.len()` values).
     #[target_feature(enable = "avx")]
-    pub unsafe fn weighted_sum(p: &[f32], values: &[&[f32]], o: &mut [f32]) {
+    pub unsafe fn weighted_sum(p: &[f32], values: Rows<'_>, o: &mut [f32]) {
         let hd = o.len();
         let mut c0 = 0;
         while c0 + 64 <= hd {
@@ -141,25 +174,24 @@ mod avx {
             columns::<1>(p, values, c0, o);
             c0 += 8;
         }
-        for c in c0..hd {
-            let mut a = o[c];
-            for (&pt, v) in p.iter().zip(values) {
-                a += pt * v[c];
+        for (c, oc) in o.iter_mut().enumerate().skip(c0) {
+            for (&pt, &at) in p.iter().zip(values.at) {
+                *oc += pt * values.buf[at + c];
             }
-            o[c] = a;
         }
     }
 
     /// Output values `c0..c0 + 8·N` summed over every position in `N` registers.
     #[inline(always)]
-    unsafe fn columns<const N: usize>(p: &[f32], values: &[&[f32]], c0: usize, o: &mut [f32]) {
+    unsafe fn columns<const N: usize>(p: &[f32], values: Rows<'_>, c0: usize, o: &mut [f32]) {
         let mut acc = [_mm256_setzero_ps(); N];
-        for (&pt, v) in p.iter().zip(values) {
+        let base = values.buf.as_ptr().add(c0);
+        for (&pt, &at) in p.iter().zip(values.at) {
             let pb = _mm256_set1_ps(pt);
-            let at = v.as_ptr().add(c0);
+            let v = base.add(at);
             for (j, a) in acc.iter_mut().enumerate() {
-                // SAFETY: c0 + 8·N <= the value row's length (the caller's contract).
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(pb, _mm256_loadu_ps(at.add(8 * j))));
+                // SAFETY: c0 + 8·N <= the row's length, inside the buffer (the caller's contract).
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(pb, _mm256_loadu_ps(v.add(8 * j))));
             }
         }
         for (j, a) in acc.iter().enumerate() {
@@ -176,6 +208,21 @@ mod tests {
         (0..n).map(|i| (((i + seed) * mul) % 1009) as f32 * 1.37e-3 - 0.69).collect()
     }
 
+    /// `rows` in one buffer, last first (so the offsets are not in order), with their offsets.
+    fn laid_out(rows: &[Vec<f32>]) -> (Vec<f32>, Vec<usize>) {
+        let buf: Vec<f32> = rows.iter().rev().flatten().copied().collect();
+        let len = rows.first().map_or(0, |r| r.len());
+        (buf, (0..rows.len()).map(|i| (rows.len() - 1 - i) * len).collect())
+    }
+
+    /// Rows outside the buffer are refused before anything is read.
+    #[test]
+    #[should_panic]
+    fn rows_past_the_buffer_are_refused() {
+        let buf = vec![0f32; 64];
+        scores(&[0.0; 32], Rows { buf: &buf, at: &[0, 40] }, 1.0, &mut [0.0; 2]);
+    }
+
     /// Every score is `quant::dot` times the scale, bit for bit, at head sizes with and without a
     /// tail and key counts around the eight-key step.
     #[test]
@@ -184,9 +231,9 @@ mod tests {
             for n in [1, 7, 8, 9, 16, 23] {
                 let q = gen(hd, 31, 1);
                 let rows: Vec<Vec<f32>> = (0..n).map(|t| gen(hd + 3, 17, t * 5)).collect();
-                let keys: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                let (buf, at) = laid_out(&rows);
                 let mut got = vec![0f32; n];
-                scores(&q, &keys, 0.125, &mut got);
+                scores(&q, Rows { buf: &buf, at: &at }, 0.125, &mut got);
                 for (t, g) in got.iter().enumerate() {
                     let want = dot(&q, &rows[t][..hd]) * 0.125;
                     assert_eq!(g.to_bits(), want.to_bits(), "hd {hd} n {n} key {t}");
@@ -202,9 +249,9 @@ mod tests {
             for n in [1, 5, 64] {
                 let p = gen(n, 13, 2);
                 let rows: Vec<Vec<f32>> = (0..n).map(|t| gen(hd + 1, 29, t * 3)).collect();
-                let values: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                let (buf, at) = laid_out(&rows);
                 let mut got = vec![f32::NAN; hd];
-                weighted_sum(&p, &values, &mut got);
+                weighted_sum(&p, Rows { buf: &buf, at: &at }, &mut got);
                 let mut want = vec![0f32; hd];
                 for (pt, v) in p.iter().zip(&rows) {
                     for (o, x) in want.iter_mut().zip(v) {

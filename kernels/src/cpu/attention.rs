@@ -157,17 +157,11 @@ pub fn attention(
     let lo = if s.window > 0 { (start + 1).saturating_sub(s.window) } else { 0 };
     // Shared keys and values (MLA): the values are read from the keys.
     let (pk, pv) = (&pool.k, if s.shared_kv { &pool.k } else { &pool.v });
+    let from = (start, lo, seq.tree_from);
     if dtype == DType::F32 {
-        let slot = |t: usize| seq.slot(t, bs) * words;
-        attend(
-            q,
-            m,
-            (start, seq.tree_from),
-            s,
-            mask,
-            |t| &pk[slot(t)..slot(t) + kvd],
-            |t| &pv[slot(t)..slot(t) + kvd],
-        )
+        // Read in place: position t's row starts at word at[t − lo] of the pool.
+        let at: Vec<usize> = (lo..end).map(|t| seq.slot(t, bs) * words).collect();
+        attend(q, m, from, s, mask, (pk, pv, &at))
     } else {
         // Dequantize the positions the rows see once, contiguously.
         let gather = |buf: &[f32]| -> Vec<f32> {
@@ -182,10 +176,9 @@ pub fn attention(
         let gk = gather(pk);
         let own_v = (!s.shared_kv).then(|| gather(pv));
         let gv = own_v.as_ref().unwrap_or(&gk);
-        let at = |t: usize| (t - lo) * kvd..(t - lo + 1) * kvd;
+        let at: Vec<usize> = (0..end - lo).map(|i| i * kvd).collect();
         // Scores against rotated keys need the rotated query; the output comes back rotated.
-        let mut out =
-            attend(&rotated(q), m, (start, seq.tree_from), s, mask, |t| &gk[at(t)], |t| &gv[at(t)]);
+        let mut out = attend(&rotated(q), m, from, s, mask, (&gk, gv, &at));
         hadamard(&mut out, rot);
         out
     }
@@ -194,16 +187,15 @@ pub fn attention(
 /// A token tree's ancestor masks and the heads' sinks, if any.
 pub type Mask<'a> = (Option<&'a [u64]>, Option<&'a [f32]>);
 
-/// The attention itself over positions read through `key(t)` / `value(t)` (a full kv row each);
-/// a tree's mask bit j names position `tree_from + j`.
-fn attend<'a>(
+/// The attention itself over positions `lo..` whose kv rows start at words `at[t − lo]` of the
+/// key and value buffers; a tree's mask bit j names position `tree_from + j`.
+fn attend(
     q: &[f32],
     m: usize,
-    (start, tree_from): (usize, usize),
+    (start, lo, tree_from): (usize, usize, usize),
     s: AttnShape,
     (tree, sinks): Mask<'_>,
-    key: impl Fn(usize) -> &'a [f32] + Sync,
-    value: impl Fn(usize) -> &'a [f32] + Sync,
+    (kbuf, vbuf, at): (&[f32], &[f32], &[usize]),
 ) -> Vec<f32> {
     let (hd, qd) = (s.head_dim, s.n_heads * s.head_dim);
     let group = s.n_heads / s.n_kv_heads;
@@ -214,24 +206,32 @@ fn attend<'a>(
         let qv = &q[row * qd + h * hd..row * qd + (h + 1) * hd];
         let n_ctx = start + row + 1;
         let first = if s.window > 0 { n_ctx.saturating_sub(s.window) } else { 0 };
-        // The positions this row sees: causal, or the cached ones and its ancestors in a tree.
-        let seen: Vec<usize> = match tree {
-            None => (first..n_ctx).collect(),
-            Some(a) => (first..tree_from)
-                .chain(
-                    (0..n_ctx - tree_from).filter(|&j| a[row] >> j & 1 == 1).map(|j| tree_from + j),
-                )
-                .collect(),
+        // The positions this row sees: causal (a run of the table), or the cached ones and its
+        // ancestors in a tree.
+        let picked: Vec<usize>;
+        let seen: &[usize] = match tree {
+            None => &at[first - lo..n_ctx - lo],
+            Some(a) => {
+                let ancestors = (0..n_ctx - tree_from).filter(|&j| a[row] >> j & 1 == 1);
+                picked = (first..tree_from)
+                    .chain(ancestors.map(|j| tree_from + j))
+                    .map(|t| at[t - lo])
+                    .collect();
+                &picked
+            }
         };
-        let keys: Vec<&[f32]> = seen.iter().map(|&t| &key(t)[off..off + hd]).collect();
+        // The head's columns: every row read from `off` on.
+        let (keys, values) = (
+            attend::Rows { buf: &kbuf[off..], at: seen },
+            attend::Rows { buf: &vbuf[off..], at: seen },
+        );
         let mut scores = vec![0f32; seen.len()];
-        attend::scores(qv, &keys, s.scale, &mut scores);
+        attend::scores(qv, keys, s.scale, &mut scores);
         match sinks {
             Some(sk) => softmax_sink(&mut scores, sk[h]),
             None => softmax(&mut scores),
         }
-        let values: Vec<&[f32]> = seen.iter().map(|&t| &value(t)[off..off + hd]).collect();
-        attend::weighted_sum(&scores, &values, o);
+        attend::weighted_sum(&scores, values, o);
     });
     out
 }
