@@ -30,7 +30,7 @@ impl Rows<'_> {
 }
 
 /// Whether this CPU runs the vector kernels (AVX and FMA; detected once).
-fn vector() -> bool {
+pub(super) fn vector() -> bool {
     static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     #[cfg(target_arch = "x86_64")]
     return *DETECTED.get_or_init(|| {

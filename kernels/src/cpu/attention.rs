@@ -2,9 +2,8 @@
 //! each sequence's positions found through its block table; causal prefill, one-token decode and
 //! token trees alike.
 
-use super::attend;
+use super::{attend, softmax8};
 use crate::backend::AttnShape;
-use crate::host::{softmax, softmax_sink};
 use crate::kv::{hadamard, rotation, store_row, KvLayout, KvSeq};
 use crate::quant::dequant_row;
 use layerstream_types::DType;
@@ -225,13 +224,11 @@ fn attend(
             attend::Rows { buf: &kbuf[off..], at: seen },
             attend::Rows { buf: &vbuf[off..], at: seen },
         );
-        let mut scores = vec![0f32; seen.len()];
-        attend::scores(qv, keys, s.scale, &mut scores);
-        match sinks {
-            Some(sk) => softmax_sink(&mut scores, sk[h]),
-            None => softmax(&mut scores),
-        }
-        attend::weighted_sum(&scores, values, o);
+        let n = seen.len();
+        let mut scores = vec![0f32; softmax8::padded(n)];
+        attend::scores(qv, keys, s.scale, &mut scores[..n]);
+        softmax8::softmax(&mut scores, n, sinks.map(|sk| sk[h]));
+        attend::weighted_sum(&scores[..n], values, o);
     });
     out
 }

@@ -23,6 +23,7 @@ mod matmul;
 mod pool;
 pub mod rows;
 mod rows_q8;
+mod softmax8;
 pub mod threads;
 
 pub use attention::CpuKv;
