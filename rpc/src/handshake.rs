@@ -31,8 +31,13 @@ impl Listening {
         }
     }
 
-    /// Prints the handshake line on stdout, flushed at once (stdout may be a pipe).
+    /// Prints the handshake line on stdout, flushed at once (stdout may be a pipe). Inside a tokio
+    /// runtime the SIGINT/SIGTERM handler is installed first (`transport::listen_for_shutdown`):
+    /// a process that has said it is ready stops on a signal whenever it comes.
     pub fn announce(&self) {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::transport::listen_for_shutdown();
+        }
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{}", self.line());
         let _ = out.flush();

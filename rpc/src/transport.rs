@@ -197,19 +197,66 @@ impl Health {
     }
 }
 
-/// Waits for SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+/// The process's shutdown state: false until SIGINT or SIGTERM arrives, then true for good.
+static SHUTDOWN: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>> =
+    std::sync::OnceLock::new();
+
+/// Installs this process's SIGINT/SIGTERM handler (once; later calls return the same state). From
+/// then on every `shutdown_signal` sees a signal, even one that came before it was created: a tokio
+/// signal stream only hears signals sent after it exists, so a server whose stream was made late
+/// (the coordinator's second server) slept through a SIGTERM that had already stopped the first.
+/// Must be called inside a tokio runtime.
+pub fn listen_for_shutdown() -> tokio::sync::watch::Receiver<bool> {
+    SHUTDOWN
+        .get_or_init(|| {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+                let _ = tx.send(true);
+            });
+            rx
+        })
+        .clone()
+}
+
+/// Resolves once SIGINT or SIGTERM has arrived — at any time since `listen_for_shutdown` (which
+/// this calls at once, not when first polled).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
+    let mut rx = listen_for_shutdown();
+    async move {
+        // An error: the listening task is gone (its runtime shut down): nothing will stop us later.
+        if rx.wait_for(|stopped| *stopped).await.is_err() {
+            std::future::pending::<()>().await
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use tokio_stream::StreamExt;
+
+    /// A SIGTERM that arrives after the handler is installed but before a server makes its shutdown
+    /// future still stops that server (the coordinator's gRPC server, made after its HTTP one, used
+    /// to sleep through it: a killed `up`'s coordinator outlived it).
+    #[tokio::test]
+    async fn a_signal_before_a_server_waits_still_stops_it() {
+        let state = super::listen_for_shutdown();
+        assert!(!*state.borrow(), "no signal yet");
+        // SAFETY: raise has no preconditions; the handler installed above only records the signal.
+        assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+        let mut seen = state.clone();
+        let wait = seen.wait_for(|s| *s);
+        tokio::time::timeout(std::time::Duration::from_secs(10), wait).await.unwrap().unwrap();
+        let late = super::shutdown_signal();
+        let stopped = tokio::time::timeout(std::time::Duration::from_secs(10), late).await;
+        assert!(stopped.is_ok(), "a shutdown future made after the signal never resolved");
+    }
 
     /// `Health::not_serving` flips both the whole server ("") and the named service to NOT_SERVING,
     /// which is what `layerstream health` and orchestrators' gRPC probes ask.
