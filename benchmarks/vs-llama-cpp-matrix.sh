@@ -8,16 +8,18 @@
 #     downloaded, concatenated, sha256 checked),
 #   - the Llama-3-8B-shaped synthetic file with 4 layers (`layerstream synth --gguf`).
 #
-#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME]
+#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold]
+# Timed warm, as llama-bench times (--cold: each tool's first prompt; see vs-llama-cpp.sh).
 # Prints markdown; commit it under benchmarks/ with the machine named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=2 threads=2 only=
+rounds=2 threads=2 only= cold=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
         --only) only=$2; shift 2 ;;
+        --cold) cold=(--cold); shift ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -68,7 +70,7 @@ for f in "$smol" "$cache/SmolLM2-135M-Instruct.Q4_K_M.gguf" "$cache/SmolLM2-135M
     [ -z "$only" ] || [[ $name == *$only* ]] || continue
     row="| $name "
     for p in 64 512; do
-        out=$(benchmarks/vs-llama-cpp.sh --gguf "$f" --threads "$threads" --prompt-tokens "$p" --gen 64 --rounds "$rounds")
+        out=$(benchmarks/vs-llama-cpp.sh --gguf "$f" --threads "$threads" --prompt-tokens "$p" --gen 64 --rounds "$rounds" ${cold[@]+"${cold[@]}"})
         echo "$out" >&2
         pre=$(echo "$out" | sed -n 's/^median prefill: layerstream \([0-9.]*\) \/ llama.cpp \([0-9.]*\) tok\/s = \([0-9.]*\)/\1 \/ \2|\3/p')
         row+="| ${pre%|*} | **${pre#*|}** "

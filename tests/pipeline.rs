@@ -20,6 +20,23 @@ fn run_outputs(store: &Path, model: &str, n: usize) -> Vec<(Golden, Vec<u32>)> {
         .collect()
 }
 
+/// `run --warmup` (the prompt once untimed first, as llama-bench warms up) leaves nothing in the
+/// timed generation: every golden prompt gives the cold run's tokens, and the prefill is timed.
+#[test]
+fn a_warmed_up_run_gives_a_cold_runs_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiny_store(dir.path());
+    for (g, want) in run_outputs(&store, "tiny-llama", 8) {
+        let args = golden_args(&g, 8);
+        let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json", "--warmup"];
+        a.extend(args.iter().map(String::as_str));
+        let v = last_json(&layerstream(&a));
+        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+        assert_eq!(got, want, "{}: --warmup changed the tokens", g.name);
+        assert!(v["timings"]["prefill_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+}
+
 fn check_config(
     store: &Path,
     model: &str,

@@ -35,6 +35,11 @@ pub struct RunArgs {
     /// Skip the checksum check of the weights as they are loaded (for measuring its cost only).
     #[arg(long, env = "LAYERSTREAM_NO_VERIFY")]
     pub no_verify: bool,
+    /// Before the timed generation, run the prompt once untimed and generate one token from it, as
+    /// llama-bench's warm-up run does (weights paged in, compute threads started, step buffers
+    /// allocated); the printed timings are then a warm process's. For measuring.
+    #[arg(long, env = "LAYERSTREAM_WARMUP")]
+    pub warmup: bool,
 }
 
 /// Resolves `--model`, falling back to the default model.
@@ -100,6 +105,11 @@ fn generate_on<B: Backend>(
         draft: draft.as_ref(),
         width: args.spec.spec_width as usize,
     };
+    if args.warmup {
+        let once = layerstream_worker::GenerateParams { max_new_tokens: 1, ..params.clone() };
+        let plain = Speculation { mode: SpecMode::Off, max: 0, draft: None, width: 1 };
+        generate(&model, tok, input, &once, &plain, |_| {})?;
+    }
     let mut out = std::io::stdout().lock();
     let json = args.json;
     let g = generate(&model, tok, input, &params, &spec, |t| {
