@@ -8,18 +8,19 @@
 #     downloaded, concatenated, sha256 checked),
 #   - the Llama-3-8B-shaped synthetic file with 4 layers (`layerstream synth --gguf`).
 #
-#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold]
+#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold] [--prompts "64 512"]
 # Timed warm, as llama-bench times (--cold: each tool's first prompt; see vs-llama-cpp.sh).
 # Prints markdown; commit it under benchmarks/ with the machine named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=2 threads=2 only= cold=()
+rounds=2 threads=2 only= cold=() prompts="64 512"
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
         --only) only=$2; shift 2 ;;
         --cold) cold=(--cold); shift ;;
+        --prompts) prompts=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -68,8 +69,9 @@ echo "|---|---|---|---|---|---|---|"
 for f in "$smol" "$cache/SmolLM2-135M-Instruct.Q4_K_M.gguf" "$cache/SmolLM2-135M-Instruct.Q8_0.gguf" "$gemma" "$synth"; do
     name=$(basename "$f" .gguf)
     [ -z "$only" ] || [[ $name == *$only* ]] || continue
-    row="| $name "
+    row="| $name " dec="–|–"
     for p in 64 512; do
+        [[ " $prompts " == *" $p "* ]] || { row+="| – | – "; continue; }
         out=$(benchmarks/vs-llama-cpp.sh --gguf "$f" --threads "$threads" --prompt-tokens "$p" --gen 64 --rounds "$rounds" ${cold[@]+"${cold[@]}"})
         echo "$out" >&2
         pre=$(echo "$out" | sed -n 's/^median prefill: layerstream \([0-9.]*\) \/ llama.cpp \([0-9.]*\) tok\/s = \([0-9.]*\)/\1 \/ \2|\3/p')
