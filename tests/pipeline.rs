@@ -5,16 +5,25 @@ use layerstream_tests::stack::*;
 use layerstream_tests::*;
 use std::path::Path;
 
+/// `layerstream run --json` of golden prompt `g` (`n` new tokens) with `extra` flags: its JSON line.
+fn run_json(store: &Path, g: &Golden, n: usize, extra: &[&str]) -> serde_json::Value {
+    let args = golden_args(g, n);
+    let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json"];
+    a.extend_from_slice(extra);
+    a.extend(args.iter().map(String::as_str));
+    last_json(&layerstream(&a))
+}
+
+fn output_ids(v: &serde_json::Value) -> Vec<u32> {
+    serde_json::from_value(v["output_ids"].clone()).unwrap()
+}
+
 /// `run` outputs for every golden prompt: the reference the pipeline must reproduce exactly.
 fn run_outputs(store: &Path, model: &str, n: usize) -> Vec<(Golden, Vec<u32>)> {
     goldens(model)
         .into_iter()
         .map(|g| {
-            let args = golden_args(&g, n);
-            let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json"];
-            a.extend(args.iter().map(String::as_str));
-            let out: Vec<u32> =
-                serde_json::from_value(last_json(&layerstream(&a))["output_ids"].clone()).unwrap();
+            let out = output_ids(&run_json(store, &g, n, &[]));
             (g, out)
         })
         .collect()
@@ -27,12 +36,8 @@ fn a_warmed_up_run_gives_a_cold_runs_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let store = tiny_store(dir.path());
     for (g, want) in run_outputs(&store, "tiny-llama", 8) {
-        let args = golden_args(&g, 8);
-        let mut a = vec!["run", "--model", store.to_str().unwrap(), "--json", "--warmup"];
-        a.extend(args.iter().map(String::as_str));
-        let v = last_json(&layerstream(&a));
-        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-        assert_eq!(got, want, "{}: --warmup changed the tokens", g.name);
+        let v = run_json(&store, &g, 8, &["--warmup"]);
+        assert_eq!(output_ids(&v), want, "{}: --warmup changed the tokens", g.name);
         assert!(v["timings"]["prefill_tok_s"].as_f64().unwrap() > 0.0, "{v}");
     }
 }
@@ -49,7 +54,7 @@ fn check_config(
     for (g, want) in expected {
         let args = golden_args(g, n);
         let v = submit(stack.addr(), &args.iter().map(String::as_str).collect::<Vec<_>>());
-        let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+        let got = output_ids(&v);
         assert_eq!(
             &got, want,
             "{model}/{} with {config:?}: pipeline differs from `layerstream run`",
@@ -248,7 +253,7 @@ fn eight_concurrent_jobs_are_batched_and_each_equals_its_solo_run() {
         let stack = Stack::up(&store.dir, &args);
         let results = concurrent_jobs(stack.addr());
         for (i, v) in results.iter().enumerate() {
-            let got: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+            let got = output_ids(v);
             assert_eq!(got, solo[i], "job {i} differs from its solo run ({args:?})");
         }
         let max_batch =
