@@ -3,6 +3,7 @@
 
 mod attend;
 mod attention;
+mod gated;
 mod head_screen;
 pub mod heap;
 pub mod int8;
@@ -316,10 +317,20 @@ impl Backend for CpuBackend {
             format!("weight {} vs width {}", w.len(), x.cols)
         })?;
         let mut out = x.clone();
-        for g in out.data.chunks_exact_mut(w.len()) {
-            let ms = g.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
-            let r = 1.0 / (ms + eps).sqrt();
-            g.iter_mut().zip(w).for_each(|(v, wi)| *v = wi * (*v * r));
+        let norm = |part: &mut [f32]| {
+            for g in part.chunks_exact_mut(w.len()) {
+                let ms = g.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+                let r = 1.0 / (ms + eps).sqrt();
+                g.iter_mut().zip(w).for_each(|(v, wi)| *v = wi * (*v * r));
+            }
+        };
+        // Whole groups per task, each normalized as alone: the same bits split or not.
+        let per = w.len() * (16 * 1024 / w.len()).max(1);
+        if out.data.len() > per {
+            use rayon::prelude::*;
+            out.data.par_chunks_mut(per).for_each(norm);
+        } else {
+            norm(&mut out.data);
         }
         Ok(out)
     }
@@ -347,8 +358,7 @@ impl Backend for CpuBackend {
         ensure(gate.data.len() == up.data.len(), "silu_mul", || {
             "gate and up differ in size".into()
         })?;
-        let data =
-            gate.data.iter().zip(&up.data).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let data = gated::gated(gated::Gate::Silu, &gate.data, &up.data);
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
@@ -356,8 +366,7 @@ impl Backend for CpuBackend {
         ensure(gate.data.len() == up.data.len(), "gelu_tanh_mul", || {
             "gate and up differ in size".into()
         })?;
-        let data =
-            gate.data.iter().zip(&up.data).map(|(&g, u)| crate::host::gelu_tanh(g) * u).collect();
+        let data = gated::gated(gated::Gate::GeluTanh, &gate.data, &up.data);
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 

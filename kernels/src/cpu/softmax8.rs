@@ -28,7 +28,7 @@ pub(super) fn padded(n: usize) -> usize {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     /// `super::softmax`.
