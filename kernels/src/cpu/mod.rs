@@ -341,7 +341,7 @@ impl Backend for CpuBackend {
             format!("{} positions for {} rows", positions.len(), x.rows)
         })?;
         let half = hd / 2;
-        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
+        let turn = |(row, &pos): (&mut [f32], &usize)| {
             let (cos, sin) = table.cos_sin(pos);
             for head in row.chunks_exact_mut(hd) {
                 for i in 0..half {
@@ -350,6 +350,13 @@ impl Backend for CpuBackend {
                     head[i + half] = b * cos[i] + a * sin[i];
                 }
             }
+        };
+        // A prefill's rows across the pool (each row's angles and products as alone).
+        if x.rows >= 16 {
+            use rayon::prelude::*;
+            x.data.par_chunks_exact_mut(x.cols).zip(positions).for_each(turn);
+        } else {
+            x.data.chunks_exact_mut(x.cols).zip(positions).for_each(turn);
         }
         Ok(())
     }
