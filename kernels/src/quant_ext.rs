@@ -135,6 +135,22 @@ pub fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
     }
 }
 
+/// All eight sub-blocks' 6-bit scales and mins of the K formats' 12 packed bytes at once: byte j
+/// of the first word is `scale_min_k4(j)`'s scale, of the second its min (four sub-blocks a
+/// 32-bit word, so a kernel widens them into a vector with no store and reload of eight values).
+#[inline(always)]
+pub fn scales_mins_k4(s: &[u8]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let (six, four, two) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    // Sub-blocks 0-3 keep their byte's low six bits; 4-7 take four bits from bytes 8-11 and the
+    // two top bits of bytes 0-3 (scales) or 4-7 (mins) above them.
+    let (sc_lo, mn_lo) = (a & six, b & six);
+    let sc_hi = (c & four) | ((a >> 6) & two) << 4;
+    let mn_hi = ((c >> 4) & four) | ((b >> 6) & two) << 4;
+    (sc_lo as u64 | (sc_hi as u64) << 32, mn_lo as u64 | (mn_hi as u64) << 32)
+}
+
 /// Q4_K (144 bytes) and Q5_K (176) of 256 values: `d`, `dmin`, 12 bytes of packed scales and
 /// mins, [Q5_K: 32 bytes of fifth bits,] 128 bytes of nibbles; value = `d·scale·q − dmin·min` per
 /// 32-value sub-block.
@@ -196,5 +212,34 @@ pub fn iq4_xs(b: &[u8], out: &mut [f32]) {
         let dl = d * (ls - 32) as f32;
         let q: &[u8; 16] = qs[16 * ib..16 * ib + 16].try_into().expect("16 index bytes");
         iq4_32(dl, q, (&mut out[32 * ib..32 * ib + 32]).try_into().expect("32 values"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The eight scales and mins at once are `scale_min_k4`'s, byte for byte, for every bit of
+    /// the packed bytes (random bytes, each bit set and cleared in turn).
+    #[test]
+    fn scales_and_mins_at_once_match_one_by_one() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut byte = || {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (state >> 56) as u8
+        };
+        for case in 0..2000 {
+            let mut s: [u8; 12] = std::array::from_fn(|_| byte());
+            if case < 96 {
+                s = [0; 12];
+                s[case / 8] = 1 << (case % 8);
+            }
+            let (sc, mn) = scales_mins_k4(&s);
+            for j in 0..8 {
+                let (a, b) = scale_min_k4(j, &s);
+                assert_eq!(((sc >> (8 * j)) & 0xFF) as f32, a, "scale {j} of {s:?}");
+                assert_eq!(((mn >> (8 * j)) & 0xFF) as f32, b, "min {j} of {s:?}");
+            }
+        }
     }
 }

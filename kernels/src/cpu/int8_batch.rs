@@ -228,12 +228,11 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
         let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
         // The eight sub-blocks' d·scale and −dmin·min as vectors, times each activation row's
         // eight block scales (and d·Σq for the offsets) at once: one lane per sub-block.
-        let (mut sc, mut mn) = ([0f32; 8], [0f32; 8]);
-        for j in 0..8 {
-            (sc[j], mn[j]) = crate::quant_ext::scale_min_k4(j, &b[4..16]);
-        }
-        let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc.as_ptr()));
-        let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_loadu_ps(mn.as_ptr()));
+        // (Widened from two words in registers: eight scalars stored and read back as a vector
+        // stalled on store forwarding.)
+        let (sc, mn) = crate::quant_ext::scales_mins_k4(&b[4..16]);
+        let dsc = _mm256_mul_ps(_mm256_set1_ps(d), widen(sc));
+        let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), widen(mn));
         let mut scale = [_mm256_setzero_ps(); N];
         for a in 0..N {
             let (dx, ds) = xs[a].scales8(8 * s);
@@ -262,6 +261,13 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
         acc[a] = _mm256_add_ps(acc[a], off[a]);
     }
     hsums(&acc)
+}
+
+/// Eight bytes as eight f32 lanes (a function, not a closure: a closure does not inherit the
+/// caller's target features, and its intrinsics became calls).
+#[inline(always)]
+unsafe fn widen(v: u64) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 
 /// The four quarters (32 values each) of half `n` of the Q6_K super-block at `b`, as signed
