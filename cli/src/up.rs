@@ -79,18 +79,19 @@ pub struct UpArgs {
     pub recalibrate: bool,
 }
 
-/// Child processes, stopped (SIGTERM, then SIGKILL after 5 s) when dropped.
+/// Child processes, stopped one by one, last started first (SIGTERM, then SIGKILL after 5 s),
+/// when dropped.
 pub(crate) struct Children(pub(crate) Vec<(String, Child)>);
 
 impl Drop for Children {
     fn drop(&mut self) {
-        // Coordinator first, then workers, then the loader (which unlinks the shm).
-        for (_, c) in self.0.iter().rev() {
+        // Coordinator first, then workers, then the loader (which unlinks the shm), each stopped
+        // before the next is signalled: a worker still running when the loader had gone logged a
+        // failed release of every slot it held.
+        for (name, c) in self.0.iter_mut().rev() {
             // SAFETY: signalling a child process we spawned and have not reaped.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for (name, c) in self.0.iter_mut().rev() {
+            let deadline = Instant::now() + Duration::from_secs(5);
             loop {
                 match c.try_wait() {
                     Ok(Some(_)) => break,
