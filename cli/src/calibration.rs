@@ -1,12 +1,12 @@
-//! Calibration at start: the figures the cost model predicts from — the store's disk (O_DIRECT GB/s
-//! and a 4 KiB read's latency), the host→device link where the worker copies, and one layer's and
+//! Calibration at start: the figures the cost model predicts from — the store's disk (GB/s read
+//! O_DIRECT and through the page cache, the faster way kept, and a 4 KiB read's latency), the host→device link where the worker copies, and one layer's and
 //! the head's compute at 1, 8 and 64 rows on the worker's device — measured once and cached per host
 //! and store under the cache root (`calibration/<key>.json`). The key names everything that changes
 //! the figures (host, CPU, cores, device, threads, precision, the store's files, the store's
 //! filesystem, this build); a changed key or `--recalibrate` measures again.
 
 use anyhow::{Context, Result};
-use layerstream_coordinator::cost::{Figures, READS_IN_FLIGHT};
+use layerstream_coordinator::cost::{buffered_pays, Figures, READS_IN_FLIGHT};
 use layerstream_model::layout::layer_file;
 use layerstream_model::Store;
 use layerstream_worker::DeviceFlags;
@@ -56,7 +56,7 @@ fn path_for(key: &str) -> PathBuf {
 /// off, else measured and cached (a cache that cannot be written is only a warning). Returns
 /// whether they came from the cache.
 pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
-    let key = format!("{} reads={:?}", key(store, device), READS_IN_FLIGHT);
+    let key = format!("{} reads={:?} modes=direct,buffered", key(store, device), READS_IN_FLIGHT);
     let path = path_for(&key);
     if !recalibrate {
         let cached =
@@ -83,17 +83,22 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
 fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
-    let mut by_reads = Vec::new();
-    let mut disk = None;
-    for n in READS_IN_FLIGHT.into_iter().filter(|&n| n == 1 || n <= files.len()) {
-        let d = layerstream_loader::measure_disk(&files, 512 << 20, n)
-            .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
-        by_reads.push((n, d.gbps));
-        if n <= layerstream_loader::DEFAULT_PREFETCH_DEPTH + 1 {
-            disk = Some(d);
+    // Both ways the loader can read (O_DIRECT, the page cache), the faster kept (`buffered_pays`).
+    let curve = |buffered: bool| -> Result<(Vec<(usize, f64)>, layerstream_loader::DiskFigures)> {
+        let (mut by_reads, mut disk) = (Vec::new(), None);
+        for n in READS_IN_FLIGHT.into_iter().filter(|&n| n == 1 || n <= files.len()) {
+            let d = layerstream_loader::measure_disk(&files, 512 << 20, n, buffered)
+                .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
+            by_reads.push((n, d.gbps));
+            if n <= layerstream_loader::DEFAULT_PREFETCH_DEPTH + 1 {
+                disk = Some(d);
+            }
         }
-    }
-    let disk = disk.expect("one read at a time is always measured");
+        Ok((by_reads, disk.expect("one read at a time is always measured")))
+    };
+    let (direct, buffered) = (curve(false)?, curve(true)?);
+    let buffered_reads = direct.1.direct && buffered_pays(&direct.0, &buffered.0);
+    let (by_reads, disk) = if buffered_reads || !direct.1.direct { buffered } else { direct };
     device.apply_threads()?;
     let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;
@@ -105,6 +110,7 @@ fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     Ok(Figures {
         disk_gbps: disk.gbps,
         disk_by_reads: by_reads,
+        buffered_reads,
         disk_latency_ms: disk.latency_ms,
         link_gbps: layerstream_worker::measure_link(&dev, 256 << 20)?,
         layer_s: c.layer_s,

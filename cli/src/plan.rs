@@ -224,7 +224,7 @@ pub struct Predicted {
 /// of `rows`: what `bench` prints beside what it measures, and what `up` hands the coordinator
 /// for a GPU stack. `layerstream plan --json` answers it in a process of its own, so a GPU's
 /// calibration holds no device context beside the stacks.
-pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicted>, usize)> {
+pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicted>, Reading)> {
     let batches: Vec<String> = rows.iter().map(usize::to_string).collect();
     let out = std::process::Command::new(std::env::current_exe()?)
         .arg("plan")
@@ -242,12 +242,20 @@ pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicte
         bail!("layerstream plan printed no prediction: {v}");
     }
     let depth = v["prefetch_depth"].as_u64().map_or(DEFAULT_PREFETCH_DEPTH, |d| d as usize);
-    Ok((p, depth))
+    let buffered = v["calibration"]["buffered_reads"].as_bool().unwrap_or(false);
+    Ok((p, Reading { depth, buffered }))
+}
+
+/// How the loader reads, as the cost model chose: layers ahead, and through the page cache or not.
+#[derive(Debug, Clone, Copy)]
+pub struct Reading {
+    pub depth: usize,
+    pub buffered: bool,
 }
 
 /// What the cost model predicts for the stack `up` starts (`a`, over `shares`), logged, as the
-/// curve the coordinator sets each decode step beside, and the read-ahead depth it chose (None:
-/// no prediction; the loader reads its default depth ahead). CPU workers are calibrated here; a GPU
+/// curve the coordinator sets each decode step beside, and how the loader should read (None: no
+/// prediction; the loader reads its default depth ahead, O_DIRECT). CPU workers are calibrated here; a GPU
 /// stack asks a `layerstream plan` process with `up`'s own command line (this process must hold
 /// no device context for the stack's life). A prediction that cannot be made is said and
 /// skipped: the coordinator's own plan decides whether the stack runs.
@@ -255,7 +263,7 @@ pub fn for_up(
     a: &crate::up::UpArgs,
     store: &layerstream_model::Store,
     shares: &crate::fit::Shares,
-) -> (Option<layerstream_coordinator::cost::Curve>, Option<usize>) {
+) -> (Option<layerstream_coordinator::cost::Curve>, Option<Reading>) {
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
     let predicted = if a.device.compute.device == "cpu" {
@@ -266,7 +274,8 @@ pub fn for_up(
                 tokens_per_s: p.tokens_per_s,
                 bound: p.bound.to_owned(),
             };
-            (p.predicted.iter().map(each).collect::<Vec<_>>(), p.prefetch_depth)
+            let reading = Reading { depth: p.prefetch_depth, buffered: p.figures.buffered_reads };
+            (p.predicted.iter().map(each).collect::<Vec<_>>(), reading)
         })
     } else {
         let args: Vec<String> = std::env::args().skip(1).collect();
@@ -276,7 +285,7 @@ pub fn for_up(
         predict_stack(&args, &rows)
     };
     match predicted {
-        Ok((p, depth)) => {
+        Ok((p, reading)) => {
             let lines: Vec<String> = p
                 .iter()
                 .map(|p| {
@@ -288,9 +297,13 @@ pub fn for_up(
                 .collect();
             eprintln!("layerstream up: predicted decode:\n  {}", lines.join("\n  "));
             if a.pool.prefetch_depth.is_none() {
+                let depth = reading.depth;
                 eprintln!("layerstream up: the loader reads {depth} layers ahead (the cost model's choice for this disk; --prefetch-depth sets it)");
             }
-            (Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect())), Some(depth))
+            if reading.buffered && !a.pool.buffered_reads {
+                eprintln!("layerstream up: the loader reads through the page cache (measured faster than O_DIRECT on this disk)");
+            }
+            (Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect())), Some(reading))
         }
         Err(e) => {
             eprintln!("layerstream up: no prediction: {e:#}");
@@ -352,7 +365,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1},
             "experts_from_disk_bytes_per_pass": expert_bytes},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
-            "disk_gbps_by_reads_in_flight": f.disk_by_reads,
+            "disk_gbps_by_reads_in_flight": f.disk_by_reads, "buffered_reads": f.buffered_reads,
             "disk_latency_ms": f.disk_latency_ms, "link_gbps": f.link_gbps,
             "layer_s": f.layer_s, "head_s": f.head_s},
         "prefetch_depth": p.prefetch_depth,
@@ -395,12 +408,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let reads: Vec<String> =
         f.disk_by_reads.iter().map(|(n, g)| format!("{g:.2} at {n}")).collect();
     println!(
-        "read-ahead: {} layers ({}; disk GB/s by reads in flight: {})",
+        "read-ahead: {} layers ({}; disk GB/s by reads in flight{}: {})",
         p.prefetch_depth,
         if a.pool.prefetch_depth.is_some() {
             "--prefetch-depth"
         } else {
             "the cost model's choice"
+        },
+        if f.buffered_reads {
+            ", through the page cache: measured faster than O_DIRECT here, so the loader reads so"
+        } else {
+            ""
         },
         reads.join(", ")
     );

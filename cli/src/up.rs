@@ -327,7 +327,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .to_string();
     let api_key = share_secrets(&a)?;
     let (_, shares) = memory_shares(&a, &store)?;
-    let (predicted, prefetch_depth) = crate::plan::for_up(&a, &store, &shares);
+    let (predicted, reading) = crate::plan::for_up(&a, &store, &shares);
     // Block SIGINT/SIGTERM here so they can be waited for; children get the default disposition back.
     let mut set = unsafe_sigset();
     let mut children = Children(Vec::new());
@@ -340,7 +340,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         ns: ns.clone(),
         shares: shares.clone(),
         predicted,
-        prefetch_depth,
+        reading,
     };
     let mut specs = vec![stack.start_loader(&mut children)?];
     let mut addrs = Vec::new();

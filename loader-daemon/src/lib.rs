@@ -33,6 +33,12 @@ pub struct SlotFlags {
     /// layers each slot read into ahead takes — a loader started alone reads 2 ahead.
     #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH")]
     pub prefetch_depth: Option<usize>,
+    /// Read layer files through the page cache (dropping each file's pages once read) instead of
+    /// O_DIRECT. Default: `up` (and `plan`) use it where the calibration measured it faster on
+    /// this store's disk (a VM's virtual disk may serve the kernel's read-ahead faster than
+    /// direct reads); a loader started alone reads O_DIRECT where the filesystem allows it.
+    #[arg(long, env = "LAYERSTREAM_BUFFERED_READS")]
+    pub buffered_reads: bool,
     /// Skip the xxh3 check of weights where they enter memory (the loader's reads from disk, a
     /// worker's resident loads): for measuring the check's cost only, corrupt bytes then reach the
     /// compute.
@@ -52,6 +58,9 @@ impl SlotFlags {
         }
         if self.no_verify {
             a.push("--no-verify".to_owned());
+        }
+        if self.buffered_reads {
+            a.push("--buffered-reads".to_owned());
         }
         a
     }
@@ -113,13 +122,15 @@ pub async fn run(args: LoaderArgs) -> Result<()> {
     if slots == 0 || slot_size == 0 {
         return Err(Error::Config("--slots and --slot-size must be > 0".into()));
     }
-    let daemon = Arc::new(daemon::Daemon::new(
+    let mut daemon = daemon::Daemon::new(
         store,
         &args.namespace,
         slots,
         slot_size,
         args.pool.prefetch_depth.unwrap_or(DEFAULT_PREFETCH_DEPTH),
-    )?);
+    )?;
+    daemon.direct &= !args.pool.buffered_reads;
+    let daemon = Arc::new(daemon);
     tracing::info!(slots, slot_size = daemon.slot_size, ns = %args.namespace, direct_io = daemon.direct, "slot pool ready");
     let socket = match &args.socket {
         Some(p) => p.clone(),
@@ -179,7 +190,15 @@ mod tests {
     /// flag of the group is passed on when set.
     #[test]
     fn slot_flags_round_trip() {
-        let given = Cli::parse_from(["x", "--slots", "9", "--prefetch-depth", "4", "--no-verify"]);
+        let given = Cli::parse_from([
+            "x",
+            "--slots",
+            "9",
+            "--prefetch-depth",
+            "4",
+            "--no-verify",
+            "--buffered-reads",
+        ]);
         let args = given.pool.to_args();
         for a in Cli::command().get_arguments() {
             if let Some(long) = a.get_long() {

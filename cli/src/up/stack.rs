@@ -14,8 +14,9 @@ pub(super) struct StackSpec<'a> {
     pub(super) shares: crate::fit::Shares,
     /// The cost model's decode pass times, for the coordinator (`--predicted-pass`).
     pub(super) predicted: Option<layerstream_coordinator::cost::Curve>,
-    /// The read-ahead depth the cost model chose (`--prefetch-depth` overrides it).
-    pub(super) prefetch_depth: Option<usize>,
+    /// How the cost model chose the loader should read: the read-ahead depth
+    /// (`--prefetch-depth` overrides it) and whether through the page cache.
+    pub(super) reading: Option<crate::plan::Reading>,
 }
 
 impl StackSpec<'_> {
@@ -27,7 +28,8 @@ impl StackSpec<'_> {
     pub(super) fn start_loader(&self, children: &mut Children) -> Result<Supervised> {
         let pool = SlotFlags {
             slots: Some(self.shares.slots),
-            prefetch_depth: self.a.pool.prefetch_depth.or(self.prefetch_depth),
+            prefetch_depth: self.a.pool.prefetch_depth.or(self.reading.map(|r| r.depth)),
+            buffered_reads: self.a.pool.buffered_reads || self.reading.is_some_and(|r| r.buffered),
             ..self.a.pool.clone()
         };
         let mut args: Vec<String> =
