@@ -1,7 +1,8 @@
 //! Calibration at start: the figures the cost model predicts from — the store's disk (GB/s read
-//! O_DIRECT and through the page cache, the faster way kept, and a 4 KiB read's latency), the host→device link where the worker copies, and one layer's and
-//! the head's compute at 1, 8 and 64 rows on the worker's device — measured once and cached per host
-//! and store under the cache root (`calibration/<key>.json`). The key names everything that changes
+//! O_DIRECT and through the page cache, the faster way kept, and a 4 KiB read's latency), the
+//! host→device link where the worker copies, and one layer's and the head's compute at 1, 8 and 64
+//! rows on the worker's device — measured once and cached per host and store under the cache root
+//! (`calibration/<key>.json`). The key names everything that changes
 //! the figures (host, CPU, cores, device, threads, precision, the store's files, the store's
 //! filesystem, this build); a changed key or `--recalibrate` measures again.
 
