@@ -249,15 +249,17 @@ pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicte
 /// How the loader reads, as the cost model chose: layers ahead, and through the page cache or not.
 #[derive(Debug, Clone, Copy)]
 pub struct Reading {
+    /// Layers read ahead of each worker.
     pub depth: usize,
+    /// Through the page cache (`--buffered-reads`), not O_DIRECT.
     pub buffered: bool,
 }
 
 /// What the cost model predicts for the stack `up` starts (`a`, over `shares`), logged, as the
 /// curve the coordinator sets each decode step beside, and how the loader should read (None: no
-/// prediction; the loader reads its default depth ahead, O_DIRECT). CPU workers are calibrated here; a GPU
-/// stack asks a `layerstream plan` process with `up`'s own command line (this process must hold
-/// no device context for the stack's life). A prediction that cannot be made is said and
+/// prediction; the loader reads its default depth ahead, O_DIRECT). CPU workers are calibrated
+/// here; a GPU stack asks a `layerstream plan` process with `up`'s own command line (this process
+/// must hold no device context for the stack's life). A prediction that cannot be made is said and
 /// skipped: the coordinator's own plan decides whether the stack runs.
 pub fn for_up(
     a: &crate::up::UpArgs,
