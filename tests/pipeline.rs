@@ -14,6 +14,7 @@ fn run_json(store: &Path, g: &Golden, n: usize, extra: &[&str]) -> serde_json::V
     last_json(&layerstream(&a))
 }
 
+/// The generated token ids of a `run --json` or `submit --json` line.
 fn output_ids(v: &serde_json::Value) -> Vec<u32> {
     serde_json::from_value(v["output_ids"].clone()).unwrap()
 }

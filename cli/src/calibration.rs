@@ -97,9 +97,15 @@ fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
         }
         Ok((by_reads, disk.expect("one read at a time is always measured")))
     };
-    let (direct, buffered) = (curve(false)?, curve(true)?);
-    let buffered_reads = direct.1.direct && buffered_pays(&direct.0, &buffered.0);
-    let (by_reads, disk) = if buffered_reads || !direct.1.direct { buffered } else { direct };
+    // Where O_DIRECT is refused the first curve was read through the page cache already.
+    let (mut by_reads, mut disk) = curve(false)?;
+    let mut buffered_reads = false;
+    if disk.direct {
+        let buffered = curve(true)?;
+        if buffered_pays(&by_reads, &buffered.0) {
+            ((by_reads, disk), buffered_reads) = (buffered, true);
+        }
+    }
     device.apply_threads()?;
     let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;

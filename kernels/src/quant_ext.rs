@@ -223,13 +223,9 @@ mod tests {
     /// the packed bytes (random bytes, each bit set and cleared in turn).
     #[test]
     fn scales_and_mins_at_once_match_one_by_one() {
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut byte = || {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            (state >> 56) as u8
-        };
+        let mut rng = layerstream_types::random::Rng::new(5);
         for case in 0..2000 {
-            let mut s: [u8; 12] = std::array::from_fn(|_| byte());
+            let mut s: [u8; 12] = rng.bytes(12).try_into().unwrap();
             if case < 96 {
                 s = [0; 12];
                 s[case / 8] = 1 << (case % 8);

@@ -31,6 +31,13 @@ impl Rng {
         }
     }
 
+    /// `n` random bytes.
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        self.fill(&mut b);
+        b
+    }
+
     /// The bytes of a random `dtype` tensor of `shape`; `None` when the rows are not whole blocks.
     pub fn tensor(&mut self, dtype: DType, shape: &[usize]) -> Option<Vec<u8>> {
         let mut data = vec![0u8; dtype.tensor_bytes(shape)?];

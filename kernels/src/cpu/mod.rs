@@ -325,7 +325,7 @@ impl Backend for CpuBackend {
             }
         };
         // Whole groups per task, each normalized as alone: the same bits split or not.
-        let per = w.len() * (16 * 1024 / w.len()).max(1);
+        let per = w.len() * (gated::SPLIT / w.len()).max(1);
         if out.data.len() > per {
             use rayon::prelude::*;
             out.data.par_chunks_mut(per).for_each(norm);
