@@ -418,7 +418,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "the cost model's choice"
         },
         if f.buffered_reads {
-            ", through the page cache: measured faster than O_DIRECT here, so the loader reads so"
+            ", through the page cache: measured faster than O_DIRECT here, so the loader reads that way"
         } else {
             ""
         },
