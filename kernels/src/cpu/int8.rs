@@ -270,7 +270,7 @@ pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mu
 }
 
 /// Activation rows of a step, quantized for the kernels: row by row, or sixteen rows to a
-/// register (`int8_lanes`, from `LANES_FROM` rows on where the CPU has AVX-512 VNNI).
+/// register or eight (`int8_lanes`, from `LANES_FROM` rows on: AVX-512 VNNI or AVX2).
 pub enum Acts {
     Rows(Vec<Q8Row>),
     #[cfg(target_arch = "x86_64")]

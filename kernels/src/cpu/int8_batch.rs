@@ -1,10 +1,8 @@
-//! AVX2 + FMA kernels of the 8-bit path for steps of several activation rows (`int8::dot_rows`:
-//! batched decode, short prefills; every step on a CPU without AVX-512 VNNI, whose many-row steps
-//! `int8_lanes` takes otherwise): each weight block is unpacked once and dotted with the blocks
-//! of four activation rows at a time, where the one-row kernels (`int8_avx2`) would unpack it once
-//! per activation row. Same integer sums and scale products as `int8::dot_scalar`. Measured
-//! (llama-3-8b shape, Q4_K, 2 threads): a 4-token step 1.5× the f32 kernels, 8 tokens even, 64
-//! tokens 0.6× — the price of batch invariance on such a CPU.
+//! AVX2 + FMA kernels of the 8-bit path for steps of a few activation rows (`int8::dot_rows`:
+//! batched decode, drafted rows to verify; the many-row steps `int8_lanes` takes): each weight
+//! block is unpacked once and dotted with the blocks of four activation rows at a time, where the
+//! one-row kernels (`int8_avx2`) would unpack it once per activation row. Same integer sums and
+//! scale products as `int8::dot_scalar`.
 
 use super::int8::{prefetch, Q8Row};
 use super::int8_avx2::{dot_u8_i8, h2f};
@@ -382,7 +380,7 @@ pub(super) unsafe fn row<const N: usize>(
 /// at least as many values as a weight row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_batch(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
-    if super::int8_lanes::available() {
+    if super::int8_lanes::isa() == Some(super::int8_lanes::Isa::Vnni) {
         return dot_batch_vl(dtype, w, rb, xs, out);
     }
     batch(dtype, w, rb, xs, out)

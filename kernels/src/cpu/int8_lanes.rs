@@ -1,26 +1,27 @@
-//! The 8-bit path for steps of many activation rows (prefill, large batches) with AVX-512 VNNI:
-//! sixteen activation rows side by side in the lanes of one register, so one `vpdpbusd` multiplies
-//! four values of a weight unit (broadcast) with the same four values of sixteen rows, and a weight
-//! row is unpacked once per step (`int8_units`) however many rows there are.
+//! The 8-bit path for steps of many activation rows (prefill, large batches): activation rows side
+//! by side in the lanes of one register — sixteen with AVX-512 VNNI, where one `vpdpbusd`
+//! multiplies four values of a weight unit (broadcast) with the same four values of sixteen rows;
+//! eight with AVX2 alone, `vpmaddubsw` + `vpmaddwd` in its place (`int8_regs`) — and a weight row
+//! unpacked once per step (`int8_units`) however many rows there are.
 //!
 //! Each output is computed with the arithmetic of the one-row and few-row kernels (`int8_avx2`,
 //! `int8_batch`, `int8_kq_avx2`) — the same exact integer sums of four values, the same f32
 //! products and fused adds in the same order, the same final sum of eight partial sums — so a
 //! sequence's row has the same bits whatever its step holds: one row or three hundred, a prefill
-//! or a decode, alone or beside other sequences. Only the order in which outputs are computed
-//! differs.
+//! or a decode, alone or beside other sequences, and whichever CPU's instructions computed it.
+//! Only the order in which outputs are computed differs.
 
 use super::int8::{Q8Row, LANES_FROM, NARROW_FROM};
-use super::int8_units::{form, unpack, Form, Unit};
+use super::int8_regs::{Reg, A8, Y8, Z16};
+use super::int8_units::{form, signed, unpack, Form, Unit};
 use layerstream_types::DType;
-use std::arch::x86_64::*;
 
 /// Activation rows per group: the lanes of a 512-bit register of i32. A step's last group takes
 /// a 256-bit register (`HALF` lanes) when it has no more rows than that, so a step of 5-8 rows
 /// (a batched decode) or a prefill's last few rows do not pay for sixteen lanes.
 pub const LANES: usize = 16;
 
-/// Lanes of the narrow register.
+/// Lanes of the narrow register (and of every group with AVX2 alone).
 pub const HALF: usize = 8;
 
 /// Weight rows unpacked at a time (8 rows of 4096 values: 96 KiB of units).
@@ -29,6 +30,15 @@ const TILE: usize = 8;
 /// Weight rows `tile` takes at once for Q3_K/Q6_K (two integer chains a row: eight rows' sixteen
 /// ran slower than four rows' eight).
 const HALF_TILE: usize = 4;
+
+/// The instructions a step's lanes are laid out for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Isa {
+    /// AVX-512 VNNI: groups of sixteen (or eight) rows, activations as unsigned bytes.
+    Vnni,
+    /// AVX2 alone: groups of eight rows, activations as signed bytes.
+    Avx2,
+}
 
 /// Sixteen lanes of four bytes (or two units' worth of eight lanes).
 #[derive(Clone, Copy)]
@@ -41,9 +51,10 @@ struct Bytes64([u8; 64]);
 struct F32x16([f32; 16]);
 
 /// Up to `width` (16 or 8) quantized activation rows interleaved: for unit i and t in 0..8, the
-/// four values 4t..4t+4 of each row as unsigned bytes (q + 128) in its lane, `4·width` bytes at
-/// byte `4·width·(8i + t)` of `x`; per unit the rows' scales and d·Σq, `width` floats at float
-/// `width·i` of `dx` and `ds`. Rows past the real ones are zeros with scale 0.
+/// four values 4t..4t+4 of each row as bytes (unsigned, q + 128, for `Isa::Vnni`; signed for
+/// `Isa::Avx2`) in its lane, `4·width` bytes at byte `4·width·(8i + t)` of `x`; per unit the rows'
+/// scales and d·Σq, `width` floats at float `width·i` of `dx` and `ds`. Rows past the real ones
+/// are zeros with scale 0.
 struct Group {
     rows: usize,
     width: usize,
@@ -53,17 +64,19 @@ struct Group {
 }
 
 impl Group {
-    /// `rows` (at most 16) interleaved, in eight lanes where they fit.
-    fn new(rows: &[Q8Row], units: usize) -> Group {
+    /// `rows` (at most 16; 8 for `Isa::Avx2`) interleaved, in eight lanes where they fit.
+    fn new(rows: &[Q8Row], units: usize, isa: Isa) -> Group {
         let width = if rows.len() <= HALF { HALF } else { LANES };
         let per = width / HALF; // a unit is 4·per 64-byte blocks of x, per/2 of dx and ds
+        let zero = if isa == Isa::Vnni { 128 } else { 0 };
         let mut g = Group {
             rows: rows.len(),
             width,
-            x: vec![Bytes64([128; 64]); units * 4 * per],
+            x: vec![Bytes64([zero; 64]); units * 4 * per],
             dx: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
             ds: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
         };
+        let flip = zero;
         let x = g.x.as_mut_ptr() as *mut u8;
         let (dx, ds) = (g.dx.as_mut_ptr() as *mut f32, g.ds.as_mut_ptr() as *mut f32);
         for (lane, row) in rows.iter().enumerate() {
@@ -77,7 +90,7 @@ impl Group {
                     for t in 0..8 {
                         let at = x.add(4 * width * (8 * i + t) + 4 * lane);
                         for (b, &v) in q[4 * t..4 * t + 4].iter().enumerate() {
-                            *at.add(b) = (v as u8) ^ 0x80;
+                            *at.add(b) = (v as u8) ^ flip;
                         }
                     }
                 }
@@ -92,16 +105,24 @@ impl Group {
 pub struct Q8Lanes {
     groups: Vec<Group>,
     units: usize,
+    isa: Isa,
     few: Vec<Q8Row>,
 }
 
 impl Q8Lanes {
-    /// Interleaves `xs` (each of `units` 32-value blocks at least) in groups of sixteen rows.
+    /// Interleaves `xs` (each of `units` 32-value blocks at least) in groups for this CPU's
+    /// instructions (`isa()`: one `available()`).
     pub fn new(xs: Vec<Q8Row>, units: usize) -> Q8Lanes {
+        Q8Lanes::for_isa(xs, units, isa().expect("int8_lanes::available()"))
+    }
+
+    /// As `new`, laid out for `isa` (which the CPU must run: `Isa::Avx2` wherever `Isa::Vnni`).
+    pub fn for_isa(xs: Vec<Q8Row>, units: usize, isa: Isa) -> Q8Lanes {
         use rayon::prelude::*;
-        let groups = xs.par_chunks(LANES).map(|rows| Group::new(rows, units)).collect();
+        let per = if isa == Isa::Vnni { LANES } else { HALF };
+        let groups = xs.par_chunks(per).map(|rows| Group::new(rows, units, isa)).collect();
         let few = if xs.len() < LANES_FROM { xs } else { Vec::new() };
-        Q8Lanes { groups, units, few }
+        Q8Lanes { groups, units, isa, few }
     }
 
     /// Activation rows held.
@@ -129,59 +150,98 @@ pub(super) fn lanes_pay(form: Form, m: usize) -> bool {
     m >= LANES_FROM || (m >= NARROW_FROM && form != Form::Q2k)
 }
 
-/// Whether this CPU runs `dot_lanes` (AVX-512 F/BW/VL with VNNI, and the AVX2 set the weight
-/// unpacking uses; detected once).
-pub fn available() -> bool {
-    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// The instructions `dot_lanes` runs with on this CPU: AVX-512 F/BW/VL with VNNI where it has
+/// them, else AVX2 with FMA and F16C (which the weight unpacking uses either way); none without
+/// AVX2. Detected once.
+pub fn isa() -> Option<Isa> {
+    static DETECTED: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
     *DETECTED.get_or_init(|| {
-        super::int8::simd()
-            && std::is_x86_feature_detected!("avx512f")
+        if !super::int8::simd() {
+            None
+        } else if std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx512bw")
             && std::is_x86_feature_detected!("avx512vl")
             && std::is_x86_feature_detected!("avx512vnni")
+        {
+            Some(Isa::Vnni)
+        } else {
+            Some(Isa::Avx2)
+        }
     })
+}
+
+/// Whether this CPU runs `dot_lanes`.
+pub fn available() -> bool {
+    isa().is_some()
 }
 
 /// `out[j·m + a]` = weight row `j` of `w` (rows of `rb` bytes of `dtype`) · activation row `a` of
 /// `lanes` (m rows), with the bits `int8::dot_rows` gives for any subset of those rows.
 ///
 /// # Safety
-/// `available()` must be true; `w` must hold `out.len() / m` rows of `rb` bytes, whole blocks of
-/// `dtype` (one `int8::supports`) spanning `lanes.units` units of 32 values.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+/// The CPU must run `lanes`'s `Isa` (`available()` where it was built by `Q8Lanes::new`); `w`
+/// must hold `out.len() / m` rows of `rb` bytes, whole blocks of `dtype` (one `int8::supports`)
+/// spanning `lanes.units` units of 32 values.
 pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out: &mut [f32]) {
+    match lanes.isa {
+        Isa::Vnni => dot_vnni(dtype, w, rb, lanes, out),
+        Isa::Avx2 => dot_avx2(dtype, w, rb, lanes, out),
+    }
+}
+
+/// `dot_lanes` with AVX-512 VNNI: sixteen-lane groups in 512-bit registers, eight in 256.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot_vnni(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out: &mut [f32]) {
+    steps::<Z16, Y8>(dtype, w, rb, lanes, out)
+}
+
+/// `dot_lanes` with AVX2 alone: eight-lane groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out: &mut [f32]) {
+    steps::<A8, A8>(dtype, w, rb, lanes, out)
+}
+
+/// The body of `dot_lanes`: `W` for sixteen-lane groups, `H` for eight.
+#[inline(always)]
+unsafe fn steps<W: Reg, H: Reg>(
+    dtype: DType,
+    w: &[u8],
+    rb: usize,
+    lanes: &Q8Lanes,
+    out: &mut [f32],
+) {
     let m = lanes.rows();
     let u = lanes.units;
     let f = form(dtype);
+    let signed = signed(dtype);
     // A tile of weight rows unpacked at a time, then each group of activation rows against every
     // row of the tile: a group (units × 640 bytes) stays in cache for the tile's rows instead of
     // all groups streaming past each weight row (at 512 rows of 4096 values they are 2.6 MB).
     let mut units = vec![Unit::default(); u * TILE];
+    let whole_units = matches!(f, Form::Kquant45 | Form::Scaled16);
+    let mut inter = vec![Unit::default(); if whole_units { u * TILE } else { 0 }];
     for (t0, o) in out.chunks_mut(m * TILE).enumerate() {
         let rows = o.len() / m;
         for (r, us) in units.chunks_exact_mut(u).take(rows).enumerate() {
             unpack(dtype, w.as_ptr().add((t0 * TILE + r) * rb), us);
         }
+        if whole_units {
+            // Unit i of every row side by side: a tile reads them from one address a unit.
+            for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
+                for (i, unit) in us.iter().enumerate() {
+                    inter[i * TILE + r] = *unit;
+                }
+            }
+        }
         let mut a0 = 0;
         for g in &lanes.groups {
-            if matches!(f, Form::Kquant45 | Form::Scaled16) {
-                // Whole-unit sums: the tile's rows at once where it is whole, else one by one.
-                let whole = if f == Form::Kquant45 { TILE } else { HALF_TILE };
-                let (r_at_once, mut sums) =
-                    (if rows.is_multiple_of(whole) { whole } else { 1 }, [[0f32; LANES]; TILE]);
-                for r0 in (0..rows).step_by(r_at_once) {
-                    let us = &units[r0 * u..];
-                    let s = &mut sums[r0..r0 + r_at_once];
-                    match (f == Form::Kquant45, r_at_once > 1, g.width == LANES) {
-                        (true, true, true) => tile::<1, TILE, Z16>(us, u, g, s),
-                        (true, true, false) => tile::<1, TILE, Y8>(us, u, g, s),
-                        (true, false, true) => tile::<1, 1, Z16>(us, u, g, s),
-                        (true, false, false) => tile::<1, 1, Y8>(us, u, g, s),
-                        (false, true, true) => tile::<2, HALF_TILE, Z16>(us, u, g, s),
-                        (false, true, false) => tile::<2, HALF_TILE, Y8>(us, u, g, s),
-                        (false, false, true) => tile::<2, 1, Z16>(us, u, g, s),
-                        (false, false, false) => tile::<2, 1, Y8>(us, u, g, s),
-                    }
+            if whole_units {
+                let mut sums = [[0f32; LANES]; TILE];
+                let (us, s) = (&inter[..], &mut sums[..rows]);
+                match (f, dtype) {
+                    (Form::Kquant45, DType::Q4K) => whole::<1, false, true, TILE, W, H>(us, g, s),
+                    (Form::Kquant45, _) => whole::<1, false, false, TILE, W, H>(us, g, s),
+                    _ => whole::<2, true, false, HALF_TILE, W, H>(us, g, s),
                 }
                 for (r, s) in sums.iter().take(rows).enumerate() {
                     o[r * m + a0..r * m + a0 + g.rows].copy_from_slice(&s[..g.rows]);
@@ -190,8 +250,11 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
                 continue;
             }
             for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
-                let sums =
-                    if g.width == LANES { pass::<Z16>(f, us, g) } else { pass::<Y8>(f, us, g) };
+                let sums = if g.width == LANES {
+                    pass::<W>(f, signed, us, g)
+                } else {
+                    pass::<H>(f, signed, us, g)
+                };
                 o[r * m + a0..r * m + a0 + g.rows].copy_from_slice(&sums[..g.rows]);
             }
             a0 += g.rows;
@@ -199,15 +262,42 @@ pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out:
     }
 }
 
-/// `R` weight rows (units `r·n…` of `units`, `n` each) against one group, for the formats whose
+/// The tile's weight rows (`out.len()` of them; unit i of row r at `units[i·TILE + r]`) against one group, for the formats
+/// whose kernels sum a unit's products whole: `R` rows at once where they divide the tile, else
+/// one by one; in `W`'s registers for a sixteen-lane group, `H`'s for eight.
+#[inline(always)]
+unsafe fn whole<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R: usize, W, H>(
+    units: &[Unit],
+    g: &Group,
+    out: &mut [[f32; LANES]],
+) where
+    W: Reg,
+    H: Reg,
+{
+    let (rows, wide) = (out.len(), g.width == LANES);
+    let n = units.len() / TILE;
+    let at_once = if rows.is_multiple_of(R) { R } else { 1 };
+    for r0 in (0..rows).step_by(at_once) {
+        let (us, s) = (&units[r0..], &mut out[r0..r0 + at_once]);
+        match (at_once > 1, wide) {
+            (true, true) => tile::<FORM, SIGNED, CHAIN16, R, W>(us, n, g, s),
+            (true, false) => tile::<FORM, SIGNED, CHAIN16, R, H>(us, n, g, s),
+            (false, true) => tile::<FORM, SIGNED, CHAIN16, 1, W>(us, n, g, s),
+            (false, false) => tile::<FORM, SIGNED, CHAIN16, 1, H>(us, n, g, s),
+        }
+    }
+}
+
+/// `R` weight rows (unit i of row r at `units[i·TILE + r]`, `n` units a row) against one group, for the formats whose
 /// kernels sum a unit's products whole (`FORM` 1: Q4_K/Q5_K, 2: Q3_K/Q6_K — `int8_batch::subs8`):
 /// each unit's `vpdpbusd`s chained into one integer per row (two, one per 16-value scale, for
 /// `FORM` 2), one activation load serving the `R` rows; the unit's sum converted once and added
 /// into lane `unit mod 8` of the row's accumulators, which those kernels' sub-block lanes are.
+/// `CHAIN16`: a Q4_K unit's products may be added in 16 bits (values below 16).
 // Rows index the chains, the accumulators and the units alike: a loop over `r` reads clearest.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile<const FORM: u8, const R: usize, V: Reg>(
+unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R: usize, V: Reg>(
     units: &[Unit],
     n: usize,
     g: &Group,
@@ -222,25 +312,46 @@ unsafe fn tile<const FORM: u8, const R: usize, V: Reg>(
         let x = xb.add(4 * V::N * 8 * i);
         let mut h = [[V::set_i(0); R]; 2];
         for r in 0..R {
-            let b = &(*up.add(r * n + i)).bsum;
+            let b = if V::BIASED { (*up.add(i * TILE + r)).bsum } else { [0; 2] };
             if FORM == 1 {
                 h[0][r] = V::set_i(b[0] + b[1]);
             } else {
                 (h[0][r], h[1][r]) = (V::set_i(b[0]), V::set_i(b[1]));
             }
         }
-        for t in 0..8 {
-            let xv = V::load_i(x.add(4 * V::N * t));
-            let half = if FORM == 1 { 0 } else { t / 4 };
+        let wt = |r: usize, t: usize| {
+            let wp = (*up.add(i * TILE + r)).v.as_ptr() as *const i32;
+            V::set_i(std::ptr::read_unaligned(wp.add(t)))
+        };
+        if !V::BIASED && (FORM == 2 || CHAIN16) {
+            // Signed activations: the 16-bit pair sums of a chain added up before one widening
+            // (Q4_K: 8·2·15·127, Q3_K/Q6_K: 4·2·32·127 per half, both below 2^15).
+            let mut p = [[V::set_i(0); R]; 2];
+            for t in 0..8 {
+                let xv = V::load_i(x.add(4 * V::N * t));
+                let half = if FORM == 1 { 0 } else { t / 4 };
+                for r in 0..R {
+                    p[half][r] = V::add16(p[half][r], V::pairs::<SIGNED>(xv, wt(r, t)));
+                }
+            }
             for r in 0..R {
-                let wp = (*up.add(r * n + i)).v.as_ptr() as *const i32;
-                let wt = V::set_i(std::ptr::read_unaligned(wp.add(t)));
-                h[half][r] = V::dpbusd(h[half][r], xv, wt);
+                h[0][r] = V::widen(p[0][r]);
+                if FORM == 2 {
+                    h[1][r] = V::widen(p[1][r]);
+                }
+            }
+        } else {
+            for t in 0..8 {
+                let xv = V::load_i(x.add(4 * V::N * t));
+                let half = if FORM == 1 { 0 } else { t / 4 };
+                for r in 0..R {
+                    h[half][r] = V::dp::<SIGNED>(h[half][r], xv, wt(r, t));
+                }
             }
         }
         let dx = V::load_f(dxb.add(V::N * i));
         for r in 0..R {
-            let u = &*up.add(r * n + i);
+            let u = &*up.add(i * TILE + r);
             let s = if FORM == 1 {
                 h[0][r]
             } else {
@@ -255,7 +366,7 @@ unsafe fn tile<const FORM: u8, const R: usize, V: Reg>(
         if FORM == 1 {
             let mut off = [zero; 8];
             for i in 0..n {
-                let c = V::set_f((*up.add(r * n + i)).c);
+                let c = V::set_f((*up.add(i * TILE + r)).c);
                 off[i % 8] = V::fmadd(c, V::load_f(dsb.add(V::N * i)), off[i % 8]);
             }
             for t in 0..8 {
@@ -276,139 +387,22 @@ unsafe fn lanes_sum<V: Reg>(acc: &[V::F; 8]) -> V::F {
 
 /// One weight row's units against one group, in registers of `V`'s width.
 #[inline(always)]
-unsafe fn pass<V: Reg>(f: Form, us: &[Unit], g: &Group) -> [f32; LANES] {
-    match f {
-        Form::Plain => group::<0, V>(us, g),
-        Form::Kquant45 => group::<1, V>(us, g),
-        Form::Scaled16 => group::<2, V>(us, g),
-        Form::Q2k => group::<3, V>(us, g),
+unsafe fn pass<V: Reg>(f: Form, signed: bool, us: &[Unit], g: &Group) -> [f32; LANES] {
+    match (f, signed) {
+        (Form::Plain, true) => group::<0, true, V>(us, g),
+        (Form::Plain, false) => group::<0, false, V>(us, g),
+        (Form::Kquant45, _) => group::<1, false, V>(us, g),
+        (Form::Scaled16, _) => group::<2, true, V>(us, g),
+        (Form::Q2k, _) => group::<3, false, V>(us, g),
     }
 }
 
-/// The vector operations `group` uses, on registers of `N` i32/f32 lanes. Callers run where
-/// `available()` holds (the functions inline into `dot_lanes`, which enables the features).
-trait Reg {
-    const N: usize;
-    type I: Copy;
-    type F: Copy;
-    unsafe fn load_i(p: *const u8) -> Self::I;
-    unsafe fn set_i(v: i32) -> Self::I;
-    unsafe fn dpbusd(acc: Self::I, x: Self::I, w: Self::I) -> Self::I;
-    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
-    unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
-    unsafe fn cvt(a: Self::I) -> Self::F;
-    unsafe fn load_f(p: *const f32) -> Self::F;
-    unsafe fn set_f(v: f32) -> Self::F;
-    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
-    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
-    unsafe fn store_f(p: *mut f32, a: Self::F);
-}
-
-/// Sixteen lanes: 512-bit registers.
-struct Z16;
-/// Eight lanes: 256-bit registers (AVX-512 VL's VNNI).
-struct Y8;
-
-macro_rules! reg {
-    ($t:ty, $n:expr, $i:ty, $f:ty, $load:ident, $set:ident, $dp:ident, $mullo:ident, $addi:ident, $cvt:ident,
-     $loadf:ident, $setf:ident, $mul:ident, $add:ident, $fma:ident, $store:ident) => {
-        impl Reg for $t {
-            const N: usize = $n;
-            type I = $i;
-            type F = $f;
-            #[inline(always)]
-            unsafe fn load_i(p: *const u8) -> $i {
-                $load(p as *const $i)
-            }
-            #[inline(always)]
-            unsafe fn set_i(v: i32) -> $i {
-                $set(v)
-            }
-            #[inline(always)]
-            unsafe fn dpbusd(acc: $i, x: $i, w: $i) -> $i {
-                $dp(acc, x, w)
-            }
-            #[inline(always)]
-            unsafe fn mullo(a: $i, b: $i) -> $i {
-                $mullo(a, b)
-            }
-            #[inline(always)]
-            unsafe fn add_i(a: $i, b: $i) -> $i {
-                $addi(a, b)
-            }
-            #[inline(always)]
-            unsafe fn cvt(a: $i) -> $f {
-                $cvt(a)
-            }
-            #[inline(always)]
-            unsafe fn load_f(p: *const f32) -> $f {
-                $loadf(p)
-            }
-            #[inline(always)]
-            unsafe fn set_f(v: f32) -> $f {
-                $setf(v)
-            }
-            #[inline(always)]
-            unsafe fn mul(a: $f, b: $f) -> $f {
-                $mul(a, b)
-            }
-            #[inline(always)]
-            unsafe fn add(a: $f, b: $f) -> $f {
-                $add(a, b)
-            }
-            #[inline(always)]
-            unsafe fn fmadd(a: $f, b: $f, c: $f) -> $f {
-                $fma(a, b, c)
-            }
-            #[inline(always)]
-            unsafe fn store_f(p: *mut f32, a: $f) {
-                $store(p, a)
-            }
-        }
-    };
-}
-
-reg!(
-    Z16,
-    16,
-    __m512i,
-    __m512,
-    _mm512_load_si512,
-    _mm512_set1_epi32,
-    _mm512_dpbusd_epi32,
-    _mm512_mullo_epi32,
-    _mm512_add_epi32,
-    _mm512_cvtepi32_ps,
-    _mm512_load_ps,
-    _mm512_set1_ps,
-    _mm512_mul_ps,
-    _mm512_add_ps,
-    _mm512_fmadd_ps,
-    _mm512_storeu_ps
-);
-reg!(
-    Y8,
-    8,
-    __m256i,
-    __m256,
-    _mm256_load_si256,
-    _mm256_set1_epi32,
-    _mm256_dpbusd_epi32,
-    _mm256_mullo_epi32,
-    _mm256_add_epi32,
-    _mm256_cvtepi32_ps,
-    _mm256_load_ps,
-    _mm256_set1_ps,
-    _mm256_mul_ps,
-    _mm256_add_ps,
-    _mm256_fmadd_ps,
-    _mm256_storeu_ps
-);
-
 /// One weight row's units against one group of rows; `FORM` as `Form` in declaration order.
 #[inline(always)]
-unsafe fn group<const FORM: u8, V: Reg>(units: &[Unit], g: &Group) -> [f32; LANES] {
+unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
+    units: &[Unit],
+    g: &Group,
+) -> [f32; LANES] {
     let zero = V::set_f(0.0);
     let mut acc = [zero; 8];
     let mut off = [zero; 8];
@@ -423,7 +417,7 @@ unsafe fn group<const FORM: u8, V: Reg>(units: &[Unit], g: &Group) -> [f32; LANE
         let xv: [V::I; 8] = std::array::from_fn(|t| V::load_i(x.add(4 * V::N * t)));
         let p: [V::I; 8] = std::array::from_fn(|t| {
             let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
-            V::dpbusd(V::set_i(u.bias[t]), xv[t], wt)
+            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv[t], wt)
         });
         match FORM {
             0 | 1 => {
@@ -446,8 +440,9 @@ unsafe fn group<const FORM: u8, V: Reg>(units: &[Unit], g: &Group) -> [f32; LANE
                 let (d, mdmin) = (V::set_f(u.d), V::set_f(u.c));
                 for t in 0..8 {
                     let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
-                    // Σ of the four activations: Σ (q + 128) − 512.
-                    let sx = V::dpbusd(V::set_i(-512), xv[t], ones);
+                    // Σ of the four activations (stored as q + 128: Σ (q + 128) − 512).
+                    let sx =
+                        V::dp::<false>(V::set_i(if V::BIASED { -512 } else { 0 }), xv[t], ones);
                     let iq = V::mullo(p[t], V::set_i(sc));
                     let im = V::mullo(sx, V::set_i(mn));
                     let tt = V::fmadd(mdmin, V::cvt(im), V::mul(d, V::cvt(iq)));
@@ -512,13 +507,22 @@ mod tests {
     }
 
     /// For 1 to 300 rows (groups of eight lanes and of sixteen, full and not) and 11 weight rows of
-    /// each format: every output of the many-row kernel has the bits the one-row kernel gives that
-    /// row alone (a sequence's result does not depend on what its step holds), matches the scalar
-    /// reference to rounding and the f32 dot of the dequantized weights within 1% of Σ|w·x|.
+    /// each format, laid out for each instruction set this CPU runs (AVX2, and AVX-512 VNNI where it
+    /// has it): every output of the many-row kernel has the bits the one-row kernel gives that row
+    /// alone (a sequence's result does not depend on what its step holds, nor on the CPU's
+    /// instructions), matches the scalar reference to rounding and the f32 dot of the dequantized
+    /// weights within 1% of Σ|w·x|.
     #[test]
-    #[cfg_attr(not(have_avx512_vnni), ignore = "this CPU lacks AVX-512 VNNI")]
+    #[cfg_attr(not(have_avx2), ignore = "this CPU lacks AVX2, FMA or F16C")]
     fn many_rows_give_each_rows_bits_alone_and_match_the_references() {
-        assert!(available(), "the build saw AVX-512 VNNI in /proc/cpuinfo, the CPU denies it");
+        let isas = match isa() {
+            Some(Isa::Vnni) => vec![Isa::Vnni, Isa::Avx2],
+            Some(Isa::Avx2) => vec![Isa::Avx2],
+            None => {
+                panic!("the build saw AVX2, FMA and F16C in /proc/cpuinfo, the CPU denies them")
+            }
+        };
+        assert_eq!(cfg!(have_avx512_vnni), isas.len() == 2, "AVX-512 VNNI: build and CPU agree");
         for (dtype, k) in TYPES {
             assert!(supports(dtype));
             let n = 11; // a whole tile of weight rows and a part of one
@@ -528,14 +532,16 @@ mod tests {
             for (o, r) in deq.chunks_exact_mut(k).zip(w.chunks_exact(rb)) {
                 dequant_row(dtype, r, o);
             }
-            for m in [1, 3, 8, 9, 16, 20, 24, 63, 64, 300] {
+            for (m, &isa) in
+                [1, 3, 8, 9, 16, 20, 24, 63, 64, 300].into_iter().zip(isas.iter().cycle())
+            {
                 let x = activations(m, k);
                 let rows: Vec<_> = x.chunks_exact(k).map(quantize_row).collect();
-                let lanes = Q8Lanes::new(rows, k / 32);
                 let laid = crate::cpu::int8::quantize(&x, k, m);
                 assert_eq!(matches!(laid, Acts::Lanes(_)), m >= NARROW_FROM, "{m} rows");
+                let lanes = Q8Lanes::for_isa(rows, k / 32, isa);
                 let mut got = vec![0f32; n * m];
-                // SAFETY: available() holds; w holds n rows of rb bytes spanning k values.
+                // SAFETY: this CPU runs `isa`; w holds n rows of rb bytes spanning k values.
                 unsafe { dot_lanes(dtype, &w, rb, &lanes, &mut got) };
                 // The step as the model runs it: lanes or the few-row kernel, the same bits.
                 let mut via = vec![0f32; n * m];
@@ -543,7 +549,7 @@ mod tests {
                 assert_eq!(
                     got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     via.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{dtype} m={m} through int8::dot"
+                    "{dtype} m={m} {isa:?} through int8::dot"
                 );
                 for a in 0..m {
                     let row = &x[a * k..(a + 1) * k];

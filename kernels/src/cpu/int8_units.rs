@@ -84,6 +84,15 @@ unsafe fn plain<const SIGNED: bool>(u: &mut Unit, (mag, sign, d, c): Unpacked) {
     (u.d, u.c) = (d, c);
 }
 
+/// Whether `dtype`'s unpacked values may be negative: signed formats keep their signs, unsigned
+/// ones (Q4_0, Q4_1, Q5_1, int4_g128, Q2_K, Q4_K, Q5_K) their magnitudes, below 128.
+pub(super) fn signed(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q8_0 | DType::Q5_0 | DType::Mxfp4 | DType::Int8B128 | DType::Q3K | DType::Q6K
+    )
+}
+
 /// Unpacks the row `w` of `dtype` into `units` (one per 32 values).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn unpack(dtype: DType, w: *const u8, units: &mut [Unit]) {

@@ -19,6 +19,8 @@ pub mod int8_lanes;
 #[cfg(target_arch = "x86_64")]
 mod int8_quant;
 #[cfg(target_arch = "x86_64")]
+mod int8_regs;
+#[cfg(target_arch = "x86_64")]
 mod int8_units;
 mod matmul;
 mod pool;
