@@ -59,8 +59,9 @@ pub struct CpuWeight {
     pub cols: usize,
     raw: Option<(Arc<CpuBlob>, Range<usize>)>,
     f32: Option<Vec<f32>>,
-    /// Each row's Σ|w|, for a greedy head's screening (`head_screen`), computed on first use.
-    norms: std::sync::OnceLock<Vec<f32>>,
+    /// Each row's Σ|w| per 32 values, for a greedy head's screening (`head_screen`), computed on
+    /// first use.
+    norms: std::sync::OnceLock<Vec<half::f16>>,
     /// Greedy steps left to skip the screen after one found a crowd of candidates.
     screen_skip: Arc<std::sync::atomic::AtomicU32>,
 }
