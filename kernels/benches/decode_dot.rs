@@ -1,7 +1,7 @@
 //! `cargo bench -p layerstream-kernels --bench decode_dot`: the decode matvec (one activation row)
 //! over SmolLM2-shaped weight rows (k = 576; K-quants: 4096), one thread, the two CPU paths side by side — f32
 //! activations (dequantize two rows, then `dot_rows2`: what `matmul` runs by default) and 8-bit
-//! activations (`int8::dot_rows`, `--int8-activations`) — for Q4_1, Q8_0, Q4_K and Q6_K rows held in cache
+//! activations (`int8::dot_rows`, `--int8-activations`) — for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K rows held in cache
 //! (256 KiB) and streamed from memory (~128 MiB), with a plain read of the same bytes as the
 //! memory ceiling. Prints ns per 32-value block, weight GB/s and the ratios; best of five.
 
@@ -20,7 +20,7 @@ fn read_all(w: &[u8]) -> u64 {
 fn main() {
     println!("| weights | where | f32 path ns/block | int8 path ns/block | plain read ns/block | f32 GB/s | int8 GB/s | read GB/s | int8 / f32 speed |");
     println!("|---|---|---|---|---|---|---|---|---|");
-    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4K, DType::Q6K] {
+    for dtype in [DType::Q4_1, DType::Q5_0, DType::Q8_0, DType::Q4K, DType::Q6K] {
         // SmolLM2's width; K-quants (super-blocks of 256) at an 8B model's.
         let k = if dtype.block_elems() == 256 { 4096 } else { 576 };
         let x: Vec<f32> = (0..k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();

@@ -4,7 +4,7 @@
 //! through `maddubs`), one fused scale-multiply-add per block, the offset term in a scalar sum.
 
 use super::int8::{prefetch, Q8Row};
-use super::int8_batch::{hsum, q4_0, q4_1, q8_0, Unpacked};
+use super::int8_batch::{hsum, mxfp4, q4_0, q4_1, q5_0, q5_1, q8_0, Unpacked};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
@@ -88,22 +88,24 @@ unsafe fn rows<const G: usize, const SIGNED: bool, F: Fn(*const u8) -> Unpacked>
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_rows(dtype: DType, w: &[u8], rb: usize, x: &Q8Row, out: &mut [f32]) {
     match dtype {
-        DType::Q5_0
-        | DType::Q5_1
-        | DType::Q2K
+        DType::Q2K
         | DType::Q3K
         | DType::Q4K
         | DType::Q5K
         | DType::Q6K
         | DType::Int8B128
-        | DType::Int4G128
-        | DType::Mxfp4 => {
+        | DType::Int4G128 => {
             for (j, o) in out.iter_mut().enumerate() {
                 *o = super::int8_batch::row::<1>(dtype, w.as_ptr().add(j * rb), rb, [x])[0];
             }
         }
         DType::Q8_0 => rows::<Q8G, true, _>(w, rb, 34, x, out, |b| q8_0(b)),
         DType::Q4_0 => rows::<4, false, _>(w, rb, 18, x, out, |b| q4_0(b)),
+        // Four rows' accumulators in flight: one row's chain of fused adds waited on itself
+        // (SmolLM2 Q4_K_M's layers are Q5_0 where 576 values are not whole super-blocks).
+        DType::Q5_0 => rows::<4, true, _>(w, rb, 22, x, out, |b| q5_0(b)),
+        DType::Q5_1 => rows::<4, false, _>(w, rb, 24, x, out, |b| q5_1(b)),
+        DType::Mxfp4 => rows::<4, true, _>(w, rb, 17, x, out, |b| mxfp4(b)),
         _ => rows::<4, false, _>(w, rb, 20, x, out, |b| q4_1(b)),
     }
 }
