@@ -22,14 +22,30 @@ use rayon::prelude::*;
 /// 2-31 candidates a step (median 3; per 128 values: median 38, and a crowd now and then).
 const GROUP: usize = 32;
 
-/// Each row's Σ|w| (f32 of the dequantized values) per `GROUP` values (the last group may be
-/// shorter), `k.div_ceil(GROUP)` a row, row after row, kept as f16 rounded up (a bound stays a
-/// bound; 2 bytes per 32 weights — 33 MB beside a 128k-vocabulary 8B head's 537 MB); computed once
-/// per weight.
-pub(super) fn group_norms(w: &CpuWeight) -> Vec<f16> {
+/// A head's Σ|w| per row and per `GROUP` values of each row (the last group may be shorter), f32
+/// sums of the dequantized values; the groups' kept as f16 rounded up (a bound stays a bound; 2
+/// bytes per 32 weights — 33 MB beside a 128k-vocabulary 8B head's 537 MB).
+#[derive(Debug, Clone)]
+pub struct Norms {
+    /// `k.div_ceil(GROUP)` a row, row after row.
+    groups: Vec<f16>,
+    rows: Vec<f32>,
+}
+
+impl Norms {
+    /// From each row's group norms (`g` a row); the rows' as their sums.
+    fn new(groups: Vec<f16>, g: usize) -> Norms {
+        let rows = groups.chunks_exact(g).map(|r| r.iter().map(|v| v.to_f32()).sum()).collect();
+        Norms { groups, rows }
+    }
+}
+
+/// `w`'s norms, computed once per weight.
+pub(super) fn norms(w: &CpuWeight) -> Norms {
     let raw = w.raw();
     let rb = raw.len() / w.rows.max(1);
-    raw.par_chunks(rb.max(1))
+    let groups = raw
+        .par_chunks(rb.max(1))
         .map_init(
             || vec![0f32; w.cols],
             |buf, r| {
@@ -38,7 +54,8 @@ pub(super) fn group_norms(w: &CpuWeight) -> Vec<f16> {
             },
         )
         .flatten_iter()
-        .collect()
+        .collect();
+    Norms::new(groups, w.cols.div_ceil(GROUP))
 }
 
 /// Whether greedy steps on `w` can be screened: a quantized weight with an 8-bit dot, rows of
@@ -50,7 +67,7 @@ fn screens(w: &CpuWeight) -> bool {
 /// Computes `w`'s row norms now where the screen would use them (a head loaded for greedy steps).
 pub(super) fn prepare(w: &CpuWeight) {
     if screens(w) {
-        w.norms.get_or_init(|| group_norms(w));
+        w.norms.get_or_init(|| norms(w));
     }
 }
 
@@ -81,16 +98,27 @@ pub(super) fn bound(x: &[f32]) -> Vec<f64> {
     half_scales.iter().map(|h| (h + 3.0 * gamma * (x_max + d_max)) * 1.001 + 1e-30).collect()
 }
 
-/// Tokens `j` whose interval (`approx[j]` ± Σ_g `e[g]`·`norms[j·G + g]`, G = `e.len()` groups a
-/// row) reaches the largest lower bound.
-pub(super) fn candidates(approx: &[f32], norms: &[f16], e: &[f64]) -> Vec<usize> {
-    let err: Vec<f64> = norms
-        .par_chunks_exact(e.len())
-        .map(|row| row.iter().zip(e).map(|(&s, &eg)| s.to_f64() * eg).sum())
+/// Tokens `j` whose interval (`approx[j]` ± Σ_g `e[g]`·(row j's norm over group g), `e.len()`
+/// groups a row) reaches the largest lower bound. The lower bound of the largest `approx` is a
+/// floor; a row whose interval, widened to its whole Σ|w| times the largest `e`, stays below it is
+/// out without its groups being read (a 262k-token head's groups are 5M values a step).
+pub(super) fn candidates(approx: &[f32], norms: &Norms, e: &[f64]) -> Vec<usize> {
+    let g = e.len();
+    let err = |j: usize| -> f64 {
+        norms.groups[j * g..(j + 1) * g].iter().zip(e).map(|(&s, &eg)| s.to_f64() * eg).sum()
+    };
+    let top = (0..approx.len()).fold(0, |b, j| if approx[j] > approx[b] { j } else { b });
+    let floor = approx[top] as f64 - err(top);
+    let e_max = e.iter().fold(0f64, |a, &v| a.max(v));
+    let reach: Vec<(usize, f64)> = (0..approx.len())
+        .into_par_iter()
+        .filter(|&j| approx[j] as f64 + e_max * norms.rows[j] as f64 * 1.001 >= floor)
+        .map(|j| (j, err(j)))
+        .filter(|&(j, d)| approx[j] as f64 + d >= floor)
         .collect();
-    let lower =
-        approx.iter().zip(&err).map(|(&l, &d)| l as f64 - d).fold(f64::NEG_INFINITY, f64::max);
-    (0..approx.len()).filter(|&j| approx[j] as f64 + err[j] >= lower).collect()
+    // The largest lower bound is one of these rows' (any other's lies below the floor).
+    let lower = reach.iter().map(|&(j, d)| approx[j] as f64 - d).fold(floor, f64::max);
+    reach.into_iter().filter(|&(j, d)| approx[j] as f64 + d >= lower).map(|(j, _)| j).collect()
 }
 
 /// Candidates past this share of the vocabulary (1/`CROWD`) make rescoring cost more than the
@@ -119,7 +147,7 @@ pub(super) fn argmax(w: &CpuWeight, x: &[f32], m: usize) -> Option<Vec<u32>> {
     if approx.iter().any(|v| !v.is_finite()) {
         return None;
     }
-    let norms = w.norms.get_or_init(|| group_norms(w));
+    let norms = w.norms.get_or_init(|| norms(w));
     let cands = candidates(&approx, norms, &bound(x));
     if cands.len() > n / CROWD {
         w.screen_skip.store(CROWD as u32, Relaxed);
@@ -182,14 +210,15 @@ mod tests {
         // One token far above the rest: it alone is a candidate.
         let mut approx = vec![0f32; 1000];
         approx[3] = 50.0;
-        let ones = vec![f16::ONE; 1000];
+        let ones = Norms::new(vec![f16::ONE; 1000], 1);
         assert_eq!(candidates(&approx, &ones, &[0.1]), vec![3]);
         // Within the error of each other: both.
         approx[9] = 49.9;
         assert_eq!(candidates(&approx, &ones, &[0.1]), vec![3, 9]);
         // Two groups a row: token 9's error lies where its weights are large.
-        let mut norms = vec![f16::ONE; 2000];
-        norms[2 * 9 + 1] = f16::from_f32(100.0);
+        let mut groups = vec![f16::ONE; 2000];
+        groups[2 * 9 + 1] = f16::from_f32(100.0);
+        let norms = Norms::new(groups, 2);
         assert_eq!(candidates(&approx, &norms, &[0.001, 0.0]), vec![3]);
         assert_eq!(candidates(&approx, &norms, &[0.0, 0.001]), vec![3, 9]);
     }

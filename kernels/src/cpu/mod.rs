@@ -61,7 +61,7 @@ pub struct CpuWeight {
     f32: Option<Vec<f32>>,
     /// Each row's Σ|w| per 32 values, for a greedy head's screening (`head_screen`), computed on
     /// first use.
-    norms: std::sync::OnceLock<Vec<half::f16>>,
+    norms: std::sync::OnceLock<head_screen::Norms>,
     /// Greedy steps left to skip the screen after one found a crowd of candidates.
     screen_skip: Arc<std::sync::atomic::AtomicU32>,
 }
