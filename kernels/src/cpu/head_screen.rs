@@ -87,15 +87,13 @@ fn up(v: f32) -> f16 {
 /// γ_k = k·u/(1 − k·u) of Σ|w|·|x| per path over the whole row, u = 2⁻²⁴ — with a margin for the
 /// norms themselves being rounded sums.
 pub(super) fn bound(x: &[f32]) -> Vec<f64> {
-    let half_scales: Vec<f64> = x
-        .chunks(GROUP)
-        .map(|g| g.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0 / 2.0)
-        .collect();
-    let x_max = x.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+    let amax: Vec<f64> =
+        x.chunks(GROUP).map(|g| g.iter().fold(0f32, |a, v| a.max(v.abs())) as f64).collect();
+    let x_max = amax.iter().fold(0f64, |a, &v| a.max(v));
     let d_max = x_max / 127.0;
     let ku = x.len() as f64 * f64::from(f32::EPSILON) / 2.0;
     let gamma = ku / (1.0 - ku).max(0.5);
-    half_scales.iter().map(|h| (h + 3.0 * gamma * (x_max + d_max)) * 1.001 + 1e-30).collect()
+    amax.iter().map(|a| (a / 127.0 / 2.0 + 3.0 * gamma * (x_max + d_max)) * 1.001 + 1e-30).collect()
 }
 
 /// Tokens `j` whose interval (`approx[j]` ± Σ_g `e[g]`·(row j's norm over group g), `e.len()`
@@ -107,7 +105,7 @@ pub(super) fn candidates(approx: &[f32], norms: &Norms, e: &[f64]) -> Vec<usize>
     let err = |j: usize| -> f64 {
         norms.groups[j * g..(j + 1) * g].iter().zip(e).map(|(&s, &eg)| s.to_f64() * eg).sum()
     };
-    let top = (0..approx.len()).fold(0, |b, j| if approx[j] > approx[b] { j } else { b });
+    let top = crate::host::argmax(approx);
     let floor = approx[top] as f64 - err(top);
     let e_max = e.iter().fold(0f64, |a, &v| a.max(v));
     let reach: Vec<(usize, f64)> = (0..approx.len())

@@ -68,15 +68,15 @@ impl Group {
     fn new(rows: &[Q8Row], units: usize, isa: Isa) -> Group {
         let width = if rows.len() <= HALF { HALF } else { LANES };
         let per = width / HALF; // a unit is 4·per 64-byte blocks of x, per/2 of dx and ds
-        let zero = if isa == Isa::Vnni { 128 } else { 0 };
+                                // q + 128 for `Isa::Vnni` (zeros padding the lanes past the real rows too).
+        let bias: u8 = if isa == Isa::Vnni { 0x80 } else { 0 };
         let mut g = Group {
             rows: rows.len(),
             width,
-            x: vec![Bytes64([zero; 64]); units * 4 * per],
+            x: vec![Bytes64([bias; 64]); units * 4 * per],
             dx: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
             ds: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
         };
-        let flip = zero;
         let x = g.x.as_mut_ptr() as *mut u8;
         let (dx, ds) = (g.dx.as_mut_ptr() as *mut f32, g.ds.as_mut_ptr() as *mut f32);
         for (lane, row) in rows.iter().enumerate() {
@@ -90,7 +90,7 @@ impl Group {
                     for t in 0..8 {
                         let at = x.add(4 * width * (8 * i + t) + 4 * lane);
                         for (b, &v) in q[4 * t..4 * t + 4].iter().enumerate() {
-                            *at.add(b) = (v as u8) ^ flip;
+                            *at.add(b) = (v as u8) ^ bias;
                         }
                     }
                 }

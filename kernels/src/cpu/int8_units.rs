@@ -77,10 +77,10 @@ unsafe fn put(u: &mut Unit, v: __m256i) {
 }
 
 /// A `Plain` unit from its few-row unpacking: the signed values are the sign vector of a signed
-/// format, the magnitudes of an unsigned one.
+/// format (`signed`), the magnitudes of an unsigned one.
 #[inline(always)]
-unsafe fn plain<const SIGNED: bool>(u: &mut Unit, (mag, sign, d, c): Unpacked) {
-    put(u, if SIGNED { sign } else { mag });
+unsafe fn plain(u: &mut Unit, (mag, sign, d, c): Unpacked, signed: bool) {
+    put(u, if signed { sign } else { mag });
     (u.d, u.c) = (d, c);
 }
 
@@ -96,26 +96,27 @@ pub(super) fn signed(dtype: DType) -> bool {
 /// Unpacks the row `w` of `dtype` into `units` (one per 32 values).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn unpack(dtype: DType, w: *const u8, units: &mut [Unit]) {
-    let each = |units: &mut [Unit], bb: usize, f: &dyn Fn(&mut Unit, *const u8)| {
+    let s = signed(dtype);
+    let each = |units: &mut [Unit], bb: usize, f: &dyn Fn(*const u8) -> Unpacked| {
         for (i, u) in units.iter_mut().enumerate() {
-            f(u, w.add(i * bb));
+            plain(u, f(w.add(i * bb)), s);
         }
     };
     match dtype {
-        DType::Q8_0 => each(units, 34, &|u, b| plain::<true>(u, q8_0(b))),
-        DType::Q4_0 => each(units, 18, &|u, b| plain::<false>(u, q4_0(b))),
-        DType::Q4_1 => each(units, 20, &|u, b| plain::<false>(u, q4_1(b))),
-        DType::Q5_0 => each(units, 22, &|u, b| plain::<true>(u, q5_0(b))),
-        DType::Q5_1 => each(units, 24, &|u, b| plain::<false>(u, q5_1(b))),
-        DType::Mxfp4 => each(units, 17, &|u, b| plain::<true>(u, mxfp4(b))),
+        DType::Q8_0 => each(units, 34, &|b| q8_0(b)),
+        DType::Q4_0 => each(units, 18, &|b| q4_0(b)),
+        DType::Q4_1 => each(units, 20, &|b| q4_1(b)),
+        DType::Q5_0 => each(units, 22, &|b| q5_0(b)),
+        DType::Q5_1 => each(units, 24, &|b| q5_1(b)),
+        DType::Mxfp4 => each(units, 17, &|b| mxfp4(b)),
         DType::Int8B128 => {
             for (i, u) in units.iter_mut().enumerate() {
-                plain::<true>(u, int8_b128(w, i));
+                plain(u, int8_b128(w, i), s);
             }
         }
         DType::Int4G128 => {
             for (i, u) in units.iter_mut().enumerate() {
-                plain::<false>(u, int4_g128(w, i));
+                plain(u, int4_g128(w, i), s);
             }
         }
         DType::Q4K | DType::Q5K => {
