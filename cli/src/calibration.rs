@@ -7,7 +7,9 @@
 //! filesystem, this build); a changed key or `--recalibrate` measures again.
 
 use anyhow::{Context, Result};
-use layerstream_coordinator::cost::{buffered_pays, Figures, READS_IN_FLIGHT};
+use layerstream_coordinator::cost::{
+    buffered_pays, read_cpu_share, Figures, ReadMode, READS_IN_FLIGHT,
+};
 use layerstream_model::layout::layer_file;
 use layerstream_model::Store;
 use layerstream_worker::DeviceFlags;
@@ -57,7 +59,11 @@ fn path_for(key: &str) -> PathBuf {
 /// off, else measured and cached (a cache that cannot be written is only a warning). Returns
 /// whether they came from the cache.
 pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
-    let key = format!("{} reads={:?} modes=direct,buffered", key(store, device), READS_IN_FLIGHT);
+    let key = format!(
+        "{} reads={:?} modes=direct,buffered,cpu,verify",
+        key(store, device),
+        READS_IN_FLIGHT
+    );
     let path = path_for(&key);
     if !recalibrate {
         let cached =
@@ -84,28 +90,36 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
 fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
-    // Both ways the loader can read (O_DIRECT, the page cache), the faster kept (`buffered_pays`).
-    let curve = |buffered: bool| -> Result<(Vec<(usize, f64)>, layerstream_loader::DiskFigures)> {
-        let (mut by_reads, mut disk) = (Vec::new(), None);
+    // Both ways the loader can read (O_DIRECT, the page cache): both kept for `plan` to choose
+    // between with the cost model (`Figures::read_as`); the faster, by `buffered_pays`, named.
+    let curve = |buffered: bool| -> Result<(ReadMode, layerstream_loader::DiskFigures)> {
+        let (mut by_reads, mut disk, mut cpu) = (Vec::new(), None, Vec::new());
         for n in READS_IN_FLIGHT.into_iter().filter(|&n| n == 1 || n <= files.len()) {
             let d = layerstream_loader::measure_disk(&files, 512 << 20, n, buffered)
                 .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
             by_reads.push((n, d.gbps));
+            cpu.push(d.cpu_s_per_gb);
             if n <= layerstream_loader::DEFAULT_PREFETCH_DEPTH + 1 {
                 disk = Some(d);
             }
         }
-        Ok((by_reads, disk.expect("one read at a time is always measured")))
+        let disk = disk.expect("one read at a time is always measured");
+        // The median over the counts: one count's figure moves with what else the host ran.
+        cpu.sort_by(f64::total_cmp);
+        let mode = ReadMode { buffered: !disk.direct, by_reads, cpu_s_per_gb: cpu[cpu.len() / 2] };
+        Ok((mode, disk))
     };
     // Where O_DIRECT is refused the first curve was read through the page cache already.
-    let (mut by_reads, mut disk) = curve(false)?;
-    let mut buffered_reads = false;
+    let (first, mut disk) = curve(false)?;
+    let mut modes = vec![first];
     if disk.direct {
-        let buffered = curve(true)?;
-        if buffered_pays(&by_reads, &buffered.0) {
-            ((by_reads, disk), buffered_reads) = (buffered, true);
+        let (buffered, d) = curve(true)?;
+        if buffered_pays(&modes[0].by_reads, &buffered.by_reads) {
+            disk = d;
         }
+        modes.push(buffered);
     }
+    let chosen = modes.iter().find(|m| m.buffered != disk.direct).expect("measured").clone();
     device.apply_threads()?;
     let dev = layerstream_worker::Device::open(&device.compute.device)?;
     let kv = layerstream_model::DType::F32;
@@ -114,15 +128,41 @@ fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let probe = layerstream_worker::Probe { layer, rows: &ROWS, kv_dtype: kv, reps: 2, precision };
     let c = layerstream_worker::measure_compute(&dev, store, &probe)
         .context("measuring a layer's compute")?;
+    let link_gbps = layerstream_worker::measure_link(&dev, 256 << 20)?;
+    let verify_cpu_s_per_gb = measure_verify(&files[layer as usize])?;
+    // A CPU worker's compute shares the cores with the loader's reader threads.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = if link_gbps.is_none() {
+        read_cpu_share(layerstream_kernels::cpu::threads::cpu_threads(), cores)
+    } else {
+        0.0
+    };
     Ok(Figures {
         disk_gbps: disk.gbps,
-        disk_by_reads: by_reads,
-        buffered_reads,
+        disk_by_reads: chosen.by_reads,
+        buffered_reads: chosen.buffered,
         disk_latency_ms: disk.latency_ms,
-        link_gbps: layerstream_worker::measure_link(&dev, 256 << 20)?,
+        link_gbps,
         layer_s: c.layer_s,
         head_s: c.head_s,
+        read_cpu_s_per_gb: chosen.cpu_s_per_gb,
+        read_cpu_share: share,
+        read_modes: modes,
+        verify_cpu_s_per_gb,
     })
+}
+
+/// CPU seconds per GB of the check the loader makes of every layer it reads (xxh3 over the file,
+/// `layerstream_model::checksum`), timed over `file` in memory, the faster of two.
+fn measure_verify(file: &std::path::Path) -> Result<f64> {
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        std::hint::black_box(layerstream_model::store::checksum(std::hint::black_box(&bytes)));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best / (bytes.len().max(1) as f64 / 1e9))
 }
 
 #[cfg(test)]
@@ -165,6 +205,16 @@ mod tests {
         // Four layer files: the disk at 1, 2, 3 and 4 reads in flight.
         assert_eq!(f.disk_by_reads.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
         assert!(f.disk_by_reads.iter().all(|p| p.1 > 0.0));
+        // Every way of reading that works here kept for `plan` to choose from, the chosen one
+        // among them; what reading and checking cost the CPU measured (the check hashes every
+        // byte: never free).
+        let chosen = f.read_modes.iter().find(|m| m.buffered == f.buffered_reads).unwrap();
+        assert_eq!(
+            (chosen.cpu_s_per_gb, &chosen.by_reads),
+            (f.read_cpu_s_per_gb, &f.disk_by_reads)
+        );
+        assert!(f.read_modes.iter().all(|m| m.cpu_s_per_gb >= 0.0) && f.verify_cpu_s_per_gb > 0.0);
+        assert!((0.0..=1.0).contains(&f.read_cpu_share));
         assert_eq!(f.layer_s.iter().map(|p| p.0).collect::<Vec<_>>(), ROWS);
         let (again, cached) = figures(&a, &dev, false).unwrap();
         // JSON keeps a float to within its last bit (serde_json without float_roundtrip).

@@ -7,7 +7,7 @@
 //! JSON object; `up` logs the same prediction.
 
 use anyhow::{bail, Result};
-use layerstream_coordinator::cost::{best_depth, predict, Figures, Prediction, Source};
+use layerstream_coordinator::cost::{best_reading, predict, Figures, Prediction, Source};
 use layerstream_loader::DEFAULT_PREFETCH_DEPTH;
 use layerstream_serving::plan::{layer_bytes, Assignment};
 use serde_json::json;
@@ -155,27 +155,39 @@ pub fn placement(
         !a.device.compute.int8(),
         &a.plan,
     )?;
-    let (measured, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
+    let (mut measured, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
+    if a.pool.no_verify {
+        measured.verify_cpu_s_per_gb = 0.0; // the loader checks nothing it reads
+    }
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
     let history = layerstream_worker::expert_history::History::load(
         &layerstream_worker::expert_history::path_for(store),
     );
     // The loader reads `depth` layers past the one a worker takes, which it takes while the one
-    // before computes: one more read in flight than the depth. Unless given, the depth whose
-    // batch-1 pass the cost model predicts shortest (`cost::best_depth`).
+    // before computes: one more read in flight than the depth. Unless given, the depth and the
+    // way of reading (O_DIRECT, the page cache) the cost model predicts best (`best_reading`).
     let layers_at = |depth: usize| sources(m, &plans, shares.slots, depth + 1);
-    let prefetch_depth = a.pool.prefetch_depth.unwrap_or_else(|| {
-        // Reads in flight beyond the slots the workers do not pin cannot happen.
-        let room = shares.slots.saturating_sub(shares.pinned).max(1);
-        let depths: Vec<usize> = (measured.disk_by_reads.iter().map(|p| p.0))
+    let modes: Vec<bool> = match (a.pool.buffered_reads, a.pool.direct_reads) {
+        (true, _) => vec![true],
+        (_, true) => vec![false],
+        _ => [false, true].into_iter().filter(|&b| measured.read_as(b).is_some()).collect(),
+    };
+    // Reads in flight beyond the slots the workers do not pin cannot happen.
+    let room = shares.slots.saturating_sub(shares.pinned).max(1);
+    let depths: Vec<usize> = match a.pool.prefetch_depth {
+        Some(d) => vec![d],
+        None => (measured.disk_by_reads.iter().map(|p| p.0))
             .filter(|&n| n >= 2 && n <= room)
             .map(|n| n - 1)
-            .collect();
-        best_depth(&depths, |d| {
-            let pass = with_experts(m, &plans, &layers_at(d), 1, &history);
-            predict(&measured.reading(d + 1), &pass, 1, d + 1, buffers).pass_s
-        })
-    });
+            .collect(),
+    };
+    let pass_as = |buffered: bool, d: usize, r: usize| {
+        let f = measured.read_as(buffered).unwrap_or_else(|| measured.clone());
+        let pass = with_experts(m, &plans, &layers_at(d), r, &history);
+        predict(&f.reading(d + 1), &pass, r, d + 1, buffers).pass_s
+    };
+    let (buffered, prefetch_depth) = best_reading(&modes, &depths, pass_as);
+    let measured = measured.read_as(buffered).unwrap_or(measured);
     let (figures, layers) = (measured.reading(prefetch_depth + 1), layers_at(prefetch_depth));
     let passes: Vec<_> =
         rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
@@ -202,9 +214,16 @@ pub fn describe_predictions(p: &[Prediction]) -> String {
     p.iter()
         .map(|p| {
             format!(
-                "batch {}: {:.2} tok/s (a pass {:.2} s: compute {:.2} s, disk {:.2} s, link {:.2} \
-                 s; bound by {})",
-                p.rows, p.tokens_per_s, p.pass_s, p.compute_s, p.disk_s, p.link_s, p.bound
+                "batch {}: {:.2} tok/s (a pass {:.2} s: compute {:.2} s, reading's CPU {:.2} s, disk \
+                 {:.2} s, link {:.2} s; bound by {})",
+                p.rows,
+                p.tokens_per_s,
+                p.pass_s,
+                p.compute_s,
+                p.read_cpu_s,
+                p.disk_s,
+                p.link_s,
+                p.bound
             )
         })
         .collect::<Vec<_>>()
@@ -303,7 +322,7 @@ pub fn for_up(
                 eprintln!("layerstream up: the loader reads {depth} layers ahead (the cost model's choice for this disk; --prefetch-depth sets it)");
             }
             if reading.buffered && !a.pool.buffered_reads {
-                eprintln!("layerstream up: the loader reads through the page cache (measured faster than O_DIRECT on this disk)");
+                eprintln!("layerstream up: the loader reads through the page cache (the cost model's choice: its faster reads outweigh their copies' CPU here; --direct-reads refuses it)");
             }
             (Some(Curve(p.iter().map(|p| (p.rows, p.pass_s)).collect())), Some(reading))
         }
@@ -368,6 +387,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "experts_from_disk_bytes_per_pass": expert_bytes},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
             "disk_gbps_by_reads_in_flight": f.disk_by_reads, "buffered_reads": f.buffered_reads,
+            "read_cpu_s_per_gb": f.read_cpu_s_per_gb, "verify_cpu_s_per_gb": f.verify_cpu_s_per_gb,
+            "read_cpu_share": f.read_cpu_share, "read_modes": f.read_modes,
             "disk_latency_ms": f.disk_latency_ms, "link_gbps": f.link_gbps,
             "layer_s": f.layer_s, "head_s": f.head_s},
         "prefetch_depth": p.prefetch_depth,
@@ -417,18 +438,24 @@ pub fn run(args: PlanArgs) -> Result<()> {
         } else {
             "the cost model's choice"
         },
-        if f.buffered_reads {
-            ", through the page cache: measured faster than O_DIRECT here, so the loader reads that way"
-        } else {
-            ""
+        match (f.buffered_reads, a.pool.buffered_reads || a.pool.direct_reads) {
+            (true, false) => ", through the page cache: the cost model's choice here",
+            (false, false) if f.read_modes.len() > 1 => ", O_DIRECT: the cost model's choice here",
+            (true, true) => ", through the page cache (--buffered-reads)",
+            (false, true) => ", O_DIRECT (--direct-reads)",
+            _ => "",
         },
         reads.join(", ")
     );
     println!(
-        "calibration{}: disk {:.2} GB/s (a 4 KiB read {:.2} ms){}; a layer {}; the head {}",
+        "calibration{}: disk {:.2} GB/s (a 4 KiB read {:.2} ms; reading costs {:.3} s of CPU a GB, \
+         its check {:.3}, {:.0}% of it taken from the compute){}; a layer {}; the head {}",
         if p.cached { " (cached; --recalibrate measures again)" } else { "" },
         f.disk_gbps,
         f.disk_latency_ms,
+        f.read_cpu_s_per_gb,
+        f.verify_cpu_s_per_gb,
+        f.read_cpu_share * 100.0,
         f.link_gbps.map_or(String::new(), |g| format!(", link {g:.1} GB/s")),
         ms(&f.layer_s),
         ms(&f.head_s)

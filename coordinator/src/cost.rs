@@ -43,6 +43,41 @@ pub struct Figures {
     pub layer_s: Vec<(usize, f64)>,
     /// Seconds the head (final norm and vocabulary projection) takes at each row count.
     pub head_s: Vec<(usize, f64)>,
+    /// CPU seconds the loader's reads cost per GB in the mode above (`ReadMode::cpu_s_per_gb`).
+    #[serde(default)]
+    pub read_cpu_s_per_gb: f64,
+    /// The share of those CPU seconds a pass's compute loses to them: 1 where the worker's
+    /// threads take every core (the reader's copies run on a core a matmul waits for), 0 where a
+    /// core is spare or the worker computes on a GPU (`read_cpu_share`).
+    #[serde(default)]
+    pub read_cpu_share: f64,
+    /// Every way of reading calibration measured (O_DIRECT where the filesystem allows it, and
+    /// through the page cache): `layerstream plan` chooses between them (`Figures::read_as`).
+    #[serde(default)]
+    pub read_modes: Vec<ReadMode>,
+    /// CPU seconds per GB of the loader's check of each layer it reads (xxh3), on top of the
+    /// read's own (`--no-verify` skips it: `layerstream plan` sets this to 0 then).
+    #[serde(default)]
+    pub verify_cpu_s_per_gb: f64,
+}
+
+/// One way of reading the store's layer files, as calibration measured it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadMode {
+    /// Through the page cache (`--buffered-reads`), else O_DIRECT.
+    pub buffered: bool,
+    /// GB/s with n reads in flight, n ascending (`READS_IN_FLIGHT`).
+    pub by_reads: Vec<(usize, f64)>,
+    /// CPU seconds the reading threads spent per GB: a buffered read copies every byte out of the
+    /// page cache; O_DIRECT's DMA costs little.
+    pub cpu_s_per_gb: f64,
+}
+
+/// The share of the loader's read CPU time a CPU worker's compute loses: the part of one reader
+/// thread that finds no core beyond the worker's `threads` among `cores` (1 with every core
+/// computing, 0 with one spare).
+pub fn read_cpu_share(threads: usize, cores: usize) -> f64 {
+    (threads as f64 + 1.0 - cores as f64).clamp(0.0, 1.0)
 }
 
 /// Reads in flight the disk is measured at: the loader's read-ahead depth plus the read a worker
@@ -59,6 +94,22 @@ impl Figures {
     /// These figures with the disk read `n` files at a time.
     pub fn reading(&self, n: usize) -> Figures {
         Figures { disk_gbps: self.disk_at(n), ..self.clone() }
+    }
+
+    /// These figures with the loader reading through the page cache (`buffered`) or O_DIRECT, as
+    /// calibration measured that mode; None where it was not measured (O_DIRECT refused).
+    pub fn read_as(&self, buffered: bool) -> Option<Figures> {
+        if self.read_modes.is_empty() && buffered == self.buffered_reads {
+            return Some(self.clone()); // figures from before both modes were kept
+        }
+        let m = self.read_modes.iter().find(|m| m.buffered == buffered)?;
+        let f = Figures {
+            disk_by_reads: m.by_reads.clone(),
+            buffered_reads: buffered,
+            read_cpu_s_per_gb: m.cpu_s_per_gb,
+            ..self.clone()
+        };
+        Some(Figures { disk_gbps: f.disk_at(3), ..f })
     }
 }
 
@@ -84,6 +135,29 @@ pub fn best_depth(depths: &[usize], pass: impl Fn(usize) -> f64) -> usize {
         }
     }
     best.map_or(2, |(d, _)| d)
+}
+
+/// How the loader reads: through the page cache or O_DIRECT (among `modes`, `true` = buffered),
+/// and how many layers ahead (among `depths`, by `best_depth` at batch 1) — the mode whose
+/// predicted passes at batch 1 and 8, `pass(buffered, depth, rows)`, have the smaller geometric
+/// mean: a buffered read may beat O_DIRECT on the disk and still lose where its copies take the
+/// cores a batch's compute needs. The page cache must win by 5% (O_DIRECT keeps it out of a
+/// memory limit and costs no copy). `modes` empty: O_DIRECT.
+pub fn best_reading(
+    modes: &[bool],
+    depths: &[usize],
+    pass: impl Fn(bool, usize, usize) -> f64,
+) -> (bool, usize) {
+    let mut best: Option<(bool, usize, f64)> = None;
+    for &buffered in modes {
+        let depth = best_depth(depths, |d| pass(buffered, d, 1));
+        let score = (pass(buffered, depth, 1) * pass(buffered, depth, 8)).sqrt();
+        let margin = if buffered { 0.95 } else { 1.0 / 0.95 };
+        if best.is_none_or(|(_, _, b)| score < b * margin) {
+            best = Some((buffered, depth, score));
+        }
+    }
+    best.map_or((false, best_depth(depths, |d| pass(false, d, 1))), |(b, d, _)| (b, d))
 }
 
 /// `points` (ascending x) at `x`: linear between points, proportional past the last, the first's
@@ -155,6 +229,9 @@ pub struct Prediction {
     pub tokens_per_s: f64,
     /// Each resource's busy seconds in a pass: compute (layers and head), disk reads, link copies.
     pub compute_s: f64,
+    /// Seconds the compute loses to the loader's reads and their checks on the same cores
+    /// (`Figures::read_cpu_share`): on the compute's path beside `compute_s`.
+    pub read_cpu_s: f64,
     pub disk_s: f64,
     pub link_s: f64,
     /// The resource the pass waits on most: "compute", "disk", "link"; "read-ahead" when the pass
@@ -202,10 +279,19 @@ pub fn predict(
             (_, Some(g)) => b as f64 / rate(g),
         })
         .collect();
-    let pass_s = replay(layers, &read, &copy, compute, head, depth.max(1), buffers.max(1));
+    // A layer read from disk also costs the cores its reader's CPU time, which the compute of the
+    // layers it overlaps loses: charged to the layer's own compute.
+    let cpu_per_byte = f.read_cpu_share * (f.read_cpu_s_per_gb + f.verify_cpu_s_per_gb) / 1e9;
+    let cpu: Vec<f64> = layers
+        .iter()
+        .map(|&(s, b)| if s == Source::Disk { b as f64 * cpu_per_byte } else { 0.0 })
+        .collect();
+    let steps: Vec<f64> = cpu.iter().map(|c| compute + c).collect();
+    let pass_s = replay(layers, &read, &copy, &steps, head, depth.max(1), buffers.max(1));
     let compute_s = compute * layers.len() as f64 + head;
+    let read_cpu_s = cpu.iter().sum::<f64>();
     let (disk_s, link_s) = (read.iter().sum::<f64>(), copy.iter().sum::<f64>());
-    let busiest = compute_s.max(disk_s).max(link_s);
+    let busiest = (compute_s + read_cpu_s).max(disk_s).max(link_s);
     let bound = if pass_s > busiest * 1.15 {
         "read-ahead"
     } else if busiest == disk_s {
@@ -216,7 +302,7 @@ pub fn predict(
         "compute"
     };
     let tokens_per_s = if pass_s > 0.0 { rows as f64 / pass_s } else { 0.0 };
-    Prediction { rows, pass_s, tokens_per_s, compute_s, disk_s, link_s, bound }
+    Prediction { rows, pass_s, tokens_per_s, compute_s, read_cpu_s, disk_s, link_s, bound }
 }
 
 /// The steady-state seconds of one pass (see the module doc): three passes replayed, the third
@@ -225,7 +311,7 @@ fn replay(
     layers: &[(Source, u64)],
     read: &[f64],
     copy: &[f64],
-    compute: f64,
+    compute: &[f64],
     head: f64,
     depth: usize,
     buffers: usize,
@@ -252,7 +338,7 @@ fn replay(
                 link_free = link_free.max(buffer_free).max(ready) + copy[i];
                 ready = link_free;
             }
-            done = done.max(ready) + compute;
+            done = done.max(ready) + compute[i];
             if layers[i].0 == Source::Disk {
                 reads.push(done);
             }
@@ -278,6 +364,10 @@ mod tests {
             link_gbps: link,
             layer_s: vec![(1, layer), (8, layer * 2.0), (64, layer * 10.0)],
             head_s: vec![(1, head), (8, head * 2.0), (64, head * 10.0)],
+            read_cpu_s_per_gb: 0.0,
+            read_cpu_share: 0.0,
+            read_modes: Vec::new(),
+            verify_cpu_s_per_gb: 0.0,
         }
     }
 
@@ -394,5 +484,73 @@ mod tests {
         assert!(!buffered_pays(&direct, &[(1, 1.3), (2, 1.33)]), "within 10%: O_DIRECT");
         assert!(!buffered_pays(&direct, &[]), "not measured");
         assert!(buffered_pays(&[], &[(1, 0.1)]), "O_DIRECT unmeasured (unsupported)");
+    }
+
+    /// A read's CPU time is charged to compute where the worker's threads take every core: a
+    /// compute-bound pass grows by it, a disk-bound one hides it in the compute's idle time, and
+    /// a core to spare (or a GPU worker) takes nothing.
+    #[test]
+    fn reads_cost_the_compute_their_cpu_time_where_they_share_its_cores() {
+        assert_eq!(
+            (read_cpu_share(2, 2), read_cpu_share(1, 2), read_cpu_share(4, 16)),
+            (1.0, 0.0, 0.0)
+        );
+        assert_eq!(read_cpu_share(16, 16), 1.0);
+        // Ten 100 MB layers from a 1 GB/s disk, 0.5 s of CPU per GB read: 0.05 s a layer.
+        let layers = [(Source::Disk, 100_000_000u64); 10];
+        let with = |layer: f64, share: f64| {
+            let mut f = figures(layer, 0.0, 1.0, None);
+            (f.read_cpu_s_per_gb, f.read_cpu_share) = (0.5, share);
+            predict(&f, &layers, 8, 2, 2)
+        };
+        let (alone, shared) = (with(0.15, 0.0), with(0.15, 1.0));
+        // Compute 0.3 s a layer at 8 rows (`figures` doubles it): 3.0 s, then 3.5 s with reads.
+        assert!((alone.pass_s - 3.0).abs() < 0.05 && alone.read_cpu_s == 0.0, "{alone:?}");
+        assert!((shared.pass_s - 3.5).abs() < 0.05, "{shared:?}");
+        assert!((shared.read_cpu_s - 0.5).abs() < 1e-9 && shared.bound == "compute");
+        // Disk-bound (0.02 s of compute a layer): the reads' CPU fits beside it.
+        let (alone, shared) = (with(0.01, 0.0), with(0.01, 1.0));
+        assert!((shared.pass_s - alone.pass_s).abs() < 0.1 && shared.bound == "disk", "{shared:?}");
+    }
+
+    /// The mode whose batch-1 and batch-8 passes are shorter (geometric mean): the page cache
+    /// where the disk serves it faster and its copies fit beside the compute; O_DIRECT where
+    /// those copies would take the cores a compute-bound batch needs, or on a near tie.
+    #[test]
+    fn reads_go_through_the_page_cache_only_where_the_whole_pass_gains() {
+        let layers = [(Source::Disk, 100_000_000u64); 10];
+        let mode = |buffered, gbps, cpu| ReadMode {
+            buffered,
+            by_reads: vec![(1, gbps)],
+            cpu_s_per_gb: cpu,
+        };
+        let chosen = |layer: f64, modes: Vec<ReadMode>| {
+            let mut f = figures(layer, 0.0, 1.0, None);
+            (f.read_modes, f.read_cpu_share) = (modes, 1.0);
+            let pass = |b: bool, d: usize, r: usize| {
+                let g = f.read_as(b).unwrap().reading(d + 1);
+                predict(&g, &layers, r, d + 1, 1).pass_s
+            };
+            best_reading(&[false, true], &[1, 2], pass)
+        };
+        let (direct, cached) = (mode(false, 1.0, 0.02), mode(true, 2.0, 0.5));
+        // Disk-bound (1 ms of compute a layer): 2 GB/s beats 1 GB/s whatever the copies cost.
+        assert!(chosen(0.001, vec![direct.clone(), cached.clone()]).0);
+        // Compute-bound at batch 8 (0.16 s a layer): 0.05 s of copying a layer loses more there
+        // than the faster reads gain at batch 1.
+        assert!(!chosen(0.08, vec![direct.clone(), cached]).0);
+        // A near tie keeps O_DIRECT.
+        assert!(!chosen(0.001, vec![direct.clone(), mode(true, 1.04, 0.0)]).0);
+        // Forced or only one measured: that one.
+        let one = |b| best_reading(&[b], &[1], |_, _, _| 1.0).0;
+        assert!(one(true) && !one(false));
+        assert_eq!(best_reading(&[], &[3], |_, _, _| 1.0), (false, 3));
+        // Figures cached before both modes were kept answer for their own mode only.
+        let old = figures(0.01, 0.0, 1.0, None);
+        assert!(old.read_as(false).is_some() && old.read_as(true).is_none());
+        let mut both = old.clone();
+        both.read_modes = vec![direct, mode(true, 2.0, 0.5)];
+        let b = both.read_as(true).unwrap();
+        assert!(b.buffered_reads && b.disk_gbps == 2.0 && b.read_cpu_s_per_gb == 0.5);
     }
 }

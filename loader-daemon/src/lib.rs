@@ -34,11 +34,18 @@ pub struct SlotFlags {
     #[arg(long, env = "LAYERSTREAM_PREFETCH_DEPTH")]
     pub prefetch_depth: Option<usize>,
     /// Read layer files through the page cache (dropping each file's pages once read) instead of
-    /// O_DIRECT. Default: `up` (and `plan`) use it where the calibration measured it faster on
-    /// this store's disk (a VM's virtual disk may serve the kernel's read-ahead faster than
-    /// direct reads); a loader started alone reads O_DIRECT where the filesystem allows it.
-    #[arg(long, env = "LAYERSTREAM_BUFFERED_READS")]
+    /// O_DIRECT. Default: `up` (and `plan`) choose with the cost model, from both ways measured on
+    /// this store's disk — GB/s and the CPU each read's copy costs the compute (a VM's virtual
+    /// disk may serve the kernel's read-ahead faster than direct reads); a loader started alone
+    /// reads O_DIRECT where the filesystem allows it.
+    #[arg(long, env = "LAYERSTREAM_BUFFERED_READS", conflicts_with = "direct_reads")]
     pub buffered_reads: bool,
+    /// Read layer files O_DIRECT even where the calibration measured the page cache faster on
+    /// this disk (`up` and `plan` otherwise choose with the cost model, which also weighs the CPU
+    /// a buffered read's copy takes from the compute). A loader started alone reads O_DIRECT
+    /// anyway, where the filesystem allows it.
+    #[arg(long, env = "LAYERSTREAM_DIRECT_READS")]
+    pub direct_reads: bool,
     /// Skip the xxh3 check of weights where they enter memory (the loader's reads from disk, a
     /// worker's resident loads): for measuring the check's cost only, corrupt bytes then reach the
     /// compute.
@@ -61,6 +68,9 @@ impl SlotFlags {
         }
         if self.buffered_reads {
             a.push("--buffered-reads".to_owned());
+        }
+        if self.direct_reads {
+            a.push("--direct-reads".to_owned());
         }
         a
     }
@@ -187,25 +197,32 @@ mod tests {
     }
 
     /// What `up` and `bench` pass on to a child loader parses back to the same settings, and every
-    /// flag of the group is passed on when set.
+    /// flag of the group is passed on when set (the two read modes exclude each other: one each
+    /// run).
     #[test]
     fn slot_flags_round_trip() {
-        let given = Cli::parse_from([
-            "x",
-            "--slots",
-            "9",
-            "--prefetch-depth",
-            "4",
-            "--no-verify",
-            "--buffered-reads",
-        ]);
-        let args = given.pool.to_args();
+        let mut passed = Vec::new();
+        for mode in ["--buffered-reads", "--direct-reads"] {
+            let given = Cli::parse_from([
+                "x",
+                "--slots",
+                "9",
+                "--prefetch-depth",
+                "4",
+                "--no-verify",
+                mode,
+            ]);
+            let args = given.pool.to_args();
+            let back = Cli::parse_from(std::iter::once("x".to_owned()).chain(args.clone()));
+            assert_eq!(back.pool, given.pool);
+            passed.extend(args);
+        }
         for a in Cli::command().get_arguments() {
             if let Some(long) = a.get_long() {
-                assert!(args.contains(&format!("--{long}")), "--{long} is not passed on");
+                assert!(passed.contains(&format!("--{long}")), "--{long} is not passed on");
             }
         }
-        let back = Cli::parse_from(std::iter::once("x".to_owned()).chain(args));
-        assert_eq!(back.pool, given.pool);
+        let both = Cli::try_parse_from(["x", "--buffered-reads", "--direct-reads"]);
+        assert!(both.is_err(), "one way of reading at a time");
     }
 }
