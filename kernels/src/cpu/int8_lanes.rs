@@ -13,7 +13,7 @@
 
 use super::int8::{Q8Row, LANES_FROM, NARROW_FROM};
 use super::int8_regs::{Reg, A8, Y8, Z16};
-use super::int8_units::{form, signed, unpack, Form, Unit};
+use super::int8_units::{form, signed, unpack, Form, Out, Unit};
 use layerstream_types::DType;
 
 /// Activation rows per group: the lanes of a 512-bit register of i32. A step's last group takes
@@ -218,26 +218,24 @@ unsafe fn steps<W: Reg, H: Reg>(
     // row of the tile: a group (units × 640 bytes) stays in cache for the tile's rows instead of
     // all groups streaming past each weight row (at 512 rows of 4096 values they are 2.6 MB).
     let mut units = vec![Unit::default(); u * TILE];
+    // The formats summed a unit whole take unit i of every row of the tile side by side (a tile
+    // reads them from one address a unit), the others a row's units in a run.
     let whole_units = matches!(f, Form::Kquant45 | Form::Scaled16);
-    let mut inter = vec![Unit::default(); if whole_units { u * TILE } else { 0 }];
     for (t0, o) in out.chunks_mut(m * TILE).enumerate() {
         let rows = o.len() / m;
-        for (r, us) in units.chunks_exact_mut(u).take(rows).enumerate() {
-            unpack(dtype, w.as_ptr().add((t0 * TILE + r) * rb), us);
-        }
-        if whole_units {
-            // Unit i of every row side by side: a tile reads them from one address a unit.
-            for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
-                for (i, unit) in us.iter().enumerate() {
-                    inter[i * TILE + r] = *unit;
-                }
-            }
+        for r in 0..rows {
+            let at = if whole_units {
+                Out::new(&mut units, r, TILE, u)
+            } else {
+                Out::new(&mut units, r * u, 1, u)
+            };
+            unpack(dtype, w.as_ptr().add((t0 * TILE + r) * rb), at, u);
         }
         let mut a0 = 0;
         for g in &lanes.groups {
             if whole_units {
                 let mut sums = [[0f32; LANES]; TILE];
-                let (us, s) = (&inter[..], &mut sums[..rows]);
+                let (us, s) = (&units[..], &mut sums[..rows]);
                 match (f, dtype) {
                     (Form::Kquant45, DType::Q4K) => whole::<1, false, true, TILE, W, H>(us, g, s),
                     (Form::Kquant45, _) => whole::<1, false, false, TILE, W, H>(us, g, s),

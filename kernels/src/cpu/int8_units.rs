@@ -5,8 +5,9 @@
 //! kernels (`int8_avx2`, `int8_batch`, `int8_kq_avx2`) compute, so the many-row kernel can give
 //! their bits.
 //!
-//! Safety, for every function here: the CPU has AVX2, FMA and F16C, and `w` holds a whole row of
-//! `dtype` whose unit count is `units.len()` (the caller, `int8_lanes::dot_lanes`, asserts it).
+//! Safety, for every function here: the CPU has AVX2, FMA and F16C, `w` holds a whole row of
+//! `dtype` of `n` units, and the `Out` view was made for `n` (the caller, `int8_lanes::dot_lanes`,
+//! asserts the row's size; `Out::new` the view's bounds).
 
 use super::int8_avx2::h2f;
 use super::int8_batch::{
@@ -93,51 +94,81 @@ pub(super) fn signed(dtype: DType) -> bool {
     )
 }
 
-/// Unpacks the row `w` of `dtype` into `units` (one per 32 values).
+/// Where `unpack` writes a row's units: unit i at `p + i·stride` — 1 for a row's units side by
+/// side, `int8_lanes`' tile height to interleave them with the tile's other rows (unit i of every
+/// row at one address), written in place rather than copied there afterwards (the copy was ~40%
+/// of the lanes kernel's samples at 8 rows).
+#[derive(Clone, Copy)]
+pub(super) struct Out {
+    p: *mut Unit,
+    stride: usize,
+}
+
+impl Out {
+    /// `n` units of `units`, from `first`, `stride` apart: panics unless the last is inside.
+    pub(super) fn new(units: &mut [Unit], first: usize, stride: usize, n: usize) -> Out {
+        assert!(stride > 0 && (n == 0 || first + (n - 1) * stride < units.len()));
+        Out { p: units[first..].as_mut_ptr(), stride }
+    }
+
+    /// Unit `i`. Safety: `i` below the `n` the view was made for, no other reference to it live.
+    #[inline(always)]
+    unsafe fn at<'a>(self, i: usize) -> &'a mut Unit {
+        &mut *self.p.add(i * self.stride)
+    }
+
+    /// The view from unit `i` on.
+    #[inline(always)]
+    unsafe fn from(self, i: usize) -> Out {
+        Out { p: self.p.add(i * self.stride), stride: self.stride }
+    }
+}
+
+/// Unpacks the row `w` of `dtype` into `n` units (one per 32 values) of `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn unpack(dtype: DType, w: *const u8, units: &mut [Unit]) {
+pub(super) unsafe fn unpack(dtype: DType, w: *const u8, out: Out, n: usize) {
     let s = signed(dtype);
-    let each = |units: &mut [Unit], bb: usize, f: &dyn Fn(*const u8) -> Unpacked| {
-        for (i, u) in units.iter_mut().enumerate() {
-            plain(u, f(w.add(i * bb)), s);
+    let each = |bb: usize, f: &dyn Fn(*const u8) -> Unpacked| {
+        for i in 0..n {
+            plain(out.at(i), f(w.add(i * bb)), s);
         }
     };
     match dtype {
-        DType::Q8_0 => each(units, 34, &|b| q8_0(b)),
-        DType::Q4_0 => each(units, 18, &|b| q4_0(b)),
-        DType::Q4_1 => each(units, 20, &|b| q4_1(b)),
-        DType::Q5_0 => each(units, 22, &|b| q5_0(b)),
-        DType::Q5_1 => each(units, 24, &|b| q5_1(b)),
-        DType::Mxfp4 => each(units, 17, &|b| mxfp4(b)),
+        DType::Q8_0 => each(34, &|b| q8_0(b)),
+        DType::Q4_0 => each(18, &|b| q4_0(b)),
+        DType::Q4_1 => each(20, &|b| q4_1(b)),
+        DType::Q5_0 => each(22, &|b| q5_0(b)),
+        DType::Q5_1 => each(24, &|b| q5_1(b)),
+        DType::Mxfp4 => each(17, &|b| mxfp4(b)),
         DType::Int8B128 => {
-            for (i, u) in units.iter_mut().enumerate() {
-                plain(u, int8_b128(w, i), s);
+            for i in 0..n {
+                plain(out.at(i), int8_b128(w, i), s);
             }
         }
         DType::Int4G128 => {
-            for (i, u) in units.iter_mut().enumerate() {
-                plain(u, int4_g128(w, i), s);
+            for i in 0..n {
+                plain(out.at(i), int4_g128(w, i), s);
             }
         }
         DType::Q4K | DType::Q5K => {
             let bb = if dtype == DType::Q5K { 176 } else { 144 };
-            for (s, sb) in units.chunks_exact_mut(8).enumerate() {
-                q45k(w.add(s * bb), dtype == DType::Q5K, sb);
+            for sb in 0..n / 8 {
+                q45k(w.add(sb * bb), dtype == DType::Q5K, out.from(8 * sb));
             }
         }
         DType::Q6K => {
-            for (s, sb) in units.chunks_exact_mut(8).enumerate() {
-                q6k(w.add(s * 210), sb);
+            for sb in 0..n / 8 {
+                q6k(w.add(sb * 210), out.from(8 * sb));
             }
         }
         DType::Q3K => {
-            for (s, sb) in units.chunks_exact_mut(8).enumerate() {
-                q3k(w.add(s * 110), sb);
+            for sb in 0..n / 8 {
+                q3k(w.add(sb * 110), out.from(8 * sb));
             }
         }
         _ => {
-            for (s, sb) in units.chunks_exact_mut(8).enumerate() {
-                q2k(w.add(s * 84), sb);
+            for sb in 0..n / 8 {
+                q2k(w.add(sb * 84), out.from(8 * sb));
             }
         }
     }
@@ -146,13 +177,14 @@ pub(super) unsafe fn unpack(dtype: DType, w: *const u8, units: &mut [Unit]) {
 /// A Q4_K (or, `fifth`, Q5_K) super-block's eight units: d·scale and −dmin·min as
 /// `int8_batch::q45k` multiplies them (f32 products of the f16 and the 6-bit integers).
 #[inline(always)]
-unsafe fn q45k(b: *const u8, fifth: bool, units: &mut [Unit]) {
+unsafe fn q45k(b: *const u8, fifth: bool, units: Out) {
     let (d, dmin) = (h2f(b), h2f(b.add(2)));
     let scales = std::slice::from_raw_parts(b.add(4), 12);
     let qs = if fifth { 48 } else { 16 };
     let qh = _mm256_loadu_si256(b.add(16) as *const __m256i);
     let (low, one) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
-    for (sub, u) in units.iter_mut().enumerate() {
+    for sub in 0..8 {
+        let u = units.at(sub);
         let (sc, mn) = crate::quant_ext::scale_min_k4(sub, scales);
         let raw = _mm256_loadu_si256(b.add(qs + 32 * (sub / 2)) as *const __m256i);
         let shifted = if sub % 2 == 0 { raw } else { _mm256_srli_epi16(raw, 4) };
@@ -169,11 +201,11 @@ unsafe fn q45k(b: *const u8, fifth: bool, units: &mut [Unit]) {
 /// A Q6_K super-block's eight units (half n, quarter q → unit 4n + q), values less 32, the two
 /// signed 8-bit scales of each as integers.
 #[inline(always)]
-unsafe fn q6k(b: *const u8, units: &mut [Unit]) {
+unsafe fn q6k(b: *const u8, units: Out) {
     let d = h2f(b.add(208));
     for n in 0..2 {
         for (quarter, q) in q6k_quarters(b, n).into_iter().enumerate() {
-            let u = &mut units[4 * n + quarter];
+            let u = units.at(4 * n + quarter);
             put(u, q);
             let is = 192 + 8 * n + 2 * quarter;
             (u.sa, u.sb, u.d) = (*b.add(is) as i8 as i32, *b.add(is + 1) as i8 as i32, d);
@@ -190,12 +222,13 @@ unsafe fn two_bits(raw: __m256i, k: usize) -> __m256i {
 /// A Q3_K super-block's eight units: 2 low bits less 4 where the high bit is clear, the signed
 /// scale of each 16 values.
 #[inline(always)]
-unsafe fn q3k(b: *const u8, units: &mut [Unit]) {
+unsafe fn q3k(b: *const u8, units: Out) {
     let d = h2f(b.add(108));
     let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
     let hm = _mm256_loadu_si256(b as *const __m256i);
     let four = _mm256_set1_epi8(4);
-    for (c, u) in units.iter_mut().enumerate() {
+    for c in 0..8 {
+        let u = units.at(c);
         let raw = _mm256_loadu_si256(b.add(32 + 32 * (c / 4)) as *const __m256i);
         let bit = _mm256_set1_epi8((1u8 << c) as i8);
         let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
@@ -206,9 +239,10 @@ unsafe fn q3k(b: *const u8, units: &mut [Unit]) {
 
 /// A Q2_K super-block's eight units: 2-bit values, a 4-bit scale and min per 16 values.
 #[inline(always)]
-unsafe fn q2k(b: *const u8, units: &mut [Unit]) {
+unsafe fn q2k(b: *const u8, units: Out) {
     let (d, mdmin) = (h2f(b.add(80)), -h2f(b.add(82)));
-    for (c, u) in units.iter_mut().enumerate() {
+    for c in 0..8 {
+        let u = units.at(c);
         let raw = _mm256_loadu_si256(b.add(16 + 32 * (c / 4)) as *const __m256i);
         put(u, two_bits(raw, c % 4));
         let (a, z) = (*b.add(2 * c), *b.add(2 * c + 1));
