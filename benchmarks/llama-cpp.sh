@@ -13,6 +13,8 @@
 # (from PyPI's `cmake` wheel when the machine has none) into build/, or build-noamx/ on a CPU that
 # reports AMX: on the 2-vCPU VM of 2026-11-24 the -march=native build (AMX tiles) crashed with
 # SIGSEGV in its first forward pass, so AVX2/AVX-512/VNNI are set explicitly there instead.
+# LLAMA_CPP_ISA=avx2 builds into build-avx2/ with AVX2, FMA and F16C only: on an AVX-512 machine,
+# llama.cpp as a CPU without AVX-512 runs it (compare with LAYERSTREAM_CPU_ISA=avx2 for ours).
 
 LLAMA_CPP_SDIST_VERSION=${LLAMA_CPP_SDIST_VERSION:-11434.0.0}
 llama_cpp_cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
@@ -46,7 +48,11 @@ llama_cpp_src() {
 llama_cpp_tool() {
     local src=$llama_cpp_cache/llama.cpp-$LLAMA_CPP_SDIST_VERSION
     local isa=(-DGGML_NATIVE=ON) build=$src/build
-    if grep -q amx_int8 /proc/cpuinfo; then
+    if [ "${LLAMA_CPP_ISA:-native}" = avx2 ]; then
+        # As a CPU without AVX-512 runs it (beside LAYERSTREAM_CPU_ISA=avx2 for layerstream).
+        isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+        build=$src/build-avx2
+    elif grep -q amx_int8 /proc/cpuinfo; then
         isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
         grep -q avx512f /proc/cpuinfo && isa+=(-DGGML_AVX512=ON)
         grep -q avx512_vnni /proc/cpuinfo && isa+=(-DGGML_AVX512_VNNI=ON)

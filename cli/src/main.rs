@@ -147,7 +147,9 @@ fn block_on<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    layerstream_kernels::cpu::isa::cap().map_err(anyhow::Error::msg)?;
+    match cli.cmd {
         Cmd::Import { src, dst } => {
             let m = layerstream_model::import::import(&src, &dst, true)?;
             let bytes: u64 = m.files.iter().map(|f| f.size).sum();

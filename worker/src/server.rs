@@ -186,6 +186,7 @@ pub use layerstream_model::mem::parse_bytes;
 pub async fn run(args: WorkerArgs) -> crate::Result<()> {
     let _tracing = layerstream_telemetry::init_tracing(args.otlp_endpoint.as_deref(), "worker");
     args.device.apply_threads()?;
+    layerstream_kernels::cpu::isa::cap().map_err(crate::Error::Config)?;
     let backend = Device::open(&args.device.compute.device)?;
     let budget = backend.budget(args.device.memory_budget)?;
     let free_at_start = match &backend {

@@ -151,14 +151,15 @@ pub(super) fn lanes_pay(form: Form, m: usize) -> bool {
 }
 
 /// The instructions `dot_lanes` runs with on this CPU: AVX-512 F/BW/VL with VNNI where it has
-/// them, else AVX2 with FMA and F16C (which the weight unpacking uses either way); none without
-/// AVX2. Detected once.
+/// them (and `isa::avx512()` allows them), else AVX2 with FMA and F16C (which the weight
+/// unpacking uses either way); none without AVX2. Detected once.
 pub fn isa() -> Option<Isa> {
     static DETECTED: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
     *DETECTED.get_or_init(|| {
         if !super::int8::simd() {
             None
-        } else if std::is_x86_feature_detected!("avx512f")
+        } else if super::isa::avx512()
+            && std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx512bw")
             && std::is_x86_feature_detected!("avx512vl")
             && std::is_x86_feature_detected!("avx512vnni")
@@ -229,7 +230,7 @@ unsafe fn steps<W: Reg, H: Reg>(
             } else {
                 Out::new(&mut units, r * u, 1, u)
             };
-            unpack(dtype, w.as_ptr().add((t0 * TILE + r) * rb), at, u);
+            unpack(dtype, w.as_ptr().add((t0 * TILE + r) * rb), at, u, W::BIASED);
         }
         let mut a0 = 0;
         for g in &lanes.groups {
@@ -321,6 +322,11 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
             let wp = (*up.add(i * TILE + r)).v.as_ptr() as *const i32;
             V::set_i(std::ptr::read_unaligned(wp.add(t)))
         };
+        // |w| for signed weights against signed activations (unused otherwise).
+        let mt = |r: usize, t: usize| match SIGNED && !V::BIASED {
+            true => V::set_i((*up.add(i * TILE + r)).mag(t)),
+            false => wt(r, t),
+        };
         if !V::BIASED && (FORM == 2 || CHAIN16) {
             // Signed activations: the 16-bit pair sums of a chain added up before one widening
             // (Q4_K: 8·2·15·127, Q3_K/Q6_K: 4·2·32·127 per half, both below 2^15).
@@ -329,7 +335,7 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
                 let xv = V::load_i(x.add(4 * V::N * t));
                 let half = if FORM == 1 { 0 } else { t / 4 };
                 for r in 0..R {
-                    p[half][r] = V::add16(p[half][r], V::pairs::<SIGNED>(xv, wt(r, t)));
+                    p[half][r] = V::add16(p[half][r], V::pairs::<SIGNED>(xv, wt(r, t), mt(r, t)));
                 }
             }
             for r in 0..R {
@@ -343,7 +349,7 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
                 let xv = V::load_i(x.add(4 * V::N * t));
                 let half = if FORM == 1 { 0 } else { t / 4 };
                 for r in 0..R {
-                    h[half][r] = V::dp::<SIGNED>(h[half][r], xv, wt(r, t));
+                    h[half][r] = V::dp::<SIGNED>(h[half][r], xv, wt(r, t), mt(r, t));
                 }
             }
         }
@@ -396,6 +402,8 @@ unsafe fn pass<V: Reg>(f: Form, signed: bool, us: &[Unit], g: &Group) -> [f32; L
 }
 
 /// One weight row's units against one group of rows; `FORM` as `Form` in declaration order.
+// t indexes the activations, the weights and the accumulators alike.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
     units: &[Unit],
@@ -412,16 +420,20 @@ unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
         let dx = V::load_f(dxb.add(V::N * i));
         let ds = V::load_f(dsb.add(V::N * i));
         let vp = u.v.as_ptr() as *const i32;
-        let xv: [V::I; 8] = std::array::from_fn(|t| V::load_i(x.add(4 * V::N * t)));
-        let p: [V::I; 8] = std::array::from_fn(|t| {
+        let xv = |t: usize| V::load_i(x.add(4 * V::N * t));
+        // Each t's integer sum goes straight into its accumulator: with AVX2's sixteen registers
+        // eight sums computed first and eight accumulators spilled to the stack (same bits either
+        // way: each lane's arithmetic is unchanged).
+        let p = |t: usize| {
             let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
-            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv[t], wt)
-        });
+            let mag = if SIGNED && !V::BIASED { V::set_i(u.mag(t)) } else { wt };
+            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv(t), wt, mag)
+        };
         match FORM {
             0 | 1 => {
                 let f = V::mul(V::set_f(u.d), dx);
                 for t in 0..8 {
-                    acc[t] = V::fmadd(f, V::cvt(p[t]), acc[t]);
+                    acc[t] = V::fmadd(f, V::cvt(p(t)), acc[t]);
                 }
                 let o = if FORM == 0 { 0 } else { i % 8 };
                 off[o] = V::fmadd(V::set_f(u.c), ds, off[o]);
@@ -430,7 +442,7 @@ unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
                 let f = V::mul(V::set_f(u.d), dx);
                 let (sa, sb) = (V::set_i(u.sa), V::set_i(u.sb));
                 for t in 0..8 {
-                    let s = V::mullo(p[t], if t < 4 { sa } else { sb });
+                    let s = V::mullo(p(t), if t < 4 { sa } else { sb });
                     acc[t] = V::fmadd(f, V::cvt(s), acc[t]);
                 }
             }
@@ -439,9 +451,13 @@ unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
                 for t in 0..8 {
                     let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
                     // Σ of the four activations (stored as q + 128: Σ (q + 128) − 512).
-                    let sx =
-                        V::dp::<false>(V::set_i(if V::BIASED { -512 } else { 0 }), xv[t], ones);
-                    let iq = V::mullo(p[t], V::set_i(sc));
+                    let sx = V::dp::<false>(
+                        V::set_i(if V::BIASED { -512 } else { 0 }),
+                        xv(t),
+                        ones,
+                        ones,
+                    );
+                    let iq = V::mullo(p(t), V::set_i(sc));
                     let im = V::mullo(sx, V::set_i(mn));
                     let tt = V::fmadd(mdmin, V::cvt(im), V::mul(d, V::cvt(iq)));
                     acc[t] = V::fmadd(dx, tt, acc[t]);
@@ -520,7 +536,8 @@ mod tests {
                 panic!("the build saw AVX2, FMA and F16C in /proc/cpuinfo, the CPU denies them")
             }
         };
-        assert_eq!(cfg!(have_avx512_vnni), isas.len() == 2, "AVX-512 VNNI: build and CPU agree");
+        let vnni = cfg!(have_avx512_vnni) && crate::cpu::isa::avx512();
+        assert_eq!(vnni, isas.len() == 2, "AVX-512 VNNI: build and CPU agree (and no cap)");
         for (dtype, k) in TYPES {
             assert!(supports(dtype));
             let n = 11; // a whole tile of weight rows and a part of one

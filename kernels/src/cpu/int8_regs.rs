@@ -23,12 +23,14 @@ pub(super) trait Reg {
     unsafe fn set_i(v: i32) -> Self::I;
     /// `acc` plus, per lane, the sum of the four products of `x`'s bytes (activations, as stored)
     /// with `w`'s (weights, signed bytes; `SIGNED` where they may be negative — unsigned formats'
-    /// values are below 128 either way).
-    unsafe fn dp<const SIGNED: bool>(acc: Self::I, x: Self::I, w: Self::I) -> Self::I;
+    /// values are below 128 either way). `mag`: |w|'s bytes, which signed activations multiply
+    /// (`pairs`; a register kind with biased activations ignores it).
+    unsafe fn dp<const SIGNED: bool>(acc: Self::I, x: Self::I, w: Self::I, mag: Self::I)
+        -> Self::I;
     /// For signed activations (`!BIASED`): per lane, the two 16-bit sums of two products of `x`'s
-    /// and `w`'s bytes (`SIGNED` as `dp`), which `add16` may add up while they stay below 2^15.
-    /// (Registers whose activations are biased have no use for them.)
-    unsafe fn pairs<const SIGNED: bool>(_x: Self::I, _w: Self::I) -> Self::I {
+    /// and `w`'s bytes (`SIGNED` and `mag` as `dp`), which `add16` may add up while they stay
+    /// below 2^15. (Registers whose activations are biased have no use for them.)
+    unsafe fn pairs<const SIGNED: bool>(_x: Self::I, _w: Self::I, _mag: Self::I) -> Self::I {
         unreachable!("biased activations are multiplied by `dp`")
     }
     unsafe fn add16(_a: Self::I, _b: Self::I) -> Self::I {
@@ -59,7 +61,7 @@ pub(super) struct A8;
 macro_rules! reg {
     ($t:ty, $n:expr, $biased:expr, $i:ty, $f:ty, $load:ident, $set:ident, $mullo:ident,
      $addi:ident, $cvt:ident, $loadf:ident, $setf:ident, $mul:ident, $add:ident, $fma:ident,
-     $store:ident, |$acc:ident, $x:ident, $w:ident| $dp:expr $(, $extra:item)*) => {
+     $store:ident, |$acc:ident, $x:ident, $w:ident, $mag:ident| $dp:expr $(, $extra:item)*) => {
         impl Reg for $t {
             const N: usize = $n;
             const BIASED: bool = $biased;
@@ -74,7 +76,7 @@ macro_rules! reg {
                 $set(v)
             }
             #[inline(always)]
-            unsafe fn dp<const SIGNED: bool>($acc: $i, $x: $i, $w: $i) -> $i {
+            unsafe fn dp<const SIGNED: bool>($acc: $i, $x: $i, $w: $i, $mag: $i) -> $i {
                 $dp
             }
             #[inline(always)]
@@ -135,11 +137,11 @@ reg!(
     _mm512_add_ps,
     _mm512_fmadd_ps,
     _mm512_storeu_ps,
-    |acc, x, w| _mm512_dpbusd_epi32(acc, x, w)
+    |acc, x, w, _mag| _mm512_dpbusd_epi32(acc, x, w)
 );
 /// `reg!` for a kind of eight lanes in 256-bit registers.
 macro_rules! reg256 {
-    ($t:ty, $biased:expr, |$acc:ident, $x:ident, $w:ident| $dp:expr $(, $extra:item)*) => {
+    ($t:ty, $biased:expr, |$acc:ident, $x:ident, $w:ident, $mag:ident| $dp:expr $(, $extra:item)*) => {
         reg!(
             $t,
             8,
@@ -157,24 +159,25 @@ macro_rules! reg256 {
             _mm256_add_ps,
             _mm256_fmadd_ps,
             _mm256_storeu_ps,
-            |$acc, $x, $w| $dp
+            |$acc, $x, $w, $mag| $dp
             $(, $extra)*
         );
     };
 }
 
-reg256!(Y8, true, |acc, x, w| _mm256_dpbusd_epi32(acc, x, w));
+reg256!(Y8, true, |acc, x, w, _mag| _mm256_dpbusd_epi32(acc, x, w));
 reg256!(
     A8,
     false,
     // Two products a pair: within 2·128·127 < 2^15, so no pair saturates.
-    |acc, x, w| _mm256_add_epi32(acc, Self::widen(Self::pairs::<SIGNED>(x, w))),
+    |acc, x, w, mag| _mm256_add_epi32(acc, Self::widen(Self::pairs::<SIGNED>(x, w, mag))),
     #[inline(always)]
-    unsafe fn pairs<const SIGNED: bool>(x: __m256i, w: __m256i) -> __m256i {
-        // `maddubs` takes its first operand unsigned: the weights' magnitudes, their signs moved
-        // onto the activations where they have any. |w| ≤ 128, |x| ≤ 127.
+    unsafe fn pairs<const SIGNED: bool>(x: __m256i, w: __m256i, mag: __m256i) -> __m256i {
+        // `maddubs` takes its first operand unsigned: the weights' magnitudes (unpacked once a
+        // step: `Unit::mag`), their signs moved onto the activations where they have any.
+        // |w| ≤ 128, |x| ≤ 127.
         if SIGNED {
-            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+            _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, w))
         } else {
             _mm256_maddubs_epi16(w, x)
         }

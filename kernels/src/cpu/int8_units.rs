@@ -47,10 +47,12 @@ pub(super) fn form(dtype: DType) -> Form {
 pub(super) struct Unit {
     /// The values as signed bytes (unsigned formats' values are below 128).
     pub v: [i8; 32],
-    /// −128 × the sum of values 4t..4t+4, per t.
+    /// For activations stored biased (`int8_lanes::Isa::Vnni`): −128 × the sum of values
+    /// 4t..4t+4, per t. For signed activations (AVX2) the bytes of |v| instead (`mag`): the
+    /// unsigned operand of `vpmaddubsw`, taken once a step rather than per activation group.
     pub bias: [i32; 8],
     /// Σ of `bias` over t in 0..4 and 4..8: where a kernel chains a unit's (or a half's) products
-    /// into one integer (`int8_lanes::tile` for Q3_K–Q6_K).
+    /// into one integer (`int8_lanes::tile` for Q3_K–Q6_K); biased activations only.
     pub bsum: [i32; 2],
     /// The unit's scale (d, d·scale for Q4_K/Q5_K, the super-block's d for Q2_K/Q3_K/Q6_K).
     pub d: f32,
@@ -64,10 +66,23 @@ pub(super) struct Unit {
     pub mb: i32,
 }
 
-/// Writes `v` and its sums into `u`.
+impl Unit {
+    /// |v|'s bytes 4t..4t+4 as one i32 (units unpacked for signed activations).
+    #[inline(always)]
+    pub(super) fn mag(&self, t: usize) -> i32 {
+        self.bias[t]
+    }
+}
+
+/// Writes `v` and, for `biased` activations, its sums (else its magnitudes) into `u`.
 #[inline(always)]
-unsafe fn put(u: &mut Unit, v: __m256i) {
+unsafe fn put(u: &mut Unit, v: __m256i, biased: bool) {
     _mm256_storeu_si256(u.v.as_mut_ptr() as *mut __m256i, v);
+    if !biased {
+        // |−128| is 0x80: 128 as the unsigned byte `maddubs` reads, as `sign(v, v)` gave it.
+        _mm256_storeu_si256(u.bias.as_mut_ptr() as *mut __m256i, _mm256_abs_epi8(v));
+        return;
+    }
     // Σ of each 4 values (ones as the unsigned side: |v| ≤ 128, no saturation), times −128.
     let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
     let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
@@ -80,8 +95,8 @@ unsafe fn put(u: &mut Unit, v: __m256i) {
 /// A `Plain` unit from its few-row unpacking: the signed values are the sign vector of a signed
 /// format (`signed`), the magnitudes of an unsigned one.
 #[inline(always)]
-unsafe fn plain(u: &mut Unit, (mag, sign, d, c): Unpacked, signed: bool) {
-    put(u, if signed { sign } else { mag });
+unsafe fn plain(u: &mut Unit, (mag, sign, d, c): Unpacked, signed: bool, biased: bool) {
+    put(u, if signed { sign } else { mag }, biased);
     (u.d, u.c) = (d, c);
 }
 
@@ -124,13 +139,14 @@ impl Out {
     }
 }
 
-/// Unpacks the row `w` of `dtype` into `n` units (one per 32 values) of `out`.
+/// Unpacks the row `w` of `dtype` into `n` units (one per 32 values) of `out`, for activations
+/// stored `biased` (q + 128: `int8_lanes::Isa::Vnni`) or signed.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn unpack(dtype: DType, w: *const u8, out: Out, n: usize) {
+pub(super) unsafe fn unpack(dtype: DType, w: *const u8, out: Out, n: usize, biased: bool) {
     let s = signed(dtype);
     let each = |bb: usize, f: &dyn Fn(*const u8) -> Unpacked| {
         for i in 0..n {
-            plain(out.at(i), f(w.add(i * bb)), s);
+            plain(out.at(i), f(w.add(i * bb)), s, biased);
         }
     };
     match dtype {
@@ -142,33 +158,33 @@ pub(super) unsafe fn unpack(dtype: DType, w: *const u8, out: Out, n: usize) {
         DType::Mxfp4 => each(17, &|b| mxfp4(b)),
         DType::Int8B128 => {
             for i in 0..n {
-                plain(out.at(i), int8_b128(w, i), s);
+                plain(out.at(i), int8_b128(w, i), s, biased);
             }
         }
         DType::Int4G128 => {
             for i in 0..n {
-                plain(out.at(i), int4_g128(w, i), s);
+                plain(out.at(i), int4_g128(w, i), s, biased);
             }
         }
         DType::Q4K | DType::Q5K => {
             let bb = if dtype == DType::Q5K { 176 } else { 144 };
             for sb in 0..n / 8 {
-                q45k(w.add(sb * bb), dtype == DType::Q5K, out.from(8 * sb));
+                q45k(w.add(sb * bb), dtype == DType::Q5K, out.from(8 * sb), biased);
             }
         }
         DType::Q6K => {
             for sb in 0..n / 8 {
-                q6k(w.add(sb * 210), out.from(8 * sb));
+                q6k(w.add(sb * 210), out.from(8 * sb), biased);
             }
         }
         DType::Q3K => {
             for sb in 0..n / 8 {
-                q3k(w.add(sb * 110), out.from(8 * sb));
+                q3k(w.add(sb * 110), out.from(8 * sb), biased);
             }
         }
         _ => {
             for sb in 0..n / 8 {
-                q2k(w.add(sb * 84), out.from(8 * sb));
+                q2k(w.add(sb * 84), out.from(8 * sb), biased);
             }
         }
     }
@@ -177,7 +193,7 @@ pub(super) unsafe fn unpack(dtype: DType, w: *const u8, out: Out, n: usize) {
 /// A Q4_K (or, `fifth`, Q5_K) super-block's eight units: d·scale and −dmin·min as
 /// `int8_batch::q45k` multiplies them (f32 products of the f16 and the 6-bit integers).
 #[inline(always)]
-unsafe fn q45k(b: *const u8, fifth: bool, units: Out) {
+unsafe fn q45k(b: *const u8, fifth: bool, units: Out, biased: bool) {
     let (d, dmin) = (h2f(b), h2f(b.add(2)));
     let scales = std::slice::from_raw_parts(b.add(4), 12);
     let qs = if fifth { 48 } else { 16 };
@@ -193,7 +209,7 @@ unsafe fn q45k(b: *const u8, fifth: bool, units: Out) {
             let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
             v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
         }
-        put(u, v);
+        put(u, v, biased);
         (u.d, u.c) = (d * sc, -dmin * mn);
     }
 }
@@ -201,12 +217,12 @@ unsafe fn q45k(b: *const u8, fifth: bool, units: Out) {
 /// A Q6_K super-block's eight units (half n, quarter q → unit 4n + q), values less 32, the two
 /// signed 8-bit scales of each as integers.
 #[inline(always)]
-unsafe fn q6k(b: *const u8, units: Out) {
+unsafe fn q6k(b: *const u8, units: Out, biased: bool) {
     let d = h2f(b.add(208));
     for n in 0..2 {
         for (quarter, q) in q6k_quarters(b, n).into_iter().enumerate() {
             let u = units.at(4 * n + quarter);
-            put(u, q);
+            put(u, q, biased);
             let is = 192 + 8 * n + 2 * quarter;
             (u.sa, u.sb, u.d) = (*b.add(is) as i8 as i32, *b.add(is + 1) as i8 as i32, d);
         }
@@ -222,7 +238,7 @@ unsafe fn two_bits(raw: __m256i, k: usize) -> __m256i {
 /// A Q3_K super-block's eight units: 2 low bits less 4 where the high bit is clear, the signed
 /// scale of each 16 values.
 #[inline(always)]
-unsafe fn q3k(b: *const u8, units: Out) {
+unsafe fn q3k(b: *const u8, units: Out, biased: bool) {
     let d = h2f(b.add(108));
     let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
     let hm = _mm256_loadu_si256(b as *const __m256i);
@@ -232,19 +248,20 @@ unsafe fn q3k(b: *const u8, units: Out) {
         let raw = _mm256_loadu_si256(b.add(32 + 32 * (c / 4)) as *const __m256i);
         let bit = _mm256_set1_epi8((1u8 << c) as i8);
         let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-        put(u, _mm256_sub_epi8(two_bits(raw, c % 4), _mm256_andnot_si256(high, four)));
+        let v = _mm256_sub_epi8(two_bits(raw, c % 4), _mm256_andnot_si256(high, four));
+        put(u, v, biased);
         (u.sa, u.sb, u.d) = (sc[2 * c], sc[2 * c + 1], d);
     }
 }
 
 /// A Q2_K super-block's eight units: 2-bit values, a 4-bit scale and min per 16 values.
 #[inline(always)]
-unsafe fn q2k(b: *const u8, units: Out) {
+unsafe fn q2k(b: *const u8, units: Out, biased: bool) {
     let (d, mdmin) = (h2f(b.add(80)), -h2f(b.add(82)));
     for c in 0..8 {
         let u = units.at(c);
         let raw = _mm256_loadu_si256(b.add(16 + 32 * (c / 4)) as *const __m256i);
-        put(u, two_bits(raw, c % 4));
+        put(u, two_bits(raw, c % 4), biased);
         let (a, z) = (*b.add(2 * c), *b.add(2 * c + 1));
         (u.sa, u.sb, u.ma, u.mb) =
             ((a & 0xF) as i32, (z & 0xF) as i32, (a >> 4) as i32, (z >> 4) as i32);

@@ -22,6 +22,7 @@ mod int8_quant;
 mod int8_regs;
 #[cfg(target_arch = "x86_64")]
 mod int8_units;
+pub mod isa;
 mod matmul;
 mod pool;
 pub mod rows;

@@ -17,13 +17,15 @@ pub const MAX_ROWS: usize = BLOCK;
 /// measured.
 pub const MIN_WIDTH: usize = 512;
 
-/// Whether `q8_0_rows` runs on this CPU (AVX-512 F and DQ and F16C, detected once).
+/// Whether `q8_0_rows` runs on this CPU (AVX-512 F and DQ and F16C, detected once, where
+/// `isa::avx512()` allows them).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *DETECTED.get_or_init(|| {
-            std::is_x86_feature_detected!("avx512f")
+            super::isa::avx512()
+                && std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512dq")
                 && std::is_x86_feature_detected!("f16c")
         })
