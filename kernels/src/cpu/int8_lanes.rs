@@ -322,11 +322,7 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
             let wp = (*up.add(i * TILE + r)).v.as_ptr() as *const i32;
             V::set_i(std::ptr::read_unaligned(wp.add(t)))
         };
-        // |w| for signed weights against signed activations (unused otherwise).
-        let mt = |r: usize, t: usize| match SIGNED && !V::BIASED {
-            true => V::set_i((*up.add(i * TILE + r)).mag(t)),
-            false => wt(r, t),
-        };
+        let mt = |r: usize, t: usize| mag::<SIGNED, V>(&*up.add(i * TILE + r), t, wt(r, t));
         if !V::BIASED && (FORM == 2 || CHAIN16) {
             // Signed activations: the 16-bit pair sums of a chain added up before one widening
             // (Q4_K: 8·2·15·127, Q3_K/Q6_K: 4·2·32·127 per half, both below 2^15).
@@ -401,6 +397,17 @@ unsafe fn pass<V: Reg>(f: Form, signed: bool, us: &[Unit], g: &Group) -> [f32; L
     }
 }
 
+/// The `mag` operand of `Reg::dp` for values 4t..4t+4 of unit `u` (broadcast as `w`): |w| as the
+/// unit keeps it for signed weights against signed activations, `w` itself where it goes unused.
+#[inline(always)]
+unsafe fn mag<const SIGNED: bool, V: Reg>(u: &Unit, t: usize, w: V::I) -> V::I {
+    if SIGNED && !V::BIASED {
+        V::set_i(u.mag(t))
+    } else {
+        w
+    }
+}
+
 /// One weight row's units against one group of rows; `FORM` as `Form` in declaration order.
 // t indexes the activations, the weights and the accumulators alike.
 #[allow(clippy::needless_range_loop)]
@@ -426,8 +433,8 @@ unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
         // way: each lane's arithmetic is unchanged).
         let p = |t: usize| {
             let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
-            let mag = if SIGNED && !V::BIASED { V::set_i(u.mag(t)) } else { wt };
-            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv(t), wt, mag)
+            let m = mag::<SIGNED, V>(u, t, wt);
+            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv(t), wt, m)
         };
         match FORM {
             0 | 1 => {
