@@ -261,7 +261,24 @@ impl Daemon {
         }
     }
 
-    /// Pins `layer` in a slot, reading it first if needed.
+    /// Unpins `layer` for `worker`, then starts the read-ahead past the layer the worker last
+    /// acquired where the slot freed allows it: the read-ahead does not wait for the worker's next
+    /// acquire to use a slot.
+    pub fn release(self: &Arc<Self>, worker: &str, layer: u32) -> Result<()> {
+        if !self.pool().release(layer) {
+            return Err(Error::Precondition(format!("layer {layer} is not pinned")));
+        }
+        self.changed.notify_waiters();
+        let last = self.orders().get(worker).and_then(|c| c.order.get(c.cursor).copied());
+        if let Some(at) = last {
+            self.prefetch_after(worker, at);
+        }
+        Ok(())
+    }
+
+    /// Pins `layer` in a slot, reading it first if needed. The read-ahead past it starts as soon as
+    /// the layer has a slot (being read or ready), not once it is ready: while a worker waits on
+    /// one read, the next `depth` are in flight beside it.
     pub async fn acquire(self: &Arc<Self>, worker: &str, layer: u32) -> Result<AcquireResponse> {
         let len = self.layer_len(layer)?;
         self.advance(worker, layer);
@@ -299,9 +316,14 @@ impl Daemon {
                 }
                 Acquire::Load(slot) => {
                     missed = true;
+                    self.prefetch_after(worker, layer);
                     read_ms = self.load(slot, layer).await?;
                 }
-                Acquire::Wait | Acquire::Full => {
+                Acquire::Wait => {
+                    self.prefetch_after(worker, layer);
+                    let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+                }
+                Acquire::Full => {
                     let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
                 }
             }
@@ -387,10 +409,52 @@ impl Loader for LoaderService {
     ) -> std::result::Result<Response<SlotReleaseResponse>, Status> {
         self.check().await?;
         let r = r.into_inner();
-        if !self.daemon.pool().release(r.layer) {
-            return Err(Error::Precondition(format!("layer {} is not pinned", r.layer)).into());
-        }
-        self.daemon.changed.notify_waiters();
+        self.daemon.release(&r.worker, r.layer)?;
         Ok(Response::new(SlotReleaseResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use layerstream_model::DType;
+
+    /// Waits (up to 10 s) until `layer` is ready in a slot of `d`.
+    async fn ready(d: &Daemon, layer: u32) -> bool {
+        for _ in 0..1000 {
+            let ready = {
+                let p = d.pool();
+                p.find(layer).is_some_and(|i| p.is_ready(i))
+            };
+            if ready {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    /// Three slots, two layers read ahead, a worker holding layers 0 and 1: no slot is left for
+    /// layer 3 (2 is read ahead, needed sooner). Releasing layer 0 starts layer 3's read with no
+    /// further acquire — before, a freed slot sat empty until the worker's next acquire, and a
+    /// streamed pass had fewer reads in flight than the read-ahead depth promised.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_release_starts_the_read_ahead_it_made_room_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let dst = dir.path().join("s");
+        layerstream_model::synth::synth("tiny", DType::Q4K, Some(6), 1, &dst).unwrap();
+        let store = Store::open(&dst).unwrap();
+        let size = (0..6).map(|l| store.manifest.file(&layer_file(l)).unwrap().size).max();
+        let ns = format!("lstest{}", std::process::id());
+        let d = Arc::new(Daemon::new(store, &ns, 3, size.unwrap() as usize, 2).unwrap());
+        d.orders().insert("w".into(), Cycle { order: (0..6).collect(), cursor: 0 });
+        assert!(!d.acquire("w", 0).await.unwrap().hit, "a cold pool reads layer 0");
+        assert!(ready(&d, 1).await && ready(&d, 2).await, "read ahead: 1 and 2");
+        assert!(d.acquire("w", 1).await.unwrap().hit);
+        assert!(d.pool().find(3).is_none(), "no slot for layer 3 while 0, 1 are pinned");
+        d.release("w", 0).unwrap();
+        assert!(ready(&d, 3).await, "the release made room and the read-ahead took it");
+        assert!(d.release("w", 0).is_err(), "layer 0 is no longer pinned");
+        assert_eq!(d.misses.load(Ordering::Relaxed), 4);
     }
 }

@@ -139,6 +139,12 @@ impl Pool {
         }
     }
 
+    /// Whether a slot holds its layer's bytes (read, not being read).
+    #[cfg(test)]
+    pub fn is_ready(&self, slot: usize) -> bool {
+        matches!(self.slots[slot].state, SlotState::Ready(_))
+    }
+
     /// Pins held on a slot.
     pub fn pins(&self, slot: usize) -> u32 {
         self.slots[slot].pins
@@ -153,8 +159,9 @@ impl Pool {
 /// The layers of `order` (one worker's streamed layers, cycled) that a pool of `slots` slots reads
 /// from disk on every pass once it has settled, when the loader reads `depth` layers ahead and the
 /// worker holds the layer it computes and the one it takes next: this pool's own decisions replayed
-/// over three passes (reads finishing at once). The rest of `order` stays in slots from pass to pass
-/// (the RAM tier). For `layerstream plan`'s cost model.
+/// over three passes (reads finishing at once; a release tops the read-ahead up, as the daemon's).
+/// The rest of `order` stays in slots from pass to pass (the RAM tier). For `layerstream plan`'s
+/// cost model.
 pub fn disk_reads_per_pass(order: &[u32], slots: usize, depth: usize) -> Vec<u32> {
     let n = order.len();
     if n == 0 || slots == 0 {
@@ -186,13 +193,18 @@ pub fn disk_reads_per_pass(order: &[u32], slots: usize, depth: usize) -> Vec<u32
                     }
                 }
             }
+            // The read-ahead after the acquire, and again once the release frees a slot.
             let ahead: Vec<u32> = (1..=depth.min(n - 1)).map(|d| order[(pos + d) % n]).collect();
-            for &l in &ahead {
-                if let Some(slot) = p.start_prefetch(l, &ahead, &next_use) {
-                    load(&mut p, slot, l);
+            for release in [false, true] {
+                if release {
+                    p.release(order[(pos + n - 1) % n]);
+                }
+                for &l in &ahead {
+                    if let Some(slot) = p.start_prefetch(l, &ahead, &next_use) {
+                        load(&mut p, slot, l);
+                    }
                 }
             }
-            p.release(order[(pos + n - 1) % n]);
         }
     }
     read.sort_unstable();
