@@ -66,8 +66,9 @@ pub struct BenchArgs {
     /// Also write the results as JSON here.
     #[arg(long, env = "LAYERSTREAM_BENCH_JSON_OUT")]
     pub json_out: Option<PathBuf>,
-    /// Also run the streamed configuration with `--no-verify` and print what the checksum check of
-    /// every read from disk costs (verified / unverified tokens/s).
+    /// Also run the streamed configuration with `--no-verify` and print what the checksum checks
+    /// cost (verified / unverified tokens/s): each layer file's first read from disk, or every
+    /// read with `--verify-every-read`.
     #[arg(long, env = "LAYERSTREAM_BENCH_VERIFY_COST")]
     pub verify_cost: bool,
     /// Instead of the configurations: one fully resident stack, the workload sent alternately

@@ -156,8 +156,10 @@ pub fn placement(
         &a.plan,
     )?;
     let (mut measured, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
-    if a.pool.no_verify {
-        measured.verify_cpu_s_per_gb = 0.0; // the loader checks nothing it reads
+    if a.pool.no_verify || !a.pool.verify_every_read {
+        // The loader checks nothing it reads, or each file's first read only: a pass of the steady
+        // state re-reads files already checked.
+        measured.verify_cpu_s_per_gb = 0.0;
     }
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
     let history = layerstream_worker::expert_history::History::load(

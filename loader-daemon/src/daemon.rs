@@ -17,6 +17,26 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 use tracing::{info, info_span, warn, Instrument};
 
+/// A file's identity and version as `stat` gives it: device, inode, size and modification time
+/// (ns). A file rewritten or replaced gets another.
+pub(crate) type Stamp = (u64, u64, u64, i128);
+
+/// `path`'s stamp; None where it cannot be read (the read then fails on its own).
+fn stamp(path: &std::path::Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.dev(), m.ino(), m.size(), m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128))
+}
+
+/// Whether a read of a file whose stamp is now `now` must be checked against the manifest's
+/// checksums: always with `every_read`; else unless a read of the very same file (`passed`: its
+/// stamp when a read last passed) was checked already. A file's corruption at rest shows at its
+/// first read and a file changed since is checked again; each later pass's reads of the same
+/// bytes skip the xxh3 that took the compute's cores (0.13 s of CPU a GB).
+pub(crate) fn must_check(every_read: bool, passed: Option<Stamp>, now: Option<Stamp>) -> bool {
+    every_read || now.is_none() || passed != now
+}
+
 /// A worker's cyclic layer order and where in it the worker last read.
 struct Cycle {
     order: Vec<u32>,
@@ -40,6 +60,13 @@ pub struct Daemon {
     /// Bytes read from disk and the nanoseconds the reads took (the disk tier's figures).
     disk_bytes: AtomicU64,
     disk_ns: AtomicU64,
+    /// Check every read from disk (`--verify-every-read`), not only a file's first.
+    pub(crate) verify_every_read: bool,
+    /// Each unit's file as it was when a read of it last passed its check (`stamp`): a later read
+    /// of the same file unchanged is not checked again (`must_check`).
+    checked: Mutex<HashMap<u32, Stamp>>,
+    /// Reads checked against the manifest's checksums, since start.
+    checks: AtomicU64,
     /// Set when a panic interrupted an update of the pool: its pins may be wrong, so the daemon
     /// reports NOT_SERVING (and is restarted) instead of handing out slots it cannot vouch for.
     broken: AtomicBool,
@@ -103,6 +130,9 @@ impl Daemon {
             misses: AtomicU64::new(0),
             disk_bytes: AtomicU64::new(0),
             disk_ns: AtomicU64::new(0),
+            verify_every_read: false,
+            checked: Mutex::new(HashMap::new()),
+            checks: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             broken_reported: AtomicBool::new(false),
         })
@@ -116,6 +146,11 @@ impl Daemon {
             self.pool.clear_poison();
             p.into_inner()
         })
+    }
+
+    /// Files whose reads passed their check (plain data: a poisoned lock is taken over).
+    fn checked(&self) -> MutexGuard<'_, HashMap<u32, Stamp>> {
+        self.checked.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Workers' cyclic layer orders (plain data: a poisoned lock is taken over).
@@ -190,6 +225,7 @@ impl Daemon {
             let _e = s2.enter();
             let name = me.unit_name(layer)?;
             let path = me.store.dir.join(&name);
+            let before = stamp(&path);
             let t = Instant::now();
             // SAFETY: the pool marked this slot Loading: nobody holds a pin and no other load targets it.
             let dst = unsafe { me.slots[slot].bytes_mut() };
@@ -206,8 +242,10 @@ impl Daemon {
             me.disk_ns.fetch_add((ms * 1e6) as u64, Ordering::Relaxed);
             s2.record("bytes", n as i64);
             s2.record("gbps", n as f64 / (ms / 1e3).max(1e-9) / 1e9);
-            if me.store.verify {
+            let passed = me.checked().get(&layer).copied();
+            if me.store.verify && must_check(me.verify_every_read, passed, before) {
                 // Checked where the bytes enter memory: a slot that fails is never handed out.
+                me.checks.fetch_add(1, Ordering::Relaxed);
                 let entry = me
                     .store
                     .manifest
@@ -218,6 +256,9 @@ impl Daemon {
                     warn!(layer, error = %e, "corrupt layer file: refusing to serve it");
                     Error::Corrupt(e.to_string())
                 })?;
+                if let Some(b) = before.filter(|b| stamp(&path) == Some(*b)) {
+                    me.checked().insert(layer, b); // unchanged while it was read and checked
+                }
             }
             Ok(ms)
         })
@@ -432,6 +473,60 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         false
+    }
+
+    /// A daemon of `slots` slots over a fresh two-layer store in `dir`, no worker order (no
+    /// read-ahead: only what is acquired is read).
+    fn daemon(dir: &std::path::Path, slots: usize, every_read: bool) -> Arc<Daemon> {
+        let dst = dir.join("s");
+        layerstream_model::synth::synth("tiny", DType::Q4K, Some(2), 1, &dst).unwrap();
+        let store = Store::open(&dst).unwrap();
+        let size = store.manifest.max_unit_bytes() as usize;
+        let ns = format!("lstest{}{}", std::process::id(), every_read as u8);
+        let mut d = Daemon::new(store, &ns, slots, size, 2).unwrap();
+        d.verify_every_read = every_read;
+        Arc::new(d)
+    }
+
+    /// Acquires and releases `layer`; the error's text where the acquire fails.
+    async fn take(d: &Arc<Daemon>, layer: u32) -> std::result::Result<(), String> {
+        d.acquire("w", layer).await.map_err(|e| e.to_string())?;
+        d.release("w", layer).map_err(|e| e.to_string())
+    }
+
+    /// One slot, so each acquire below reads its layer from disk: a file is checked at its first
+    /// read, not again while it stays the same file, and again once rewritten (a flipped byte then
+    /// fails the read, naming the tensor); `--verify-every-read` checks every read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_file_is_checked_at_its_first_read_and_again_once_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = daemon(dir.path(), 1, false);
+        for l in [0, 1, 0, 1, 0] {
+            take(&d, l).await.unwrap();
+        }
+        let reads = d.misses.load(Ordering::Relaxed);
+        assert_eq!(
+            (reads, d.checks.load(Ordering::Relaxed)),
+            (5, 2),
+            "two files, each checked once"
+        );
+        let path = d.store.dir.join(layer_file(1));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096 + 17] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let later = std::time::SystemTime::now() + Duration::from_secs(5);
+        std::fs::File::options().write(true).open(&path).unwrap().set_modified(later).unwrap();
+        let e = take(&d, 1).await.unwrap_err();
+        assert!(e.contains("checksum mismatch"), "{e}");
+        take(&d, 0).await.unwrap();
+        assert_eq!(d.checks.load(Ordering::Relaxed), 3, "the changed file only");
+
+        let every = tempfile::tempdir().unwrap();
+        let d = daemon(every.path(), 1, true);
+        for l in [0, 1, 0] {
+            take(&d, l).await.unwrap();
+        }
+        assert_eq!(d.checks.load(Ordering::Relaxed), 3, "--verify-every-read");
     }
 
     /// Three slots, two layers read ahead, a worker holding layers 0 and 1: no slot is left for
