@@ -96,7 +96,7 @@ pub(super) fn quantize_scalar(x: &[f32], r: &mut Q8Row) {
 
 /// The integer dot of one weight block's 32 values (as `dtype` stores them, offsets excluded) with
 /// the activation block `qx`: Σ w_i·q_i, with w_i the int8 (Q8_0), the 4-bit value (Q4_0, Q4_1) or
-/// the 5-bit value (Q5_1; Q5_0's less 16).
+/// the 5-bit value (Q5_0, Q5_1).
 fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
     match dtype {
         DType::Mxfp4 => {
@@ -109,12 +109,11 @@ fn block_isum(dtype: DType, b: &[u8], qx: &[i8]) -> i32 {
         DType::Q5_0 | DType::Q5_1 => {
             let hb = if dtype == DType::Q5_1 { 4 } else { 2 };
             let qh = u32::from_le_bytes([b[hb], b[hb + 1], b[hb + 2], b[hb + 3]]);
-            let bias = if dtype == DType::Q5_0 { 16 } else { 0 };
             (0..16)
                 .map(|j| {
                     let w = b[hb + 4 + j] as i32;
-                    let lo = (w & 0xF | (((qh >> j) & 1) << 4) as i32) - bias;
-                    let hi = (w >> 4 | (((qh >> (j + 16)) & 1) << 4) as i32) - bias;
+                    let lo = w & 0xF | (((qh >> j) & 1) << 4) as i32;
+                    let hi = w >> 4 | (((qh >> (j + 16)) & 1) << 4) as i32;
                     lo * qx[j] as i32 + hi * qx[j + 16] as i32
                 })
                 .sum()
@@ -140,11 +139,12 @@ fn block_scale(dtype: DType, b: &[u8]) -> f32 {
 }
 
 /// The block's offset coefficient `c` (its offset term is `c · d·Σq` of the activation block):
-/// Q4_1's and Q5_1's minimum, Q4_0's −8·d, none for Q8_0 and Q5_0 (its −16 is in the sums).
+/// Q4_1's and Q5_1's minimum, Q4_0's −8·d and Q5_0's −16·d, none for Q8_0.
 fn block_offset(dtype: DType, b: &[u8]) -> f32 {
     match dtype {
         DType::Q4_1 | DType::Q5_1 => f16_at(b, 2),
         DType::Q4_0 => -8.0 * f16_at(b, 0),
+        DType::Q5_0 => -16.0 * f16_at(b, 0),
         _ => 0.0,
     }
 }

@@ -48,10 +48,12 @@ pub(super) unsafe fn q4_1(b: *const u8) -> Unpacked {
     (nibbles(b.add(4)), _mm256_setzero_si256(), h2f(b), h2f(b.add(2)))
 }
 
+/// Q5_0 as the unsigned five-bit values with the offset −16·d (as Q4_0's −8·d): no signs to move
+/// onto the activations, which took three more instructions a block than Q8_0's.
 #[inline(always)]
 pub(super) unsafe fn q5_0(b: *const u8) -> Unpacked {
-    let q = _mm256_sub_epi8(five_bits(b.add(2)), _mm256_set1_epi8(16));
-    (_mm256_sign_epi8(q, q), q, h2f(b), 0.0)
+    let d = h2f(b);
+    (five_bits(b.add(2)), _mm256_setzero_si256(), d, -16.0 * d)
 }
 
 #[inline(always)]
@@ -59,10 +61,42 @@ pub(super) unsafe fn q5_1(b: *const u8) -> Unpacked {
     (five_bits(b.add(4)), _mm256_setzero_si256(), h2f(b), h2f(b.add(2)))
 }
 
-/// One weight row of 32-value blocks (`bb` bytes each, `nb` of them) against activation rows `xs`;
-/// `blk` unpacks a block (signs moved onto the activations when `SIGNED`).
+/// Where a 32-value format keeps its scale d and offset coefficient c (`int8::block_offset`), for
+/// reading eight blocks' at once (`f16_pairs8`): d the f16 at byte 0 and c = 0 (`D`), c = −8·d
+/// (`D_MINUS_8`, Q4_0) or −16·d (`D_MINUS_16`, Q5_0), c the f16 at byte 2 (`D_M`, Q4_1, Q5_1);
+/// `EACH`: block by block (MXFP4).
+const D: u8 = 0;
+const D_MINUS_8: u8 = 1;
+const D_M: u8 = 2;
+const EACH: u8 = 3;
+const D_MINUS_16: u8 = 4;
+
+/// The f16s at bytes 0..2 and 2..4 of the first `k` (at most 8) of eight blocks `bb` bytes apart
+/// from `p`, as f32 vectors (zeros past `k`, whose blocks are not read): one gather and one
+/// conversion each, where a scalar conversion and an insert a block kept the shuffle port of a
+/// one-row decode busy (the same values `h2f` gives).
 #[inline(always)]
-unsafe fn row32<const N: usize, const SIGNED: bool, F>(
+unsafe fn f16_pairs8(p: *const u8, bb: usize, k: usize) -> (__m256, __m256) {
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let idx = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bb as i32));
+    let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(k as i32), lanes);
+    let zero = _mm256_setzero_si256();
+    let words = _mm256_mask_i32gather_epi32::<1>(zero, p as *const i32, idx, live);
+    let (lo, hi) =
+        (_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32::<16>(words));
+    // Per 128-bit half [lo 0..4, hi 0..4 | lo 4..8, hi 4..8], then the quarters in order.
+    let both = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi));
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(both)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(both)),
+    )
+}
+
+/// One weight row of 32-value blocks (`bb` bytes each, `nb` of them) against activation rows `xs`;
+/// `blk` unpacks a block (signs moved onto the activations when `SIGNED`), `SC` says where its
+/// scales are.
+#[inline(always)]
+unsafe fn row32<const N: usize, const SIGNED: bool, const SC: u8, F>(
     w: *const u8,
     bb: usize,
     nb: usize,
@@ -72,38 +106,130 @@ unsafe fn row32<const N: usize, const SIGNED: bool, F>(
 where
     F: Fn(*const u8) -> Unpacked,
 {
-    units::<N, SIGNED, _>(nb, xs, &|i| {
+    let scales8 = |i0: usize, k: usize| {
+        (SC != EACH).then(|| {
+            let (d, m) = f16_pairs8(w.add(i0 * bb), bb, k);
+            match SC {
+                D => (d, _mm256_setzero_ps()),
+                D_MINUS_8 => (d, _mm256_mul_ps(_mm256_set1_ps(-8.0), d)),
+                D_MINUS_16 => (d, _mm256_mul_ps(_mm256_set1_ps(-16.0), d)),
+                _ => (d, m),
+            }
+        })
+    };
+    let unit = |i| {
         prefetch(w.add(i * bb));
         blk(w.add(i * bb))
-    })
+    };
+    units::<N, SIGNED, _, _>(nb, xs, &unit, &scales8)
 }
 
-/// One weight row of `n` 32-value units against activation rows `xs`; `unit(i)` unpacks unit `i`
-/// (the formats whose scale covers several units: `int8_b128`, `int4_g128`).
+/// One weight row of `n` 32-value units against activation rows `xs`; `unit(i)` unpacks unit `i`.
+/// Eight units at a time, as the K-quants' sub-blocks: each unit's integer dot summed whole
+/// (`sums8`) and converted once, (d·dx)·P into lane j for unit j of the eight and the offset
+/// c·(dx·Σqx) into lane j of its own accumulator, added to the lanes before they are summed. A
+/// last part of fewer than eight units leaves the other lanes' sums, scales and offsets zero: an
+/// accumulator that starts at +0 never holds −0, so adding +0 keeps its bits (the many-row kernel,
+/// `int8_lanes`, adds nothing there).
 #[inline(always)]
-unsafe fn units<const N: usize, const SIGNED: bool, F>(
+unsafe fn units<const N: usize, const SIGNED: bool, F, S>(
     n: usize,
     xs: [&Q8Row; N],
     unit: &F,
+    scales8: &S,
 ) -> [f32; N]
 where
     F: Fn(usize) -> Unpacked,
+    S: Fn(usize, usize) -> Option<(__m256, __m256)>,
 {
     let mut acc = [_mm256_setzero_ps(); N];
-    let mut off = [0f32; N];
-    for i in 0..n {
-        let (u, sign, d, c) = unit(i);
+    let mut off = [_mm256_setzero_ps(); N];
+    let whole = n / 8 * 8;
+    for i0 in (0..whole).step_by(8) {
+        eight::<N, SIGNED, 8, F>(i0, xs, unit, scales8(i0, 8), &mut acc, &mut off);
+    }
+    // The last part unrolled too, for each count it may have (its scales read only where it is).
+    let (i0, k, acc, off) = (whole, n - whole, &mut acc, &mut off);
+    let sc = || scales8(i0, k);
+    match k {
+        0 => {}
+        1 => eight::<N, SIGNED, 1, F>(i0, xs, unit, sc(), acc, off),
+        2 => eight::<N, SIGNED, 2, F>(i0, xs, unit, sc(), acc, off),
+        3 => eight::<N, SIGNED, 3, F>(i0, xs, unit, sc(), acc, off),
+        4 => eight::<N, SIGNED, 4, F>(i0, xs, unit, sc(), acc, off),
+        5 => eight::<N, SIGNED, 5, F>(i0, xs, unit, sc(), acc, off),
+        6 => eight::<N, SIGNED, 6, F>(i0, xs, unit, sc(), acc, off),
+        _ => eight::<N, SIGNED, 7, F>(i0, xs, unit, sc(), acc, off),
+    }
+    for a in 0..N {
+        acc[a] = _mm256_add_ps(acc[a], off[a]);
+    }
+    hsums(acc)
+}
+
+/// Units `i0..i0 + K` (K ≤ 8: loops the compiler unrolls) of `units` into the accumulators'
+/// lanes 0..K; `scales`: their d and c as vectors, where the format reads them so.
+// h indexes the pairs of units and each row's pair sums alike: a loop over it reads clearest.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn eight<const N: usize, const SIGNED: bool, const K: usize, F>(
+    i0: usize,
+    xs: [&Q8Row; N],
+    unit: &F,
+    scales: Option<(__m256, __m256)>,
+    acc: &mut [__m256; N],
+    off: &mut [__m256; N],
+) where
+    F: Fn(usize) -> Unpacked,
+{
+    let zero = _mm256_setzero_si256();
+    let live = |j: usize| j < K;
+    let (mut d, mut c) = ([0f32; 8], [0f32; 8]);
+    // Two units at a time, each row's two dots added pairwise at once (`sums8`'s first level,
+    // built as it goes): eight units' magnitudes, signs and dots held at once spilled AVX2's
+    // sixteen registers in a one-row decode (the same integers either way).
+    let mut t = [[zero; 4]; N];
+    for h in 0..4 {
+        let j = 2 * h;
+        if !live(j) {
+            continue;
+        }
+        let (u0, s0, d0, c0) = unit(i0 + j);
+        let (u1, s1, d1, c1) = if live(j + 1) { unit(i0 + j + 1) } else { (zero, zero, 0.0, 0.0) };
+        (d[j], c[j], d[j + 1], c[j + 1]) = (d0, c0, d1, c1);
         for a in 0..N {
-            let (dx, mut qx, ds) = xblock(xs[a], i);
-            if SIGNED {
-                qx = _mm256_sign_epi8(qx, sign);
-            }
-            let isum = _mm256_cvtepi32_ps(dot_u8_i8(u, qx));
-            acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), isum, acc[a]);
-            off[a] = c.mul_add(ds, off[a]);
+            let p = |j: usize, u: __m256i, sign: __m256i| {
+                if !live(j) {
+                    return zero;
+                }
+                let (_, mut qx, _) = xblock(xs[a], i0 + j);
+                if SIGNED {
+                    qx = _mm256_sign_epi8(qx, sign);
+                }
+                dot_u8_i8(u, qx)
+            };
+            t[a][h] = _mm256_hadd_epi32(p(j, u0, s0), p(j + 1, u1, s1));
         }
     }
-    std::array::from_fn(|a| hsum(acc[a]) + off[a])
+    let (dw, cw) = scales.unwrap_or_else(|| {
+        (
+            _mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]),
+            _mm256_setr_ps(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]),
+        )
+    });
+    // Lanes below k: the activation rows' scales past the last unit are not read.
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(K as i32), lanes);
+    for a in 0..N {
+        let (dp, sp) = (xs[a].d.as_ptr().add(i0), xs[a].ds.as_ptr().add(i0));
+        let (dx, ds) = match K {
+            8 => (_mm256_loadu_ps(dp), _mm256_loadu_ps(sp)),
+            _ => (_mm256_maskload_ps(dp, mask), _mm256_maskload_ps(sp, mask)),
+        };
+        let sums = _mm256_cvtepi32_ps(sums_of_pairs(&t[a]));
+        acc[a] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), sums, acc[a]);
+        off[a] = _mm256_fmadd_ps(cw, ds, off[a]);
+    }
 }
 
 /// The little-endian f32 at `p` (any alignment).
@@ -145,22 +271,25 @@ pub(super) unsafe fn mxfp4(b: *const u8) -> Unpacked {
     (_mm256_sign_epi8(q, q), q, crate::quant_ext::e8m0_half(*b), 0.0)
 }
 
-/// The 32 nibbles of a Q4_0/Q4_1 block's 16 bytes at `p`, low nibbles first.
+/// The 32 nibbles of a Q4_0/Q4_1 block's 16 bytes at `p`, low nibbles first. The bytes are loaded
+/// into both halves at once and the halves' shifts blended: no lane insert, which takes the shuffle
+/// port a one-row decode's sums and unpacking already keep busy.
 #[inline(always)]
 pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
-    let raw = _mm_loadu_si128(p as *const __m128i);
-    let low = _mm_set1_epi8(0x0F);
-    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low))
+    let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
+    let both = _mm256_blend_epi32::<0xF0>(raw, _mm256_srli_epi16::<4>(raw));
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
 /// The 32 five-bit values of a Q5_0/Q5_1 block whose 4 bytes of fifth bits start at `p` (the 16
 /// bytes of nibbles follow): value i = nibble i | bit i of the fifth bits << 4.
 #[inline(always)]
 unsafe fn five_bits(p: *const u8) -> __m256i {
-    let qh = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
-    // Byte i holds byte i / 8 of the fifth bits; `select` keeps bit i % 8 of it.
+    // Broadcast straight from memory (a load, where a value built in a register goes through the
+    // shuffle port). Byte i holds byte i / 8 of the fifth bits; `select` keeps bit i % 8 of it.
+    let qh = std::ptr::read_unaligned(p as *const i32);
     let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(qh as i32),
+        _mm256_set1_epi32(qh),
         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
     );
     let select = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
@@ -173,12 +302,19 @@ unsafe fn five_bits(p: *const u8) -> __m256i {
 /// products before its one scale multiply, the same sums `int8_lanes` chains in its registers.
 #[inline(always)]
 pub(super) unsafe fn sums8(p: &[__m256i; 8]) -> __m256i {
-    // Per 128-bit half: [p0 0+1, p0 2+3, p1 0+1, p1 2+3], then [p0, p1, p2, p3] of the half.
-    let t0 = _mm256_hadd_epi32(p[0], p[1]);
-    let t1 = _mm256_hadd_epi32(p[2], p[3]);
-    let t2 = _mm256_hadd_epi32(p[4], p[5]);
-    let t3 = _mm256_hadd_epi32(p[6], p[7]);
-    let (u0, u1) = (_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3));
+    sums_of_pairs(&[
+        _mm256_hadd_epi32(p[0], p[1]),
+        _mm256_hadd_epi32(p[2], p[3]),
+        _mm256_hadd_epi32(p[4], p[5]),
+        _mm256_hadd_epi32(p[6], p[7]),
+    ])
+}
+
+/// `sums8` from its first level: `t[h]` = `hadd(p[2h], p[2h + 1])`, per 128-bit half [p0 0+1,
+/// p0 2+3, p1 0+1, p1 2+3]; then [p0, p1, p2, p3] of each half, and the halves added.
+#[inline(always)]
+unsafe fn sums_of_pairs(t: &[__m256i; 4]) -> __m256i {
+    let (u0, u1) = (_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
     _mm256_add_epi32(
         _mm256_permute2x128_si256(u0, u1, 0x20),
         _mm256_permute2x128_si256(u0, u1, 0x31),
@@ -356,18 +492,22 @@ pub(super) unsafe fn row<const N: usize>(
     xs: [&Q8Row; N],
 ) -> [f32; N] {
     match dtype {
-        DType::Q8_0 => row32::<N, true, _>(w, 34, rb / 34, xs, &|b| q8_0(b)),
-        DType::Q4_0 => row32::<N, false, _>(w, 18, rb / 18, xs, &|b| q4_0(b)),
-        DType::Q4_1 => row32::<N, false, _>(w, 20, rb / 20, xs, &|b| q4_1(b)),
-        DType::Q5_0 => row32::<N, true, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
-        DType::Q5_1 => row32::<N, false, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
-        DType::Mxfp4 => row32::<N, true, _>(w, 17, rb / 17, xs, &|b| mxfp4(b)),
+        DType::Q8_0 => row32::<N, true, D, _>(w, 34, rb / 34, xs, &|b| q8_0(b)),
+        DType::Q4_0 => row32::<N, false, D_MINUS_8, _>(w, 18, rb / 18, xs, &|b| q4_0(b)),
+        DType::Q4_1 => row32::<N, false, D_M, _>(w, 20, rb / 20, xs, &|b| q4_1(b)),
+        DType::Q5_0 => row32::<N, false, D_MINUS_16, _>(w, 22, rb / 22, xs, &|b| q5_0(b)),
+        DType::Q5_1 => row32::<N, false, D_M, _>(w, 24, rb / 24, xs, &|b| q5_1(b)),
+        DType::Mxfp4 => row32::<N, true, EACH, _>(w, 17, rb / 17, xs, &|b| mxfp4(b)),
         DType::Q4K => q45k::<N, false>(w, rb / 144, xs),
         DType::Q5K => q45k::<N, true>(w, rb / 176, xs),
         DType::Q2K => super::int8_kq_avx2::q2k::<N>(w, rb / 84, xs),
         DType::Q3K => super::int8_kq_avx2::q3k::<N>(w, rb / 110, xs),
-        DType::Int8B128 => units::<N, true, _>(rb / 132 * 4, xs, &|i| int8_b128(w, i)),
-        DType::Int4G128 => units::<N, false, _>(rb / 69 * 4, xs, &|i| int4_g128(w, i)),
+        DType::Int8B128 => {
+            units::<N, true, _, _>(rb / 132 * 4, xs, &|i| int8_b128(w, i), &|_, _| None)
+        }
+        DType::Int4G128 => {
+            units::<N, false, _, _>(rb / 69 * 4, xs, &|i| int4_g128(w, i), &|_, _| None)
+        }
         _ => q6k::<N>(w, rb / 210, xs),
     }
 }

@@ -5,8 +5,9 @@
 //! unpacked once per step (`int8_units`) however many rows there are.
 //!
 //! Each output is computed with the arithmetic of the one-row and few-row kernels (`int8_avx2`,
-//! `int8_batch`, `int8_kq_avx2`) — the same exact integer sums of four values, the same f32
-//! products and fused adds in the same order, the same final sum of eight partial sums — so a
+//! `int8_batch`, `int8_kq_avx2`) — the same exact integer sums (of a whole 32-value unit, or of a
+//! 16-value half for Q3_K/Q6_K, or of four values for Q2_K), the same f32 products and fused adds
+//! in the same order, the same final sum of eight partial sums — so a
 //! sequence's row has the same bits whatever its step holds: one row or three hundred, a prefill
 //! or a decode, alone or beside other sequences, and whichever CPU's instructions computed it.
 //! Only the order in which outputs are computed differs.
@@ -221,7 +222,7 @@ unsafe fn steps<W: Reg, H: Reg>(
     let mut units = vec![Unit::default(); u * TILE];
     // The formats summed a unit whole take unit i of every row of the tile side by side (a tile
     // reads them from one address a unit), the others a row's units in a run.
-    let whole_units = matches!(f, Form::Kquant45 | Form::Scaled16);
+    let whole_units = f != Form::Q2k;
     for (t0, o) in out.chunks_mut(m * TILE).enumerate() {
         let rows = o.len() / m;
         for r in 0..rows {
@@ -237,9 +238,12 @@ unsafe fn steps<W: Reg, H: Reg>(
             if whole_units {
                 let mut sums = [[0f32; LANES]; TILE];
                 let (us, s) = (&units[..], &mut sums[..rows]);
-                match (f, dtype) {
-                    (Form::Kquant45, DType::Q4K) => whole::<1, false, true, TILE, W, H>(us, g, s),
-                    (Form::Kquant45, _) => whole::<1, false, false, TILE, W, H>(us, g, s),
+                match (f, signed) {
+                    (Form::Plain, false) if nibbles(dtype) => {
+                        whole::<1, false, true, TILE, W, H>(us, g, s)
+                    }
+                    (Form::Plain, false) => whole::<1, false, false, TILE, W, H>(us, g, s),
+                    (Form::Plain, true) => whole::<1, true, false, TILE, W, H>(us, g, s),
                     _ => whole::<2, true, false, HALF_TILE, W, H>(us, g, s),
                 }
                 for (r, s) in sums.iter().take(rows).enumerate() {
@@ -249,11 +253,7 @@ unsafe fn steps<W: Reg, H: Reg>(
                 continue;
             }
             for (r, us) in units.chunks_exact(u).take(rows).enumerate() {
-                let sums = if g.width == LANES {
-                    pass::<W>(f, signed, us, g)
-                } else {
-                    pass::<H>(f, signed, us, g)
-                };
+                let sums = if g.width == LANES { q2k::<W>(us, g) } else { q2k::<H>(us, g) };
                 o[r * m + a0..r * m + a0 + g.rows].copy_from_slice(&sums[..g.rows]);
             }
             a0 += g.rows;
@@ -288,11 +288,12 @@ unsafe fn whole<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R
 }
 
 /// `R` weight rows (unit i of row r at `units[i·TILE + r]`, `n` units a row) against one group, for the formats whose
-/// kernels sum a unit's products whole (`FORM` 1: Q4_K/Q5_K, 2: Q3_K/Q6_K — `int8_batch::subs8`):
+/// kernels sum a unit's products whole (`FORM` 1: `Form::Plain`, 2: Q3_K/Q6_K — `int8_batch::subs8`,
+/// `int8_batch::units`):
 /// each unit's `vpdpbusd`s chained into one integer per row (two, one per 16-value scale, for
 /// `FORM` 2), one activation load serving the `R` rows; the unit's sum converted once and added
 /// into lane `unit mod 8` of the row's accumulators, which those kernels' sub-block lanes are.
-/// `CHAIN16`: a Q4_K unit's products may be added in 16 bits (values below 16).
+/// `CHAIN16`: a unit's products may be added in 16 bits (4-bit values: `nibbles`).
 // Rows index the chains, the accumulators and the units alike: a loop over `r` reads clearest.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -322,7 +323,11 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
             let wp = (*up.add(i * TILE + r)).v.as_ptr() as *const i32;
             V::set_i(std::ptr::read_unaligned(wp.add(t)))
         };
-        let mt = |r: usize, t: usize| mag::<SIGNED, V>(&*up.add(i * TILE + r), t, wt(r, t));
+        // |w| for signed weights against signed activations (unused otherwise).
+        let mt = |r: usize, t: usize| match SIGNED && !V::BIASED {
+            true => V::set_i((*up.add(i * TILE + r)).mag(t)),
+            false => wt(r, t),
+        };
         if !V::BIASED && (FORM == 2 || CHAIN16) {
             // Signed activations: the 16-bit pair sums of a chain added up before one widening
             // (Q4_K: 8·2·15·127, Q3_K/Q6_K: 4·2·32·127 per half, both below 2^15).
@@ -385,103 +390,44 @@ unsafe fn lanes_sum<V: Reg>(acc: &[V::F; 8]) -> V::F {
     V::add(V::add(h(0, 4), h(2, 6)), V::add(h(1, 5), h(3, 7)))
 }
 
-/// One weight row's units against one group, in registers of `V`'s width.
-#[inline(always)]
-unsafe fn pass<V: Reg>(f: Form, signed: bool, us: &[Unit], g: &Group) -> [f32; LANES] {
-    match (f, signed) {
-        (Form::Plain, true) => group::<0, true, V>(us, g),
-        (Form::Plain, false) => group::<0, false, V>(us, g),
-        (Form::Kquant45, _) => group::<1, false, V>(us, g),
-        (Form::Scaled16, _) => group::<2, true, V>(us, g),
-        (Form::Q2k, _) => group::<3, false, V>(us, g),
-    }
-}
-
-/// The `mag` operand of `Reg::dp` for values 4t..4t+4 of unit `u` (broadcast as `w`): |w| as the
-/// unit keeps it for signed weights against signed activations, `w` itself where it goes unused.
-#[inline(always)]
-unsafe fn mag<const SIGNED: bool, V: Reg>(u: &Unit, t: usize, w: V::I) -> V::I {
-    if SIGNED && !V::BIASED {
-        V::set_i(u.mag(t))
-    } else {
-        w
-    }
-}
-
-/// One weight row's units against one group of rows; `FORM` as `Form` in declaration order.
+/// One Q2_K weight row's units against one group of rows, in registers of `V`'s width: per four
+/// values (lane t of the few-row kernel) the integer sums times the 16 values' scale and min,
+/// dx multiplied last.
 // t indexes the activations, the weights and the accumulators alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn group<const FORM: u8, const SIGNED: bool, V: Reg>(
-    units: &[Unit],
-    g: &Group,
-) -> [f32; LANES] {
+unsafe fn q2k<V: Reg>(units: &[Unit], g: &Group) -> [f32; LANES] {
     let zero = V::set_f(0.0);
     let mut acc = [zero; 8];
-    let mut off = [zero; 8];
     let ones = V::set_i(0x0101_0101);
-    let (xb, dxb, dsb) =
-        (g.x.as_ptr() as *const u8, g.dx.as_ptr() as *const f32, g.ds.as_ptr() as *const f32);
+    let (xb, dxb) = (g.x.as_ptr() as *const u8, g.dx.as_ptr() as *const f32);
     for (i, u) in units.iter().enumerate() {
         let x = xb.add(4 * V::N * 8 * i);
         let dx = V::load_f(dxb.add(V::N * i));
-        let ds = V::load_f(dsb.add(V::N * i));
         let vp = u.v.as_ptr() as *const i32;
-        let xv = |t: usize| V::load_i(x.add(4 * V::N * t));
-        // Each t's integer sum goes straight into its accumulator: with AVX2's sixteen registers
-        // eight sums computed first and eight accumulators spilled to the stack (same bits either
-        // way: each lane's arithmetic is unchanged).
-        let p = |t: usize| {
-            let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
-            let m = mag::<SIGNED, V>(u, t, wt);
-            V::dp::<SIGNED>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv(t), wt, m)
-        };
-        match FORM {
-            0 | 1 => {
-                let f = V::mul(V::set_f(u.d), dx);
-                for t in 0..8 {
-                    acc[t] = V::fmadd(f, V::cvt(p(t)), acc[t]);
-                }
-                let o = if FORM == 0 { 0 } else { i % 8 };
-                off[o] = V::fmadd(V::set_f(u.c), ds, off[o]);
-            }
-            2 => {
-                let f = V::mul(V::set_f(u.d), dx);
-                let (sa, sb) = (V::set_i(u.sa), V::set_i(u.sb));
-                for t in 0..8 {
-                    let s = V::mullo(p(t), if t < 4 { sa } else { sb });
-                    acc[t] = V::fmadd(f, V::cvt(s), acc[t]);
-                }
-            }
-            _ => {
-                let (d, mdmin) = (V::set_f(u.d), V::set_f(u.c));
-                for t in 0..8 {
-                    let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
-                    // Σ of the four activations (stored as q + 128: Σ (q + 128) − 512).
-                    let sx = V::dp::<false>(
-                        V::set_i(if V::BIASED { -512 } else { 0 }),
-                        xv(t),
-                        ones,
-                        ones,
-                    );
-                    let iq = V::mullo(p(t), V::set_i(sc));
-                    let im = V::mullo(sx, V::set_i(mn));
-                    let tt = V::fmadd(mdmin, V::cvt(im), V::mul(d, V::cvt(iq)));
-                    acc[t] = V::fmadd(dx, tt, acc[t]);
-                }
-            }
-        }
-    }
-    if FORM == 1 {
+        let (d, mdmin) = (V::set_f(u.d), V::set_f(u.c));
         for t in 0..8 {
-            acc[t] = V::add(acc[t], off[t]);
+            let xv = V::load_i(x.add(4 * V::N * t));
+            let wt = V::set_i(std::ptr::read_unaligned(vp.add(t)));
+            let p = V::dp::<false>(V::set_i(if V::BIASED { u.bias[t] } else { 0 }), xv, wt, wt);
+            let (sc, mn) = if t < 4 { (u.sa, u.ma) } else { (u.sb, u.mb) };
+            // Σ of the four activations (stored as q + 128: Σ (q + 128) − 512).
+            let sx = V::dp::<false>(V::set_i(if V::BIASED { -512 } else { 0 }), xv, ones, ones);
+            let iq = V::mullo(p, V::set_i(sc));
+            let im = V::mullo(sx, V::set_i(mn));
+            let tt = V::fmadd(mdmin, V::cvt(im), V::mul(d, V::cvt(iq)));
+            acc[t] = V::fmadd(dx, tt, acc[t]);
         }
     }
-    let sum = lanes_sum::<V>(&acc);
-    let sum = if FORM == 0 { V::add(sum, off[0]) } else { sum };
     let mut r = [0f32; LANES];
-    V::store_f(r.as_mut_ptr(), sum);
+    V::store_f(r.as_mut_ptr(), lanes_sum::<V>(&acc));
     r
+}
+
+/// Whether `dtype`'s unpacked values are 4-bit (below 16): eight of their pair sums fit 16 bits
+/// (8·2·15·127), so AVX2 adds a unit's before one widening (`tile`'s `CHAIN16`).
+fn nibbles(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4K | DType::Int4G128)
 }
 
 #[cfg(test)]
@@ -510,11 +456,11 @@ mod tests {
     /// Eight rows take the lanes where they measured faster; nine and more always, fewer never.
     #[test]
     fn lanes_pay_from_nine_rows_and_at_eight_for_the_formats_measured_faster() {
-        for f in [Form::Plain, Form::Kquant45, Form::Scaled16, Form::Q2k] {
+        for f in [Form::Plain, Form::Scaled16, Form::Q2k] {
             assert!(!lanes_pay(f, 7) && lanes_pay(f, 9) && lanes_pay(f, 300), "{f:?}");
         }
         assert!(lanes_pay(Form::Plain, 8) && lanes_pay(Form::Scaled16, 8));
-        assert!(lanes_pay(Form::Kquant45, 8) && !lanes_pay(Form::Q2k, 8));
+        assert!(!lanes_pay(Form::Q2k, 8));
     }
 
     /// Rows of activations with different magnitudes and signs (row a scaled by a − 4.5).

@@ -19,12 +19,11 @@ use std::arch::x86_64::*;
 /// How a format's units combine into a dot (the arithmetic of its few-row kernel).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Form {
-    /// Σ over units of (d·dx)·P, plus an offset Σ c·(dx·Σqx) added after the lanes are summed
-    /// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, int8_b128, int4_g128).
+    /// Each unit's products summed whole (an exact integer P), (d·dx)·P and the offset c·(dx·Σqx)
+    /// added into lane `unit mod 8` of the accumulators, offsets added before the lanes are summed
+    /// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, int8_b128, int4_g128; Q4_K and Q5_K with d·scale
+    /// and −dmin·min as d and c).
     Plain,
-    /// As `Plain`, the offset of unit j of each super-block kept in lane j and summed with the
-    /// lanes (Q4_K, Q5_K: d is d·scale, c is −dmin·min).
-    Kquant45,
     /// P already multiplied by a signed integer scale per 16 values (Q3_K, Q6_K).
     Scaled16,
     /// Q2_K: a scale and a min per 16 values, dx multiplied last.
@@ -34,7 +33,6 @@ pub(super) enum Form {
 /// The form of `dtype` (one `int8::supports`).
 pub(super) fn form(dtype: DType) -> Form {
     match dtype {
-        DType::Q4K | DType::Q5K => Form::Kquant45,
         DType::Q3K | DType::Q6K => Form::Scaled16,
         DType::Q2K => Form::Q2k,
         _ => Form::Plain,
@@ -56,7 +54,7 @@ pub(super) struct Unit {
     pub bsum: [i32; 2],
     /// The unit's scale (d, d·scale for Q4_K/Q5_K, the super-block's d for Q2_K/Q3_K/Q6_K).
     pub d: f32,
-    /// The offset coefficient (`Plain`, `Kquant45`) or −dmin (`Q2k`).
+    /// The offset coefficient (`Plain`) or −dmin (`Q2k`).
     pub c: f32,
     /// Integer scales of values 0..16 and 16..32 (`Scaled16`, `Q2k`).
     pub sa: i32,
@@ -101,12 +99,9 @@ unsafe fn plain(u: &mut Unit, (mag, sign, d, c): Unpacked, signed: bool, biased:
 }
 
 /// Whether `dtype`'s unpacked values may be negative: signed formats keep their signs, unsigned
-/// ones (Q4_0, Q4_1, Q5_1, int4_g128, Q2_K, Q4_K, Q5_K) their magnitudes, below 128.
+/// ones (Q4_0, Q4_1, Q5_0, Q5_1, int4_g128, Q2_K, Q4_K, Q5_K) their magnitudes, below 128.
 pub(super) fn signed(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q8_0 | DType::Q5_0 | DType::Mxfp4 | DType::Int8B128 | DType::Q3K | DType::Q6K
-    )
+    matches!(dtype, DType::Q8_0 | DType::Mxfp4 | DType::Int8B128 | DType::Q3K | DType::Q6K)
 }
 
 /// Where `unpack` writes a row's units: unit i at `p + i·stride` — 1 for a row's units side by
