@@ -475,6 +475,20 @@ mod tests {
         false
     }
 
+    /// The check's decision: the first read, a changed file (any part of its stamp), an unknown
+    /// stamp and `--verify-every-read` check; the same file read again does not.
+    #[test]
+    fn a_read_is_checked_unless_the_same_file_passed_before() {
+        let a: Stamp = (1, 7, 4096, 1_700_000_000_000_000_000);
+        assert!(must_check(false, None, Some(a)), "first read");
+        assert!(!must_check(false, Some(a), Some(a)), "the same file again");
+        for changed in [(2, 7, 4096, a.3), (1, 8, 4096, a.3), (1, 7, 4095, a.3), (1, 7, 4096, 1)] {
+            assert!(must_check(false, Some(a), Some(changed)), "{changed:?}");
+        }
+        assert!(must_check(false, Some(a), None), "no stamp: checked");
+        assert!(must_check(true, Some(a), Some(a)), "--verify-every-read");
+    }
+
     /// A daemon of `slots` slots over a fresh two-layer store in `dir`, no worker order (no
     /// read-ahead: only what is acquired is read).
     fn daemon(dir: &std::path::Path, slots: usize, every_read: bool) -> Arc<Daemon> {
