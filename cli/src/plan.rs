@@ -156,9 +156,9 @@ pub fn placement(
         &a.plan,
     )?;
     let (mut measured, cached) = crate::calibration::figures(store, &a.device, a.recalibrate)?;
-    if a.pool.no_verify || !a.pool.verify_every_read {
-        // The loader checks nothing it reads, or each file's first read only: a pass of the steady
-        // state re-reads files already checked.
+    if !a.pool.verify_every_read {
+        // The loader checks nothing it reads (`--no-verify`, which excludes the flag), or each
+        // file's first read only: a pass of the steady state re-reads files already checked.
         measured.verify_cpu_s_per_gb = 0.0;
     }
     let buffers = a.plan.streaming_buffers * a.plan.layer_group_size;
