@@ -11,7 +11,10 @@
 #   - `layerstream plan --json --recalibrate` in the same cgroup first (measured afresh: the disk
 #     below a VM changes from run to run): the cost model's predicted tokens/s at batch 1 and 8
 #     beside the measured ones, and layerstream's own disk-bound ideal (disk GB/s ÷
-#     the bytes its plan reads from disk per pass).
+#     the bytes its plan reads from disk per pass); and the prediction again at the disk rate the
+#     loader measured during the run (its bytes ÷ the wall time a read was in flight; `plan
+#     --disk-gbps`, `bench`'s `predicted_at_run_disk_tok_s`): the model's error with the disk's
+#     drift since calibration taken out.
 # Batch 8 for layerstream: `bench --fit --streamed-only --batch 8` in the same cgroup (a stack sized
 # as `up` with no size flags sizes itself): decode tokens/s after the last first token, comparable
 # with llama-batched-bench's S_TG; the wall figure (prefill included) beside it.
@@ -65,8 +68,8 @@ ideal=$(echo "$disk * 1000000000 / $pass_bytes" | bc -l)
 printf 'disk (O_DIRECT, layer files): %.2f GB/s; one pass over every layer and the head: %.2f GB; disk-bound ideal %.3f tok/s\n\n' \
     "$disk" "$(echo "$pass_bytes / 1000000000" | bc -l)" "$ideal"
 
-echo "| limit | engine | batch | decode tok/s | predicted | ÷ ideal | peak GiB | note |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| limit | engine | batch | decode tok/s | predicted | predicted at the run's disk | ÷ ideal | peak GiB | note |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for mib in $LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     # layerstream: one stack, one request then 8 at once.
@@ -83,11 +86,23 @@ print(f"{t[1]:.3f} {t[8]:.3f}", f"{g*1e9/d:.3f}" if d else "inf")' "$WORK/plan.j
     up=$!
     for _ in $(seq 600); do grep -q LISTENING "$WORK/up.out" 2>/dev/null && break; kill -0 $up 2>/dev/null || break; sleep 0.5; done
     if ! grep -q LISTENING "$WORK/up.out" 2>/dev/null; then
-        echo "| $mib MiB | layerstream | 1 | — | $p1 | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
+        echo "| $mib MiB | layerstream | 1 | — | $p1 | — | — | $(peak_gib) | did not start: $(grep -v INFO "$WORK/up.err" | tail -1 | cut -c1-160) |"
     else
+        # The loader's counters (bytes, each read's seconds, seconds with a read in flight).
+        counters() { curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_disk_read_seconds_total/ {s += $2} /^layerstream_loader_disk_busy_seconds_total/ {u += $2} END {printf "%.0f %.6f %.6f\n", b, s, u}'; }
+        read -r b0 s0 u0 < <(counters)
         one=$("$BIN" submit --addr http://127.0.0.1:$port --prompt "Once upon a time" --max-new-tokens "$GEN" --ignore-eos --json | tail -1)
-        # What the loader's disk tier delivered while it ran (its own counters).
-        achieved=$(curl -s "http://127.0.0.1:$((port + 1))/metrics" | awk '/^layerstream_loader_disk_read_bytes_total/ {b += $2} /^layerstream_loader_disk_read_seconds_total/ {s += $2} END {if (s > 0) printf "the loader read %.2f GB from disk, %.2f GB/s per read", b / 1e9, b / s / 1e9}')
+        read -r b1 s1 u1 < <(counters)
+        # What the loader's disk tier delivered during the request: per read, and overlapped (the
+        # cost model's disk figure); the prediction again at that rate (`plan --disk-gbps`).
+        read -r run_gbps achieved < <(python3 -c '
+import sys
+b, s, u = (float(sys.argv[i]) - float(sys.argv[i + 3]) for i in (1, 2, 3))
+if b < 64e6 or s <= 0 or u <= 0:
+    print("- the loader read %.2f GB from disk during the request" % (b / 1e9))
+else:
+    print("%.4f the loader read %.2f GB from disk during the request, %.2f GB/s per read, %.2f GB/s overlapped"
+          % (b / u / 1e9, b / 1e9, b / s / 1e9, b / u / 1e9))' "$b1" "$s1" "$u1" "$b0" "$s0" "$u0")
         tps=$(echo "$one" | python3 -c 'import json,sys; print(json.load(sys.stdin)["stats"]["decode_tokens_per_s"])')
         placed=$(python3 - "$WORK/plan.json" <<'PY' 2>/dev/null || echo "plan: see plan.err"
 import json, sys
@@ -95,8 +110,13 @@ p = json.load(open(sys.argv[1])); w = p["workers"][0]; t = p["tiers"]
 print(f'{len(w["resident"])} resident, RAM tier {t["ram"]["layers"]}, disk {t["disk"]["layers"]} layers a pass; KV {w["kv_capacity"]} {w["kv_dtype"]}')
 PY
 )
+        # The plan again at that rate, in the cgroup as the first (the stack gone: the ledger
+        # sees what it saw then).
+        kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
+        at_run=$(if [ "$run_gbps" != "-" ]; then (in_cg "$BIN" plan --model "$store" --workers 1 --json --disk-gbps "$run_gbps") 2>"$WORK/plan-run.err" |
+            python3 -c 'import json,sys; print("%.3f" % json.load(sys.stdin)["predicted"][0]["tokens_per_s"])' 2>/dev/null || echo "?"; else echo "–"; fi)
         vs_own=$(python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$tps" "$own" 2>/dev/null || echo "?")
-        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed; $achieved |"
+        echo "| $mib MiB | layerstream | 1 | $(printf %.3f "$tps") | $p1 | $at_run | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") (÷ its plan's $own: $vs_own) | $(peak_gib) | $(grep -o 'loader.s [0-9]* slots [0-9.]* GiB, 1 worker(s) [0-9.]* GiB' "$WORK/up.err" | head -1); $placed; $achieved |"
         # Batch 8: `bench --fit` — its own stack, sized by the same ledger as `up` with no size
         # flags — 8 requests at once; decode tokens/s after the last first token (llama-batched-
         # bench's S_TG measures the same phase), the cost model's prediction beside it.
@@ -105,13 +125,15 @@ PY
         # (A subshell: `in_cg` execs.)
         if (in_cg "$BIN" bench --model "$store" --fit --streamed-only --batch 8 \
             --max-new-tokens "$GEN" --json-out "$WORK/b8.json") > "$WORK/b8.out" 2>&1; then
-            read -r dec8 wall8 pred8 < <(python3 -c '
+            read -r dec8 wall8 pred8 run8 disk8 < <(python3 -c '
 import json,sys
 r=json.load(open(sys.argv[1]))[0]; p=r.get("predicted_decode_tok_s")
-print("%.3f %.3f %s" % (r["decode_tok_s"], r["tokens_per_s"], "%.3f" % p if p else "?"))' "$WORK/b8.json")
-            echo "| $mib MiB | layerstream | 8 | $dec8 (wall $wall8 with prefill) | $pred8 | $(printf %.2f "$(echo "$dec8 / $ideal" | bc -l)") | $(peak_gib) | bench --fit --streamed-only --batch 8 |"
+q=r.get("predicted_at_run_disk_tok_s"); g=r.get("disk_gbps_run")
+f=lambda v: "%.3f" % v if v else "?"
+print("%.3f %.3f" % (r["decode_tok_s"], r["tokens_per_s"]), f(p), f(q), "%.2f" % g if g else "?")' "$WORK/b8.json")
+            echo "| $mib MiB | layerstream | 8 | $dec8 (wall $wall8 with prefill) | $pred8 | $run8 | $(printf %.2f "$(echo "$dec8 / $ideal" | bc -l)") | $(peak_gib) | bench --fit --streamed-only --batch 8; the loader's disk $disk8 GB/s overlapped during the run |"
         else
-            echo "| $mib MiB | layerstream | 8 | — | $p8 | — | $(peak_gib) | bench failed: $(tail -1 "$WORK/b8.out" | cut -c1-160) |"
+            echo "| $mib MiB | layerstream | 8 | — | $p8 | — | — | $(peak_gib) | bench failed: $(tail -1 "$WORK/b8.out" | cut -c1-160) |"
         fi
     fi
     kill $up 2>/dev/null || true; wait $up 2>/dev/null || true
@@ -121,16 +143,16 @@ print("%.3f %.3f %s" % (r["decode_tok_s"], r["tokens_per_s"], "%.3f" % p if p el
     fresh
     if out=$(in_cg "$bench" -m "$gguf" -p 0 -n "$GEN" -r 1 -t "$(nproc)" --repack 0 -lm mmap -o json 2>"$WORK/llama.err"); then
         tps=$(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)[-1]["avg_ts"])')
-        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -lm mmap |"
+        echo "| $mib MiB | llama.cpp | 1 | $(printf %.3f "$tps") | | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-bench --repack 0 -lm mmap |"
     else
-        echo "| $mib MiB | llama.cpp | 1 | — | | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
+        echo "| $mib MiB | llama.cpp | 1 | — | | | — | $(peak_gib) | $(tail -1 "$WORK/llama.err" | cut -c1-120) (exit $?) |"
     fi
     fresh
     if out=$(in_cg "$batched" -m "$gguf" -c 2048 -npp 8 -ntg "$GEN" -npl 8 -t "$(nproc)" --no-repack -lm mmap 2>"$WORK/llama8.err"); then
         tps=$(echo "$out" | grep '^|' | tail -1 | awk -F'|' '{print $(NF-3)}' | tr -d ' ')
-        echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
+        echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
     else
-        echo "| $mib MiB | llama.cpp | 8 | — | | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
+        echo "| $mib MiB | llama.cpp | 8 | — | | | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
     fi
 done
 

@@ -3,7 +3,7 @@
 //! tokens/s (overall, prefill, decode), bytes streamed, transfer GB/s and overlap %, and the ratios
 //! between them.
 
-use crate::bench_report::{predict_rows, tables};
+use crate::bench_report::{disk_rate, predict_rows, tables};
 use crate::up::{spawn_quiet, Children};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -182,6 +182,12 @@ pub(crate) struct Row {
     /// Decode tokens/s `layerstream plan`'s cost model predicts for this stack at this batch (CPU
     /// workers; `predict_rows`).
     pub(crate) predicted_decode_tok_s: Option<f64>,
+    /// The loader's disk rate over the measured workload: bytes read ÷ the wall time a read was in
+    /// flight (None where it read under 64 MB: too little to time).
+    pub(crate) disk_gbps_run: Option<f64>,
+    /// The prediction again with the disk at `disk_gbps_run` (`plan --disk-gbps`): the cost
+    /// model's error with the disk's drift since calibration taken out.
+    pub(crate) predicted_at_run_disk_tok_s: Option<f64>,
 }
 
 /// What one workload measured: tokens generated, wall seconds, and every request's stats.
@@ -287,14 +293,17 @@ pub(crate) fn run_config(
     // Warm-up request (page cache, first-touch allocations), then the measured workload.
     let warm = BenchArgs { batch: 1, max_new_tokens: 2, ..a.clone() };
     rt.block_on(workload(&addr, &warm, vocab))?;
+    let up_pid = children.0[0].1.id();
+    let before = rt.block_on(loader_counts(up_pid)).ok();
     let m = rt.block_on(workload(&addr, a, vocab))?;
     let micro_batches = rt.block_on(async {
         let mut c = CoordinatorClient::connect(addr.clone()).await?;
         let plan = c.get_plan(layerstream_rpc::v1::GetPlanRequest {}).await?.into_inner();
         Ok::<_, anyhow::Error>(plan.micro_batches)
     })?;
-    let up_pid = children.0[0].1.id();
-    let (loader_hits, loader_misses) = rt.block_on(loader_counts(up_pid)).unwrap_or_default();
+    let after = rt.block_on(loader_counts(up_pid)).ok();
+    let (loader_hits, loader_misses) = after.as_ref().map_or((0, 0), |d| (d.hits, d.misses));
+    let disk_gbps_run = before.zip(after).and_then(|(b, a)| disk_rate(&b, &a));
     drop(children);
     let (prefill_tok_s, first_token_ms, decode_tok_s) = m.phases();
     let (tokens, wall_s) = (m.tokens, m.wall_s);
@@ -332,6 +341,8 @@ pub(crate) fn run_config(
         loader_misses,
         experts: [st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed],
         predicted_decode_tok_s: None,
+        disk_gbps_run,
+        predicted_at_run_disk_tok_s: None,
     })
 }
 
@@ -360,9 +371,10 @@ pub(crate) fn stack_args(model: &str, a: &BenchArgs, extra: &[String]) -> Vec<St
     args
 }
 
-/// The loader's (hits, misses) of the stack `up` (pid `up_pid`) runs: its socket is its namespace's
-/// (`transport::namespace_socket`), its internal token the one `run` put in the environment.
-async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
+/// The loader's description (its counters) of the stack `up` (pid `up_pid`) runs: its socket is
+/// its namespace's (`transport::namespace_socket`), its internal token the one `run` put in the
+/// environment.
+async fn loader_counts(up_pid: u32) -> Result<layerstream_rpc::v1::DescribeResponse> {
     use layerstream_rpc::v1::{loader_client::LoaderClient, DescribeRequest};
     let sock =
         layerstream_rpc::transport::namespace_socket(&layerstream_shm::up_namespace(up_pid))?;
@@ -370,8 +382,7 @@ async fn loader_counts(up_pid: u32) -> Result<(u64, u64)> {
     let bearer =
         layerstream_rpc::auth::Bearer::new(token.as_deref()).map_err(anyhow::Error::msg)?;
     let ch = layerstream_rpc::transport::connect_uds(&sock).await?;
-    let d = LoaderClient::new(bearer.wrap(ch)).describe(DescribeRequest {}).await?.into_inner();
-    Ok((d.hits, d.misses))
+    Ok(LoaderClient::new(bearer.wrap(ch)).describe(DescribeRequest {}).await?.into_inner())
 }
 
 /// The flags of a streamed configuration: the plan flags with `--resident-layers` 0 unless given

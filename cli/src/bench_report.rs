@@ -39,11 +39,16 @@ pub(crate) fn tables(rows: &[Row]) -> String {
 
 /// Fills each row's `predicted_decode_tok_s` from the cost model (`plan::predict_stack`, the same
 /// `up` command line, in a `layerstream plan` process of its own) and prints predicted beside
-/// measured.
+/// measured; where the loader timed its disk during the run, predicts again at that rate
+/// (`predicted_at_run_disk_tok_s`).
 pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
     for (r, extra) in rows.iter_mut().zip(extras) {
-        let p = crate::plan::predict_stack(&crate::bench::stack_args(model, a, extra), &[a.batch]);
-        match p.map(|(p, _)| (p[0].tokens_per_s, p[0].bound.clone())) {
+        let args = crate::bench::stack_args(model, a, extra);
+        let predict = |disk: Option<f64>| {
+            crate::plan::predict_stack(&args, &[a.batch], disk)
+                .map(|(p, _)| (p[0].tokens_per_s, p[0].bound.clone()))
+        };
+        match predict(None) {
             Ok((tok_s, bound)) => {
                 r.predicted_decode_tok_s = Some(tok_s);
                 println!(
@@ -57,7 +62,28 @@ pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras:
             }
             Err(e) => println!("{}: no prediction ({e:#})", r.config),
         }
+        let Some(gbps) = r.disk_gbps_run else { continue };
+        if let Ok((tok_s, bound)) = predict(Some(gbps)) {
+            r.predicted_at_run_disk_tok_s = Some(tok_s);
+            println!(
+                "{}: at the disk rate the loader measured during the run ({gbps:.2} GB/s, reads \
+                 overlapped), {tok_s:.2} predicted (measured ÷ predicted {:.2}; bound by {bound})",
+                r.config,
+                r.decode_tok_s / tok_s.max(1e-9),
+            );
+        }
     }
+}
+
+/// The disk's GB/s between two of the loader's descriptions: bytes read ÷ the wall time a read was
+/// in flight; None under 64 MB read (a few reads time nothing) or with no busy time.
+pub(crate) fn disk_rate(
+    before: &layerstream_rpc::v1::DescribeResponse,
+    after: &layerstream_rpc::v1::DescribeResponse,
+) -> Option<f64> {
+    let bytes = after.disk_bytes.checked_sub(before.disk_bytes)?;
+    let busy = after.disk_busy_seconds - before.disk_busy_seconds;
+    (bytes >= 64 << 20 && busy > 0.0).then(|| bytes as f64 / busy / 1e9)
 }
 
 #[cfg(test)]
@@ -91,9 +117,29 @@ mod tests {
             experts: [0; 4],
             steps: 1,
             predicted_decode_tok_s: None,
+            disk_gbps_run: None,
+            predicted_at_run_disk_tok_s: None,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");
         assert_eq!(t.lines().filter(|l| l.starts_with("| streamed")).count(), 4);
+    }
+
+    /// The disk's rate over a run: the bytes read between two descriptions over the busy seconds
+    /// between them; nothing from a run that read too little to time, or a restarted loader.
+    #[test]
+    fn disk_rate_is_the_bytes_over_the_busy_time_between_two_descriptions() {
+        use layerstream_rpc::v1::DescribeResponse;
+        let d = |bytes: u64, busy: f64| DescribeResponse {
+            disk_bytes: bytes,
+            disk_busy_seconds: busy,
+            disk_seconds: 99.0, // each read's own seconds: not the overlapped rate
+            ..Default::default()
+        };
+        let g = disk_rate(&d(1_000_000_000, 2.0), &d(4_000_000_000, 4.0)).unwrap();
+        assert!((g - 1.5).abs() < 1e-9, "{g}");
+        assert_eq!(disk_rate(&d(0, 0.0), &d(1 << 20, 0.1)), None, "1 MiB: too little");
+        assert_eq!(disk_rate(&d(5 << 30, 9.0), &d(1 << 30, 1.0)), None, "restarted loader");
+        assert_eq!(disk_rate(&d(0, 1.0), &d(1 << 30, 1.0)), None, "no busy time");
     }
 }

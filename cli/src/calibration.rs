@@ -85,18 +85,22 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
 }
 
 /// Measures the figures: the disk over the layer files at each count of `READS_IN_FLIGHT` the
-/// store has files for (at most 512 MiB a count, two files a reader at least, as the loader's
-/// read-ahead reads them), the link (a GPU), the middle layer's and the head's compute.
+/// store has files for (two rounds of at most 512 MiB a count, two files a reader at least, as the
+/// loader's read-ahead reads them, the files taken cyclically across every measurement), the link (a GPU), the middle layer's and the head's compute.
 fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();
     // Both ways the loader can read (O_DIRECT, the page cache): both kept for `plan` to choose
     // between with the cost model (`Figures::read_as`); the faster, by `buffered_pays`, named.
-    let curve = |buffered: bool| -> Result<(ReadMode, layerstream_loader::DiskFigures)> {
+    // One cursor through the files for every measurement: the store read cyclically, as a pass
+    // re-reads its disk tier, never the same few files over and over (`measure_disk`).
+    let mut at = 0;
+    let mut curve = |buffered: bool| -> Result<(ReadMode, layerstream_loader::DiskFigures)> {
         let (mut by_reads, mut disk, mut cpu) = (Vec::new(), None, Vec::new());
         for n in READS_IN_FLIGHT.into_iter().filter(|&n| n == 1 || n <= files.len()) {
-            let d = layerstream_loader::measure_disk(&files, 512 << 20, n, buffered)
+            let d = layerstream_loader::measure_disk(&files, at, 512 << 20, n, buffered)
                 .with_context(|| format!("measuring the disk under {}", store.dir.display()))?;
+            at = d.next;
             by_reads.push((n, d.gbps));
             cpu.push(d.cpu_s_per_gb);
             if n <= layerstream_loader::DEFAULT_PREFETCH_DEPTH + 1 {

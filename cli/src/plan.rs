@@ -127,12 +127,14 @@ pub struct Placement {
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
-/// each of `rows` sequences.
+/// each of `rows` sequences — with the disk at `disk_gbps` where given (`plan --disk-gbps`: the
+/// way of reading and the read-ahead are still chosen from calibration, as `up` chose them).
 pub fn placement(
     a: &crate::up::UpArgs,
     store: &layerstream_model::Store,
     shares: &crate::fit::Shares,
     rows: &[usize],
+    disk_gbps: Option<f64>,
 ) -> Result<Placement> {
     let budget = match layerstream_worker::Device::check(&a.device.compute.device) {
         // One GPU for every worker: the budget each will report — its free memory (or the flag,
@@ -190,7 +192,12 @@ pub fn placement(
     };
     let (buffered, prefetch_depth) = best_reading(&modes, &depths, pass_as);
     let measured = measured.read_as(buffered).unwrap_or(measured);
-    let (figures, layers) = (measured.reading(prefetch_depth + 1), layers_at(prefetch_depth));
+    let figures = measured.reading(prefetch_depth + 1);
+    let figures = match disk_gbps {
+        Some(g) => figures.with_disk(g),
+        None => figures,
+    };
+    let layers = layers_at(prefetch_depth);
     let passes: Vec<_> =
         rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
     let predicted = rows
@@ -242,15 +249,21 @@ pub struct Predicted {
 }
 
 /// The cost model's prediction for the stack `up_args` (an `up` command line) would run, at each
-/// of `rows`: what `bench` prints beside what it measures, and what `up` hands the coordinator
+/// of `rows` (with the disk at `disk_gbps` where given: `--disk-gbps`): what `bench` prints beside what it measures, and what `up` hands the coordinator
 /// for a GPU stack. `layerstream plan --json` answers it in a process of its own, so a GPU's
 /// calibration holds no device context beside the stacks.
-pub fn predict_stack(up_args: &[String], rows: &[usize]) -> Result<(Vec<Predicted>, Reading)> {
+pub fn predict_stack(
+    up_args: &[String],
+    rows: &[usize],
+    disk_gbps: Option<f64>,
+) -> Result<(Vec<Predicted>, Reading)> {
     let batches: Vec<String> = rows.iter().map(usize::to_string).collect();
+    let disk: Vec<String> = disk_gbps.map(|g| format!("--disk-gbps={g}")).into_iter().collect();
     let out = std::process::Command::new(std::env::current_exe()?)
         .arg("plan")
         .args(up_args.iter().skip(1))
         .args(["--json", "--batches", &batches.join(",")])
+        .args(disk)
         .stdin(std::process::Stdio::null())
         .output()?;
     if !out.status.success() {
@@ -290,7 +303,7 @@ pub fn for_up(
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
     let predicted = if a.device.compute.device == "cpu" {
-        placement(a, store, shares, &rows).map(|p| {
+        placement(a, store, shares, &rows, None).map(|p| {
             let each = |p: &Prediction| Predicted {
                 rows: p.rows,
                 pass_s: p.pass_s,
@@ -305,7 +318,7 @@ pub fn for_up(
         if args.first().map(String::as_str) != Some("up") {
             return (None, None); // not started from a command line to hand on
         }
-        predict_stack(&args, &rows)
+        predict_stack(&args, &rows, None)
     };
     match predicted {
         Ok((p, reading)) => {
@@ -343,6 +356,20 @@ pub struct PlanArgs {
     /// Sequences per pass to predict decode at (comma-separated).
     #[arg(long, env = "LAYERSTREAM_PLAN_BATCHES", value_delimiter = ',', default_value = "1,8,64")]
     pub batches: Vec<usize>,
+    /// Predict with the store's disk reading this many GB/s with the loader's reads in flight
+    /// instead of the calibrated figure (the read-ahead and the way of reading are still chosen
+    /// from calibration): `bench` passes the rate the loader measured during its run (bytes ÷ the
+    /// wall time a read was in flight), to tell the cost model's error from the disk's drift.
+    #[arg(long, env = "LAYERSTREAM_PLAN_DISK_GBPS", value_name = "GB_PER_S", value_parser = positive_gbps)]
+    pub disk_gbps: Option<f64>,
+}
+
+/// A disk rate: a finite number of GB/s above 0.
+fn positive_gbps(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
+        _ => Err(format!("{s:?} is not a disk rate: expected GB/s above 0, e.g. 1.5")),
+    }
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -353,7 +380,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
-    let p = placement(&a, &store, &shares, &args.batches)?;
+    let p = placement(&a, &store, &shares, &args.batches, args.disk_gbps)?;
     let m = &store.manifest;
     let t = tiers(&p.layers);
     let workers: Vec<_> = p

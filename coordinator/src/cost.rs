@@ -100,6 +100,18 @@ impl Figures {
         Figures { disk_gbps: self.disk_at(n), ..self.clone() }
     }
 
+    /// These figures with the disk at `gbps` where they had `disk_gbps` (each count of reads in
+    /// flight scaled alike): a prediction at the rate a run measured, to tell the model's error
+    /// from the disk's drift since calibration.
+    pub fn with_disk(&self, gbps: f64) -> Figures {
+        let k = gbps / self.disk_gbps.max(1e-12);
+        Figures {
+            disk_gbps: gbps,
+            disk_by_reads: self.disk_by_reads.iter().map(|&(n, g)| (n, g * k)).collect(),
+            ..self.clone()
+        }
+    }
+
     /// These figures with the loader reading through the page cache (`buffered`) or O_DIRECT, as
     /// calibration measured that mode; None where it was not measured (O_DIRECT refused).
     pub fn read_as(&self, buffered: bool) -> Option<Figures> {
@@ -373,6 +385,22 @@ mod tests {
             read_modes: Vec::new(),
             verify_cpu_s_per_gb: 0.0,
         }
+    }
+
+    /// A disk-bound pass predicted at half the disk's rate takes twice as long on disk; the curve
+    /// by reads in flight scales alike; compute is untouched.
+    #[test]
+    fn with_disk_rescales_every_disk_figure_and_nothing_else() {
+        let mut f = figures(0.001, 0.001, 2.0, None);
+        f.disk_by_reads = vec![(1, 1.0), (3, 2.0)];
+        let pass = [(Source::Disk, 1_000_000_000), (Source::Disk, 1_000_000_000)];
+        let slow = f.with_disk(1.0);
+        assert_eq!(slow.disk_by_reads, vec![(1, 0.5), (3, 1.0)]);
+        assert_eq!(slow.disk_at(3), 1.0);
+        let (a, b) = (predict(&f, &pass, 1, 2, 1), predict(&slow, &pass, 1, 2, 1));
+        assert!((b.disk_s - 2.0 * a.disk_s).abs() < 1e-9, "{} vs {}", b.disk_s, a.disk_s);
+        assert_eq!(a.compute_s, b.compute_s);
+        assert!(b.pass_s > 1.9 * a.pass_s, "disk-bound: {} vs {}", b.pass_s, a.pass_s);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! one scrape of the coordinator sees every process. Also keeps the last steps for the live page.
 
 use layerstream_model::sync::lock;
-use layerstream_rpc::v1::{FinishReason, InfoResponse};
+use layerstream_rpc::v1::{FinishReason, InfoResponse, LoaderStats};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -70,9 +70,9 @@ pub struct Metrics {
     loader_misses: Family<Labels, Counter>,
     loader_disk_bytes: Family<Labels, Counter>,
     loader_disk_seconds: Family<Labels, FCounter>,
-    /// Per loader namespace: the last (hits, misses, disk bytes, disk seconds) seen, to add only
-    /// what is new.
-    loaders: Mutex<HashMap<String, (u64, u64, u64, f64)>>,
+    loader_disk_busy: Family<Labels, FCounter>,
+    /// Per loader namespace: the counters last seen, to add only what is new.
+    loaders: Mutex<HashMap<String, LoaderStats>>,
     recent: Mutex<VecDeque<StepView>>,
     /// The cost model's decode pass time by batch (`--predicted-pass`), and the decode steps' wall
     /// seconds beside their predicted seconds.
@@ -141,6 +141,7 @@ impl Metrics {
             loader_misses: Family::default(),
             loader_disk_bytes: Family::default(),
             loader_disk_seconds: Family::default(),
+            loader_disk_busy: Family::default(),
             loaders: Mutex::default(),
             recent: Mutex::default(),
             predicted,
@@ -348,8 +349,14 @@ impl Metrics {
         );
         r.register(
             "loader_disk_read_seconds",
-            "Seconds the loader's disk reads took",
+            "Seconds the loader's disk reads took, each read's own (÷ into the bytes: GB/s per read)",
             self.loader_disk_seconds.clone(),
+        );
+        r.register(
+            "loader_disk_busy_seconds",
+            "Wall seconds with at least one of the loader's disk reads in flight (÷ into the bytes: \
+             the disk's GB/s with the reads overlapped, the cost model's disk figure)",
+            self.loader_disk_busy.clone(),
         );
     }
 
@@ -534,14 +541,16 @@ impl Metrics {
         let last = seen.entry(ld.namespace.clone()).or_default();
         // A restarted loader counts from 0 again: add what it has counted since.
         let add = |now: u64, before: u64| if now >= before { now - before } else { now };
+        let addf = |now: f64, before: f64| if now >= before { now - before } else { now };
         let ll = vec![("loader", ld.namespace.clone())];
-        self.loader_hits.get_or_create(&ll).inc_by(add(ld.hits, last.0));
-        self.loader_misses.get_or_create(&ll).inc_by(add(ld.misses, last.1));
-        self.loader_disk_bytes.get_or_create(&ll).inc_by(add(ld.disk_bytes, last.2));
-        let secs =
-            if ld.disk_seconds >= last.3 { ld.disk_seconds - last.3 } else { ld.disk_seconds };
+        self.loader_hits.get_or_create(&ll).inc_by(add(ld.hits, last.hits));
+        self.loader_misses.get_or_create(&ll).inc_by(add(ld.misses, last.misses));
+        self.loader_disk_bytes.get_or_create(&ll).inc_by(add(ld.disk_bytes, last.disk_bytes));
+        let secs = addf(ld.disk_seconds, last.disk_seconds);
         self.loader_disk_seconds.get_or_create(&ll).inc_by(secs);
-        *last = (ld.hits, ld.misses, ld.disk_bytes, ld.disk_seconds);
+        let busy = addf(ld.disk_busy_seconds, last.disk_busy_seconds);
+        self.loader_disk_busy.get_or_create(&ll).inc_by(busy);
+        *last = ld.clone();
     }
 
     /// The exposition text (OpenMetrics, which Prometheus reads).

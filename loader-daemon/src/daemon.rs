@@ -60,6 +60,8 @@ pub struct Daemon {
     /// Bytes read from disk and the nanoseconds the reads took (the disk tier's figures).
     disk_bytes: AtomicU64,
     disk_ns: AtomicU64,
+    /// Wall time with at least one read in flight (the disk's rate with reads overlapped).
+    busy: Mutex<crate::pool::Busy>,
     /// Check every read from disk (`--verify-every-read`), not only a file's first.
     pub(crate) verify_every_read: bool,
     /// Each unit's file as it was when a read of it last passed its check (`stamp`): a later read
@@ -130,6 +132,7 @@ impl Daemon {
             misses: AtomicU64::new(0),
             disk_bytes: AtomicU64::new(0),
             disk_ns: AtomicU64::new(0),
+            busy: Mutex::new(crate::pool::Busy::default()),
             verify_every_read: false,
             checked: Mutex::new(HashMap::new()),
             checks: AtomicU64::new(0),
@@ -151,6 +154,11 @@ impl Daemon {
     /// Files whose reads passed their check (plain data: a poisoned lock is taken over).
     fn checked(&self) -> MutexGuard<'_, HashMap<u32, Stamp>> {
         self.checked.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The disk's busy clock (plain data: a poisoned lock is taken over).
+    fn busy(&self) -> MutexGuard<'_, crate::pool::Busy> {
+        self.busy.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Workers' cyclic layer orders (plain data: a poisoned lock is taken over).
@@ -228,6 +236,7 @@ impl Daemon {
             // The file's stamp before the read, where reads are checked at all.
             let before = if me.store.verify { stamp(&path) } else { None };
             let t = Instant::now();
+            me.busy().begin(t);
             // SAFETY: the pool marked this slot Loading: nobody holds a pin and no other load targets it.
             let dst = unsafe { me.slots[slot].bytes_mut() };
             let r = read_into(&path, dst, me.direct).or_else(|e| {
@@ -237,6 +246,7 @@ impl Daemon {
                     Err(e)
                 }
             });
+            me.busy().end(Instant::now());
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let n = r.map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
             me.disk_bytes.fetch_add(n as u64, Ordering::Relaxed);
@@ -420,6 +430,7 @@ impl Loader for LoaderService {
             misses: d.misses.load(Ordering::Relaxed),
             disk_bytes: d.disk_bytes.load(Ordering::Relaxed),
             disk_seconds: d.disk_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            disk_busy_seconds: d.busy().seconds(Instant::now()),
         }))
     }
 
@@ -566,5 +577,11 @@ mod tests {
         assert!(ready(&d, 3).await, "the release made room and the read-ahead took it");
         assert!(d.release("w", 0).is_err(), "layer 0 is no longer pinned");
         assert_eq!(d.misses.load(Ordering::Relaxed), 4);
+        // The disk's clocks: each read's own seconds, and the wall time a read was in flight —
+        // no more than their sum (reads overlapped), above 0, and nothing left open.
+        let (per_read, busy) =
+            (d.disk_ns.load(Ordering::Relaxed) as f64 / 1e9, d.busy().seconds(Instant::now()));
+        assert!(busy > 0.0 && busy <= per_read + 1e-6, "busy {busy} s, reads {per_read} s");
+        assert_eq!(d.busy().seconds(Instant::now()), busy, "no read in flight");
     }
 }

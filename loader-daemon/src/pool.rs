@@ -33,6 +33,43 @@ pub enum Acquire {
     Full,
 }
 
+/// The disk's busy time: wall time while at least one read is in flight. Bytes read ÷ these
+/// seconds is the disk's rate as the loader drove it, reads in flight together (the figure the cost
+/// model's `disk_gbps` stands for); bytes ÷ the sum of each read's own seconds is the rate per read.
+#[derive(Debug, Default)]
+pub struct Busy {
+    in_flight: usize,
+    since: Option<std::time::Instant>,
+    total: std::time::Duration,
+}
+
+impl Busy {
+    /// A read starts at `now`.
+    pub fn begin(&mut self, now: std::time::Instant) {
+        if self.in_flight == 0 {
+            self.since = Some(now);
+        }
+        self.in_flight += 1;
+    }
+
+    /// A read ends at `now` (one `begin` each).
+    pub fn end(&mut self, now: std::time::Instant) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if self.in_flight == 0 {
+            if let Some(s) = self.since.take() {
+                self.total += now.saturating_duration_since(s);
+            }
+        }
+    }
+
+    /// Seconds busy up to `now`, a read in flight counted to `now`.
+    pub fn seconds(&self, now: std::time::Instant) -> f64 {
+        let open =
+            self.since.map_or(std::time::Duration::ZERO, |s| now.saturating_duration_since(s));
+        (self.total + open).as_secs_f64()
+    }
+}
+
 /// Slot bookkeeping.
 #[derive(Debug)]
 pub struct Pool {
@@ -229,6 +266,26 @@ pub fn check_shm_room(n: usize, slot_size: usize, free: Option<u64>) -> crate::R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Overlapping reads count once: busy from the first start to the last end, gaps excluded; a
+    /// read still in flight counts up to now.
+    #[test]
+    fn busy_counts_wall_time_with_a_read_in_flight_once() {
+        use std::time::{Duration, Instant};
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut b = Busy::default();
+        b.begin(at(0));
+        b.begin(at(10));
+        b.end(at(30));
+        assert!((b.seconds(at(40)) - 0.040).abs() < 1e-9, "one read still in flight");
+        b.end(at(50));
+        b.begin(at(100)); // a 50 ms gap with nothing read
+        b.end(at(120));
+        assert!((b.seconds(at(500)) - 0.070).abs() < 1e-9, "{}", b.seconds(at(500)));
+        b.end(at(130)); // an unmatched end changes nothing
+        assert!((b.seconds(at(500)) - 0.070).abs() < 1e-9);
+    }
 
     /// No order known: every layer is "never needed", so ties fall back to LRU.
     fn lru(_: u32) -> usize {

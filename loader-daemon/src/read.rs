@@ -59,7 +59,8 @@ pub fn direct_supported(file: &Path) -> bool {
     std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(file).is_ok()
 }
 
-/// What a store's disk delivered: GB/s over whole files and one 4 KiB read's latency.
+/// What a store's disk delivered: GB/s over whole files (`bytes` of them, both rounds) and one
+/// 4 KiB read's latency.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DiskFigures {
     pub gbps: f64,
@@ -69,19 +70,27 @@ pub struct DiskFigures {
     /// CPU seconds the reading threads spent per GB read (their own clocks: a buffered read copies
     /// every byte out of the page cache on the reader's core; O_DIRECT's DMA costs little).
     pub cpu_s_per_gb: f64,
+    /// The file a following measurement starts at (`measure_disk`'s `start`).
+    pub next: usize,
 }
 
-/// Reads `files` (until `max_bytes`, and at least two files per reader where there are that many)
-/// as the loader does — O_DIRECT where the filesystem allows it (or, `buffered`, through the page
-/// cache, each file's pages dropped once read, as `--buffered-reads`), into page-aligned buffers
-/// (anonymous shared-memory regions, touched before the clock starts, as the loader's slots are),
-/// `readers` files at a time as its read-ahead keeps that many reads in flight — and times the
-/// faster of two rounds over the same files: a streamed pass re-reads the same files every pass, so
-/// the second round sees what the stack's later passes see from whatever sits below this machine.
-/// Then times a 4 KiB read at the start of the first file. Run with the page cache dropped for the
-/// disk's own figures (O_DIRECT bypasses it anyway).
+/// Reads the layer files as the loader does — O_DIRECT where the filesystem allows it (or,
+/// `buffered`, through the page cache, each file's pages dropped once read, as `--buffered-reads`),
+/// into page-aligned buffers (anonymous shared-memory regions, touched before the clock starts, as
+/// the loader's slots are), `readers` files at a time as its read-ahead keeps that many reads in
+/// flight — in two rounds, each a window of whole files taken in order from `files` starting at
+/// `start` and wrapping round (until `max_bytes`, and at least two files a reader where there are
+/// that many), the second window going on where the first stopped. The rate is both rounds' bytes
+/// over their seconds; `next` is where a following measurement goes on. A calibration that carries
+/// `next` along reads the store's files cyclically, as a streamed pass re-reads its disk tier:
+/// each file is read again only after the others, never twice in a row from whatever cache sits
+/// below this machine (a VM's host cached the few files every measurement re-read, and the
+/// calibration saw 1.9 GB/s where the stack's passes got 0.8). Then times a 4 KiB read at the start
+/// of the first file. Run with the page cache dropped for the disk's own figures (O_DIRECT bypasses
+/// it anyway).
 pub fn measure_disk(
     files: &[std::path::PathBuf],
+    start: usize,
     max_bytes: u64,
     readers: usize,
     buffered: bool,
@@ -92,17 +101,7 @@ pub fn measure_disk(
         files.iter().filter_map(|f| f.metadata().ok()).map(|m| m.len()).max().unwrap_or(0);
     let len = (largest.div_ceil(4096) * 4096).max(4096) as usize;
     let readers = readers.max(1);
-    // The files to read: whole ones, until `max_bytes` (but two a reader at least).
-    let (mut take, mut bytes) = (Vec::new(), 0u64);
-    for f in files {
-        if bytes >= max_bytes && take.len() >= 2 * readers {
-            break;
-        }
-        bytes += f.metadata()?.len();
-        take.push(f.clone());
-    }
-    let readers = readers.min(take.len().max(1));
-    let bufs = (0..readers)
+    let bufs = (0..readers.min(files.len()))
         .map(|i| {
             let name = format!("layerstream-calibrate-{}-{i}", std::process::id());
             let r = layerstream_shm::ShmRegion::create(&name, len)?;
@@ -111,8 +110,13 @@ pub fn measure_disk(
             Ok(r)
         })
         .collect::<io::Result<Vec<_>>>()?;
-    let (a, b) = (read_round(&take, &bufs, direct)?, read_round(&take, &bufs, direct)?);
-    let (secs, cpu) = if a.0 <= b.0 { a } else { b };
+    let (mut at, mut bytes, mut secs, mut cpu) = (start % files.len(), 0u64, 0.0, 0.0);
+    for _ in 0..2 {
+        let (take, b) = window(files, at, max_bytes, 2 * readers)?;
+        at = (at + take.len()) % files.len();
+        let (s, c) = read_round(&take, &bufs[..readers.min(take.len())], direct)?;
+        (bytes, secs, cpu) = (bytes + b, secs + s, cpu + c);
+    }
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     if direct {
@@ -125,8 +129,27 @@ pub fn measure_disk(
     f.read_exact(&mut dst[..4096])?;
     let latency_ms = t1.elapsed().as_secs_f64() * 1e3;
     let gb = bytes as f64 / 1e9;
-    let gbps = gb / secs.max(1e-9);
-    Ok(DiskFigures { gbps, latency_ms, direct, bytes, cpu_s_per_gb: cpu / gb.max(1e-9) })
+    let gbps = gb / f64::max(secs, 1e-9);
+    Ok(DiskFigures { gbps, latency_ms, direct, bytes, cpu_s_per_gb: cpu / gb.max(1e-9), next: at })
+}
+
+/// Whole files of `files` from `at` on, wrapping round, until `max_bytes` and at least `min_files`
+/// (never more than every file once), and their bytes.
+fn window(
+    files: &[std::path::PathBuf],
+    at: usize,
+    max_bytes: u64,
+    min_files: usize,
+) -> io::Result<(Vec<std::path::PathBuf>, u64)> {
+    let (mut take, mut bytes) = (Vec::new(), 0u64);
+    for f in files.iter().cycle().skip(at).take(files.len()) {
+        if bytes >= max_bytes && take.len() >= min_files {
+            break;
+        }
+        bytes += f.metadata()?.len();
+        take.push(f.clone());
+    }
+    Ok((take, bytes))
 }
 
 /// CPU seconds the calling thread has run.
@@ -184,19 +207,19 @@ mod tests {
                 p
             })
             .collect();
-        let d = measure_disk(&files, 2 << 20, 1, false).unwrap();
-        assert_eq!(d.bytes, 2 << 20, "stops once max_bytes are read");
+        // Two rounds of two files (two a reader at least), the second going on where the first
+        // stopped: files 0, 1 then 2, 0.
+        let d = measure_disk(&files, 0, 2 << 20, 1, false).unwrap();
+        assert_eq!((d.bytes, d.next), (4 << 20, 1), "stops once max_bytes are read: {d:?}");
         assert!(d.gbps > 0.0 && d.latency_ms >= 0.0);
-        assert_eq!(
-            measure_disk(&files, 64 << 20, 2, false).unwrap().bytes,
-            3 << 20,
-            "two at a time"
-        );
-        assert_eq!(measure_disk(&files, 1, 1, false).unwrap().bytes, 2 << 20, "two files a reader");
-        assert!(measure_disk(&[], 1, 1, false).is_err());
-        let b = measure_disk(&files, 64 << 20, 2, true).unwrap();
-        assert!(!b.direct && b.bytes == 3 << 20 && b.gbps > 0.0, "buffered: {b:?}");
-        // Copying 3 MiB out of the page cache takes the readers some CPU time, and not more than
+        let two = measure_disk(&files, 2, 64 << 20, 2, false).unwrap();
+        assert_eq!((two.bytes, two.next), (6 << 20, 2), "every file once a round, from file 2");
+        let one = measure_disk(&files, 1, 1, 1, false).unwrap();
+        assert_eq!((one.bytes, one.next), (4 << 20, 2), "two files a reader: 1, 2 then 0, 1");
+        assert!(measure_disk(&[], 0, 1, 1, false).is_err());
+        let b = measure_disk(&files, 0, 64 << 20, 2, true).unwrap();
+        assert!(!b.direct && b.bytes == 6 << 20 && b.gbps > 0.0, "buffered: {b:?}");
+        // Copying 6 MiB out of the page cache takes the readers some CPU time, and not more than
         // the round's whole wall time on every core.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         let cpu = b.cpu_s_per_gb * b.bytes as f64 / 1e9;

@@ -72,6 +72,7 @@ async fn loader_stats(s: &WorkerState) -> Option<LoaderStats> {
             pinned: d.pinned,
             disk_bytes: d.disk_bytes,
             disk_seconds: d.disk_seconds,
+            disk_busy_seconds: d.disk_busy_seconds,
         })
     };
     tokio::time::timeout(std::time::Duration::from_secs(1), ask).await.ok().flatten()

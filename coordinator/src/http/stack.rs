@@ -93,7 +93,8 @@ pub async fn stack(State(h): State<Arc<Http>>) -> Response {
 }
 
 /// The loader's tiers as the page shows them: acquires served from a slot (the RAM tier) and read
-/// from disk, the hit rate, and the disk's bytes, seconds and GB/s since start.
+/// from disk, the hit rate, and the disk's bytes, seconds and GB/s since start (per read, and with
+/// the reads overlapped: over the wall time a read was in flight).
 fn tiers(l: &layerstream_rpc::v1::LoaderStats) -> serde_json::Value {
     let acquires = l.hits + l.misses;
     json!({
@@ -103,6 +104,9 @@ fn tiers(l: &layerstream_rpc::v1::LoaderStats) -> serde_json::Value {
         "disk_bytes": l.disk_bytes,
         "disk_seconds": l.disk_seconds,
         "disk_gbps": (l.disk_seconds > 0.0).then(|| l.disk_bytes as f64 / l.disk_seconds / 1e9),
+        "disk_busy_seconds": l.disk_busy_seconds,
+        "disk_gbps_overlapped": (l.disk_busy_seconds > 0.0)
+            .then(|| l.disk_bytes as f64 / l.disk_busy_seconds / 1e9),
     })
 }
 

@@ -33,6 +33,7 @@ fn exposition_names_are_prefixed_and_counts_add_up() {
             pinned: 0,
             disk_bytes: 3000,
             disk_seconds: 0.5,
+            disk_busy_seconds: 0.25,
         }),
         ..Default::default()
     };
@@ -55,6 +56,7 @@ fn exposition_names_are_prefixed_and_counts_add_up() {
     has("layerstream_loader_cache_misses_total{loader=\"ns\"} 2");
     has("layerstream_loader_disk_read_bytes_total{loader=\"ns\"} 3000");
     has("layerstream_loader_disk_read_seconds_total{loader=\"ns\"} 0.5");
+    has("layerstream_loader_disk_busy_seconds_total{loader=\"ns\"} 0.25");
     has("layerstream_time_per_output_token_seconds_count 1");
     assert_eq!(m.recent().len(), 1);
     assert!(text.ends_with("# EOF\n"));
