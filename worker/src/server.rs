@@ -34,10 +34,10 @@ pub struct ComputeFlags {
     /// `--exact`.
     #[arg(long, env = "LAYERSTREAM_INT8_ACTIVATIONS")]
     pub int8_activations: bool,
-    /// f32 activations everywhere: tokens reproduce transformers (and do not depend on what a
-    /// sequence is batched with). Without it the CPU multiplies quantized weights by 8-bit
-    /// activations in decode and short steps, the vocabulary projection excepted (faster; measured
-    /// +0.24% perplexity on SmolLM2 Q4_1, +0.13% on Gemma 3 270M Q4_K_M).
+    /// f32 activations everywhere: tokens reproduce transformers. Without it the CPU multiplies
+    /// quantized weights by 8-bit activations in every step, the vocabulary projection excepted
+    /// (faster, and as independent of what a sequence is batched with; measured +0.21% perplexity
+    /// on SmolLM2 Q4_1, +0.26% on Gemma 3 270M Q4_K_M).
     #[arg(long, env = "LAYERSTREAM_EXACT")]
     pub exact: bool,
 }
