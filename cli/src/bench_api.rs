@@ -135,8 +135,7 @@ async fn round(grpc: &str, http: Option<&str>, a: &BenchArgs, vocab: usize) -> R
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    layerstream_types::stats::median(&mut v)
 }
 
 /// Runs the comparison on a fully resident stack (where the API's own cost shows most) and prints

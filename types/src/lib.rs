@@ -9,6 +9,7 @@ pub mod fp8;
 pub mod mem;
 pub mod random;
 pub mod rope;
+pub mod stats;
 pub mod sync;
 
 pub use cache::cache_dir;
