@@ -86,7 +86,8 @@ pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result
 
 /// Measures the figures: the disk over the layer files at each count of `READS_IN_FLIGHT` the
 /// store has files for (two rounds of at most 512 MiB a count, two files a reader at least, as the
-/// loader's read-ahead reads them, the files taken cyclically across every measurement), the link (a GPU), the middle layer's and the head's compute.
+/// loader's read-ahead reads them, the files taken cyclically across every measurement), the link
+/// (a GPU), the middle layer's and the head's compute.
 fn measure(store: &Store, device: &DeviceFlags) -> Result<Figures> {
     let cfg = &store.manifest.config;
     let files: Vec<_> = (0..cfg.num_layers).map(|l| store.dir.join(layer_file(l))).collect();

@@ -249,9 +249,10 @@ pub struct Predicted {
 }
 
 /// The cost model's prediction for the stack `up_args` (an `up` command line) would run, at each
-/// of `rows` (with the disk at `disk_gbps` where given: `--disk-gbps`): what `bench` prints beside what it measures, and what `up` hands the coordinator
-/// for a GPU stack. `layerstream plan --json` answers it in a process of its own, so a GPU's
-/// calibration holds no device context beside the stacks.
+/// of `rows` (with the disk at `disk_gbps` where given: `--disk-gbps`): what `bench` prints
+/// beside what it measures, and what `up` hands the coordinator for a GPU stack. `layerstream plan
+/// --json` answers it in a process of its own, so a GPU's calibration holds no device context
+/// beside the stacks.
 pub fn predict_stack(
     up_args: &[String],
     rows: &[usize],

@@ -539,16 +539,13 @@ impl Metrics {
         let Some(ld) = &info.loader else { return };
         let mut seen = lock(&self.loaders);
         let last = seen.entry(ld.namespace.clone()).or_default();
-        // A restarted loader counts from 0 again: add what it has counted since.
-        let add = |now: u64, before: u64| if now >= before { now - before } else { now };
-        let addf = |now: f64, before: f64| if now >= before { now - before } else { now };
         let ll = vec![("loader", ld.namespace.clone())];
-        self.loader_hits.get_or_create(&ll).inc_by(add(ld.hits, last.hits));
-        self.loader_misses.get_or_create(&ll).inc_by(add(ld.misses, last.misses));
-        self.loader_disk_bytes.get_or_create(&ll).inc_by(add(ld.disk_bytes, last.disk_bytes));
-        let secs = addf(ld.disk_seconds, last.disk_seconds);
+        self.loader_hits.get_or_create(&ll).inc_by(since(ld.hits, last.hits));
+        self.loader_misses.get_or_create(&ll).inc_by(since(ld.misses, last.misses));
+        self.loader_disk_bytes.get_or_create(&ll).inc_by(since(ld.disk_bytes, last.disk_bytes));
+        let secs = since(ld.disk_seconds, last.disk_seconds);
         self.loader_disk_seconds.get_or_create(&ll).inc_by(secs);
-        let busy = addf(ld.disk_busy_seconds, last.disk_busy_seconds);
+        let busy = since(ld.disk_busy_seconds, last.disk_busy_seconds);
         self.loader_disk_busy.get_or_create(&ll).inc_by(busy);
         *last = ld.clone();
     }
@@ -564,6 +561,16 @@ impl Metrics {
 
 /// The content type of `encode`'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What a loader's counter added since it read `before`: a restarted loader counts from 0 again,
+/// so a count below `before` is all new.
+fn since<T: PartialOrd + std::ops::Sub<Output = T>>(now: T, before: T) -> T {
+    if now >= before {
+        now - before
+    } else {
+        now
+    }
+}
 
 #[cfg(test)]
 mod tests;

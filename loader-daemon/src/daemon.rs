@@ -246,8 +246,9 @@ impl Daemon {
                     Err(e)
                 }
             });
-            me.busy().end(Instant::now());
-            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let t1 = Instant::now();
+            me.busy().end(t1);
+            let ms = (t1 - t).as_secs_f64() * 1e3;
             let n = r.map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
             me.disk_bytes.fetch_add(n as u64, Ordering::Relaxed);
             me.disk_ns.fetch_add((ms * 1e6) as u64, Ordering::Relaxed);
