@@ -4,7 +4,8 @@
 //! rows on the worker's device — measured once and cached per host and store under the cache root
 //! (`calibration/<key>.json`). The key names everything that changes
 //! the figures (host, CPU, cores, device, threads, precision, the store's files, the store's
-//! filesystem, this build); a changed key or `--recalibrate` measures again.
+//! filesystem, this build, how the figures are measured: `METHOD`); a changed key or
+//! `--recalibrate` measures again.
 
 use anyhow::{Context, Result};
 use layerstream_coordinator::cost::{
@@ -19,6 +20,14 @@ use std::path::PathBuf;
 
 /// Row counts one layer's compute is measured at.
 pub const ROWS: [usize; 3] = [1, 8, 64];
+
+/// How the figures are measured, in the key: a cache written by an earlier way of measuring is
+/// measured again rather than trusted. 1: the first five layer files re-read, the fastest of two
+/// compute runs; 2: the store read cyclically (a VM host had cached those five files: 1.89 GB/s
+/// calibrated where passes got 0.81); 3: each compute figure the median of 0.3 s of runs (the
+/// fastest of two read an 8B layer at 8 rows 26 ms where passes took 38-44). Bump it with any change
+/// to `measure` or what it calls.
+pub const METHOD: u32 = 3;
 
 /// A cache file: the key it was measured under and the figures.
 #[derive(Serialize, Deserialize)]
@@ -60,7 +69,7 @@ fn path_for(key: &str) -> PathBuf {
 /// whether they came from the cache.
 pub fn figures(store: &Store, device: &DeviceFlags, recalibrate: bool) -> Result<(Figures, bool)> {
     let key = format!(
-        "{} reads={:?} modes=direct,buffered,cpu,verify",
+        "{} reads={:?} modes=direct,buffered,cpu,verify method={METHOD}",
         key(store, device),
         READS_IN_FLIGHT
     );
@@ -234,5 +243,23 @@ mod tests {
         assert!(!figures(&b, &dev, false).unwrap().1, "another store, another key");
         assert_ne!(key(&a, &dev), key(&b, &dev));
         assert_eq!(std::fs::read_dir(cache.join("calibration")).unwrap().count(), 2);
+        // A cache file of an earlier way of measuring (its key names another method) is not
+        // trusted: measured again, and the new figures cached beside it.
+        let path = std::fs::read_dir(cache.join("calibration"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                let c: Cached = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+                c.key.starts_with(&key(&a, &dev))
+            })
+            .unwrap();
+        let mut c: Cached = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert!(c.key.ends_with(&format!(" method={METHOD}")), "{}", c.key);
+        c.key = c.key.replace(&format!("method={METHOD}"), &format!("method={}", METHOD - 1));
+        let old = path_for(&c.key);
+        std::fs::write(&old, serde_json::to_vec(&c).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(!figures(&a, &dev, false).unwrap().1, "an earlier method's figures measured again");
+        assert!(figures(&a, &dev, false).unwrap().1, "and this method's cached");
     }
 }

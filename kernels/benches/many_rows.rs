@@ -6,7 +6,8 @@
 //! from `int8::LANES_FROM` rows, from `NARROW_FROM` for some formats) — in activation rows per
 //! second, with the ratios; best of five.
 //! The 8-bit ways give the same bits; the f32 way does not. `MANY_ROWS_TYPES=q4_k,q8_0` and
-//! `MANY_ROWS_M=64,512` run a part of the table.
+//! `MANY_ROWS_M=64,512` run a part of the table; `MANY_ROWS_SHAPE=4096x14336` (n × k) another
+//! matrix (that one an 8B model's FFN down projection: rows of 14336 values).
 
 use layerstream_kernels::cpu::int8::set_lanes;
 use layerstream_kernels::cpu::matmul;
@@ -16,8 +17,12 @@ mod common;
 use common::best;
 
 fn main() {
-    let (n, k) = (4096usize, 4096usize);
-    println!("threads: {}", rayon::current_num_threads());
+    let shape = std::env::var("MANY_ROWS_SHAPE").unwrap_or_else(|_| "4096x4096".into());
+    let (n, k) = shape
+        .split_once('x')
+        .and_then(|(n, k)| Some((n.parse::<usize>().ok()?, k.parse::<usize>().ok()?)))
+        .expect("MANY_ROWS_SHAPE is n x k, as 4096x14336");
+    println!("threads: {}, weights {n} x {k}", rayon::current_num_threads());
     println!("| weights | rows m | f32 rows/s | int8 row-by-row rows/s | int8 lanes rows/s | lanes / f32 | lanes / row-by-row |");
     println!("|---|---|---|---|---|---|---|");
     let pick = |var: &str| {
