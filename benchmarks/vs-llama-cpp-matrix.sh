@@ -8,9 +8,11 @@
 #     downloaded, concatenated, sha256 checked),
 #   - the Llama-3-8B-shaped synthetic file with 4 layers (`layerstream synth --gguf`).
 #
-#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold] [--prompts "64 512"] [--isa avx2]
+#   benchmarks/vs-llama-cpp-matrix.sh [--rounds 2] [--threads 2] [--only NAME] [--cold] [--prompts "64 512"] [--isa avx2|avx512]
 # --isa avx2: both engines as a CPU without AVX-512 runs them (LAYERSTREAM_CPU_ISA=avx2, llama.cpp
 # built with AVX2/FMA/F16C only: LLAMA_CPP_ISA=avx2), to measure the AVX2 kernels on an AVX-512 host.
+# --isa avx512: layerstream without AMX tiles (LAYERSTREAM_CPU_ISA=avx512) beside the same llama.cpp
+# (built without AMX where the CPU has it: benchmarks/llama-cpp.sh), to measure what the tiles add.
 # Timed warm, as llama-bench times (--cold: each tool's first prompt; see vs-llama-cpp.sh).
 # Prints markdown; commit it under benchmarks/ with the machine named.
 set -euo pipefail
@@ -30,7 +32,8 @@ done
 case "$isa" in
     native) ;;
     avx2) export LAYERSTREAM_CPU_ISA=avx2 LLAMA_CPP_ISA=avx2 ;;
-    *) echo "--isa $isa: expected native or avx2" >&2; exit 2 ;;
+    avx512) export LAYERSTREAM_CPU_ISA=avx512 ;;
+    *) echo "--isa $isa: expected native, avx512 or avx2" >&2; exit 2 ;;
 esac
 cache=${LAYERSTREAM_CACHE:-$HOME/.cache/layerstream}
 ls=${LAYERSTREAM_BIN:-target/release/layerstream}

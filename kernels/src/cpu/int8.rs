@@ -57,6 +57,7 @@ const QK: usize = 32;
 
 /// An activation row in blocks of 32: per block a scale `d`, 32 signed values `q` (x ≈ d·q), and
 /// `d·Σq` (for formats with an offset: the offset times it is the block's offset term).
+#[derive(Clone)]
 pub struct Q8Row {
     pub(super) d: Vec<f32>,
     pub(super) q: Vec<i8>,

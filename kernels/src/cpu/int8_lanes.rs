@@ -49,24 +49,28 @@ struct Bytes64([u8; 64]);
 /// Sixteen lanes of f32 (or two units' worth of eight lanes).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct F32x16([f32; 16]);
+pub(super) struct F32x16([f32; 16]);
 
 /// Up to `width` (16 or 8) quantized activation rows interleaved: for unit i and t in 0..8, the
 /// four values 4t..4t+4 of each row as bytes (unsigned, q + 128, for `Isa::Vnni`; signed for
 /// `Isa::Avx2`) in its lane, `4·width` bytes at byte `4·width·(8i + t)` of `x`; per unit the rows'
 /// scales and d·Σq, `width` floats at float `width·i` of `dx` and `ds`. Rows past the real ones
 /// are zeros with scale 0.
-struct Group {
-    rows: usize,
-    width: usize,
+pub(super) struct Group {
+    pub(super) rows: usize,
+    pub(super) width: usize,
     x: Vec<Bytes64>,
-    dx: Vec<F32x16>,
-    ds: Vec<F32x16>,
+    pub(super) dx: Vec<F32x16>,
+    pub(super) ds: Vec<F32x16>,
+    /// For AMX tiles (`int8_amx`): the rows one after another, `int8_amx::row_stride` bytes
+    /// apart, as unsigned bytes (q + 128), sixteen rows (those past the real ones q = 0); else
+    /// empty.
+    pub(super) xa: Vec<u8>,
 }
 
 impl Group {
     /// `rows` (at most 16; 8 for `Isa::Avx2`) interleaved, in eight lanes where they fit.
-    fn new(rows: &[Q8Row], units: usize, isa: Isa) -> Group {
+    fn new(rows: &[Q8Row], units: usize, isa: Isa, amx: bool) -> Group {
         let width = if rows.len() <= HALF { HALF } else { LANES };
         let per = width / HALF; // a unit is 4·per 64-byte blocks of x, per/2 of dx and ds
                                 // q + 128 for `Isa::Vnni` (zeros padding the lanes past the real rows too).
@@ -77,7 +81,17 @@ impl Group {
             x: vec![Bytes64([bias; 64]); units * 4 * per],
             dx: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
             ds: vec![F32x16([0.0; 16]); (units * per).div_ceil(2)],
+            xa: Vec::new(),
         };
+        if amx {
+            let (k, stride) = (32 * units, super::int8_amx::row_stride(units));
+            g.xa = vec![0x80; LANES * stride];
+            for (row, xa) in rows.iter().zip(g.xa.chunks_exact_mut(stride)) {
+                for (o, &q) in xa.iter_mut().zip(&row.q[..k]) {
+                    *o = (q as u8) ^ 0x80;
+                }
+            }
+        }
         let x = g.x.as_mut_ptr() as *mut u8;
         let (dx, ds) = (g.dx.as_mut_ptr() as *mut f32, g.ds.as_mut_ptr() as *mut f32);
         for (lane, row) in rows.iter().enumerate() {
@@ -108,22 +122,42 @@ pub struct Q8Lanes {
     units: usize,
     isa: Isa,
     few: Vec<Q8Row>,
+    /// Whether the groups hold their rows for AMX tiles too (`int8_amx`).
+    amx: bool,
 }
 
 impl Q8Lanes {
     /// Interleaves `xs` (each of `units` 32-value blocks at least) in groups for this CPU's
     /// instructions (`isa()`: one `available()`).
     pub fn new(xs: Vec<Q8Row>, units: usize) -> Q8Lanes {
-        Q8Lanes::for_isa(xs, units, isa().expect("int8_lanes::available()"))
+        let isa = isa().expect("int8_lanes::available()");
+        let amx = isa == Isa::Vnni && xs.len() >= super::int8_amx::AMX_FROM;
+        Q8Lanes::laid_out(xs, units, isa, amx && super::int8_amx::available())
     }
 
-    /// As `new`, laid out for `isa` (which the CPU must run: `Isa::Avx2` wherever `Isa::Vnni`).
+    /// As `new`, laid out for `isa` (which the CPU must run: `Isa::Avx2` wherever `Isa::Vnni`),
+    /// without AMX.
     pub fn for_isa(xs: Vec<Q8Row>, units: usize, isa: Isa) -> Q8Lanes {
+        Q8Lanes::laid_out(xs, units, isa, false)
+    }
+
+    /// As `new`, for AMX tiles however few the rows (`int8_amx::available()` must hold).
+    pub fn for_amx(xs: Vec<Q8Row>, units: usize) -> Q8Lanes {
+        assert!(super::int8_amx::available(), "AMX tiles are not available here");
+        Q8Lanes::laid_out(xs, units, Isa::Vnni, true)
+    }
+
+    fn laid_out(xs: Vec<Q8Row>, units: usize, isa: Isa, amx: bool) -> Q8Lanes {
         use rayon::prelude::*;
         let per = if isa == Isa::Vnni { LANES } else { HALF };
-        let groups = xs.par_chunks(per).map(|rows| Group::new(rows, units, isa)).collect();
+        let groups = xs.par_chunks(per).map(|rows| Group::new(rows, units, isa, amx)).collect();
         let few = if xs.len() < LANES_FROM { xs } else { Vec::new() };
-        Q8Lanes { groups, units, isa, few }
+        Q8Lanes { groups, units, isa, few, amx }
+    }
+
+    /// The groups of rows.
+    pub(super) fn groups(&self) -> &[Group] {
+        &self.groups
     }
 
     /// Activation rows held.
@@ -186,6 +220,9 @@ pub fn available() -> bool {
 /// spanning `lanes.units` units of 32 values.
 pub unsafe fn dot_lanes(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out: &mut [f32]) {
     match lanes.isa {
+        Isa::Vnni if lanes.amx && form(dtype) == Form::Plain => {
+            super::int8_amx::dot(dtype, w, rb, lanes, out)
+        }
         Isa::Vnni => dot_vnni(dtype, w, rb, lanes, out),
         Isa::Avx2 => dot_avx2(dtype, w, rb, lanes, out),
     }
@@ -385,7 +422,7 @@ unsafe fn tile<const FORM: u8, const SIGNED: bool, const CHAIN16: bool, const R:
 /// The eight accumulators of each output lane summed in `int8_batch::hsum`'s order:
 /// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
 #[inline(always)]
-unsafe fn lanes_sum<V: Reg>(acc: &[V::F; 8]) -> V::F {
+pub(super) unsafe fn lanes_sum<V: Reg>(acc: &[V::F; 8]) -> V::F {
     let h = |a: usize, b: usize| V::add(acc[a], acc[b]);
     V::add(V::add(h(0, 4), h(2, 6)), V::add(h(1, 5), h(3, 7)))
 }
@@ -507,10 +544,20 @@ mod tests {
                 let rows: Vec<_> = x.chunks_exact(k).map(quantize_row).collect();
                 let laid = crate::cpu::int8::quantize(&x, k, m);
                 assert_eq!(matches!(laid, Acts::Lanes(_)), m >= NARROW_FROM, "{m} rows");
-                let lanes = Q8Lanes::for_isa(rows, k / 32, isa);
+                let lanes = Q8Lanes::for_isa(rows.clone(), k / 32, isa);
                 let mut got = vec![0f32; n * m];
                 // SAFETY: this CPU runs `isa`; w holds n rows of rb bytes spanning k values.
                 unsafe { dot_lanes(dtype, &w, rb, &lanes, &mut got) };
+                if crate::cpu::int8_amx::available() {
+                    // AMX tiles (the formats summed a unit whole; the others the VNNI kernel):
+                    // the same bits at every row count.
+                    let tiles = Q8Lanes::for_amx(rows, k / 32);
+                    let mut on_tiles = vec![0f32; n * m];
+                    // SAFETY: as above; AMX is available.
+                    unsafe { dot_lanes(dtype, &w, rb, &tiles, &mut on_tiles) };
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&on_tiles), bits(&got), "{dtype} m={m} on AMX tiles");
+                }
                 // The step as the model runs it: lanes or the few-row kernel, the same bits.
                 let mut via = vec![0f32; n * m];
                 dot(dtype, &w, rb, &laid, &mut via);

@@ -8,6 +8,8 @@ mod head_screen;
 pub mod heap;
 pub mod int8;
 #[cfg(target_arch = "x86_64")]
+pub mod int8_amx;
+#[cfg(target_arch = "x86_64")]
 mod int8_avx2;
 #[cfg(target_arch = "x86_64")]
 mod int8_batch;
