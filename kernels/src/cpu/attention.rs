@@ -161,37 +161,30 @@ pub fn attention(
     // From `HEADS_APART_FROM` rows on, the positions the rows see are copied head by head (see
     // there); fewer rows read the pool's rows in place (f32) or one dequantized copy.
     let apart = m >= HEADS_APART_FROM;
-    let layout = |i: usize| if apart { i * hd } else { i * kvd };
-    // Position t (t − lo = i) of the copy: its heads' rows at `head_stride` apart from `layout(i)`.
-    let head_stride = if apart { seen * hd } else { hd };
-    let copy = |row_of: &dyn Fn(usize, &mut [f32]), buf: &mut Vec<f32>| {
-        buf.resize(seen * kvd, 0.0);
-        let mut row = vec![0f32; kvd];
-        for i in 0..seen {
-            if !apart {
-                row_of(lo + i, &mut buf[i * kvd..(i + 1) * kvd]);
-                continue;
-            }
-            row_of(lo + i, &mut row);
-            for (g, r) in row.chunks_exact(hd).enumerate() {
-                buf[g * head_stride + i * hd..][..hd].copy_from_slice(r);
-            }
-        }
-    };
-    let at: Vec<usize> = (0..seen).map(layout).collect();
     if dtype == DType::F32 && !apart {
         // Read in place: position t's row starts at word at[t − lo] of the pool.
         let at: Vec<usize> = (lo..end).map(|t| seq.slot(t, bs) * words).collect();
         return attend(q, m, from, s, mask, (pk, pv, &at, hd));
     }
+    // Position i (t − lo) of the copy: kv head g's row at word g·head_stride + at[i].
+    let (at, head_stride): (Vec<usize>, usize) = match apart {
+        true => ((0..seen).map(|i| i * hd).collect(), seen * hd),
+        false => ((0..seen).map(|i| i * kvd).collect(), hd),
+    };
     // Dequantized (or, f32, copied) once, the positions the rows see.
     let gather = |buf: &[f32]| -> Vec<f32> {
-        let mut out = Vec::new();
-        let row_of = |t: usize, o: &mut [f32]| {
-            let row = CpuKv::row(buf, seq.slot(t, bs), words);
-            dequant_row(dtype, row, o)
-        };
-        copy(&row_of, &mut out);
+        let (mut out, mut row) = (vec![0f32; seen * kvd], vec![0f32; kvd]);
+        for (i, &o) in at.iter().enumerate() {
+            let stored = CpuKv::row(buf, seq.slot(lo + i, bs), words);
+            if !apart {
+                dequant_row(dtype, stored, &mut out[o..o + kvd]);
+                continue;
+            }
+            dequant_row(dtype, stored, &mut row);
+            for (g, r) in row.chunks_exact(hd).enumerate() {
+                out[g * head_stride + o..][..hd].copy_from_slice(r);
+            }
+        }
         out
     };
     // Shared keys and values (MLA): one gather serves both.
