@@ -50,6 +50,67 @@ pub fn available() -> bool {
             && unsafe {
                 libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
             } == 0
+            && probe_in_child()
+    })
+}
+
+/// Runs `probe` in a child process: true where it exited with the right sums. A hypervisor that
+/// reports AMX and grants its state yet faults on the tiles (llama.cpp's AMX build crashed on one
+/// such VM here) kills the child, not the worker, and the VNNI path runs.
+fn probe_in_child() -> bool {
+    // SAFETY: the child runs `probe` alone — no allocation, no lock, no other thread's state —
+    // and leaves with `_exit`; the parent waits for that child only.
+    unsafe {
+        match libc::fork() {
+            0 => libc::_exit(if probe() { 0 } else { 1 }),
+            -1 => false,
+            pid => {
+                let mut status = 0;
+                libc::waitpid(pid, &mut status, 0) == pid
+                    && libc::WIFEXITED(status)
+                    && libc::WEXITSTATUS(status) == 0
+            }
+        }
+    }
+}
+
+/// One unit of 16 × 16 rows on the tiles, against the same sums added up one by one.
+///
+/// # Safety
+/// The tile state is granted (`arch_prctl`) on a CPU reporting AMX-TILE and AMX-INT8.
+unsafe fn probe() -> bool {
+    let mut a = [0u8; 16 * 32];
+    let mut b = BTile([0; 512]);
+    let bias = Row16([-7i32; 16]);
+    for (i, v) in a.iter_mut().enumerate() {
+        *v = (i * 7 % 251) as u8;
+    }
+    for (i, v) in b.0.iter_mut().enumerate() {
+        *v = (i * 13 % 200) as u8;
+    }
+    let mut c = [Row16::<i32>::default(); 16];
+    // SAFETY: CONFIG is a valid palette-1 configuration; C reads 64 bytes (stride 0), A 16 rows
+    // of 32 bytes, B 8 rows of 64, and the store writes 16 rows of 64 bytes into `c`.
+    asm!(
+        "ldtilecfg [{cfg}]",
+        "tileloadd tmm0, [{c0} + {zero}*1]",
+        "tileloadd tmm1, [{a} + {s32}*1]",
+        "tileloadd tmm2, [{b} + {s64}*1]",
+        "tdpbusd tmm0, tmm1, tmm2",
+        "tilestored [{out} + {s64}*1], tmm0",
+        "tilerelease",
+        cfg = in(reg) &CONFIG, c0 = in(reg) bias.0.as_ptr(), zero = in(reg) 0usize,
+        a = in(reg) a.as_ptr(), s32 = in(reg) 32usize, b = in(reg) b.0.as_ptr(),
+        s64 = in(reg) 64usize, out = in(reg) c.as_mut_ptr(),
+        options(nostack),
+    );
+    (0..16).all(|m| {
+        (0..16).all(|n| {
+            let sum: i32 = (0..32)
+                .map(|k| a[32 * m + k] as i32 * b.0[64 * (k / 4) + 4 * n + k % 4] as i8 as i32)
+                .sum();
+            c[m].0[n] == sum - 7
+        })
     })
 }
 
