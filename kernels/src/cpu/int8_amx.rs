@@ -89,21 +89,11 @@ unsafe fn probe() -> bool {
         *v = (i * 13 % 200) as u8;
     }
     let mut c = [Row16::<i32>::default(); 16];
-    // SAFETY: CONFIG is a valid palette-1 configuration; C reads 64 bytes (stride 0), A 16 rows
-    // of 32 bytes, B 8 rows of 64, and the store writes 16 rows of 64 bytes into `c`.
-    asm!(
-        "ldtilecfg [{cfg}]",
-        "tileloadd tmm0, [{c0} + {zero}*1]",
-        "tileloadd tmm1, [{a} + {s32}*1]",
-        "tileloadd tmm2, [{b} + {s64}*1]",
-        "tdpbusd tmm0, tmm1, tmm2",
-        "tilestored [{out} + {s64}*1], tmm0",
-        "tilerelease",
-        cfg = in(reg) &CONFIG, c0 = in(reg) bias.0.as_ptr(), zero = in(reg) 0usize,
-        a = in(reg) a.as_ptr(), s32 = in(reg) 32usize, b = in(reg) b.0.as_ptr(),
-        s64 = in(reg) 64usize, out = in(reg) c.as_mut_ptr(),
-        options(nostack),
-    );
+    // SAFETY: the caller's contract; C reads 64 bytes (one row, stride 0), A 16 rows of 32 bytes
+    // 32 apart (`a`), B 8 rows of 64 (`b`), and the product's 16 rows of 64 bytes go into `c`.
+    configure();
+    product(false, (bias.0.as_ptr(), a.as_ptr(), 32, b.0.as_ptr()), c.as_mut_ptr());
+    release();
     (0..16).all(|m| {
         (0..16).all(|n| {
             let sum: i32 = (0..32)
@@ -161,8 +151,8 @@ pub(super) unsafe fn dot(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out
     let (mut d, mut c) = (vec![Row16::<f32>::default(); u], vec![Row16::<f32>::default(); u]);
     let mut bias = vec![Row16::<i32>::default(); u];
     // SAFETY: `available()` (the caller's contract): the CPU has AMX and the process may use its
-    // state; CONFIG is a valid palette-1 configuration of 64 bytes. Released below.
-    asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+    // state. Released below.
+    configure();
     for (t0, o) in out.chunks_mut(m * COLS).enumerate() {
         let cols = o.len() / m;
         for r in 0..cols {
@@ -201,7 +191,61 @@ pub(super) unsafe fn dot(dtype: DType, w: &[u8], rb: usize, lanes: &Q8Lanes, out
         }
     }
     // SAFETY: ends this thread's use of the tiles configured above (nothing reads them after).
+    release();
+}
+
+/// Configures this thread's tiles as `CONFIG`.
+///
+/// # Safety
+/// The process may use the tile state (`arch_prctl`) on a CPU with AMX-TILE.
+#[inline(always)]
+unsafe fn configure() {
+    // SAFETY: the caller's contract; CONFIG is a valid palette-1 configuration of 64 bytes.
+    asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+}
+
+/// Ends this thread's use of the tiles (`configure`).
+///
+/// # Safety
+/// As `configure`; nothing reads the tiles after.
+#[inline(always)]
+unsafe fn release() {
+    // SAFETY: the caller's contract.
     asm!("tilerelease", options(nostack, nomem));
+}
+
+/// One unit's products on tiles 0-2 (`odd` false) or 3-5: C loaded from `c` (one row of 16 i32
+/// read 16 times: stride 0), A 16 rows of 32 bytes `k` apart from `x`, B 8 rows of 64 bytes from
+/// `b`, C += A·B (`tdpbusd`), C stored as 16 rows of 64 bytes at `p`.
+///
+/// # Safety
+/// The tiles are configured (`configure`); each pointer spans what it is read or written as.
+#[inline(always)]
+unsafe fn product(
+    odd: bool,
+    (c, x, k, b): (*const i32, *const u8, usize, *const u8),
+    p: *mut Row16<i32>,
+) {
+    macro_rules! on_tiles {
+        ($c:literal, $a:literal, $b:literal) => {
+            // SAFETY: the caller's contract.
+            asm!(
+                concat!("tileloadd ", $c, ", [{c} + {zero}*1]"),
+                concat!("tileloadd ", $a, ", [{x} + {k}*1]"),
+                concat!("tileloadd ", $b, ", [{b} + {s64}*1]"),
+                concat!("tdpbusd ", $c, ", ", $a, ", ", $b),
+                concat!("tilestored [{p} + {s64}*1], ", $c),
+                c = in(reg) c, zero = in(reg) 0usize, x = in(reg) x, k = in(reg) k,
+                b = in(reg) b, s64 = in(reg) 64usize, p = in(reg) p,
+                options(nostack),
+            )
+        };
+    }
+    if odd {
+        on_tiles!("tmm3", "tmm4", "tmm5");
+    } else {
+        on_tiles!("tmm0", "tmm1", "tmm2");
+    }
 }
 
 /// Bytes from one activation row to the next in `Group::xa`: the row's `32·units` and a cache
@@ -235,32 +279,12 @@ unsafe fn group(
     // units' tiles before their epilogue, the accumulators kept in registers across them, ran
     // 10% slower: 128 row stores in flight fill the store buffer.)
     let tiles = |i: usize, p: *mut Row16<i32>| {
-        let (x, b, c) = (xa.add(32 * i), b[i].0.as_ptr(), bias[i].0.as_ptr());
-        // C = each weight row's −128·Σw (one row read 16 times: stride 0), plus Σ (q + 128)·w.
-        // SAFETY (both arms): the tiles were configured by `dot`; C reads 64 bytes (bias[i]), A
-        // 16 rows of 32 bytes `stride` apart from unit i of the group's first row (16 rows of
-        // `stride` bytes in `xa`, unit i's 32 bytes inside each), B 8 rows of 64 bytes (b[i]),
-        // and the store writes 16 rows of 64 bytes into `p` (16 rows of 16 i32).
-        // Tiles C, A, B named by the macro (`tmm0-2` or `tmm3-5`).
-        macro_rules! on_tiles {
-            ($c:literal, $a:literal, $b:literal) => {
-                asm!(
-                    concat!("tileloadd ", $c, ", [{c} + {zero}*1]"),
-                    concat!("tileloadd ", $a, ", [{x} + {k}*1]"),
-                    concat!("tileloadd ", $b, ", [{b} + {s64}*1]"),
-                    concat!("tdpbusd ", $c, ", ", $a, ", ", $b),
-                    concat!("tilestored [{p} + {s64}*1], ", $c),
-                    c = in(reg) c, zero = in(reg) 0usize, x = in(reg) x, k = in(reg) stride,
-                    b = in(reg) b, s64 = in(reg) 64usize, p = in(reg) p,
-                    options(nostack),
-                )
-            };
-        }
-        if i.is_multiple_of(2) {
-            on_tiles!("tmm0", "tmm1", "tmm2");
-        } else {
-            on_tiles!("tmm3", "tmm4", "tmm5");
-        }
+        // C = each weight row's −128·Σw, plus Σ (q + 128)·w.
+        // SAFETY: the tiles were configured by `dot`; bias[i] is one row of 16 i32, A 16 rows of
+        // 32 bytes `stride` apart from unit i of the group's first row (16 rows of `stride` bytes
+        // in `xa`, unit i's 32 bytes inside each), b[i] 8 rows of 64 bytes, `p` 16 rows of 16 i32.
+        let at = (bias[i].0.as_ptr(), xa.add(32 * i), stride, b[i].0.as_ptr());
+        product(!i.is_multiple_of(2), at, p)
     };
     for i in 0..=u {
         if i < u {
