@@ -174,8 +174,9 @@ echo "|---|---|---|---|---|---|---|"
 for mib in $MOE_LIMITS; do
     echo $((mib << 20)) > "$cg/$limit_file"
     fresh
-    (in_cg "$BIN" plan --model "$moe" --workers 1 --json) > "$WORK/moe-plan.json" 2> "$WORK/moe-plan.err" || true
-    p1=$(python3 -c 'import json,sys; p = json.load(open(sys.argv[1])); print("%.3f" % p["predicted"][0]["tokens_per_s"])' "$WORK/moe-plan.json" 2>/dev/null || echo "?")
+    (in_cg "$BIN" plan --model "$moe" --workers 1 --json --recalibrate) > "$WORK/moe-plan.json" 2> "$WORK/moe-plan.err" || true
+    # (the routing the prediction assumed: this store's usage history, or spread evenly before its first run)
+    p1=$(python3 -c 'import json,sys; p = json.load(open(sys.argv[1])); print("%.3f (routing: %s)" % (p["predicted"][0]["tokens_per_s"], p["tiers"]["expert_routing"]))' "$WORK/moe-plan.json" 2>/dev/null || echo "?")
     fresh
     port=$((20000 + RANDOM % 20000))
     in_cg "$BIN" up --model "$moe" --workers 1 --listen 127.0.0.1:$port --http-listen 127.0.0.1:$((port + 1)) > "$WORK/up.out" 2> "$WORK/moe-up.err" &

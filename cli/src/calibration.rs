@@ -25,9 +25,12 @@ pub const ROWS: [usize; 3] = [1, 8, 64];
 /// measured again rather than trusted. 1: the first five layer files re-read, the fastest of two
 /// compute runs; 2: the store read cyclically (a VM host had cached those five files: 1.89 GB/s
 /// calibrated where passes got 0.81); 3: each compute figure the median of 0.3 s of runs (the
-/// fastest of two read an 8B layer at 8 rows 26 ms where passes took 38-44). Bump it with any change
-/// to `measure` or what it calls.
-pub const METHOD: u32 = 3;
+/// fastest of two read an 8B layer at 8 rows 26 ms where passes took 38-44); 4: on the CPU each
+/// compute run after the last-level cache was emptied of the layer (a qwen3-30b-a3b layer's routed
+/// experts stayed in a 32 MiB L3 from run to run), and the head timed as a greedy step runs it
+/// (a one-row head screens at 8 bits: 20 ms against the full f32 logits' 52 at that shape). Bump it
+/// with any change to `measure` or what it calls.
+pub const METHOD: u32 = 4;
 
 /// A cache file: the key it was measured under and the figures.
 #[derive(Serialize, Deserialize)]

@@ -124,6 +124,9 @@ pub struct Placement {
     pub predicted: Vec<Prediction>,
     /// Layers the loader reads ahead: `--prefetch-depth`, or the cost model's choice.
     pub prefetch_depth: usize,
+    /// Whether the expert reads come from the store's usage history (else routing is taken as
+    /// spread evenly over the experts: the worst case for a cache).
+    pub routing_history: bool,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
@@ -215,6 +218,7 @@ pub fn placement(
         passes,
         predicted,
         prefetch_depth,
+        routing_history: !history.is_empty(),
     })
 }
 
@@ -414,7 +418,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "tiers": {"device": {"layers": t.device.0, "bytes": t.device.1},
             "ram": {"layers": t.ram.0, "bytes_per_pass": t.ram.1},
             "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1},
-            "experts_from_disk_bytes_per_pass": expert_bytes},
+            "experts_from_disk_bytes_per_pass": expert_bytes,
+            "expert_routing": if p.routing_history { "usage history" } else { "even" }},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
             "disk_gbps_by_reads_in_flight": f.disk_by_reads, "buffered_reads": f.buffered_reads,
             "read_cpu_s_per_gb": f.read_cpu_s_per_gb, "verify_cpu_s_per_gb": f.verify_cpu_s_per_gb,
@@ -444,13 +449,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         t.disk.0,
         gb(t.disk.1)
     );
-    if expert_bytes.iter().any(|&b| b > 0) {
+    if expert_bytes.iter().any(|&b| b > 0) || p.plans.iter().any(|w| w.expert_cache > 0) {
         let caches: Vec<String> = p.plans.iter().map(|w| w.expert_cache.to_string()).collect();
         let at: Vec<String> = (expert_bytes.iter().zip(&args.batches))
             .map(|(&b, r)| format!("{} at batch {r}", gb(b)))
             .collect();
+        let routing = if p.routing_history {
+            "routing as this store's usage history counted it"
+        } else {
+            "no usage history yet: routing taken as spread evenly over the experts, the worst case \
+             for a cache — a first run saves its routing and later plans use it"
+        };
         println!(
-            "experts: a cache of {} per worker; expected from disk a pass {}",
+            "experts: a cache of {} per worker; expected from disk a pass {} ({routing})",
             caches.join(", "),
             at.join(", ")
         );
@@ -503,5 +514,46 @@ mod tests {
         let l = [(Source::Device, 5), (Source::Disk, 7), (Source::Ram, 3), (Source::Disk, 7)];
         assert_eq!(tiers(&l), Tiers { device: (1, 5), ram: (1, 3), disk: (2, 14) });
         assert_eq!(tiers(&[]), Tiers::default());
+    }
+
+    /// A mixture-of-experts pass: without a usage history a cache of a quarter of the experts
+    /// serves a quarter of the routings (routing spread evenly); with a history whose routings all
+    /// went to as many experts as the cache holds, nothing is read; a cache of every expert reads
+    /// nothing either way. The attention stays resident (device) where no expert is read.
+    #[test]
+    fn expert_reads_come_from_the_usage_history_else_from_an_even_spread() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = layerstream_model::synth::synth(
+            "tiny-moe",
+            layerstream_model::DType::Q8_0,
+            Some(2),
+            1,
+            dir.path(),
+        )
+        .unwrap();
+        let moe = m.config.moe_at(0).unwrap().clone();
+        let (e, k) = (moe.experts, moe.top_k);
+        let plan = |cache: u32| Assignment {
+            layer_end: 2,
+            resident: vec![0, 1],
+            expert_cache: cache,
+            ..Default::default()
+        };
+        let layers = [(Source::Device, 10), (Source::Device, 10)];
+        let each = layerstream_serving::plan::range_experts(&m, &plan(0)).2;
+        let empty = layerstream_worker::expert_history::History::default();
+        let quarter = (2 * e / 4) as u32;
+        let even = with_experts(&m, &[plan(quarter)], &layers, 1, &empty);
+        let want = layerstream_coordinator::cost::expert_reads(e, k, 1, 0.25, each);
+        assert!(want > 0);
+        assert_eq!(even, vec![(Source::Disk, want); 2]);
+        let mut hot = layerstream_worker::expert_history::History::default();
+        for l in 0..2 {
+            for x in 0..(e / 4) as u32 {
+                hot.record((l, x));
+            }
+        }
+        assert_eq!(with_experts(&m, &[plan(quarter)], &layers, 1, &hot), layers.to_vec());
+        assert_eq!(with_experts(&m, &[plan(0)], &layers, 8, &empty), layers.to_vec());
     }
 }

@@ -35,6 +35,11 @@ impl History {
         }
     }
 
+    /// Whether no routing was counted (a store not yet run, or its history lost).
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
     /// How often `key` was routed to.
     pub fn count(&self, key: Key) -> u64 {
         self.counts.get(&key).copied().unwrap_or(0)
