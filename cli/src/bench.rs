@@ -188,6 +188,13 @@ pub(crate) struct Row {
     /// The prediction again with the disk at `disk_gbps_run` (`plan --disk-gbps`): the cost
     /// model's error with the disk's drift since calibration taken out.
     pub(crate) predicted_at_run_disk_tok_s: Option<f64>,
+    /// The share of the first request's expert needs its worker's cache did not hold (fetched
+    /// ahead or when needed): None for a dense store.
+    pub(crate) expert_misses_run: Option<f64>,
+    /// The prediction again with the expert caches missing `expert_misses_run` of the needs (`plan
+    /// --expert-misses`) and the disk at `disk_gbps_run` where measured: the cost model's error
+    /// with the prompt's own routing (experts the usage history did not foresee) taken out.
+    pub(crate) predicted_at_run_experts_tok_s: Option<f64>,
 }
 
 /// What one workload measured: tokens generated, wall seconds, and every request's stats.
@@ -343,6 +350,8 @@ pub(crate) fn run_config(
         predicted_decode_tok_s: None,
         disk_gbps_run,
         predicted_at_run_disk_tok_s: None,
+        expert_misses_run: None,
+        predicted_at_run_experts_tok_s: None,
     })
 }
 

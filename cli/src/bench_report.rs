@@ -40,36 +40,58 @@ pub(crate) fn tables(rows: &[Row]) -> String {
 /// Fills each row's `predicted_decode_tok_s` from the cost model (`plan::predict_stack`, the same
 /// `up` command line, in a `layerstream plan` process of its own) and prints predicted beside
 /// measured; where the loader timed its disk during the run, predicts again at that rate
-/// (`predicted_at_run_disk_tok_s`).
+/// (`predicted_at_run_disk_tok_s`); for a mixture-of-experts store, again with the expert caches
+/// missing the share of needs the run measured (`predicted_at_run_experts_tok_s`).
 pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras: [&[String]; 2]) {
     for (r, extra) in rows.iter_mut().zip(extras) {
         let args = crate::bench::stack_args(model, a, extra);
-        let predict = |disk: Option<f64>| {
-            crate::plan::predict_stack(&args, &[a.batch], disk)
+        let predict = |at: (Option<f64>, Option<f64>)| {
+            crate::plan::predict_stack(&args, &[a.batch], at)
                 .map(|(p, _)| (p[0].tokens_per_s, p[0].bound.clone()))
         };
-        match predict(None) {
+        let measured = r.decode_tok_s;
+        let said = |tok_s: f64, bound: &str| {
+            format!(
+                "{tok_s:.2} predicted (measured ÷ predicted {:.2}; bound by {bound})",
+                measured / tok_s.max(1e-9)
+            )
+        };
+        match predict((None, None)) {
             Ok((tok_s, bound)) => {
                 r.predicted_decode_tok_s = Some(tok_s);
+                let s = said(tok_s, &bound);
                 println!(
-                    "{}: decode {:.2} tok/s measured, {:.2} predicted by plan's cost model \
-                     (measured ÷ predicted {:.2}; bound by {bound})",
-                    r.config,
-                    r.decode_tok_s,
-                    tok_s,
-                    r.decode_tok_s / tok_s.max(1e-9),
+                    "{}: decode {measured:.2} tok/s measured, {s} by plan's cost model",
+                    r.config
                 );
             }
             Err(e) => println!("{}: no prediction ({e:#})", r.config),
         }
-        let Some(gbps) = r.disk_gbps_run else { continue };
-        if let Ok((tok_s, bound)) = predict(Some(gbps)) {
-            r.predicted_at_run_disk_tok_s = Some(tok_s);
+        if let Some(gbps) = r.disk_gbps_run {
+            if let Ok((tok_s, bound)) = predict((Some(gbps), None)) {
+                r.predicted_at_run_disk_tok_s = Some(tok_s);
+                println!(
+                    "{}: at the disk rate the loader measured during the run ({gbps:.2} GB/s, reads \
+                     overlapped), {}",
+                    r.config,
+                    said(tok_s, &bound)
+                );
+            }
+        }
+        let [needed, _, prefetched, missed] = r.experts;
+        if needed == 0 {
+            continue;
+        }
+        let share = (prefetched + missed) as f64 / needed as f64;
+        r.expert_misses_run = Some(share);
+        if let Ok((tok_s, bound)) = predict((r.disk_gbps_run, Some(share))) {
+            r.predicted_at_run_experts_tok_s = Some(tok_s);
             println!(
-                "{}: at the disk rate the loader measured during the run ({gbps:.2} GB/s, reads \
-                 overlapped), {tok_s:.2} predicted (measured ÷ predicted {:.2}; bound by {bound})",
+                "{}: with the expert cache missing {:.1}% of the needs, as in the run{}, {}",
                 r.config,
-                r.decode_tok_s / tok_s.max(1e-9),
+                share * 100.0,
+                if r.disk_gbps_run.is_some() { " (and its disk rate)" } else { "" },
+                said(tok_s, &bound)
             );
         }
     }
@@ -119,6 +141,8 @@ mod tests {
             predicted_decode_tok_s: None,
             disk_gbps_run: None,
             predicted_at_run_disk_tok_s: None,
+            expert_misses_run: None,
+            predicted_at_run_experts_tok_s: None,
         };
         let t = tables(&[r.clone(), r]);
         assert!(t.lines().all(|l| l.chars().count() <= 120), "{t}");

@@ -21,6 +21,7 @@ mod hf_export;
 mod otlp_sink;
 mod perplexity;
 mod plan;
+mod plan_experts;
 mod prompt;
 mod run;
 mod submit;

@@ -6,8 +6,9 @@
 //! pass time and tokens/s at batch 1, 8 and 64 with what bounds each. `--json` prints it as one
 //! JSON object; `up` logs the same prediction.
 
+use crate::plan_experts::{expert_fetches, Misses};
 use anyhow::{bail, Result};
-use layerstream_coordinator::cost::{best_reading, predict, Figures, Prediction, Source};
+use layerstream_coordinator::cost::{best_reading, predict, Fetches, Figures, Prediction, Source};
 use layerstream_loader::DEFAULT_PREFETCH_DEPTH;
 use layerstream_serving::plan::{layer_bytes, Assignment};
 use serde_json::json;
@@ -64,52 +65,6 @@ pub fn sources(
         .collect()
 }
 
-/// `layers` (as `sources` gives them) with each mixture-of-experts layer's expected expert reads at
-/// `rows` sequences added (`cost::expert_reads`: the experts a step needs that the worker's cache
-/// does not hold are read from disk), in pass order. The share of routings a worker's cache serves
-/// is what its hottest experts took in the store's usage history (`history`), else its share of
-/// the experts (routing spread evenly).
-pub fn with_experts(
-    m: &layerstream_model::Manifest,
-    plans: &[Assignment],
-    layers: &[(Source, u64)],
-    rows: usize,
-    history: &layerstream_worker::expert_history::History,
-) -> Vec<(Source, u64)> {
-    let mut out = layers.to_vec();
-    let mut i = 0;
-    for p in plans {
-        let (n, total, _) = layerstream_serving::plan::range_experts(m, p);
-        let keys: Vec<(u32, u32)> = (p.layer_start..p.layer_end)
-            .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l, x.experts as u32)))
-            .flat_map(|(l, e)| (0..e).map(move |e| (l, e)))
-            .collect();
-        let cache = p.expert_cache as usize;
-        let held = match cache {
-            0 => 1.0,
-            c => history.coverage(&keys, c).unwrap_or(c as f64 / n.max(1) as f64),
-        };
-        let each = total / n.max(1) as u64;
-        for l in p.layer_start..p.layer_end {
-            if let Some(moe) = m.config.moe_at(l as usize) {
-                let bytes = layerstream_coordinator::cost::expert_reads(
-                    moe.experts,
-                    moe.top_k,
-                    rows,
-                    held,
-                    each,
-                );
-                let (s, b) = out[i];
-                if bytes > 0 {
-                    out[i] = (Source::Disk, bytes + if s == Source::Disk { b } else { 0 });
-                }
-            }
-            i += 1;
-        }
-    }
-    out
-}
-
 /// What `up` would do, and what it would deliver.
 pub struct Placement {
     pub plans: Vec<Assignment>,
@@ -118,26 +73,30 @@ pub struct Placement {
     pub layers: Vec<(Source, u64)>,
     pub figures: Figures,
     pub cached: bool,
-    /// For each batch size asked for: the pass as the cost model saw it (`layers` with the expert
-    /// reads of that batch, `with_experts`) and what it predicts.
-    pub passes: Vec<Vec<(Source, u64)>>,
+    /// For each batch size asked for: each layer's expert fetches at that batch
+    /// (`plan_experts::expert_fetches`) and what the pass predicts.
+    pub fetches: Vec<Vec<Fetches>>,
     pub predicted: Vec<Prediction>,
     /// Layers the loader reads ahead: `--prefetch-depth`, or the cost model's choice.
     pub prefetch_depth: usize,
-    /// Whether the expert reads come from the store's usage history (else routing is taken as
-    /// spread evenly over the experts: the worst case for a cache).
+    /// Whether the expert fetches come from the store's usage history (else routing is taken as
+    /// spread evenly over the experts: the worst case for a cache), or a share given.
     pub routing_history: bool,
+    /// The share of a run's expert needs that meet experts the history never saw
+    /// (`History::novelty`), where the history knows it.
+    pub novelty: Option<f64>,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
 /// each of `rows` sequences — with the disk at `disk_gbps` where given (`plan --disk-gbps`: the
-/// way of reading and the read-ahead are still chosen from calibration, as `up` chose them).
+/// way of reading and the read-ahead are still chosen from calibration, as `up` chose them) and
+/// the expert caches missing as `misses` says.
 pub fn placement(
     a: &crate::up::UpArgs,
     store: &layerstream_model::Store,
     shares: &crate::fit::Shares,
     rows: &[usize],
-    disk_gbps: Option<f64>,
+    (disk_gbps, misses): (Option<f64>, Misses),
 ) -> Result<Placement> {
     let budget = match layerstream_worker::Device::check(&a.device.compute.device) {
         // One GPU for every worker: the budget each will report — its free memory (or the flag,
@@ -188,10 +147,10 @@ pub fn placement(
             .map(|n| n - 1)
             .collect(),
     };
+    let fetches_at = |r: usize| expert_fetches(m, &plans, r, &history, misses);
     let pass_as = |buffered: bool, d: usize, r: usize| {
         let f = measured.read_as(buffered).unwrap_or_else(|| measured.clone());
-        let pass = with_experts(m, &plans, &layers_at(d), r, &history);
-        predict(&f.reading(d + 1), &pass, r, d + 1, buffers).pass_s
+        predict(&f.reading(d + 1), &layers_at(d), &fetches_at(r), r, d + 1, buffers).pass_s
     };
     let (buffered, prefetch_depth) = best_reading(&modes, &depths, pass_as);
     let measured = measured.read_as(buffered).unwrap_or(measured);
@@ -201,12 +160,11 @@ pub fn placement(
         None => figures,
     };
     let layers = layers_at(prefetch_depth);
-    let passes: Vec<_> =
-        rows.iter().map(|&r| with_experts(m, &plans, &layers, r, &history)).collect();
+    let fetches: Vec<_> = rows.iter().map(|&r| fetches_at(r)).collect();
     let predicted = rows
         .iter()
-        .zip(&passes)
-        .map(|(&r, pass)| predict(&figures, pass, r, prefetch_depth + 1, buffers))
+        .zip(&fetches)
+        .map(|(&r, x)| predict(&figures, &layers, x, r, prefetch_depth + 1, buffers))
         .collect();
     Ok(Placement {
         plans,
@@ -215,10 +173,11 @@ pub fn placement(
         layers,
         figures,
         cached,
-        passes,
+        fetches,
         predicted,
         prefetch_depth,
         routing_history: !history.is_empty(),
+        novelty: history.novelty(),
     })
 }
 
@@ -227,13 +186,14 @@ pub fn describe_predictions(p: &[Prediction]) -> String {
     p.iter()
         .map(|p| {
             format!(
-                "batch {}: {:.2} tok/s (a pass {:.2} s: compute {:.2} s, reading's CPU {:.2} s, disk \
-                 {:.2} s, link {:.2} s; bound by {})",
+                "batch {}: {:.2} tok/s (a pass {:.2} s: compute {:.2} s, reading's CPU {:.2} s, \
+                 waits for experts {:.2} s, disk {:.2} s, link {:.2} s; bound by {})",
                 p.rows,
                 p.tokens_per_s,
                 p.pass_s,
                 p.compute_s,
                 p.read_cpu_s,
+                p.fetch_s,
                 p.disk_s,
                 p.link_s,
                 p.bound
@@ -253,22 +213,24 @@ pub struct Predicted {
 }
 
 /// The cost model's prediction for the stack `up_args` (an `up` command line) would run, at each
-/// of `rows` (with the disk at `disk_gbps` where given: `--disk-gbps`): what `bench` prints
+/// of `rows` (with the disk at `disk_gbps` where given: `--disk-gbps`; the expert caches missing
+/// the share `expert_misses` of the needs where given: `--expert-misses`): what `bench` prints
 /// beside what it measures, and what `up` hands the coordinator for a GPU stack. `layerstream plan
 /// --json` answers it in a process of its own, so a GPU's calibration holds no device context
 /// beside the stacks.
 pub fn predict_stack(
     up_args: &[String],
     rows: &[usize],
-    disk_gbps: Option<f64>,
+    (disk_gbps, expert_misses): (Option<f64>, Option<f64>),
 ) -> Result<(Vec<Predicted>, Reading)> {
     let batches: Vec<String> = rows.iter().map(usize::to_string).collect();
-    let disk: Vec<String> = disk_gbps.map(|g| format!("--disk-gbps={g}")).into_iter().collect();
+    let disk = disk_gbps.map(|g| format!("--disk-gbps={g}"));
+    let misses = expert_misses.map(|s| format!("--expert-misses={s}"));
     let out = std::process::Command::new(std::env::current_exe()?)
         .arg("plan")
         .args(up_args.iter().skip(1))
         .args(["--json", "--batches", &batches.join(",")])
-        .args(disk)
+        .args(disk.into_iter().chain(misses))
         .stdin(std::process::Stdio::null())
         .output()?;
     if !out.status.success() {
@@ -308,7 +270,7 @@ pub fn for_up(
     use layerstream_coordinator::cost::Curve;
     let rows = crate::calibration::ROWS;
     let predicted = if a.device.compute.device == "cpu" {
-        placement(a, store, shares, &rows, None).map(|p| {
+        placement(a, store, shares, &rows, (None, Misses::History)).map(|p| {
             let each = |p: &Prediction| Predicted {
                 rows: p.rows,
                 pass_s: p.pass_s,
@@ -323,7 +285,7 @@ pub fn for_up(
         if args.first().map(String::as_str) != Some("up") {
             return (None, None); // not started from a command line to hand on
         }
-        predict_stack(&args, &rows, None)
+        predict_stack(&args, &rows, (None, None))
     };
     match predicted {
         Ok((p, reading)) => {
@@ -367,6 +329,19 @@ pub struct PlanArgs {
     /// wall time a read was in flight), to tell the cost model's error from the disk's drift.
     #[arg(long, env = "LAYERSTREAM_PLAN_DISK_GBPS", value_name = "GB_PER_S", value_parser = positive_gbps)]
     pub disk_gbps: Option<f64>,
+    /// Predict with each worker's expert cache missing this share (0..1) of the experts its steps
+    /// need instead of what the store's usage history suggests: `bench` passes the share its run
+    /// measured, to tell the cost model's error from a prompt's unseen experts.
+    #[arg(long, env = "LAYERSTREAM_PLAN_EXPERT_MISSES", value_name = "SHARE", value_parser = share)]
+    pub expert_misses: Option<f64>,
+}
+
+/// A share: a number from 0 to 1.
+fn share(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("{s:?} is not a share: expected a number from 0 to 1, e.g. 0.02")),
+    }
 }
 
 /// A disk rate: a finite number of GB/s above 0.
@@ -385,7 +360,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let model = crate::run::model_dir(&a.model)?;
     let store = layerstream_model::Store::open(&model)?;
     let (ledger, shares) = crate::up::memory_shares(&a, &store)?;
-    let p = placement(&a, &store, &shares, &args.batches, args.disk_gbps)?;
+    let misses = args.expert_misses.map_or(Misses::History, Misses::Share);
+    let p = placement(&a, &store, &shares, &args.batches, (args.disk_gbps, misses))?;
     let m = &store.manifest;
     let t = tiers(&p.layers);
     let workers: Vec<_> = p
@@ -407,7 +383,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let f = &p.figures;
     // Expected expert reads per pass (mixture-of-experts stores) at each batch size.
     let expert_bytes: Vec<u64> =
-        p.passes.iter().map(|pass| tiers(pass).disk.1 - t.disk.1).collect();
+        p.fetches.iter().map(|x| x.iter().map(Fetches::bytes).sum::<f64>() as u64).collect();
+    let routing = match misses {
+        Misses::Share(_) => "given",
+        Misses::History if p.routing_history => "usage history",
+        Misses::History => "even",
+    };
     let v = json!({
         "memory": {"usable": ledger.usable(), "summary": ledger.describe()},
         "shares": {"slots": shares.slots, "slot_bytes": shares.slot_size, "worker_budget": p.budget,
@@ -419,7 +400,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "ram": {"layers": t.ram.0, "bytes_per_pass": t.ram.1},
             "disk": {"layers": t.disk.0, "bytes_per_pass": t.disk.1},
             "experts_from_disk_bytes_per_pass": expert_bytes,
-            "expert_routing": if p.routing_history { "usage history" } else { "even" }},
+            "expert_routing": routing, "expert_novelty": p.novelty},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
             "disk_gbps_by_reads_in_flight": f.disk_by_reads, "buffered_reads": f.buffered_reads,
             "read_cpu_s_per_gb": f.read_cpu_s_per_gb, "verify_cpu_s_per_gb": f.verify_cpu_s_per_gb,
@@ -454,14 +435,26 @@ pub fn run(args: PlanArgs) -> Result<()> {
         let at: Vec<String> = (expert_bytes.iter().zip(&args.batches))
             .map(|(&b, r)| format!("{} at batch {r}", gb(b)))
             .collect();
-        let routing = if p.routing_history {
-            "routing as this store's usage history counted it"
-        } else {
-            "no usage history yet: routing taken as spread evenly over the experts, the worst case \
-             for a cache — a first run saves its routing and later plans use it"
+        let routing = match (misses, p.novelty) {
+            (Misses::Share(x), _) => {
+                format!("each cache missing {:.1}% of its needs, as given", x * 100.0)
+            }
+            (_, _) if !p.routing_history => "no usage history yet: routing taken as spread evenly \
+                over the experts, the worst case for a cache — a first run saves its routing and \
+                later plans use it"
+                .to_owned(),
+            (_, Some(x)) => format!(
+                "routing as this store's usage history counted it; {:.1}% of a run's needs met \
+                 experts the history had not seen, and miss whatever the cache holds",
+                x * 100.0
+            ),
+            (_, None) => "routing as this store's usage history counted it (no run since its \
+                first to say how often a run meets unseen experts)"
+                .to_owned(),
         };
         println!(
-            "experts: a cache of {} per worker; expected from disk a pass {} ({routing})",
+            "experts: a cache of {} per worker; fetched from disk a pass, the steps waiting for \
+             them, {} ({routing})",
             caches.join(", "),
             at.join(", ")
         );
@@ -514,46 +507,5 @@ mod tests {
         let l = [(Source::Device, 5), (Source::Disk, 7), (Source::Ram, 3), (Source::Disk, 7)];
         assert_eq!(tiers(&l), Tiers { device: (1, 5), ram: (1, 3), disk: (2, 14) });
         assert_eq!(tiers(&[]), Tiers::default());
-    }
-
-    /// A mixture-of-experts pass: without a usage history a cache of a quarter of the experts
-    /// serves a quarter of the routings (routing spread evenly); with a history whose routings all
-    /// went to as many experts as the cache holds, nothing is read; a cache of every expert reads
-    /// nothing either way. The attention stays resident (device) where no expert is read.
-    #[test]
-    fn expert_reads_come_from_the_usage_history_else_from_an_even_spread() {
-        let dir = tempfile::tempdir().unwrap();
-        let m = layerstream_model::synth::synth(
-            "tiny-moe",
-            layerstream_model::DType::Q8_0,
-            Some(2),
-            1,
-            dir.path(),
-        )
-        .unwrap();
-        let moe = m.config.moe_at(0).unwrap().clone();
-        let (e, k) = (moe.experts, moe.top_k);
-        let plan = |cache: u32| Assignment {
-            layer_end: 2,
-            resident: vec![0, 1],
-            expert_cache: cache,
-            ..Default::default()
-        };
-        let layers = [(Source::Device, 10), (Source::Device, 10)];
-        let each = layerstream_serving::plan::range_experts(&m, &plan(0)).2;
-        let empty = layerstream_worker::expert_history::History::default();
-        let quarter = (2 * e / 4) as u32;
-        let even = with_experts(&m, &[plan(quarter)], &layers, 1, &empty);
-        let want = layerstream_coordinator::cost::expert_reads(e, k, 1, 0.25, each);
-        assert!(want > 0);
-        assert_eq!(even, vec![(Source::Disk, want); 2]);
-        let mut hot = layerstream_worker::expert_history::History::default();
-        for l in 0..2 {
-            for x in 0..(e / 4) as u32 {
-                hot.record((l, x));
-            }
-        }
-        assert_eq!(with_experts(&m, &[plan(quarter)], &layers, 1, &hot), layers.to_vec());
-        assert_eq!(with_experts(&m, &[plan(0)], &layers, 8, &empty), layers.to_vec());
     }
 }

@@ -3,6 +3,11 @@
 //! written whole and renamed) every `SAVE_EVERY` needs and when it is dropped, and at the next start
 //! loads the hottest experts of its layers before the first step and evicts the least used first.
 //! Counts are halved when they grow large, so the history follows a changing workload.
+//!
+//! It also keeps how often a run met an expert it had never counted (`novelty`): of the needs of
+//! runs that started with a history of their layers, the share that went to a first-time expert,
+//! halved at each start so the latest runs weigh most. A cache misses such a need whatever it
+//! holds; `layerstream plan` charges that share beside what the hottest experts leave.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,18 +26,49 @@ pub struct History {
     counts: HashMap<Key, u64>,
     /// Needs recorded since the last save.
     unsaved: u64,
+    /// Needs, and needs of a first-time expert, of runs that started with a history (decayed).
+    novel: (f64, f64),
+    /// Whether this run counts `novel` (`start_run` found counts of its layers).
+    counting: bool,
+}
+
+/// The file: counts as (layer, expert, count) and `novel` as [needs, first-time needs]; a file of
+/// the counts alone (the format before novelty was kept) reads with no novelty.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum Saved {
+    Full { counts: Vec<(u32, u32, u64)>, novel: (f64, f64) },
+    Counts(Vec<(u32, u32, u64)>),
 }
 
 impl History {
     /// Counts one routing of `key`.
     pub fn record(&mut self, key: Key) {
         let c = self.counts.entry(key).or_insert(0);
+        if self.counting {
+            self.novel.0 += 1.0;
+            self.novel.1 += if *c == 0 { 1.0 } else { 0.0 };
+        }
         *c += 1;
         self.unsaved += 1;
         if *c >= AGE_AT {
             self.counts.values_mut().for_each(|v| *v /= 2);
             self.counts.retain(|_, v| *v > 0);
         }
+    }
+
+    /// A run of a cache over `keys` starts: past runs' novelty counts half, and this run counts its
+    /// own where the history knows any of `keys` (a first run's experts are all new: that says
+    /// nothing of how often a later run meets unseen ones).
+    pub fn start_run(&mut self, keys: &[Key]) {
+        self.novel = (self.novel.0 / 2.0, self.novel.1 / 2.0);
+        self.counting = keys.iter().any(|&k| self.count(k) > 0);
+    }
+
+    /// The share of a run's needs that go to experts the history never counted, as past runs that
+    /// started with a history met them (latest weighing most); None before such a run.
+    pub fn novelty(&self) -> Option<f64> {
+        (self.novel.0 > 0.0).then(|| self.novel.1 / self.novel.0)
     }
 
     /// Whether no routing was counted (a store not yet run, or its history lost).
@@ -71,9 +107,14 @@ impl History {
     /// speeds a start up: a damaged one is started afresh, and said).
     pub fn load(path: &Path) -> History {
         let Ok(bytes) = std::fs::read(path) else { return History::default() };
-        match serde_json::from_slice::<Vec<(u32, u32, u64)>>(&bytes) {
-            Ok(v) => {
-                History { counts: v.into_iter().map(|(l, e, c)| ((l, e), c)).collect(), unsaved: 0 }
+        match serde_json::from_slice::<Saved>(&bytes) {
+            Ok(saved) => {
+                let (v, novel) = match saved {
+                    Saved::Full { counts, novel } => (counts, novel),
+                    Saved::Counts(counts) => (counts, (0.0, 0.0)),
+                };
+                let counts = v.into_iter().map(|(l, e, c)| ((l, e), c)).collect();
+                History { counts, novel, ..History::default() }
             }
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "expert usage history unreadable; starting afresh");
@@ -94,16 +135,19 @@ impl History {
 
     /// Writes the history to `path` (a temporary file renamed over it), merged with what another
     /// process (another worker of the same store) saved there since: the larger count of each
-    /// expert wins.
+    /// expert wins, and the novelty of whichever counted more needs.
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        let mut merged = History::load(path).counts;
+        let there = History::load(path);
+        let mut merged = there.counts;
         for (&k, &c) in &self.counts {
             let v = merged.entry(k).or_insert(0);
             *v = (*v).max(c);
         }
         let mut v: Vec<(u32, u32, u64)> = merged.into_iter().map(|((l, e), c)| (l, e, c)).collect();
         v.sort_unstable();
-        let bytes = serde_json::to_vec(&v).map_err(std::io::Error::other)?;
+        let novel = if there.novel.0 > self.novel.0 { there.novel } else { self.novel };
+        let saved = Saved::Full { counts: v, novel };
+        let bytes = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
         layerstream_types::cache::write_whole(path, &bytes)
     }
 }
@@ -147,6 +191,36 @@ mod tests {
         std::fs::write(&path, b"{not json").unwrap();
         assert_eq!(History::load(&path), History::default());
         assert_eq!(History::load(&dir.path().join("absent.json")), History::default());
+    }
+
+    /// A first run counts no novelty (all its experts are new); a later run counts the share of
+    /// its needs that went to experts never counted before, kept across a save; each start halves
+    /// the past; the counts-only file of before reads with none.
+    #[test]
+    fn novelty_is_the_share_of_a_later_runs_needs_that_meet_unseen_experts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.json");
+        let keys: Vec<Key> = (0..8).map(|e| (0, e)).collect();
+        let mut h = History::default();
+        h.start_run(&keys);
+        (0..4).for_each(|e| h.record((0, e)));
+        assert_eq!(h.novelty(), None, "a first run's experts are all new");
+        h.start_run(&keys);
+        // 6 needs: experts 0 and 1 again, then 4 and 5 twice each (first-time once each).
+        for e in [0, 1, 4, 4, 5, 5] {
+            h.record((0, e));
+        }
+        assert_eq!(h.novelty(), Some(2.0 / 6.0));
+        h.save(&path).unwrap();
+        let mut back = History::load(&path);
+        assert_eq!(back.novelty(), Some(2.0 / 6.0));
+        back.start_run(&keys);
+        (0..6).for_each(|_| back.record((0, 0)));
+        // (6 / 2 + 6) needs, (2 / 2 + 0) first-time.
+        assert_eq!(back.novelty(), Some(1.0 / 9.0));
+        std::fs::write(&path, b"[[0,3,5],[1,7,9]]").unwrap();
+        let old = History::load(&path);
+        assert_eq!((old.count((1, 7)), old.novelty()), (9, None));
     }
 
     #[test]

@@ -179,6 +179,7 @@ impl<B: Backend + 'static> ExpertCache<B> {
         } else {
             let path = crate::expert_history::path_for(&copier.store);
             state.history = History::load(&path);
+            state.history.start_run(&every);
             state.history_path = Some(path);
             state.history.hottest(&every, state.capacity)
         };
