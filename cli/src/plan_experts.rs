@@ -4,7 +4,8 @@
 //! what the hottest experts it holds took of the history's routings, less the share of a run's
 //! needs that meet experts the history never saw (`History::novelty`) — else from its share of the
 //! experts (routing spread evenly: the worst case for a cache). `plan --expert-misses` sets the
-//! share missed instead (`bench` passes the share its run measured).
+//! share missed instead (`bench` passes the share its run measured). Each fetch costs what the
+//! history timed one at (`History::fetch_s`) where that is more than the disk's read.
 
 use layerstream_coordinator::cost::{expert_misses, Fetches};
 use layerstream_serving::plan::Assignment;
@@ -44,12 +45,13 @@ pub fn expert_fetches(
             },
         };
         let bytes_each = total / n.max(1) as u64;
+        let measured_s = history.fetch_s().unwrap_or(0.0);
         for l in p.layer_start..p.layer_end {
             let experts = m
                 .config
                 .moe_at(l as usize)
                 .map_or(0.0, |moe| expert_misses(moe.experts, moe.top_k, rows, held));
-            out.push(Fetches { experts, bytes_each });
+            out.push(Fetches { experts, bytes_each, measured_s });
         }
     }
     out
@@ -88,7 +90,7 @@ mod tests {
         let at = |h: &History, cache: u32, rows: usize, x: Misses| {
             expert_fetches(&m, &[plan(cache)], rows, h, x)
         };
-        let fetch = |experts: f64| vec![Fetches { experts, bytes_each: each }; 2];
+        let fetch = |experts: f64| vec![Fetches { experts, bytes_each: each, measured_s: 0.0 }; 2];
         let empty = History::default();
         assert_eq!(at(&empty, quarter, 1, Misses::History), fetch(expert_misses(e, k, 1, 0.25)));
         assert!(expert_misses(e, k, 1, 0.25) > 0.0);
@@ -110,5 +112,7 @@ mod tests {
         assert_eq!(at(&hot, quarter, 1, Misses::History), fetch(k as f64 * (1.0 - served)));
         assert_eq!(at(&hot, quarter, 1, Misses::Share(0.25)), fetch(k as f64 * 0.25));
         assert_eq!(at(&empty, 0, 8, Misses::History), fetch(0.0));
+        hot.fetched(12.0);
+        assert!(at(&hot, quarter, 1, Misses::Share(0.25)).iter().all(|x| x.measured_s == 0.012));
     }
 }

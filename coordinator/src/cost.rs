@@ -304,11 +304,15 @@ pub fn expert_misses(e: usize, k: usize, rows: usize, held: f64) -> f64 {
 /// worker's cache does not hold (expected count) and each one's bytes. A worker fetches such an
 /// expert when the step needs it (or one layer ahead, where the next router's guess was right), a
 /// file at a time, and the step waits for it: each costs the disk's latency and its bytes at the
-/// disk's one-read rate, then the link's copy where there is one — not hidden in the read-ahead.
+/// disk's one-read rate, then the link's copy where there is one — not hidden in the read-ahead —
+/// or what the worker timed a fetch at in past runs (`measured_s`), whichever is longer (the
+/// loader's request, its slot and the copy cost more than the read where the cores are busy).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Fetches {
     pub experts: f64,
     pub bytes_each: u64,
+    /// Seconds one fetch took the worker in past runs (0: none timed).
+    pub measured_s: f64,
 }
 
 impl Fetches {
@@ -322,7 +326,8 @@ impl Fetches {
         let rate = |gbps: f64| (gbps * 1e9).max(1.0);
         let each = self.bytes_each as f64;
         let link = f.link_gbps.map_or(0.0, |g| each / rate(g));
-        self.experts * (f.disk_latency_ms / 1e3 + each / rate(f.disk_at(1)) + link)
+        let read = f.disk_latency_ms / 1e3 + each / rate(f.disk_at(1)) + link;
+        self.experts * read.max(self.measured_s)
     }
 }
 
@@ -498,11 +503,14 @@ mod tests {
         let mut f = figures(0.004, 0.0, 1.0, None);
         f.disk_by_reads = vec![(1, 0.5), (3, 1.5)];
         f.disk_latency_ms = 1.0;
-        let x = Fetches { experts: 2.0, bytes_each: 5_000_000 };
+        let x = Fetches { experts: 2.0, bytes_each: 5_000_000, measured_s: 0.0 };
         // 2 × (1 ms + 5 MB ÷ 0.5 GB/s) = 22 ms.
         assert!((x.wait_s(&f) - 0.022).abs() < 1e-9, "{}", x.wait_s(&f));
         let g = Figures { link_gbps: Some(5.0), ..f.clone() };
         assert!((x.wait_s(&g) - 0.024).abs() < 1e-9, "the link's 1 ms each on top");
+        let timed = |s: f64| Fetches { measured_s: s, ..x }.wait_s(&f);
+        assert!((timed(0.015) - 0.030).abs() < 1e-9, "a fetch timed at 15 ms costs 15 ms");
+        assert!((timed(0.005) - 0.022).abs() < 1e-9, "never less than the read itself");
         let layers = [(Source::Device, 1); 4];
         let plain = predict(&f, &layers, &[], 1, 2, 2);
         let some = predict(&f, &layers, &[x, Fetches::default(), x], 1, 2, 2);

@@ -7,7 +7,8 @@
 //! It also keeps how often a run met an expert it had never counted (`novelty`): of the needs of
 //! runs that started with a history of their layers, the share that went to a first-time expert,
 //! halved at each start so the latest runs weigh most. A cache misses such a need whatever it
-//! holds; `layerstream plan` charges that share beside what the hottest experts leave.
+//! holds; `layerstream plan` charges that share beside what the hottest experts leave. And what
+//! a miss costs: the milliseconds a step waited for each expert it fetched, decayed alike.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +31,9 @@ pub struct History {
     novel: (f64, f64),
     /// Whether this run counts `novel` (`start_run` found counts of its layers).
     counting: bool,
+    /// Fetches of an expert a step needed and the cache missed, and their milliseconds (decayed
+    /// alike): what a miss costs a step on this host, as the worker timed it.
+    fetch: (f64, f64),
 }
 
 /// The file: counts as (layer, expert, count) and `novel` as [needs, first-time needs]; a file of
@@ -37,7 +41,12 @@ pub struct History {
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(untagged)]
 enum Saved {
-    Full { counts: Vec<(u32, u32, u64)>, novel: (f64, f64) },
+    Full {
+        counts: Vec<(u32, u32, u64)>,
+        novel: (f64, f64),
+        #[serde(default)]
+        fetch: (f64, f64),
+    },
     Counts(Vec<(u32, u32, u64)>),
 }
 
@@ -62,6 +71,7 @@ impl History {
     /// nothing of how often a later run meets unseen ones).
     pub fn start_run(&mut self, keys: &[Key]) {
         self.novel = (self.novel.0 / 2.0, self.novel.1 / 2.0);
+        self.fetch = (self.fetch.0 / 2.0, self.fetch.1 / 2.0);
         self.counting = keys.iter().any(|&k| self.count(k) > 0);
     }
 
@@ -69,6 +79,17 @@ impl History {
     /// started with a history met them (latest weighing most); None before such a run.
     pub fn novelty(&self) -> Option<f64> {
         (self.novel.0 > 0.0).then(|| self.novel.1 / self.novel.0)
+    }
+
+    /// Counts one fetch of a missed expert that took `ms` (the step waited for it).
+    pub fn fetched(&mut self, ms: f64) {
+        self.fetch = (self.fetch.0 + 1.0, self.fetch.1 + ms);
+    }
+
+    /// Seconds a step waited for one missed expert, as past runs timed it (latest weighing most);
+    /// None before any was fetched.
+    pub fn fetch_s(&self) -> Option<f64> {
+        (self.fetch.0 > 0.0).then(|| self.fetch.1 / self.fetch.0 / 1e3)
     }
 
     /// Whether no routing was counted (a store not yet run, or its history lost).
@@ -109,12 +130,12 @@ impl History {
         let Ok(bytes) = std::fs::read(path) else { return History::default() };
         match serde_json::from_slice::<Saved>(&bytes) {
             Ok(saved) => {
-                let (v, novel) = match saved {
-                    Saved::Full { counts, novel } => (counts, novel),
-                    Saved::Counts(counts) => (counts, (0.0, 0.0)),
+                let (v, novel, fetch) = match saved {
+                    Saved::Full { counts, novel, fetch } => (counts, novel, fetch),
+                    Saved::Counts(counts) => (counts, (0.0, 0.0), (0.0, 0.0)),
                 };
                 let counts = v.into_iter().map(|(l, e, c)| ((l, e), c)).collect();
-                History { counts, novel, ..History::default() }
+                History { counts, novel, fetch, ..History::default() }
             }
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "expert usage history unreadable; starting afresh");
@@ -135,7 +156,7 @@ impl History {
 
     /// Writes the history to `path` (a temporary file renamed over it), merged with what another
     /// process (another worker of the same store) saved there since: the larger count of each
-    /// expert wins, and the novelty of whichever counted more needs.
+    /// expert wins; its novelty and fetch times replace the file's (they started from them).
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
         let there = History::load(path);
         let mut merged = there.counts;
@@ -145,8 +166,11 @@ impl History {
         }
         let mut v: Vec<(u32, u32, u64)> = merged.into_iter().map(|((l, e), c)| (l, e, c)).collect();
         v.sort_unstable();
-        let novel = if there.novel.0 > self.novel.0 { there.novel } else { self.novel };
-        let saved = Saved::Full { counts: v, novel };
+        // This process's figures grew from the file's at its start (decayed): they supersede it,
+        // unless it has none.
+        let novel = if self.novel.0 > 0.0 { self.novel } else { there.novel };
+        let fetch = if self.fetch.0 > 0.0 { self.fetch } else { there.fetch };
+        let saved = Saved::Full { counts: v, novel, fetch };
         let bytes = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
         layerstream_types::cache::write_whole(path, &bytes)
     }
@@ -218,6 +242,24 @@ mod tests {
         (0..6).for_each(|_| back.record((0, 0)));
         // (6 / 2 + 6) needs, (2 / 2 + 0) first-time.
         assert_eq!(back.novelty(), Some(1.0 / 9.0));
+        // Fetch times: kept across a save, halved at a start like novelty.
+        assert_eq!(back.fetch_s(), None);
+        back.fetched(12.0);
+        back.fetched(8.0);
+        back.save(&path).unwrap();
+        // A later start's (decayed) figures replace the file's, though they count less.
+        let mut later = History::load(&path);
+        later.start_run(&keys);
+        later.fetched(2.0);
+        later.save(&path).unwrap();
+        assert!((History::load(&path).fetch_s().unwrap() - 0.006).abs() < 1e-12);
+        back.save(&path).unwrap();
+        let mut again = History::load(&path);
+        assert!((again.fetch_s().unwrap() - 0.010).abs() < 1e-12);
+        again.start_run(&keys);
+        again.fetched(40.0);
+        // (20 / 2 + 40) ms over (2 / 2 + 1) fetches.
+        assert!((again.fetch_s().unwrap() - 0.025).abs() < 1e-12);
         std::fs::write(&path, b"[[0,3,5],[1,7,9]]").unwrap();
         let old = History::load(&path);
         assert_eq!((old.count((1, 7)), old.novelty()), (9, None));

@@ -326,6 +326,7 @@ impl<B: Backend + 'static> ExpertSource<B> for ExpertCache<B> {
             let w = Arc::new(w);
             out.push(w.clone());
             s = self.shared.lock();
+            s.history.fetched(ms);
             s.make_room(&keep, layer);
             let clock = s.clock;
             s.map.insert(k, Entry { weights: w, last_use: clock, predicted: false });
