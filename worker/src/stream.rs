@@ -116,8 +116,11 @@ impl LoaderLink {
             span,
             AcquireRequest { worker: self.worker.clone(), layer, prefetch_next: true },
         );
-        let a =
-            self.rt.block_on(c.acquire(req)).map_err(|s| loader_err("acquire", s))?.into_inner();
+        let rpc = tracing::info_span!(parent: span, "acquire rpc", layer = layer as i64);
+        let a = rpc
+            .in_scope(|| self.rt.block_on(c.acquire(req)))
+            .map_err(|s| loader_err("acquire", s))?
+            .into_inner();
         if !a.order_known && !self.order.is_empty() {
             // A restarted daemon: declare the order again so its prefetching resumes.
             self.set_order(self.order.clone())?;
