@@ -15,6 +15,8 @@
 #     loader measured during the run (its bytes ÷ the wall time a read was in flight; `plan
 #     --disk-gbps`, `bench`'s `predicted_at_run_disk_tok_s`): the model's error with the disk's
 #     drift since calibration taken out.
+# Prompt processing: one prompt of PP tokens (default 128) in the same cgroup, prefill tokens/s
+# of each engine.
 # Batch 8 for layerstream: `bench --fit --streamed-only --batch 8` in the same cgroup (a stack sized
 # as `up` with no size flags sizes itself): decode tokens/s after the last first token, comparable
 # with llama-batched-bench's S_TG; the wall figure (prefill included) beside it.
@@ -26,6 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LIMITS=${LIMITS-"3584 2560"}   # empty: only the MoE rows
 GEN=${GEN:-8}
+PP=${PP:-128}   # prompt tokens of the prompt-processing rows
 WORK=${WORK:-/tmp/layerstream-memlimit}
 BIN=${LAYERSTREAM_BIN:-target/release/layerstream}
 [ -x "$BIN" ] || cargo build --release -q -p layerstream
@@ -153,6 +156,24 @@ print("%.3f %.3f" % (r["decode_tok_s"], r["tokens_per_s"]), f(p), f(q), "%.2f" %
         echo "| $mib MiB | llama.cpp | 8 | $tps (S_TG) | | | $(printf %.2f "$(echo "$tps / $ideal" | bc -l)") | $(peak_gib) | llama-batched-bench -npl 8 |"
     else
         echo "| $mib MiB | llama.cpp | 8 | — | | | — | $(peak_gib) | $(tail -1 "$WORK/llama8.err" | cut -c1-120) |"
+    fi
+    # Prompt processing: one prompt of PP tokens, each engine from a dropped page cache —
+    # layerstream's `bench --fit` (its prefill tok/s: prompt tokens ÷ the time to the first token),
+    # llama.cpp's `llama-bench -p PP -n 0` (one run, mmap).
+    fresh
+    if (in_cg "$BIN" bench --model "$store" --fit --streamed-only --batch 1 --prompt-tokens "$PP" \
+        --max-new-tokens 1 --json-out "$WORK/pp.json") > "$WORK/pp.out" 2>&1; then
+        pp=$(python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))[0]["prefill_tok_s"])' "$WORK/pp.json")
+        echo "| $mib MiB | layerstream | prompt $PP | $pp (prefill tok/s) | | | | $(peak_gib) | bench --fit --streamed-only --prompt-tokens $PP |"
+    else
+        echo "| $mib MiB | layerstream | prompt $PP | — | | | | $(peak_gib) | bench failed: $(tail -1 "$WORK/pp.out" | cut -c1-160) |"
+    fi
+    fresh
+    if out=$(in_cg "$bench" -m "$gguf" -p "$PP" -n 0 -r 1 -t "$(nproc)" --repack 0 -lm mmap -o json 2>"$WORK/llama-pp.err"); then
+        pp=$(echo "$out" | python3 -c 'import json,sys; print("%.2f" % json.load(sys.stdin)[-1]["avg_ts"])')
+        echo "| $mib MiB | llama.cpp | prompt $PP | $pp (pp$PP tok/s) | | | | $(peak_gib) | llama-bench -p $PP -n 0 --repack 0 -lm mmap |"
+    else
+        echo "| $mib MiB | llama.cpp | prompt $PP | — | | | | $(peak_gib) | $(tail -1 "$WORK/llama-pp.err" | cut -c1-120) |"
     fi
 done
 
