@@ -210,12 +210,19 @@ fn the_hottest_experts_are_loaded_at_the_next_start() {
     let (cache, fresh) = (dir.path().join("cache"), dir.path().join("fresh"));
     let first = run(&cache, 8);
     let saved = cache.join("expert-usage").join(format!("{}.json", store.identity()));
+    let file = |p: &std::path::Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(p).expect("the usage history is saved")).unwrap()
+    };
     let history: Vec<(u32, u32, u64)> =
-        serde_json::from_slice(&std::fs::read(&saved).expect("the usage history is saved"))
-            .unwrap();
+        serde_json::from_value(file(&saved)["counts"].clone()).unwrap();
     let routed: u64 = history.iter().map(|h| h.2).sum();
     assert_eq!(routed, first["stats"]["experts_needed"].as_u64().unwrap(), "every need counted");
+    // A first run counts no novelty (every expert is new to an empty history).
+    assert_eq!(file(&saved)["novel"][0].as_f64(), Some(0.0), "{}", file(&saved));
     let (cold, warm) = (run(&fresh, 1), run(&cache, 1));
+    // The second run started with a history: its needs are counted for novelty.
+    let needs = file(&saved)["novel"][0].as_f64().unwrap();
+    assert_eq!(needs, warm["stats"]["experts_needed"].as_f64().unwrap(), "{}", file(&saved));
     let hit = |o: &serde_json::Value| o["stats"]["experts_hit"].as_u64().unwrap();
     assert_eq!(hit(&cold), 0, "an empty cache hits nothing in one step");
     assert!(hit(&warm) > 0, "the hot set was loaded: {} hits", hit(&warm));
