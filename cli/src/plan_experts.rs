@@ -32,10 +32,7 @@ pub fn expert_fetches(
     let mut out = Vec::new();
     for p in plans {
         let (n, total, _) = layerstream_serving::plan::range_experts(m, p);
-        let keys: Vec<(u32, u32)> = (p.layer_start..p.layer_end)
-            .filter_map(|l| m.config.moe_at(l as usize).map(|x| (l, x.experts as u32)))
-            .flat_map(|(l, e)| (0..e).map(move |e| (l, e)))
-            .collect();
+        let keys = layerstream_worker::expert_history::keys(&m.config, p.layer_start..p.layer_end);
         let held = match (p.expert_cache as usize, misses) {
             (0, _) => 1.0,
             (_, Misses::Share(s)) => 1.0 - s,
@@ -95,8 +92,7 @@ mod tests {
         assert_eq!(at(&empty, quarter, 1, Misses::History), fetch(expert_misses(e, k, 1, 0.25)));
         assert!(expert_misses(e, k, 1, 0.25) > 0.0);
         let mut hot = History::default();
-        let keys: Vec<(u32, u32)> =
-            (0..2).flat_map(|l| (0..e as u32).map(move |x| (l, x))).collect();
+        let keys = layerstream_worker::expert_history::keys(&m.config, 0..2);
         hot.start_run(&keys);
         for l in 0..2 {
             (0..(e / 4) as u32).for_each(|x| hot.record((l, x)));

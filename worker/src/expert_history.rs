@@ -16,6 +16,43 @@ use std::path::{Path, PathBuf};
 /// (layer, expert).
 pub type Key = (u32, u32);
 
+/// Every expert of the mixture-of-experts layers among `layers`, as history keys.
+pub fn keys(cfg: &layerstream_model::ModelConfig, layers: std::ops::Range<u32>) -> Vec<Key> {
+    layers
+        .filter_map(|l| cfg.moe_at(l as usize).map(|m| (l, m.experts as u32)))
+        .flat_map(|(l, n)| (0..n).map(move |e| (l, e)))
+        .collect()
+}
+
+/// A count and a sum, halved at each run's start so the latest runs weigh most; saved as
+/// `[count, sum]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Decayed(f64, f64);
+
+impl Decayed {
+    fn add(&mut self, x: f64) {
+        *self = Decayed(self.0 + 1.0, self.1 + x);
+    }
+
+    fn halve(&mut self) {
+        *self = Decayed(self.0 / 2.0, self.1 / 2.0);
+    }
+
+    /// The sum over the count; None before anything was added.
+    fn mean(&self) -> Option<f64> {
+        (self.0 > 0.0).then(|| self.1 / self.0)
+    }
+
+    /// These figures unless there are none, else `there`'s.
+    fn or(self, there: Decayed) -> Decayed {
+        if self.0 > 0.0 {
+            self
+        } else {
+            there
+        }
+    }
+}
+
 /// Needs recorded between saves.
 pub const SAVE_EVERY: u64 = 4096;
 /// A count past this halves every count.
@@ -27,13 +64,13 @@ pub struct History {
     counts: HashMap<Key, u64>,
     /// Needs recorded since the last save.
     unsaved: u64,
-    /// Needs, and needs of a first-time expert, of runs that started with a history (decayed).
-    novel: (f64, f64),
+    /// Needs of runs that started with a history, each 1 where it went to a first-time expert.
+    novel: Decayed,
     /// Whether this run counts `novel` (`start_run` found counts of its layers).
     counting: bool,
-    /// Fetches of an expert a step needed and the cache missed, and their milliseconds (decayed
-    /// alike): what a miss costs a step on this host, as the worker timed it.
-    fetch: (f64, f64),
+    /// Fetches of an expert a step needed and the cache missed, each its milliseconds: what a miss
+    /// costs a step on this host, as the worker timed it.
+    fetch: Decayed,
 }
 
 /// The file: counts as (layer, expert, count) and `novel` as [needs, first-time needs]; a file of
@@ -43,9 +80,9 @@ pub struct History {
 enum Saved {
     Full {
         counts: Vec<(u32, u32, u64)>,
-        novel: (f64, f64),
+        novel: Decayed,
         #[serde(default)]
-        fetch: (f64, f64),
+        fetch: Decayed,
     },
     Counts(Vec<(u32, u32, u64)>),
 }
@@ -55,8 +92,7 @@ impl History {
     pub fn record(&mut self, key: Key) {
         let c = self.counts.entry(key).or_insert(0);
         if self.counting {
-            self.novel.0 += 1.0;
-            self.novel.1 += if *c == 0 { 1.0 } else { 0.0 };
+            self.novel.add(if *c == 0 { 1.0 } else { 0.0 });
         }
         *c += 1;
         self.unsaved += 1;
@@ -70,26 +106,26 @@ impl History {
     /// own where the history knows any of `keys` (a first run's experts are all new: that says
     /// nothing of how often a later run meets unseen ones).
     pub fn start_run(&mut self, keys: &[Key]) {
-        self.novel = (self.novel.0 / 2.0, self.novel.1 / 2.0);
-        self.fetch = (self.fetch.0 / 2.0, self.fetch.1 / 2.0);
+        self.novel.halve();
+        self.fetch.halve();
         self.counting = keys.iter().any(|&k| self.count(k) > 0);
     }
 
     /// The share of a run's needs that go to experts the history never counted, as past runs that
     /// started with a history met them (latest weighing most); None before such a run.
     pub fn novelty(&self) -> Option<f64> {
-        (self.novel.0 > 0.0).then(|| self.novel.1 / self.novel.0)
+        self.novel.mean()
     }
 
     /// Counts one fetch of a missed expert that took `ms` (the step waited for it).
     pub fn fetched(&mut self, ms: f64) {
-        self.fetch = (self.fetch.0 + 1.0, self.fetch.1 + ms);
+        self.fetch.add(ms);
     }
 
     /// Seconds a step waited for one missed expert, as past runs timed it (latest weighing most);
     /// None before any was fetched.
     pub fn fetch_s(&self) -> Option<f64> {
-        (self.fetch.0 > 0.0).then(|| self.fetch.1 / self.fetch.0 / 1e3)
+        self.fetch.mean().map(|ms| ms / 1e3)
     }
 
     /// Whether no routing was counted (a store not yet run, or its history lost).
@@ -132,7 +168,7 @@ impl History {
             Ok(saved) => {
                 let (v, novel, fetch) = match saved {
                     Saved::Full { counts, novel, fetch } => (counts, novel, fetch),
-                    Saved::Counts(counts) => (counts, (0.0, 0.0), (0.0, 0.0)),
+                    Saved::Counts(counts) => (counts, Decayed::default(), Decayed::default()),
                 };
                 let counts = v.into_iter().map(|(l, e, c)| ((l, e), c)).collect();
                 History { counts, novel, fetch, ..History::default() }
@@ -168,9 +204,11 @@ impl History {
         v.sort_unstable();
         // This process's figures grew from the file's at its start (decayed): they supersede it,
         // unless it has none.
-        let novel = if self.novel.0 > 0.0 { self.novel } else { there.novel };
-        let fetch = if self.fetch.0 > 0.0 { self.fetch } else { there.fetch };
-        let saved = Saved::Full { counts: v, novel, fetch };
+        let saved = Saved::Full {
+            counts: v,
+            novel: self.novel.or(there.novel),
+            fetch: self.fetch.or(there.fetch),
+        };
         let bytes = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
         layerstream_types::cache::write_whole(path, &bytes)
     }

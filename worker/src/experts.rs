@@ -195,11 +195,7 @@ impl<B: Backend + 'static> ExpertCache<B> {
     ) -> Result<Self> {
         let cfg = store.manifest.config.clone();
         let copier = Copier { backend, cfg: cfg.clone(), store };
-        let every: Vec<Key> = layers
-            .clone()
-            .filter_map(|l| cfg.moe_at(l as usize).map(|m| (l, m.experts as u32)))
-            .flat_map(|(l, n)| (0..n).map(move |e| (l, e)))
-            .collect();
+        let every: Vec<Key> = crate::expert_history::keys(&cfg, layers.clone());
         let all = capacity == 0 || capacity >= every.len();
         let mut state = State {
             map: HashMap::new(),
