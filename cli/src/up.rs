@@ -411,9 +411,9 @@ pub(crate) fn memory_shares(
     let devices = worker_devices(&a.device.compute.device, a.workers);
     let cpu = devices.iter().filter(|d| *d == "cpu").count();
     let (group, buffers) = (a.plan.layer_group_size, a.plan.streaming_buffers);
-    // What a CPU worker keeps whatever it streams: the embedding and the head (one worker holds
-    // both; of several, the first one and the last one each).
-    let keeps = |embed, head| layerstream_serving::plan::embed_head_bytes(m, embed, head);
+    // What a CPU worker keeps whatever it streams: the head, and the embedding where it is the
+    // head (one worker holds both; of several, the first one and the last one each).
+    let keeps = |embed, head| layerstream_serving::plan::embed_head_bytes(m, embed, head, true);
     let worker_min = match a.workers {
         1 => keeps(true, true),
         _ => keeps(true, false).max(keeps(false, true)),

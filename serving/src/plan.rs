@@ -132,9 +132,9 @@ impl std::fmt::Display for Usage {
     }
 }
 
-/// What `a` occupies on a worker of the model in `m`.
+/// What `a` occupies on a worker of the model in `m` (one that copies what it streams: a GPU's).
 pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
-    let embed_head = embed_head_bytes(m, a.embed, a.head);
+    let embed_head = embed_head_bytes(m, a.embed, a.head, false);
     let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
     let (count, bytes) = streaming_buffers(m, a);
     // Saturating: a crafted capacity must exceed every budget, not wrap below it.
@@ -147,10 +147,12 @@ pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
 
 /// Bytes a worker keeps for the embedding (`embed`) and the head (`head`: the final norm and the
 /// vocabulary projection, which is the embedding itself where the two are tied), whatever it streams.
-pub fn embed_head_bytes(m: &Manifest, embed: bool, head: bool) -> u64 {
+/// A worker that computes from host memory (`in_place`: the CPU) maps an embedding it only looks
+/// rows up in (`weights::embedding` in the worker): the page cache holds those rows, not the worker.
+pub fn embed_head_bytes(m: &Manifest, embed: bool, head: bool, in_place: bool) -> u64 {
     let tied = m.config.tie_word_embeddings;
     let mut bytes = 0;
-    if embed || (head && tied) {
+    if (embed && !in_place) || (head && tied) {
         bytes += file_bytes(m, "embed.bin");
     }
     if head {
@@ -171,6 +173,7 @@ pub fn usage_with(m: &Manifest, a: &Assignment, in_place: bool) -> Usage {
     let mut u = usage(m, a);
     if in_place {
         u.streaming = 0;
+        u.embed_head = embed_head_bytes(m, a.embed, a.head, true);
     }
     u
 }
@@ -286,7 +289,18 @@ mod tests {
             file_bytes(&m, "embed.bin") + file_bytes(&m, "final_norm.bin"),
             "tied: one embedding"
         );
-        let all = Assignment { resident: vec![0, 1, 2, 3], ..a };
+        let all = Assignment { resident: vec![0, 1, 2, 3], ..a.clone() };
         assert_eq!(streaming_buffers(&m, &all), (0, 0), "nothing streams");
+        // Tied, the embedding is the head: a CPU worker keeps it too.
+        let cpu = usage_with(&m, &a, true);
+        assert_eq!((cpu.embed_head, cpu.streaming), (u.embed_head, 0));
+        // Untied, a CPU worker maps the embedding it only looks rows up in; a GPU's holds it.
+        let mut untied = m.clone();
+        untied.config.tie_word_embeddings = false;
+        let norm = file_bytes(&m, "final_norm.bin");
+        assert_eq!(usage_with(&untied, &a, true).embed_head, norm, "the head file is absent here");
+        assert_eq!(usage_with(&untied, &a, false).embed_head, u.embed_head);
+        let first = Assignment { head: false, ..a.clone() };
+        assert_eq!(usage_with(&m, &first, true).embed_head, 0, "lookups alone, even tied");
     }
 }

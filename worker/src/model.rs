@@ -73,7 +73,7 @@ impl<B: Backend> Model<B> {
         let cfg = store.manifest.config.clone();
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let load = |f, name: &str, shape: &[usize]| need(&backend, f, name, shape);
-        let embed = load(store.load("embed.bin")?, "embed", &[vocab, h])?;
+        let embed = crate::weights::embedding(&backend, store, cfg.tie_word_embeddings)?;
         let norm = load(store.load("final_norm.bin")?, "final_norm", &[h])?;
         let lm_head = if cfg.tie_word_embeddings {
             None

@@ -155,7 +155,7 @@ impl<B: Backend + 'static> Stage<B> {
         }
         let tied = cfg.tie_word_embeddings;
         let embed = if plan.embed || (plan.head && tied) {
-            Some(need(&backend, store.load("embed.bin")?, "embed", &[vocab, h])?)
+            Some(crate::weights::embedding(&backend, &store, plan.head && tied)?)
         } else {
             None
         };

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use layerstream_kernels::Backend;
 use layerstream_model::layout::{layer_shape, LAYER_TENSORS, ROUTER, ROUTER_BIAS};
-use layerstream_model::{FileEntry, LoadedFile, ModelConfig};
+use layerstream_model::{FileEntry, LoadedFile, ModelConfig, Store};
 
 /// One decoder layer's weights on a device.
 pub struct LayerWeights<B: Backend> {
@@ -160,19 +160,18 @@ pub fn upload<B: Backend>(
 ) -> Result<Option<B::Weight>> {
     let Some((t, bytes)) = file.tensor(name) else { return Ok(None) };
     if let Some(w) = want {
-        check_shape(file, name, &t.shape, w)?;
+        check_shape_of(&file.entry.name, name, &t.shape, w)?;
     }
     Ok(Some(b.weight(&format!("{}:{name}", file.entry.name), t.dtype, &t.shape, bytes)?))
 }
 
 /// `name`'s shape in `file` is `want`, or an error naming both.
-fn check_shape(file: &LoadedFile, name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
+fn check_shape_of(file: &str, name: &str, shape: &[usize], want: &[usize]) -> Result<()> {
     if shape == want {
         return Ok(());
     }
     Err(Error::Weights(format!(
-        "{}: tensor {name} has shape {shape:?}, the config needs {want:?}",
-        file.entry.name
+        "{file}: tensor {name} has shape {shape:?}, the config needs {want:?}"
     )))
 }
 
@@ -186,21 +185,58 @@ impl layerstream_kernels::MappedBytes for OwnedFile {
     }
 }
 
+/// A mapped store file (`Store::map`) as a CPU blob's bytes.
+#[derive(Debug)]
+struct MappedFile(layerstream_model::store::MappedFile);
+
+impl layerstream_kernels::MappedBytes for MappedFile {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
 /// Tensor `name` of `file` (the embedding, the final norm, the head), its shape `want`, the file
 /// consumed: where the device computes from host memory (the CPU) the weight is the file's own
 /// bytes, moved rather than copied — an 8B model's 0.56 GB embedding was held twice while it
 /// loaded, which a worker sized to a memory limit did not survive — else uploaded (`upload`).
 pub fn need<B: Backend>(b: &B, file: LoadedFile, name: &str, want: &[usize]) -> Result<B::Weight> {
-    let missing = || Error::Weights(format!("{}: missing tensor {name}", file.entry.name));
     if !b.maps_host() {
+        let missing = || Error::Weights(format!("{}: missing tensor {name}", file.entry.name));
         return upload(b, &file, name, Some(want))?.ok_or_else(missing);
     }
-    let t = file.entry.tensor(name).cloned().ok_or_else(missing)?;
-    check_shape(&file, name, &t.shape, want)?;
-    let label = format!("{}:{name}", file.entry.name);
+    let entry = file.entry.clone();
+    host_weight(b, &entry, std::sync::Arc::new(OwnedFile(file.bytes)), name, want)
+}
+
+/// The token embedding of `store`. A worker that uses it for lookups alone (not as its tied head)
+/// on a device that computes from host memory maps the file (`Store::map`): a step touches its
+/// tokens' rows, whose pages the page cache holds and may drop, so the embedding takes none of the
+/// worker's memory (`plan::embed_head_bytes`); a head reads every row each step, so it is loaded.
+pub fn embedding<B: Backend>(b: &B, store: &Store, as_head: bool) -> Result<B::Weight> {
+    let want = [store.manifest.config.vocab_size, store.manifest.config.hidden_size];
+    if !b.maps_host() || as_head {
+        return need(b, store.load("embed.bin")?, "embed", &want);
+    }
+    let file = store.map("embed.bin")?;
+    let entry = file.entry.clone();
+    host_weight(b, &entry, std::sync::Arc::new(MappedFile(file)), "embed", &want)
+}
+
+/// Tensor `name` of the file `entry` describes, whose bytes are `bytes`, as a weight in place.
+fn host_weight<B: Backend>(
+    b: &B,
+    entry: &FileEntry,
+    bytes: std::sync::Arc<dyn layerstream_kernels::MappedBytes>,
+    name: &str,
+    want: &[usize],
+) -> Result<B::Weight> {
+    let missing = || Error::Weights(format!("{}: missing tensor {name}", entry.name));
+    let t = entry.tensor(name).cloned().ok_or_else(missing)?;
+    check_shape_of(&entry.name, name, &t.shape, want)?;
+    let label = format!("{}:{name}", entry.name);
     let range = t.offset as usize..(t.offset + t.size) as usize;
     let blob = b
-        .map_blob(std::sync::Arc::new(OwnedFile(file.bytes)))
+        .map_blob(bytes)
         .ok_or_else(|| Error::Weights(format!("{label}: the device maps no host memory")))?;
     Ok(b.weight_in(&blob, &label, t.dtype, &t.shape, range)?)
 }
@@ -389,5 +425,33 @@ mod tests {
         assert_eq!(w.row(3), copy.row(3));
         let err = need(&b, store.load("embed.bin").unwrap(), "embed", &[1, 2]).err().unwrap();
         assert!(err.to_string().contains("tensor embed has shape"), "{err}");
+    }
+
+    /// An embedding used for lookups alone is the store file mapped (its bytes lie in a mapping of
+    /// embed.bin, as /proc/self/maps shows), with the loaded one's values; used as the head it is
+    /// loaded.
+    #[test]
+    fn a_lookup_embedding_is_mapped_and_a_head_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("s");
+        layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(1), 4, &d)
+            .unwrap();
+        let store = layerstream_model::Store::open(&d).unwrap();
+        let b = CpuBackend::default();
+        let in_file_map = |w: &<CpuBackend as Backend>::Weight| {
+            let at = w.stored().unwrap().as_ptr() as usize;
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            maps.lines().filter(|l| l.ends_with("/s/embed.bin")).any(|l| {
+                let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
+                let (lo, hi) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16));
+                (lo.unwrap()..hi.unwrap()).contains(&at)
+            })
+        };
+        let mapped = embedding(&b, &store, false).unwrap();
+        let loaded = embedding(&b, &store, true).unwrap();
+        assert!(in_file_map(&mapped), "lookups read the mapped file");
+        assert!(!in_file_map(&loaded), "a head is the process's own memory");
+        assert_eq!(mapped.stored(), loaded.stored());
+        assert_eq!(mapped.row(5), loaded.row(5));
     }
 }

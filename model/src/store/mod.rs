@@ -3,10 +3,12 @@
 //! and tensor carries an xxh3 checksum.
 
 mod manifest;
+mod mapped;
 mod reader;
 mod writer;
 
 pub use manifest::{FileEntry, Manifest, TensorEntry, ALIGN, FORMAT_VERSION, MANIFEST};
+pub use mapped::MappedFile;
 pub use reader::{check_bytes, LoadedFile, Store};
 pub use writer::StoreWriter;
 
