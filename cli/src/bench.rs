@@ -185,6 +185,10 @@ pub(crate) struct Row {
     /// The loader's disk rate over the measured workload: bytes read ÷ the wall time a read was in
     /// flight (None where it read under 64 MB: too little to time).
     pub(crate) disk_gbps_run: Option<f64>,
+    /// Whether the loader read through the page cache and `disk_gbps_run`, where the disk bounded
+    /// the run (`served::disk_bound_rate`): what the next predictions take as the disk's rate.
+    #[serde(skip)]
+    pub(crate) disk_bound_run: Option<(bool, f64)>,
     /// The prediction again with the disk at `disk_gbps_run` (`plan --disk-gbps`): the cost
     /// model's error with the disk's drift since calibration taken out.
     pub(crate) predicted_at_run_disk_tok_s: Option<f64>,
@@ -310,10 +314,17 @@ pub(crate) fn run_config(
     })?;
     let after = rt.block_on(loader_counts(up_pid)).ok();
     let (loader_hits, loader_misses) = after.as_ref().map_or((0, 0), |d| (d.hits, d.misses));
-    let disk_gbps_run = before.zip(after).and_then(|(b, a)| disk_rate(&b, &a));
+    let disk_gbps_run = before.as_ref().zip(after.as_ref()).and_then(|(b, a)| disk_rate(b, a));
     drop(children);
     let (prefill_tok_s, first_token_ms, decode_tok_s) = m.phases();
     let (tokens, wall_s) = (m.tokens, m.wall_s);
+    // The disk's rate where the disk bounded the run (for `served`), and how the loader read.
+    let disk_bound_run = before.zip(after).and_then(|(b, x)| {
+        let busy = x.disk_busy_seconds - b.disk_busy_seconds;
+        let rate =
+            crate::served::disk_bound_rate(x.disk_bytes.checked_sub(b.disk_bytes)?, busy, wall_s);
+        rate.map(|g| (!x.direct_io, g))
+    });
     let st = m.stats.into_iter().next().unwrap_or_default();
     let steps = st.steps.max(1) as f64;
     Ok(Row {
@@ -349,6 +360,7 @@ pub(crate) fn run_config(
         experts: [st.experts_needed, st.experts_hit, st.experts_prefetched, st.experts_missed],
         predicted_decode_tok_s: None,
         disk_gbps_run,
+        disk_bound_run,
         predicted_at_run_disk_tok_s: None,
         expert_misses_run: None,
         predicted_at_run_experts_tok_s: None,
@@ -471,6 +483,7 @@ fn streaming(a: &BenchArgs, model: &str, vocab: usize) -> Result<()> {
     if a.streamed_only {
         let mut rows = [first];
         predict_rows(&mut rows, model, a, [&streamed, &[]]);
+        crate::bench_report::record_served(model, a, &rows[0]);
         print!("{}", tables(&rows));
         if let Some(p) = &a.json_out {
             std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
@@ -509,6 +522,7 @@ fn streaming(a: &BenchArgs, model: &str, vocab: usize) -> Result<()> {
         a.plan.layer_group_size, a.plan.streaming_buffers
     );
     predict_rows(&mut rows[..2], model, a, [&streamed, &resident_args()]);
+    crate::bench_report::record_served(model, a, &rows[0]);
     print!("{}", tables(&rows));
     if rows[0].bytes_streamed_per_step == 0.0 {
         println!("note: the streamed run streamed nothing (every layer fit); lower --memory-budget or --resident-layers to measure streaming");

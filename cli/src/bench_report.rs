@@ -97,6 +97,22 @@ pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras:
     }
 }
 
+/// Counts the streamed run's disk rate where the disk bounded it (`served::record`), after its own
+/// prediction was made from the runs before it; says so, or why a record failed.
+pub(crate) fn record_served(model: &str, a: &BenchArgs, r: &Row) {
+    let Some((buffered, gbps)) = r.disk_bound_run else { return };
+    let store = layerstream_model::Store::open(std::path::Path::new(model));
+    match store.map(|s| crate::served::record(&s, &a.device, buffered, gbps)) {
+        Ok(Ok(())) => println!(
+            "{}: the disk bounded this run: its {gbps:.2} GB/s is kept for the next predictions \
+             (`layerstream plan`)",
+            r.config
+        ),
+        Ok(Err(e)) => eprintln!("layerstream bench: the run's disk rate not kept: {e}"),
+        Err(e) => eprintln!("layerstream bench: the run's disk rate not kept: {e}"),
+    }
+}
+
 /// The disk's GB/s between two of the loader's descriptions: bytes read ÷ the wall time a read was
 /// in flight; None under 64 MB read (a few reads time nothing) or with no busy time.
 pub(crate) fn disk_rate(
@@ -140,6 +156,7 @@ mod tests {
             steps: 1,
             predicted_decode_tok_s: None,
             disk_gbps_run: None,
+            disk_bound_run: None,
             predicted_at_run_disk_tok_s: None,
             expert_misses_run: None,
             predicted_at_run_experts_tok_s: None,

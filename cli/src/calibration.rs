@@ -62,9 +62,14 @@ pub fn key(store: &Store, device: &DeviceFlags) -> String {
 }
 
 fn path_for(key: &str) -> PathBuf {
+    path_in(&layerstream_types::cache_dir(), key, "json")
+}
+
+/// The file under `root` for figures of `key`, ending `ext`.
+pub fn path_in(root: &std::path::Path, key: &str, ext: &str) -> PathBuf {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     key.hash(&mut h);
-    layerstream_types::cache_dir().join("calibration").join(format!("{:016x}.json", h.finish()))
+    root.join("calibration").join(format!("{:016x}.{ext}", h.finish()))
 }
 
 /// The figures for `store` on `device`: from the cache when its key matches and `recalibrate` is
@@ -182,6 +187,31 @@ fn measure_verify(file: &std::path::Path) -> Result<f64> {
     Ok(best / (bytes.len().max(1) as f64 / 1e9))
 }
 
+/// A tiny synthetic store of four layers under `dir`/`name` (tests).
+#[cfg(test)]
+pub(crate) fn tiny_store(dir: &std::path::Path, name: &str, seed: u64) -> Store {
+    let d = dir.join(name);
+    layerstream_model::synth::synth("tiny", layerstream_model::DType::Q8_0, Some(4), seed, &d)
+        .unwrap();
+    Store::open(&d).unwrap()
+}
+
+/// The CPU device with default flags (tests).
+#[cfg(test)]
+pub(crate) fn cpu_device() -> DeviceFlags {
+    DeviceFlags {
+        compute: layerstream_worker::ComputeFlags {
+            device: "cpu".into(),
+            threads: None,
+            int8_activations: false,
+            exact: false,
+        },
+        memory_budget: None,
+        concurrent_threads: None,
+        link_gbps: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,30 +223,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cache = dir.path().join("cache");
         std::env::set_var("LAYERSTREAM_CACHE", &cache);
-        let synth = |name: &str, seed| {
-            let d = dir.path().join(name);
-            layerstream_model::synth::synth(
-                "tiny",
-                layerstream_model::DType::Q8_0,
-                Some(4),
-                seed,
-                &d,
-            )
-            .unwrap();
-            Store::open(&d).unwrap()
-        };
-        let (a, b) = (synth("a", 1), synth("b", 2));
-        let dev = DeviceFlags {
-            compute: layerstream_worker::ComputeFlags {
-                device: "cpu".into(),
-                threads: None,
-                int8_activations: false,
-                exact: false,
-            },
-            memory_budget: None,
-            concurrent_threads: None,
-            link_gbps: None,
-        };
+        let (a, b) = (tiny_store(dir.path(), "a", 1), tiny_store(dir.path(), "b", 2));
+        let dev = cpu_device();
         let (f, cached) = figures(&a, &dev, false).unwrap();
         assert!(!cached && f.disk_gbps > 0.0 && f.link_gbps.is_none());
         // Four layer files: the disk at 1, 2, 3 and 4 reads in flight.

@@ -24,6 +24,7 @@ mod plan;
 mod plan_experts;
 mod prompt;
 mod run;
+mod served;
 mod submit;
 mod tokenize;
 mod up;

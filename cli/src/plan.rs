@@ -85,6 +85,11 @@ pub struct Placement {
     /// The share of a run's expert needs that meet experts the history never saw
     /// (`History::novelty`), where the history knows it.
     pub novelty: Option<f64>,
+    /// The disk's GB/s as past disk-bound runs were served (`served::rate`) and how many runs
+    /// (decayed), where the prediction used it.
+    pub served: Option<(f64, f64)>,
+    /// The disk's GB/s at the chosen read-ahead as calibration measured it.
+    pub calibrated_gbps: f64,
 }
 
 /// Plans `a` over `shares` as the coordinator will, calibrates (cached) and predicts a pass at
@@ -155,9 +160,13 @@ pub fn placement(
     let (buffered, prefetch_depth) = best_reading(&modes, &depths, pass_as);
     let measured = measured.read_as(buffered).unwrap_or(measured);
     let figures = measured.reading(prefetch_depth + 1);
-    let figures = match disk_gbps {
-        Some(g) => figures.with_disk(g),
-        None => figures,
+    let calibrated_gbps = figures.disk_gbps;
+    // The disk as past disk-bound runs read it, where there were any (`served`), else as
+    // calibration measured it; a rate given (`--disk-gbps`) over both.
+    let served = crate::served::rate(store, &a.device, buffered);
+    let figures = match (disk_gbps, served) {
+        (Some(g), _) | (None, Some((g, _))) => figures.with_disk(g),
+        (None, None) => figures,
     };
     let layers = layers_at(prefetch_depth);
     let fetches: Vec<_> = rows.iter().map(|&r| fetches_at(r)).collect();
@@ -178,6 +187,8 @@ pub fn placement(
         prefetch_depth,
         routing_history: !history.is_empty(),
         novelty: history.novelty(),
+        served: served.filter(|_| disk_gbps.is_none()),
+        calibrated_gbps,
     })
 }
 
@@ -364,11 +375,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let p = placement(&a, &store, &shares, &args.batches, (args.disk_gbps, misses))?;
     let m = &store.manifest;
     let t = tiers(&p.layers);
+    let in_place = layerstream_serving::plan::streams_in_place(&a.device.compute.device);
     let workers: Vec<_> = p
         .plans
         .iter()
         .map(|w| {
-            let u = layerstream_serving::plan::usage(m, w);
+            let u = layerstream_serving::plan::usage_with(m, w, in_place);
             json!({"layers": [w.layer_start, w.layer_end], "resident": w.resident,
                 "budget": p.budget, "needs": u.total(), "kv_capacity": w.kv_capacity,
                 "kv_dtype": w.kv_dtype, "streaming_buffers": w.streaming_buffers,
@@ -402,6 +414,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "experts_from_disk_bytes_per_pass": expert_bytes,
             "expert_routing": routing, "expert_novelty": p.novelty},
         "calibration": {"cached": p.cached, "disk_gbps": f.disk_gbps,
+            "disk_gbps_calibrated": p.calibrated_gbps,
+            "disk_gbps_served": p.served.map(|s| s.0), "served_runs": p.served.map(|s| s.1),
             "disk_gbps_by_reads_in_flight": f.disk_by_reads, "buffered_reads": f.buffered_reads,
             "read_cpu_s_per_gb": f.read_cpu_s_per_gb, "verify_cpu_s_per_gb": f.verify_cpu_s_per_gb,
             "read_cpu_share": f.read_cpu_share, "read_modes": f.read_modes,
@@ -485,7 +499,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "calibration{}: disk {:.2} GB/s (a 4 KiB read {:.2} ms; reading costs {:.3} s of CPU a GB, \
          its check {:.3}, {:.0}% of it taken from the compute){}; a layer {}; the head {}",
         if p.cached { " (cached; --recalibrate measures again)" } else { "" },
-        f.disk_gbps,
+        p.calibrated_gbps,
         f.disk_latency_ms,
         f.read_cpu_s_per_gb,
         f.verify_cpu_s_per_gb,
@@ -494,6 +508,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ms(&f.layer_s),
         ms(&f.head_s)
     );
+    if let Some((g, runs)) = p.served {
+        println!(
+            "the disk as past runs served it: {g:.2} GB/s ({runs:.2} runs, the latest counting 1, \
+             the one before ½; calibration {:.2} at this read-ahead): the prediction's",
+            p.calibrated_gbps
+        );
+    }
     println!("predicted:\n  {}", describe_predictions(&p.predicted));
     Ok(())
 }

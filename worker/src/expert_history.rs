@@ -10,6 +10,7 @@
 //! holds; `layerstream plan` charges that share beside what the hottest experts leave. And what
 //! a miss costs: the milliseconds a step waited for each expert it fetched, decayed alike.
 
+use layerstream_types::stats::Decayed;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -22,35 +23,6 @@ pub fn keys(cfg: &layerstream_model::ModelConfig, layers: std::ops::Range<u32>) 
         .filter_map(|l| cfg.moe_at(l as usize).map(|m| (l, m.experts as u32)))
         .flat_map(|(l, n)| (0..n).map(move |e| (l, e)))
         .collect()
-}
-
-/// A count and a sum, halved at each run's start so the latest runs weigh most; saved as
-/// `[count, sum]`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-struct Decayed(f64, f64);
-
-impl Decayed {
-    fn add(&mut self, x: f64) {
-        *self = Decayed(self.0 + 1.0, self.1 + x);
-    }
-
-    fn halve(&mut self) {
-        *self = Decayed(self.0 / 2.0, self.1 / 2.0);
-    }
-
-    /// The sum over the count; None before anything was added.
-    fn mean(&self) -> Option<f64> {
-        (self.0 > 0.0).then(|| self.1 / self.0)
-    }
-
-    /// These figures unless there are none, else `there`'s.
-    fn or(self, there: Decayed) -> Decayed {
-        if self.0 > 0.0 {
-            self
-        } else {
-            there
-        }
-    }
 }
 
 /// Needs recorded between saves.
