@@ -101,14 +101,15 @@ pub(crate) fn predict_rows(rows: &mut [Row], model: &str, a: &BenchArgs, extras:
 /// prediction was made from the runs before it; says so, or why a record failed.
 pub(crate) fn record_served(model: &str, a: &BenchArgs, r: &Row) {
     let Some((buffered, gbps)) = r.disk_bound_run else { return };
-    let store = layerstream_model::Store::open(std::path::Path::new(model));
-    match store.map(|s| crate::served::record(&s, &a.device, buffered, gbps)) {
-        Ok(Ok(())) => println!(
+    let kept = layerstream_model::Store::open(std::path::Path::new(model))
+        .map_err(anyhow::Error::from)
+        .and_then(|s| Ok(crate::served::record(&s, &a.device, buffered, gbps)?));
+    match kept {
+        Ok(()) => println!(
             "{}: the disk bounded this run: its {gbps:.2} GB/s is kept for the next predictions \
              (`layerstream plan`)",
             r.config
         ),
-        Ok(Err(e)) => eprintln!("layerstream bench: the run's disk rate not kept: {e}"),
         Err(e) => eprintln!("layerstream bench: the run's disk rate not kept: {e}"),
     }
 }

@@ -134,15 +134,7 @@ impl std::fmt::Display for Usage {
 
 /// What `a` occupies on a worker of the model in `m` (one that copies what it streams: a GPU's).
 pub fn usage(m: &Manifest, a: &Assignment) -> Usage {
-    let embed_head = embed_head_bytes(m, a.embed, a.head, false);
-    let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
-    let (count, bytes) = streaming_buffers(m, a);
-    // Saturating: a crafted capacity must exceed every budget, not wrap below it.
-    let kv = a
-        .kv_capacity
-        .saturating_mul(kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32)))
-        .saturating_mul(a.layers().len() as u64);
-    Usage { embed_head, resident, streaming: count as u64 * bytes, kv, experts: expert_bytes(m, a) }
+    usage_with(m, a, false)
 }
 
 /// Bytes a worker keeps for the embedding (`embed`) and the head (`head`: the final norm and the
@@ -170,12 +162,16 @@ pub fn streams_in_place(device: &str) -> bool {
 /// `usage` on a worker that streams in place (`streams_in_place`) or not: one rule for the planner
 /// and for the worker that checks an assignment against its budget.
 pub fn usage_with(m: &Manifest, a: &Assignment, in_place: bool) -> Usage {
-    let mut u = usage(m, a);
-    if in_place {
-        u.streaming = 0;
-        u.embed_head = embed_head_bytes(m, a.embed, a.head, true);
-    }
-    u
+    let embed_head = embed_head_bytes(m, a.embed, a.head, in_place);
+    let resident = a.resident.iter().map(|&l| layer_bytes(m, l)).sum();
+    let (count, bytes) = streaming_buffers(m, a);
+    // Saturating: a crafted capacity must exceed every budget, not wrap below it.
+    let kv = a
+        .kv_capacity
+        .saturating_mul(kv_bytes_per_token_layer(m, a.kv_dtype().unwrap_or(DType::F32)))
+        .saturating_mul(a.layers().len() as u64);
+    let streaming = if in_place { 0 } else { count as u64 * bytes };
+    Usage { embed_head, resident, streaming, kv, experts: expert_bytes(m, a) }
 }
 
 /// Every expert of `a`'s mixture-of-experts layers: (count, total bytes, largest file's bytes).

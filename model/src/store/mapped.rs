@@ -3,7 +3,7 @@
 //! into memory, and under a memory limit they are the page cache's to drop (clean file pages),
 //! where a read file is the process's own memory for as long as it runs.
 
-use super::{check_bytes, FileEntry, Store};
+use super::{FileEntry, Store};
 use crate::error::{Error, Result};
 
 /// A store file mapped read-only, with its tensor directory.
@@ -25,27 +25,14 @@ impl Store {
     /// check touches every page once; they stay the page cache's, not the process's. Reads are
     /// advised random: a row's lookup brings in its pages, not the kernel's read-ahead around them.
     pub fn map(&self, name: &str) -> Result<MappedFile> {
-        let entry = self
-            .manifest
-            .file(name)
-            .ok_or_else(|| Error::format(&self.dir, format!("no file {name} in the manifest")))?
-            .clone();
+        let entry = self.entry(name)?;
         let p = self.dir.join(&entry.name);
         let file = std::fs::File::open(&p).map_err(|e| Error::io(&p, e))?;
         // SAFETY: store files are written once (`StoreWriter`) and never modified in place; the
         // mapping is read-only, so no Rust reference aliases a mutable view. A file truncated
         // under a running worker would fault on access, as it would for llama.cpp's mmap.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&p, e))?;
-        if map.len() as u64 != entry.size {
-            return Err(Error::Corrupt {
-                path: p,
-                offset: (map.len() as u64).min(entry.size),
-                msg: format!("size {} but the manifest says {}", map.len(), entry.size),
-            });
-        }
-        if self.verify {
-            check_bytes(&p, &entry, &map)?;
-        }
+        super::reader::check_whole(&p, &entry, &map, self.verify)?;
         // Advice only: a kernel that ignores it reads ahead as it would for any mapping.
         let _ = map.advise(memmap2::Advice::Random);
         Ok(MappedFile { entry, map })

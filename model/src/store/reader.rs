@@ -31,6 +31,22 @@ pub fn check_bytes(path: &Path, entry: &FileEntry, bytes: &[u8]) -> Result<()> {
     Err(corrupt(0, "file checksum mismatch (outside any tensor: padding)".into()))
 }
 
+/// `bytes`, read or mapped from `path`, are the whole of `entry`'s file: its recorded size, and
+/// its checksums when `check`.
+pub(super) fn check_whole(path: &Path, entry: &FileEntry, bytes: &[u8], check: bool) -> Result<()> {
+    if bytes.len() as u64 != entry.size {
+        return Err(Error::Corrupt {
+            path: path.into(),
+            offset: bytes.len() as u64,
+            msg: format!("size {} but the manifest says {}", bytes.len(), entry.size),
+        });
+    }
+    if check {
+        check_bytes(path, entry, bytes)?;
+    }
+    Ok(())
+}
+
 /// An opened layer store.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -131,31 +147,24 @@ impl Store {
     /// Reads a whole file, size-checked and (unless `verify` is off) checksummed: corrupt bytes are
     /// never handed out.
     pub fn load(&self, name: &str) -> Result<LoadedFile> {
-        let entry = self
-            .manifest
-            .file(name)
-            .ok_or_else(|| {
-                Error::format(self.dir.join(MANIFEST), format!("no file {name} in the manifest"))
-            })?
-            .clone();
+        let entry = self.entry(name)?;
         let bytes = self.read(&entry, self.verify)?;
         Ok(LoadedFile { entry, bytes })
+    }
+
+    /// The manifest's entry for file `name`, or an error naming it.
+    pub(super) fn entry(&self, name: &str) -> Result<FileEntry> {
+        let e = self.manifest.file(name).ok_or_else(|| {
+            Error::format(self.dir.join(MANIFEST), format!("no file {name} in the manifest"))
+        })?;
+        Ok(e.clone())
     }
 
     /// The bytes of `entry`'s file, of the recorded size, checksummed when `check`.
     fn read(&self, entry: &FileEntry, check: bool) -> Result<Vec<u8>> {
         let p = self.dir.join(&entry.name);
         let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-        if bytes.len() as u64 != entry.size {
-            return Err(Error::Corrupt {
-                path: p,
-                offset: bytes.len() as u64,
-                msg: format!("size {} but the manifest says {}", bytes.len(), entry.size),
-            });
-        }
-        if check {
-            check_bytes(&p, entry, &bytes)?;
-        }
+        check_whole(&p, entry, &bytes, check)?;
         Ok(bytes)
     }
 
