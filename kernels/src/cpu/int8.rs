@@ -53,7 +53,7 @@ pub(crate) fn prefetch(p: *const u8) {
 }
 
 /// Values per block of the quantized activations.
-const QK: usize = 32;
+pub(super) const QK: usize = 32;
 
 /// An activation row in blocks of 32: per block a scale `d`, 32 signed values `q` (x ≈ d·q), and
 /// `d·Σq` (for formats with an offset: the offset times it is the block's offset term).
@@ -259,6 +259,9 @@ pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mu
         return unsafe {
             match xs {
                 [x] => super::int8_avx2::dot_rows(dtype, w, row_bytes, x, out),
+                _ if super::int8_q4k::takes(dtype, m) => {
+                    super::int8_q4k::dot(w, row_bytes, xs, out)
+                }
                 _ => super::int8_batch::dot_batch(dtype, w, row_bytes, xs, out),
             }
         };

@@ -400,7 +400,7 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
 /// Eight bytes as eight f32 lanes (a function, not a closure: a closure does not inherit the
 /// caller's target features, and its intrinsics became calls).
 #[inline(always)]
-unsafe fn widen(v: u64) -> __m256 {
+pub(super) unsafe fn widen(v: u64) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 

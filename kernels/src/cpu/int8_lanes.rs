@@ -172,7 +172,8 @@ impl Q8Lanes {
 
     /// The rows for the few-row kernels where `dtype` is faster there at this many rows.
     pub fn few_rows(&self, dtype: DType) -> Option<&[Q8Row]> {
-        (!lanes_pay(form(dtype), self.rows())).then_some(&self.few[..])
+        let few = super::int8_q4k::takes(dtype, self.rows());
+        (few || !lanes_pay(form(dtype), self.rows())).then_some(&self.few[..])
     }
 }
 

@@ -19,6 +19,8 @@ mod int8_kq_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod int8_lanes;
 #[cfg(target_arch = "x86_64")]
+mod int8_q4k;
+#[cfg(target_arch = "x86_64")]
 mod int8_quant;
 #[cfg(target_arch = "x86_64")]
 mod int8_regs;
