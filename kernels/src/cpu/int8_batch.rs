@@ -352,43 +352,20 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
 ) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let mut off = [_mm256_setzero_ps(); N];
-    let (low, one) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
-    let (bb, qs) = if FIFTH { (176, 48) } else { (144, 16) };
+    let bb = if FIFTH { 176 } else { 144 };
     for s in 0..nsb {
         for line in (0..bb).step_by(64) {
             prefetch(w.add(s * bb + line));
         }
-        let b = std::slice::from_raw_parts(w.add(s * bb), bb);
-        let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
-        // The eight sub-blocks' d·scale and −dmin·min as vectors, times each activation row's
-        // eight block scales (and d·Σq for the offsets) at once: one lane per sub-block.
-        // (Widened from two words in registers: eight scalars stored and read back as a vector
-        // stalled on store forwarding.)
-        let (sc, mn) = crate::quant_ext::scales_mins_k4(&b[4..16]);
-        let dsc = _mm256_mul_ps(_mm256_set1_ps(d), widen(sc));
-        let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), widen(mn));
+        let b = w.add(s * bb);
+        let (dsc, dmn) = q45k_scales(b);
         let mut scale = [_mm256_setzero_ps(); N];
         for a in 0..N {
             let (dx, ds) = xs[a].scales8(8 * s);
             off[a] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(ds.as_ptr()), off[a]);
             scale[a] = _mm256_mul_ps(dsc, _mm256_loadu_ps(dx.as_ptr()));
         }
-        let qh = if FIFTH {
-            _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i)
-        } else {
-            _mm256_setzero_si256()
-        };
-        let mut u = [_mm256_setzero_si256(); 8];
-        for (sub, us) in u.iter_mut().enumerate() {
-            let raw = _mm256_loadu_si256(b.as_ptr().add(qs + 32 * (sub / 2)) as *const __m256i);
-            let shifted = if sub % 2 == 0 { raw } else { _mm256_srli_epi16(raw, 4) };
-            *us = _mm256_and_si256(shifted, low);
-            if FIFTH {
-                // Bit `sub` of each fifth-bit byte, moved to bit 4.
-                let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
-                *us = _mm256_or_si256(*us, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
-            }
-        }
+        let u = q45k_values::<FIFTH>(b);
         subs8(&mut acc, &scale, xs, 8 * s, &|c, qx| dot_u8_i8(u[c], qx));
     }
     for a in 0..N {
@@ -397,10 +374,48 @@ pub(super) unsafe fn q45k<const N: usize, const FIFTH: bool>(
     hsums(&acc)
 }
 
+/// The Q4_K (Q5_K) super-block at `b`'s eight sub-blocks' d·scale and −dmin·min as vectors, one
+/// lane per sub-block: what every 8-bit Q4_K/Q5_K kernel multiplies each activation row's block
+/// scales (and d·Σq, for the offsets) by. (Widened from two words in registers: eight scalars
+/// stored and read back as a vector stalled on store forwarding.)
+#[inline(always)]
+pub(super) unsafe fn q45k_scales(b: *const u8) -> (__m256, __m256) {
+    let (d, dmin) = (h2f(b), h2f(b.add(2)));
+    let (sc, mn) = crate::quant_ext::scales_mins_k4(std::slice::from_raw_parts(b.add(4), 12));
+    let dsc = _mm256_mul_ps(_mm256_set1_ps(d), widen(sc));
+    let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), widen(mn));
+    (dsc, dmn)
+}
+
+/// The Q4_K (or, `FIFTH`, Q5_K) super-block at `b`'s eight sub-blocks of unsigned values, 32
+/// bytes each: sub-block 2p the low nibbles of bytes 32p.., 2p + 1 the high (Q5_K: bit `sub` of
+/// each fifth-bit byte moved to bit 4).
+#[inline(always)]
+pub(super) unsafe fn q45k_values<const FIFTH: bool>(b: *const u8) -> [__m256i; 8] {
+    let (low, one) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
+    let qs = if FIFTH { 48 } else { 16 };
+    let qh = if FIFTH {
+        _mm256_loadu_si256(b.add(16) as *const __m256i)
+    } else {
+        _mm256_setzero_si256()
+    };
+    let mut u = [_mm256_setzero_si256(); 8];
+    for (sub, us) in u.iter_mut().enumerate() {
+        let raw = _mm256_loadu_si256(b.add(qs + 32 * (sub / 2)) as *const __m256i);
+        let shifted = if sub % 2 == 0 { raw } else { _mm256_srli_epi16(raw, 4) };
+        *us = _mm256_and_si256(shifted, low);
+        if FIFTH {
+            let bit = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub as i32));
+            *us = _mm256_or_si256(*us, _mm256_slli_epi16(_mm256_and_si256(bit, one), 4));
+        }
+    }
+    u
+}
+
 /// Eight bytes as eight f32 lanes (a function, not a closure: a closure does not inherit the
 /// caller's target features, and its intrinsics became calls).
 #[inline(always)]
-pub(super) unsafe fn widen(v: u64) -> __m256 {
+unsafe fn widen(v: u64) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 

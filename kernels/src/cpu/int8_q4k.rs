@@ -12,8 +12,7 @@
 //! and many-row kernels (a sequence's logits do not depend on what its step holds).
 
 use super::int8::{prefetch, Q8Row, QK};
-use super::int8_avx2::h2f;
-use super::int8_batch::{hsum, widen};
+use super::int8_batch::{hsum, q45k_scales, q45k_values};
 use std::arch::x86_64::*;
 
 /// The most activation rows a call takes.
@@ -51,20 +50,6 @@ unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
         out[t + 4] = _mm256_permute2x128_si256(b[t], c[t], 0x31);
     }
     out
-}
-
-/// The super-block at `b`'s eight sub-blocks of unsigned 4-bit values, transposed
-/// (`transpose8`), the nibbles as `int8_batch::q45k` reads them.
-#[inline(always)]
-unsafe fn weights(b: *const u8) -> [__m256i; 8] {
-    let low = _mm256_set1_epi8(0x0F);
-    let mut v = [_mm256_setzero_si256(); 8];
-    for p in 0..4 {
-        let raw = _mm256_loadu_si256(b.add(16 + 32 * p) as *const __m256i);
-        v[2 * p] = _mm256_and_si256(raw, low);
-        v[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
-    transpose8(v)
 }
 
 /// Each row's activations, super-block by super-block, transposed as the weights are: row a's
@@ -138,13 +123,8 @@ unsafe fn rows<const N: usize>(
             for line in (0..SB).step_by(64) {
                 prefetch(b.add(line));
             }
-            // d·scale and −dmin·min of the eight sub-blocks, as `q45k` forms them.
-            let (d, dmin) = (h2f(b), h2f(b.add(2)));
-            let (sc, mn) =
-                crate::quant_ext::scales_mins_k4(std::slice::from_raw_parts(b.add(4), 12));
-            let dsc = _mm256_mul_ps(_mm256_set1_ps(d), widen(sc));
-            let dmn = _mm256_mul_ps(_mm256_set1_ps(-dmin), widen(mn));
-            let wt = weights(b);
+            let (dsc, dmn) = q45k_scales(b);
+            let wt = transpose8(q45k_values::<false>(b));
             let mut isum = [_mm256_setzero_si256(); N];
             for t in 0..8 {
                 for a in 0..N {
