@@ -72,7 +72,7 @@ pub fn matmul(
     }
     // Q8_0 rows dequantized in registers where the CPU can (the same bits: `rows_q8`).
     // Up to `rows_q8::MAX_ROWS` activation rows (past them the f32 row, dequantized once and read
-    // from cache for every activation row, costs less than dequantizing again per four rows), and
+    // from cache for every activation row, costs less than dequantizing again per eight rows), and
     // rows of `rows_q8::MIN_WIDTH` values at least.
     let fused = dtype == DType::Q8_0
         && wf32.is_none()

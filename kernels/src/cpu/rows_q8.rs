@@ -7,10 +7,17 @@
 //! lane (a multiply then an add, no FMA) in the same order as `dot_rows2`, and the lanes are summed
 //! as `quant::dot` ends. So every output has the bits of the two-pass path, whatever the rows.
 
-/// Activation rows per pass over the weight rows (each dequantized value used for all of them).
+/// Activation rows per pass over the weight rows (each dequantized value used for all of them)
+/// for four activation rows or fewer.
 const BLOCK: usize = 4;
+/// Activation rows per pass from five on, for one pair of weight rows: eight running sums, each
+/// dequantized pair used eight times. (Two passes of four dequantized every weight twice; two pairs
+/// against eight rows, sixteen sums, ran 1.2-1.5x slower than one pair on an Emerald Rapids VM.
+/// Eight rows of the 8B head: 113-120 ms against the two-pass path's 195-212,
+/// `benchmarks/q8-0-head-cpu-2core.md`.)
+const WIDE_BLOCK: usize = 8;
 /// Activation rows `matmul` sends here at most (one pass over the weights).
-pub const MAX_ROWS: usize = BLOCK;
+pub const MAX_ROWS: usize = WIDE_BLOCK;
 /// Row widths `matmul` sends here at least: on the dev VM (2 threads, `matvec-bench`,
 /// benchmarks/q8-0-head-cpu-2core.md) one to four activation rows ran 0.9-2.1x the two-pass path
 /// at 576 to 4096 values (about even only at four rows of the narrow ones); narrower rows were not
@@ -40,12 +47,14 @@ pub const ROWS: usize = 8;
 
 /// Weight rows a pass takes at once for `m` activation rows: `ROWS` for one, half as many from two
 /// (each activation row adds its own sums; eight rows' sums for four activation rows would not
-/// fit the 32 registers).
+/// fit the 32 registers), a pair from five (`WIDE_BLOCK`).
 pub fn rows_for(m: usize) -> usize {
     if m == 1 {
         ROWS
-    } else {
+    } else if m <= BLOCK {
         ROWS / 2
+    } else {
+        ROWS / 4
     }
 }
 
@@ -62,10 +71,11 @@ pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bo
         // SAFETY: the CPU supports AVX-512 F and DQ and F16C (checked at run time by `available`); the
         // asserts above bound every weight block and activation row read.
         unsafe {
-            match w.len() {
-                2 => avx512::rows::<1>(w, x, k, out),
-                4 => avx512::rows::<2>(w, x, k, out),
-                _ => avx512::rows::<4>(w, x, k, out),
+            match (w.len(), m > BLOCK) {
+                (2, false) => avx512::rows::<1, BLOCK>(w, x, k, out),
+                (2, true) => avx512::rows::<1, WIDE_BLOCK>(w, x, k, out),
+                (4, _) => avx512::rows::<2, BLOCK>(w, x, k, out),
+                _ => avx512::rows::<4, BLOCK>(w, x, k, out),
             }
         }
         return true;
@@ -75,7 +85,6 @@ pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bo
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::BLOCK;
     use std::arch::x86_64::*;
 
     /// A pair of rows' 32 quantized values of one block (at `b0`/`b1`, the 2-byte scale first),
@@ -108,13 +117,19 @@ mod avx512 {
         (lanes[..8].iter().sum(), lanes[8..].iter().sum())
     }
 
-    /// `super::q8_0_rows` for `2·P` weight rows, `P` pairs of them a register each.
+    /// `super::q8_0_rows` for `2·P` weight rows, `P` pairs of them a register each, `B` activation
+    /// rows per pass over them.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F and DQ and F16C; each of the `2·P` rows of `w` must hold `k / 32`
     /// blocks, `out` as many slices of one length `m`, and `x` `m` rows of `k`.
     #[target_feature(enable = "avx2,avx512f,avx512dq,f16c")]
-    pub unsafe fn rows<const P: usize>(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) {
+    pub unsafe fn rows<const P: usize, const B: usize>(
+        w: &[&[u8]],
+        x: &[f32],
+        k: usize,
+        out: &mut [&mut [f32]],
+    ) {
         let m = out[0].len();
         // Pair p's scales: lanes 0-7 take row 2p's, lanes 8-15 row 2p+1's.
         let picks: [__m512i; P] = std::array::from_fn(|p| {
@@ -123,8 +138,8 @@ mod avx512 {
         });
         let mut i = 0;
         while i < m {
-            let n = BLOCK.min(m - i);
-            let mut acc = [[_mm512_setzero_ps(); P]; BLOCK];
+            let n = B.min(m - i);
+            let mut acc = [[_mm512_setzero_ps(); P]; B];
             for blk in 0..k / 32 {
                 let o = blk * 34;
                 // The rows' f16 scales converted together (exactly, as `f16_at` does one).
@@ -195,7 +210,7 @@ mod tests {
             let (mut f0, mut f1) = (vec![0f32; k], vec![0f32; k]);
             dequant_row(DType::Q8_0, &w0, &mut f0);
             dequant_row(DType::Q8_0, &w1, &mut f1);
-            for m in [1usize, 2, 3, 4, 5, 9, 17] {
+            for m in [1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
                 let x: Vec<f32> =
                     (0..m * k).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021).collect();
                 let (mut b0, mut b1) = (vec![0f32; m], vec![0f32; m]);
