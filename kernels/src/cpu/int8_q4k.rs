@@ -1,6 +1,6 @@
-//! Q4_K against a few activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to
-//! verify) with AVX-512 VNNI: one `vpdpbusd` multiplies four 4-bit weights (unsigned) by four
-//! 8-bit activations (signed) and adds them into an i32 lane, so a sub-block's 32 products take
+//! Q4_K and Q5_K against a few activation rows (2 to `MAX_ROWS`: a batched decode step, drafted
+//! rows to verify) with AVX-512 VNNI: one `vpdpbusd` multiplies four 4- or 5-bit weights
+//! (unsigned) by four 8-bit activations (signed) and adds them into an i32 lane, so a sub-block's 32 products take
 //! eight of them — where the few-row kernel (`int8_batch::q45k`) takes a `vpmaddubsw`, a `vpmaddwd`
 //! and its share of a horizontal sum (`sums8`) per activation row.
 //!
@@ -18,8 +18,15 @@ use std::arch::x86_64::*;
 /// The most activation rows a call takes.
 pub const MAX_ROWS: usize = 8;
 
-/// Bytes of a Q4_K super-block (256 values: d, dmin, 12 bytes of scales, 128 of nibbles).
-const SB: usize = 144;
+/// Bytes of a Q4_K super-block (256 values: d, dmin, 12 bytes of scales, 128 of nibbles), or with
+/// `fifth` of a Q5_K one (32 bytes of fifth bits more).
+const fn sb(fifth: bool) -> usize {
+    if fifth {
+        176
+    } else {
+        144
+    }
+}
 
 /// Whether this CPU runs it (AVX-512 VL and VNNI, as `int8_lanes` detects them, within
 /// `isa::cap`).
@@ -29,7 +36,8 @@ pub fn available() -> bool {
 
 /// Whether a step of `m` activation rows of `dtype` is this kernel's.
 pub fn takes(dtype: layerstream_types::DType, m: usize) -> bool {
-    dtype == layerstream_types::DType::Q4K && (2..=MAX_ROWS).contains(&m) && available()
+    use layerstream_types::DType;
+    matches!(dtype, DType::Q4K | DType::Q5K) && (2..=MAX_ROWS).contains(&m) && available()
 }
 
 /// The 8 × 8 transpose of `v`'s i32 lanes: lane c of `out[t]` is lane t of `v[c]`.
@@ -68,15 +76,15 @@ unsafe fn activations(xs: &[Q8Row], nsb: usize) -> Vec<__m256i> {
     t
 }
 
-/// `out[j·m + a]` = Q4_K weight row `j` of `w` (rows of `rb` bytes) · activation row `a` of `xs`
-/// (`m` = `xs.len()`, 2 to `MAX_ROWS`), with the bits of `int8_batch::q45k`.
+/// `out[j·m + a]` = Q4_K (`FIFTH`: Q5_K) weight row `j` of `w` (rows of `rb` bytes) · activation
+/// row `a` of `xs` (`m` = `xs.len()`, 2 to `MAX_ROWS`), with the bits of `int8_batch::q45k`.
 ///
 /// # Safety
 /// `available()` must hold; `w` must hold `out.len() / m` rows of `rb` bytes (whole super-blocks)
 /// and every row of `xs` at least a weight row's values.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn dot(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
-    let (nsb, m) = (rb / SB, xs.len());
+pub unsafe fn dot<const FIFTH: bool>(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    let (nsb, m) = (rb / sb(FIFTH), xs.len());
     assert!(
         (2..=MAX_ROWS).contains(&m),
         "int8_q4k::dot takes 2 to {MAX_ROWS} activation rows, not {m}"
@@ -89,10 +97,10 @@ pub unsafe fn dot(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
         let n = (m - a0).min(4);
         let (x, t) = (&xs[a0..a0 + n], &xt[a0 * nsb * 8..]);
         match n {
-            1 => rows::<1>(w, rb, x, t, out, m, a0),
-            2 => rows::<2>(w, rb, x, t, out, m, a0),
-            3 => rows::<3>(w, rb, x, t, out, m, a0),
-            _ => rows::<4>(w, rb, x, t, out, m, a0),
+            1 => rows::<1, FIFTH>(w, rb, x, t, out, m, a0),
+            2 => rows::<2, FIFTH>(w, rb, x, t, out, m, a0),
+            3 => rows::<3, FIFTH>(w, rb, x, t, out, m, a0),
+            _ => rows::<4, FIFTH>(w, rb, x, t, out, m, a0),
         }
         a0 += n;
     }
@@ -103,7 +111,7 @@ pub unsafe fn dot(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
 // Rows index the activations, the accumulators and the outputs alike.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn rows<const N: usize>(
+unsafe fn rows<const N: usize, const FIFTH: bool>(
     w: &[u8],
     rb: usize,
     xs: &[Q8Row],
@@ -112,19 +120,19 @@ unsafe fn rows<const N: usize>(
     m: usize,
     a0: usize,
 ) {
-    let nsb = rb / SB;
+    let (bb, nsb) = (sb(FIFTH), rb / sb(FIFTH));
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
         let o = &mut o[a0..a0 + N];
         let row = w.as_ptr().add(j * rb);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut off = [_mm256_setzero_ps(); N];
         for s in 0..nsb {
-            let b = row.add(s * SB);
-            for line in (0..SB).step_by(64) {
+            let b = row.add(s * bb);
+            for line in (0..bb).step_by(64) {
                 prefetch(b.add(line));
             }
             let (dsc, dmn) = q45k_scales(b);
-            let wt = transpose8(q45k_values::<false>(b));
+            let wt = transpose8(q45k_values::<FIFTH>(b));
             let mut isum = [_mm256_setzero_si256(); N];
             for t in 0..8 {
                 for a in 0..N {
@@ -197,24 +205,31 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 VNNI (or isa::cap turned it off)");
             return;
         }
-        for (k, n) in [(256, 5), (512, 3), (4096, 4)] {
-            let w =
-                layerstream_types::random::Rng::new(k as u64).tensor(DType::Q4K, &[n, k]).unwrap();
+        for (dtype, (k, n)) in [DType::Q4K, DType::Q5K]
+            .into_iter()
+            .flat_map(|d| [(256, 5), (512, 3), (4096, 4)].map(|s| (d, s)))
+        {
+            let w = layerstream_types::random::Rng::new(k as u64).tensor(dtype, &[n, k]).unwrap();
             let rb = w.len() / n;
             for m in 2..=MAX_ROWS {
                 let xs = rows(m, k);
                 let mut got = vec![0f32; n * m];
                 // SAFETY: checked `available()`; `w` holds n rows of rb bytes, each x k values.
-                unsafe { dot(&w, rb, &xs, &mut got) };
+                unsafe {
+                    match dtype {
+                        DType::Q5K => dot::<true>(&w, rb, &xs, &mut got),
+                        _ => dot::<false>(&w, rb, &xs, &mut got),
+                    }
+                };
                 for j in 0..n {
                     for a in 0..m {
                         let mut one = [0f32];
                         let row = &w[j * rb..(j + 1) * rb];
-                        crate::cpu::int8::dot_rows(DType::Q4K, row, rb, &xs[a..a + 1], &mut one);
+                        crate::cpu::int8::dot_rows(dtype, row, rb, &xs[a..a + 1], &mut one);
                         assert_eq!(
                             got[j * m + a].to_bits(),
                             one[0].to_bits(),
-                            "k {k} m {m} row {j} act {a}"
+                            "{dtype:?} k {k} m {m} row {j} act {a}"
                         );
                     }
                 }
