@@ -259,10 +259,9 @@ pub fn dot_rows(dtype: DType, w: &[u8], row_bytes: usize, xs: &[Q8Row], out: &mu
         return unsafe {
             match xs {
                 [x] => super::int8_avx2::dot_rows(dtype, w, row_bytes, x, out),
-                _ if super::int8_q4k::takes(dtype, m) => match dtype {
-                    DType::Q5K => super::int8_q4k::dot::<true>(w, row_bytes, xs, out),
-                    _ => super::int8_q4k::dot::<false>(w, row_bytes, xs, out),
-                },
+                _ if super::int8_few::takes(dtype, m) => {
+                    super::int8_few::dot(dtype, w, row_bytes, xs, out)
+                }
                 _ => super::int8_batch::dot_batch(dtype, w, row_bytes, xs, out),
             }
         };

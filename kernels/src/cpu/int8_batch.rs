@@ -76,7 +76,7 @@ const D_MINUS_16: u8 = 4;
 /// conversion each, where a scalar conversion and an insert a block kept the shuffle port of a
 /// one-row decode busy (the same values `h2f` gives).
 #[inline(always)]
-unsafe fn f16_pairs8(p: *const u8, bb: usize, k: usize) -> (__m256, __m256) {
+pub(super) unsafe fn f16_pairs8(p: *const u8, bb: usize, k: usize) -> (__m256, __m256) {
     let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let idx = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bb as i32));
     let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(k as i32), lanes);
@@ -284,7 +284,7 @@ pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
 /// The 32 five-bit values of a Q5_0/Q5_1 block whose 4 bytes of fifth bits start at `p` (the 16
 /// bytes of nibbles follow): value i = nibble i | bit i of the fifth bits << 4.
 #[inline(always)]
-unsafe fn five_bits(p: *const u8) -> __m256i {
+pub(super) unsafe fn five_bits(p: *const u8) -> __m256i {
     // Broadcast straight from memory (a load, where a value built in a register goes through the
     // shuffle port). Byte i holds byte i / 8 of the fifth bits; `select` keeps bit i % 8 of it.
     let qh = std::ptr::read_unaligned(p as *const i32);

@@ -171,9 +171,9 @@ impl Q8Lanes {
     }
 
     /// The rows for the few-row kernels where `dtype` is faster there at this many rows
-    /// (`lanes_pay`; Q4_K and Q5_K at eight rows too where `int8_q4k` takes them).
+    /// (`lanes_pay`; at eight rows too for the formats `int8_few` takes).
     pub fn few_rows(&self, dtype: DType) -> Option<&[Q8Row]> {
-        let few = super::int8_q4k::takes(dtype, self.rows());
+        let few = super::int8_few::takes(dtype, self.rows());
         (few || !lanes_pay(form(dtype), self.rows())).then_some(&self.few[..])
     }
 }

@@ -13,13 +13,13 @@ pub mod int8_amx;
 mod int8_avx2;
 #[cfg(target_arch = "x86_64")]
 mod int8_batch;
+#[cfg(target_arch = "x86_64")]
+mod int8_few;
 mod int8_kq;
 #[cfg(target_arch = "x86_64")]
 mod int8_kq_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod int8_lanes;
-#[cfg(target_arch = "x86_64")]
-mod int8_q4k;
 #[cfg(target_arch = "x86_64")]
 mod int8_quant;
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,364 @@
+//! Weights of the formats summed a 32-value unit whole (Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0) against a few activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to
+//! verify) with AVX-512 VNNI: one `vpdpbusd` multiplies four unsigned weights by four signed 8-bit
+//! activations and adds them into an i32 lane, so a unit's 32 products take eight of them — where
+//! the few-row kernel (`int8_batch`) takes a `vpmaddubsw`, a `vpmaddwd` and its share of a
+//! horizontal sum (`sums8`) per activation row.
+//!
+//! For that eight units (a K-quant's super-block, or eight blocks of a 32-value format) are laid
+//! out with lane c holding unit c (`transpose8`: instruction t takes values 4t..4t+4 of each): the
+//! weights once a group for every activation row, the activations once a call for every weight
+//! row. Each lane then ends with its unit's integer sum, the one `sums8` gives — Q8_0's signed
+//! weights offset by 128 to be unsigned, and 128 times the unit's activation sum taken off after:
+//! the same integer — and it is scaled, added and summed with `int8_batch`'s f32 operations in its
+//! order: every output has the bits of the one-row, few-row and many-row kernels (a sequence's
+//! logits do not depend on what its step holds).
+
+use super::int8::{prefetch, Q8Row, QK};
+use super::int8_batch::{f16_pairs8, five_bits, hsum, nibbles, q45k_scales, q45k_values};
+use layerstream_types::DType;
+use std::arch::x86_64::*;
+
+/// The most activation rows a call takes.
+pub const MAX_ROWS: usize = 8;
+
+/// The formats, as a const parameter (each kernel built for one).
+const Q4K: u8 = 0;
+const Q5K: u8 = 1;
+const Q4_0: u8 = 2;
+const Q4_1: u8 = 3;
+const Q5_0: u8 = 4;
+const Q5_1: u8 = 5;
+const Q8_0: u8 = 6;
+
+/// `F`'s bytes per group of eight units: a K-quant's super-block, eight blocks of the others.
+const fn group_bytes(f: u8) -> usize {
+    match f {
+        Q4K => 144,
+        Q5K => 176,
+        _ => 8 * block_bytes(f),
+    }
+}
+
+/// Bytes of one 32-value block of a format that has them.
+const fn block_bytes(f: u8) -> usize {
+    match f {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        Q5_1 => 24,
+        _ => 34,
+    }
+}
+
+/// Whether this CPU runs it (AVX-512 VL and VNNI, as `int8_lanes` detects them, within
+/// `isa::cap`).
+pub fn available() -> bool {
+    super::int8_lanes::isa() == Some(super::int8_lanes::Isa::Vnni)
+}
+
+/// Whether a step of `m` activation rows of `dtype` is this kernel's.
+pub fn takes(dtype: DType, m: usize) -> bool {
+    form(dtype).is_some() && (2..=MAX_ROWS).contains(&m) && available()
+}
+
+/// The const parameter of `dtype`, where this kernel takes it.
+fn form(dtype: DType) -> Option<u8> {
+    Some(match dtype {
+        DType::Q4K => Q4K,
+        DType::Q5K => Q5K,
+        DType::Q4_0 => Q4_0,
+        DType::Q4_1 => Q4_1,
+        DType::Q5_0 => Q5_0,
+        DType::Q5_1 => Q5_1,
+        DType::Q8_0 => Q8_0,
+        _ => return None,
+    })
+}
+
+/// The 8 × 8 transpose of `v`'s i32 lanes: lane c of `out[t]` is lane t of `v[c]`.
+#[inline(always)]
+unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+    // Per 128-bit half: pairs of rows, then quadruples, then the halves swapped into place.
+    let lo32 = |a, b| _mm256_unpacklo_epi32(a, b);
+    let hi32 = |a, b| _mm256_unpackhi_epi32(a, b);
+    let (a0, a1, a2, a3) = (lo32(v[0], v[1]), hi32(v[0], v[1]), lo32(v[2], v[3]), hi32(v[2], v[3]));
+    let (a4, a5, a6, a7) = (lo32(v[4], v[5]), hi32(v[4], v[5]), lo32(v[6], v[7]), hi32(v[6], v[7]));
+    let lo64 = |a, b| _mm256_unpacklo_epi64(a, b);
+    let hi64 = |a, b| _mm256_unpackhi_epi64(a, b);
+    let b = [lo64(a0, a2), hi64(a0, a2), lo64(a1, a3), hi64(a1, a3)];
+    let c = [lo64(a4, a6), hi64(a4, a6), lo64(a5, a7), hi64(a5, a7)];
+    let mut out = [_mm256_setzero_si256(); 8];
+    for t in 0..4 {
+        out[t] = _mm256_permute2x128_si256(b[t], c[t], 0x20);
+        out[t + 4] = _mm256_permute2x128_si256(b[t], c[t], 0x31);
+    }
+    out
+}
+
+/// Each row's activations, eight units a group, transposed as the weights are (units past the
+/// row's `units` zero): row a's group g at `[(a · groups + g) · 9 ..][..8]`, then (`signed`) 128
+/// times each unit's sum of values in lane c of the ninth, what Q8_0's offset adds.
+#[inline(always)]
+unsafe fn activations(xs: &[Q8Row], units: usize, signed: bool) -> Vec<__m256i> {
+    let groups = units.div_ceil(8);
+    let mut t = Vec::with_capacity(xs.len() * groups * 9);
+    let bias = _mm256_set1_epi8(-128);
+    for x in xs {
+        for g in 0..groups {
+            let v: [__m256i; 8] = std::array::from_fn(|c| match 8 * g + c < units {
+                true => _mm256_loadu_si256(x.q[(8 * g + c) * QK..].as_ptr() as *const __m256i),
+                false => _mm256_setzero_si256(),
+            });
+            let v = transpose8(v);
+            t.extend_from_slice(&v);
+            let mut off = _mm256_setzero_si256();
+            if signed {
+                v.iter().for_each(|&q| off = _mm256_dpbusd_epi32(off, bias, q));
+            }
+            t.push(off);
+        }
+    }
+    t
+}
+
+/// Group `g` of the row at `row` (`units` in all): each unit's 32 unsigned values, the units'
+/// scales d and offset coefficients c as `int8_batch` reads them (zero past the row's units).
+#[inline(always)]
+unsafe fn group<const F: u8>(
+    row: *const u8,
+    g: usize,
+    units: usize,
+) -> ([__m256i; 8], __m256, __m256) {
+    let b = row.add(g * group_bytes(F));
+    for line in (0..group_bytes(F)).step_by(64) {
+        prefetch(b.add(line));
+    }
+    if F == Q4K || F == Q5K {
+        let (dsc, dmn) = q45k_scales(b);
+        let v = if F == Q5K { q45k_values::<true>(b) } else { q45k_values::<false>(b) };
+        return (v, dsc, dmn);
+    }
+    let (bb, k) = (block_bytes(F), (units - 8 * g).min(8));
+    let (d, m) = f16_pairs8(b, bb, k);
+    let c = match F {
+        Q4_0 => _mm256_mul_ps(_mm256_set1_ps(-8.0), d),
+        Q5_0 => _mm256_mul_ps(_mm256_set1_ps(-16.0), d),
+        Q8_0 => _mm256_setzero_ps(),
+        _ => m,
+    };
+    let v = std::array::from_fn(|j| {
+        let p = b.add(j * bb);
+        match (j < k, F) {
+            (false, _) => _mm256_setzero_si256(),
+            (_, Q4_0) => nibbles(p.add(2)),
+            (_, Q4_1) => nibbles(p.add(4)),
+            (_, Q5_0) => five_bits(p.add(2)),
+            (_, Q5_1) => five_bits(p.add(4)),
+            // Signed bytes offset by 128: unsigned, `activations` takes the offset's products off.
+            _ => _mm256_xor_si256(_mm256_loadu_si256(p.add(2).cast()), _mm256_set1_epi8(-128)),
+        }
+    });
+    (v, d, c)
+}
+
+/// `out[j·m + a]` = weight row `j` of `w` (rows of `rb` bytes of `dtype`, one `takes`) ·
+/// activation row `a` of `xs` (`m` = `xs.len()`, 2 to `MAX_ROWS`), with the bits of
+/// `int8_batch`'s kernels.
+///
+/// # Safety
+/// `available()` must hold; `w` must hold `out.len() / m` rows of `rb` bytes (whole blocks) and
+/// every row of `xs` at least a weight row's values.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn dot(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    match form(dtype) {
+        Some(Q4K) => dot_f::<Q4K>(w, rb, xs, out),
+        Some(Q5K) => dot_f::<Q5K>(w, rb, xs, out),
+        Some(Q4_0) => dot_f::<Q4_0>(w, rb, xs, out),
+        Some(Q4_1) => dot_f::<Q4_1>(w, rb, xs, out),
+        Some(Q5_0) => dot_f::<Q5_0>(w, rb, xs, out),
+        Some(Q5_1) => dot_f::<Q5_1>(w, rb, xs, out),
+        Some(_) => dot_f::<Q8_0>(w, rb, xs, out),
+        None => panic!("int8_few::dot does not take {dtype:?}"),
+    }
+}
+
+/// `dot` for format `F`.
+#[inline(always)]
+unsafe fn dot_f<const F: u8>(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
+    let m = xs.len();
+    let units = match F {
+        Q4K | Q5K => rb / group_bytes(F) * 8,
+        _ => rb / block_bytes(F),
+    };
+    assert!(
+        (2..=MAX_ROWS).contains(&m),
+        "int8_few::dot takes 2 to {MAX_ROWS} activation rows, not {m}"
+    );
+    let xt = activations(xs, units, F == Q8_0);
+    let per_row = units.div_ceil(8) * 9;
+    // Four rows a pass at most: eight rows' sums, accumulators and offsets beside the weights'
+    // eight vectors overflow the 32 registers, and the row's second pass reads it from L1.
+    let mut a0 = 0;
+    while a0 < m {
+        let n = (m - a0).min(4);
+        let (x, t) = (&xs[a0..a0 + n], &xt[a0 * per_row..]);
+        match n {
+            1 => rows::<1, F>(w, rb, units, x, t, out, m, a0),
+            2 => rows::<2, F>(w, rb, units, x, t, out, m, a0),
+            3 => rows::<3, F>(w, rb, units, x, t, out, m, a0),
+            _ => rows::<4, F>(w, rb, units, x, t, out, m, a0),
+        }
+        a0 += n;
+    }
+}
+
+/// Activation row `x`'s scales and d·Σq of units `first..` of group-sized spans (zeros past
+/// `units`, as `int8_batch`'s masked loads read them).
+#[inline(always)]
+unsafe fn scales(x: &Q8Row, first: usize, units: usize) -> (__m256, __m256) {
+    if first + 8 <= units {
+        let (dx, ds) = x.scales8(first);
+        return (_mm256_loadu_ps(dx.as_ptr()), _mm256_loadu_ps(ds.as_ptr()));
+    }
+    let (mut dx, mut ds) = ([0f32; 8], [0f32; 8]);
+    for (i, u) in (first..units).enumerate() {
+        (dx[i], ds[i]) = (x.d[u], x.ds[u]);
+    }
+    (_mm256_loadu_ps(dx.as_ptr()), _mm256_loadu_ps(ds.as_ptr()))
+}
+
+/// `dot` for the `N` rows `xs` (their chains of `vpdpbusd` side by side; `xt` their transposed
+/// activations), rows `a0..a0 + N` of each weight row's `m` outputs.
+// Rows index the activations, the accumulators and the outputs alike.
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn rows<const N: usize, const F: u8>(
+    w: &[u8],
+    rb: usize,
+    units: usize,
+    xs: &[Q8Row],
+    xt: &[__m256i],
+    out: &mut [f32],
+    m: usize,
+    a0: usize,
+) {
+    let groups = units.div_ceil(8);
+    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        let o = &mut o[a0..a0 + N];
+        let row = w.as_ptr().add(j * rb);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut off = [_mm256_setzero_ps(); N];
+        for g in 0..groups {
+            let (v, dw, cw) = group::<F>(row, g, units);
+            let wt = transpose8(v);
+            let mut isum = [_mm256_setzero_si256(); N];
+            for t in 0..8 {
+                for a in 0..N {
+                    isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], xt[(a * groups + g) * 9 + t]);
+                }
+            }
+            for a in 0..N {
+                if F == Q8_0 {
+                    isum[a] = _mm256_sub_epi32(isum[a], xt[(a * groups + g) * 9 + 8]);
+                }
+                let (dx, ds) = scales(&xs[a], 8 * g, units);
+                off[a] = _mm256_fmadd_ps(cw, ds, off[a]);
+                acc[a] =
+                    _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[a]), acc[a]);
+            }
+        }
+        for a in 0..N {
+            o[a] = hsum(_mm256_add_ps(acc[a], off[a]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::int8::quantize_row;
+    use layerstream_types::DType;
+
+    /// Activation rows of different magnitudes and signs, the extremes ±127 included.
+    fn rows(m: usize, k: usize) -> Vec<Q8Row> {
+        (0..m)
+            .map(|a| {
+                let x: Vec<f32> = (0..k)
+                    .map(|i| ((i * 37 + a * 11) % 101) as f32 * 0.02 * (a + 1) as f32 - 1.0)
+                    .collect();
+                quantize_row(&x)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_transpose_moves_lane_t_of_row_c_to_lane_c_of_row_t() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI (or isa::cap turned it off)");
+            return;
+        }
+        #[target_feature(enable = "avx2")]
+        unsafe fn check() {
+            let v: [__m256i; 8] = std::array::from_fn(|c| {
+                _mm256_setr_epi32(
+                    (c * 8) as i32,
+                    (c * 8 + 1) as i32,
+                    (c * 8 + 2) as i32,
+                    (c * 8 + 3) as i32,
+                    (c * 8 + 4) as i32,
+                    (c * 8 + 5) as i32,
+                    (c * 8 + 6) as i32,
+                    (c * 8 + 7) as i32,
+                )
+            });
+            for (t, r) in transpose8(v).iter().enumerate() {
+                let lanes: [i32; 8] = std::mem::transmute(*r);
+                assert_eq!(lanes, std::array::from_fn(|c| (c * 8 + t) as i32), "row {t}");
+            }
+        }
+        // SAFETY: `available()` implies AVX2.
+        unsafe { check() }
+    }
+
+    #[test]
+    fn every_output_has_the_bits_of_the_one_row_kernel() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI (or isa::cap turned it off)");
+            return;
+        }
+        let k_quants = [(256, 5), (512, 3), (4096, 4)];
+        // Widths of whole groups of eight blocks and of a last part of 3, 2 and 1.
+        let blocks = [(96, 5), (256, 3), (576, 4), (4096, 3), (4128, 2)];
+        let cases =
+            [DType::Q4K, DType::Q5K].into_iter().flat_map(|d| k_quants.map(|s| (d, s))).chain(
+                [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0]
+                    .into_iter()
+                    .flat_map(|d| blocks.map(|s| (d, s))),
+            );
+        for (dtype, (k, n)) in cases {
+            assert!(takes(dtype, 2));
+            let w = layerstream_types::random::Rng::new(k as u64).tensor(dtype, &[n, k]).unwrap();
+            let rb = w.len() / n;
+            for m in 2..=MAX_ROWS {
+                let xs = rows(m, k);
+                let mut got = vec![0f32; n * m];
+                // SAFETY: checked `available()`; `w` holds n rows of rb bytes, each x k values.
+                unsafe { dot(dtype, &w, rb, &xs, &mut got) };
+                for j in 0..n {
+                    for a in 0..m {
+                        let mut one = [0f32];
+                        let row = &w[j * rb..(j + 1) * rb];
+                        crate::cpu::int8::dot_rows(dtype, row, rb, &xs[a..a + 1], &mut one);
+                        assert_eq!(
+                            got[j * m + a].to_bits(),
+                            one[0].to_bits(),
+                            "{dtype:?} k {k} m {m} row {j} act {a}"
+                        );
+                    }
+                }
+                assert!(got.iter().any(|v| *v != 0.0), "the products are not all zero");
+            }
+        }
+    }
+}
