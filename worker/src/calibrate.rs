@@ -47,7 +47,10 @@ const MAX_REPS: usize = 32;
 /// Measures `probe` on `device` with `store`'s weights.
 pub fn measure(device: &Device, store: &Store, probe: &Probe) -> Result<ComputeFigures> {
     match device {
-        Device::Cpu(b) => measure_on(b, store, probe, Some(Evict::new(llc_bytes()))),
+        Device::Cpu(b) => {
+            let usable = layerstream_types::mem::Ledger::read().usable();
+            measure_on(b, store, probe, Some(Evict::new(llc_bytes(), usable)))
+        }
         Device::Cuda(b) => measure_on(b, store, probe, None),
     }
 }
@@ -61,9 +64,9 @@ struct Evict {
 }
 
 impl Evict {
-    fn new(llc: Option<u64>) -> Evict {
+    fn new(llc: Option<u64>, usable: u64) -> Evict {
         // Filled with ones, not zeros: zeroed pages would all map the kernel's one zero page.
-        Evict { buf: vec![1; evict_bytes(llc)] }
+        Evict { buf: vec![1; evict_bytes(llc, usable)] }
     }
 
     /// Reads a byte of every cache line: the cache then holds this buffer, not the layer (read,
@@ -75,9 +78,13 @@ impl Evict {
 }
 
 /// Bytes to touch to empty a last-level cache of `llc` bytes: twice it (its replacement is not
-/// exact LRU), 64 MiB where the size is unknown, at most 1 GiB.
-fn evict_bytes(llc: Option<u64>) -> usize {
-    llc.map_or(64 << 20, |b| b.saturating_mul(2)).clamp(1 << 20, 1 << 30) as usize
+/// exact LRU), 64 MiB where the size is unknown, at most 1 GiB — and at most an eighth of the
+/// `usable` memory (the ledger's, at least 1 MiB): a VM reporting a 260 MiB L3 asked for 520 MiB,
+/// and a stack in a 448 MiB memory cgroup was killed while it calibrated. A buffer smaller than
+/// the cache leaves part of the layer cached: the figure is then a little fast, not fatal.
+fn evict_bytes(llc: Option<u64>, usable: u64) -> usize {
+    let want = llc.map_or(64 << 20, |b| b.saturating_mul(2)).clamp(1 << 20, 1 << 30);
+    want.min(usable / 8).max(1 << 20) as usize
 }
 
 /// A cache size as sysfs writes it (`32768K`, `1M`, `512`), in bytes.
@@ -235,10 +242,14 @@ mod tests {
         assert_eq!(parse_cache_size("K"), None);
         assert_eq!(parse_cache_size("lots"), None);
         assert_eq!(parse_cache_size(&format!("{}K", u64::MAX)), None);
-        assert_eq!(evict_bytes(Some(32 << 20)), 64 << 20);
-        assert_eq!(evict_bytes(None), 64 << 20);
-        assert_eq!(evict_bytes(Some(4 << 30)), 1 << 30, "capped");
-        assert_eq!(evict_bytes(Some(1)), 1 << 20, "at least a MiB");
+        let lots = 64u64 << 30;
+        assert_eq!(evict_bytes(Some(32 << 20), lots), 64 << 20);
+        assert_eq!(evict_bytes(None, lots), 64 << 20);
+        assert_eq!(evict_bytes(Some(4 << 30), lots), 1 << 30, "capped");
+        assert_eq!(evict_bytes(Some(1), lots), 1 << 20, "at least a MiB");
+        // A 260 MiB L3 in a 448 MiB cgroup: an eighth of what is usable, not 520 MiB.
+        assert_eq!(evict_bytes(Some(260 << 20), 448 << 20), 56 << 20, "within the ledger");
+        assert_eq!(evict_bytes(Some(260 << 20), 1 << 20), 1 << 20, "at least a MiB");
         // This machine's, where sysfs has it: a real size, at least its L1's 16 KiB.
         if let Some(b) = llc_bytes() {
             assert!(b >= 16 << 10, "{b}");
