@@ -65,11 +65,28 @@ pub(super) unsafe fn q5_1(b: *const u8) -> Unpacked {
 /// reading eight blocks' at once (`f16_pairs8`): d the f16 at byte 0 and c = 0 (`D`), c = −8·d
 /// (`D_MINUS_8`, Q4_0) or −16·d (`D_MINUS_16`, Q5_0), c the f16 at byte 2 (`D_M`, Q4_1, Q5_1);
 /// `EACH`: block by block (MXFP4).
-const D: u8 = 0;
-const D_MINUS_8: u8 = 1;
-const D_M: u8 = 2;
+pub(super) const D: u8 = 0;
+pub(super) const D_MINUS_8: u8 = 1;
+pub(super) const D_M: u8 = 2;
 const EACH: u8 = 3;
-const D_MINUS_16: u8 = 4;
+pub(super) const D_MINUS_16: u8 = 4;
+
+/// The scales d and offset coefficients c of the first `k` (at most 8) of eight blocks `bb` bytes
+/// apart from `p`, read as `SC` says (not `EACH`).
+#[inline(always)]
+pub(super) unsafe fn block_scales8<const SC: u8>(
+    p: *const u8,
+    bb: usize,
+    k: usize,
+) -> (__m256, __m256) {
+    let (d, m) = f16_pairs8(p, bb, k);
+    match SC {
+        D => (d, _mm256_setzero_ps()),
+        D_MINUS_8 => (d, _mm256_mul_ps(_mm256_set1_ps(-8.0), d)),
+        D_MINUS_16 => (d, _mm256_mul_ps(_mm256_set1_ps(-16.0), d)),
+        _ => (d, m),
+    }
+}
 
 /// The f16s at bytes 0..2 and 2..4 of the first `k` (at most 8) of eight blocks `bb` bytes apart
 /// from `p`, as f32 vectors (zeros past `k`, whose blocks are not read): one gather and one
@@ -106,17 +123,8 @@ unsafe fn row32<const N: usize, const SIGNED: bool, const SC: u8, F>(
 where
     F: Fn(*const u8) -> Unpacked,
 {
-    let scales8 = |i0: usize, k: usize| {
-        (SC != EACH).then(|| {
-            let (d, m) = f16_pairs8(w.add(i0 * bb), bb, k);
-            match SC {
-                D => (d, _mm256_setzero_ps()),
-                D_MINUS_8 => (d, _mm256_mul_ps(_mm256_set1_ps(-8.0), d)),
-                D_MINUS_16 => (d, _mm256_mul_ps(_mm256_set1_ps(-16.0), d)),
-                _ => (d, m),
-            }
-        })
-    };
+    let scales8 =
+        |i0: usize, k: usize| (SC != EACH).then(|| block_scales8::<SC>(w.add(i0 * bb), bb, k));
     let unit = |i| {
         prefetch(w.add(i * bb));
         blk(w.add(i * bb))

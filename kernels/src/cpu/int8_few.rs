@@ -15,7 +15,8 @@
 //! logits do not depend on what its step holds).
 
 use super::int8::{prefetch, Q8Row, QK};
-use super::int8_batch::{f16_pairs8, five_bits, hsum, nibbles, q45k_scales, q45k_values};
+use super::int8_batch::{block_scales8, five_bits, hsum, nibbles, q45k_scales, q45k_values};
+use super::int8_batch::{D, D_M, D_MINUS_16, D_MINUS_8};
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
@@ -31,23 +32,20 @@ const Q5_0: u8 = 4;
 const Q5_1: u8 = 5;
 const Q8_0: u8 = 6;
 
-/// `F`'s bytes per group of eight units: a K-quant's super-block, eight blocks of the others.
-const fn group_bytes(f: u8) -> usize {
-    match f {
-        Q4K => 144,
-        Q5K => 176,
-        _ => 8 * block_bytes(f),
-    }
+/// The formats in the order of their const parameters.
+const FORMATS: [DType; 7] =
+    [DType::Q4K, DType::Q5K, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0];
+
+/// The format `F` stands for.
+fn format(f: u8) -> DType {
+    FORMATS[f as usize]
 }
 
-/// Bytes of one 32-value block of a format that has them.
-const fn block_bytes(f: u8) -> usize {
+/// `F`'s bytes per group of eight units: a K-quant's super-block, eight blocks of the others.
+fn group_bytes(f: u8) -> usize {
     match f {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        Q5_1 => 24,
-        _ => 34,
+        Q4K | Q5K => format(f).block_bytes(),
+        _ => 8 * format(f).block_bytes(),
     }
 }
 
@@ -64,16 +62,7 @@ pub fn takes(dtype: DType, m: usize) -> bool {
 
 /// The const parameter of `dtype`, where this kernel takes it.
 fn form(dtype: DType) -> Option<u8> {
-    Some(match dtype {
-        DType::Q4K => Q4K,
-        DType::Q5K => Q5K,
-        DType::Q4_0 => Q4_0,
-        DType::Q4_1 => Q4_1,
-        DType::Q5_0 => Q5_0,
-        DType::Q5_1 => Q5_1,
-        DType::Q8_0 => Q8_0,
-        _ => return None,
-    })
+    FORMATS.iter().position(|&f| f == dtype).map(|i| i as u8)
 }
 
 /// The 8 × 8 transpose of `v`'s i32 lanes: lane c of `out[t]` is lane t of `v[c]`.
@@ -96,13 +85,19 @@ unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
     out
 }
 
+/// Vectors a group of transposed activations takes: eight, and for signed weights (Q8_0) a ninth
+/// with what their offset adds.
+const fn stride(signed: bool) -> usize {
+    8 + signed as usize
+}
+
 /// Each row's activations, eight units a group, transposed as the weights are (units past the
-/// row's `units` zero): row a's group g at `[(a · groups + g) · 9 ..][..8]`, then (`signed`) 128
-/// times each unit's sum of values in lane c of the ninth, what Q8_0's offset adds.
+/// row's `units` zero): row a's group g at `[(a · groups + g) · stride(signed) ..][..8]`, then
+/// (`signed`) 128 times each unit's sum of values in lane c of a ninth, what Q8_0's offset adds.
 #[inline(always)]
 unsafe fn activations(xs: &[Q8Row], units: usize, signed: bool) -> Vec<__m256i> {
     let groups = units.div_ceil(8);
-    let mut t = Vec::with_capacity(xs.len() * groups * 9);
+    let mut t = Vec::with_capacity(xs.len() * groups * stride(signed));
     let bias = _mm256_set1_epi8(-128);
     for x in xs {
         for g in 0..groups {
@@ -112,11 +107,11 @@ unsafe fn activations(xs: &[Q8Row], units: usize, signed: bool) -> Vec<__m256i> 
             });
             let v = transpose8(v);
             t.extend_from_slice(&v);
-            let mut off = _mm256_setzero_si256();
             if signed {
+                let mut off = _mm256_setzero_si256();
                 v.iter().for_each(|&q| off = _mm256_dpbusd_epi32(off, bias, q));
+                t.push(off);
             }
-            t.push(off);
         }
     }
     t
@@ -139,13 +134,12 @@ unsafe fn group<const F: u8>(
         let v = if F == Q5K { q45k_values::<true>(b) } else { q45k_values::<false>(b) };
         return (v, dsc, dmn);
     }
-    let (bb, k) = (block_bytes(F), (units - 8 * g).min(8));
-    let (d, m) = f16_pairs8(b, bb, k);
-    let c = match F {
-        Q4_0 => _mm256_mul_ps(_mm256_set1_ps(-8.0), d),
-        Q5_0 => _mm256_mul_ps(_mm256_set1_ps(-16.0), d),
-        Q8_0 => _mm256_setzero_ps(),
-        _ => m,
+    let (bb, k) = (format(F).block_bytes(), (units - 8 * g).min(8));
+    let (d, c) = match F {
+        Q4_0 => block_scales8::<D_MINUS_8>(b, bb, k),
+        Q5_0 => block_scales8::<D_MINUS_16>(b, bb, k),
+        Q8_0 => block_scales8::<D>(b, bb, k),
+        _ => block_scales8::<D_M>(b, bb, k),
     };
     let v = std::array::from_fn(|j| {
         let p = b.add(j * bb);
@@ -189,14 +183,14 @@ unsafe fn dot_f<const F: u8>(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32])
     let m = xs.len();
     let units = match F {
         Q4K | Q5K => rb / group_bytes(F) * 8,
-        _ => rb / block_bytes(F),
+        _ => rb / format(F).block_bytes(),
     };
     assert!(
         (2..=MAX_ROWS).contains(&m),
         "int8_few::dot takes 2 to {MAX_ROWS} activation rows, not {m}"
     );
     let xt = activations(xs, units, F == Q8_0);
-    let per_row = units.div_ceil(8) * 9;
+    let per_row = units.div_ceil(8) * stride(F == Q8_0);
     // Four rows a pass at most: eight rows' sums, accumulators and offsets beside the weights'
     // eight vectors overflow the 32 registers, and the row's second pass reads it from L1.
     let mut a0 = 0;
@@ -243,7 +237,7 @@ unsafe fn rows<const N: usize, const F: u8>(
     m: usize,
     a0: usize,
 ) {
-    let groups = units.div_ceil(8);
+    let (groups, s) = (units.div_ceil(8), stride(F == Q8_0));
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
         let o = &mut o[a0..a0 + N];
         let row = w.as_ptr().add(j * rb);
@@ -255,12 +249,12 @@ unsafe fn rows<const N: usize, const F: u8>(
             let mut isum = [_mm256_setzero_si256(); N];
             for t in 0..8 {
                 for a in 0..N {
-                    isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], xt[(a * groups + g) * 9 + t]);
+                    isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], xt[(a * groups + g) * s + t]);
                 }
             }
             for a in 0..N {
                 if F == Q8_0 {
-                    isum[a] = _mm256_sub_epi32(isum[a], xt[(a * groups + g) * 9 + 8]);
+                    isum[a] = _mm256_sub_epi32(isum[a], xt[(a * groups + g) * s + 8]);
                 }
                 let (dx, ds) = scales(&xs[a], 8 * g, units);
                 off[a] = _mm256_fmadd_ps(cw, ds, off[a]);

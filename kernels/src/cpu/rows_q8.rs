@@ -74,6 +74,8 @@ pub fn q8_0_rows(w: &[&[u8]], x: &[f32], k: usize, out: &mut [&mut [f32]]) -> bo
             match (w.len(), m > BLOCK) {
                 (2, false) => avx512::rows::<1, BLOCK>(w, x, k, out),
                 (2, true) => avx512::rows::<1, WIDE_BLOCK>(w, x, k, out),
+                // Four or eight weight rows keep `BLOCK` activation rows a pass whatever `m`
+                // (right for any; `rows_for` sends a pair from five, which takes `WIDE_BLOCK`).
                 (4, _) => avx512::rows::<2, BLOCK>(w, x, k, out),
                 _ => avx512::rows::<4, BLOCK>(w, x, k, out),
             }
