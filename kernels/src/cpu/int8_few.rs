@@ -1,22 +1,27 @@
 //! Weights of the formats summed a 32-value unit whole (Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0) against a few activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to
-//! verify) with AVX-512 VNNI: one `vpdpbusd` multiplies four unsigned weights by four signed 8-bit
-//! activations and adds them into an i32 lane, so a unit's 32 products take eight of them — where
-//! the few-row kernel (`int8_batch`) takes a `vpmaddubsw`, a `vpmaddwd` and its share of a
-//! horizontal sum (`sums8`) per activation row.
+//! Q8_0; Q6_K a 16-value half-unit whole, each half times its scale in integers) against a few
+//! activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to verify) with AVX-512
+//! VNNI: one `vpdpbusd` multiplies four unsigned weights by four signed 8-bit activations and adds
+//! them into an i32 lane, so a unit's 32 products take eight of them — where the few-row kernel
+//! (`int8_batch`) takes a `vpmaddubsw`, a `vpmaddwd` and its share of a horizontal sum (`sums8`)
+//! per activation row.
 //!
 //! For that eight units (a K-quant's super-block, or eight blocks of a 32-value format) are laid
 //! out with lane c holding unit c (`transpose8`: instruction t takes values 4t..4t+4 of each): the
 //! weights once a group for every activation row, the activations once a call for every weight
 //! row. Each lane then ends with its unit's integer sum, the one `sums8` gives — Q8_0's signed
-//! weights offset by 128 to be unsigned, and 128 times the unit's activation sum taken off after:
-//! the same integer — and it is scaled, added and summed with `int8_batch`'s f32 operations in its
-//! order: every output has the bits of the one-row, few-row and many-row kernels (a sequence's
-//! logits do not depend on what its step holds).
+//! weights offset by 128 to be unsigned, and 128 times the unit's activation sum taken off after;
+//! Q6_K's by 32, its halves summed apart (instructions 0-3 and 4-7), each less 32 times its
+//! activation sum and times its 8-bit scale: the same integer — and it is scaled, added and summed
+//! with `int8_batch`'s f32 operations in its order: every output has the bits of the one-row,
+//! few-row and many-row kernels (a sequence's logits do not depend on what its step holds).
 
 use super::int8::{prefetch, Q8Row, QK};
+use super::int8_avx2::h2f;
+use super::int8_batch::q6k_quarters;
 use super::int8_batch::{block_scales8, five_bits, hsum, nibbles, q45k_scales, q45k_values};
 use super::int8_batch::{D, D_M, D_MINUS_16, D_MINUS_8};
+use super::int8_kq_avx2::q3k_values;
 use layerstream_types::DType;
 use std::arch::x86_64::*;
 
@@ -31,10 +36,21 @@ const Q4_1: u8 = 3;
 const Q5_0: u8 = 4;
 const Q5_1: u8 = 5;
 const Q8_0: u8 = 6;
+const Q6K: u8 = 7;
+const Q3K: u8 = 8;
 
 /// The formats in the order of their const parameters.
-const FORMATS: [DType; 7] =
-    [DType::Q4K, DType::Q5K, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0];
+const FORMATS: [DType; 9] = [
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q6K,
+    DType::Q3K,
+];
 
 /// The format `F` stands for.
 fn format(f: u8) -> DType {
@@ -44,7 +60,7 @@ fn format(f: u8) -> DType {
 /// `F`'s bytes per group of eight units: a K-quant's super-block, eight blocks of the others.
 fn group_bytes(f: u8) -> usize {
     match f {
-        Q4K | Q5K => format(f).block_bytes(),
+        Q4K | Q5K | Q6K | Q3K => format(f).block_bytes(),
         _ => 8 * format(f).block_bytes(),
     }
 }
@@ -57,7 +73,19 @@ pub fn available() -> bool {
 
 /// Whether a step of `m` activation rows of `dtype` is this kernel's.
 pub fn takes(dtype: DType, m: usize) -> bool {
-    form(dtype).is_some() && (2..=MAX_ROWS).contains(&m) && available()
+    form(dtype).is_some_and(|f| (2..=most_rows(f)).contains(&m)) && available()
+}
+
+/// The most activation rows `takes` gives format `f`: `MAX_ROWS`, but seven for Q6_K and Q3_K,
+/// whose eight rows (two passes of four) ran 1.1-1.5x slower than the lanes kernel's one pass of
+/// eight where their two to seven ran even to 1.7x faster than `int8_batch`'s (matvec-bench on an
+/// Emerald Rapids VM, benchmarks/matvec-cpu-2core.md).
+fn most_rows(f: u8) -> usize {
+    if halved(f) {
+        7
+    } else {
+        MAX_ROWS
+    }
 }
 
 /// The const parameter of `dtype`, where this kernel takes it.
@@ -85,20 +113,35 @@ unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
     out
 }
 
-/// Vectors a group of transposed activations takes: eight, and for signed weights (Q8_0) a ninth
-/// with what their offset adds.
-const fn stride(signed: bool) -> usize {
-    8 + signed as usize
+/// Vectors a group of transposed activations takes: eight, then what the weights' offset to
+/// unsigned values adds — Q8_0's 128 a unit (one vector), Q6_K's 32 and Q3_K's 4 a half-unit
+/// (two: `halved`).
+const fn stride(f: u8) -> usize {
+    match f {
+        Q8_0 => 9,
+        Q6K | Q3K => 10,
+        _ => 8,
+    }
 }
 
 /// Each row's activations, eight units a group, transposed as the weights are (units past the
-/// row's `units` zero): row a's group g at `[(a · groups + g) · stride(signed) ..][..8]`, then
-/// (`signed`) 128 times each unit's sum of values in lane c of a ninth, what Q8_0's offset adds.
+/// row's `units` zero): row a's group g at `[(a · groups + g) · stride(F) ..][..8]`, then
+/// (Q8_0) 128 times each unit's sum of values in lane c of a ninth, (Q6_K) 32 times the sums of
+/// each unit's first and second 16 values in a ninth and a tenth.
 #[inline(always)]
-unsafe fn activations(xs: &[Q8Row], units: usize, signed: bool) -> Vec<__m256i> {
+unsafe fn activations<const F: u8>(xs: &[Q8Row], units: usize) -> Vec<__m256i> {
     let groups = units.div_ceil(8);
-    let mut t = Vec::with_capacity(xs.len() * groups * stride(signed));
-    let bias = _mm256_set1_epi8(-128);
+    let mut t = Vec::with_capacity(xs.len() * groups * stride(F));
+    let bias = _mm256_set1_epi8(match F {
+        Q8_0 => -128,
+        Q6K => 32,
+        _ => 4,
+    });
+    let offset = |v: &[__m256i]| {
+        let mut off = _mm256_setzero_si256();
+        v.iter().for_each(|&q| off = _mm256_dpbusd_epi32(off, bias, q));
+        off
+    };
     for x in xs {
         for g in 0..groups {
             let v: [__m256i; 8] = std::array::from_fn(|c| match 8 * g + c < units {
@@ -107,32 +150,44 @@ unsafe fn activations(xs: &[Q8Row], units: usize, signed: bool) -> Vec<__m256i> 
             });
             let v = transpose8(v);
             t.extend_from_slice(&v);
-            if signed {
-                let mut off = _mm256_setzero_si256();
-                v.iter().for_each(|&q| off = _mm256_dpbusd_epi32(off, bias, q));
-                t.push(off);
+            match F {
+                Q8_0 => t.push(offset(&v)),
+                _ if halved(F) => t.extend_from_slice(&[offset(&v[..4]), offset(&v[4..])]),
+                _ => {}
             }
         }
     }
     t
 }
 
-/// Group `g` of the row at `row` (`units` in all): each unit's 32 unsigned values, the units'
-/// scales d and offset coefficients c as `int8_batch` reads them (zero past the row's units).
+/// A group of one weight row: each unit's 32 unsigned values, the units' scales d and offset
+/// coefficients c as `int8_batch` reads them (zero past the row's units), and (Q6_K) each unit's
+/// two 16-value scales.
+struct Group {
+    v: [__m256i; 8],
+    d: __m256,
+    c: __m256,
+    halves: [__m256i; 2],
+}
+
+/// Group `g` of the row at `row` (`units` in all).
 #[inline(always)]
-unsafe fn group<const F: u8>(
-    row: *const u8,
-    g: usize,
-    units: usize,
-) -> ([__m256i; 8], __m256, __m256) {
+unsafe fn group<const F: u8>(row: *const u8, g: usize, units: usize) -> Group {
     let b = row.add(g * group_bytes(F));
     for line in (0..group_bytes(F)).step_by(64) {
         prefetch(b.add(line));
     }
+    let halves = [_mm256_setzero_si256(); 2];
     if F == Q4K || F == Q5K {
-        let (dsc, dmn) = q45k_scales(b);
+        let (d, c) = q45k_scales(b);
         let v = if F == Q5K { q45k_values::<true>(b) } else { q45k_values::<false>(b) };
-        return (v, dsc, dmn);
+        return Group { v, d, c, halves };
+    }
+    if F == Q6K {
+        return q6k_group(b);
+    }
+    if F == Q3K {
+        return q3k_group(b);
     }
     let (bb, k) = (format(F).block_bytes(), (units - 8 * g).min(8));
     let (d, c) = match F {
@@ -153,7 +208,21 @@ unsafe fn group<const F: u8>(
             _ => _mm256_xor_si256(_mm256_loadu_si256(p.add(2).cast()), _mm256_set1_epi8(-128)),
         }
     });
-    (v, d, c)
+    Group { v, d, c, halves }
+}
+
+/// The Q6_K super-block at `b`: unit 4n + q quarter q of half n (`q6k_quarters`' order, the
+/// values plus 32: 0..64), d on every lane, and unit c's scales of its first and second 16 values
+/// (bytes 192 + 2c and 193 + 2c) in lane c of `halves`.
+#[inline(always)]
+unsafe fn q6k_group(b: *const u8) -> Group {
+    let m32 = _mm256_set1_epi8(32);
+    let [a, b_] = [0, 1].map(|n| q6k_quarters(b, n).map(|q| _mm256_add_epi8(q, m32)));
+    let v = [a[0], a[1], a[2], a[3], b_[0], b_[1], b_[2], b_[3]];
+    let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(192).cast()));
+    let halves =
+        [_mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs)), _mm256_srai_epi32::<16>(pairs)];
+    Group { v, d: _mm256_set1_ps(h2f(b.add(208))), c: _mm256_setzero_ps(), halves }
 }
 
 /// `out[j·m + a]` = weight row `j` of `w` (rows of `rb` bytes of `dtype`, one `takes`) ·
@@ -172,7 +241,9 @@ pub unsafe fn dot(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f3
         Some(Q4_1) => dot_f::<Q4_1>(w, rb, xs, out),
         Some(Q5_0) => dot_f::<Q5_0>(w, rb, xs, out),
         Some(Q5_1) => dot_f::<Q5_1>(w, rb, xs, out),
-        Some(_) => dot_f::<Q8_0>(w, rb, xs, out),
+        Some(Q8_0) => dot_f::<Q8_0>(w, rb, xs, out),
+        Some(Q6K) => dot_f::<Q6K>(w, rb, xs, out),
+        Some(_) => dot_f::<Q3K>(w, rb, xs, out),
         None => panic!("int8_few::dot does not take {dtype:?}"),
     }
 }
@@ -182,15 +253,15 @@ pub unsafe fn dot(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f3
 unsafe fn dot_f<const F: u8>(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
     let m = xs.len();
     let units = match F {
-        Q4K | Q5K => rb / group_bytes(F) * 8,
+        Q4K | Q5K | Q6K | Q3K => rb / group_bytes(F) * 8,
         _ => rb / format(F).block_bytes(),
     };
     assert!(
         (2..=MAX_ROWS).contains(&m),
         "int8_few::dot takes 2 to {MAX_ROWS} activation rows, not {m}"
     );
-    let xt = activations(xs, units, F == Q8_0);
-    let per_row = units.div_ceil(8) * stride(F == Q8_0);
+    let xt = activations::<F>(xs, units);
+    let per_row = units.div_ceil(8) * stride(F);
     // Four rows a pass at most: eight rows' sums, accumulators and offsets beside the weights'
     // eight vectors overflow the 32 registers, and the row's second pass reads it from L1.
     let mut a0 = 0;
@@ -237,35 +308,86 @@ unsafe fn rows<const N: usize, const F: u8>(
     m: usize,
     a0: usize,
 ) {
-    let (groups, s) = (units.div_ceil(8), stride(F == Q8_0));
+    let groups = units.div_ceil(8);
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
         let o = &mut o[a0..a0 + N];
         let row = w.as_ptr().add(j * rb);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut off = [_mm256_setzero_ps(); N];
         for g in 0..groups {
-            let (v, dw, cw) = group::<F>(row, g, units);
-            let wt = transpose8(v);
-            let mut isum = [_mm256_setzero_si256(); N];
-            for t in 0..8 {
-                for a in 0..N {
-                    isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], xt[(a * groups + g) * s + t]);
-                }
-            }
+            let gw = group::<F>(row, g, units);
+            let isum = isums::<N, F>(&gw, xt, groups, g);
             for a in 0..N {
-                if F == Q8_0 {
-                    isum[a] = _mm256_sub_epi32(isum[a], xt[(a * groups + g) * s + 8]);
-                }
                 let (dx, ds) = scales(&xs[a], 8 * g, units);
-                off[a] = _mm256_fmadd_ps(cw, ds, off[a]);
+                off[a] = _mm256_fmadd_ps(gw.c, ds, off[a]);
                 acc[a] =
-                    _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[a]), acc[a]);
+                    _mm256_fmadd_ps(_mm256_mul_ps(gw.d, dx), _mm256_cvtepi32_ps(isum[a]), acc[a]);
             }
         }
         for a in 0..N {
             o[a] = hsum(_mm256_add_ps(acc[a], off[a]));
         }
     }
+}
+
+/// The Q3_K super-block at `b`: its eight blocks' values plus 4 (`q3k_values`), d on every lane,
+/// block c's scales of its first and second 16 values (`q3k_scales` 2c and 2c + 1) in lane c of
+/// `halves` (the even and odd of the sixteen i32s).
+#[inline(always)]
+unsafe fn q3k_group(b: *const u8) -> Group {
+    let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
+    let all = _mm512_loadu_si512(sc.as_ptr().cast());
+    let halves = [_mm512_cvtepi64_epi32(all), _mm512_cvtepi64_epi32(_mm512_srai_epi64::<32>(all))];
+    Group { v: q3k_values(b), d: _mm256_set1_ps(h2f(b.add(108))), c: _mm256_setzero_ps(), halves }
+}
+
+/// Whether `F` has a scale per 16 values (Q6_K, Q3_K): its units' two halves summed apart.
+const fn halved(f: u8) -> bool {
+    matches!(f, Q6K | Q3K)
+}
+
+/// Each of `N` activation rows' integer sums of group `g`'s units against weight group `gw`
+/// (their chains of `vpdpbusd` side by side), less what the weights' offset added: Q8_0's
+/// 128 · Σx; Q6_K's and Q3_K's two 16-value halves apart, each less 32 (4) · its Σx and times
+/// its scale.
+// Rows index the activations and the sums alike, instructions the weights and activations.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn isums<const N: usize, const F: u8>(
+    gw: &Group,
+    xt: &[__m256i],
+    groups: usize,
+    g: usize,
+) -> [__m256i; N] {
+    let wt = transpose8(gw.v);
+    let at = |a: usize, t: usize| xt[(a * groups + g) * stride(F) + t];
+    let mut isum = [_mm256_setzero_si256(); N];
+    if halved(F) {
+        let mut high = [_mm256_setzero_si256(); N];
+        for t in 0..4 {
+            for a in 0..N {
+                isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], at(a, t));
+                high[a] = _mm256_dpbusd_epi32(high[a], wt[t + 4], at(a, t + 4));
+            }
+        }
+        for a in 0..N {
+            let low = _mm256_mullo_epi32(_mm256_sub_epi32(isum[a], at(a, 8)), gw.halves[0]);
+            let high = _mm256_mullo_epi32(_mm256_sub_epi32(high[a], at(a, 9)), gw.halves[1]);
+            isum[a] = _mm256_add_epi32(low, high);
+        }
+        return isum;
+    }
+    for t in 0..8 {
+        for a in 0..N {
+            isum[a] = _mm256_dpbusd_epi32(isum[a], wt[t], at(a, t));
+        }
+    }
+    if F == Q8_0 {
+        for a in 0..N {
+            isum[a] = _mm256_sub_epi32(isum[a], at(a, 8));
+        }
+    }
+    isum
 }
 
 #[cfg(test)]
@@ -324,8 +446,10 @@ mod tests {
         let k_quants = [(256, 5), (512, 3), (4096, 4)];
         // Widths of whole groups of eight blocks and of a last part of 3, 2 and 1.
         let blocks = [(96, 5), (256, 3), (576, 4), (4096, 3), (4128, 2)];
-        let cases =
-            [DType::Q4K, DType::Q5K].into_iter().flat_map(|d| k_quants.map(|s| (d, s))).chain(
+        let cases = [DType::Q4K, DType::Q5K, DType::Q6K]
+            .into_iter()
+            .flat_map(|d| k_quants.map(|s| (d, s)))
+            .chain(
                 [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0]
                     .into_iter()
                     .flat_map(|d| blocks.map(|s| (d, s))),

@@ -74,21 +74,27 @@ pub(super) unsafe fn q3k<const N: usize>(w: *const u8, nsb: usize, xs: [&Q8Row; 
         let d = _mm256_set1_ps(h2f(b.add(108)));
         // SAFETY: bytes 96..108 of the 110-byte super-block at `b` (see the module's safety note).
         let sc = crate::quant_ext::q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
-        let hm = _mm256_loadu_si256(b as *const __m256i);
         // d times each activation row's eight block scales: one lane per 32-value block.
         let mut scale = [_mm256_setzero_ps(); N];
         for a in 0..N {
             scale[a] = _mm256_mul_ps(d, _mm256_loadu_ps(xs[a].scales8(8 * s).0.as_ptr()));
         }
-        let (mut q, mut scales) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
-        for c in 0..8 {
-            let raw = _mm256_loadu_si256(b.add(32 + 32 * (c / 4)) as *const __m256i);
-            let bit = _mm256_set1_epi8((1u8 << c) as i8);
-            let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-            q[c] = _mm256_sub_epi8(two_bits(raw, c % 4), _mm256_andnot_si256(high, four));
-            scales[c] = pair(sc[2 * c] as i16, sc[2 * c + 1] as i16);
-        }
+        let q = q3k_values(b).map(|u| _mm256_sub_epi8(u, four));
+        let scales: [_; 8] = std::array::from_fn(|c| pair(sc[2 * c] as i16, sc[2 * c + 1] as i16));
         scaled_subs8(&mut acc, &scale, xs, 8 * s, &q, &scales);
     }
     hsums(&acc)
+}
+
+/// The Q3_K super-block at `b`'s eight 32-value blocks as unsigned values, each its signed value
+/// plus 4 (0..8): the 2 low bits, and 4 where the high bit (`hmask`) is set.
+#[inline(always)]
+pub(super) unsafe fn q3k_values(b: *const u8) -> [__m256i; 8] {
+    let (hm, four) = (_mm256_loadu_si256(b as *const __m256i), _mm256_set1_epi8(4));
+    std::array::from_fn(|c| {
+        let raw = _mm256_loadu_si256(b.add(32 + 32 * (c / 4)) as *const __m256i);
+        let bit = _mm256_set1_epi8((1u8 << c) as i8);
+        let high = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+        _mm256_or_si256(two_bits(raw, c % 4), _mm256_and_si256(high, four))
+    })
 }

@@ -181,8 +181,8 @@ impl Q8Lanes {
 /// Whether `m` rows of a step run faster here than in the few-row kernels (`int8_batch`): from
 /// `LANES_FROM` rows on for every format; at `NARROW_FROM` (eight rows in one eight-lane group: a
 /// batch-8 decode step) for all but Q2_K — 1.1-1.6x at 8 rows on Q4_0, Q4_1, Q8_0, Q4_K and
-/// Q6_K (kernels/benches/many_rows.rs, benchmarks/prefill-int8-cpu-2core.md); Q2_K's was not
-/// measured there and keeps the few-row kernel.
+/// Q6_K (kernels/benches/many_rows.rs, benchmarks/prefill-int8-cpu-2core.md); Q2_K's measured
+/// even with the few-row kernel at 8 (benchmarks/matvec-cpu-2core.md) and keeps it.
 pub(super) fn lanes_pay(form: Form, m: usize) -> bool {
     m >= LANES_FROM || (m >= NARROW_FROM && form != Form::Q2k)
 }
