@@ -1,20 +1,21 @@
 //! Weights of the formats summed a 32-value unit whole (Q4_K, Q5_K, Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0; Q6_K a 16-value half-unit whole, each half times its scale in integers) against a few
-//! activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to verify) with AVX-512
-//! VNNI: one `vpdpbusd` multiplies four unsigned weights by four signed 8-bit activations and adds
-//! them into an i32 lane, so a unit's 32 products take eight of them — where the few-row kernel
-//! (`int8_batch`) takes a `vpmaddubsw`, a `vpmaddwd` and its share of a horizontal sum (`sums8`)
-//! per activation row.
+//! Q8_0; Q6_K and Q3_K a 16-value half-unit whole, each half times its scale in integers) against
+//! a few activation rows (2 to `MAX_ROWS`: a batched decode step, drafted rows to verify) with
+//! AVX-512 VNNI: one `vpdpbusd` multiplies four unsigned weights by four signed 8-bit activations
+//! and adds them into an i32 lane, so a unit's 32 products take eight of them — where the few-row
+//! kernel (`int8_batch`) takes a `vpmaddubsw`, a `vpmaddwd` and its share of a horizontal sum
+//! (`sums8`) per activation row.
 //!
 //! For that eight units (a K-quant's super-block, or eight blocks of a 32-value format) are laid
 //! out with lane c holding unit c (`transpose8`: instruction t takes values 4t..4t+4 of each): the
 //! weights once a group for every activation row, the activations once a call for every weight
 //! row. Each lane then ends with its unit's integer sum, the one `sums8` gives — Q8_0's signed
 //! weights offset by 128 to be unsigned, and 128 times the unit's activation sum taken off after;
-//! Q6_K's by 32, its halves summed apart (instructions 0-3 and 4-7), each less 32 times its
-//! activation sum and times its 8-bit scale: the same integer — and it is scaled, added and summed
-//! with `int8_batch`'s f32 operations in its order: every output has the bits of the one-row,
-//! few-row and many-row kernels (a sequence's logits do not depend on what its step holds).
+//! Q6_K's by 32 and Q3_K's by 4, their halves summed apart (instructions 0-3 and 4-7), each less
+//! the offset times its activation sum and times its scale: the same integer — and it is scaled,
+//! added and summed with `int8_batch`'s f32 operations in its order: every output has the bits of
+//! the one-row, few-row and many-row kernels (a sequence's logits do not depend on what its step
+//! holds).
 
 use super::int8::{prefetch, Q8Row, QK};
 use super::int8_avx2::h2f;
@@ -57,11 +58,16 @@ fn format(f: u8) -> DType {
     FORMATS[f as usize]
 }
 
+/// Whether `f` is a K-quant, whose 256-value super-block is a group of eight units.
+const fn super_block(f: u8) -> bool {
+    matches!(f, Q4K | Q5K | Q6K | Q3K)
+}
+
 /// `F`'s bytes per group of eight units: a K-quant's super-block, eight blocks of the others.
 fn group_bytes(f: u8) -> usize {
-    match f {
-        Q4K | Q5K | Q6K | Q3K => format(f).block_bytes(),
-        _ => 8 * format(f).block_bytes(),
+    match super_block(f) {
+        true => format(f).block_bytes(),
+        false => 8 * format(f).block_bytes(),
     }
 }
 
@@ -79,7 +85,7 @@ pub fn takes(dtype: DType, m: usize) -> bool {
 /// The most activation rows `takes` gives format `f`: `MAX_ROWS`, but seven for Q6_K and Q3_K,
 /// whose eight rows (two passes of four) ran 1.1-1.5x slower than the lanes kernel's one pass of
 /// eight where their two to seven ran even to 1.7x faster than `int8_batch`'s (matvec-bench on an
-/// Emerald Rapids VM, benchmarks/matvec-cpu-2core.md).
+/// Intel VM with AVX-512 VNNI, benchmarks/matvec-cpu-2core.md).
 fn most_rows(f: u8) -> usize {
     if halved(f) {
         7
@@ -126,8 +132,8 @@ const fn stride(f: u8) -> usize {
 
 /// Each row's activations, eight units a group, transposed as the weights are (units past the
 /// row's `units` zero): row a's group g at `[(a · groups + g) · stride(F) ..][..8]`, then
-/// (Q8_0) 128 times each unit's sum of values in lane c of a ninth, (Q6_K) 32 times the sums of
-/// each unit's first and second 16 values in a ninth and a tenth.
+/// (Q8_0) 128 times each unit's sum of values in lane c of a ninth, (Q6_K, Q3_K) 32 (4) times the
+/// sums of each unit's first and second 16 values in a ninth and a tenth.
 #[inline(always)]
 unsafe fn activations<const F: u8>(xs: &[Q8Row], units: usize) -> Vec<__m256i> {
     let groups = units.div_ceil(8);
@@ -135,7 +141,8 @@ unsafe fn activations<const F: u8>(xs: &[Q8Row], units: usize) -> Vec<__m256i> {
     let bias = _mm256_set1_epi8(match F {
         Q8_0 => -128,
         Q6K => 32,
-        _ => 4,
+        Q3K => 4,
+        _ => 0,
     });
     let offset = |v: &[__m256i]| {
         let mut off = _mm256_setzero_si256();
@@ -161,8 +168,8 @@ unsafe fn activations<const F: u8>(xs: &[Q8Row], units: usize) -> Vec<__m256i> {
 }
 
 /// A group of one weight row: each unit's 32 unsigned values, the units' scales d and offset
-/// coefficients c as `int8_batch` reads them (zero past the row's units), and (Q6_K) each unit's
-/// two 16-value scales.
+/// coefficients c as `int8_batch` reads them (zero past the row's units), and (Q6_K, Q3_K) each
+/// unit's two 16-value scales.
 struct Group {
     v: [__m256i; 8],
     d: __m256,
@@ -252,9 +259,9 @@ pub unsafe fn dot(dtype: DType, w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f3
 #[inline(always)]
 unsafe fn dot_f<const F: u8>(w: &[u8], rb: usize, xs: &[Q8Row], out: &mut [f32]) {
     let m = xs.len();
-    let units = match F {
-        Q4K | Q5K | Q6K | Q3K => rb / group_bytes(F) * 8,
-        _ => rb / format(F).block_bytes(),
+    let units = match super_block(F) {
+        true => rb / group_bytes(F) * 8,
+        false => rb / format(F).block_bytes(),
     };
     assert!(
         (2..=MAX_ROWS).contains(&m),
@@ -446,7 +453,7 @@ mod tests {
         let k_quants = [(256, 5), (512, 3), (4096, 4)];
         // Widths of whole groups of eight blocks and of a last part of 3, 2 and 1.
         let blocks = [(96, 5), (256, 3), (576, 4), (4096, 3), (4128, 2)];
-        let cases = [DType::Q4K, DType::Q5K, DType::Q6K]
+        let cases = [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q3K]
             .into_iter()
             .flat_map(|d| k_quants.map(|s| (d, s)))
             .chain(
